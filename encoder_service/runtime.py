@@ -1,0 +1,97 @@
+"""The vision encoder: only the vision tower of a checkpoint, the checkpoint's own processors."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from encoder_service.families import encoder_face
+from mmserve.checkpoint import load_tensors, read_config, resolve_dtype
+from mmserve.errors import InvalidRequest
+from mmserve.families import family_of
+from mmserve.media import MediaItem, MediaKind, decode_image
+
+logger = logging.getLogger(__name__)
+
+
+class PreparedItem(NamedTuple):
+    """An item after decode/resize/normalize/patchify: flat patches and their (t, h, w) grid."""
+
+    pixel_values: torch.Tensor
+    grid: tuple[int, int, int]
+
+    @property
+    def num_patches(self) -> int:
+        t, h, w = self.grid
+        return t * h * w
+
+
+class VisionEncoder:
+    """Loads the vision tower of `model_dir` and encodes media items.
+
+    `encode(items)` returns one `(num_tokens, hidden)` CPU tensor per item, from one packed
+    forward over all of them. Thread-safe: forwards are serialised.
+    """
+
+    def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "cpu"):
+        from transformers import AutoConfig, AutoProcessor
+
+        start = time.perf_counter()
+        self.model_dir = Path(model_dir)
+        self.family = family_of(model_dir)
+        self.dtype = resolve_dtype(dtype, read_config(model_dir))
+        self.device = torch.device(device)
+        self._face = encoder_face(self.family)
+        config = AutoConfig.from_pretrained(model_dir)
+        processor = AutoProcessor.from_pretrained(model_dir)
+        self._image_processor = processor.image_processor
+        self._video_processor = processor.video_processor
+
+        loaded = load_tensors(model_dir, self._face.rename, self.dtype)
+        tower = self._face.build_tower(config, self.dtype)
+        tower.load_state_dict(loaded.state_dict, strict=True)
+        self.tower = tower.to(self.device).eval().requires_grad_(False)
+        self.keys_read = loaded.keys_read
+        self.merge_size = config.vision_config.spatial_merge_size
+        self._lock = threading.Lock()
+        logger.info(
+            "vision tower of %s loaded: %d tensors, %.1fM params, %s on %s in %.1fs",
+            self.model_dir.name, len(self.keys_read), self.num_parameters / 1e6, self.dtype,
+            self.device, time.perf_counter() - start,
+        )
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.tower.parameters())
+
+    def preprocess(self, item: MediaItem) -> PreparedItem:
+        """Decode (EXIF orientation applied) and run the checkpoint's image/video processor."""
+        frames = [decode_image(data) for data in item.frames]
+        if item.kind is MediaKind.IMAGE:
+            out = self._image_processor(images=frames, return_tensors="pt")
+            pixels, grid = out["pixel_values"], out["image_grid_thw"]
+        else:
+            if len({f.size for f in frames}) != 1:
+                raise InvalidRequest("all frames of a video must have the same size")
+            out = self._video_processor(videos=[frames], do_sample_frames=False, return_tensors="pt")
+            pixels, grid = out["pixel_values_videos"], out["video_grid_thw"]
+        return PreparedItem(pixels, tuple(int(x) for x in grid[0].tolist()))
+
+    @torch.inference_mode()
+    def forward(self, prepared: Sequence[PreparedItem]) -> list[torch.Tensor]:
+        """One packed varlen forward (no padding) over `prepared`; outputs on CPU, one per item."""
+        if not prepared:
+            return []
+        pixels = torch.cat([p.pixel_values for p in prepared]).to(self.device, self.dtype)
+        with self._lock:
+            outs = self._face.forward(self.tower, pixels, [p.grid for p in prepared])
+        return [o.to("cpu") for o in outs]
+
+    def encode(self, items: Sequence[MediaItem]) -> list[torch.Tensor]:
+        return self.forward([self.preprocess(item) for item in items])

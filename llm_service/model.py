@@ -1,0 +1,92 @@
+"""The language model alone: token embeddings with injected media embeddings, explicit 3-D positions."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from llm_service.families import lm_face
+from mmserve.checkpoint import load_tensors, read_config, resolve_dtype
+from mmserve.families import family_of
+from mmserve.media import PlaceholderRange
+
+logger = logging.getLogger(__name__)
+
+
+class LanguageModel:
+    """Loads only the language-model tensors of `model_dir` (decoder, embedding table, lm_head)."""
+
+    def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "cpu"):
+        from transformers import AutoConfig, GenerationConfig
+
+        start = time.perf_counter()
+        self.model_dir = Path(model_dir)
+        self.family = family_of(model_dir)
+        self.dtype = resolve_dtype(dtype, read_config(model_dir))
+        self.device = torch.device(device)
+        config = AutoConfig.from_pretrained(model_dir)
+        self.text_config = config.text_config
+        self.max_model_len = int(self.text_config.max_position_embeddings)
+        face = lm_face(self.family)
+        loaded = load_tensors(model_dir, face.rename, self.dtype)
+        modules = face.build(config, self.dtype)
+        modules.load(loaded.state_dict)
+        self.modules = modules.to(self.device).eval().requires_grad_(False)
+        self.keys_read = loaded.keys_read
+        try:
+            gen = GenerationConfig.from_pretrained(model_dir)
+        except OSError:
+            gen = GenerationConfig()
+        eos = gen.eos_token_id if gen.eos_token_id is not None else self.text_config.eos_token_id
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.generation_config = gen
+        logger.info(
+            "language model of %s loaded: %d tensors, %.1fM params, %s on %s in %.1fs",
+            self.model_dir.name, len(self.keys_read), self.num_parameters / 1e6, self.dtype,
+            self.device, time.perf_counter() - start,
+        )
+
+    @property
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.modules.parameters())
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.text_config.vocab_size)
+
+    def prompt_embeddings(
+        self, token_ids: Sequence[int], media: Sequence[tuple[PlaceholderRange, torch.Tensor]]
+    ) -> torch.Tensor:
+        """`(L, hidden)` token embeddings with each media embedding written over its range."""
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
+        embeds = self.modules.decoder.embed_tokens(ids)
+        for rng, emb in media:
+            if emb.shape != (rng.length, embeds.shape[-1]):
+                raise ValueError(
+                    f"embedding of shape {tuple(emb.shape)} does not fit placeholder range of {rng.length} tokens"
+                )
+            embeds[rng.offset:rng.offset + rng.length] = emb.to(self.device, self.dtype)
+        return embeds
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.text_config)
+
+    @torch.inference_mode()
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """Run `embeds` `(L, hidden)` at `positions` `(3, L)` after what `cache` holds; logits of the last token."""
+        out = self.modules.decoder(
+            inputs_embeds=embeds.unsqueeze(0),
+            position_ids=positions.to(self.device).unsqueeze(1),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return self.modules.lm_head(out.last_hidden_state[0, -1])
+
+    def token_embedding(self, token_id: int) -> torch.Tensor:
+        return self.modules.decoder.embed_tokens(torch.tensor([token_id], device=self.device))

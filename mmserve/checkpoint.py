@@ -1,0 +1,133 @@
+"""Reading a Hugging Face checkpoint directory: config, processor settings, selected tensors.
+
+Each runtime reads only the tensors of its own half of the model straight from the safetensors
+files; nothing is loaded and then deleted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from mmserve.media import VisionPreprocessConfig
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+DTYPE_CHOICES = ("auto", *_DTYPES)
+
+
+class LoadedTensors(NamedTuple):
+    state_dict: dict[str, torch.Tensor]
+    keys_read: tuple[str, ...]
+
+
+def read_config(model_dir: str | Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir} is not a Hugging Face checkpoint: no config.json")
+    return json.loads(path.read_text())
+
+
+def resolve_dtype(name: str, config: dict) -> torch.dtype:
+    """`auto` picks the checkpoint's own dtype (float32 when it names none)."""
+    if name == "auto":
+        name = str(config.get("dtype") or config.get("torch_dtype") or "float32").replace("torch.", "")
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+    return _DTYPES[name]
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
+    return files
+
+
+def load_tensors(model_dir: str | Path, rename: Callable[[str], str | None], dtype: torch.dtype) -> LoadedTensors:
+    """Tensors whose checkpoint key `rename` maps to a module key (others are never read)."""
+    from safetensors import safe_open
+
+    state: dict[str, torch.Tensor] = {}
+    read: list[str] = []
+    for file in _safetensors_files(Path(model_dir)):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                name = rename(key)
+                if name is None:
+                    continue
+                state[name] = f.get_tensor(key).to(dtype)
+                read.append(key)
+    return LoadedTensors(state, tuple(read))
+
+
+def strip_prefix(key: str, prefixes: tuple[str, ...]) -> str | None:
+    for prefix in prefixes:
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return None
+
+
+def _processor_section(model_dir: Path, section: str, legacy_file: str) -> dict:
+    """One processor's settings from `processor_config.json` (transformers 5) or its own legacy file."""
+    combined = model_dir / "processor_config.json"
+    if combined.is_file():
+        data = json.loads(combined.read_text())
+        if section in data:
+            return data[section]
+    legacy = model_dir / legacy_file
+    return json.loads(legacy.read_text()) if legacy.is_file() else {}
+
+
+def _pixel_bounds(cfg: dict, default_min: int, default_max: int) -> tuple[int, int]:
+    size = cfg.get("size") or {}
+    lo = cfg.get("min_pixels", size.get("shortest_edge", default_min))
+    hi = cfg.get("max_pixels", size.get("longest_edge", default_max))
+    return int(lo), int(hi)
+
+
+def read_preprocess_config(model_dir: str | Path) -> VisionPreprocessConfig:
+    """The sizing rules of the checkpoint's image and video processors, without loading them."""
+    model_dir = Path(model_dir)
+    image = _processor_section(model_dir, "image_processor", "preprocessor_config.json")
+    video = _processor_section(model_dir, "video_processor", "video_preprocessor_config.json") or image
+    d = VisionPreprocessConfig()
+    min_px, max_px = _pixel_bounds(image, d.min_pixels, d.max_pixels)
+    vmin, vmax = _pixel_bounds(video, d.video_min_pixels, d.video_max_pixels)
+    return VisionPreprocessConfig(
+        patch_size=int(image.get("patch_size", d.patch_size)),
+        merge_size=int(image.get("merge_size", d.merge_size)),
+        temporal_patch_size=int(image.get("temporal_patch_size", d.temporal_patch_size)),
+        min_pixels=min_px,
+        max_pixels=max_px,
+        video_min_pixels=vmin,
+        video_max_pixels=vmax,
+        video_cap_pixels_per_frame=bool(video.get("cap_pixels_per_frame", False)),
+        video_max_tokens=int(video.get("max_video_tokens", d.video_max_tokens)),
+    )
+
+
+def read_chat_template(model_dir: str | Path) -> str | None:
+    model_dir = Path(model_dir)
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    for name in ("chat_template.json", "processor_config.json", "tokenizer_config.json"):
+        path = model_dir / name
+        if path.is_file():
+            template = json.loads(path.read_text()).get("chat_template")
+            if template:
+                return template
+    return None

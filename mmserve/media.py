@@ -1,0 +1,186 @@
+"""Media items as the router, encoder and LLM share them.
+
+The router reads only image headers (size, EXIF orientation): never pixels. A `MediaItem` carries
+the raw bytes to the encoder; `PlaceholderRange` says where its embedding goes in the prompt.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import math
+import os
+from dataclasses import dataclass
+from enum import Enum
+from typing import NamedTuple
+
+from PIL import Image, UnidentifiedImageError
+
+from mmserve.errors import InvalidRequest
+
+# EXIF orientations 5-8 rotate by 90 degrees: width and height swap.
+_TRANSPOSING_ORIENTATIONS = {5, 6, 7, 8}
+_EXIF_ORIENTATION_TAG = 0x0112
+
+
+class MediaKind(str, Enum):
+    IMAGE = "image"
+    VIDEO = "video"
+
+
+class PlaceholderRange(NamedTuple):
+    """`length` placeholder tokens of one media item starting at prompt index `offset`."""
+
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """One image (one frame) or video (frames in order, all used) as raw encoded bytes."""
+
+    kind: MediaKind
+    frames: tuple[bytes, ...]
+    fps: float = 2.0
+
+    @property
+    def content_hash(self) -> str:
+        h = hashlib.sha256(self.kind.value.encode())
+        h.update(repr(self.fps if self.kind is MediaKind.VIDEO else 0.0).encode())
+        for frame in self.frames:
+            h.update(len(frame).to_bytes(8, "little"))
+            h.update(frame)
+        return h.hexdigest()
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(len(f) for f in self.frames)
+
+
+@dataclass(frozen=True)
+class VisionPreprocessConfig:
+    """What the router needs of the checkpoint's image/video processor configs to size items."""
+
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    video_min_pixels: int = 128 * 28 * 28
+    video_max_pixels: int = 28 * 28 * 768
+    video_cap_pixels_per_frame: bool = False
+    video_max_tokens: int = 128000
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's resize rule (same arithmetic as `transformers`' `smart_resize`)."""
+    if max(height, width) / min(height, width) > 200:
+        raise InvalidRequest(f"image aspect ratio {max(height, width) / min(height, width):.1f} exceeds 200")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def read_image_size(data: bytes, max_pixels: int) -> tuple[int, int]:
+    """(height, width) as the processor will see it (EXIF orientation applied), from the header only.
+
+    Raises `InvalidRequest` for bytes that are not an image and for images declaring more than
+    `max_pixels` pixels: checked before anything is decoded (no decompression bombs).
+    """
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+            if width * height > max_pixels:
+                raise InvalidRequest(
+                    f"image of {width}x{height} pixels exceeds the limit of {max_pixels} pixels"
+                )
+            orientation = img.getexif().get(_EXIF_ORIENTATION_TAG, 1)
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        if isinstance(e, InvalidRequest):
+            raise
+        raise InvalidRequest(f"cannot read image: {e}") from None
+    if width < 1 or height < 1:
+        raise InvalidRequest("image has zero width or height")
+    if orientation in _TRANSPOSING_ORIENTATIONS:
+        width, height = height, width
+    return height, width
+
+
+def decode_image(data: bytes) -> Image.Image:
+    """Decode to RGB with the EXIF orientation applied, as `transformers.image_utils.load_image` does."""
+    from PIL import ImageOps
+
+    try:
+        img = Image.open(io.BytesIO(data))
+        img = ImageOps.exif_transpose(img)
+        img.load()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        raise InvalidRequest(f"cannot decode image: {e}") from None
+    return img.convert("RGB")
+
+
+def image_grid(height: int, width: int, cfg: VisionPreprocessConfig) -> tuple[int, int, int]:
+    """(t, h, w) patch grid of an image of `height` x `width` after the processor's resize."""
+    h, w = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    return 1, h // cfg.patch_size, w // cfg.patch_size
+
+
+def video_grid(num_frames: int, height: int, width: int, cfg: VisionPreprocessConfig) -> tuple[int, int, int]:
+    """(t, h, w) patch grid of a video: frames padded to a multiple of the temporal patch size."""
+    max_pixels = cfg.video_max_pixels
+    if cfg.video_cap_pixels_per_frame:
+        total = int(cfg.video_max_tokens * cfg.factor * cfg.factor * 0.9)
+        max_pixels = max(
+            min(max_pixels, total * cfg.temporal_patch_size // num_frames), int(cfg.video_min_pixels * 1.05)
+        )
+    h, w = smart_resize(height, width, cfg.factor, cfg.video_min_pixels, max_pixels)
+    t = -(-num_frames // cfg.temporal_patch_size)
+    return t, h // cfg.patch_size, w // cfg.patch_size
+
+
+def tokens_for_grid(grid: tuple[int, int, int], merge_size: int) -> int:
+    t, h, w = grid
+    return t * h * w // (merge_size * merge_size)
+
+
+def load_media_bytes(url: str, *, allow_local_files: bool, allow_http: bool, max_bytes: int) -> bytes:
+    """Bytes of a `data:` URI, `file://` URL or local path (http(s) is fetched by the caller)."""
+    if url.startswith("data:"):
+        header, sep, payload = url.partition(",")
+        if not sep:
+            raise InvalidRequest("malformed data URI: missing ','")
+        if not header.endswith(";base64"):
+            raise InvalidRequest("data URI must be base64-encoded (data:<mime>;base64,...)")
+        if len(payload) * 3 // 4 > max_bytes:
+            raise InvalidRequest(f"media item larger than the limit of {max_bytes} bytes")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise InvalidRequest(f"invalid base64 in data URI: {e}") from None
+    if url.startswith(("http://", "https://")):
+        if not allow_http:
+            raise InvalidRequest("http(s) media URLs are disabled on this server; send a data: URI")
+        raise InvalidRequest("http(s) media URLs must be fetched by the router")
+    path = url[len("file://"):] if url.startswith("file://") else url
+    if not allow_local_files:
+        raise InvalidRequest("local file media are disabled on this server; send a data: URI")
+    if not os.path.isfile(path):
+        raise InvalidRequest(f"media file not found: {path!r}")
+    if os.path.getsize(path) > max_bytes:
+        raise InvalidRequest(f"media item larger than the limit of {max_bytes} bytes")
+    with open(path, "rb") as f:
+        return f.read()

@@ -1,0 +1,100 @@
+"""Chat messages -> prompt token ids with each media placeholder expanded to its token count.
+
+User text is tokenized as text: a user who types `<|image_pad|>` or `<|im_start|>` gets those
+characters, never a placeholder or a new turn. The chat template is rendered with each user text
+replaced by a sentinel; the rendered string is split at the (template-owned) added tokens, exactly
+as the tokenizer splits a whole string, and each piece between them is tokenized with added
+tokens disabled. Without special strings in user text this equals tokenizing the whole string.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from mmserve.errors import InvalidRequest
+from mmserve.media import MediaKind, PlaceholderRange
+
+_SENTINEL = "\ue000{}\ue001"
+_SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    parts: tuple[str | MediaKind, ...]
+
+
+class Prompt(NamedTuple):
+    token_ids: list[int]
+    ranges: list[PlaceholderRange]
+    kinds: list[MediaKind]
+
+
+class PromptBuilder:
+    """Renders the checkpoint's chat template and tokenizes it safely (see module docstring)."""
+
+    def __init__(self, tokenizer, chat_template: str, image_token: str, video_token: str):
+        self._tokenizer = tokenizer
+        self._template = chat_template
+        self._plain = copy.deepcopy(tokenizer.backend_tokenizer)
+        self._plain.encode_special_tokens = True
+        added = sorted(tokenizer.get_added_vocab().items(), key=lambda kv: -len(kv[0]))
+        self._added_ids = dict(added)
+        self._added_re = re.compile("|".join(re.escape(tok) for tok, _ in added))
+        self._placeholder_ids = {
+            MediaKind.IMAGE: tokenizer.convert_tokens_to_ids(image_token),
+            MediaKind.VIDEO: tokenizer.convert_tokens_to_ids(video_token),
+        }
+
+    def _render(self, messages: list[ChatMessage]) -> tuple[str, list[str]]:
+        texts: list[str] = []
+        conversation = []
+        for message in messages:
+            content = []
+            for part in message.parts:
+                if isinstance(part, MediaKind):
+                    content.append({"type": part.value})
+                else:
+                    content.append({"type": "text", "text": _SENTINEL.format(len(texts))})
+                    texts.append(part)
+            conversation.append({"role": message.role, "content": content})
+        rendered = self._tokenizer.apply_chat_template(
+            conversation, chat_template=self._template, tokenize=False, add_generation_prompt=True
+        )
+        return rendered, texts
+
+    def _encode_plain(self, text: str, user_texts: list[str]) -> list[int]:
+        text = _SENTINEL_RE.sub(lambda m: user_texts[int(m.group(1))], text)
+        return self._plain.encode(text, add_special_tokens=False).ids if text else []
+
+    def build(self, messages: list[ChatMessage], item_lengths: list[int]) -> Prompt:
+        """Token ids with the i-th media placeholder expanded to `item_lengths[i]` tokens."""
+        rendered, user_texts = self._render(messages)
+        ids: list[int] = []
+        ranges: list[PlaceholderRange] = []
+        kinds: list[MediaKind] = []
+        placeholder_kind = {v: k for k, v in self._placeholder_ids.items()}
+        pos = 0
+        for match in self._added_re.finditer(rendered):
+            ids += self._encode_plain(rendered[pos:match.start()], user_texts)
+            token_id = self._added_ids[match.group(0)]
+            kind = placeholder_kind.get(token_id)
+            if kind is None:
+                ids.append(token_id)
+            else:
+                if len(ranges) >= len(item_lengths):
+                    raise InvalidRequest("chat template produced more media placeholders than media items")
+                length = item_lengths[len(ranges)]
+                ranges.append(PlaceholderRange(len(ids), length))
+                kinds.append(kind)
+                ids += [token_id] * length
+            pos = match.end()
+        ids += self._encode_plain(rendered[pos:], user_texts)
+        if len(ranges) != len(item_lengths):
+            raise InvalidRequest(
+                f"chat template placed {len(ranges)} media placeholders for {len(item_lengths)} media items"
+            )
+        return Prompt(ids, ranges, kinds)

@@ -1,0 +1,225 @@
+"""Deterministic tiny Qwen2-VL / Qwen2.5-VL checkpoints for tests and the embedded default.
+
+A tiny checkpoint is a normal Hugging Face directory: a real `transformers` config with small
+dimensions, random weights from a fixed seed (safetensors), a byte-level BPE tokenizer trained
+here with `tokenizers` (all Qwen2-VL special tokens), the real Qwen2-VL chat template and
+processor configs. `AutoProcessor` / `AutoModelForImageTextToText` load it unchanged; the same
+seed gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# The chat template shipped with Qwen2-VL-*-Instruct (identical for Qwen2.5-VL).
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Qwen2's pre-tokenizer split pattern.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+_WORDS = (
+    "the a an of to in is it that this what where who how why image video picture photo frame "
+    "describe show tell me about color colour red green blue yellow black white cat dog bird car "
+    "tree house sky sea mountain person people left right top bottom middle small large many one "
+    "two three four five six seven eight nine ten hello world assistant user system helpful answer "
+    "question please thank you see look there are is was were will would can could should model "
+    "vision language token embedding encoder decoder serve request response stream batch cache"
+).split()
+
+# Pixel limits kept small so the tiny model sees few patches (factor 28 = patch 14 x merge 2).
+MIN_PIXELS = 28 * 28 * 4
+MAX_PIXELS = 28 * 28 * 64
+VIDEO_MIN_PIXELS = 28 * 28 * 4
+VIDEO_MAX_PIXELS = 28 * 28 * 16
+
+
+def _corpus(seed: int) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(4000):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 16))]
+        sep = rng.choice([" ", " ", " ", ", ", ". "])
+        lines.append(sep.join(words).capitalize() + rng.choice([".", "?", "!", "", "\n"]))
+    lines.append("0123456789 !\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~ café naïve 日本語 😀")
+    return lines
+
+
+def _build_tokenizer(seed: int, vocab_size: int):
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
+        split_special_tokens=False,
+    )
+
+
+def _configs(family: str, tokenizer):
+    from transformers import Qwen2VLConfig, Qwen2_5_VLConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vocab = len(tokenizer)
+    text = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    common = dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    if family == "qwen2_vl":
+        vision = dict(
+            depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=4, in_channels=3,
+            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.2,
+        )
+        return Qwen2VLConfig(text_config=text, vision_config=vision, **common)
+    vision = dict(
+        depth=4, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3, out_hidden_size=64,
+        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+        fullatt_block_indexes=[1, 3], tokens_per_second=2, initializer_range=0.2,
+    )
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
+
+
+def build_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """Write a tiny checkpoint of `family` to `out_dir` (atomically) and return its path."""
+    import torch
+    from transformers import (
+        AutoModelForImageTextToText,
+        GenerationConfig,
+        Qwen2_5_VLProcessor,
+        Qwen2VLImageProcessor,
+        Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    out = Path(out_dir)
+    tokenizer = _build_tokenizer(seed, vocab_size=1024)
+    config = _configs(family, tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    model.generation_config = GenerationConfig(
+        eos_token_id=[config.text_config.eos_token_id, config.text_config.bos_token_id],
+        pad_token_id=config.text_config.pad_token_id,
+        do_sample=False,
+    )
+    image_processor = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    video_processor = Qwen2VLVideoProcessor(
+        min_pixels=VIDEO_MIN_PIXELS, max_pixels=VIDEO_MAX_PIXELS, cap_pixels_per_frame=False
+    )
+    processor_cls = Qwen2VLProcessor if family == "qwen2_vl" else Qwen2_5_VLProcessor
+    processor = processor_cls(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        processor.save_pretrained(tmp)
+        (tmp / "mmserve_tiny.json").write_text(json.dumps({"family": family, "seed": seed}) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def default_model_dir(family: str = "qwen2_vl") -> Path:
+    """Where `mmserve serve` keeps the embedded default checkpoint (built once)."""
+    root = Path(os.environ.get("MMSERVE_CACHE", Path.home() / ".cache" / "mmserve"))
+    return root / f"tiny-{family}-seed0"
+
+
+def ensure_tiny_model(family: str = "qwen2_vl", out_dir: str | os.PathLike | None = None) -> Path:
+    out = Path(out_dir) if out_dir is not None else default_model_dir(family)
+    if (out / "mmserve_tiny.json").exists():
+        return out
+    return build_tiny_model(family, out)

@@ -1,0 +1,24 @@
+import os
+
+import pytest
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    """Both tiny checkpoints, built once per session (reused across runs via MMSERVE_TEST_MODELS)."""
+    from mmserve.tiny import ensure_tiny_model
+
+    root = os.environ.get("MMSERVE_TEST_MODELS") or str(tmp_path_factory.mktemp("models"))
+    return {f: str(ensure_tiny_model(f, os.path.join(root, f))) for f in FAMILIES}
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def model_dir(tiny_models, family) -> str:
+    return tiny_models[family]
