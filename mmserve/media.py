@@ -95,6 +95,20 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+def _header_orientation(img: Image.Image) -> int:
+    """EXIF orientation from metadata parsed with the header (never triggers a pixel decode).
+
+    `Image.getexif()` would decode a whole PNG to look for an eXIf chunk after the pixel data;
+    such (rare) files are treated as unrotated.
+    """
+    raw = img.info.get("exif")
+    if not raw:
+        return 1
+    exif = Image.Exif()
+    exif.load(raw)
+    return int(exif.get(_EXIF_ORIENTATION_TAG, 1) or 1)
+
+
 def read_image_size(data: bytes, max_pixels: int) -> tuple[int, int]:
     """(height, width) as the processor will see it (EXIF orientation applied), from the header only.
 
@@ -108,10 +122,14 @@ def read_image_size(data: bytes, max_pixels: int) -> tuple[int, int]:
                 raise InvalidRequest(
                     f"image of {width}x{height} pixels exceeds the limit of {max_pixels} pixels"
                 )
-            orientation = img.getexif().get(_EXIF_ORIENTATION_TAG, 1)
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        if isinstance(e, InvalidRequest):
-            raise
+            orientation = _header_orientation(img)
+    except InvalidRequest:
+        raise
+    except Image.DecompressionBombError as e:
+        raise InvalidRequest(f"image exceeds the limit of {max_pixels} pixels: {e}") from None
+    except UnidentifiedImageError:
+        raise InvalidRequest("cannot read image: not a recognised image format") from None
+    except (OSError, SyntaxError, ValueError) as e:
         raise InvalidRequest(f"cannot read image: {e}") from None
     if width < 1 or height < 1:
         raise InvalidRequest("image has zero width or height")
@@ -128,7 +146,11 @@ def decode_image(data: bytes) -> Image.Image:
         img = Image.open(io.BytesIO(data))
         img = ImageOps.exif_transpose(img)
         img.load()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+    except UnidentifiedImageError:
+        raise InvalidRequest("cannot decode image: not a recognised image format") from None
+    except Image.DecompressionBombError as e:
+        raise InvalidRequest(f"cannot decode image: {e}") from None
+    except (OSError, SyntaxError, ValueError) as e:
         raise InvalidRequest(f"cannot decode image: {e}") from None
     return img.convert("RGB")
 

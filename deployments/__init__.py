@@ -1,0 +1,1 @@
+"""Ray Serve layer: app builder, router/ingress, encoder and LLM deployment wrappers."""

@@ -1,0 +1,135 @@
+"""`mmserve` command line: serve, chat, build-tiny-model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.config import AppArgs, DeploymentArgs
+
+    if ns.model is None:
+        from mmserve.tiny import default_model_dir, ensure_tiny_model
+
+        print(f"building the embedded tiny model into {default_model_dir()} (once) ...", flush=True)
+        ensure_tiny_model()
+    cpus = ns.num_cpus
+    args = AppArgs(
+        model=ns.model,
+        dtype=ns.dtype,
+        device=ns.device,
+        api_key=ns.api_key,
+        router=DeploymentArgs(num_cpus=0.25 * cpus),
+        encoder=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.encoder_gpus),
+        llm=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.llm_gpus),
+    )
+    start = time.perf_counter()
+    ray.init(num_cpus=cpus, include_dashboard=ns.dashboard, logging_level="WARNING")
+    serve.start(http_options={"host": ns.host, "port": ns.http_port})
+    serve.run(build_app(args), name="mmserve", route_prefix="/")
+    print(
+        f"mmserve ready in {time.perf_counter() - start:.1f}s: "
+        f"http://{ns.host}:{ns.http_port}/v1/chat/completions (Ctrl-C to stop)",
+        flush=True,
+    )
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("shutting down", flush=True)
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+def _build_tiny(ns: argparse.Namespace) -> int:
+    from mmserve.tiny import build_tiny_model
+
+    out = build_tiny_model(ns.family, ns.out, seed=ns.seed)
+    print(out)
+    return 0
+
+
+def _chat(ns: argparse.Namespace) -> int:
+    import base64
+    import mimetypes
+    import urllib.request
+
+    content: list[dict] = []
+    for path in ns.image or []:
+        mime = mimetypes.guess_type(path)[0] or "image/png"
+        with open(path, "rb") as f:
+            uri = f"data:{mime};base64," + base64.b64encode(f.read()).decode()
+        content.append({"type": "image_url", "image_url": {"url": uri}})
+    content.append({"type": "text", "text": ns.prompt})
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": ns.max_tokens, "stream": True}
+    headers = {"Content-Type": "application/json"}
+    if ns.api_key:
+        headers["Authorization"] = f"Bearer {ns.api_key}"
+    req = urllib.request.Request(ns.url.rstrip("/") + "/v1/chat/completions", json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(req) as resp:
+            for line in resp:
+                line = line.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    print(f"\nerror: {event['error']['message']}", file=sys.stderr)
+                    return 1
+                for choice in event.get("choices", []):
+                    print(choice.get("delta", {}).get("content", ""), end="", flush=True)
+    except urllib.error.HTTPError as e:
+        print(f"error {e.code}: {e.read().decode()}", file=sys.stderr)
+        return 1
+    print()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mmserve.checkpoint import DTYPE_CHOICES
+    from mmserve.tiny import FAMILIES
+
+    parser = argparse.ArgumentParser(prog="mmserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve_p = sub.add_parser("serve", help="start an embedded Ray, deploy the app, serve until Ctrl-C")
+    serve_p.add_argument("--model", default=None, help="checkpoint directory (default: embedded tiny Qwen2-VL)")
+    serve_p.add_argument("--host", default="127.0.0.1")
+    serve_p.add_argument("--http-port", type=int, default=8000)
+    serve_p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    serve_p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    serve_p.add_argument("--num-cpus", type=float, default=2, help="CPUs given to the embedded Ray")
+    serve_p.add_argument("--encoder-gpus", type=float, default=0)
+    serve_p.add_argument("--llm-gpus", type=float, default=0)
+    serve_p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve_p.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard")
+    serve_p.set_defaults(func=_serve)
+
+    tiny_p = sub.add_parser("build-tiny-model", help="write a deterministic tiny checkpoint")
+    tiny_p.add_argument("--family", choices=FAMILIES, default="qwen2_vl")
+    tiny_p.add_argument("--out", required=True)
+    tiny_p.add_argument("--seed", type=int, default=0)
+    tiny_p.set_defaults(func=_build_tiny)
+
+    chat_p = sub.add_parser("chat", help="stream one answer from a running server")
+    chat_p.add_argument("prompt")
+    chat_p.add_argument("--image", action="append", help="image file (repeatable)")
+    chat_p.add_argument("--url", default="http://127.0.0.1:8000")
+    chat_p.add_argument("--max-tokens", type=int, default=64)
+    chat_p.add_argument("--api-key", default=None)
+    chat_p.set_defaults(func=_chat)
+
+    ns = parser.parse_args(argv)
+    return ns.func(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
