@@ -30,27 +30,28 @@ class EncoderDeployment:
         self.metrics = EncoderMetrics()
         self._in_flight = 0
 
-    async def encode(self, item: MediaItem) -> torch.Tensor:
-        """The item's embedding `(num_tokens, hidden)` on CPU; InvalidRequest if it cannot be decoded."""
+    async def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:
+        """One embedding `(num_tokens, hidden)` (CPU) per item; InvalidRequest if one cannot be decoded."""
         start = time.perf_counter()
-        self._in_flight += 1
+        self._in_flight += len(items)
         self.metrics.in_flight.set(self._in_flight)
         try:
-            (embedding,) = await asyncio.to_thread(self.encoder.encode, [item])
+            embeddings = await asyncio.to_thread(self.encoder.encode, items)
         except InvalidRequest:
             self.metrics.failures.inc()
             raise
         except Exception as e:
             self.metrics.failures.inc()
-            logger.exception("encoding %s item %s failed", item.kind.value, item.content_hash[:12])
-            raise InvalidRequest(f"cannot encode {item.kind.value}: {e}") from None
+            logger.exception("encoding %d items failed", len(items))
+            raise InvalidRequest(f"cannot encode media: {e}") from None
         finally:
-            self._in_flight -= 1
+            self._in_flight -= len(items)
             self.metrics.in_flight.set(self._in_flight)
-        self.metrics.items.inc(tags={"kind": item.kind.value})
-        self.metrics.tokens.inc(embedding.shape[0])
+        for item, embedding in zip(items, embeddings):
+            self.metrics.items.inc(tags={"kind": item.kind.value})
+            self.metrics.tokens.inc(embedding.shape[0])
         self.metrics.encode_ms.observe((time.perf_counter() - start) * 1000)
-        return embedding
+        return embeddings
 
     def check_health(self) -> None:
         if not any(True for _ in self.encoder.tower.parameters()):

@@ -32,7 +32,9 @@ class PendingRequest:
     positions: torch.Tensor | None
     mrope_delta: int
     ranges: tuple[PlaceholderRange, ...]
-    embedding_refs: tuple  # ray.ObjectRef per range, owned by the router
+    # Per range: (ObjectRef of one encoder call's list of embeddings, index in that list).
+    # The refs are owned by the router, so they outlive the encoder replica that made them.
+    embedding_refs: tuple[tuple[object, int], ...]
 
 
 def root_cause(e: BaseException) -> BaseException:
@@ -56,7 +58,9 @@ class LLMDeployment:
     async def _embeddings(self, pending: PendingRequest) -> list[torch.Tensor]:
         start = time.perf_counter()
         try:
-            embeddings = list(await asyncio.gather(*pending.embedding_refs))
+            refs = list(dict.fromkeys(ref for ref, _ in pending.embedding_refs))
+            groups = dict(zip(refs, await asyncio.gather(*refs)))
+            embeddings = [groups[ref][index] for ref, index in pending.embedding_refs]
         except Exception as e:
             cause = root_cause(e)
             if isinstance(cause, InvalidRequest):

@@ -1,0 +1,93 @@
+"""A request on its way through the app, independent of the API it came in by (HTTP or gRPC)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from deployments.llm import root_cause
+from llm_service.sampling import SamplingParams
+from mmserve.detokenize import IncrementalDetokenizer
+from mmserve.errors import InvalidRequest
+from mmserve.planner import RequestPlan
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """What the client asked for; None means the model's default (vLLM semantics)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+class Delta(NamedTuple):
+    text: str
+    token_id: int | None
+    finish_reason: str | None
+
+
+def as_invalid_request(e: BaseException) -> InvalidRequest | None:
+    """The InvalidRequest behind `e` (raised here or in a replica), if that is what it is."""
+    cause = root_cause(e)
+    return cause if isinstance(cause, InvalidRequest) else None
+
+
+class Generation:
+    """A validated, dispatched request and its token stream (first event already received)."""
+
+    def __init__(self, request_id: str, plan: RequestPlan, sampling: SamplingParams, stop: tuple[str, ...],
+                 stream, first, tokenizer, started: float):
+        self.request_id = request_id
+        self.plan = plan
+        self.sampling = sampling
+        self.started = started
+        self.num_generated = 0
+        self._stop = stop
+        self._stream = stream
+        self._first = first
+        self._tokenizer = tokenizer
+
+    async def _events(self) -> AsyncIterator:
+        yield self._first
+        if self._first.finish_reason:
+            return
+        async for event in self._stream:
+            yield event
+            if event.finish_reason:
+                return
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Text deltas; a stop string ends the stream early and aborts the LLM request."""
+        detok = IncrementalDetokenizer(self._tokenizer, self._stop)
+        try:
+            async for event in self._events():
+                self.num_generated += event.token_id is not None
+                delta = detok.add(event.token_id) if event.token_id is not None else ""
+                if detok.stopped:
+                    yield Delta(delta, event.token_id, "stop")
+                    return
+                finish = event.finish_reason
+                yield Delta(delta + detok.flush() if finish else delta, event.token_id, finish)
+        finally:
+            self._stream.cancel()
+
+    def usage(self) -> dict:
+        prompt = len(self.plan.token_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.num_generated,
+            "total_tokens": prompt + self.num_generated,
+            "prompt_tokens_details": {"media_tokens": self.plan.num_media_tokens},
+        }
+
+    @property
+    def elapsed_ms(self) -> float:
+        return (time.perf_counter() - self.started) * 1000
