@@ -7,7 +7,7 @@ from pathlib import Path
 from ray.serve import Application
 
 from deployments.config import AppArgs
-from deployments.encoder import EncoderDeployment
+from deployments.encoder import EncoderDeployment, encoder_options
 from deployments.llm import LLMDeployment
 from deployments.router import Router, RouterSettings
 
@@ -28,8 +28,12 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
     """Router (ingress) + encoder pool + LLM replicas, from validated `AppArgs`."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     model_dir = resolve_model_dir(args.model)
-    encoder = EncoderDeployment.options(**args.encoder.options("Encoder")).bind(model_dir, args.dtype, args.device)
-    llm = LLMDeployment.options(**args.llm.options("LLM")).bind(model_dir, args.dtype, args.device)
+    encoder = EncoderDeployment.options(**encoder_options(args.encoder, args.encoder_pool)).bind(
+        model_dir, args.dtype, args.device, args.encoder_pool, args.transport, args.grpc
+    )
+    llm = LLMDeployment.options(**args.llm.options("LLM")).bind(
+        model_dir, args.dtype, args.device, args.engine.resolve(), args.transport, args.grpc
+    )
     settings = RouterSettings(
         model_dir=model_dir,
         served_model_name=args.served_model_name or Path(model_dir).name,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from mmserve.planner import MediaLimits
 
@@ -41,6 +41,81 @@ class LimitArgs(_Args):
         return MediaLimits(self.max_items_per_request, self.max_frames_per_video, self.max_pixels_per_image)
 
 
+class GrpcArgs(_Args):
+    """Embedding transfer over gRPC (`transport: grpc`) and the internal EncoderService.
+
+    The public gRPC API's port, reflection and timeout are Serve's `grpc_options` (proxy-wide,
+    set at `serve.start` / in the Serve config), not application arguments.
+    """
+
+    bind_host: str = "[::]"
+    port: int = Field(default=0, ge=0, le=65535, description="each encoder replica's port; 0 = any free port")
+    token: str | None = Field(default=None, description="shared token every EncoderService call must carry")
+    result_ttl_s: float = Field(default=300.0, gt=0, description="how long an unfetched embedding stays pinned")
+    chunk_bytes: int = Field(default=1 << 20, ge=1 << 16, le=3 << 20)
+    fetch_timeout_s: float = Field(default=60.0, gt=0)
+    encoder_address: str | None = Field(default=None, description="a standalone `mmserve encoder-server`")
+
+
+class EncoderPoolArgs(_Args):
+    """The encoder pool: token-budget batching, preprocessing workers, embedding cache, autoscaling.
+
+    With `autoscale` on, the encoder deployment runs `min_replicas`..`max_replicas` replicas sized
+    by `deployments.autoscaling.QueuedTokensPolicy` to ceil(queued tokens / target per replica),
+    and `encoder.num_replicas` is ignored.
+    """
+
+    max_batch_tokens: int = Field(default=16384, ge=1, description="budget of one ViT forward (cost_unit)")
+    max_batch_items: int = Field(default=64, ge=1)
+    batch_wait_ms: float = Field(default=5.0, ge=0, description="longest wait to fill a batch")
+    cost_unit: Literal["tokens", "patches"] = "tokens"
+    skip_ahead: bool = False
+    max_skips: int = Field(default=4, ge=0, description="skip-ahead fairness: times one item may be overtaken")
+    preprocess_workers: int = Field(default=4, ge=1, description="threads decoding/resizing/patchifying media")
+    cache_bytes: int = Field(default=1 << 30, ge=0, description="embedding cache bound per replica; 0 = off")
+    autoscale: bool = False
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=4, ge=1)
+    target_queued_tokens_per_replica: int = Field(default=32768, ge=1)
+    upscale_delay_s: float = Field(default=5.0, ge=0)
+    downscale_delay_s: float = Field(default=120.0, ge=0)
+    look_back_period_s: float = Field(default=10.0, gt=0)
+    metrics_interval_s: float = Field(default=2.0, gt=0, description="how often replicas push queued tokens")
+
+    @model_validator(mode="after")
+    def _check_autoscaling(self) -> "EncoderPoolArgs":
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError("look_back_period_s must be greater than metrics_interval_s")
+        return self
+
+
+class EngineArgs(_Args):
+    """LLM engine settings (continuous batching, paged KV cache); resolved into `EngineConfig`."""
+
+    block_size: int = Field(default=16, ge=1, description="tokens per KV block (a power of two)")
+    max_num_seqs: int = Field(default=64, ge=1, description="sequences per engine step")
+    max_num_batched_tokens: int = Field(default=2048, ge=1, description="token budget per engine step")
+    enable_chunked_prefill: bool = True
+    kv_cache_memory_mb: int | None = Field(default=None, ge=1, description="KV pool size; default: from the device")
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    cuda_graphs: bool = True
+
+    def resolve(self):
+        from llm_service.config import EngineConfig
+
+        return EngineConfig(
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            kv_cache_bytes=self.kv_cache_memory_mb * 2**20 if self.kv_cache_memory_mb else None,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            cuda_graphs=self.cuda_graphs,
+        )
+
+
 class AppArgs(_Args):
     """Arguments of `deployments.app:build_app` (the `args:` of a Serve config YAML)."""
 
@@ -48,9 +123,14 @@ class AppArgs(_Args):
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    transport: Literal["object_store"] = "object_store"
+    transport: Literal["object_store", "grpc"] = Field(
+        default="object_store", description="how embeddings reach the LLM replicas (same tensors either way)"
+    )
     api_key: str | None = None
     router: DeploymentArgs = DeploymentArgs(num_cpus=0.5)
     encoder: DeploymentArgs = DeploymentArgs()
     llm: DeploymentArgs = DeploymentArgs()
     limits: LimitArgs = LimitArgs()
+    encoder_pool: EncoderPoolArgs = EncoderPoolArgs()
+    grpc: GrpcArgs = GrpcArgs()
+    engine: EngineArgs = EngineArgs()

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import torch
 from ray import serve
 
+from deployments.config import GrpcArgs
 from deployments.encoder import resolve_device
 from deployments.metrics import LLMMetrics
+from llm_service.config import EngineConfig
 from llm_service.engine import LLMEngine, LLMRequest, TokenEvent
 from llm_service.model import LanguageModel
 from llm_service.sampling import SamplingParams
@@ -46,11 +48,33 @@ def root_cause(e: BaseException) -> BaseException:
 
 @serve.deployment
 class LLMDeployment:
-    def __init__(self, model_dir: str, dtype: str, device: str):
+    def __init__(self, model_dir: str, dtype: str, device: str, engine: EngineConfig | None = None,
+                 transport: str = "object_store", grpc: GrpcArgs | None = None):
         self.model = LanguageModel(model_dir, dtype=dtype, device=resolve_device(device))
-        self.engine = LLMEngine(self.model)
+        self.engine = LLMEngine(self.model, engine or EngineConfig())
         self.engine.start()
         self.metrics = LLMMetrics()
+        self._stats_task: asyncio.Task | None = None
+        self.fetcher = None
+        if transport == "grpc":  # encoder results arrive as refs to pull from the encoder replica
+            from deployments.transport import GrpcFetcher
+
+            self.fetcher = GrpcFetcher(grpc or GrpcArgs())
+
+    async def _export_stats(self, interval_s: float = 1.0) -> None:
+        """Engine gauges (queues, KV blocks, preemptions, tokens/s) every `interval_s`."""
+        last = self.engine.stats()
+        while True:
+            await asyncio.sleep(interval_s)
+            stats = self.engine.stats()
+            self.metrics.scheduled.set(stats.num_running)
+            self.metrics.waiting.set(stats.num_waiting)
+            self.metrics.kv_blocks_used.set(stats.kv_blocks_used)
+            self.metrics.kv_usage.set(stats.kv_blocks_used / max(stats.kv_blocks_total, 1))
+            if stats.num_preemptions > last.num_preemptions:
+                self.metrics.preemptions.inc(stats.num_preemptions - last.num_preemptions)
+            self.metrics.tokens_per_s.set((stats.num_generated - last.num_generated) / interval_s)
+            last = stats
 
     def info(self) -> dict:
         return {"max_model_len": self.model.max_model_len, "vocab_size": self.model.vocab_size}
@@ -61,6 +85,8 @@ class LLMDeployment:
             refs = list(dict.fromkeys(ref for ref, _ in pending.embedding_refs))
             groups = dict(zip(refs, await asyncio.gather(*refs)))
             embeddings = [groups[ref][index] for ref, index in pending.embedding_refs]
+            if self.fetcher is not None:
+                embeddings = await self.fetcher.resolve(embeddings)
         except Exception as e:
             cause = root_cause(e)
             if isinstance(cause, InvalidRequest):
@@ -83,9 +109,13 @@ class LLMDeployment:
         )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        if self._stats_task is None:
+            self._stats_task = asyncio.create_task(self._export_stats())
         self.engine.add_request(request, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
         self.metrics.running.set(self.engine.num_requests)
         finished = False
+        last_token_at = time.perf_counter()
+        first = True
         try:
             while True:
                 event = await events.get()
@@ -93,6 +123,9 @@ class LLMDeployment:
                     finished = True
                     raise RuntimeError(f"generation failed: {event.error}")
                 if event.token_id is not None:
+                    now = time.perf_counter()
+                    (self.metrics.ttft_ms if first else self.metrics.itl_ms).observe((now - last_token_at) * 1000)
+                    first, last_token_at = False, now
                     self.metrics.generated.inc()
                 yield event
                 if event.finish_reason:

@@ -7,6 +7,7 @@ return once the first token (or the first error) is back. The HTTP routes below 
 """
 
 import asyncio
+import hmac
 import logging
 import time
 import uuid
@@ -19,7 +20,9 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments import openai_api
 from deployments.config import LimitArgs
+from deployments.encoder import spread
 from deployments.generation import Generation, GenerationOptions, as_invalid_request
+from deployments.grpc_ingress import GrpcIngress
 from deployments.llm import PendingRequest
 from deployments.metrics import RouterMetrics
 from llm_service.sampling import SamplingParams
@@ -41,7 +44,7 @@ class RouterSettings:
 
 @serve.deployment
 @serve.ingress(app)
-class Router:
+class Router(GrpcIngress):
     def __init__(self, encoder: DeploymentHandle, llm: DeploymentHandle, settings: RouterSettings):
         from transformers import AutoTokenizer, GenerationConfig
 
@@ -91,12 +94,19 @@ class Router:
         return Generation(request_id, plan, sampling, opts.stop, stream, first, self.tokenizer, started)
 
     async def _dispatch_media(self, plan: RequestPlan) -> tuple[tuple[object, int], ...]:
-        """Send every item to the encoder at once, waiting for none; `(ref, index)` per item, in order."""
+        """Send every item to the encoder at once, waiting for none; `(ref, index)` per item, in order.
+
+        A large request is split into groups of near-equal tokens, one encoder call each, so Serve
+        spreads them over replicas; each replica batches them with other requests' items.
+        """
         if not plan.items:
             return ()
         self.metrics.media_items.inc(len(plan.items))
-        responses = [self.encoder.encode.remote([item]) for item in plan.items]
-        return tuple([(await r._to_object_ref(), 0) for r in responses])
+        groups = spread([r.length for r in plan.ranges])  # balanced by tokens: one call per group
+        responses = [self.encoder.encode.remote([plan.items[i] for i in group]) for group in groups]
+        refs = [await r._to_object_ref() for r in responses]
+        where = {i: (ref, pos) for group, ref in zip(groups, refs) for pos, i in enumerate(group)}
+        return tuple(where[i] for i in range(len(plan.items)))
 
     def _sampling(self, opts: GenerationOptions, prompt_len: int) -> SamplingParams:
         remaining = self.max_model_len - prompt_len
@@ -118,6 +128,10 @@ class Router:
             temperature=float(default(opts.temperature, gen.temperature, 0.0)),
             top_p=float(default(opts.top_p, gen.top_p, 1.0)),
             top_k=max(int(default(opts.top_k, gen.top_k, 0)), 0),
+            min_p=float(default(opts.min_p, getattr(gen, "min_p", None), 0.0)),
+            repetition_penalty=float(default(opts.repetition_penalty, gen.repetition_penalty, 1.0)),
+            frequency_penalty=float(opts.frequency_penalty or 0.0),
+            presence_penalty=float(opts.presence_penalty or 0.0),
             seed=opts.seed,
             stop_token_ids=frozenset(opts.stop_token_ids),
             ignore_eos=opts.ignore_eos,
@@ -142,7 +156,8 @@ class Router:
     # -- HTTP (OpenAI-compatible) -------------------------------------------------------------
     def _check_auth(self, request: Request) -> Response | None:
         key = self.settings.api_key
-        if key and request.headers.get("authorization") != f"Bearer {key}":
+        given = request.headers.get("authorization", "")
+        if key and not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
             return openai_api.error_response(401, "invalid or missing API key", "authentication_error")
         return None
 

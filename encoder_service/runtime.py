@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -11,10 +12,11 @@ from typing import NamedTuple
 
 import torch
 
+from encoder_service.cache import EncoderIdentity
 from encoder_service.families import encoder_face
 from mmserve.checkpoint import load_tensors, read_config, resolve_dtype
 from mmserve.errors import InvalidRequest
-from mmserve.families import family_of
+from mmserve.families import family_of, router_face
 from mmserve.media import MediaItem, MediaKind, decode_image
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,16 @@ class PreparedItem(NamedTuple):
     def num_patches(self) -> int:
         t, h, w = self.grid
         return t * h * w
+
+
+def weights_fingerprint(state_dict: dict[str, torch.Tensor]) -> str:
+    """Hash of every tensor's name, dtype, shape and bytes (stable across processes)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(state_dict):
+        t = state_dict[name].detach().contiguous().cpu()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 class VisionEncoder:
@@ -48,6 +60,7 @@ class VisionEncoder:
         self.dtype = resolve_dtype(dtype, read_config(model_dir))
         self.device = torch.device(device)
         self._face = encoder_face(self.family)
+        self._router_face = router_face(model_dir)
         config = AutoConfig.from_pretrained(model_dir)
         processor = AutoProcessor.from_pretrained(model_dir)
         self._image_processor = processor.image_processor
@@ -59,6 +72,14 @@ class VisionEncoder:
         self.tower = tower.to(self.device).eval().requires_grad_(False)
         self.keys_read = loaded.keys_read
         self.merge_size = config.vision_config.spatial_merge_size
+        preprocess = self._image_processor.to_json_string() + self._video_processor.to_json_string()
+        self.identity = EncoderIdentity(
+            model_id=self.model_dir.name,
+            weights_fingerprint=weights_fingerprint(loaded.state_dict),
+            preprocess_fingerprint=hashlib.blake2b(preprocess.encode(), digest_size=16).hexdigest(),
+            dtype=str(self.dtype),
+        )
+        del loaded
         self._lock = threading.Lock()
         logger.info(
             "vision tower of %s loaded: %d tensors, %.1fM params, %s on %s in %.1fs",
@@ -82,6 +103,25 @@ class VisionEncoder:
             out = self._video_processor(videos=[frames], do_sample_frames=False, return_tensors="pt")
             pixels, grid = out["pixel_values_videos"], out["video_grid_thw"]
         return PreparedItem(pixels, tuple(int(x) for x in grid[0].tolist()))
+
+    def estimate_tokens(self, item: MediaItem) -> int:
+        """Output tokens of `item` from its header(s) alone (what the router computed)."""
+        return self._router_face.layout(item, max_pixels=1 << 62).num_tokens
+
+    def num_tokens(self, prepared: PreparedItem) -> int:
+        return prepared.num_patches // (self.merge_size * self.merge_size)
+
+    def cost(self, prepared: PreparedItem, unit: str) -> int:
+        """Batch-budget cost of `prepared`: output tokens or input patches."""
+        return self.num_tokens(prepared) if unit == "tokens" else prepared.num_patches
+
+    def split(self, prepared: PreparedItem, groups: Sequence[tuple[int, int]]) -> list[PreparedItem]:
+        """Pieces of `prepared` over `[start, end)` ranges of temporal patches.
+
+        Encoding the pieces and concatenating their outputs in order equals encoding the whole
+        item: the ViT attends only within a temporal patch.
+        """
+        return [PreparedItem(*self._face.temporal_slice(prepared.pixel_values, prepared.grid, a, b)) for a, b in groups]
 
     @torch.inference_mode()
     def forward(self, prepared: Sequence[PreparedItem]) -> list[torch.Tensor]:

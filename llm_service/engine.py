@@ -1,77 +1,67 @@
-"""The LLM engine: a step loop on its own thread serving any number of concurrent requests.
+"""The LLM engine: continuous batching on its own thread.
 
-`add_request` admits a request; each `step` prefills the newly admitted requests and decodes
-one token for every running one, emitting `TokenEvent`s through each request's callback.
-Every request owns its KV cache, so concurrent requests never see each other's state.
+`step()` is schedule -> run -> postprocess: the scheduler picks the running decodes plus the
+prefills that fit the token budget and the KV pool, the model runner runs them in one packed
+forward, the sampler picks one token per sequence that caught up, and finished or aborted
+requests give their KV blocks back at once. Events leave through each request's callback.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import torch
-
+from llm_service.config import EngineConfig
 from llm_service.model import LanguageModel
-from llm_service.sampling import Sampler, SamplingParams
-from mmserve.media import PlaceholderRange
-from mmserve.mrope import decode_position
+from llm_service.model_runner import ModelRunner
+from llm_service.sampling import SampleInput, new_generator, sample
+from llm_service.scheduler import Scheduler
+from llm_service.sequence import LLMRequest, Sequence, Status, TokenEvent
 
+__all__ = ["EngineStats", "LLMEngine", "LLMRequest", "TokenEvent"]
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class LLMRequest:
-    """A prompt ready for the LM: token ids, media embeddings at their ranges, 3-D positions.
-
-    `positions` is `(3, len(prompt_token_ids))`, or None for a text-only prompt (then
-    `arange` on every axis and `mrope_delta == 0`).
-    """
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    positions: torch.Tensor | None = None
-    mrope_delta: int = 0
-    media: tuple[tuple[PlaceholderRange, torch.Tensor], ...] = ()
-
-
-class TokenEvent(NamedTuple):
-    """One generated token, or the end of the stream (`finish_reason` set), or a failure."""
-
-    token_id: int | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    error: str | None = None
-
-
-@dataclass
-class _Sequence:
-    request: LLMRequest
-    emit: Callable[[TokenEvent], None]
-    sampler: Sampler
-    cache: object = None
-    generated: list[int] = field(default_factory=list)
+class EngineStats(NamedTuple):
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions: int
+    num_steps: int
+    num_forwards: int
+    num_generated: int
 
 
 class LLMEngine:
-    def __init__(self, model: LanguageModel):
+    """Serves any number of concurrent requests from one model replica (thread-safe API)."""
+
+    def __init__(self, model: LanguageModel, config: EngineConfig | None = None):
         self.model = model
-        self._waiting: list[_Sequence] = []
-        self._running: list[_Sequence] = []
+        self.config = config or EngineConfig()
+        self.runner = ModelRunner(model, self.config)
+        self.blocks = self.runner.new_block_manager()
+        self.scheduler = Scheduler(self.config, self.blocks)
+        self._new: list[Sequence] = []
         self._aborted: set[str] = set()
+        self._by_id: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopped = False
-        self.num_forwards = 0
+        self.num_steps = 0
+        self.num_generated = 0
+        self.step_times: list[float] = []
 
     # -- public API (any thread) -------------------------------------------------------------
     def add_request(self, request: LLMRequest, emit: Callable[[TokenEvent], None]) -> None:
-        seq = _Sequence(request, emit, Sampler(request.sampling, self.model.device))
+        seq = Sequence(request, emit, next(self._arrivals), new_generator(request.sampling, self.model.device))
         with self._cv:
-            self._waiting.append(seq)
+            self._new.append(seq)
             self._cv.notify()
 
     def abort(self, request_id: str) -> None:
@@ -82,7 +72,17 @@ class LLMEngine:
     @property
     def num_requests(self) -> int:
         with self._cv:
-            return len(self._waiting) + len(self._running)
+            return len(self._new) + len(self._by_id)
+
+    @property
+    def num_forwards(self) -> int:
+        return self.runner.num_forwards
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(len(s.running), len(s.waiting) + len(self._new), self.blocks.num_used_blocks,
+                           self.blocks.num_blocks, s.num_preemptions, self.num_steps, self.num_forwards,
+                           self.num_generated)
 
     def start(self) -> None:
         if self._thread is None:
@@ -98,64 +98,83 @@ class LLMEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._stopped or self._waiting or self._running or self._aborted)
+                self._cv.wait_for(lambda: self._stopped or self._new or self._aborted or self.scheduler.has_work())
                 if self._stopped:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # a failed step fails its requests, never the replica
+                logger.exception("engine step failed")
+                for seq in list(self._by_id.values()):
+                    self._finish(seq, TokenEvent(None, "error", f"{type(e).__name__}: {e}"))
 
     def step(self) -> None:
-        """Prefill newly admitted requests, then decode one token for each running request."""
-        with self._cv:
-            new, self._waiting = self._waiting, []
-            aborted, self._aborted = self._aborted, set()
-        for seq in [s for s in self._running + new if s.request.request_id in aborted]:
-            seq.emit(TokenEvent(None, "abort"))
-        self._running = [s for s in self._running if s.request.request_id not in aborted]
-        new = [s for s in new if s.request.request_id not in aborted]
-        running, self._running = self._running, []
-        for seq in new:
-            self._advance(seq, self._prefill)
-        for seq in running:
-            self._advance(seq, self._decode)
-
-    def _advance(self, seq: _Sequence, forward: Callable[[_Sequence], torch.Tensor]) -> None:
-        try:
-            logits = forward(seq)
-            self.num_forwards += 1
-            token = seq.sampler(logits)
-        except Exception as e:  # one bad request must not take the engine down
-            logger.exception("request %s failed", seq.request.request_id)
-            seq.emit(TokenEvent(None, "error", f"{type(e).__name__}: {e}"))
+        """Admit and abort, then schedule -> one forward -> sample -> emit."""
+        self._admit()
+        out = self.scheduler.schedule()
+        for seq in out.preempted:  # alone in the pool and still too long: it can never run again
+            if self.blocks.blocks_for(seq.num_tokens) > self.blocks.num_blocks:
+                self._finish(seq, TokenEvent(None, "length"))
+        if not out.scheduled:
             return
-        finish = self._finish_reason(seq, token)
-        if finish != "stop":
-            seq.generated.append(token)
-            seq.emit(TokenEvent(token, finish))
-        else:
-            seq.emit(TokenEvent(None, finish))
-        if finish is None:
-            self._running.append(seq)
+        start = time.perf_counter()
+        logits, rows = self.runner.execute(out.scheduled)
+        for item in out.scheduled:
+            item.seq.num_computed += item.num_tokens
+        if rows:
+            seqs = [out.scheduled[i].seq for i in rows]
+            inputs = [SampleInput(s.request.sampling, s.generator, s.request.prompt_token_ids, s.generated) for s in seqs]
+            result = sample(logits, inputs, self.config.max_logprobs)
+            for j, seq in enumerate(seqs):
+                self._postprocess(seq, result.token_ids[j], result.logprobs[j], result.top_logprobs[j])
+        self.num_steps += 1
+        self.step_times.append(time.perf_counter() - start)
+        del self.step_times[:-1000]
 
-    def _finish_reason(self, seq: _Sequence, token: int) -> str | None:
-        p = seq.request.sampling
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.model.eos_token_ids):
-            return "stop"
-        if len(seq.generated) + 1 >= p.max_tokens:
-            return "length"
+    def _admit(self) -> None:
+        with self._cv:
+            new, self._new = self._new, []
+            aborted, self._aborted = self._aborted, set()
+        for seq in new:
+            if error := self._reject_reason(seq):
+                seq.emit(TokenEvent(None, "error", error))
+            elif seq.request_id in aborted:
+                seq.emit(TokenEvent(None, "abort"))
+            else:
+                self._by_id[seq.request_id] = seq
+                self.scheduler.add(seq)
+        for request_id in aborted:
+            if (seq := self._by_id.get(request_id)) is not None:
+                self._finish(seq, TokenEvent(None, "abort"))
+
+    def _reject_reason(self, seq: Sequence) -> str | None:
+        req = seq.request
+        if not req.prompt_token_ids:
+            return "empty prompt"
+        for rng, emb in req.media:
+            if emb.shape != (rng.length, self.model.text_config.hidden_size):
+                return f"embedding of shape {tuple(emb.shape)} does not fit placeholder range of {rng.length} tokens"
+        if seq.request_id in self._by_id:
+            return f"request id {seq.request_id!r} is already running"
+        capacity = self.blocks.num_blocks * self.blocks.block_size
+        if len(req.prompt_token_ids) >= capacity:
+            return f"prompt of {len(req.prompt_token_ids)} tokens exceeds the KV cache capacity of {capacity} tokens"
         return None
 
-    def _prefill(self, seq: _Sequence) -> torch.Tensor:
-        req = seq.request
-        positions = req.positions
-        if positions is None:
-            positions = torch.arange(len(req.prompt_token_ids)).expand(3, -1)
-        embeds = self.model.prompt_embeddings(req.prompt_token_ids, req.media)
-        seq.cache = self.model.new_cache()
-        return self.model.forward(embeds, positions, seq.cache)
+    def _postprocess(self, seq: Sequence, token: int, logprob, top) -> None:
+        p = seq.request.sampling
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.model.eos_token_ids):
+            self._finish(seq, TokenEvent(None, "stop"))
+            return
+        seq.tokens.append(token)
+        self.num_generated += 1
+        if seq.num_generated >= p.max_tokens:
+            self._finish(seq, TokenEvent(token, "length", None, logprob, top))
+        else:
+            seq.emit(TokenEvent(token, None, None, logprob, top))
 
-    def _decode(self, seq: _Sequence) -> torch.Tensor:
-        req = seq.request
-        step = len(seq.generated) - 1
-        pos = decode_position(len(req.prompt_token_ids), req.mrope_delta, step)
-        embeds = self.model.token_embedding(seq.generated[-1])
-        return self.model.forward(embeds, torch.full((3, 1), pos), seq.cache)
+    def _finish(self, seq: Sequence, event: TokenEvent) -> None:
+        if seq.status is not Status.FINISHED:
+            self.scheduler.finish(seq)
+            self._by_id.pop(seq.request_id, None)
+            seq.emit(event)

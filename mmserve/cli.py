@@ -1,4 +1,4 @@
-"""`mmserve` command line: serve, chat, build-tiny-model."""
+"""`mmserve` command line: serve, chat, encoder-server, build-tiny-model."""
 
 from __future__ import annotations
 
@@ -32,11 +32,14 @@ def _serve(ns: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     ray.init(num_cpus=cpus, include_dashboard=ns.dashboard, logging_level="WARNING")
-    serve.start(http_options={"host": ns.host, "port": ns.http_port})
+    from deployments.grpc_ingress import grpc_options
+
+    serve.start(http_options={"host": ns.host, "port": ns.http_port}, grpc_options=grpc_options(port=ns.grpc_port))
     serve.run(build_app(args), name="mmserve", route_prefix="/")
     print(
         f"mmserve ready in {time.perf_counter() - start:.1f}s: "
-        f"http://{ns.host}:{ns.http_port}/v1/chat/completions (Ctrl-C to stop)",
+        f"http://{ns.host}:{ns.http_port}/v1/chat/completions, gRPC mmserve.v1.VLMService on "
+        f"{ns.host}:{ns.grpc_port} (Ctrl-C to stop)",
         flush=True,
     )
     try:
@@ -57,7 +60,47 @@ def _build_tiny(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _chat_grpc(ns: argparse.Namespace) -> int:
+    import grpc
+
+    from mmserve.client import VLMClient, user
+
+    images = []
+    for path in ns.image or []:
+        with open(path, "rb") as f:
+            images.append(f.read())
+    with VLMClient(ns.grpc, api_key=ns.api_key, application=ns.application) as client:
+        try:
+            for response in client.stream([user(ns.prompt, images)], max_tokens=ns.max_tokens):
+                print(response.text, end="", flush=True)
+        except grpc.RpcError as e:
+            print(f"\nerror {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    print()
+    return 0
+
+
+def _encoder_server(ns: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from encoder_service import VisionEncoder
+    from encoder_service.grpc_server import ServerOptions, ServerSecurity, serve_forever
+
+    logging.basicConfig(level=logging.INFO)
+    encoder = VisionEncoder(ns.model, dtype=ns.dtype, device=ns.device)
+    security = ServerSecurity(ns.token, ns.tls_cert, ns.tls_key, ns.tls_client_ca)
+    options = ServerOptions(host=ns.host, port=ns.port, security=security)
+    try:
+        asyncio.run(serve_forever(encoder, options, ttl_s=ns.result_ttl_s))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def _chat(ns: argparse.Namespace) -> int:
+    if ns.grpc:
+        return _chat_grpc(ns)
     import base64
     import mimetypes
     import urllib.request
@@ -109,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument("--num-cpus", type=float, default=2, help="CPUs given to the embedded Ray")
     serve_p.add_argument("--encoder-gpus", type=float, default=0)
     serve_p.add_argument("--llm-gpus", type=float, default=0)
-    serve_p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve_p.add_argument("--grpc-port", type=int, default=9000, help="Serve's gRPC proxy port")
+    serve_p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (HTTP header, gRPC metadata)")
     serve_p.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard")
     serve_p.set_defaults(func=_serve)
 
@@ -125,7 +169,22 @@ def main(argv: list[str] | None = None) -> int:
     chat_p.add_argument("--url", default="http://127.0.0.1:8000")
     chat_p.add_argument("--max-tokens", type=int, default=64)
     chat_p.add_argument("--api-key", default=None)
+    chat_p.add_argument("--grpc", metavar="HOST:PORT", default=None, help="use the gRPC API at HOST:PORT instead of HTTP")
+    chat_p.add_argument("--application", default=None, help="Serve application name (gRPC, several apps)")
     chat_p.set_defaults(func=_chat)
+
+    enc_p = sub.add_parser("encoder-server", help="serve the vision encoder alone over gRPC (no Ray)")
+    enc_p.add_argument("--model", required=True, help="checkpoint directory")
+    enc_p.add_argument("--host", default="[::]")
+    enc_p.add_argument("--port", type=int, default=9100)
+    enc_p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    enc_p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    enc_p.add_argument("--token", default=None, help="shared token callers must send (authorization: Bearer)")
+    enc_p.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: TLS on)")
+    enc_p.add_argument("--tls-key", default=None)
+    enc_p.add_argument("--tls-client-ca", default=None, help="PEM CA for client certificates (mutual TLS)")
+    enc_p.add_argument("--result-ttl-s", type=float, default=300.0, help="how long unfetched results stay")
+    enc_p.set_defaults(func=_encoder_server)
 
     ns = parser.parse_args(argv)
     return ns.func(ns)

@@ -2,6 +2,8 @@ import os
 
 import pytest
 
+pytest_plugins = ("tests.serve_fixtures",)
+
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
 

@@ -1,4 +1,8 @@
-"""One Ray + Serve instance per test session, with one app per tiny model family (float64)."""
+"""One Ray + Serve instance per test session (registered as a plugin in conftest.py).
+
+`serve_urls`: one float64 app per tiny model family, HTTP + the public gRPC API on Serve's proxy.
+`secured_url`: one more qwen2_vl app, started on first use, with `transport: grpc` and an API key.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,8 @@ import pytest
 from tests.conftest import FAMILIES
 
 TEST_LIMITS = {"max_items_per_request": 4, "max_pixels_per_image": 1_000_000, "max_frames_per_video": 8}
+TEST_API_KEY = "test-key"
+_SMALL = {"num_cpus": 0.1}
 
 
 def _free_port() -> int:
@@ -17,26 +23,56 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _app_args(model_dir: str, name: str, **extra) -> dict:
+    return {
+        "model": model_dir, "dtype": "float64", "served_model_name": name,
+        "router": _SMALL, "encoder": _SMALL, "llm": _SMALL, "limits": TEST_LIMITS, **extra,
+    }
+
+
 @pytest.fixture(scope="session")
-def serve_urls(tiny_models):
-    """{family: base URL of its app}; the apps run until the session ends."""
+def serve_ports():
+    """(HTTP port, gRPC port) of the session's Serve instance; Ray and Serve live until the end."""
     import ray
+    from ray import serve
+
+    from deployments.grpc_ingress import grpc_options
+
+    http_port, grpc_port = _free_port(), _free_port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port}, grpc_options=grpc_options(port=grpc_port))
+    try:
+        yield http_port, grpc_port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_urls(serve_ports, tiny_models) -> dict[str, str]:
+    """{family: base URL of its app}."""
     from ray import serve
 
     from deployments.app import build_app
 
-    port = _free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    small = {"num_cpus": 0.1}
-    try:
-        for family in FAMILIES:
-            args = {
-                "model": tiny_models[family], "dtype": "float64", "served_model_name": family,
-                "router": small, "encoder": small, "llm": small, "limits": TEST_LIMITS,
-            }
-            serve.run(build_app(args), name=family, route_prefix=f"/{family}")
-        yield {f: f"http://127.0.0.1:{port}/{f}" for f in FAMILIES}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    for family in FAMILIES:
+        serve.run(build_app(_app_args(tiny_models[family], family)), name=family, route_prefix=f"/{family}")
+    return {f: f"http://127.0.0.1:{serve_ports[0]}/{f}" for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def grpc_target(serve_urls, serve_ports) -> str:
+    """host:port of Serve's gRPC proxy (the apps of `serve_urls` are up)."""
+    return f"127.0.0.1:{serve_ports[1]}"
+
+
+@pytest.fixture(scope="session")
+def secured_url(serve_ports, tiny_models) -> str:
+    """Base URL of a qwen2_vl app whose embeddings travel over gRPC and that needs TEST_API_KEY."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    args = _app_args(tiny_models["qwen2_vl"], "secured", transport="grpc", api_key=TEST_API_KEY)
+    serve.run(build_app(args), name="secured", route_prefix="/secured")
+    return f"http://127.0.0.1:{serve_ports[0]}/secured"

@@ -6,7 +6,6 @@ import pytest
 
 from tests.media_factory import data_uri, image_bytes, video_frames
 from tests.reference import load_reference, reference_generate
-from tests.serve_fixtures import serve_urls  # noqa: F401  (session fixture)
 
 pytestmark = pytest.mark.serve
 MAX_TOKENS = 10
@@ -174,3 +173,30 @@ def test_special_token_text_is_plain_text(serve_urls, tiny_models):
     if expected and expected[-1] in eos:
         expected = expected[:-1]
     assert tokens == expected
+
+
+@pytest.mark.parametrize("case", [image_case, video_case])
+def test_grpc_transport_gives_the_same_tokens_as_object_store(serve_urls, secured_url, tiny_models, case):
+    from tests.serve_fixtures import TEST_API_KEY
+
+    ref_messages, api_messages = case()
+    expected = reference_generate(tiny_models["qwen2_vl"], ref_messages, MAX_TOKENS)
+    via_object_store = chat(client(serve_urls, "qwen2_vl"), api_messages)
+    secured = openai.OpenAI(base_url=secured_url + "/v1", api_key=TEST_API_KEY, max_retries=0, timeout=120)
+    via_grpc = chat(secured, api_messages)
+    assert via_grpc == via_object_store
+    assert via_grpc[1] == expected
+
+
+def test_api_key_is_required_when_configured(secured_url):
+    from tests.serve_fixtures import TEST_API_KEY
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    url = secured_url + "/v1/chat/completions"
+    assert httpx.post(url, json=body, timeout=60).status_code == 401
+    wrong = httpx.post(url, json=body, headers={"Authorization": "Bearer nope"}, timeout=60)
+    assert wrong.status_code == 401 and "API key" in wrong.json()["error"]["message"]
+    assert httpx.get(secured_url + "/v1/models", timeout=60).status_code == 401
+    assert httpx.get(secured_url + "/health", timeout=60).status_code == 200
+    ok = httpx.post(url, json=body, headers={"Authorization": f"Bearer {TEST_API_KEY}"}, timeout=60)
+    assert ok.status_code == 200

@@ -45,3 +45,11 @@ class QwenVLEncoderFace:
         merge = tower.spatial_merge_size
         sizes = (grid_thw.prod(-1) // (merge * merge)).tolist()
         return list(torch.split(merged, sizes))
+
+    @staticmethod
+    def temporal_slice(
+        pixel_values: torch.Tensor, grid: tuple[int, int, int], start: int, end: int
+    ) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """Temporal patches `[start, end)` of one item: rows are temporal-patch-major."""
+        _, h, w = grid
+        return pixel_values[start * h * w:end * h * w], (end - start, h, w)

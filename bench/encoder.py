@@ -1,0 +1,257 @@
+"""Encoder batching benchmark: one item per forward vs `@serve.batch` by count vs the token-budget pool.
+
+    python bench/encoder.py                 # CPU, tiny Qwen2-VL, a few minutes
+    python bench/encoder.py --device cuda   # + full-size Qwen2-VL vision tower (random weights)
+
+All variants run in this process on the same encoder and the same burst of concurrent requests
+(one image each, sizes 224^2..1024^2 scaled to the model), with the same preprocessing workers;
+only the batching differs. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from encoder_service.batching import BatchConfig  # noqa: E402
+from encoder_service.pool import EncoderPool, PoolConfig  # noqa: E402
+from mmserve.media import MediaItem, MediaKind  # noqa: E402
+
+REAL_SIDES = (224, 448, 672, 896, 1024)
+
+
+def image(height: int, width: int, seed: int) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 255, (max(2, height // 8), max(2, width // 8), 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(base).resize((width, height), Image.BILINEAR).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def workload(n: int, scale: float, seed: int = 0) -> list[MediaItem]:
+    rng = random.Random(seed)
+    items = []
+    for k in range(n):
+        side = rng.choice(REAL_SIDES)
+        aspect = rng.choice((1.0, 0.75, 4 / 3))
+        h, w = max(28, int(side * scale * aspect ** 0.5)), max(28, int(side * scale / aspect ** 0.5))
+        items.append(MediaItem(MediaKind.IMAGE, (image(h, w, seed * 100_000 + k),)))
+    return items
+
+
+def tiny_checkpoint(scale: float) -> str:
+    """The embedded tiny Qwen2-VL, its processor allowed up to 1024^2 * scale^2 pixels."""
+    from mmserve.tiny import ensure_tiny_model
+
+    src = Path(ensure_tiny_model())
+    dst = Path(tempfile.mkdtemp(prefix="mmserve-bench-")) / "tiny_qwen2_vl"
+    shutil.copytree(src, dst)
+    cfg_path = dst / "processor_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["image_processor"]["size"]["longest_edge"] = int((1024 * scale) ** 2 * 1.1)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return str(dst)
+
+
+async def burst(encode, items: list[MediaItem]) -> float:
+    start = time.perf_counter()
+    await asyncio.gather(*[encode([item]) for item in items])
+    return time.perf_counter() - start
+
+
+async def run_pool(encoder, items, batch: BatchConfig, workers: int, cache_bytes: int = 0, repeat: int = 1):
+    pool = EncoderPool(encoder, PoolConfig(batch, preprocess_workers=workers, cache_bytes=cache_bytes))
+    try:
+        await burst(pool.encode, items[:4])  # warm-up (threads, allocator)
+        seconds = [await burst(pool.encode, items) for _ in range(repeat)]
+        return seconds[-1], pool.stats()
+    finally:
+        await pool.close()
+
+
+async def run_serve_batch(encoder, items, max_batch_size: int, wait_s: float, workers: int):
+    """Ray Serve's own `@serve.batch` (by count): preprocess the batch on the workers, one forward."""
+    from ray import serve
+    from ray.serve import batching
+
+    # Outside a replica only this warning's lookup of the replica's config fails; skip it.
+    batching._BatchQueue._warn_if_max_batch_size_exceeds_max_ongoing_requests = lambda self: None
+    preprocess = ThreadPoolExecutor(workers)
+    device = ThreadPoolExecutor(1)
+
+    class CountBatcher:
+        @serve.batch(max_batch_size=max_batch_size, batch_wait_timeout_s=wait_s)
+        async def encode(self, batch: list[list[MediaItem]]) -> list[list[torch.Tensor]]:
+            loop = asyncio.get_running_loop()
+            flat = [item for req in batch for item in req]
+            prepared = await asyncio.gather(*[loop.run_in_executor(preprocess, encoder.preprocess, i) for i in flat])
+            outs = await loop.run_in_executor(device, encoder.forward, prepared)
+            return [[o] for o in outs]
+
+    batcher = CountBatcher()
+    await burst(batcher.encode, items[:4])
+    try:
+        return await burst(batcher.encode, items)
+    finally:
+        preprocess.shutdown()
+        device.shutdown()
+
+
+def cpu_table(args) -> dict:
+    from encoder_service import VisionEncoder
+
+    model = args.model or tiny_checkpoint(args.scale)
+    encoder = VisionEncoder(model, dtype=args.dtype, device="cpu")
+    items = workload(args.items, args.scale)
+    tokens = sum(encoder.estimate_tokens(i) for i in items)
+    budget = BatchConfig(max_batch_tokens=args.max_batch_tokens, max_batch_items=256, batch_wait_ms=args.wait_ms)
+    single = BatchConfig(max_batch_tokens=args.max_batch_tokens, max_batch_items=1, batch_wait_ms=0)
+    w = args.workers
+    t_single, _ = asyncio.run(run_pool(encoder, items, single, w))
+    t_count = asyncio.run(run_serve_batch(encoder, items, args.count_batch, args.wait_ms / 1000, w))
+    t_budget, stats = asyncio.run(run_pool(encoder, items, budget, w))
+    t_hit, hit_stats = asyncio.run(run_pool(encoder, items, budget, w, cache_bytes=1 << 30, repeat=2))
+    assert hit_stats.cache_hits >= len(items)
+    rows = [
+        ("(a) one item per forward", t_single),
+        (f"(b) @serve.batch, {args.count_batch} per batch", t_count),
+        (f"(c) token budget {args.max_batch_tokens}", t_budget),
+        ("cache hits (c, warm)", t_hit),
+    ]
+    print(f"\n{len(items)} concurrent requests, 1 image each, {tokens} tokens; model {Path(model).name}, "
+          f"{args.dtype}, CPU, {w} preprocess workers; budget batches: {stats.forwards} forwards")
+    print(f"{'variant':38s} {'items/s':>9s} {'tokens/s':>10s} {'vs (a)':>7s}")
+    for name, secs in rows:
+        print(f"{name:38s} {len(items) / secs:9.1f} {tokens / secs:10.0f} {t_single / secs:6.2f}x")
+    return {
+        "items": len(items), "tokens": tokens,
+        "single_items_per_s": len(items) / t_single,
+        "count_batch_items_per_s": len(items) / t_count,
+        "token_budget_items_per_s": len(items) / t_budget,
+        "token_budget_tokens_per_s": tokens / t_budget,
+        "token_budget_vs_single": t_single / t_budget,
+        "token_budget_vs_count": t_count / t_budget,
+        "cache_hit_items_per_s": len(items) / t_hit,
+    }
+
+
+class FullSizeTower:
+    """Full-size Qwen2-VL vision tower with random weights on CUDA, shaped like `VisionEncoder`."""
+
+    def __init__(self, dtype: torch.dtype):
+        from transformers import Qwen2VLImageProcessor
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+        from encoder_service.cache import EncoderIdentity
+        from encoder_service.families.qwen2_vl import QwenVLEncoderFace
+        from encoder_service.runtime import VisionEncoder
+
+        self.config = Qwen2VLVisionConfig(hidden_size=3584)  # Qwen2-VL-7B's vision tower
+        self.config._attn_implementation = "sdpa"
+        self.tower = Qwen2VisionTransformerPretrainedModel._from_config(self.config, dtype=dtype).cuda().eval()
+        self.processor = Qwen2VLImageProcessor(max_pixels=1024 * 1024 * 2)
+        self.identity = EncoderIdentity("qwen2-vl-random", "random", "default", str(dtype))
+        self._face = QwenVLEncoderFace("qwen2_vl")
+        self.dtype = dtype
+        self.merge_size = self.config.spatial_merge_size
+        # borrow the pure helpers (num_tokens, cost, split) of the real runtime
+        for name in ("num_tokens", "cost", "split"):
+            setattr(self, name, getattr(VisionEncoder, name).__get__(self))
+
+    def estimate_tokens(self, item: MediaItem) -> int:
+        return self.num_tokens(self.preprocess(item))
+
+    def preprocess(self, item: MediaItem):
+        from encoder_service.runtime import PreparedItem
+        from mmserve.media import decode_image
+
+        out = self.processor(images=[decode_image(item.frames[0])], return_tensors="pt")
+        return PreparedItem(out["pixel_values"], tuple(int(x) for x in out["image_grid_thw"][0].tolist()))
+
+    @torch.inference_mode()
+    def forward(self, prepared):
+        pixels = torch.cat([p.pixel_values for p in prepared]).to("cuda", self.dtype, non_blocking=True)
+        outs = self._face.forward(self.tower, pixels, [p.grid for p in prepared])
+        return [o.to("cpu") for o in outs]
+
+    def flops(self, grid: tuple[int, int, int]) -> float:
+        """Forward FLOPs of one item: 24 d^2 per patch per block (qkv, proj, 4x MLP) + 4 n d attention."""
+        c = self.config
+        patches = grid[0] * grid[1] * grid[2]
+        seq = grid[1] * grid[2]
+        per_block = 24 * c.embed_dim ** 2 * patches + 4 * patches * seq * c.embed_dim
+        merged = patches // 4
+        merger = 2 * merged * (4 * c.embed_dim) * (4 * c.embed_dim) + 2 * merged * 4 * c.embed_dim * c.hidden_size
+        return c.depth * per_block + merger
+
+
+def cuda_rows(args) -> dict:
+    tower = FullSizeTower(torch.bfloat16)
+    results = {}
+    for side in (448, 1024):
+        items = [MediaItem(MediaKind.IMAGE, (image(side, side, 7_000 + k),)) for k in range(args.cuda_items)]
+        grid = tower.preprocess(items[0]).grid
+        batch = BatchConfig(max_batch_tokens=args.cuda_batch_tokens, max_batch_items=256, batch_wait_ms=args.wait_ms)
+        seconds, stats = asyncio.run(run_pool(tower, items, batch, args.workers))
+        torch.cuda.synchronize()
+        # the device's own rate: forwards only, prepared once
+        prepared = [tower.preprocess(i) for i in items[:16]]
+        tower.forward(prepared)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(3):
+            tower.forward(prepared)
+        torch.cuda.synchronize()
+        forward_s = (time.perf_counter() - start) / (3 * len(prepared))
+        mfu = tower.flops(grid) / forward_s / (args.peak_tflops * 1e12)
+        results[f"cuda_{side}_images_per_s"] = len(items) / seconds
+        results[f"cuda_{side}_forward_images_per_s"] = 1 / forward_s
+        results[f"cuda_{side}_mfu"] = mfu
+        print(f"cuda {side}^2 (grid {grid}): pool {len(items) / seconds:.1f} images/s end to end "
+              f"({stats.forwards} forwards), forward alone {1 / forward_s:.1f} images/s, MFU {mfu:.1%}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint for the CPU table (default: tiny Qwen2-VL)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--items", type=int, default=96)
+    p.add_argument("--scale", type=float, default=0.25, help="image side scale for the tiny model")
+    p.add_argument("--workers", type=int, default=2, help="preprocessing threads")
+    p.add_argument("--max-batch-tokens", type=int, default=2048)
+    p.add_argument("--count-batch", type=int, default=8, help="@serve.batch max_batch_size")
+    p.add_argument("--wait-ms", type=float, default=5.0)
+    p.add_argument("--cuda-items", type=int, default=64)
+    p.add_argument("--cuda-batch-tokens", type=int, default=16384)
+    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    result = cpu_table(args)
+    if args.device == "cuda":
+        result.update(cuda_rows(args))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

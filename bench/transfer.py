@@ -1,0 +1,177 @@
+"""Embedding transfer and ingress overhead, side by side (CPU, a few minutes): `python bench/transfer.py`.
+
+1. Moving 0.8 / 4 / 20 MB embeddings (bf16 and fp16) from an encoder actor to an LLM actor:
+   by the object store (the encoder returns the tensor, the LLM gets it through a ref it did not
+   create, as with Serve) and by gRPC (the encoder publishes, the LLM fetches by hash).
+   Latency p50/p99 and MB/s per size.
+2. End-to-end overhead of the gRPC ingress versus HTTP: a small text request (max_tokens=1)
+   against the same Serve app, p50/p99 per protocol.
+The last line printed is one JSON object with all figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import time
+
+import ray
+import torch
+
+SIZES_MB = (0.8, 4.0, 20.0)
+HIDDEN = 2048
+
+
+def _percentiles(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    return statistics.median(ordered), ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+
+
+def _tensor(mb: float, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    rows = max(1, int(mb * 1e6 / (HIDDEN * 2)))
+    return torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@ray.remote(num_cpus=0)
+class Encoder:
+    def __init__(self):
+        from deployments.config import GrpcArgs
+        from deployments.transport import GrpcPublisher
+
+        self.publisher = GrpcPublisher(GrpcArgs(bind_host="127.0.0.1", token="bench"), host="127.0.0.1")
+
+    def tensor(self, mb: float, dtype: str, seed: int) -> torch.Tensor:
+        return _tensor(mb, getattr(torch, dtype), seed)
+
+    def publish(self, mb: float, dtype: str, seed: int):
+        from mmserve.media import MediaItem, MediaKind
+
+        item = MediaItem(MediaKind.IMAGE, (f"{mb}-{dtype}-{seed}".encode(),))
+        return self.publisher.publish([item], [_tensor(mb, getattr(torch, dtype), seed)])[0]
+
+
+@ray.remote(num_cpus=0)
+class LLM:
+    def __init__(self):
+        from deployments.config import GrpcArgs
+        from deployments.transport import GrpcFetcher
+
+        self.fetcher = GrpcFetcher(GrpcArgs(token="bench"))
+
+    async def receive(self, refs: list) -> tuple[float, int]:
+        """Seconds to materialise the tensor behind `refs[0]` (an ObjectRef), and its byte count."""
+        start = time.perf_counter()
+        tensor = await refs[0]
+        return time.perf_counter() - start, tensor.numel() * tensor.element_size()
+
+    async def fetch(self, ref) -> tuple[float, int]:
+        start = time.perf_counter()
+        [tensor] = await self.fetcher.resolve([ref])
+        return time.perf_counter() - start, tensor.numel() * tensor.element_size()
+
+
+def bench_transfer(iters: int) -> dict:
+    encoder, llm = Encoder.remote(), LLM.remote()
+    results = {}
+    for mb in SIZES_MB:
+        for dtype in ("bfloat16", "float16"):
+            for transport in ("object_store", "grpc"):
+                times, nbytes = [], 0
+                for i in range(iters + 2):
+                    if transport == "object_store":
+                        ref = encoder.tensor.remote(mb, dtype, i)  # owned by the driver, like Serve's router
+                        ray.wait([ref])
+                        seconds, nbytes = ray.get(llm.receive.remote([ref]))
+                        del ref
+                    else:
+                        published = ray.get(encoder.publish.remote(mb, dtype, i))
+                        seconds, nbytes = ray.get(llm.fetch.remote(published))
+                    if i >= 2:  # warm-up
+                        times.append(seconds * 1000)
+                p50, p99 = _percentiles(times)
+                results[(mb, dtype, transport)] = {
+                    "p50_ms": round(p50, 2), "p99_ms": round(p99, 2),
+                    "mb_s": round(nbytes / 1e6 / (p50 / 1000), 1), "bytes": nbytes,
+                }
+    return results
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_ingress(iters: int) -> dict:
+    import httpx
+    from ray import serve
+
+    from deployments.app import build_app
+    from deployments.grpc_ingress import grpc_options
+    from mmserve.client import VLMClient, user
+
+    http_port, grpc_port = _free_port(), _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port}, grpc_options=grpc_options(port=grpc_port))
+    small = {"num_cpus": 0.1}
+    serve.run(build_app({"router": small, "encoder": small, "llm": small}), name="bench", route_prefix="/")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    url = f"http://127.0.0.1:{http_port}/v1/chat/completions"
+    out = {}
+    with httpx.Client(timeout=60) as http, VLMClient(f"127.0.0.1:{grpc_port}") as grpc_client:
+        calls = {
+            "http": lambda: http.post(url, json=body).raise_for_status(),
+            "grpc": lambda: grpc_client.generate([user("hi")], max_tokens=1),
+        }
+        for name, call in calls.items():
+            for _ in range(3):
+                call()
+            times = []
+            for _ in range(iters):
+                start = time.perf_counter()
+                call()
+                times.append((time.perf_counter() - start) * 1000)
+            out[name] = _percentiles(times)
+    serve.shutdown()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=20, help="timed transfers per size, dtype and transport")
+    parser.add_argument("--ingress-iters", type=int, default=50)
+    ns = parser.parse_args()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    transfer = bench_transfer(ns.iters)
+    ingress = bench_ingress(ns.ingress_iters)
+    ray.shutdown()
+
+    print(f"{'size':>6} {'dtype':>9} | {'object store p50/p99 ms':>24} {'MB/s':>8} | {'gRPC p50/p99 ms':>18} {'MB/s':>8}")
+    for mb in SIZES_MB:
+        for dtype in ("bfloat16", "float16"):
+            o, g = transfer[(mb, dtype, "object_store")], transfer[(mb, dtype, "grpc")]
+            print(f"{mb:>4} MB {dtype:>9} | {o['p50_ms']:>11.2f} / {o['p99_ms']:>10.2f} {o['mb_s']:>8.1f} | "
+                  f"{g['p50_ms']:>8.2f} / {g['p99_ms']:>7.2f} {g['mb_s']:>8.1f}")
+    for name, (p50, p99) in ingress.items():
+        print(f"ingress {name:>4}: p50 {p50:.2f} ms, p99 {p99:.2f} ms (text, max_tokens=1)")
+
+    def pick(mb: float, transport: str, key: str) -> float:
+        return transfer[(mb, "bfloat16", transport)][key]
+
+    summary = {
+        "object_store_mb_s_20mb": pick(20.0, "object_store", "mb_s"),
+        "grpc_mb_s_20mb": pick(20.0, "grpc", "mb_s"),
+        "object_store_p50_ms_4mb": pick(4.0, "object_store", "p50_ms"),
+        "grpc_p50_ms_4mb": pick(4.0, "grpc", "p50_ms"),
+        "transfer": {f"{t}_{d}_{mb}mb": v for (mb, d, t), v in transfer.items()},
+        "ingress_http_p50_ms": round(ingress["http"][0], 2),
+        "ingress_grpc_p50_ms": round(ingress["grpc"][0], 2),
+        "ingress_grpc_minus_http_p50_ms": round(ingress["grpc"][0] - ingress["http"][0], 2),
+    }
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""`mmserve.v1` protobuf <-> the app's protocol-neutral request and generation; gRPC status codes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from ray import exceptions as ray_exceptions
+from ray.serve import exceptions as serve_exceptions
+
+from deployments.config import LimitArgs
+from deployments.generation import Generation, GenerationOptions, as_invalid_request
+from deployments.llm import root_cause
+from deployments.media_fetch import load_url
+from mmserve.encoder_client import EmbeddingNotFound
+from mmserve.errors import InvalidRequest
+from mmserve.media import MediaItem, MediaKind
+from mmserve.planner import Message
+from protos.mmserve.v1 import vlm_pb2
+
+ROLES = ("system", "user", "assistant")
+REQUEST_ID_KEY = "x-request-id"
+_UNAVAILABLE = (
+    serve_exceptions.DeploymentUnavailableError, serve_exceptions.ReplicaUnavailableError,
+    ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError, EmbeddingNotFound,
+)
+_DEADLINE = (TimeoutError, asyncio.TimeoutError, ray_exceptions.GetTimeoutError)
+
+
+class Unauthenticated(Exception):
+    """The API key is missing or wrong."""
+
+
+def status_for(e: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status and client-safe message for an exception raised while serving a request."""
+    if (invalid := as_invalid_request(e)) is not None:
+        return grpc.StatusCode.INVALID_ARGUMENT, str(invalid)
+    cause = root_cause(e)
+    for error in (e, cause):
+        if isinstance(error, Unauthenticated):
+            return grpc.StatusCode.UNAUTHENTICATED, str(error)
+        if isinstance(error, serve_exceptions.BackPressureError):
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, "server overloaded (backpressure); retry later"
+        if isinstance(error, _UNAVAILABLE):
+            return grpc.StatusCode.UNAVAILABLE, f"a backend is unavailable: {type(error).__name__}"
+        if isinstance(error, _DEADLINE):
+            return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(cause).__name__}"
+
+
+def check_request(request: vlm_pb2.GenerateRequest, limits: LimitArgs, served_model_name: str) -> None:
+    size = request.ByteSize()
+    if size > limits.max_request_bytes:
+        raise InvalidRequest(f"request of {size} bytes exceeds the limit of {limits.max_request_bytes}")
+    if request.model and request.model != served_model_name:
+        raise InvalidRequest(f"model {request.model!r} is not served here; use {served_model_name!r}")
+    if not request.messages:
+        raise InvalidRequest("messages: at least one message is required")
+    s = request.sampling
+    if s.HasField("max_tokens") and s.max_tokens < 1:
+        raise InvalidRequest("sampling.max_tokens must be at least 1")
+    if s.HasField("temperature") and not 0 <= s.temperature <= 2:
+        raise InvalidRequest(f"sampling.temperature must be in [0, 2], got {s.temperature}")
+    if s.HasField("top_p") and not 0 < s.top_p <= 1:
+        raise InvalidRequest(f"sampling.top_p must be in (0, 1], got {s.top_p}")
+
+
+def options(request: vlm_pb2.GenerateRequest) -> GenerationOptions:
+    s = request.sampling
+
+    def opt(name: str):
+        return getattr(s, name) if s.HasField(name) else None
+
+    return GenerationOptions(
+        max_tokens=opt("max_tokens"), temperature=opt("temperature"), top_p=opt("top_p"), top_k=opt("top_k"),
+        seed=opt("seed"), stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos,
+    )
+
+
+async def messages(request: vlm_pb2.GenerateRequest, limits: LimitArgs) -> list[Message]:
+    """Messages with every media part as bytes (image URLs loaded under the same rules as HTTP)."""
+
+    async def part(i: int, j: int, p: vlm_pb2.ContentPart) -> str | MediaItem:
+        kind = p.WhichOneof("part")
+        if kind == "text":
+            return p.text
+        if kind == "image":
+            return MediaItem(MediaKind.IMAGE, (p.image,))
+        if kind == "image_url":
+            return MediaItem(MediaKind.IMAGE, (await load_url(p.image_url, limits),))
+        if kind == "video":
+            if len(p.video.frames) > limits.max_frames_per_video:
+                raise InvalidRequest(
+                    f"video has {len(p.video.frames)} frames; the limit is {limits.max_frames_per_video}"
+                )
+            return MediaItem(MediaKind.VIDEO, tuple(p.video.frames), fps=p.video.fps or 2.0)
+        raise InvalidRequest(f"messages[{i}].content[{j}]: empty content part")
+
+    async def message(i: int, m: vlm_pb2.ChatMessage) -> Message:
+        if m.role not in ROLES:
+            raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {m.role!r}")
+        return Message(m.role, tuple(await asyncio.gather(*(part(i, j, p) for j, p in enumerate(m.content)))))
+
+    return list(await asyncio.gather(*(message(i, m) for i, m in enumerate(request.messages))))
+
+
+def usage(gen: Generation) -> vlm_pb2.Usage:
+    prompt = len(gen.plan.token_ids)
+    return vlm_pb2.Usage(
+        prompt_tokens=prompt, image_tokens=gen.plan.num_media_tokens,
+        completion_tokens=gen.num_generated, total_tokens=prompt + gen.num_generated,
+    )
+
+
+async def completion(gen: Generation) -> vlm_pb2.GenerateResponse:
+    text, tokens, finish = [], [], ""
+    async for delta in gen.deltas():
+        text.append(delta.text)
+        if delta.token_id is not None:
+            tokens.append(delta.token_id)
+        finish = delta.finish_reason or finish
+    return vlm_pb2.GenerateResponse(
+        request_id=gen.request_id, text="".join(text), token_ids=tokens, finish_reason=finish, usage=usage(gen),
+    )
+
+
+async def stream(gen: Generation):
+    """One response per delta; the last carries finish_reason and usage."""
+    async for delta in gen.deltas():
+        response = vlm_pb2.GenerateResponse(
+            request_id=gen.request_id, text=delta.text,
+            token_ids=[delta.token_id] if delta.token_id is not None else [],
+            finish_reason=delta.finish_reason or "",
+        )
+        if delta.finish_reason:
+            response.usage.CopyFrom(usage(gen))
+        yield response

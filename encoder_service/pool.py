@@ -1,0 +1,333 @@
+"""The encoder pool runtime: cache and dedup in front, CPU preprocessing pool, token-budget batches.
+
+One `EncoderPool` per process (a Ray Serve replica or the standalone gRPC server) serves items of
+any number of concurrent requests from one asyncio event loop:
+
+    encode(items) -> cache hit?  -> embedding
+                  -> in flight?  -> share that item's future (dedup)
+                  -> preprocess on the worker pool -> queue (a video over budget: split)
+    scheduler     -> select_batch (token budget, wait at most batch_wait_ms)
+                  -> one packed forward on the device thread -> split per item -> cache
+
+The forward of one batch overlaps the preprocessing of the next. An item that fails (corrupt
+media) fails only the requests that asked for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, Protocol
+
+import torch
+
+from encoder_service.batching import BatchConfig, Selection, overtaken, select_batch, temporal_groups
+from encoder_service.cache import EmbeddingCache, EncoderIdentity
+from encoder_service.runtime import PreparedItem
+from mmserve.media import MediaItem
+
+logger = logging.getLogger(__name__)
+
+Lookup = Literal["hit", "miss", "dedup"]
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    batch: BatchConfig = BatchConfig()
+    preprocess_workers: int = 4
+    cache_bytes: int = 1 << 30  # 0 disables the cache
+
+    def __post_init__(self):
+        if self.preprocess_workers < 1:
+            raise ValueError("preprocess_workers must be >= 1")
+
+
+class Encoder(Protocol):
+    """What the pool needs of `encoder_service.VisionEncoder` (tests pass fakes)."""
+
+    identity: EncoderIdentity
+
+    def estimate_tokens(self, item: MediaItem) -> int: ...
+    def preprocess(self, item: MediaItem) -> PreparedItem: ...
+    def num_tokens(self, prepared: PreparedItem) -> int: ...
+    def cost(self, prepared: PreparedItem, unit: str) -> int: ...
+    def split(self, prepared: PreparedItem, groups: Sequence[tuple[int, int]]) -> list[PreparedItem]: ...
+    def forward(self, prepared: Sequence[PreparedItem]) -> list[torch.Tensor]: ...
+
+
+class BatchRecord(NamedTuple):
+    items: int
+    cost: int
+    fill_ratio: float  # cost / max_batch_tokens, at most 1 (an oversize item alone counts as full)
+    wait_ms: float  # from the oldest piece's enqueue to the start of the forward
+    forward_ms: float
+
+
+class PoolStats(NamedTuple):
+    queued_tokens: int  # output tokens of items admitted and not yet answered
+    queued_items: int
+    forwards: int
+    pieces_forwarded: int
+    cache_hits: int
+    cache_misses: int
+    dedup_hits: int
+    cache_bytes: int
+
+
+class PoolListener:
+    """Observer of the pool (metrics); every method runs on the event loop and must be cheap."""
+
+    def on_lookup(self, outcome: Lookup) -> None:
+        pass
+
+    def on_batch(self, record: BatchRecord) -> None:
+        pass
+
+    def on_queue(self, queued_tokens: int, queued_items: int, cache_bytes: int) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class _Job:
+    """One distinct item being encoded (shared by every request that asked for it)."""
+
+    key: str
+    future: asyncio.Future
+    tokens: int
+    outputs: list[torch.Tensor | None] = field(default_factory=list)
+    remaining: int = 0
+
+
+@dataclass(eq=False)
+class _Piece:
+    job: _Job
+    index: int
+    prepared: PreparedItem
+    cost: int
+    enqueued: float
+    skips: int = 0
+
+
+class EncoderPool:
+    """Encodes media items from concurrent callers in token-budget batches (see module docstring).
+
+    Bound to the event loop of its first `encode` call; `close()` stops it.
+    """
+
+    def __init__(self, encoder: Encoder, config: PoolConfig = PoolConfig(), listener: PoolListener | None = None):
+        self.encoder = encoder
+        self.config = config
+        self.listener = listener or PoolListener()
+        self.cache = EmbeddingCache(config.cache_bytes) if config.cache_bytes > 0 else None
+        self._preprocess = ThreadPoolExecutor(config.preprocess_workers, thread_name_prefix="encoder-preprocess")
+        self._device = ThreadPoolExecutor(1, thread_name_prefix="encoder-forward")
+        self._inflight: dict[str, _Job] = {}
+        self._queue: list[_Piece] = []
+        self._wake: asyncio.Event | None = None
+        self._scheduler: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queued_tokens = 0
+        self._forwards = 0
+        self._pieces_forwarded = 0
+        self._dedup_hits = 0
+
+    # -- public ---------------------------------------------------------------------------------
+    async def encode(self, items: Sequence[MediaItem]) -> list[torch.Tensor]:
+        """One `(num_tokens, hidden)` CPU tensor per item, in order (shared: treat as read-only).
+
+        Raises the first failing item's error (InvalidRequest for corrupt media); the other
+        items keep running for the other requests that share them. Cancelling the caller does not
+        cancel shared work.
+        """
+        self._ensure_started()
+        futures = [self._submit(item) for item in items]
+        if futures:
+            await asyncio.wait(futures)
+        return [f.result() for f in futures]
+
+    def encode_threadsafe(self, items: Sequence[MediaItem], timeout: float | None = None) -> list[torch.Tensor]:
+        """`encode` from another thread (e.g. a gRPC server with its own loop); blocks that thread.
+
+        Needs the pool's loop running (after a first `encode` there, or `start(loop)`).
+        """
+        if self._loop is None:
+            raise RuntimeError("encoder pool not started: call start(loop) or encode() on its loop first")
+        return asyncio.run_coroutine_threadsafe(self.encode(items), self._loop).result(timeout)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Bind to `loop` (running, or about to run) before any `encode`; thread-safe."""
+        loop.call_soon_threadsafe(self._ensure_started)
+        self._loop = loop
+
+    @property
+    def queued_tokens(self) -> int:
+        return self._queued_tokens
+
+    def stats(self) -> PoolStats:
+        cache = self.cache
+        return PoolStats(
+            queued_tokens=self._queued_tokens,
+            queued_items=len(self._inflight),
+            forwards=self._forwards,
+            pieces_forwarded=self._pieces_forwarded,
+            cache_hits=cache.hits if cache else 0,
+            cache_misses=cache.misses if cache else 0,
+            dedup_hits=self._dedup_hits,
+            cache_bytes=cache.num_bytes if cache else 0,
+        )
+
+    async def close(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+            await asyncio.gather(self._scheduler, return_exceptions=True)
+        self._preprocess.shutdown(wait=False, cancel_futures=True)
+        self._device.shutdown(wait=False, cancel_futures=True)
+
+    # -- admission ------------------------------------------------------------------------------
+    def _ensure_started(self) -> None:
+        if self._scheduler is None or self._scheduler.done():
+            self._loop = asyncio.get_running_loop()
+            self._wake = asyncio.Event()
+            self._scheduler = self._loop.create_task(self._schedule())
+
+    def _submit(self, item: MediaItem) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        key = self.encoder.identity.key(item)
+        job = self._inflight.get(key)
+        if job is not None:
+            self._dedup_hits += 1
+            self.listener.on_lookup("dedup")
+            return job.future
+        future = loop.create_future()
+        if self.cache is not None and (hit := self.cache.get(key)) is not None:
+            self.listener.on_lookup("hit")
+            future.set_result(hit)
+            return future
+        self.listener.on_lookup("miss")
+        try:
+            tokens = self.encoder.estimate_tokens(item)
+        except Exception:  # unreadable header: preprocessing reports the real error
+            tokens = 0
+        job = _Job(key, future, tokens)
+        self._inflight[key] = job
+        self._queued_tokens += tokens
+        self._notify_queue()
+        prepared = loop.run_in_executor(self._preprocess, self.encoder.preprocess, item)
+        prepared.add_done_callback(lambda f: self._on_prepared(job, f))
+        return future
+
+    def _on_prepared(self, job: _Job, prepared_future: asyncio.Future) -> None:
+        if prepared_future.cancelled():
+            self._finish(job, error=RuntimeError("encoder pool closed"))
+            return
+        if (error := prepared_future.exception()) is not None:
+            self._finish(job, error=error)
+            return
+        prepared = prepared_future.result()
+        unit, budget = self.config.batch.cost_unit, self.config.batch.max_batch_tokens
+        pieces = [prepared]
+        num_temporal = prepared.grid[0]
+        if num_temporal > 1 and self.encoder.cost(prepared, unit) > budget:
+            per_temporal = self.encoder.cost(prepared, unit) // num_temporal
+            pieces = self.encoder.split(prepared, temporal_groups(num_temporal, per_temporal, budget))
+        job.outputs = [None] * len(pieces)
+        job.remaining = len(pieces)
+        now = time.monotonic()
+        for index, piece in enumerate(pieces):
+            self._queue.append(_Piece(job, index, piece, self.encoder.cost(piece, unit), now))
+        assert self._wake is not None
+        self._wake.set()
+
+    def _finish(self, job: _Job, result: torch.Tensor | None = None, error: BaseException | None = None) -> None:
+        if self._inflight.get(job.key) is job:
+            del self._inflight[job.key]
+            self._queued_tokens -= job.tokens
+        if job.future.done():
+            return
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            assert result is not None
+            if self.cache is not None:
+                self.cache.put(job.key, result)
+            job.future.set_result(result)
+        self._notify_queue()
+
+    def _notify_queue(self) -> None:
+        cache_bytes = self.cache.num_bytes if self.cache is not None else 0
+        self.listener.on_queue(self._queued_tokens, len(self._inflight), cache_bytes)
+
+    # -- batches --------------------------------------------------------------------------------
+    async def _schedule(self) -> None:
+        assert self._wake is not None
+        wait_s = self.config.batch.batch_wait_ms / 1000
+        while True:
+            self._queue = [p for p in self._queue if not p.job.future.done()]  # drop failed jobs' pieces
+            if not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            selection = select_batch([p.cost for p in self._queue], [p.skips for p in self._queue], self.config.batch)
+            remaining_s = self._queue[0].enqueued + wait_s - time.monotonic()
+            if not selection.full and remaining_s > 0:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), remaining_s)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            await self._run_batch(self._take(selection))
+
+    def _take(self, selection: Selection) -> list[_Piece]:
+        for i in overtaken(selection, len(self._queue)):
+            self._queue[i].skips += 1
+        chosen = set(selection.indices)
+        batch = [self._queue[i] for i in selection.indices]
+        self._queue = [p for i, p in enumerate(self._queue) if i not in chosen]
+        return batch
+
+    async def _run_batch(self, batch: list[_Piece]) -> None:
+        loop = asyncio.get_running_loop()
+        start = time.monotonic()
+        wait_ms = (start - min(p.enqueued for p in batch)) * 1000
+        try:
+            outputs: list[torch.Tensor | BaseException] = list(
+                await loop.run_in_executor(self._device, self.encoder.forward, [p.prepared for p in batch])
+            )
+        except Exception as e:
+            if len(batch) == 1:
+                outputs = [e]
+            else:  # find the culprit: one forward per piece, so only its requests fail
+                logger.warning("batched forward of %d pieces failed (%r); retrying one by one", len(batch), e)
+                outputs = [await self._forward_alone(p) for p in batch]
+        forward_ms = (time.monotonic() - start) * 1000
+        cost = sum(p.cost for p in batch)
+        self._forwards += 1
+        self._pieces_forwarded += len(batch)
+        fill = min(1.0, cost / self.config.batch.max_batch_tokens)
+        self.listener.on_batch(BatchRecord(len(batch), cost, fill, wait_ms, forward_ms))
+        for piece, out in zip(batch, outputs):
+            self._deliver(piece, out)
+
+    async def _forward_alone(self, piece: _Piece) -> torch.Tensor | BaseException:
+        try:
+            return (await asyncio.get_running_loop().run_in_executor(self._device, self.encoder.forward, [piece.prepared]))[0]
+        except Exception as e:
+            return e
+
+    def _deliver(self, piece: _Piece, out: torch.Tensor | BaseException) -> None:
+        job = piece.job
+        if job.future.done():
+            return
+        if isinstance(out, BaseException):
+            self._finish(job, error=out)
+            return
+        job.outputs[piece.index] = out
+        job.remaining -= 1
+        if job.remaining == 0:
+            outputs = job.outputs
+            self._finish(job, result=outputs[0] if len(outputs) == 1 else torch.cat(outputs))  # type: ignore[arg-type]

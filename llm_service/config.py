@@ -1,0 +1,38 @@
+"""Engine configuration: resolved once, never mutated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How one LLM replica schedules, caches and runs.
+
+    `kv_cache_bytes` sizes the paged KV pool; None means a default: on CUDA,
+    `gpu_memory_utilization` of the device minus what is already in use (weights), on CPU 512 MiB.
+    `num_kv_blocks` overrides both (tests use it for a tiny pool). `max_num_batched_tokens`
+    is the per-step token budget; with `enable_chunked_prefill` a long prompt is prefilled
+    over several steps, without it a prompt longer than the budget runs alone in its step.
+    `cuda_graphs` captures decode-only steps (CUDA only) for batch sizes up to
+    `max_graph_batch_size`.
+    """
+
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    kv_cache_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cuda_graphs: bool = True
+    max_graph_batch_size: int = 64
+    max_logprobs: int = 20
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be positive")

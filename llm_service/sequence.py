@@ -1,0 +1,121 @@
+"""Requests as the engine sees them: the request, the tokens so far, its KV blocks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NamedTuple
+
+import torch
+
+from llm_service.sampling import SamplingParams
+from mmserve.media import PlaceholderRange
+
+
+@dataclass(frozen=True)
+class LLMRequest:
+    """A prompt ready for the LM: token ids, media embeddings at their ranges, 3-D positions.
+
+    `positions` is `(3, len(prompt_token_ids))`, or None for a text-only prompt (then
+    `arange` on every axis and `mrope_delta == 0`).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    positions: torch.Tensor | None = None
+    mrope_delta: int = 0
+    media: tuple[tuple[PlaceholderRange, torch.Tensor], ...] = ()
+
+
+class TokenEvent(NamedTuple):
+    """One generated token, or the end of the stream (`finish_reason` set), or a failure.
+
+    `logprob` / `top_logprobs` are set when the request asked for logprobs: the log-probability
+    of `token_id` and the `(token_id, logprob)` pairs of the most likely tokens, from the raw
+    model distribution (before temperature, penalties and filters, as vLLM reports them).
+    """
+
+    token_id: int | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the engine.
+
+    `tokens` is prompt + generated ids; `num_computed` how many of them have K/V in the pool
+    (the blocks of `block_table`). Preemption drops the blocks and sets `num_computed` to 0:
+    the sequence is recomputed from its tokens (media embeddings kept) when it runs again.
+    """
+
+    request: LLMRequest
+    emit: Callable[[TokenEvent], None]
+    arrival: int
+    generator: torch.Generator | None = None
+    tokens: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_preemptions: int = 0
+    _positions: torch.Tensor | None = None
+
+    def __post_init__(self):
+        self.tokens = list(self.request.prompt_token_ids)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.num_prompt_tokens
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens:]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose K/V are not in the pool yet (1 for a decode)."""
+        return len(self.tokens) - self.num_computed
+
+    def positions(self, start: int, end: int) -> torch.Tensor:
+        """M-RoPE positions `(3, end - start)` of tokens `start..end`: the router's for the
+        prompt, `len(prompt) + delta + step` on every axis after it."""
+        req = self.request
+        n = self.num_prompt_tokens
+        if self._positions is None:
+            prompt = req.positions if req.positions is not None else torch.arange(n).expand(3, -1)
+            self._positions = prompt.to(torch.long)
+        if end <= n:
+            return self._positions[:, start:end]
+        tail = torch.arange(max(start, n), end).expand(3, -1) + req.mrope_delta
+        return torch.cat([self._positions[:, start:n], tail], dim=1) if start < n else tail
+
+    def chunk_media(self, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
+        """`(offset in the chunk, embedding rows)` of every media item overlapping `start..end`."""
+        out = []
+        for rng, emb in self.request.media:
+            lo, hi = max(rng.offset, start), min(rng.offset + rng.length, end)
+            if lo < hi:
+                out.append((lo - start, emb[lo - rng.offset:hi - rng.offset]))
+        return out

@@ -1,0 +1,100 @@
+"""Client of the internal `EncoderService` (grpc.aio): encode media, fetch embeddings by hash.
+
+Used by the LLM side of `transport: grpc` and by callers of a standalone encoder server. The
+channel never needs a raised message limit: embeddings arrive as chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from mmserve.embedding_wire import from_chunks
+from mmserve.errors import InvalidRequest
+from mmserve.media import MediaItem, MediaKind
+from protos.mmserve.v1 import encoder_pb2, encoder_pb2_grpc
+
+
+@dataclass(frozen=True)
+class EncodedRef:
+    """Where an embedding waits: the server's address and the item's content hash."""
+
+    address: str
+    content_hash: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def num_bytes(self) -> int:
+        size = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return size * int(torch.Size(self.shape).numel())
+
+
+class EmbeddingNotFound(LookupError):
+    """The server holds no embedding under that hash (fetched already, expired, or never encoded)."""
+
+
+class EncoderClient:
+    """One channel to one EncoderService; safe to share between concurrent coroutines."""
+
+    def __init__(self, address: str, token: str | None = None, root_certificates: bytes | None = None,
+                 timeout_s: float = 60.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        if root_certificates is not None:
+            self._channel = grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates))
+        else:
+            self._channel = grpc.aio.insecure_channel(address)
+        self._stub = encoder_pb2_grpc.EncoderServiceStub(self._channel)
+
+    async def encode(self, item: MediaItem) -> torch.Tensor:
+        """Encode `item` and stream the embedding back (nothing stays pinned on the server)."""
+        request = encoder_pb2.EncodeRequest(item=_item_proto(item), return_embedding=True)
+        _, tensor = await self._receive(self._stub.Encode(request, metadata=self._metadata, timeout=self.timeout_s))
+        return tensor
+
+    async def encode_pinned(self, item: MediaItem) -> EncodedRef:
+        """Encode `item` and leave the embedding pinned on the server for one `fetch`."""
+        request = encoder_pb2.EncodeRequest(item=_item_proto(item), return_embedding=False)
+        call = self._stub.Encode(request, metadata=self._metadata, timeout=self.timeout_s)
+        try:
+            chunks = [chunk async for chunk in call]
+        except grpc.aio.AioRpcError as e:
+            raise _translate(e) from None
+        header = chunks[0].header
+        return EncodedRef(self.address, header.content_hash, header.dtype, tuple(header.shape))
+
+    async def fetch(self, content_hash: str, wait_ms: int = 0) -> torch.Tensor:
+        """The embedding pinned under `content_hash`, bit for bit; releases the pin."""
+        request = encoder_pb2.FetchEmbeddingRequest(content_hash=content_hash, wait_ms=wait_ms)
+        _, tensor = await self._receive(
+            self._stub.FetchEmbedding(request, metadata=self._metadata, timeout=self.timeout_s)
+        )
+        return tensor
+
+    async def _receive(self, call: AsyncIterable[encoder_pb2.EmbeddingChunk]):
+        try:
+            chunks = [chunk async for chunk in call]
+        except grpc.aio.AioRpcError as e:
+            raise _translate(e) from None
+        return from_chunks(chunks)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+def _item_proto(item: MediaItem) -> encoder_pb2.MediaItem:
+    kind = encoder_pb2.MediaItem.IMAGE if item.kind is MediaKind.IMAGE else encoder_pb2.MediaItem.VIDEO
+    return encoder_pb2.MediaItem(kind=kind, frames=list(item.frames), fps=item.fps)
+
+
+def _translate(e: grpc.aio.AioRpcError) -> Exception:
+    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest(e.details() or "invalid media item")
+    if e.code() == grpc.StatusCode.NOT_FOUND:
+        return EmbeddingNotFound(e.details())
+    return e

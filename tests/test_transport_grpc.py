@@ -1,0 +1,88 @@
+"""Transport `grpc` against a real EncoderService server: bit-identical tensors, pinning, auth."""
+
+import asyncio
+
+import pytest
+import torch
+
+from deployments.config import GrpcArgs
+from deployments.transport import GrpcFetcher, GrpcPublisher
+from mmserve.encoder_client import EmbeddingNotFound, EncoderClient
+from mmserve.media import MediaItem, MediaKind
+
+
+def _item(i: int) -> MediaItem:
+    return MediaItem(MediaKind.IMAGE, (f"image-{i}".encode(),))
+
+
+@pytest.fixture(scope="module")
+def publisher():
+    pub = GrpcPublisher(GrpcArgs(bind_host="127.0.0.1", token="s3cret", chunk_bytes=1 << 20), host="127.0.0.1")
+    yield pub
+    pub.stop()
+
+
+def _roundtrip(publisher, tensors):
+    items = [_item(i) for i in range(len(tensors))]
+    refs = publisher.publish(items, tensors)
+    fetcher = GrpcFetcher(GrpcArgs(token="s3cret"))
+
+    async def go():
+        try:
+            return await fetcher.resolve(refs)
+        finally:
+            await fetcher.close()
+
+    return refs, asyncio.run(go())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_embedding_crosses_bit_identical(publisher, dtype):
+    tensor = torch.randn(300, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    refs, [back] = _roundtrip(publisher, [tensor])
+    assert back.dtype == dtype and back.shape == tensor.shape
+    assert torch.equal(back.view(torch.uint8), tensor.view(torch.uint8))
+    assert refs[0].num_bytes == tensor.numel() * tensor.element_size()
+
+
+def test_20mb_embedding_crosses_intact(publisher):
+    tensor = torch.randn(5120, 2048, generator=torch.Generator().manual_seed(1))  # 40 MB fp32 -> 20 MB bf16
+    tensor = tensor.to(torch.bfloat16)
+    assert tensor.numel() * tensor.element_size() >= 20_000_000
+    _, [back] = _roundtrip(publisher, [tensor])
+    assert torch.equal(back.view(torch.int16), tensor.view(torch.int16))
+
+
+def test_result_is_unpinned_after_fetch(publisher):
+    tensor = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    refs, [back] = _roundtrip(publisher, [tensor])
+    assert torch.equal(back, tensor)
+    assert refs[0].content_hash not in publisher.store
+
+    async def again():
+        client = EncoderClient(refs[0].address, "s3cret")
+        try:
+            await client.fetch(refs[0].content_hash)
+        finally:
+            await client.close()
+
+    with pytest.raises(EmbeddingNotFound):
+        asyncio.run(again())
+
+
+def test_wrong_token_is_unauthenticated(publisher):
+    import grpc
+
+    [ref] = publisher.publish([_item(99)], [torch.ones(2, 2)])
+
+    async def steal():
+        client = EncoderClient(ref.address, "guess")
+        try:
+            await client.fetch(ref.content_hash)
+        finally:
+            await client.close()
+
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        asyncio.run(steal())
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert ref.content_hash in publisher.store  # still pinned for the rightful fetch
