@@ -30,12 +30,15 @@ class GenerationOptions:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # most likely alternatives to return per token; None: no logprobs
 
 
 class Delta(NamedTuple):
     text: str
     token_id: int | None
     finish_reason: str | None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 def as_invalid_request(e: BaseException) -> InvalidRequest | None:
@@ -76,12 +79,16 @@ class Generation:
                 self.num_generated += event.token_id is not None
                 delta = detok.add(event.token_id) if event.token_id is not None else ""
                 if detok.stopped:
-                    yield Delta(delta, event.token_id, "stop")
+                    yield Delta(delta, event.token_id, "stop", event.logprob, event.top_logprobs)
                     return
                 finish = event.finish_reason
-                yield Delta(delta + detok.flush() if finish else delta, event.token_id, finish)
+                text = delta + detok.flush() if finish else delta
+                yield Delta(text, event.token_id, finish, event.logprob, event.top_logprobs)
         finally:
             self._stream.cancel()
+
+    def token_text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id])
 
     def usage(self) -> dict:
         prompt = len(self.plan.token_ids)

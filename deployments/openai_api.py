@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from deployments.config import LimitArgs
-from deployments.generation import Generation, GenerationOptions
+from deployments.generation import Delta, Generation, GenerationOptions
 from deployments.media_fetch import load_url
 from deployments.protocol import ChatCompletionRequest, ImageURLPart, TextPart
 from mmserve.errors import InvalidRequest
@@ -36,6 +36,8 @@ def parse_body(body: bytes, limits: LimitArgs) -> ChatCompletionRequest:
         raise InvalidRequest("invalid request: " + "; ".join(problems)) from None
     if request.n != 1:
         raise InvalidRequest(f"n={request.n} is not supported; only n=1")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true")
     return request
 
 
@@ -54,7 +56,19 @@ def options(request: ChatCompletionRequest) -> GenerationOptions:
         stop=stop,
         stop_token_ids=tuple(request.stop_token_ids or ()),
         ignore_eos=request.ignore_eos,
+        logprobs=(request.top_logprobs or 0) if request.logprobs else None,
     )
+
+
+def _logprob_entry(gen: Generation, delta: Delta) -> dict:
+    """OpenAI's `logprobs.content[i]` for one generated token."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = gen.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {**entry(delta.token_id, delta.logprob),
+            "top_logprobs": [entry(t, lp) for t, lp in delta.top_logprobs or ()]}
 
 
 async def messages(request: ChatCompletionRequest, limits: LimitArgs) -> list[Message]:
@@ -82,13 +96,17 @@ async def messages(request: ChatCompletionRequest, limits: LimitArgs) -> list[Me
 
 
 async def completion(gen: Generation, model: str, with_token_ids: bool) -> dict:
-    text, tokens, finish = [], [], None
+    text, tokens, logprobs, finish = [], [], [], None
     async for delta in gen.deltas():
         text.append(delta.text)
         if delta.token_id is not None:
             tokens.append(delta.token_id)
+            if delta.logprob is not None:
+                logprobs.append(_logprob_entry(gen, delta))
         finish = delta.finish_reason
     choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "finish_reason": finish}
+    if gen.sampling.logprobs is not None:
+        choice["logprobs"] = {"content": logprobs}
     if with_token_ids:
         choice["token_ids"] = tokens
     return {
@@ -114,6 +132,8 @@ async def sse(gen: Generation, model: str, with_token_ids: bool, include_usage: 
             extra = {}
             if with_token_ids:
                 extra["token_ids"] = [delta.token_id] if delta.token_id is not None else []
+            if delta.logprob is not None and delta.token_id is not None:
+                extra["logprobs"] = {"content": [_logprob_entry(gen, delta)]}
             yield chunk({"content": delta.text} if delta.text else {}, delta.finish_reason, **extra)
         if include_usage:
             yield event({**base, "choices": [], "usage": gen.usage()})

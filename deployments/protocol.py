@@ -58,6 +58,8 @@ class ChatCompletionRequest(_Model):
     repetition_penalty: float | None = Field(default=None, gt=0)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     seed: int | None = None
     n: int = 1
     stop: str | list[str] | None = None

@@ -129,12 +129,14 @@ class Router(GrpcIngress):
             top_p=float(default(opts.top_p, gen.top_p, 1.0)),
             top_k=max(int(default(opts.top_k, gen.top_k, 0)), 0),
             min_p=float(default(opts.min_p, getattr(gen, "min_p", None), 0.0)),
-            repetition_penalty=float(default(opts.repetition_penalty, gen.repetition_penalty, 1.0)),
+            # like transformers' generate and vLLM, the checkpoint's repetition penalty applies greedy too
+            repetition_penalty=float(opts.repetition_penalty or gen.repetition_penalty or 1.0),
             frequency_penalty=float(opts.frequency_penalty or 0.0),
             presence_penalty=float(opts.presence_penalty or 0.0),
             seed=opts.seed,
             stop_token_ids=frozenset(opts.stop_token_ids),
             ignore_eos=opts.ignore_eos,
+            logprobs=opts.logprobs,
         )
 
     def _record(self, gen: Generation) -> None:

@@ -39,6 +39,17 @@ class Encoder(Protocol):
     def encode(self, items: Sequence[MediaItem]) -> list[torch.Tensor]: ...
 
 
+class PooledEncoder:
+    """An `EncoderPool` seen as an `Encoder`: `Encode` calls from the server's worker threads join
+    the pool's token-budget batches, cache and dedup (the pool runs on the server's loop)."""
+
+    def __init__(self, pool):
+        self._pool = pool
+
+    def encode(self, items: Sequence[MediaItem]) -> list[torch.Tensor]:
+        return self._pool.encode_threadsafe(items)
+
+
 @dataclass(frozen=True)
 class ServerSecurity:
     """Shared token and TLS files (PEM); all optional. `tls_client_ca` turns on mutual TLS."""

@@ -1,4 +1,4 @@
-"""`mmserve` command line: serve, chat, encoder-server, build-tiny-model."""
+"""`mmserve` command line: serve, chat, encoder-server, build-tiny-model, bench."""
 
 from __future__ import annotations
 
@@ -85,14 +85,21 @@ def _encoder_server(ns: argparse.Namespace) -> int:
     import logging
 
     from encoder_service import VisionEncoder
-    from encoder_service.grpc_server import ServerOptions, ServerSecurity, serve_forever
+    from encoder_service.grpc_server import PooledEncoder, ServerOptions, ServerSecurity, serve_forever
+    from encoder_service.pool import EncoderPool
 
     logging.basicConfig(level=logging.INFO)
     encoder = VisionEncoder(ns.model, dtype=ns.dtype, device=ns.device)
     security = ServerSecurity(ns.token, ns.tls_cert, ns.tls_key, ns.tls_client_ca)
     options = ServerOptions(host=ns.host, port=ns.port, security=security)
+
+    async def main() -> None:
+        pool = EncoderPool(encoder)  # token-budget batching, cache and dedup across callers
+        pool.start(asyncio.get_running_loop())
+        await serve_forever(PooledEncoder(pool), options, ttl_s=ns.result_ttl_s)
+
     try:
-        asyncio.run(serve_forever(encoder, options, ttl_s=ns.result_ttl_s))
+        asyncio.run(main())
     except KeyboardInterrupt:
         pass
     return 0
@@ -133,6 +140,23 @@ def _chat(ns: argparse.Namespace) -> int:
         print(f"error {e.code}: {e.read().decode()}", file=sys.stderr)
         return 1
     print()
+    return 0
+
+
+BENCHMARKS = ("encoder", "llm", "transfer")
+
+
+def _bench(ns: argparse.Namespace, extra: list[str]) -> int:
+    """Runs `bench/<name>.py` of this source checkout with the remaining arguments."""
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "bench" / f"{ns.name}.py"
+    if not script.is_file():
+        print(f"{script} not found: benchmarks run from a source checkout", file=sys.stderr)
+        return 1
+    sys.argv = [str(script), *extra]
+    runpy.run_path(str(script), run_name="__main__")
     return 0
 
 
@@ -186,7 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     enc_p.add_argument("--result-ttl-s", type=float, default=300.0, help="how long unfetched results stay")
     enc_p.set_defaults(func=_encoder_server)
 
-    ns = parser.parse_args(argv)
+    bench_p = sub.add_parser("bench", help="run a benchmark of bench/ (extra arguments go to it)")
+    bench_p.add_argument("name", choices=BENCHMARKS)
+
+    ns, extra = parser.parse_known_args(argv)
+    if ns.command == "bench":
+        return _bench(ns, extra)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return ns.func(ns)
 
 

@@ -200,3 +200,31 @@ def test_api_key_is_required_when_configured(secured_url):
     assert httpx.get(secured_url + "/health", timeout=60).status_code == 200
     ok = httpx.post(url, json=body, headers={"Authorization": f"Bearer {TEST_API_KEY}"}, timeout=60)
     assert ok.status_code == 200
+
+
+def test_logprobs_equal_the_monolithic_models(serve_urls, tiny_models):
+    import torch
+
+    from tests.reference import reference_inputs
+
+    ref_messages, api_messages = image_case(seed=16)
+    model_dir = tiny_models["qwen2_vl"]
+    _, model = load_reference(model_dir)
+    inputs = reference_inputs(model_dir, ref_messages)
+    with torch.inference_mode():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=4, output_logits=True,
+                             return_dict_in_generate=True)
+    # generate hands out its next-token logits cast to float32, hence the 1e-6 tolerance below
+    expected = [torch.log_softmax(step[0].double(), -1) for step in out.logits]
+    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+
+    c = client(serve_urls, "qwen2_vl")
+    resp = c.chat.completions.create(model="qwen2_vl", messages=api_messages, max_tokens=4, logprobs=True,
+                                     top_logprobs=3, extra_body={"return_token_ids": True})
+    content = resp.choices[0].logprobs.content
+    assert resp.choices[0].model_extra["token_ids"] == tokens[:len(content)]
+    for step, (entry, token) in enumerate(zip(content, tokens)):
+        assert entry.logprob == pytest.approx(float(expected[step][token]), abs=1e-6)
+        top = torch.topk(expected[step], 3)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-6)
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-12)  # greedy: the argmax
