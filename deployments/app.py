@@ -39,5 +39,6 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         served_model_name=args.served_model_name or Path(model_dir).name,
         limits=args.limits,
         api_key=args.api_key,
+        await_embeddings=args.await_embeddings_in_router,
     )
     return Router.options(**args.router.options("Router")).bind(encoder, llm, settings)

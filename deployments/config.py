@@ -127,6 +127,11 @@ class AppArgs(_Args):
         default="object_store", description="how embeddings reach the LLM replicas (same tensors either way)"
     )
     api_key: str | None = None
+    await_embeddings_in_router: bool = Field(
+        default=False,
+        description="wait for the encoder before calling the LLM instead of passing the pending refs "
+        "(slower: see bench/dispatch.py); errors then surface before an LLM replica is involved",
+    )
     router: DeploymentArgs = DeploymentArgs(num_cpus=0.5)
     encoder: DeploymentArgs = DeploymentArgs()
     llm: DeploymentArgs = DeploymentArgs()

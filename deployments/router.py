@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -40,6 +41,7 @@ class RouterSettings:
     served_model_name: str
     limits: LimitArgs
     api_key: str | None
+    await_embeddings: bool = False  # True: wait for the encoder before calling the LLM (see AppArgs)
 
 
 @serve.deployment
@@ -105,6 +107,8 @@ class Router(GrpcIngress):
         groups = spread([r.length for r in plan.ranges])  # balanced by tokens: one call per group
         responses = [self.encoder.encode.remote([plan.items[i] for i in group]) for group in groups]
         refs = [await r._to_object_ref() for r in responses]
+        if self.settings.await_embeddings:  # the alternative hand-off; never fetches the tensors here
+            await asyncio.to_thread(ray.wait, refs, num_returns=len(refs), fetch_local=False)
         where = {i: (ref, pos) for group, ref in zip(groups, refs) for pos, i in enumerate(group)}
         return tuple(where[i] for i in range(len(plan.items)))
 

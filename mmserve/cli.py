@@ -143,7 +143,7 @@ def _chat(ns: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("encoder", "llm", "transfer")
+BENCHMARKS = ("encoder", "llm", "transfer", "dispatch")
 
 
 def _bench(ns: argparse.Namespace, extra: list[str]) -> int:

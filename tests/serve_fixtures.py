@@ -1,7 +1,8 @@
 """One Ray + Serve instance per test session (registered as a plugin in conftest.py).
 
 `serve_urls`: one float64 app per tiny model family, HTTP + the public gRPC API on Serve's proxy.
-`secured_url`: one more qwen2_vl app, started on first use, with `transport: grpc` and an API key.
+`secured_url`: one more qwen2_vl app, started on first use, with `transport: grpc`, an API key and
+the router awaiting embeddings before it calls the LLM (the non-default hand-off).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def secured_url(serve_ports, tiny_models) -> str:
 
     from deployments.app import build_app
 
-    args = _app_args(tiny_models["qwen2_vl"], "secured", transport="grpc", api_key=TEST_API_KEY)
+    args = _app_args(tiny_models["qwen2_vl"], "secured", transport="grpc", api_key=TEST_API_KEY,
+                     await_embeddings_in_router=True)
     serve.run(build_app(args), name="secured", route_prefix="/secured")
     return f"http://127.0.0.1:{serve_ports[0]}/secured"
