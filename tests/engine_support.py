@@ -7,8 +7,7 @@ import functools
 from llm_service.config import EngineConfig
 from llm_service.engine import LLMEngine, LLMRequest, TokenEvent
 from llm_service.model import LanguageModel
-from llm_service.sampling import SamplingParams
-from tests.pipeline import runtimes, to_planner_messages
+from tests.pipeline import plan_request  # noqa: F401  (re-exported for the engine tests)
 from tests.reference import reference_generate
 
 
@@ -21,20 +20,6 @@ def make_engine(model_dir: str, **config) -> LLMEngine:
     return LLMEngine(language_model(model_dir), EngineConfig(**config))
 
 
-
-
-def plan_request(model_dir: str, messages: list[dict], request_id: str, max_tokens: int, **sampling) -> LLMRequest:
-    planner, encoder, _ = runtimes(model_dir)
-    plan = planner.plan(to_planner_messages(messages))
-    embeddings = encoder.encode(plan.items) if plan.items else []
-    return LLMRequest(
-        request_id=request_id,
-        prompt_token_ids=tuple(plan.token_ids),
-        sampling=SamplingParams(max_tokens=max_tokens, **sampling),
-        positions=plan.positions,
-        mrope_delta=plan.mrope_delta,
-        media=tuple(zip(plan.ranges, embeddings)),
-    )
 
 
 class Collector:

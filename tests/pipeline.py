@@ -39,12 +39,12 @@ def to_planner_messages(messages: list[dict]) -> list[Message]:
     return out
 
 
-def submit(model_dir: str, messages: list[dict], max_tokens: int, request_id: str = "r", **sampling):
-    """Plan, encode and admit one request; returns the queue its TokenEvents arrive on."""
-    planner, encoder, engine = runtimes(model_dir)
+def plan_request(model_dir: str, messages: list[dict], request_id: str, max_tokens: int, **sampling) -> LLMRequest:
+    """What the router and the encoder make of `messages`: a request ready for the engine."""
+    planner, encoder, _ = runtimes(model_dir)
     plan = planner.plan(to_planner_messages(messages))
-    embeddings = encoder.encode(plan.items)
-    request = LLMRequest(
+    embeddings = encoder.encode(plan.items) if plan.items else []
+    return LLMRequest(
         request_id=request_id,
         prompt_token_ids=tuple(plan.token_ids),
         sampling=SamplingParams(max_tokens=max_tokens, **sampling),
@@ -52,6 +52,12 @@ def submit(model_dir: str, messages: list[dict], max_tokens: int, request_id: st
         mrope_delta=plan.mrope_delta,
         media=tuple(zip(plan.ranges, embeddings)),
     )
+
+
+def submit(model_dir: str, messages: list[dict], max_tokens: int, request_id: str = "r", **sampling):
+    """Plan, encode and admit one request; returns the queue its TokenEvents arrive on."""
+    _, _, engine = runtimes(model_dir)
+    request = plan_request(model_dir, messages, request_id, max_tokens, **sampling)
     events: queue.Queue = queue.Queue()
     engine.add_request(request, events.put)
     return events
