@@ -121,6 +121,8 @@ class LLMDeployment:
                 event = await events.get()
                 if event.error:
                     finished = True
+                    if event.finish_reason == "rejected":
+                        raise InvalidRequest(event.error)
                     raise RuntimeError(f"generation failed: {event.error}")
                 if event.token_id is not None:
                     now = time.perf_counter()

@@ -137,7 +137,7 @@ class LLMEngine:
             aborted, self._aborted = self._aborted, set()
         for seq in new:
             if error := self._reject_reason(seq):
-                seq.emit(TokenEvent(None, "error", error))
+                seq.emit(TokenEvent(None, "rejected", error))
             elif seq.request_id in aborted:
                 seq.emit(TokenEvent(None, "abort"))
             else:

@@ -38,7 +38,8 @@ class TokenEvent(NamedTuple):
     """
 
     token_id: int | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    # "stop" | "length" | "abort" | "error" (the engine failed) | "rejected" (the request cannot be served)
+    finish_reason: str | None = None
     error: str | None = None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None

@@ -2,7 +2,8 @@
 
 `serve_urls`: one float64 app per tiny model family, HTTP + the public gRPC API on Serve's proxy.
 `secured_url`: one more qwen2_vl app, started on first use, with `transport: grpc`, an API key and
-the router awaiting embeddings before it calls the LLM (the non-default hand-off).
+the router awaiting embeddings before it calls the LLM (the non-default hand-off), and a KV pool
+of 1 MiB (~1,000 float64 tokens of the tiny model) below its 4,096-token context.
 """
 
 from __future__ import annotations
@@ -75,6 +76,6 @@ def secured_url(serve_ports, tiny_models) -> str:
     from deployments.app import build_app
 
     args = _app_args(tiny_models["qwen2_vl"], "secured", transport="grpc", api_key=TEST_API_KEY,
-                     await_embeddings_in_router=True)
+                     await_embeddings_in_router=True, engine={"kv_cache_memory_mb": 1})
     serve.run(build_app(args), name="secured", route_prefix="/secured")
     return f"http://127.0.0.1:{serve_ports[0]}/secured"

@@ -228,3 +228,16 @@ def test_logprobs_equal_the_monolithic_models(serve_urls, tiny_models):
         top = torch.topk(expected[step], 3)
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-6)
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-12)  # greedy: the argmax
+
+
+def test_prompt_larger_than_the_kv_pool_is_400_and_replica_keeps_serving(secured_url):
+    from tests.serve_fixtures import TEST_API_KEY
+
+    url = secured_url + "/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {TEST_API_KEY}"}
+    long = {"messages": [{"role": "user", "content": "hello " * 1500}], "max_tokens": 2}
+    resp = httpx.post(url, json=long, headers=headers, timeout=120)
+    assert resp.status_code == 400 and "KV cache capacity" in resp.json()["error"]["message"]
+    ok = httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                    headers=headers, timeout=120)
+    assert ok.status_code == 200
