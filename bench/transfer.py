@@ -12,7 +12,6 @@ The last line printed is one JSON object with all figures.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import socket
 import statistics

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -45,6 +46,41 @@ def as_invalid_request(e: BaseException) -> InvalidRequest | None:
     """The InvalidRequest behind `e` (raised here or in a replica), if that is what it is."""
     cause = root_cause(e)
     return cause if isinstance(cause, InvalidRequest) else None
+
+
+class Failure(NamedTuple):
+    """Why a request failed, as every API reports it: `kind` is one of "invalid" (the client's
+    fault), "overloaded" (backpressure), "unavailable" (a backend is down), "deadline", "internal"."""
+
+    kind: str
+    message: str
+
+
+def _unavailable() -> tuple[type[BaseException], ...]:
+    from ray import exceptions as ray_exceptions
+    from ray.serve import exceptions as serve_exceptions
+
+    from mmserve.encoder_client import EmbeddingNotFound
+
+    return (serve_exceptions.DeploymentUnavailableError, serve_exceptions.ReplicaUnavailableError,
+            ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError, EmbeddingNotFound)
+
+
+def classify(e: BaseException) -> Failure:
+    from ray import exceptions as ray_exceptions
+    from ray.serve import exceptions as serve_exceptions
+
+    if (invalid := as_invalid_request(e)) is not None:
+        return Failure("invalid", str(invalid))
+    cause = root_cause(e)
+    for error in (e, cause):
+        if isinstance(error, serve_exceptions.BackPressureError):
+            return Failure("overloaded", "server overloaded (backpressure); retry later")
+        if isinstance(error, _unavailable()):
+            return Failure("unavailable", f"a backend is unavailable: {type(error).__name__}")
+        if isinstance(error, (TimeoutError, asyncio.TimeoutError, ray_exceptions.GetTimeoutError)):
+            return Failure("deadline", "deadline exceeded")
+    return Failure("internal", f"internal error: {type(cause).__name__}")
 
 
 class Generation:

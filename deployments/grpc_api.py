@@ -5,14 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-from ray import exceptions as ray_exceptions
-from ray.serve import exceptions as serve_exceptions
 
 from deployments.config import LimitArgs
-from deployments.generation import Generation, GenerationOptions, as_invalid_request
-from deployments.llm import root_cause
+from deployments.generation import Generation, GenerationOptions, classify
 from deployments.media_fetch import load_url
-from mmserve.encoder_client import EmbeddingNotFound
 from mmserve.errors import InvalidRequest
 from mmserve.media import MediaItem, MediaKind
 from mmserve.planner import Message
@@ -20,11 +16,13 @@ from protos.mmserve.v1 import vlm_pb2
 
 ROLES = ("system", "user", "assistant")
 REQUEST_ID_KEY = "x-request-id"
-_UNAVAILABLE = (
-    serve_exceptions.DeploymentUnavailableError, serve_exceptions.ReplicaUnavailableError,
-    ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError, EmbeddingNotFound,
-)
-_DEADLINE = (TimeoutError, asyncio.TimeoutError, ray_exceptions.GetTimeoutError)
+_CODES = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "internal": grpc.StatusCode.INTERNAL,
+}
 
 
 class Unauthenticated(Exception):
@@ -33,19 +31,10 @@ class Unauthenticated(Exception):
 
 def status_for(e: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status and client-safe message for an exception raised while serving a request."""
-    if (invalid := as_invalid_request(e)) is not None:
-        return grpc.StatusCode.INVALID_ARGUMENT, str(invalid)
-    cause = root_cause(e)
-    for error in (e, cause):
-        if isinstance(error, Unauthenticated):
-            return grpc.StatusCode.UNAUTHENTICATED, str(error)
-        if isinstance(error, serve_exceptions.BackPressureError):
-            return grpc.StatusCode.RESOURCE_EXHAUSTED, "server overloaded (backpressure); retry later"
-        if isinstance(error, _UNAVAILABLE):
-            return grpc.StatusCode.UNAVAILABLE, f"a backend is unavailable: {type(error).__name__}"
-        if isinstance(error, _DEADLINE):
-            return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(cause).__name__}"
+    if isinstance(e, Unauthenticated):
+        return grpc.StatusCode.UNAUTHENTICATED, str(e)
+    failure = classify(e)
+    return _CODES[failure.kind], failure.message
 
 
 def check_request(request: vlm_pb2.GenerateRequest, limits: LimitArgs, served_model_name: str) -> None:

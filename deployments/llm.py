@@ -76,6 +76,10 @@ class LLMDeployment:
             self.metrics.tokens_per_s.set((stats.num_generated - last.num_generated) / interval_s)
             last = stats
 
+    def stats(self) -> dict:
+        """The engine's counters (queues, KV blocks, preemptions, tokens): for tests and debugging."""
+        return self.engine.stats()._asdict()
+
     def info(self) -> dict:
         return {"max_model_len": self.model.max_model_len, "vocab_size": self.model.vocab_size}
 

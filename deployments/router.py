@@ -22,7 +22,7 @@ from ray.serve.handle import DeploymentHandle
 from deployments import openai_api
 from deployments.config import LimitArgs
 from deployments.encoder import spread
-from deployments.generation import Generation, GenerationOptions, as_invalid_request
+from deployments.generation import Generation, GenerationOptions, as_invalid_request, classify
 from deployments.grpc_ingress import GrpcIngress
 from deployments.llm import PendingRequest
 from deployments.metrics import RouterMetrics
@@ -32,6 +32,7 @@ from mmserve.errors import InvalidRequest
 from mmserve.planner import Message, RequestPlan, RequestPlanner
 
 logger = logging.getLogger("ray.serve")
+_HTTP_STATUS = {"invalid": 400, "overloaded": 503, "unavailable": 503, "deadline": 504, "internal": 500}
 app = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
 
 
@@ -150,14 +151,13 @@ class Router(GrpcIngress):
 
     def _reject(self, e: BaseException, request_id: str) -> tuple[int, str]:
         """(HTTP status, message) for a failed request, counted and logged."""
-        invalid = as_invalid_request(e)
-        if invalid is not None:
-            self.metrics.requests.inc(tags={"outcome": "invalid"})
-            logger.info("request %s rejected: %s", request_id, invalid)
-            return 400, str(invalid)
-        self.metrics.requests.inc(tags={"outcome": "error"})
-        logger.error("request %s failed: %r", request_id, e, exc_info=e)
-        return 500, f"internal error: {type(e).__name__}"
+        failure = classify(e)
+        self.metrics.requests.inc(tags={"outcome": failure.kind})
+        if failure.kind == "invalid":
+            logger.info("request %s rejected: %s", request_id, failure.message)
+        else:
+            logger.error("request %s failed: %r", request_id, e, exc_info=e)
+        return _HTTP_STATUS[failure.kind], failure.message
 
     # -- HTTP (OpenAI-compatible) -------------------------------------------------------------
     def _check_auth(self, request: Request) -> Response | None:

@@ -241,3 +241,29 @@ def test_prompt_larger_than_the_kv_pool_is_400_and_replica_keeps_serving(secured
     ok = httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
                     headers=headers, timeout=120)
     assert ok.status_code == 200
+
+
+def test_client_disconnect_aborts_the_request_and_frees_its_kv(serve_urls):
+    import time
+
+    from ray import serve
+
+    llm = serve.get_deployment_handle("LLM", app_name="qwen2_vl")
+    before = llm.stats.remote().result()
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 3000,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", serve_urls["qwen2_vl"] + "/v1/chat/completions", json=body, timeout=60) as resp:
+        chunks = 0
+        for line in resp.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks >= 4:
+                break  # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats = llm.stats.remote().result()
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_blocks_used"] == 0:
+            break
+        time.sleep(0.2)
+    assert stats["num_running"] == 0 and stats["num_waiting"] == 0
+    assert stats["kv_blocks_used"] == 0
+    assert stats["num_generated"] - before["num_generated"] < 1000  # stopped long before 3000 tokens
