@@ -28,9 +28,11 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
     """Router (ingress) + encoder pool + LLM replicas, from validated `AppArgs`."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     model_dir = resolve_model_dir(args.model)
-    encoder = EncoderDeployment.options(**encoder_options(args.encoder, args.encoder_pool)).bind(
-        model_dir, args.dtype, args.device, args.encoder_pool, args.transport, args.grpc
-    )
+    encoder = None  # with grpc.encoder_address the router uses that standalone encoder instead
+    if args.grpc.encoder_address is None:
+        encoder = EncoderDeployment.options(**encoder_options(args.encoder, args.encoder_pool)).bind(
+            model_dir, args.dtype, args.device, args.encoder_pool, args.transport, args.grpc
+        )
     llm = LLMDeployment.options(**args.llm.options("LLM")).bind(
         model_dir, args.dtype, args.device, args.engine.resolve(), args.transport, args.grpc
     )
@@ -40,5 +42,7 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         limits=args.limits,
         api_key=args.api_key,
         await_embeddings=args.await_embeddings_in_router,
+        external_encoder=args.grpc.encoder_address,
+        encoder_token=args.grpc.token,
     )
     return Router.options(**args.router.options("Router")).bind(encoder, llm, settings)

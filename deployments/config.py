@@ -54,7 +54,10 @@ class GrpcArgs(_Args):
     result_ttl_s: float = Field(default=300.0, gt=0, description="how long an unfetched embedding stays pinned")
     chunk_bytes: int = Field(default=1 << 20, ge=1 << 16, le=3 << 20)
     fetch_timeout_s: float = Field(default=60.0, gt=0)
-    encoder_address: str | None = Field(default=None, description="a standalone `mmserve encoder-server`")
+    encoder_address: str | None = Field(
+        default=None, description="host:port of a standalone `mmserve encoder-server` to use instead of an "
+        "Encoder deployment (needs transport: grpc; `token` is sent to it)",
+    )
 
 
 class EncoderPoolArgs(_Args):
@@ -139,3 +142,9 @@ class AppArgs(_Args):
     encoder_pool: EncoderPoolArgs = EncoderPoolArgs()
     grpc: GrpcArgs = GrpcArgs()
     engine: EngineArgs = EngineArgs()
+
+    @model_validator(mode="after")
+    def _check_external_encoder(self) -> "AppArgs":
+        if self.grpc.encoder_address and self.transport != "grpc":
+            raise ValueError("grpc.encoder_address (a standalone encoder) needs transport: grpc")
+        return self

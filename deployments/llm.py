@@ -34,9 +34,10 @@ class PendingRequest:
     positions: torch.Tensor | None
     mrope_delta: int
     ranges: tuple[PlaceholderRange, ...]
-    # Per range: (ObjectRef of one encoder call's list of embeddings, index in that list).
-    # The refs are owned by the router, so they outlive the encoder replica that made them.
-    embedding_refs: tuple[tuple[object, int], ...]
+    # Per range: (ObjectRef of one encoder call's list of embeddings, index in that list), owned by
+    # the router so they outlive the encoder replica that made them; or, from a standalone
+    # encoder, (EncodedRef to fetch over gRPC, None).
+    embedding_refs: tuple[tuple[object, int | None], ...]
 
 
 def root_cause(e: BaseException) -> BaseException:
@@ -86,9 +87,9 @@ class LLMDeployment:
     async def _embeddings(self, pending: PendingRequest) -> list[torch.Tensor]:
         start = time.perf_counter()
         try:
-            refs = list(dict.fromkeys(ref for ref, _ in pending.embedding_refs))
+            refs = list(dict.fromkeys(ref for ref, index in pending.embedding_refs if index is not None))
             groups = dict(zip(refs, await asyncio.gather(*refs)))
-            embeddings = [groups[ref][index] for ref, index in pending.embedding_refs]
+            embeddings = [ref if index is None else groups[ref][index] for ref, index in pending.embedding_refs]
             if self.fetcher is not None:
                 embeddings = await self.fetcher.resolve(embeddings)
         except Exception as e:

@@ -43,12 +43,14 @@ class RouterSettings:
     limits: LimitArgs
     api_key: str | None
     await_embeddings: bool = False  # True: wait for the encoder before calling the LLM (see AppArgs)
+    external_encoder: str | None = None  # host:port of a standalone EncoderService, used instead of `encoder`
+    encoder_token: str | None = None
 
 
 @serve.deployment
 @serve.ingress(app)
 class Router(GrpcIngress):
-    def __init__(self, encoder: DeploymentHandle, llm: DeploymentHandle, settings: RouterSettings):
+    def __init__(self, encoder: DeploymentHandle | None, llm: DeploymentHandle, settings: RouterSettings):
         from transformers import AutoTokenizer, GenerationConfig
 
         self.encoder = encoder
@@ -64,6 +66,7 @@ class Router(GrpcIngress):
             self.generation_defaults = GenerationConfig()
         self.metrics = RouterMetrics()
         self.created = int(time.time())
+        self._external_client = None  # EncoderClient of settings.external_encoder, made on first use
 
     # -- the request flow ---------------------------------------------------------------------
     async def submit(self, messages: list[Message], opts: GenerationOptions, request_id: str) -> Generation:
@@ -105,6 +108,8 @@ class Router(GrpcIngress):
         if not plan.items:
             return ()
         self.metrics.media_items.inc(len(plan.items))
+        if self.settings.external_encoder:
+            return await self._encode_externally(plan)
         groups = spread([r.length for r in plan.ranges])  # balanced by tokens: one call per group
         responses = [self.encoder.encode.remote([plan.items[i] for i in group]) for group in groups]
         refs = [await r._to_object_ref() for r in responses]
@@ -112,6 +117,15 @@ class Router(GrpcIngress):
             await asyncio.to_thread(ray.wait, refs, num_returns=len(refs), fetch_local=False)
         where = {i: (ref, pos) for group, ref in zip(groups, refs) for pos, i in enumerate(group)}
         return tuple(where[i] for i in range(len(plan.items)))
+
+    async def _encode_externally(self, plan: RequestPlan) -> tuple[tuple[object, None], ...]:
+        """Encode on the standalone encoder; it keeps each result pinned for the LLM to fetch."""
+        if self._external_client is None:  # grpc.aio channels belong to the running loop
+            from mmserve.encoder_client import EncoderClient
+
+            self._external_client = EncoderClient(self.settings.external_encoder, self.settings.encoder_token)
+        refs = await asyncio.gather(*(self._external_client.encode_pinned(item) for item in plan.items))
+        return tuple((ref, None) for ref in refs)
 
     def _sampling(self, opts: GenerationOptions, prompt_len: int) -> SamplingParams:
         remaining = self.max_model_len - prompt_len

@@ -79,3 +79,24 @@ def secured_url(serve_ports, tiny_models) -> str:
                      await_embeddings_in_router=True, engine={"kv_cache_memory_mb": 1})
     serve.run(build_app(args), name="secured", route_prefix="/secured")
     return f"http://127.0.0.1:{serve_ports[0]}/secured"
+
+
+@pytest.fixture(scope="session")
+def external_encoder_url(serve_ports, tiny_models):
+    """Base URL of a qwen2_vl app with no Encoder deployment: it uses a standalone EncoderService
+    (running in this process, float64, token-protected) through `grpc.encoder_address`."""
+    from ray import serve
+
+    from deployments.app import build_app
+    from encoder_service import VisionEncoder
+    from encoder_service.grpc_server import ServerOptions, ServerSecurity, ServerThread
+    from encoder_service.result_store import ResultStore
+
+    token = "encoder-secret"
+    encoder = VisionEncoder(tiny_models["qwen2_vl"], dtype="float64")
+    server = ServerThread(encoder, ResultStore(ttl_s=60), ServerOptions("127.0.0.1", 0, security=ServerSecurity(token)))
+    grpc_args = {"encoder_address": f"127.0.0.1:{server.port}", "token": token}
+    args = _app_args(tiny_models["qwen2_vl"], "external", transport="grpc", grpc=grpc_args)
+    serve.run(build_app(args), name="external", route_prefix="/external")
+    yield f"http://127.0.0.1:{serve_ports[0]}/external"
+    server.stop()

@@ -53,3 +53,12 @@ def test_grafana_dashboard_queries_only_exported_metrics():
     assert queried and queried <= exported
     for metric in ("mmserve_encoder_queued_tokens", "mmserve_encoder_batch_fill_ratio", "mmserve_llm_kv_usage_ratio"):
         assert metric in queried
+
+
+def test_standalone_encoder_address_needs_grpc_transport():
+    import pytest
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="needs transport: grpc"):
+        AppArgs(grpc={"encoder_address": "encoder:50051"})
+    assert AppArgs(transport="grpc", grpc={"encoder_address": "encoder:50051"}).grpc.encoder_address

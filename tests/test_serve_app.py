@@ -267,3 +267,17 @@ def test_client_disconnect_aborts_the_request_and_frees_its_kv(serve_urls):
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
     assert stats["kv_blocks_used"] == 0
     assert stats["num_generated"] - before["num_generated"] < 1000  # stopped long before 3000 tokens
+
+
+@pytest.mark.parametrize("case", [image_case, video_case])
+def test_app_with_a_standalone_encoder_equals_monolithic(external_encoder_url, tiny_models, case):
+    from ray import serve
+
+    assert "Encoder" not in serve.status().applications["external"].deployments
+    ref_messages, api_messages = case()
+    expected = reference_generate(tiny_models["qwen2_vl"], ref_messages, MAX_TOKENS)
+    c = openai.OpenAI(base_url=external_encoder_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    assert chat(c, api_messages)[1] == expected
+    bad = httpx.post(external_encoder_url + "/v1/chat/completions", timeout=120,
+                     json={**BAD_REQUESTS["undecodable image"][0], "max_tokens": 2})
+    assert bad.status_code == 400 and "decode" in bad.json()["error"]["message"]
