@@ -1,6 +1,8 @@
 """Incremental detokenization: stop strings cut the text exactly; multi-byte characters never split."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from mmserve.detokenize import IncrementalDetokenizer
@@ -43,3 +45,13 @@ def test_multibyte_characters_stream_whole(tokenizer):
     pieces = [detok.add(t) for t in ids] + [detok.flush()]
     assert "".join(pieces) == "🙂🙂 你好"
     assert all("\ufffd" not in p for p in pieces)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, 703), max_size=40), stop=st.sampled_from(["", "e", "th", "!\"#", "\ufffd"]))
+def test_deltas_add_up_to_the_whole_decode_cut_at_the_stop_string(tokenizer, ids, stop):
+    detok = IncrementalDetokenizer(tokenizer, [stop] if stop else [])
+    out = "".join(detok.add(i) for i in ids) + detok.flush()
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    cut = full.find(stop) if stop else -1
+    assert out == (full[:cut] if cut != -1 else full)
