@@ -81,9 +81,6 @@ class LLMDeployment:
         """The engine's counters (queues, KV blocks, preemptions, tokens): for tests and debugging."""
         return self.engine.stats()._asdict()
 
-    def info(self) -> dict:
-        return {"max_model_len": self.model.max_model_len, "vocab_size": self.model.vocab_size}
-
     async def _embeddings(self, pending: PendingRequest) -> list[torch.Tensor]:
         start = time.perf_counter()
         try:

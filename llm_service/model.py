@@ -1,10 +1,9 @@
-"""The language model alone: token embeddings with injected media embeddings, explicit 3-D positions."""
+"""The language model alone: decoder, embedding table and lm_head read from the checkpoint."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -12,7 +11,6 @@ import torch
 from llm_service.families import lm_face
 from mmserve.checkpoint import load_tensors, read_config, resolve_dtype
 from mmserve.families import family_of
-from mmserve.media import PlaceholderRange
 
 logger = logging.getLogger(__name__)
 
@@ -57,36 +55,3 @@ class LanguageModel:
     @property
     def vocab_size(self) -> int:
         return int(self.text_config.vocab_size)
-
-    def prompt_embeddings(
-        self, token_ids: Sequence[int], media: Sequence[tuple[PlaceholderRange, torch.Tensor]]
-    ) -> torch.Tensor:
-        """`(L, hidden)` token embeddings with each media embedding written over its range."""
-        ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
-        embeds = self.modules.decoder.embed_tokens(ids)
-        for rng, emb in media:
-            if emb.shape != (rng.length, embeds.shape[-1]):
-                raise ValueError(
-                    f"embedding of shape {tuple(emb.shape)} does not fit placeholder range of {rng.length} tokens"
-                )
-            embeds[rng.offset:rng.offset + rng.length] = emb.to(self.device, self.dtype)
-        return embeds
-
-    def new_cache(self):
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.text_config)
-
-    @torch.inference_mode()
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        """Run `embeds` `(L, hidden)` at `positions` `(3, L)` after what `cache` holds; logits of the last token."""
-        out = self.modules.decoder(
-            inputs_embeds=embeds.unsqueeze(0),
-            position_ids=positions.to(self.device).unsqueeze(1),
-            past_key_values=cache,
-            use_cache=True,
-        )
-        return self.modules.lm_head(out.last_hidden_state[0, -1])
-
-    def token_embedding(self, token_id: int) -> torch.Tensor:
-        return self.modules.decoder.embed_tokens(torch.tensor([token_id], device=self.device))

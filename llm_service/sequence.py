@@ -11,6 +11,7 @@ import torch
 
 from llm_service.sampling import SamplingParams
 from mmserve.media import PlaceholderRange
+from mmserve.mrope import decode_position
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ class Sequence:
             self._positions = prompt.to(torch.long)
         if end <= n:
             return self._positions[:, start:end]
-        tail = torch.arange(max(start, n), end).expand(3, -1) + req.mrope_delta
+        tail = decode_position(n, req.mrope_delta, torch.arange(max(start, n) - n, end - n)).expand(3, -1)
         return torch.cat([self._positions[:, start:n], tail], dim=1) if start < n else tail
 
     def chunk_media(self, start: int, end: int) -> list[tuple[int, torch.Tensor]]:

@@ -65,6 +65,6 @@ def mrope_positions(
     return positions, delta
 
 
-def decode_position(num_prompt_tokens: int, delta: int, step: int) -> int:
-    """Position (same on all three axes) of the token generated at decode `step` (0-based)."""
+def decode_position(num_prompt_tokens: int, delta: int, step: int | torch.Tensor) -> int | torch.Tensor:
+    """Position (same on all three axes) of the token at decode `step` (0-based; a tensor of steps works)."""
     return num_prompt_tokens + delta + step
