@@ -104,6 +104,7 @@ class EngineArgs(_Args):
     kv_cache_memory_mb: int | None = Field(default=None, ge=1, description="KV pool size; default: from the device")
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     cuda_graphs: bool = True
+    enable_prefix_caching: bool = Field(default=True, description="reuse K/V of identical prompt prefixes (images by content hash)")
 
     def resolve(self):
         from llm_service.config import EngineConfig
@@ -116,6 +117,7 @@ class EngineArgs(_Args):
             kv_cache_bytes=self.kv_cache_memory_mb * 2**20 if self.kv_cache_memory_mb else None,
             gpu_memory_utilization=self.gpu_memory_utilization,
             cuda_graphs=self.cuda_graphs,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
 
 

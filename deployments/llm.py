@@ -38,6 +38,7 @@ class PendingRequest:
     # the router so they outlive the encoder replica that made them; or, from a standalone
     # encoder, (EncodedRef to fetch over gRPC, None).
     embedding_refs: tuple[tuple[object, int | None], ...]
+    media_keys: tuple[str, ...] = ()  # content hash per range (prefix caching of identical images)
 
 
 def root_cause(e: BaseException) -> BaseException:
@@ -108,6 +109,7 @@ class LLMDeployment:
             positions=pending.positions,
             mrope_delta=pending.mrope_delta,
             media=tuple(zip(pending.ranges, embeddings)),
+            media_keys=pending.media_keys,
         )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()

@@ -83,6 +83,7 @@ class Router(GrpcIngress):
                 mrope_delta=plan.mrope_delta,
                 ranges=tuple(plan.ranges),
                 embedding_refs=await self._dispatch_media(plan),
+                media_keys=tuple(item.content_hash for item in plan.items),
             )
             logger.info(
                 "request %s: %d prompt tokens, %d media items (%d media tokens), max_tokens %d",

@@ -15,7 +15,8 @@ class EngineConfig:
     is the per-step token budget; with `enable_chunked_prefill` a long prompt is prefilled
     over several steps, without it a prompt longer than the budget runs alone in its step.
     `cuda_graphs` captures decode-only steps (CUDA only) for batch sizes up to
-    `max_graph_batch_size`.
+    `max_graph_batch_size`. `enable_prefix_caching` reuses the K/V blocks of identical prompt
+    prefixes (identical images included, by content hash) across requests.
     """
 
     block_size: int = 16
@@ -28,6 +29,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     max_graph_batch_size: int = 64
     max_logprobs: int = 20
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

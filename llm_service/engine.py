@@ -35,6 +35,7 @@ class EngineStats(NamedTuple):
     num_steps: int
     num_forwards: int
     num_generated: int
+    num_cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
 
 
 class LLMEngine:
@@ -82,7 +83,7 @@ class LLMEngine:
         s = self.scheduler
         return EngineStats(len(s.running), len(s.waiting) + len(self._new), self.blocks.num_used_blocks,
                            self.blocks.num_blocks, s.num_preemptions, self.num_steps, self.num_forwards,
-                           self.num_generated)
+                           self.num_generated, self.blocks.num_cached_tokens)
 
     def start(self) -> None:
         if self._thread is None:
@@ -120,6 +121,7 @@ class LLMEngine:
         start = time.perf_counter()
         logits, rows = self.runner.execute(out.scheduled)
         for item in out.scheduled:
+            self._register_full_blocks(item.seq, item.seq.num_computed, item.seq.num_computed + item.num_tokens)
             item.seq.num_computed += item.num_tokens
         if rows:
             seqs = [out.scheduled[i].seq for i in rows]
@@ -130,6 +132,15 @@ class LLMEngine:
         self.num_steps += 1
         self.step_times.append(time.perf_counter() - start)
         del self.step_times[:-1000]
+
+    def _register_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
+        """Offer the prompt blocks this step completed to later requests (prefix caching)."""
+        if not self.config.enable_prefix_caching:
+            return
+        bs = self.blocks.block_size
+        hashes = seq.block_hashes(bs)
+        for i in range(start // bs, min(end // bs, len(hashes))):
+            self.blocks.register(seq.block_table[i], hashes[i])
 
     def _admit(self) -> None:
         with self._cv:

@@ -27,24 +27,41 @@ class SchedulerOutput:
 
 
 class PrefillAdder:
-    """Admits waiting sequences into one step while the token budget and the KV pool allow."""
+    """Admits waiting sequences into one step while the token budget and the KV pool allow.
 
-    def __init__(self, token_budget: int, blocks: BlockManager, chunked: bool, batch_empty: bool):
+    With prefix caching, a sequence starting from scratch first takes the cached blocks of its
+    longest cached prompt prefix and is computed from there.
+    """
+
+    def __init__(self, token_budget: int, blocks: BlockManager, chunked: bool, batch_empty: bool,
+                 prefix_caching: bool = False):
         self.token_budget = token_budget
         self._blocks = blocks
         self._chunked = chunked
         self._batch_empty = batch_empty
+        self._prefix_caching = prefix_caching
 
     def try_add(self, seq: Sequence) -> ScheduledSeq | None:
         """The share of `seq` that fits (None: nothing does; stop admitting, FIFO)."""
-        pending = seq.num_pending
+        cached: list[int] = []
+        if self._prefix_caching and not seq.block_table:
+            cached = self._blocks.cached_prefix(seq.block_hashes(self._blocks.block_size))
+        start = len(cached) * self._blocks.block_size if cached else seq.num_computed
+        pending = seq.num_tokens - start
         if self._chunked:
             n = min(pending, self.token_budget)
         elif pending <= self.token_budget or self._batch_empty:
             n = pending  # without chunking, an over-budget prompt runs alone
         else:
             return None
-        if n <= 0 or not self._blocks.can_allocate(seq.block_table, seq.num_computed + n):
+        if n <= 0:
+            return None
+        if cached:
+            if not self._blocks.can_allocate_after(cached, start + n):
+                return None
+            self._blocks.take_cached(seq.block_table, cached)
+            seq.num_computed = start
+        elif not self._blocks.can_allocate(seq.block_table, seq.num_computed + n):
             return None
         self._blocks.allocate(seq.block_table, seq.num_computed + n)
         self.token_budget -= n
@@ -102,7 +119,8 @@ class Scheduler:
         for victim in reversed(preempted):
             self.waiting.appendleft(victim)
         if not preempted:
-            adder = PrefillAdder(budget, self.blocks, self.config.enable_chunked_prefill, not scheduled)
+            adder = PrefillAdder(budget, self.blocks, self.config.enable_chunked_prefill, not scheduled,
+                                 self.config.enable_prefix_caching)
             while self.waiting and len(self.running) < self.config.max_num_seqs and adder.token_budget > 0:
                 item = adder.try_add(self.waiting[0])
                 if item is None:

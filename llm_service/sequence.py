@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -28,6 +30,9 @@ class LLMRequest:
     positions: torch.Tensor | None = None
     mrope_delta: int = 0
     media: tuple[tuple[PlaceholderRange, torch.Tensor], ...] = ()
+    # content hash of each `media` item: what makes two prompts' image tokens the same for
+    # prefix caching (a prompt with media but without keys is never cached)
+    media_keys: tuple[str, ...] = ()
 
 
 class TokenEvent(NamedTuple):
@@ -71,6 +76,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_preemptions: int = 0
     _positions: torch.Tensor | None = None
+    _block_hashes: list[int] | None = None
 
     def __post_init__(self):
         self.tokens = list(self.request.prompt_token_ids)
@@ -112,6 +118,27 @@ class Sequence:
             return self._positions[:, start:end]
         tail = decode_position(n, req.mrope_delta, torch.arange(max(start, n) - n, end - n)).expand(3, -1)
         return torch.cat([self._positions[:, start:n], tail], dim=1) if start < n else tail
+
+    def block_hashes(self, block_size: int) -> list[int]:
+        """Chained hashes of the full prompt blocks, last prompt token excluded (it must run to
+        give logits): block i's hash covers every token id before its end and, for image/video
+        tokens, which item and which of its rows they are. Equal hashes, equal K/V."""
+        if self._block_hashes is None:
+            req = self.request
+            self._block_hashes = []
+            if len(req.media_keys) != len(req.media):
+                return self._block_hashes
+            prev = b""
+            for i in range((self.num_prompt_tokens - 1) // block_size):
+                lo, hi = i * block_size, (i + 1) * block_size
+                h = hashlib.blake2b(prev, digest_size=16)
+                h.update(array("q", req.prompt_token_ids[lo:hi]).tobytes())
+                for (rng, _), key in zip(req.media, req.media_keys):
+                    if rng.offset < hi and rng.offset + rng.length > lo:
+                        h.update(f"{key}@{lo - rng.offset}".encode())
+                prev = h.digest()
+                self._block_hashes.append(int.from_bytes(prev, "little"))
+        return self._block_hashes
 
     def chunk_media(self, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
         """`(offset in the chunk, embedding rows)` of every media item overlapping `start..end`."""

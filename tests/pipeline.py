@@ -51,6 +51,7 @@ def plan_request(model_dir: str, messages: list[dict], request_id: str, max_toke
         positions=plan.positions,
         mrope_delta=plan.mrope_delta,
         media=tuple(zip(plan.ranges, embeddings)),
+        media_keys=tuple(item.content_hash for item in plan.items),
     )
 
 
