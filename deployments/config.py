@@ -137,9 +137,10 @@ class AppArgs(_Args):
         description="wait for the encoder before calling the LLM instead of passing the pending refs "
         "(slower: see bench/dispatch.py); errors then surface before an LLM replica is involved",
     )
-    router: DeploymentArgs = DeploymentArgs(num_cpus=0.5)
-    encoder: DeploymentArgs = DeploymentArgs()
-    llm: DeploymentArgs = DeploymentArgs()
+    # defaults fit a 2-core laptop (1.25 CPUs in all); size them for real clusters (k8s/overlays/gpu)
+    router: DeploymentArgs = DeploymentArgs(num_cpus=0.25)
+    encoder: DeploymentArgs = DeploymentArgs(num_cpus=0.5)
+    llm: DeploymentArgs = DeploymentArgs(num_cpus=0.5)
     limits: LimitArgs = LimitArgs()
     encoder_pool: EncoderPoolArgs = EncoderPoolArgs()
     grpc: GrpcArgs = GrpcArgs()

@@ -62,3 +62,12 @@ def test_standalone_encoder_address_needs_grpc_transport():
     with pytest.raises(ValidationError, match="needs transport: grpc"):
         AppArgs(grpc={"encoder_address": "encoder:50051"})
     assert AppArgs(transport="grpc", grpc={"encoder_address": "encoder:50051"}).grpc.encoder_address
+
+
+def test_serve_config_fits_a_two_core_machine():
+    """`serve run deployments/serve_config.yaml` must schedule every replica on a 2-core laptop."""
+    args = AppArgs.model_validate(_serve_config()["applications"][0]["args"])
+    total = sum(d.num_cpus * d.num_replicas for d in (args.router, args.encoder, args.llm))
+    assert total <= 2
+    defaults = AppArgs()
+    assert sum(d.num_cpus * d.num_replicas for d in (defaults.router, defaults.encoder, defaults.llm)) <= 2
