@@ -44,5 +44,6 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         await_embeddings=args.await_embeddings_in_router,
         external_encoder=args.grpc.encoder_address,
         encoder_token=args.grpc.token,
+        encoder_tls_ca=args.grpc.tls_ca,
     )
     return Router.options(**args.router.options("Router")).bind(encoder, llm, settings)

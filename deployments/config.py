@@ -58,6 +58,10 @@ class GrpcArgs(_Args):
         default=None, description="host:port of a standalone `mmserve encoder-server` to use instead of an "
         "Encoder deployment (needs transport: grpc; `token` is sent to it)",
     )
+    tls_ca: str | None = Field(
+        default=None, description="PEM file of the CA that signed the standalone encoder's certificate: "
+        "connect to `encoder_address` over TLS",
+    )
 
 
 class EncoderPoolArgs(_Args):
@@ -150,4 +154,6 @@ class AppArgs(_Args):
     def _check_external_encoder(self) -> "AppArgs":
         if self.grpc.encoder_address and self.transport != "grpc":
             raise ValueError("grpc.encoder_address (a standalone encoder) needs transport: grpc")
+        if self.grpc.tls_ca and not self.grpc.encoder_address:
+            raise ValueError("grpc.tls_ca applies to a standalone encoder: set grpc.encoder_address")
         return self

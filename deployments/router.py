@@ -12,6 +12,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -45,6 +46,7 @@ class RouterSettings:
     await_embeddings: bool = False  # True: wait for the encoder before calling the LLM (see AppArgs)
     external_encoder: str | None = None  # host:port of a standalone EncoderService, used instead of `encoder`
     encoder_token: str | None = None
+    encoder_tls_ca: str | None = None  # PEM file: reach external_encoder over TLS
 
 
 @serve.deployment
@@ -124,7 +126,11 @@ class Router(GrpcIngress):
         if self._external_client is None:  # grpc.aio channels belong to the running loop
             from mmserve.encoder_client import EncoderClient
 
-            self._external_client = EncoderClient(self.settings.external_encoder, self.settings.encoder_token)
+            ca = self.settings.encoder_tls_ca
+            self._external_client = EncoderClient(
+                self.settings.external_encoder, self.settings.encoder_token,
+                root_certificates=Path(ca).read_bytes() if ca else None,
+            )
         refs = await asyncio.gather(*(self._external_client.encode_pinned(item) for item in plan.items))
         return tuple((ref, None) for ref in refs)
 

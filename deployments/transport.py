@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -59,11 +60,17 @@ class GrpcFetcher:
         self._token = args.token
         self._timeout_s = args.fetch_timeout_s
         self._clients: dict[str, EncoderClient] = {}
+        # a standalone encoder may be behind TLS; encoder replicas inside the cluster are not
+        self._tls_roots: dict[str, bytes] = {}
+        if args.tls_ca and args.encoder_address:
+            self._tls_roots[args.encoder_address] = Path(args.tls_ca).read_bytes()
 
     def _client(self, address: str) -> EncoderClient:
         client = self._clients.get(address)
         if client is None:
-            client = self._clients[address] = EncoderClient(address, self._token, timeout_s=self._timeout_s)
+            client = self._clients[address] = EncoderClient(
+                address, self._token, root_certificates=self._tls_roots.get(address), timeout_s=self._timeout_s
+            )
         return client
 
     async def resolve(self, embeddings: Sequence[Embedding]) -> list[torch.Tensor]:

@@ -82,9 +82,9 @@ def secured_url(serve_ports, tiny_models) -> str:
 
 
 @pytest.fixture(scope="session")
-def external_encoder_url(serve_ports, tiny_models):
+def external_encoder_url(serve_ports, tiny_models, tmp_path_factory):
     """Base URL of a qwen2_vl app with no Encoder deployment: it uses a standalone EncoderService
-    (running in this process, float64, token-protected) through `grpc.encoder_address`."""
+    (running in this process, float64, behind TLS and a token) through `grpc.encoder_address`."""
     from ray import serve
 
     from deployments.app import build_app
@@ -92,10 +92,14 @@ def external_encoder_url(serve_ports, tiny_models):
     from encoder_service.grpc_server import ServerOptions, ServerSecurity, ServerThread
     from encoder_service.result_store import ResultStore
 
+    from tests.tls_certs import self_signed
+
     token = "encoder-secret"
+    cert, key = self_signed(tmp_path_factory.mktemp("tls"))
+    security = ServerSecurity(token, tls_cert=str(cert), tls_key=str(key))
     encoder = VisionEncoder(tiny_models["qwen2_vl"], dtype="float64")
-    server = ServerThread(encoder, ResultStore(ttl_s=60), ServerOptions("127.0.0.1", 0, security=ServerSecurity(token)))
-    grpc_args = {"encoder_address": f"127.0.0.1:{server.port}", "token": token}
+    server = ServerThread(encoder, ResultStore(ttl_s=60), ServerOptions("127.0.0.1", 0, security=security))
+    grpc_args = {"encoder_address": f"localhost:{server.port}", "token": token, "tls_ca": str(cert)}
     args = _app_args(tiny_models["qwen2_vl"], "external", transport="grpc", grpc=grpc_args)
     serve.run(build_app(args), name="external", route_prefix="/external")
     yield f"http://127.0.0.1:{serve_ports[0]}/external"

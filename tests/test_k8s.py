@@ -62,6 +62,8 @@ def test_standalone_encoder_address_needs_grpc_transport():
     with pytest.raises(ValidationError, match="needs transport: grpc"):
         AppArgs(grpc={"encoder_address": "encoder:50051"})
     assert AppArgs(transport="grpc", grpc={"encoder_address": "encoder:50051"}).grpc.encoder_address
+    with pytest.raises(ValidationError, match="tls_ca applies to a standalone encoder"):
+        AppArgs(transport="grpc", grpc={"tls_ca": "/ca.pem"})
 
 
 def test_serve_config_fits_a_two_core_machine():
