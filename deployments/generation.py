@@ -87,11 +87,11 @@ class Generation:
     """A validated, dispatched request and its token stream (first event already received)."""
 
     def __init__(self, request_id: str, plan: RequestPlan, sampling: SamplingParams, stop: tuple[str, ...],
-                 stream, first, tokenizer, started: float):
+                 stream, first, tokenizer):
         self.request_id = request_id
         self.plan = plan
         self.sampling = sampling
-        self.started = started
+        self.first_token_at = time.perf_counter()  # made when the first token is back
         self.num_generated = 0
         self._stop = stop
         self._stream = stream
@@ -136,5 +136,8 @@ class Generation:
         }
 
     @property
-    def elapsed_ms(self) -> float:
-        return (time.perf_counter() - self.started) * 1000
+    def time_per_output_token_ms(self) -> float | None:
+        """Mean time per token after the first (TTFT excluded); None below two tokens."""
+        if self.num_generated < 2:
+            return None
+        return (time.perf_counter() - self.first_token_at) * 1000 / (self.num_generated - 1)

@@ -116,7 +116,6 @@ class LLMDeployment:
         if self._stats_task is None:
             self._stats_task = asyncio.create_task(self._export_stats())
         self.engine.add_request(request, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
-        self.metrics.running.set(self.engine.num_requests)
         finished = False
         last_token_at = time.perf_counter()
         first = True
@@ -142,4 +141,4 @@ class LLMDeployment:
             if not finished:  # the caller went away (client disconnect, stop string): free the request
                 logger.info("aborting request %s", pending.request_id)
                 self.engine.abort(pending.request_id)
-            self.metrics.running.set(self.engine.num_requests)
+    

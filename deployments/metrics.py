@@ -15,7 +15,7 @@ class RouterMetrics:
         self.media_items = Counter("mmserve_router_media_items", "Media items dispatched to the encoder")
         self.prompt_tokens = Counter("mmserve_router_prompt_tokens", "Prompt tokens (media tokens included)")
         self.ttft_ms = Histogram("mmserve_router_ttft_ms", "Time to first token", boundaries=_LATENCY_MS)
-        self.tpot_ms = Histogram("mmserve_router_tpot_ms", "Mean time per output token", boundaries=_LATENCY_MS)
+        self.tpot_ms = Histogram("mmserve_router_tpot_ms", "Mean time per output token after the first", boundaries=_LATENCY_MS)
 
 
 class EncoderMetrics:
@@ -39,7 +39,6 @@ class EncoderMetrics:
 
 class LLMMetrics:
     def __init__(self):
-        self.running = Gauge("mmserve_llm_requests", "Requests in the engine")
         self.generated = Counter("mmserve_llm_generated_tokens", "Output tokens generated")
         self.embedding_wait_ms = Histogram(
             "mmserve_llm_embedding_wait_ms", "Wait for media embeddings after admission", boundaries=_LATENCY_MS

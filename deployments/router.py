@@ -100,7 +100,7 @@ class Router(GrpcIngress):
             raise invalid from None
         self.metrics.prompt_tokens.inc(len(plan.token_ids))
         self.metrics.ttft_ms.observe((time.perf_counter() - started) * 1000)
-        return Generation(request_id, plan, sampling, opts.stop, stream, first, self.tokenizer, started)
+        return Generation(request_id, plan, sampling, opts.stop, stream, first, self.tokenizer)
 
     async def _dispatch_media(self, plan: RequestPlan) -> tuple[tuple[object, int], ...]:
         """Send every item to the encoder at once, waiting for none; `(ref, index)` per item, in order.
@@ -166,8 +166,8 @@ class Router(GrpcIngress):
         )
 
     def _record(self, gen: Generation) -> None:
-        if gen.num_generated > 1:
-            self.metrics.tpot_ms.observe(gen.elapsed_ms / gen.num_generated)
+        if (tpot := gen.time_per_output_token_ms) is not None:
+            self.metrics.tpot_ms.observe(tpot)
         self.metrics.requests.inc(tags={"outcome": "ok"})
 
     def _reject(self, e: BaseException, request_id: str) -> tuple[int, str]:
