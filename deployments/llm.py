@@ -20,6 +20,7 @@ from llm_service.model import LanguageModel
 from llm_service.sampling import SamplingParams
 from mmserve.errors import InvalidRequest
 from mmserve.media import PlaceholderRange
+from mmserve.positions import PositionPlan
 
 logger = logging.getLogger("ray.serve")
 
@@ -31,8 +32,7 @@ class PendingRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
-    positions: torch.Tensor | None
-    mrope_delta: int
+    positions: PositionPlan
     ranges: tuple[PlaceholderRange, ...]
     # Per range: (ObjectRef of one encoder call's list of embeddings, index in that list), owned by
     # the router so they outlive the encoder replica that made them; or, from a standalone
@@ -107,7 +107,6 @@ class LLMDeployment:
             prompt_token_ids=pending.prompt_token_ids,
             sampling=pending.sampling,
             positions=pending.positions,
-            mrope_delta=pending.mrope_delta,
             media=tuple(zip(pending.ranges, embeddings)),
             media_keys=pending.media_keys,
         )

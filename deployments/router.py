@@ -82,7 +82,6 @@ class Router(GrpcIngress):
                 prompt_token_ids=tuple(plan.token_ids),
                 sampling=sampling,
                 positions=plan.positions,
-                mrope_delta=plan.mrope_delta,
                 ranges=tuple(plan.ranges),
                 embedding_refs=await self._dispatch_media(plan),
                 media_keys=tuple(item.content_hash for item in plan.items),

@@ -8,6 +8,7 @@ requests give their KV blocks back at once. Events leave through each request's 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import threading
@@ -60,6 +61,8 @@ class LLMEngine:
 
     # -- public API (any thread) -------------------------------------------------------------
     def add_request(self, request: LLMRequest, emit: Callable[[TokenEvent], None]) -> None:
+        if request.positions is None:
+            request = dataclasses.replace(request, positions=self.model.face.text_positions())
         seq = Sequence(request, emit, next(self._arrivals), new_generator(request.sampling, self.model.device))
         with self._cv:
             self._new.append(seq)

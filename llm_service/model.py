@@ -29,7 +29,7 @@ class LanguageModel:
         config = AutoConfig.from_pretrained(model_dir)
         self.text_config = config.text_config
         self.max_model_len = int(self.text_config.max_position_embeddings)
-        face = lm_face(self.family)
+        self.face = face = lm_face(self.family)
         loaded = load_tensors(model_dir, face.rename, self.dtype)
         modules = face.build(config, self.dtype)
         modules.load(loaded.state_dict)

@@ -21,7 +21,7 @@ class ModelRunner:
     """Owns the tensors: the model, the KV pool, the per-step inputs (and CUDA graphs).
 
     `execute` packs the scheduled chunks into one `(1, T, hidden)` sequence with per-token
-    M-RoPE positions `(3, 1, T)`, runs the `transformers` decoder once with an `AttentionBatch`
+    positions from each request's plan (shaped for the decoder by the family's LM face), runs the `transformers` decoder once with an `AttentionBatch`
     as its mask (see `llm_service.attention`), and returns the logits of the last token of each
     sequence that has caught up with its tokens (the ones that sample this step).
     """
@@ -71,7 +71,7 @@ class ModelRunner:
         """The one model forward: decoder over `(T, hidden)` at `(3, T)`, lm_head on `rows`."""
         out = self.model.modules.decoder(
             inputs_embeds=embeds.unsqueeze(0),
-            position_ids=positions.unsqueeze(1),
+            position_ids=self.model.face.position_ids(positions),
             attention_mask={"full_attention": batch, "sliding_attention": batch},
             use_cache=False,
         )

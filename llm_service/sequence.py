@@ -13,22 +13,21 @@ import torch
 
 from llm_service.sampling import SamplingParams
 from mmserve.media import PlaceholderRange
-from mmserve.mrope import decode_position
+from mmserve.positions import PositionPlan
 
 
 @dataclass(frozen=True)
 class LLMRequest:
-    """A prompt ready for the LM: token ids, media embeddings at their ranges, 3-D positions.
+    """A prompt ready for the LM: token ids, media embeddings at their ranges, the position plan.
 
-    `positions` is `(3, len(prompt_token_ids))`, or None for a text-only prompt (then
-    `arange` on every axis and `mrope_delta == 0`).
+    `positions` is the family's plan for every token, prompt and generated (opaque here); None
+    means the model's plan for plain text (`LanguageModel.text_positions`).
     """
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
-    positions: torch.Tensor | None = None
-    mrope_delta: int = 0
+    positions: PositionPlan | None = None
     media: tuple[tuple[PlaceholderRange, torch.Tensor], ...] = ()
     # content hash of each `media` item: what makes two prompts' image tokens the same for
     # prefix caching (a prompt with media but without keys is never cached)
@@ -75,7 +74,6 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_preemptions: int = 0
-    _positions: torch.Tensor | None = None
     _block_hashes: list[int] | None = None
 
     def __post_init__(self):
@@ -107,17 +105,8 @@ class Sequence:
         return len(self.tokens) - self.num_computed
 
     def positions(self, start: int, end: int) -> torch.Tensor:
-        """M-RoPE positions `(3, end - start)` of tokens `start..end`: the router's for the
-        prompt, `len(prompt) + delta + step` on every axis after it."""
-        req = self.request
-        n = self.num_prompt_tokens
-        if self._positions is None:
-            prompt = req.positions if req.positions is not None else torch.arange(n).expand(3, -1)
-            self._positions = prompt.to(torch.long)
-        if end <= n:
-            return self._positions[:, start:end]
-        tail = decode_position(n, req.mrope_delta, torch.arange(max(start, n) - n, end - n)).expand(3, -1)
-        return torch.cat([self._positions[:, start:n], tail], dim=1) if start < n else tail
+        """Positions `(rows, end - start)` of tokens `start..end`, from the request's plan."""
+        return self.request.positions.positions(start, end)
 
     def block_hashes(self, block_size: int) -> list[int]:
         """Chained hashes of the full prompt blocks, last prompt token excluded (it must run to

@@ -4,7 +4,7 @@ Rule (the one `transformers` >= 5 `get_rope_index` applies, which the served out
 text gets `arange(n) + cur` on all three axes and advances `cur` by `n`; a media item with LLM grid
 `(t, h, w)` (spatial dims divided by the merge size) gets `(floor(t_idx * t_factor), h_idx, w_idx)
 + cur` and advances `cur` by `max(h, w)`. `delta = max(positions) + 1 - len(tokens)`; decode step
-`s` uses `len(tokens) + delta + s` on every axis.
+`s` uses `len(tokens) + delta + s` on every axis (`mmserve.positions.ExplicitPositions`).
 
 For images `cur + max(h, w)` equals `max(previous positions) + 1`; the two differ only for videos
 whose temporal extent `(t - 1) * t_factor` reaches their spatial extent, where `transformers` 4.x
@@ -64,7 +64,3 @@ def mrope_positions(
     delta = int(positions.max()) + 1 - num_tokens if num_tokens else 0
     return positions, delta
 
-
-def decode_position(num_prompt_tokens: int, delta: int, step: int | torch.Tensor) -> int | torch.Tensor:
-    """Position (same on all three axes) of the token at decode `step` (0-based; a tensor of steps works)."""
-    return num_prompt_tokens + delta + step

@@ -5,12 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from mmserve.checkpoint import read_chat_template
 from mmserve.errors import InvalidRequest
 from mmserve.families import router_face
 from mmserve.media import MediaItem, MediaKind, PlaceholderRange
+from mmserve.positions import PositionPlan
 from mmserve.prompt import ChatMessage, PromptBuilder
 
 
@@ -34,8 +33,7 @@ class RequestPlan:
     token_ids: list[int]
     items: list[MediaItem]
     ranges: list[PlaceholderRange]
-    positions: torch.Tensor | None  # (3, L); None for text-only prompts
-    mrope_delta: int
+    positions: PositionPlan  # the family's: opaque outside it
 
     @property
     def num_media_tokens(self) -> int:
@@ -77,7 +75,5 @@ class RequestPlanner:
             for m in messages
         ]
         prompt = self._builder.build(chat, [lay.num_tokens for lay in layouts])
-        positions, delta = None, 0
-        if items:
-            positions, delta = self.face.positions(len(prompt.token_ids), prompt.ranges, layouts)
-        return RequestPlan(prompt.token_ids, items, prompt.ranges, positions, delta)
+        positions = self.face.position_plan(len(prompt.token_ids), prompt.ranges, layouts)
+        return RequestPlan(prompt.token_ids, items, prompt.ranges, positions)

@@ -49,7 +49,6 @@ def plan_request(model_dir: str, messages: list[dict], request_id: str, max_toke
         prompt_token_ids=tuple(plan.token_ids),
         sampling=SamplingParams(max_tokens=max_tokens, **sampling),
         positions=plan.positions,
-        mrope_delta=plan.mrope_delta,
         media=tuple(zip(plan.ranges, embeddings)),
         media_keys=tuple(item.content_hash for item in plan.items),
     )

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmserve.media import PlaceholderRange
-from mmserve.mrope import decode_position, mrope_positions, video_t_factor
+from mmserve.mrope import mrope_positions, video_t_factor
+from mmserve.positions import ExplicitPositions
 
 MERGE = 2
 TEMPORAL_PATCH = 2
@@ -158,7 +159,7 @@ def test_qwen2_5_video_temporal_scaling_is_exercised(tiny_models):
 
 
 def test_decode_position_matches_generate(model_dir, family):
-    """Positions `generate` feeds the decoder at each decode step == `decode_position`."""
+    """Positions `generate` feeds the decoder at each decode step == the position plan's."""
     from tests.media_factory import image_bytes, video_frames
     from tests.reference import reference_inputs
 
@@ -192,7 +193,8 @@ def test_decode_position_matches_generate(model_dir, family):
     t_factors = [1, 1]
     if family == "qwen2_5_vl":
         t_factors[1] = video_t_factor(float(inputs["second_per_grid_ts"][0]), cfg.vision_config.tokens_per_second)
-    _, delta = mrope_positions(num_prompt, ranges, grids, MERGE, t_factors)
+    prompt_positions, delta = mrope_positions(num_prompt, ranges, grids, MERGE, t_factors)
+    plan = ExplicitPositions(prompt_positions, delta)
     assert delta != 0  # the test must distinguish M-RoPE decode positions from plain ones
 
     seen: list[torch.Tensor] = []
@@ -210,4 +212,5 @@ def test_decode_position_matches_generate(model_dir, family):
     for step, pos in enumerate(seen[1:]):
         # generate may prepend a text-position row (4 rows); the M-RoPE rows are the last 3
         mrope = pos[-3:].reshape(3, -1)[:, -1]
-        assert mrope.tolist() == [decode_position(num_prompt, delta, step)] * 3, step
+        assert mrope.tolist() == plan.positions(num_prompt + step, num_prompt + step + 1)[:, 0].tolist(), step
+        assert mrope.tolist() == [num_prompt + delta + step] * 3, step

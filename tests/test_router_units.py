@@ -208,7 +208,9 @@ def test_special_token_strings_in_user_text_stay_text(model_dir):
     assert image_id not in plan.token_ids and video_id not in plan.token_ids
     assert plan.token_ids.count(im_start) == plain.token_ids.count(im_start) >= 2
     assert user_text in tok.decode(plan.token_ids)
-    assert plan.items == [] and plan.ranges == [] and plan.positions is None
+    assert plan.items == [] and plan.ranges == []
+    n = len(plan.token_ids)
+    assert torch.equal(plan.positions.positions(0, n + 2), torch.arange(n + 2).expand(3, -1))
 
 
 @pytest.mark.parametrize(
@@ -248,8 +250,10 @@ def test_multimodal_plan_matches_processor(model_dir, family):
         ref["input_ids"], ref["mm_token_type_ids"], image_grid_thw=ref["image_grid_thw"],
         video_grid_thw=ref["video_grid_thw"], attention_mask=ref["attention_mask"], **kwargs,
     )
-    assert torch.equal(plan.positions, pos[:, 0])
-    assert plan.mrope_delta == int(delta.reshape(-1)[0])
+    n = len(plan.token_ids)
+    assert torch.equal(plan.positions.positions(0, n), pos[:, 0])
+    decode = n + int(delta.reshape(-1)[0])  # the first generated token's position on every axis
+    assert plan.positions.positions(n, n + 2).tolist() == [[decode, decode + 1]] * 3
     n_img = int(ref["image_grid_thw"][0].prod()) // 4
     assert [r.length for r in plan.ranges] == [n_img, int(ref["video_grid_thw"][0].prod()) // 4]
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from mmserve.checkpoint import strip_prefix
+from mmserve.positions import LinearPositions, PositionPlan
 
 # transformers >= 4.52 layout first, then the legacy one of every released checkpoint.
 _DECODER_PREFIXES = ("model.language_model.", "model.")
@@ -26,6 +27,15 @@ class QwenVLLMFace:
             return "lm_head.weight"
         name = strip_prefix(key, _DECODER_PREFIXES)
         return None if name is None else "decoder." + name
+
+    @staticmethod
+    def text_positions() -> PositionPlan:
+        return LinearPositions(rows=3)
+
+    @staticmethod
+    def position_ids(positions: torch.Tensor) -> torch.Tensor:
+        """`(3, T)` M-RoPE rows of a packed sequence -> the decoder's `(3, 1, T)`."""
+        return positions.unsqueeze(1)
 
     def build(self, config, dtype: torch.dtype) -> LanguageModelModules:
         from transformers.initialization import no_init_weights

@@ -20,6 +20,7 @@ from mmserve.media import (
     video_grid,
 )
 from mmserve.mrope import mrope_positions, video_t_factor
+from mmserve.positions import ExplicitPositions, LinearPositions, PositionPlan
 
 IMAGE_TOKEN = "<|image_pad|>"
 VIDEO_TOKEN = "<|video_pad|>"
@@ -67,13 +68,17 @@ class QwenVLRouterFace:
                 t_factor = video_t_factor(second_per_grid_t, self.tokens_per_second)
         return ItemLayout(grid, tokens_for_grid(grid, self.preprocess.merge_size), t_factor)
 
-    def positions(
+    def position_plan(
         self, num_tokens: int, ranges: list[PlaceholderRange], layouts: list[ItemLayout]
-    ) -> tuple[torch.Tensor, int]:
-        return mrope_positions(
+    ) -> PositionPlan:
+        """M-RoPE positions (3 rows) of the prompt; text-only prompts count up on every row."""
+        if not ranges:
+            return LinearPositions(rows=3)
+        positions, delta = mrope_positions(
             num_tokens,
             ranges,
             [lay.grid for lay in layouts],
             self.preprocess.merge_size,
             [lay.t_factor for lay in layouts],
         )
+        return ExplicitPositions(positions, delta)
