@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from encoder_service.batching import BatchConfig  # noqa: E402
 from encoder_service.pool import EncoderPool, PoolConfig  # noqa: E402
-from mmserve.media import MediaItem, MediaKind  # noqa: E402
+from mmserve.media import EncodeItem, MediaItem, MediaKind  # noqa: E402
 
 REAL_SIDES = (224, 448, 672, 896, 1024)
 
@@ -98,7 +98,7 @@ async def run_serve_batch(encoder, items, max_batch_size: int, wait_s: float, wo
 
     class CountBatcher:
         @serve.batch(max_batch_size=max_batch_size, batch_wait_timeout_s=wait_s)
-        async def encode(self, batch: list[list[MediaItem]]) -> list[list[torch.Tensor]]:
+        async def encode(self, batch: list[list[EncodeItem]]) -> list[list[tuple[torch.Tensor, ...]]]:
             loop = asyncio.get_running_loop()
             flat = [item for req in batch for item in req]
             prepared = await asyncio.gather(*[loop.run_in_executor(preprocess, encoder.preprocess, i) for i in flat])
@@ -119,8 +119,8 @@ def cpu_table(args) -> dict:
 
     model = args.model or tiny_checkpoint(args.scale)
     encoder = VisionEncoder(model, dtype=args.dtype, device="cpu")
-    items = workload(args.items, args.scale)
-    tokens = sum(encoder.estimate_tokens(i) for i in items)
+    items = [encoder.plan(item) for item in workload(args.items, args.scale)]  # what routers send
+    tokens = sum(item.cost for item in items)
     budget = BatchConfig(max_batch_tokens=args.max_batch_tokens, max_batch_items=256, batch_wait_ms=args.wait_ms)
     single = BatchConfig(max_batch_tokens=args.max_batch_tokens, max_batch_items=1, batch_wait_ms=0)
     w = args.workers
@@ -162,35 +162,30 @@ class FullSizeTower:
 
         from encoder_service.cache import EncoderIdentity
         from encoder_service.families.qwen2_vl import QwenVLEncoderFace
-        from encoder_service.runtime import VisionEncoder
 
         self.config = Qwen2VLVisionConfig(hidden_size=3584)  # Qwen2-VL-7B's vision tower
         self.config._attn_implementation = "sdpa"
         self.tower = Qwen2VisionTransformerPretrainedModel._from_config(self.config, dtype=dtype).cuda().eval()
         self.processor = Qwen2VLImageProcessor(max_pixels=1024 * 1024 * 2)
         self.identity = EncoderIdentity("qwen2-vl-random", "random", "default", str(dtype))
-        self._face = QwenVLEncoderFace("qwen2_vl")
-        self.dtype = dtype
-        self.merge_size = self.config.spatial_merge_size
-        # borrow the pure helpers (num_tokens, cost, split) of the real runtime
-        for name in ("num_tokens", "cost", "split"):
-            setattr(self, name, getattr(VisionEncoder, name).__get__(self))
+        # the real face's forward and split, without a checkpoint directory for its processors
+        self._face = QwenVLEncoderFace.__new__(QwenVLEncoderFace)
+        self._face.dtype, self._face.merge = dtype, self.config.spatial_merge_size
+        self.split = self._face.split
 
-    def estimate_tokens(self, item: MediaItem) -> int:
-        return self.num_tokens(self.preprocess(item))
+    def plan(self, item: MediaItem) -> EncodeItem:
+        prepared = self.preprocess(EncodeItem(item, None, 0))
+        return EncodeItem(item, None, prepared.num_tokens)
 
-    def preprocess(self, item: MediaItem):
-        from encoder_service.runtime import PreparedItem
+    def preprocess(self, item: EncodeItem):
         from mmserve.media import decode_image
 
-        out = self.processor(images=[decode_image(item.frames[0])], return_tensors="pt")
-        return PreparedItem(out["pixel_values"], tuple(int(x) for x in out["image_grid_thw"][0].tolist()))
+        out = self.processor(images=[decode_image(item.item.frames[0])], return_tensors="pt")
+        return self._face._prepared(out["pixel_values"], tuple(int(x) for x in out["image_grid_thw"][0].tolist()))
 
     @torch.inference_mode()
     def forward(self, prepared):
-        pixels = torch.cat([p.pixel_values for p in prepared]).to("cuda", self.dtype, non_blocking=True)
-        outs = self._face.forward(self.tower, pixels, [p.grid for p in prepared])
-        return [o.to("cpu") for o in outs]
+        return [tuple(p.to("cpu") for p in parts) for parts in self._face.forward(self.tower, prepared)]
 
     def flops(self, grid: tuple[int, int, int]) -> float:
         """Forward FLOPs of one item: 24 d^2 per patch per block (qkv, proj, 4x MLP) + 4 n d attention."""
@@ -207,8 +202,8 @@ def cuda_rows(args) -> dict:
     tower = FullSizeTower(torch.bfloat16)
     results = {}
     for side in (448, 1024):
-        items = [MediaItem(MediaKind.IMAGE, (image(side, side, 7_000 + k),)) for k in range(args.cuda_items)]
-        grid = tower.preprocess(items[0]).grid
+        items = [tower.plan(MediaItem(MediaKind.IMAGE, (image(side, side, 7_000 + k),))) for k in range(args.cuda_items)]
+        grid = tower.preprocess(items[0]).layout
         batch = BatchConfig(max_batch_tokens=args.cuda_batch_tokens, max_batch_items=256, batch_wait_ms=args.wait_ms)
         seconds, stats = asyncio.run(run_pool(tower, items, batch, args.workers))
         torch.cuda.synchronize()

@@ -46,10 +46,12 @@ class Encoder:
         return _tensor(mb, getattr(torch, dtype), seed)
 
     def publish(self, mb: float, dtype: str, seed: int):
-        from mmserve.media import MediaItem, MediaKind
+        from mmserve.embeddings import ItemEmbedding
+        from mmserve.media import EncodeItem, MediaItem, MediaKind
 
-        item = MediaItem(MediaKind.IMAGE, (f"{mb}-{dtype}-{seed}".encode(),))
-        return self.publisher.publish([item], [_tensor(mb, getattr(torch, dtype), seed)])[0]
+        item = EncodeItem(MediaItem(MediaKind.IMAGE, (f"{mb}-{dtype}-{seed}".encode(),)), None, 0)
+        embedding = ItemEmbedding((_tensor(mb, getattr(torch, dtype), seed),), key=f"{mb}-{dtype}-{seed}")
+        return self.publisher.publish([item], [embedding])[0]
 
 
 @ray.remote(num_cpus=0)
@@ -68,7 +70,7 @@ class LLM:
 
     async def fetch(self, ref) -> tuple[float, int]:
         start = time.perf_counter()
-        [tensor] = await self.fetcher.resolve([ref])
+        tensor = (await self.fetcher.fetch(ref)).rows
         return time.perf_counter() - start, tensor.numel() * tensor.element_size()
 
 

@@ -22,7 +22,7 @@ from encoder_service import VisionEncoder
 from encoder_service.batching import BatchConfig
 from encoder_service.pool import BatchRecord, EncoderPool, Lookup, PoolConfig, PoolListener
 from mmserve.errors import InvalidRequest
-from mmserve.media import MediaItem
+from mmserve.media import EncodeItem
 
 logger = logging.getLogger("ray.serve")
 
@@ -124,9 +124,9 @@ class EncoderDeployment:
 
             self.publisher = GrpcPublisher(grpc or GrpcArgs(), self.encoder)
 
-    async def encode(self, items: list[MediaItem]) -> list:
-        """One embedding `(num_tokens, hidden)` (CPU) per item — or, with `transport: grpc`, one
-        `EncodedRef` to fetch it by; InvalidRequest if an item cannot be decoded."""
+    async def encode(self, items: list[EncodeItem]) -> list:
+        """One `ItemEmbedding` (CPU) per item — or, with `transport: grpc`, one `EncodedRef` to
+        fetch it by; InvalidRequest if an item cannot be decoded."""
         start = time.perf_counter()
         try:
             embeddings = await self.pool.encode(items)
@@ -138,8 +138,8 @@ class EncoderDeployment:
             logger.exception("encoding %d items failed", len(items))
             raise InvalidRequest(f"cannot encode media: {e}") from None
         for item, embedding in zip(items, embeddings):
-            self.metrics.items.inc(tags={"kind": item.kind.value})
-            self.metrics.tokens.inc(embedding.shape[0])
+            self.metrics.items.inc(tags={"kind": item.item.kind.value})
+            self.metrics.tokens.inc(embedding.num_rows)
         self.metrics.encode_ms.observe((time.perf_counter() - start) * 1000)
         return self.publisher.publish(items, embeddings) if self.publisher else embeddings
 

@@ -8,16 +8,17 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import torch
 from ray import serve
 
 from deployments.config import GrpcArgs
 from deployments.encoder import resolve_device
 from deployments.metrics import LLMMetrics
+from deployments.transport import EmbeddingHandle, resolve
 from llm_service.config import EngineConfig
 from llm_service.engine import LLMEngine, LLMRequest, TokenEvent
 from llm_service.model import LanguageModel
 from llm_service.sampling import SamplingParams
+from mmserve.embeddings import ItemEmbedding
 from mmserve.errors import InvalidRequest
 from mmserve.media import PlaceholderRange
 from mmserve.positions import PositionPlan
@@ -34,11 +35,7 @@ class PendingRequest:
     sampling: SamplingParams
     positions: PositionPlan
     ranges: tuple[PlaceholderRange, ...]
-    # Per range: (ObjectRef of one encoder call's list of embeddings, index in that list), owned by
-    # the router so they outlive the encoder replica that made them; or, from a standalone
-    # encoder, (EncodedRef to fetch over gRPC, None).
-    embedding_refs: tuple[tuple[object, int | None], ...]
-    media_keys: tuple[str, ...] = ()  # content hash per range (prefix caching of identical images)
+    embeddings: tuple[EmbeddingHandle, ...]  # one per range
 
 
 def root_cause(e: BaseException) -> BaseException:
@@ -82,33 +79,28 @@ class LLMDeployment:
         """The engine's counters (queues, KV blocks, preemptions, tokens): for tests and debugging."""
         return self.engine.stats()._asdict()
 
-    async def _embeddings(self, pending: PendingRequest) -> list[torch.Tensor]:
+    async def _embeddings(self, pending: PendingRequest) -> list[ItemEmbedding]:
         start = time.perf_counter()
         try:
-            refs = list(dict.fromkeys(ref for ref, index in pending.embedding_refs if index is not None))
-            groups = dict(zip(refs, await asyncio.gather(*refs)))
-            embeddings = [ref if index is None else groups[ref][index] for ref, index in pending.embedding_refs]
-            if self.fetcher is not None:
-                embeddings = await self.fetcher.resolve(embeddings)
+            embeddings = await resolve(pending.embeddings, self.fetcher)
         except Exception as e:
             cause = root_cause(e)
             if isinstance(cause, InvalidRequest):
                 raise InvalidRequest(str(cause)) from None
             raise
         self.metrics.embedding_wait_ms.observe((time.perf_counter() - start) * 1000)
-        self.metrics.embedding_bytes.inc(sum(t.numel() * t.element_size() for t in embeddings))
+        self.metrics.embedding_bytes.inc(sum(e.num_bytes for e in embeddings))
         return embeddings
 
     async def generate(self, pending: PendingRequest) -> AsyncIterator[TokenEvent]:
         """Stream of `TokenEvent`s; the stream ends after the one carrying `finish_reason`."""
-        embeddings = await self._embeddings(pending) if pending.embedding_refs else []
+        embeddings = await self._embeddings(pending) if pending.embeddings else []
         request = LLMRequest(
             request_id=pending.request_id,
             prompt_token_ids=pending.prompt_token_ids,
             sampling=pending.sampling,
             positions=pending.positions,
             media=tuple(zip(pending.ranges, embeddings)),
-            media_keys=pending.media_keys,
         )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()

@@ -26,6 +26,7 @@ from deployments.encoder import spread
 from deployments.generation import Generation, GenerationOptions, as_invalid_request, classify
 from deployments.grpc_ingress import GrpcIngress
 from deployments.llm import PendingRequest
+from deployments.transport import EmbeddingHandle
 from deployments.metrics import RouterMetrics
 from llm_service.sampling import SamplingParams
 from mmserve.checkpoint import read_config
@@ -83,8 +84,7 @@ class Router(GrpcIngress):
                 sampling=sampling,
                 positions=plan.positions,
                 ranges=tuple(plan.ranges),
-                embedding_refs=await self._dispatch_media(plan),
-                media_keys=tuple(item.content_hash for item in plan.items),
+                embeddings=await self._dispatch_media(plan),
             )
             logger.info(
                 "request %s: %d prompt tokens, %d media items (%d media tokens), max_tokens %d",
@@ -101,8 +101,8 @@ class Router(GrpcIngress):
         self.metrics.ttft_ms.observe((time.perf_counter() - started) * 1000)
         return Generation(request_id, plan, sampling, opts.stop, stream, first, self.tokenizer)
 
-    async def _dispatch_media(self, plan: RequestPlan) -> tuple[tuple[object, int], ...]:
-        """Send every item to the encoder at once, waiting for none; `(ref, index)` per item, in order.
+    async def _dispatch_media(self, plan: RequestPlan) -> tuple[EmbeddingHandle, ...]:
+        """Send every item to the encoder at once, waiting for none; one handle per item, in order.
 
         A large request is split into groups of near-equal tokens, one encoder call each, so Serve
         spreads them over replicas; each replica batches them with other requests' items.
@@ -112,15 +112,16 @@ class Router(GrpcIngress):
         self.metrics.media_items.inc(len(plan.items))
         if self.settings.external_encoder:
             return await self._encode_externally(plan)
-        groups = spread([r.length for r in plan.ranges])  # balanced by tokens: one call per group
-        responses = [self.encoder.encode.remote([plan.items[i] for i in group]) for group in groups]
+        media = plan.media
+        groups = spread([m.cost for m in media])  # balanced by encoder cost: one call per group
+        responses = [self.encoder.encode.remote([media[i] for i in group]) for group in groups]
         refs = [await r._to_object_ref() for r in responses]
         if self.settings.await_embeddings:  # the alternative hand-off; never fetches the tensors here
             await asyncio.to_thread(ray.wait, refs, num_returns=len(refs), fetch_local=False)
-        where = {i: (ref, pos) for group, ref in zip(groups, refs) for pos, i in enumerate(group)}
-        return tuple(where[i] for i in range(len(plan.items)))
+        where = {i: EmbeddingHandle(ref, pos) for group, ref in zip(groups, refs) for pos, i in enumerate(group)}
+        return tuple(where[i] for i in range(len(media)))
 
-    async def _encode_externally(self, plan: RequestPlan) -> tuple[tuple[object, None], ...]:
+    async def _encode_externally(self, plan: RequestPlan) -> tuple[EmbeddingHandle, ...]:
         """Encode on the standalone encoder; it keeps each result pinned for the LLM to fetch."""
         if self._external_client is None:  # grpc.aio channels belong to the running loop
             from mmserve.encoder_client import EncoderClient
@@ -131,7 +132,7 @@ class Router(GrpcIngress):
                 root_certificates=Path(ca).read_bytes() if ca else None,
             )
         refs = await asyncio.gather(*(self._external_client.encode_pinned(item) for item in plan.items))
-        return tuple((ref, None) for ref in refs)
+        return tuple(EmbeddingHandle(ref) for ref in refs)
 
     def _sampling(self, opts: GenerationOptions, prompt_len: int) -> SamplingParams:
         remaining = self.max_model_len - prompt_len

@@ -1,26 +1,39 @@
-"""Embedding transport `grpc`: the encoder publishes, the LLM pulls by (address, content hash).
+"""How an item's embedding gets from the encoder to the LLM replica, by either transport.
 
-With `transport: object_store` (the default) encoder results are tensors that Ray moves; with
-`transport: grpc` each encoder replica runs an `EncoderService` server and its results are
-`EncodedRef`s, which the LLM replica resolves into tensors by streaming them from that server.
-Both give the same tensors bit for bit.
+With `transport: object_store` (the default) encoder results are `ItemEmbedding`s that Ray moves;
+with `transport: grpc` each encoder replica runs an `EncoderService` server and its results are
+`EncodedRef`s, which the LLM replica resolves by streaming them from that server. Both give the
+same tensors bit for bit. The router hands the LLM one `EmbeddingHandle` per item either way.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 from deployments.config import GrpcArgs
 from encoder_service.grpc_server import Encoder, ServerOptions, ServerSecurity, ServerThread
 from encoder_service.result_store import ResultStore
+from mmserve.embeddings import ItemEmbedding
 from mmserve.encoder_client import EncodedRef, EncoderClient
-from mmserve.media import MediaItem
+from mmserve.media import EncodeItem
 
-Embedding = torch.Tensor | EncodedRef
+
+
+@dataclass(frozen=True)
+class EmbeddingHandle:
+    """Where one item's encoder output is, or will be.
+
+    `ref` is the ObjectRef of one encoder call's result list and `index` the item's place in it
+    (the router owns the ref, so it outlives the encoder replica that computed it), or `ref` is
+    an `EncodedRef` pinned on an encoder's gRPC server and `index` is None. An encoder call's
+    results are themselves `ItemEmbedding`s, or `EncodedRef`s with `transport: grpc`.
+    """
+
+    ref: object
+    index: int | None = None
 
 
 def advertised_host() -> str:
@@ -39,14 +52,15 @@ class GrpcPublisher:
         self._server = ServerThread(encoder, self.store, options)
         self.address = f"{host or advertised_host()}:{self._server.port}"
 
-    def publish(self, items: Sequence[MediaItem], embeddings: Sequence[torch.Tensor]) -> list[EncodedRef]:
+    def publish(self, items: Sequence[EncodeItem], embeddings: Sequence[ItemEmbedding]) -> list[EncodedRef]:
         """Pin each embedding for one fetch; what to return to the caller instead of the tensors."""
         refs = []
         for item, embedding in zip(items, embeddings, strict=True):
-            content_hash = item.content_hash
-            self.store.put(content_hash, embedding)
-            dtype = str(embedding.dtype).removeprefix("torch.")
-            refs.append(EncodedRef(self.address, content_hash, dtype, tuple(embedding.shape)))
+            content_hash = item.item.content_hash
+            wire = embedding.to_wire()
+            self.store.put(content_hash, wire)
+            dtype = str(wire.dtype).removeprefix("torch.")
+            refs.append(EncodedRef(self.address, content_hash, dtype, tuple(wire.shape), embedding.key))
         return refs
 
     def stop(self) -> None:
@@ -73,16 +87,26 @@ class GrpcFetcher:
             )
         return client
 
-    async def resolve(self, embeddings: Sequence[Embedding]) -> list[torch.Tensor]:
-        """Tensors for `embeddings`: refs are fetched concurrently, tensors pass through."""
-
-        async def one(e: Embedding) -> torch.Tensor:
-            if isinstance(e, torch.Tensor):
-                return e
-            return await self._client(e.address).fetch(e.content_hash)
-
-        return list(await asyncio.gather(*(one(e) for e in embeddings)))
+    async def fetch(self, ref: EncodedRef) -> ItemEmbedding:
+        return await self._client(ref.address).fetch_embedding(ref)
 
     async def close(self) -> None:
         clients, self._clients = list(self._clients.values()), {}
         await asyncio.gather(*(c.close() for c in clients))
+
+
+async def resolve(handles: Sequence[EmbeddingHandle], fetcher: GrpcFetcher | None) -> list[ItemEmbedding]:
+    """The outputs behind `handles`, in order: each encoder call's result list is awaited once,
+    `EncodedRef`s are fetched concurrently (they need `fetcher`)."""
+    calls = list(dict.fromkeys(h.ref for h in handles if h.index is not None))
+    results = dict(zip(calls, await asyncio.gather(*calls)))
+    found = [h.ref if h.index is None else results[h.ref][h.index] for h in handles]
+
+    async def one(found: ItemEmbedding | EncodedRef) -> ItemEmbedding:
+        if isinstance(found, ItemEmbedding):
+            return found
+        if fetcher is None:
+            raise RuntimeError("an encoder returned a gRPC reference but this replica has no gRPC fetcher")
+        return await fetcher.fetch(found)
+
+    return list(await asyncio.gather(*(one(f) for f in found)))

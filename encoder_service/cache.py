@@ -1,4 +1,4 @@
-"""Embedding cache: an LRU of CPU tensors bounded in bytes, keyed by everything the result depends on."""
+"""Embedding cache: an LRU of item outputs bounded in bytes, keyed by everything the result depends on."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mmserve.embeddings import ItemEmbedding
 from mmserve.media import MediaItem
 
 
@@ -35,8 +36,8 @@ class EncoderIdentity:
         return h.hexdigest()
 
 
-def tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def tensor_bytes(t: torch.Tensor | ItemEmbedding) -> int:
+    return t.num_bytes if isinstance(t, ItemEmbedding) else t.numel() * t.element_size()
 
 
 class EmbeddingCache:
@@ -54,7 +55,7 @@ class EmbeddingCache:
         self.num_bytes = 0
         self.hits = 0
         self.misses = 0
-        self._entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._entries: OrderedDict[str, ItemEmbedding] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -63,7 +64,7 @@ class EmbeddingCache:
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
-    def get(self, key: str) -> torch.Tensor | None:
+    def get(self, key: str) -> ItemEmbedding | None:
         with self._lock:
             value = self._entries.get(key)
             if value is None:
@@ -73,7 +74,7 @@ class EmbeddingCache:
             self.hits += 1
             return value
 
-    def put(self, key: str, value: torch.Tensor) -> bool:
+    def put(self, key: str, value: ItemEmbedding) -> bool:
         """Insert (or refresh) `key`; False when `value` alone exceeds the capacity."""
         size = tensor_bytes(value)
         with self._lock:

@@ -36,7 +36,7 @@ _MAX_WAIT_MS = 60_000
 
 
 class Encoder(Protocol):
-    def encode(self, items: Sequence[MediaItem]) -> list[torch.Tensor]: ...
+    def encode(self, items: Sequence[MediaItem]) -> list[ItemEmbedding]: ...
 
 
 class PooledEncoder:
@@ -46,8 +46,8 @@ class PooledEncoder:
     def __init__(self, pool):
         self._pool = pool
 
-    def encode(self, items: Sequence[MediaItem]) -> list[torch.Tensor]:
-        return self._pool.encode_threadsafe(items)
+    def encode(self, items: Sequence[MediaItem]) -> list[ItemEmbedding]:
+        return self._pool.encode_threadsafe([self._pool.encoder.plan(item) for item in items])
 
 
 @dataclass(frozen=True)
@@ -117,19 +117,16 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         try:
             item = media_item(request.item)
             content_hash = item.content_hash
-            tensor = self.store.acquire(content_hash)
-            if tensor is not None:
-                self.store.finish(content_hash, delivered=False)
-            else:
-                [tensor] = await asyncio.to_thread(self.encoder.encode, [item])
+            [embedding] = await asyncio.to_thread(self.encoder.encode, [item])
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        tensor = embedding.to_wire()
         if request.return_embedding:
-            for chunk in to_chunks(content_hash, tensor, self.chunk_bytes):
+            for chunk in to_chunks(content_hash, tensor, self.chunk_bytes, key=embedding.key):
                 yield chunk
             return
         self.store.put(content_hash, tensor)
-        yield encoder_pb2.EmbeddingChunk(header=header_of(content_hash, tensor))
+        yield encoder_pb2.EmbeddingChunk(header=header_of(content_hash, tensor, key=embedding.key))
 
     async def FetchEmbedding(self, request: encoder_pb2.FetchEmbeddingRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[encoder_pb2.EmbeddingChunk]:

@@ -3,9 +3,9 @@
 One `EncoderPool` per process (a Ray Serve replica or the standalone gRPC server) serves items of
 any number of concurrent requests from one asyncio event loop:
 
-    encode(items) -> cache hit?  -> embedding
+    encode(items) -> cache hit?  -> embedding (items come with the router face's layout and cost)
                   -> in flight?  -> share that item's future (dedup)
-                  -> preprocess on the worker pool -> queue (a video over budget: split)
+                  -> preprocess on the worker pool -> queue (over budget: the face splits it)
     scheduler     -> select_batch (token budget, wait at most batch_wait_ms)
                   -> one packed forward on the device thread -> split per item -> cache
 
@@ -25,10 +25,11 @@ from typing import Literal, NamedTuple, Protocol
 
 import torch
 
-from encoder_service.batching import BatchConfig, Selection, overtaken, select_batch, temporal_groups
+from encoder_service.batching import BatchConfig, Selection, overtaken, select_batch
 from encoder_service.cache import EmbeddingCache, EncoderIdentity
-from encoder_service.runtime import PreparedItem
-from mmserve.media import MediaItem
+from encoder_service.families.base import PreparedItem
+from mmserve.embeddings import ItemEmbedding
+from mmserve.media import EncodeItem
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +52,9 @@ class Encoder(Protocol):
 
     identity: EncoderIdentity
 
-    def estimate_tokens(self, item: MediaItem) -> int: ...
-    def preprocess(self, item: MediaItem) -> PreparedItem: ...
-    def num_tokens(self, prepared: PreparedItem) -> int: ...
-    def cost(self, prepared: PreparedItem, unit: str) -> int: ...
-    def split(self, prepared: PreparedItem, groups: Sequence[tuple[int, int]]) -> list[PreparedItem]: ...
-    def forward(self, prepared: Sequence[PreparedItem]) -> list[torch.Tensor]: ...
+    def preprocess(self, item: EncodeItem) -> PreparedItem: ...
+    def split(self, prepared: PreparedItem, budget: int, unit: str) -> list[PreparedItem]: ...
+    def forward(self, prepared: Sequence[PreparedItem]) -> list[tuple[torch.Tensor, ...]]: ...
 
 
 class BatchRecord(NamedTuple):
@@ -98,7 +96,7 @@ class _Job:
     key: str
     future: asyncio.Future
     tokens: int
-    outputs: list[torch.Tensor | None] = field(default_factory=list)
+    outputs: list[tuple[torch.Tensor, ...] | None] = field(default_factory=list)
     remaining: int = 0
 
 
@@ -136,8 +134,8 @@ class EncoderPool:
         self._dedup_hits = 0
 
     # -- public ---------------------------------------------------------------------------------
-    async def encode(self, items: Sequence[MediaItem]) -> list[torch.Tensor]:
-        """One `(num_tokens, hidden)` CPU tensor per item, in order (shared: treat as read-only).
+    async def encode(self, items: Sequence[EncodeItem]) -> list[ItemEmbedding]:
+        """One output per item, in order, on CPU (shared: treat as read-only).
 
         Raises the first failing item's error (InvalidRequest for corrupt media); the other
         items keep running for the other requests that share them. Cancelling the caller does not
@@ -149,7 +147,7 @@ class EncoderPool:
             await asyncio.wait(futures)
         return [f.result() for f in futures]
 
-    def encode_threadsafe(self, items: Sequence[MediaItem], timeout: float | None = None) -> list[torch.Tensor]:
+    def encode_threadsafe(self, items: Sequence[EncodeItem], timeout: float | None = None) -> list[ItemEmbedding]:
         """`encode` from another thread (e.g. a gRPC server with its own loop); blocks that thread.
 
         Needs the pool's loop running (after a first `encode` there, or `start(loop)`).
@@ -194,9 +192,9 @@ class EncoderPool:
             self._wake = asyncio.Event()
             self._scheduler = self._loop.create_task(self._schedule())
 
-    def _submit(self, item: MediaItem) -> asyncio.Future:
+    def _submit(self, item: EncodeItem) -> asyncio.Future:
         loop = asyncio.get_running_loop()
-        key = self.encoder.identity.key(item)
+        key = self.encoder.identity.key(item.item)
         job = self._inflight.get(key)
         if job is not None:
             self._dedup_hits += 1
@@ -208,13 +206,9 @@ class EncoderPool:
             future.set_result(hit)
             return future
         self.listener.on_lookup("miss")
-        try:
-            tokens = self.encoder.estimate_tokens(item)
-        except Exception:  # unreadable header: preprocessing reports the real error
-            tokens = 0
-        job = _Job(key, future, tokens)
+        job = _Job(key, future, item.cost)
         self._inflight[key] = job
-        self._queued_tokens += tokens
+        self._queued_tokens += item.cost
         self._notify_queue()
         prepared = loop.run_in_executor(self._preprocess, self.encoder.preprocess, item)
         prepared.add_done_callback(lambda f: self._on_prepared(job, f))
@@ -230,19 +224,17 @@ class EncoderPool:
         prepared = prepared_future.result()
         unit, budget = self.config.batch.cost_unit, self.config.batch.max_batch_tokens
         pieces = [prepared]
-        num_temporal = prepared.grid[0]
-        if num_temporal > 1 and self.encoder.cost(prepared, unit) > budget:
-            per_temporal = self.encoder.cost(prepared, unit) // num_temporal
-            pieces = self.encoder.split(prepared, temporal_groups(num_temporal, per_temporal, budget))
+        if prepared.cost(unit) > budget:
+            pieces = self.encoder.split(prepared, budget, unit)
         job.outputs = [None] * len(pieces)
         job.remaining = len(pieces)
         now = time.monotonic()
         for index, piece in enumerate(pieces):
-            self._queue.append(_Piece(job, index, piece, self.encoder.cost(piece, unit), now))
+            self._queue.append(_Piece(job, index, piece, piece.cost(unit), now))
         assert self._wake is not None
         self._wake.set()
 
-    def _finish(self, job: _Job, result: torch.Tensor | None = None, error: BaseException | None = None) -> None:
+    def _finish(self, job: _Job, result: ItemEmbedding | None = None, error: BaseException | None = None) -> None:
         if self._inflight.get(job.key) is job:
             del self._inflight[job.key]
             self._queued_tokens -= job.tokens
@@ -295,7 +287,7 @@ class EncoderPool:
         start = time.monotonic()
         wait_ms = (start - min(p.enqueued for p in batch)) * 1000
         try:
-            outputs: list[torch.Tensor | BaseException] = list(
+            outputs: list[tuple[torch.Tensor, ...] | BaseException] = list(
                 await loop.run_in_executor(self._device, self.encoder.forward, [p.prepared for p in batch])
             )
         except Exception as e:
@@ -313,13 +305,13 @@ class EncoderPool:
         for piece, out in zip(batch, outputs):
             self._deliver(piece, out)
 
-    async def _forward_alone(self, piece: _Piece) -> torch.Tensor | BaseException:
+    async def _forward_alone(self, piece: _Piece) -> tuple[torch.Tensor, ...] | BaseException:
         try:
             return (await asyncio.get_running_loop().run_in_executor(self._device, self.encoder.forward, [piece.prepared]))[0]
         except Exception as e:
             return e
 
-    def _deliver(self, piece: _Piece, out: torch.Tensor | BaseException) -> None:
+    def _deliver(self, piece: _Piece, out: tuple[torch.Tensor, ...] | BaseException) -> None:
         job = piece.job
         if job.future.done():
             return
@@ -329,5 +321,4 @@ class EncoderPool:
         job.outputs[piece.index] = out
         job.remaining -= 1
         if job.remaining == 0:
-            outputs = job.outputs
-            self._finish(job, result=outputs[0] if len(outputs) == 1 else torch.cat(outputs))  # type: ignore[arg-type]
+            self._finish(job, result=ItemEmbedding.concat(job.outputs, job.key))  # type: ignore[arg-type]

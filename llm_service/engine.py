@@ -166,8 +166,8 @@ class LLMEngine:
         if not req.prompt_token_ids:
             return "empty prompt"
         for rng, emb in req.media:
-            if emb.shape != (rng.length, self.model.text_config.hidden_size):
-                return f"embedding of shape {tuple(emb.shape)} does not fit placeholder range of {rng.length} tokens"
+            if emb.rows.shape != (rng.num_embeds, self.model.text_config.hidden_size):
+                return f"embedding of shape {tuple(emb.rows.shape)} does not fit {rng.num_embeds} embedding slots"
         if seq.request_id in self._by_id:
             return f"request id {seq.request_id!r} is already running"
         capacity = self.blocks.num_blocks * self.blocks.block_size

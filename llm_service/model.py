@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from llm_service.families import lm_face
+from llm_service.families.base import LMFace
 from mmserve.checkpoint import load_tensors, read_config, resolve_dtype
-from mmserve.families import family_of
+from mmserve.families import face_class, family_of
 
 logger = logging.getLogger(__name__)
 
@@ -23,15 +23,15 @@ class LanguageModel:
 
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
-        self.family = family_of(model_dir)
+        self.model_type = family_of(model_dir)
         self.dtype = resolve_dtype(dtype, read_config(model_dir))
         self.device = torch.device(device)
         config = AutoConfig.from_pretrained(model_dir)
         self.text_config = config.text_config
         self.max_model_len = int(self.text_config.max_position_embeddings)
-        self.face = face = lm_face(self.family)
-        loaded = load_tensors(model_dir, face.rename, self.dtype)
-        modules = face.build(config, self.dtype)
+        self.face: LMFace = face_class("llm_service.families", self.model_type, "LM_FACE")(config)
+        loaded = load_tensors(model_dir, self.face.rename, self.dtype)
+        modules = self.face.build(self.dtype)
         modules.load(loaded.state_dict)
         self.modules = modules.to(self.device).eval().requires_grad_(False)
         self.keys_read = loaded.keys_read

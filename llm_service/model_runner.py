@@ -68,7 +68,7 @@ class ModelRunner:
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 rows: torch.Tensor) -> torch.Tensor:
-        """The one model forward: decoder over `(T, hidden)` at `(3, T)`, lm_head on `rows`."""
+        """The one model forward: decoder over `(T, hidden)` at `(rows, T)` positions, lm_head on `rows`."""
         out = self.model.modules.decoder(
             inputs_embeds=embeds.unsqueeze(0),
             position_ids=self.model.face.position_ids(positions),
@@ -84,7 +84,7 @@ class ModelRunner:
         q_lens, ctx_lens, slot_tables = [], [], []
         for seq, n in scheduled:
             start, end = seq.num_computed, seq.num_computed + n
-            media += [(len(ids) + off, emb) for off, emb in seq.chunk_media(start, end)]
+            media += [(index + len(ids), parts) for index, parts in seq.chunk_media(start, end)]
             ids += seq.tokens[start:end]
             positions.append(seq.positions(start, end))
             table = torch.tensor(seq.block_table, dtype=torch.long)
@@ -95,8 +95,7 @@ class ModelRunner:
             ctx_lens.append(end)
         dev = self.device
         embeds = self.model.modules.decoder.embed_tokens(torch.tensor(ids, dtype=torch.long, device=dev))
-        for offset, emb in media:
-            embeds[offset:offset + emb.shape[0]] = emb.to(dev, embeds.dtype)
+        self.model.face.inject(embeds, media)
         max_blocks = max(len(s.seq.block_table) for s in scheduled)
         tables = torch.full((len(scheduled), max_blocks), self.scratch_block, dtype=torch.int32)
         for i, s in enumerate(scheduled):

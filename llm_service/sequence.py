@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from array import array
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from llm_service.sampling import SamplingParams
+from mmserve.embeddings import ItemEmbedding
 from mmserve.media import PlaceholderRange
 from mmserve.positions import PositionPlan
 
@@ -28,10 +30,10 @@ class LLMRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     positions: PositionPlan | None = None
-    media: tuple[tuple[PlaceholderRange, torch.Tensor], ...] = ()
-    # content hash of each `media` item: what makes two prompts' image tokens the same for
-    # prefix caching (a prompt with media but without keys is never cached)
-    media_keys: tuple[str, ...] = ()
+    # each media item's prompt range (embedding slots marked) and encoder output; the output's
+    # key (content + encoder identity) is what makes two prompts' media tokens equal for prefix
+    # caching (an output without a key is never cached)
+    media: tuple[tuple[PlaceholderRange, ItemEmbedding], ...] = ()
 
 
 class TokenEvent(NamedTuple):
@@ -75,6 +77,7 @@ class Sequence:
     status: Status = Status.WAITING
     num_preemptions: int = 0
     _block_hashes: list[int] | None = None
+    _embed_slots: list[list[int]] | None = None
 
     def __post_init__(self):
         self.tokens = list(self.request.prompt_token_ids)
@@ -115,25 +118,32 @@ class Sequence:
         if self._block_hashes is None:
             req = self.request
             self._block_hashes = []
-            if len(req.media_keys) != len(req.media):
+            if not all(emb.key for _, emb in req.media):
                 return self._block_hashes
             prev = b""
             for i in range((self.num_prompt_tokens - 1) // block_size):
                 lo, hi = i * block_size, (i + 1) * block_size
                 h = hashlib.blake2b(prev, digest_size=16)
                 h.update(array("q", req.prompt_token_ids[lo:hi]).tobytes())
-                for (rng, _), key in zip(req.media, req.media_keys):
+                for rng, emb in req.media:
                     if rng.offset < hi and rng.offset + rng.length > lo:
-                        h.update(f"{key}@{lo - rng.offset}".encode())
+                        h.update(f"{emb.key}@{lo - rng.offset}".encode())
                 prev = h.digest()
                 self._block_hashes.append(int.from_bytes(prev, "little"))
         return self._block_hashes
 
-    def chunk_media(self, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
-        """`(offset in the chunk, embedding rows)` of every media item overlapping `start..end`."""
+    def chunk_media(self, start: int, end: int) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
+        """For every media item with embedding slots in tokens `start..end`: the slots' indices
+        in the chunk and the item's output parts sliced to those slots' rows."""
+        if self._embed_slots is None:
+            self._embed_slots = [rng.embed_slots() for rng, _ in self.request.media]
         out = []
-        for rng, emb in self.request.media:
-            lo, hi = max(rng.offset, start), min(rng.offset + rng.length, end)
+        for (rng, emb), slots in zip(self.request.media, self._embed_slots):
+            if rng.offset >= end or rng.offset + rng.length <= start:
+                continue
+            lo = bisect.bisect_left(slots, start - rng.offset)
+            hi = bisect.bisect_left(slots, end - rng.offset)
             if lo < hi:
-                out.append((lo - start, emb[lo - rng.offset:hi - rng.offset]))
+                index = torch.tensor(slots[lo:hi], dtype=torch.long) + (rng.offset - start)
+                out.append((index, tuple(part[lo:hi] for part in emb.parts)))
         return out

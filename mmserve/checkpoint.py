@@ -13,7 +13,6 @@ from typing import NamedTuple
 
 import torch
 
-from mmserve.media import VisionPreprocessConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -80,7 +79,7 @@ def strip_prefix(key: str, prefixes: tuple[str, ...]) -> str | None:
     return None
 
 
-def _processor_section(model_dir: Path, section: str, legacy_file: str) -> dict:
+def processor_settings(model_dir: Path, section: str, legacy_file: str) -> dict:
     """One processor's settings from `processor_config.json` (transformers 5) or its own legacy file."""
     combined = model_dir / "processor_config.json"
     if combined.is_file():
@@ -89,34 +88,6 @@ def _processor_section(model_dir: Path, section: str, legacy_file: str) -> dict:
             return data[section]
     legacy = model_dir / legacy_file
     return json.loads(legacy.read_text()) if legacy.is_file() else {}
-
-
-def _pixel_bounds(cfg: dict, default_min: int, default_max: int) -> tuple[int, int]:
-    size = cfg.get("size") or {}
-    lo = cfg.get("min_pixels", size.get("shortest_edge", default_min))
-    hi = cfg.get("max_pixels", size.get("longest_edge", default_max))
-    return int(lo), int(hi)
-
-
-def read_preprocess_config(model_dir: str | Path) -> VisionPreprocessConfig:
-    """The sizing rules of the checkpoint's image and video processors, without loading them."""
-    model_dir = Path(model_dir)
-    image = _processor_section(model_dir, "image_processor", "preprocessor_config.json")
-    video = _processor_section(model_dir, "video_processor", "video_preprocessor_config.json") or image
-    d = VisionPreprocessConfig()
-    min_px, max_px = _pixel_bounds(image, d.min_pixels, d.max_pixels)
-    vmin, vmax = _pixel_bounds(video, d.video_min_pixels, d.video_max_pixels)
-    return VisionPreprocessConfig(
-        patch_size=int(image.get("patch_size", d.patch_size)),
-        merge_size=int(image.get("merge_size", d.merge_size)),
-        temporal_patch_size=int(image.get("temporal_patch_size", d.temporal_patch_size)),
-        min_pixels=min_px,
-        max_pixels=max_px,
-        video_min_pixels=vmin,
-        video_max_pixels=vmax,
-        video_cap_pixels_per_frame=bool(video.get("cap_pixels_per_frame", False)),
-        video_max_tokens=int(video.get("max_video_tokens", d.video_max_tokens)),
-    )
 
 
 def read_chat_template(model_dir: str | Path) -> str | None:

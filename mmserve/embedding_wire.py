@@ -21,19 +21,20 @@ class WireError(ValueError):
     """A chunk stream that does not describe a whole tensor."""
 
 
-def header_of(content_hash: str, tensor: torch.Tensor) -> encoder_pb2.EmbeddingHeader:
+def header_of(content_hash: str, tensor: torch.Tensor, key: str = "") -> encoder_pb2.EmbeddingHeader:
     return encoder_pb2.EmbeddingHeader(
         content_hash=content_hash,
+        key=key,
         dtype=str(tensor.dtype).removeprefix("torch."),
         shape=list(tensor.shape),
         num_bytes=tensor.numel() * tensor.element_size(),
     )
 
 
-def to_chunks(content_hash: str, tensor: torch.Tensor,
-              chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[encoder_pb2.EmbeddingChunk]:
+def to_chunks(content_hash: str, tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+              key: str = "") -> Iterator[encoder_pb2.EmbeddingChunk]:
     """The tensor (any supported dtype, on CPU) as header + data chunks of at most `chunk_bytes`."""
-    header = header_of(content_hash, tensor)
+    header = header_of(content_hash, tensor, key)
     if header.dtype not in _DTYPES:
         raise WireError(f"unsupported dtype {tensor.dtype}")
     data = memoryview(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())

@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from mmserve.embedding_wire import from_chunks
+from mmserve.embeddings import ItemEmbedding
 from mmserve.errors import InvalidRequest
 from mmserve.media import MediaItem, MediaKind
 from protos.mmserve.v1 import encoder_pb2, encoder_pb2_grpc
@@ -26,6 +27,7 @@ class EncodedRef:
     content_hash: str
     dtype: str
     shape: tuple[int, ...]
+    key: str = ""  # the output's identity (`ItemEmbedding.key`)
 
     @property
     def num_bytes(self) -> int:
@@ -51,11 +53,13 @@ class EncoderClient:
             self._channel = grpc.aio.insecure_channel(address)
         self._stub = encoder_pb2_grpc.EncoderServiceStub(self._channel)
 
-    async def encode(self, item: MediaItem) -> torch.Tensor:
+    async def encode(self, item: MediaItem) -> ItemEmbedding:
         """Encode `item` and stream the embedding back (nothing stays pinned on the server)."""
         request = encoder_pb2.EncodeRequest(item=_item_proto(item), return_embedding=True)
-        _, tensor = await self._receive(self._stub.Encode(request, metadata=self._metadata, timeout=self.timeout_s))
-        return tensor
+        header, tensor = await self._receive(
+            self._stub.Encode(request, metadata=self._metadata, timeout=self.timeout_s)
+        )
+        return ItemEmbedding.from_wire(tensor, header.key)
 
     async def encode_pinned(self, item: MediaItem) -> EncodedRef:
         """Encode `item` and leave the embedding pinned on the server for one `fetch`."""
@@ -66,15 +70,18 @@ class EncoderClient:
         except grpc.aio.AioRpcError as e:
             raise _translate(e) from None
         header = chunks[0].header
-        return EncodedRef(self.address, header.content_hash, header.dtype, tuple(header.shape))
+        return EncodedRef(self.address, header.content_hash, header.dtype, tuple(header.shape), header.key)
 
     async def fetch(self, content_hash: str, wait_ms: int = 0) -> torch.Tensor:
-        """The embedding pinned under `content_hash`, bit for bit; releases the pin."""
+        """The tensor pinned under `content_hash` (`ItemEmbedding.to_wire`), bit for bit; releases the pin."""
         request = encoder_pb2.FetchEmbeddingRequest(content_hash=content_hash, wait_ms=wait_ms)
         _, tensor = await self._receive(
             self._stub.FetchEmbedding(request, metadata=self._metadata, timeout=self.timeout_s)
         )
         return tensor
+
+    async def fetch_embedding(self, ref: EncodedRef, wait_ms: int = 0) -> ItemEmbedding:
+        return ItemEmbedding.from_wire(await self.fetch(ref.content_hash, wait_ms), ref.key)
 
     async def _receive(self, call: AsyncIterable[encoder_pb2.EmbeddingChunk]):
         try:

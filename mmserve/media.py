@@ -10,7 +10,6 @@ import base64
 import binascii
 import hashlib
 import io
-import math
 import os
 from dataclasses import dataclass
 from enum import Enum
@@ -31,10 +30,35 @@ class MediaKind(str, Enum):
 
 
 class PlaceholderRange(NamedTuple):
-    """`length` placeholder tokens of one media item starting at prompt index `offset`."""
+    """The `length` prompt tokens of one media item starting at prompt index `offset`.
+
+    `is_embed` says which of them take the item's encoder rows, in order (None: all of them);
+    the others are structure tokens the family's expansion interleaves (newlines, `<slice>`).
+    """
 
     offset: int
     length: int
+    is_embed: tuple[bool, ...] | None = None
+
+    @property
+    def num_embeds(self) -> int:
+        return self.length if self.is_embed is None else sum(self.is_embed)
+
+    def embed_slots(self) -> list[int]:
+        """Offsets (from `offset`) of the tokens that take encoder rows, ascending."""
+        if self.is_embed is None:
+            return list(range(self.length))
+        return [i for i, e in enumerate(self.is_embed) if e]
+
+
+@dataclass(frozen=True)
+class EncodeItem:
+    """A media item on its way to the encoder with what the router face computed from its header:
+    the family's `layout` (the encoder face never re-reads headers) and its encoder `cost`."""
+
+    item: MediaItem
+    layout: object
+    cost: int
 
 
 @dataclass(frozen=True)
@@ -57,42 +81,6 @@ class MediaItem:
     @property
     def num_bytes(self) -> int:
         return sum(len(f) for f in self.frames)
-
-
-@dataclass(frozen=True)
-class VisionPreprocessConfig:
-    """What the router needs of the checkpoint's image/video processor configs to size items."""
-
-    patch_size: int = 14
-    merge_size: int = 2
-    temporal_patch_size: int = 2
-    min_pixels: int = 56 * 56
-    max_pixels: int = 28 * 28 * 1280
-    video_min_pixels: int = 128 * 28 * 28
-    video_max_pixels: int = 28 * 28 * 768
-    video_cap_pixels_per_frame: bool = False
-    video_max_tokens: int = 128000
-
-    @property
-    def factor(self) -> int:
-        return self.patch_size * self.merge_size
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen2-VL's resize rule (same arithmetic as `transformers`' `smart_resize`)."""
-    if max(height, width) / min(height, width) > 200:
-        raise InvalidRequest(f"image aspect ratio {max(height, width) / min(height, width):.1f} exceeds 200")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
 
 
 def _header_orientation(img: Image.Image) -> int:
@@ -153,30 +141,6 @@ def decode_image(data: bytes) -> Image.Image:
     except (OSError, SyntaxError, ValueError) as e:
         raise InvalidRequest(f"cannot decode image: {e}") from None
     return img.convert("RGB")
-
-
-def image_grid(height: int, width: int, cfg: VisionPreprocessConfig) -> tuple[int, int, int]:
-    """(t, h, w) patch grid of an image of `height` x `width` after the processor's resize."""
-    h, w = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
-    return 1, h // cfg.patch_size, w // cfg.patch_size
-
-
-def video_grid(num_frames: int, height: int, width: int, cfg: VisionPreprocessConfig) -> tuple[int, int, int]:
-    """(t, h, w) patch grid of a video: frames padded to a multiple of the temporal patch size."""
-    max_pixels = cfg.video_max_pixels
-    if cfg.video_cap_pixels_per_frame:
-        total = int(cfg.video_max_tokens * cfg.factor * cfg.factor * 0.9)
-        max_pixels = max(
-            min(max_pixels, total * cfg.temporal_patch_size // num_frames), int(cfg.video_min_pixels * 1.05)
-        )
-    h, w = smart_resize(height, width, cfg.factor, cfg.video_min_pixels, max_pixels)
-    t = -(-num_frames // cfg.temporal_patch_size)
-    return t, h // cfg.patch_size, w // cfg.patch_size
-
-
-def tokens_for_grid(grid: tuple[int, int, int], merge_size: int) -> int:
-    t, h, w = grid
-    return t * h * w // (merge_size * merge_size)
 
 
 def load_media_bytes(url: str, *, allow_local_files: bool, allow_http: bool, max_bytes: int) -> bytes:

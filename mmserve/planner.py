@@ -8,7 +8,8 @@ from pathlib import Path
 from mmserve.checkpoint import read_chat_template
 from mmserve.errors import InvalidRequest
 from mmserve.families import router_face
-from mmserve.media import MediaItem, MediaKind, PlaceholderRange
+from mmserve.families.base import ItemExpansion
+from mmserve.media import EncodeItem, MediaItem, MediaKind, PlaceholderRange
 from mmserve.positions import PositionPlan
 from mmserve.prompt import ChatMessage, PromptBuilder
 
@@ -33,11 +34,17 @@ class RequestPlan:
     token_ids: list[int]
     items: list[MediaItem]
     ranges: list[PlaceholderRange]
+    expansions: list[ItemExpansion]  # per item: tokens, embedding slots, encoder cost, layout
     positions: PositionPlan  # the family's: opaque outside it
 
     @property
     def num_media_tokens(self) -> int:
         return sum(r.length for r in self.ranges)
+
+    @property
+    def media(self) -> list[EncodeItem]:
+        """What the encoder gets: each item with the layout computed here."""
+        return [EncodeItem(item, e.layout, e.cost) for item, e in zip(self.items, self.expansions)]
 
 
 class RequestPlanner:
@@ -48,7 +55,8 @@ class RequestPlanner:
         self.face = router_face(model_dir)
         self.limits = limits
         self.tokenizer = tokenizer
-        self._builder = PromptBuilder(tokenizer, template, self.face.image_token, self.face.video_token)
+        placeholders = {kind: self.face.placeholder(kind) for kind in MediaKind}
+        self._builder = PromptBuilder(tokenizer, template, placeholders)
 
     def _check_limits(self, items: list[MediaItem]) -> None:
         lim = self.limits
@@ -69,11 +77,11 @@ class RequestPlanner:
     def plan(self, messages: list[Message]) -> RequestPlan:
         items = [p for m in messages for p in m.parts if isinstance(p, MediaItem)]
         self._check_limits(items)
-        layouts = [self.face.layout(item, self.limits.max_pixels_per_image) for item in items]
+        expansions = [self.face.expand(item, self.limits.max_pixels_per_image) for item in items]
         chat = [
             ChatMessage(m.role, tuple(p.kind if isinstance(p, MediaItem) else p for p in m.parts))
             for m in messages
         ]
-        prompt = self._builder.build(chat, [lay.num_tokens for lay in layouts])
-        positions = self.face.position_plan(len(prompt.token_ids), prompt.ranges, layouts)
-        return RequestPlan(prompt.token_ids, items, prompt.ranges, positions)
+        prompt = self._builder.build(chat, expansions)
+        positions = self.face.position_plan(prompt.token_ids, prompt.ranges, expansions)
+        return RequestPlan(prompt.token_ids, items, prompt.ranges, expansions, positions)

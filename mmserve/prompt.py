@@ -1,4 +1,4 @@
-"""Chat messages -> prompt token ids with each media placeholder expanded to its token count.
+"""Chat messages -> prompt token ids with each media placeholder replaced by its expansion.
 
 User text is tokenized as text: a user who types `<|image_pad|>` or `<|im_start|>` gets those
 characters, never a placeholder or a new turn. The chat template is rendered with each user text
@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from mmserve.errors import InvalidRequest
+from mmserve.families.base import ItemExpansion
 from mmserve.media import MediaKind, PlaceholderRange
 
 _SENTINEL = "\ue000{}\ue001"
@@ -36,7 +37,7 @@ class Prompt(NamedTuple):
 class PromptBuilder:
     """Renders the checkpoint's chat template and tokenizes it safely (see module docstring)."""
 
-    def __init__(self, tokenizer, chat_template: str, image_token: str, video_token: str):
+    def __init__(self, tokenizer, chat_template: str, placeholders: dict[MediaKind, str]):
         self._tokenizer = tokenizer
         self._template = chat_template
         self._plain = copy.deepcopy(tokenizer.backend_tokenizer)
@@ -44,10 +45,7 @@ class PromptBuilder:
         added = sorted(tokenizer.get_added_vocab().items(), key=lambda kv: -len(kv[0]))
         self._added_ids = dict(added)
         self._added_re = re.compile("|".join(re.escape(tok) for tok, _ in added))
-        self._placeholder_ids = {
-            MediaKind.IMAGE: tokenizer.convert_tokens_to_ids(image_token),
-            MediaKind.VIDEO: tokenizer.convert_tokens_to_ids(video_token),
-        }
+        self._placeholder_ids = {kind: tokenizer.convert_tokens_to_ids(tok) for kind, tok in placeholders.items()}
 
     def _render(self, messages: list[ChatMessage]) -> tuple[str, list[str]]:
         texts: list[str] = []
@@ -70,8 +68,8 @@ class PromptBuilder:
         text = _SENTINEL_RE.sub(lambda m: user_texts[int(m.group(1))], text)
         return self._plain.encode(text, add_special_tokens=False).ids if text else []
 
-    def build(self, messages: list[ChatMessage], item_lengths: list[int]) -> Prompt:
-        """Token ids with the i-th media placeholder expanded to `item_lengths[i]` tokens."""
+    def build(self, messages: list[ChatMessage], expansions: list[ItemExpansion]) -> Prompt:
+        """Token ids with the i-th media placeholder replaced by `expansions[i]`."""
         rendered, user_texts = self._render(messages)
         ids: list[int] = []
         ranges: list[PlaceholderRange] = []
@@ -85,16 +83,16 @@ class PromptBuilder:
             if kind is None:
                 ids.append(token_id)
             else:
-                if len(ranges) >= len(item_lengths):
+                if len(ranges) >= len(expansions):
                     raise InvalidRequest("chat template produced more media placeholders than media items")
-                length = item_lengths[len(ranges)]
-                ranges.append(PlaceholderRange(len(ids), length))
+                expansion = expansions[len(ranges)]
+                ranges.append(expansion.placed_at(len(ids)))
                 kinds.append(kind)
-                ids += [token_id] * length
+                ids += expansion.token_ids
             pos = match.end()
         ids += self._encode_plain(rendered[pos:], user_texts)
-        if len(ranges) != len(item_lengths):
+        if len(ranges) != len(expansions):
             raise InvalidRequest(
-                f"chat template placed {len(ranges)} media placeholders for {len(item_lengths)} media items"
+                f"chat template placed {len(ranges)} media placeholders for {len(expansions)} media items"
             )
         return Prompt(ids, ranges, kinds)

@@ -8,27 +8,33 @@ from collections.abc import Sequence
 
 import torch
 
+from encoder_service.batching import temporal_groups
 from encoder_service.cache import EncoderIdentity
-from encoder_service.families.qwen2_vl import QwenVLEncoderFace
-from encoder_service.runtime import PreparedItem
+from encoder_service.families.base import PreparedItem
 from mmserve.errors import InvalidRequest
-from mmserve.media import MediaItem, MediaKind
+from mmserve.media import EncodeItem, MediaItem, MediaKind
 
 MERGE = 2
 
 
-def fake_item(item_id: int, tokens_per_temporal: int, num_temporal: int = 1) -> MediaItem:
+def fake_item(item_id: int, tokens_per_temporal: int, num_temporal: int = 1) -> EncodeItem:
     kind = MediaKind.IMAGE if num_temporal == 1 else MediaKind.VIDEO
-    return MediaItem(kind, (f"{item_id}:{num_temporal}:{tokens_per_temporal}".encode(),))
+    item = MediaItem(kind, (f"{item_id}:{num_temporal}:{tokens_per_temporal}".encode(),))
+    return EncodeItem(item, (num_temporal, tokens_per_temporal), num_temporal * tokens_per_temporal)
 
 
-def corrupt_item(tag: int = 0) -> MediaItem:
-    return MediaItem(MediaKind.IMAGE, (f"corrupt{tag}".encode(),))
+def corrupt_item(tag: int = 0) -> EncodeItem:
+    return EncodeItem(MediaItem(MediaKind.IMAGE, (f"corrupt{tag}".encode(),)), None, 0)
 
 
 def expected_output(item_id: int, tokens_per_temporal: int, num_temporal: int = 1) -> torch.Tensor:
     rows = [item_id * 1000 + t for t in range(num_temporal) for _ in range(tokens_per_temporal)]
     return torch.tensor(rows, dtype=torch.float64).unsqueeze(1)
+
+
+def _prepared(rows: torch.Tensor, grid: tuple[int, int, int]) -> PreparedItem:
+    t, h, w = grid
+    return PreparedItem((rows,), grid, t * h * w // (MERGE * MERGE), t * h * w)
 
 
 class FakeEncoder:
@@ -53,34 +59,26 @@ class FakeEncoder:
             raise InvalidRequest("cannot decode image: corrupt") from None
         return item_id, t, n
 
-    def estimate_tokens(self, item: MediaItem) -> int:
-        _, t, n = self._parse(item)
-        return t * n
-
-    def preprocess(self, item: MediaItem) -> PreparedItem:
-        item_id, t, n = self._parse(item)
+    def preprocess(self, item: EncodeItem) -> PreparedItem:
+        item_id, t, n = self._parse(item.item)
         rows = torch.tensor([item_id * 1000 + k for k in range(t) for _ in range(4 * n)], dtype=torch.float64)
-        return PreparedItem(rows.unsqueeze(1), (t, 2, 2 * n))
+        return _prepared(rows.unsqueeze(1), (t, 2, 2 * n))
 
-    def num_tokens(self, prepared: PreparedItem) -> int:
-        return prepared.num_patches // (MERGE * MERGE)
+    def split(self, prepared: PreparedItem, budget: int, unit: str) -> list[PreparedItem]:
+        t, h, w = prepared.layout
+        rows = prepared.tensors[0]
+        groups = temporal_groups(t, prepared.cost(unit) // t, budget) if t > 1 else [(0, 1)]
+        return [_prepared(rows[a * h * w:b * h * w], (b - a, h, w)) for a, b in groups]
 
-    def cost(self, prepared: PreparedItem, unit: str) -> int:
-        return self.num_tokens(prepared) if unit == "tokens" else prepared.num_patches
-
-    def split(self, prepared: PreparedItem, groups: Sequence[tuple[int, int]]) -> list[PreparedItem]:
-        face = QwenVLEncoderFace("qwen2_vl")
-        return [PreparedItem(*face.temporal_slice(prepared.pixel_values, prepared.grid, a, b)) for a, b in groups]
-
-    def forward(self, prepared: Sequence[PreparedItem]) -> list[torch.Tensor]:
+    def forward(self, prepared: Sequence[PreparedItem]) -> list[tuple[torch.Tensor, ...]]:
         pieces = []
         for p in prepared:
-            first = int(p.pixel_values[0, 0].item())
-            pieces.append((first // 1000, first % 1000, p.grid[0]))
+            first = int(p.tensors[0][0, 0].item())
+            pieces.append((first // 1000, first % 1000, p.layout[0]))
         with self._lock:
             self.batches.append(pieces)
         if any(item_id in self.fail_forward_ids for item_id, _, _ in pieces):
             raise RuntimeError("device error")
         if self.forward_s:
             time.sleep(self.forward_s)
-        return [p.pixel_values.reshape(-1, MERGE * MERGE).mean(dim=1, keepdim=True) for p in prepared]
+        return [(p.tensors[0].reshape(-1, MERGE * MERGE).mean(dim=1, keepdim=True),) for p in prepared]

@@ -43,14 +43,13 @@ def plan_request(model_dir: str, messages: list[dict], request_id: str, max_toke
     """What the router and the encoder make of `messages`: a request ready for the engine."""
     planner, encoder, _ = runtimes(model_dir)
     plan = planner.plan(to_planner_messages(messages))
-    embeddings = encoder.encode(plan.items) if plan.items else []
+    embeddings = encoder.encode(plan.media) if plan.items else []
     return LLMRequest(
         request_id=request_id,
         prompt_token_ids=tuple(plan.token_ids),
         sampling=SamplingParams(max_tokens=max_tokens, **sampling),
         positions=plan.positions,
         media=tuple(zip(plan.ranges, embeddings)),
-        media_keys=tuple(item.content_hash for item in plan.items),
     )
 
 

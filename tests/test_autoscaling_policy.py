@@ -4,7 +4,7 @@ import pytest
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from deployments.autoscaling import QUEUED_TOKENS, QueuedTokensPolicy, autoscaling_config
-from mmserve.media import VisionPreprocessConfig, image_grid, tokens_for_grid
+from mmserve.families.qwen2_vl import VisionPreprocessConfig, image_grid, tokens_for_grid
 
 QWEN = VisionPreprocessConfig()  # the real Qwen2-VL processor sizing
 TARGET = 8192

@@ -51,9 +51,10 @@ def random_mix(seed: int) -> list[MediaItem]:
 async def pooled(enc, items, config: BatchConfig, per_request: int = 1) -> list[torch.Tensor]:
     pool = EncoderPool(enc, PoolConfig(config, preprocess_workers=2, cache_bytes=0))
     try:
-        groups = [items[i:i + per_request] for i in range(0, len(items), per_request)]
+        planned = [enc.plan(item) for item in items]
+        groups = [planned[i:i + per_request] for i in range(0, len(planned), per_request)]
         outs = await asyncio.gather(*[pool.encode(g) for g in groups])
-        return [t for out in outs for t in out]
+        return [e.rows for out in outs for e in out]
     finally:
         await pool.close()
 
@@ -63,7 +64,7 @@ async def pooled(enc, items, config: BatchConfig, per_request: int = 1) -> list[
 def test_batched_equals_one_at_a_time(model_dir, dtype, seed):
     enc = CountingEncoder(encoder(model_dir, dtype))
     items = random_mix(seed)
-    expected = [enc.inner.encode([item])[0] for item in items]
+    expected = [enc.inner.encode([item])[0].rows for item in items]
     video_tokens = next(e.shape[0] for e, i in zip(expected, items) if i.kind is MediaKind.VIDEO)
     # a budget below the video's tokens forces the split; concurrent requests share forwards
     config = BatchConfig(max_batch_tokens=max(video_tokens // 2, 8), batch_wait_ms=30)
@@ -78,16 +79,19 @@ def test_batched_equals_one_at_a_time(model_dir, dtype, seed):
 def test_split_video_equals_whole_video(model_dir):
     enc = encoder(model_dir, "float64")
     item = MediaItem(MediaKind.VIDEO, tuple(video_frames(8, 56, 84, 9)), fps=2.0)
-    prepared = enc.preprocess(item)
-    assert prepared.grid[0] == 4
-    whole = enc.forward([prepared])[0]
-    pieces = enc.forward(enc.split(prepared, [(0, 1), (1, 3), (3, 4)]))
-    torch.testing.assert_close(torch.cat(pieces), whole, **TOLERANCE["float64"])
+    prepared = enc.preprocess(enc.plan(item))
+    assert prepared.layout[0] == 4 and prepared.num_tokens == 24  # 4 temporal patches x 6 tokens
+    [(whole,)] = enc.forward([prepared])
+    for budget, sizes in ((6, [6, 6, 6, 6]), (18, [18, 6]), (24, [24])):
+        pieces = enc.split(prepared, budget, "tokens")
+        assert [p.num_tokens for p in pieces] == sizes
+        got = torch.cat([parts[0] for parts in enc.forward(pieces)])
+        torch.testing.assert_close(got, whole, **TOLERANCE["float64"])
 
 
 def test_same_image_in_concurrent_requests_runs_the_vit_once(model_dir):
     enc = CountingEncoder(encoder(model_dir, "float64"))
-    image = MediaItem(MediaKind.IMAGE, (image_bytes(64, 96, 77),))
+    image = enc.plan(MediaItem(MediaKind.IMAGE, (image_bytes(64, 96, 77),)))
 
     async def body():
         pool = EncoderPool(enc, PoolConfig(BatchConfig(batch_wait_ms=5), cache_bytes=1 << 24))
@@ -101,7 +105,8 @@ def test_same_image_in_concurrent_requests_runs_the_vit_once(model_dir):
     outs, again, stats = asyncio.run(body())
     assert enc.forward_sizes == [1]
     assert stats.dedup_hits + stats.cache_hits == 9 and stats.cache_hits >= 1
-    assert all(torch.equal(o[0], outs[0][0]) for o in outs) and torch.equal(again[1], outs[0][0])
+    assert all(torch.equal(o[0].rows, outs[0][0].rows) for o in outs)
+    assert torch.equal(again[1].rows, outs[0][0].rows) and again[1].key == enc.identity.key(image.item)
 
 
 def test_cache_key_changes_with_weights_preprocessing_and_dtype(model_dir):
@@ -117,7 +122,8 @@ def test_cache_key_changes_with_weights_preprocessing_and_dtype(model_dir):
     assert enc.identity.key(MediaItem(MediaKind.IMAGE, (image_bytes(32, 32, 2),))) != base
 
 
-def test_estimated_tokens_equal_encoded_tokens(model_dir):
+def test_router_cost_equals_encoded_tokens(model_dir):
     enc = encoder(model_dir, "float64")
     for item in random_mix(3):
-        assert enc.estimate_tokens(item) == enc.num_tokens(enc.preprocess(item))
+        planned = enc.plan(item)
+        assert planned.cost == enc.preprocess(planned).num_tokens == enc.encode([planned])[0].num_rows

@@ -46,7 +46,7 @@ def test_every_item_answered_exactly_once_within_budget(requests, budget, max_it
     for req, outs in zip(specs, answers):
         assert len(outs) == len(req)
         for (i, n, t), out in zip(req, outs):
-            assert torch.equal(out, expected_output(i, n, t))
+            assert torch.equal(out.rows, expected_output(i, n, t))
     # each temporal patch of each item went through exactly one forward
     seen = sorted((i, first + k) for batch in encoder.batches for i, first, nt in batch for k in range(nt))
     assert seen == sorted((i, k) for req in specs for i, _, t in req for k in range(t))
@@ -62,7 +62,7 @@ def test_oversize_video_is_split_and_reassembled_in_order():
     encoder = FakeEncoder()
     config = PoolConfig(BatchConfig(max_batch_tokens=25, batch_wait_ms=0), cache_bytes=0)
     [out] = run(with_pool(encoder, config, lambda pool: pool.encode([fake_item(7, 10, 5)])))
-    assert torch.equal(out, expected_output(7, 10, 5))
+    assert torch.equal(out.rows, expected_output(7, 10, 5))
     assert [b for b in encoder.batches] == [[(7, 0, 2)], [(7, 2, 2)], [(7, 4, 1)]]
 
 
@@ -101,7 +101,7 @@ def test_identical_items_in_flight_are_encoded_once():
 
     outs, stats = run(with_pool(encoder, config, body))
     assert sum(len(b) for b in encoder.batches) == 1
-    assert stats.dedup_hits == 9 and all(torch.equal(o[0], expected_output(3, 8)) for o in outs)
+    assert stats.dedup_hits == 9 and all(torch.equal(o[0].rows, expected_output(3, 8)) for o in outs)
 
 
 def test_cache_hit_skips_the_forward_and_is_counted():
@@ -115,8 +115,8 @@ def test_cache_hit_skips_the_forward_and_is_counted():
 
     first, second, stats = run(with_pool(encoder, config, body))
     assert len(encoder.batches) == 1
-    assert torch.equal(second[0], first[0]) and (stats.cache_hits, stats.dedup_hits) == (1, 1)
-    assert stats.cache_bytes == first[0].numel() * 8 and stats.queued_tokens == 0
+    assert torch.equal(second[0].rows, first[0].rows) and (stats.cache_hits, stats.dedup_hits) == (1, 1)
+    assert stats.cache_bytes == first[0].rows.numel() * 8 == first[0].num_bytes and stats.queued_tokens == 0
 
 
 def test_corrupt_item_fails_only_its_own_request():
@@ -131,7 +131,7 @@ def test_corrupt_item_fails_only_its_own_request():
 
     ok1, bad, ok3 = run(with_pool(encoder, config, body))
     assert isinstance(bad, InvalidRequest) and "decode" in str(bad)
-    assert torch.equal(ok1[0], expected_output(1, 4)) and torch.equal(ok3[0], expected_output(3, 4))
+    assert torch.equal(ok1[0].rows, expected_output(1, 4)) and torch.equal(ok3[0].rows, expected_output(3, 4))
 
 
 def test_failing_forward_is_isolated_to_its_item():
@@ -143,7 +143,7 @@ def test_failing_forward_is_isolated_to_its_item():
 
     one, two, three = run(with_pool(encoder, config, body))
     assert isinstance(two, RuntimeError)
-    assert torch.equal(one[0], expected_output(1, 4)) and torch.equal(three[0], expected_output(3, 4))
+    assert torch.equal(one[0].rows, expected_output(1, 4)) and torch.equal(three[0].rows, expected_output(3, 4))
 
 
 def test_cancelled_caller_does_not_cancel_shared_work():
@@ -158,7 +158,7 @@ def test_cancelled_caller_does_not_cancel_shared_work():
         return await second
 
     [out] = run(with_pool(encoder, config, body))
-    assert torch.equal(out, expected_output(5, 4))
+    assert torch.equal(out.rows, expected_output(5, 4))
 
 
 def test_queued_tokens_count_admitted_items_until_answered():
@@ -183,7 +183,7 @@ def test_encode_threadsafe_from_another_thread():
         return await asyncio.to_thread(pool.encode_threadsafe, [fake_item(9, 3)], 30)
 
     [out] = run(with_pool(encoder, PoolConfig(BatchConfig(batch_wait_ms=0)), body))
-    assert torch.equal(out, expected_output(9, 3))
+    assert torch.equal(out.rows, expected_output(9, 3))
 
 
 def test_invalid_configs_are_rejected():

@@ -7,7 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from mmserve.media import MediaItem, MediaKind
+from mmserve.families import router_face
+from mmserve.media import EncodeItem, MediaItem, MediaKind
 from tests.media_factory import data_uri, image_bytes
 from tests.reference import reference_generate
 from tests.serve_fixtures import TEST_LIMITS
@@ -87,14 +88,20 @@ def test_concurrent_requests_share_vit_forwards_and_match_monolithic(pool_app, t
         assert tokens == reference_generate(tiny_models["qwen2_vl"], ref, MAX_TOKENS)
 
 
-def test_burst_scales_encoder_up_then_idle_scales_back_to_min(pool_app):
+def test_burst_scales_encoder_up_then_idle_scales_back_to_min(pool_app, tiny_models):
     _, encoder = pool_app
     assert encoder_replicas().get("RUNNING") == 1
     seeds = iter(range(10_000, 10**6))
+    face = router_face(tiny_models["qwen2_vl"])
+
+    def planned(item: MediaItem) -> EncodeItem:  # what the router sends: the item, its layout and cost
+        expansion = face.expand(item, TEST_LIMITS["max_pixels_per_image"])
+        return EncodeItem(item, expansion.layout, expansion.cost)
 
     def burst():
         # 24 calls x 4 distinct 224x224 images (64 tokens each): ~6k queued tokens >> 256 per replica
-        calls = [[MediaItem(MediaKind.IMAGE, (image_bytes(224, 224, next(seeds)),)) for _ in range(4)] for _ in range(24)]
+        calls = [[planned(MediaItem(MediaKind.IMAGE, (image_bytes(224, 224, next(seeds)),))) for _ in range(4)]
+                 for _ in range(24)]
         return [encoder.encode.remote(items) for items in calls]
 
     stop = threading.Event()

@@ -43,7 +43,8 @@ def test_encode_streams_the_in_process_embedding(encoder, channel):
     header, tensor = from_chunks(chunks)
     assert len(chunks) > 1 and all(len(c.data) <= 4096 for c in chunks)
     [expected] = encoder.encode([MediaItem(MediaKind.IMAGE, (data,))])
-    assert torch.equal(tensor, expected)
+    assert torch.equal(tensor, expected.rows) and header.key == expected.key != ""
+    expected = expected.rows
     assert header.content_hash == MediaItem(MediaKind.IMAGE, (data,)).content_hash
     assert list(header.shape) == list(expected.shape) and header.dtype == "float32"
 
@@ -57,7 +58,7 @@ def test_encode_pinned_then_fetch_by_hash(encoder, channel):
     request = encoder_pb2.FetchEmbeddingRequest(content_hash=only.header.content_hash)
     _, tensor = from_chunks(stub.FetchEmbedding(request, metadata=TOKEN, timeout=60))
     [expected] = encoder.encode([MediaItem(MediaKind.VIDEO, tuple(frames), fps=1.0)])
-    assert torch.equal(tensor, expected)
+    assert torch.equal(tensor, expected.rows) and only.header.key == expected.key
     with pytest.raises(grpc.RpcError) as e:  # fetched once: unpinned
         list(stub.FetchEmbedding(request, metadata=TOKEN, timeout=60))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
-from mmserve.checkpoint import read_preprocess_config
+from mmserve.families.qwen2_vl import image_grid, read_preprocess_config, video_grid
 from mmserve.errors import InvalidRequest
-from mmserve.media import MediaItem, MediaKind, image_grid, load_media_bytes, read_image_size, video_grid
+from mmserve.media import MediaItem, MediaKind, load_media_bytes, read_image_size
 from mmserve.planner import MediaLimits, Message, RequestPlanner
 from tests.media_factory import data_uri, image_bytes, video_frames
 

@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from deployments.config import GrpcArgs
-from deployments.transport import GrpcFetcher, GrpcPublisher
+from deployments.transport import EmbeddingHandle, GrpcFetcher, GrpcPublisher, resolve
+from mmserve.embeddings import ItemEmbedding
 from mmserve.encoder_client import EmbeddingNotFound, EncoderClient
-from mmserve.media import MediaItem, MediaKind
+from mmserve.media import EncodeItem, MediaItem, MediaKind
 
 
-def _item(i: int) -> MediaItem:
-    return MediaItem(MediaKind.IMAGE, (f"image-{i}".encode(),))
+def _item(i: int) -> EncodeItem:
+    return EncodeItem(MediaItem(MediaKind.IMAGE, (f"image-{i}".encode(),)), None, 0)
 
 
 @pytest.fixture(scope="module")
@@ -23,17 +24,35 @@ def publisher():
 
 
 def _roundtrip(publisher, tensors):
-    items = [_item(i) for i in range(len(tensors))]
-    refs = publisher.publish(items, tensors)
+    """Publish tensors (or whole `ItemEmbedding`s), fetch them back: (refs, the tensors' rows)."""
+    refs, embeddings = _roundtrip_embeddings(publisher, [
+        t if isinstance(t, ItemEmbedding) else ItemEmbedding((t,), f"key-{i}") for i, t in enumerate(tensors)
+    ])
+    return refs, [e.rows for e in embeddings]
+
+
+def _roundtrip_embeddings(publisher, embeddings):
+    refs = publisher.publish([_item(i) for i in range(len(embeddings))], embeddings)
     fetcher = GrpcFetcher(GrpcArgs(token="s3cret"))
 
     async def go():
         try:
-            return await fetcher.resolve(refs)
+            return await resolve([EmbeddingHandle(ref) for ref in refs], fetcher)
         finally:
             await fetcher.close()
 
-    return refs, asyncio.run(go())
+    back = asyncio.run(go())
+    assert [b.key for b in back] == [e.key for e in embeddings]
+    return refs, back
+
+
+def test_output_parts_cross_as_one_unit(publisher):
+    """Several parts per item (DeepStack features) arrive together, in order, bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    parts = tuple(torch.randn(7, 16, generator=gen).to(torch.bfloat16) for _ in range(3))
+    _, [back] = _roundtrip_embeddings(publisher, [ItemEmbedding(parts, "deepstack-key")])
+    assert len(back.parts) == 3
+    assert all(torch.equal(b.view(torch.int16), p.view(torch.int16)) for b, p in zip(back.parts, parts))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
@@ -73,7 +92,7 @@ def test_result_is_unpinned_after_fetch(publisher):
 def test_wrong_token_is_unauthenticated(publisher):
     import grpc
 
-    [ref] = publisher.publish([_item(99)], [torch.ones(2, 2)])
+    [ref] = publisher.publish([_item(99)], [ItemEmbedding((torch.ones(2, 2),), "k")])
 
     async def steal():
         client = EncoderClient(ref.address, "guess")

@@ -1,4 +1,4 @@
-"""Encoder face of Qwen2-VL / Qwen2.5-VL: the vision tower, its tensors, its packed forward."""
+"""Encoder face of Qwen2-VL / Qwen2.5-VL: the vision tower, its processors, its packed forward."""
 
 from __future__ import annotations
 
@@ -7,26 +7,37 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from encoder_service.batching import temporal_groups
+from encoder_service.families.base import EncoderFace, PreparedItem
 from mmserve.checkpoint import strip_prefix
+from mmserve.errors import InvalidRequest
+from mmserve.media import MediaItem, MediaKind, decode_image
 
 # Legacy checkpoints (every released Qwen2-VL) name the tower `visual.*`; transformers >= 4.52
 # in-memory layout is `model.visual.*`.
 VISION_PREFIXES = ("visual.", "model.visual.")
 
 
-class QwenVLEncoderFace:
-    def __init__(self, family: str):
-        self.family = family
+class QwenVLEncoderFace(EncoderFace):
+    """Images and videos as flat patches, one packed varlen forward (`cu_seqlens`, no padding)."""
 
-    @staticmethod
-    def rename(key: str) -> str | None:
+    def __init__(self, model_dir: str, config, dtype: torch.dtype):
+        from transformers import AutoProcessor
+
+        self.config = config
+        self.dtype = dtype
+        processor = AutoProcessor.from_pretrained(model_dir)
+        self.image_processor = processor.image_processor
+        self.video_processor = processor.video_processor
+        self.merge = int(config.vision_config.spatial_merge_size)
+
+    def rename(self, key: str) -> str | None:
         return strip_prefix(key, VISION_PREFIXES)
 
-    def build_tower(self, config, dtype: torch.dtype) -> nn.Module:
-        """The vision tower of `config` with uninitialised weights (the caller loads them)."""
+    def build(self) -> nn.Module:
         from transformers.initialization import no_init_weights
 
-        if self.family == "qwen2_vl":
+        if self.config.model_type == "qwen2_vl":
             from transformers.models.qwen2_vl.modeling_qwen2_vl import (
                 Qwen2VisionTransformerPretrainedModel as Tower,
             )
@@ -35,21 +46,47 @@ class QwenVLEncoderFace:
                 Qwen2_5_VisionTransformerPretrainedModel as Tower,
             )
         with no_init_weights():
-            return Tower._from_config(config.vision_config, dtype=dtype)
+            return Tower._from_config(self.config.vision_config, dtype=self.dtype)
 
-    @staticmethod
-    def forward(tower: nn.Module, pixel_values: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> list[torch.Tensor]:
-        """One packed varlen forward over all items (`pixel_values` concatenated); one output per item."""
-        grid_thw = torch.tensor(grids, dtype=torch.long, device=pixel_values.device)
-        merged = tower(pixel_values, grid_thw=grid_thw).pooler_output
-        merge = tower.spatial_merge_size
-        sizes = (grid_thw.prod(-1) // (merge * merge)).tolist()
-        return list(torch.split(merged, sizes))
+    def preprocess_fingerprint(self) -> str:
+        return self.image_processor.to_json_string() + self.video_processor.to_json_string()
 
-    @staticmethod
-    def temporal_slice(
-        pixel_values: torch.Tensor, grid: tuple[int, int, int], start: int, end: int
-    ) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """Temporal patches `[start, end)` of one item: rows are temporal-patch-major."""
-        _, h, w = grid
-        return pixel_values[start * h * w:end * h * w], (end - start, h, w)
+    def _prepared(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> PreparedItem:
+        t, h, w = grid
+        return PreparedItem((pixels,), grid, t * h * w // (self.merge * self.merge), t * h * w)
+
+    def preprocess(self, item: MediaItem, layout) -> PreparedItem:
+        """Decode (EXIF orientation applied) and run the checkpoint's image/video processor."""
+        frames = [decode_image(data) for data in item.frames]
+        if item.kind is MediaKind.IMAGE:
+            out = self.image_processor(images=frames, return_tensors="pt")
+            pixels, grid = out["pixel_values"], out["image_grid_thw"]
+        else:
+            if len({f.size for f in frames}) != 1:
+                raise InvalidRequest("all frames of a video must have the same size")
+            out = self.video_processor(videos=[frames], do_sample_frames=False, return_tensors="pt")
+            pixels, grid = out["pixel_values_videos"], out["video_grid_thw"]
+        grid = tuple(int(x) for x in grid[0].tolist())
+        if layout is not None and grid != layout.grid:  # the router sized it from the header
+            raise RuntimeError(f"processor grid {grid} differs from the router's {layout.grid}")
+        return self._prepared(pixels, grid)
+
+    def forward(self, module: nn.Module, batch: Sequence[PreparedItem]) -> list[tuple[torch.Tensor, ...]]:
+        pixels = torch.cat([p.tensors[0] for p in batch])
+        device = next(module.parameters()).device
+        grid_thw = torch.tensor([p.layout for p in batch], dtype=torch.long, device=device)
+        merged = module(pixels.to(device, self.dtype), grid_thw=grid_thw).pooler_output
+        return [(out,) for out in torch.split(merged, [p.num_tokens for p in batch])]
+
+    def split(self, prepared: PreparedItem, budget: int, unit: str) -> list[PreparedItem]:
+        """Groups of whole temporal patches: the ViT attends only within a temporal patch, so the
+        groups' outputs concatenated equal the whole item's (rows are temporal-patch-major)."""
+        t, h, w = prepared.layout
+        if t < 2:
+            return [prepared]
+        pixels = prepared.tensors[0]
+        groups = temporal_groups(t, prepared.cost(unit) // t, budget)
+        return [self._prepared(pixels[a * h * w:b * h * w], (b - a, h, w)) for a, b in groups]
+
+
+ENCODER_FACE = QwenVLEncoderFace

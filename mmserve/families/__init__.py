@@ -1,35 +1,42 @@
-"""Model-family registry: checkpoint `model_type` -> family name, and each family's router face.
+"""Model-family registry: checkpoint `model_type` -> the module name of the family's faces.
 
-A family is one adapter with three faces, one file each: the router face here (placeholders,
-tokens per item, positions), the encoder face in `encoder_service.families`, the LM face in
-`llm_service.families`. All three registries are keyed by the family name below.
+A family is one adapter with three faces, one module each, under the same name:
+`mmserve.families.<name>` (router face: `ROUTER_FACE`), `encoder_service.families.<name>`
+(`ENCODER_FACE`) and `llm_service.families.<name>` (`LM_FACE`). Adding a family is its three
+modules, one line here and its tiny-model builder (see docs/adding-a-family.md).
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 from mmserve.checkpoint import read_config
 
-MODEL_TYPES = {
+FAMILIES = {
     "qwen2_vl": "qwen2_vl",
-    "qwen2_5_vl": "qwen2_5_vl",
+    "qwen2_5_vl": "qwen2_vl",
 }
 
 
 def family_of(model_dir: str | Path) -> str:
+    """The checkpoint's `model_type` (a key of `FAMILIES`); ValueError when unsupported."""
     model_type = read_config(model_dir).get("model_type")
-    try:
-        return MODEL_TYPES[model_type]
-    except KeyError:
+    if model_type not in FAMILIES:
         raise ValueError(
-            f"unsupported model_type {model_type!r} in {model_dir}; supported: {', '.join(MODEL_TYPES)}"
-        ) from None
+            f"unsupported model_type {model_type!r} in {model_dir}; supported: {', '.join(FAMILIES)}"
+        )
+    return model_type
+
+
+def face_class(package: str, model_type: str, attribute: str):
+    """`<package>.<family module>.<attribute>` for `model_type` (how each service finds its face)."""
+    return getattr(importlib.import_module(f"{package}.{FAMILIES[model_type]}"), attribute)
 
 
 def router_face(model_dir: str | Path):
-    """The router face of the checkpoint's family (`QwenVLRouterFace` for the Qwen2-VL family)."""
-    from mmserve.families.qwen2_vl import QwenVLRouterFace
-
-    family = family_of(model_dir)
-    return QwenVLRouterFace.from_checkpoint(model_dir, family)
+    """The router face of the checkpoint's family."""
+    model_type = family_of(model_dir)
+    return face_class("mmserve.families", model_type, "ROUTER_FACE").from_checkpoint(
+        str(model_dir), read_config(model_dir)
+    )

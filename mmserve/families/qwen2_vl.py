@@ -1,24 +1,23 @@
-"""Router face of Qwen2-VL and Qwen2.5-VL: placeholder tokens, item grids, M-RoPE positions."""
+"""Router face of Qwen2-VL and Qwen2.5-VL: item grids from headers, placeholders, M-RoPE plans.
+
+The sizing rules (`smart_resize`, grids) are the processors' own arithmetic, read from the
+checkpoint's processor configs, so the router knows every item's token count before anything is
+decoded.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from mmserve.checkpoint import read_config, read_preprocess_config
+from mmserve.checkpoint import processor_settings
 from mmserve.errors import InvalidRequest
-from mmserve.media import (
-    MediaItem,
-    MediaKind,
-    PlaceholderRange,
-    VisionPreprocessConfig,
-    image_grid,
-    read_image_size,
-    tokens_for_grid,
-    video_grid,
-)
+from mmserve.families.base import ItemExpansion, RouterFace
+from mmserve.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
 from mmserve.mrope import mrope_positions, video_t_factor
 from mmserve.positions import ExplicitPositions, LinearPositions, PositionPlan
 
@@ -27,58 +26,157 @@ VIDEO_TOKEN = "<|video_pad|>"
 
 
 @dataclass(frozen=True)
-class ItemLayout:
-    """What the router knows of one media item before it is encoded."""
+class VisionPreprocessConfig:
+    """What the router needs of the checkpoint's image/video processor configs to size items."""
+
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    video_min_pixels: int = 128 * 28 * 28
+    video_max_pixels: int = 28 * 28 * 768
+    video_cap_pixels_per_frame: bool = False
+    video_max_tokens: int = 128000
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's resize rule (same arithmetic as `transformers`' `smart_resize`)."""
+    if max(height, width) / min(height, width) > 200:
+        raise InvalidRequest(f"image aspect ratio {max(height, width) / min(height, width):.1f} exceeds 200")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def image_grid(height: int, width: int, cfg: VisionPreprocessConfig) -> tuple[int, int, int]:
+    """(t, h, w) patch grid of an image of `height` x `width` after the processor's resize."""
+    h, w = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    return 1, h // cfg.patch_size, w // cfg.patch_size
+
+
+def video_grid(num_frames: int, height: int, width: int, cfg: VisionPreprocessConfig) -> tuple[int, int, int]:
+    """(t, h, w) patch grid of a video: frames padded to a multiple of the temporal patch size."""
+    max_pixels = cfg.video_max_pixels
+    if cfg.video_cap_pixels_per_frame:
+        total = int(cfg.video_max_tokens * cfg.factor * cfg.factor * 0.9)
+        max_pixels = max(
+            min(max_pixels, total * cfg.temporal_patch_size // num_frames), int(cfg.video_min_pixels * 1.05)
+        )
+    h, w = smart_resize(height, width, cfg.factor, cfg.video_min_pixels, max_pixels)
+    t = -(-num_frames // cfg.temporal_patch_size)
+    return t, h // cfg.patch_size, w // cfg.patch_size
+
+
+def tokens_for_grid(grid: tuple[int, int, int], merge_size: int) -> int:
+    t, h, w = grid
+    return t * h * w // (merge_size * merge_size)
+
+
+def _pixel_bounds(cfg: dict, default_min: int, default_max: int) -> tuple[int, int]:
+    size = cfg.get("size") or {}
+    lo = cfg.get("min_pixels", size.get("shortest_edge", default_min))
+    hi = cfg.get("max_pixels", size.get("longest_edge", default_max))
+    return int(lo), int(hi)
+
+
+def read_preprocess_config(model_dir: str | Path) -> VisionPreprocessConfig:
+    """The sizing rules of the checkpoint's image and video processors, without loading them."""
+    model_dir = Path(model_dir)
+    image = processor_settings(model_dir, "image_processor", "preprocessor_config.json")
+    video = processor_settings(model_dir, "video_processor", "video_preprocessor_config.json") or image
+    d = VisionPreprocessConfig()
+    min_px, max_px = _pixel_bounds(image, d.min_pixels, d.max_pixels)
+    vmin, vmax = _pixel_bounds(video, d.video_min_pixels, d.video_max_pixels)
+    return VisionPreprocessConfig(
+        patch_size=int(image.get("patch_size", d.patch_size)),
+        merge_size=int(image.get("merge_size", d.merge_size)),
+        temporal_patch_size=int(image.get("temporal_patch_size", d.temporal_patch_size)),
+        min_pixels=min_px,
+        max_pixels=max_px,
+        video_min_pixels=vmin,
+        video_max_pixels=vmax,
+        video_cap_pixels_per_frame=bool(video.get("cap_pixels_per_frame", False)),
+        video_max_tokens=int(video.get("max_video_tokens", d.video_max_tokens)),
+    )
+
+@dataclass(frozen=True)
+class QwenLayout:
+    """An item as the Qwen2-VL ViT sees it: patch grid `(t, h, w)` and temporal position step."""
 
     grid: tuple[int, int, int]
-    num_tokens: int
-    t_factor: float | torch.Tensor
+    t_factor: float | torch.Tensor = 1
 
 
 @dataclass(frozen=True)
-class QwenVLRouterFace:
-    family: str
+class QwenVLRouterFace(RouterFace):
+    model_type: str
     preprocess: VisionPreprocessConfig
+    image_token_id: int
+    video_token_id: int
     tokens_per_second: float | None  # Qwen2.5-VL only: temporal position scaling of videos
-    image_token: str = IMAGE_TOKEN
-    video_token: str = VIDEO_TOKEN
 
     @classmethod
-    def from_checkpoint(cls, model_dir: str | Path, family: str) -> QwenVLRouterFace:
-        config = read_config(model_dir)
+    def from_checkpoint(cls, model_dir: str, config: dict) -> QwenVLRouterFace:
+        model_type = config["model_type"]
         tps = None
-        if family == "qwen2_5_vl":
+        if model_type == "qwen2_5_vl":
             tps = float(config.get("vision_config", {}).get("tokens_per_second", 2))
-        return cls(family=family, preprocess=read_preprocess_config(model_dir), tokens_per_second=tps)
+        text = config.get("text_config", {})
+        return cls(
+            model_type=model_type,
+            preprocess=read_preprocess_config(model_dir),
+            image_token_id=int(config.get("image_token_id", text.get("image_token_id", 151655))),
+            video_token_id=int(config.get("video_token_id", text.get("video_token_id", 151656))),
+            tokens_per_second=tps,
+        )
 
-    def layout(self, item: MediaItem, max_pixels: int) -> ItemLayout:
-        """Grid and token count of `item` from its header(s); every frame must share one size."""
+    def placeholder(self, kind: MediaKind) -> str:
+        return IMAGE_TOKEN if kind is MediaKind.IMAGE else VIDEO_TOKEN
+
+    def layout(self, item: MediaItem, max_pixels: int) -> QwenLayout:
+        """Grid of `item` from its header(s); every frame of a video must share one size."""
         sizes = {read_image_size(frame, max_pixels) for frame in item.frames}
         if len(sizes) != 1:
             raise InvalidRequest(f"all frames of a video must have the same size, got {sorted(sizes)}")
         height, width = sizes.pop()
         if item.kind is MediaKind.IMAGE:
-            grid = image_grid(height, width, self.preprocess)
-            t_factor: float | torch.Tensor = 1
-        else:
-            grid = video_grid(len(item.frames), height, width, self.preprocess)
-            t_factor = 1
-            if self.tokens_per_second is not None:
-                second_per_grid_t = self.preprocess.temporal_patch_size / item.fps
-                t_factor = video_t_factor(second_per_grid_t, self.tokens_per_second)
-        return ItemLayout(grid, tokens_for_grid(grid, self.preprocess.merge_size), t_factor)
+            return QwenLayout(image_grid(height, width, self.preprocess))
+        grid = video_grid(len(item.frames), height, width, self.preprocess)
+        if self.tokens_per_second is None:
+            return QwenLayout(grid)
+        second_per_grid_t = self.preprocess.temporal_patch_size / item.fps
+        return QwenLayout(grid, video_t_factor(second_per_grid_t, self.tokens_per_second))
 
-    def position_plan(
-        self, num_tokens: int, ranges: list[PlaceholderRange], layouts: list[ItemLayout]
-    ) -> PositionPlan:
+    def expand(self, item: MediaItem, max_pixels: int) -> ItemExpansion:
+        layout = self.layout(item, max_pixels)
+        n = tokens_for_grid(layout.grid, self.preprocess.merge_size)
+        token = self.image_token_id if item.kind is MediaKind.IMAGE else self.video_token_id
+        return ItemExpansion((token,) * n, None, cost=n, layout=layout)
+
+    def position_plan(self, token_ids: Sequence[int], ranges: Sequence[PlaceholderRange],
+                      expansions: Sequence[ItemExpansion]) -> PositionPlan:
         """M-RoPE positions (3 rows) of the prompt; text-only prompts count up on every row."""
         if not ranges:
             return LinearPositions(rows=3)
+        layouts: list[QwenLayout] = [e.layout for e in expansions]
         positions, delta = mrope_positions(
-            num_tokens,
-            ranges,
-            [lay.grid for lay in layouts],
-            self.preprocess.merge_size,
+            len(token_ids), ranges, [lay.grid for lay in layouts], self.preprocess.merge_size,
             [lay.t_factor for lay in layouts],
         )
         return ExplicitPositions(positions, delta)
+
+
+ROUTER_FACE = QwenVLRouterFace

@@ -42,16 +42,18 @@ class FetchEmbeddingRequest(_message.Message):
     def __init__(self, content_hash: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class EmbeddingHeader(_message.Message):
-    __slots__ = ("content_hash", "dtype", "shape", "num_bytes")
+    __slots__ = ("content_hash", "dtype", "shape", "num_bytes", "key")
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
     content_hash: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     num_bytes: int
-    def __init__(self, content_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ...) -> None: ...
+    key: str
+    def __init__(self, content_hash: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., num_bytes: _Optional[int] = ..., key: _Optional[str] = ...) -> None: ...
 
 class EmbeddingChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -1,0 +1,66 @@
+"""The LM face of a model family: its decoder, its checkpoint names, how media enter it."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+from mmserve.positions import PositionPlan
+
+
+class LanguageModelModules(nn.Module):
+    """Decoder stack (embeddings, layers, norm) + lm_head, named as the face's `rename` maps."""
+
+    def __init__(self, decoder: nn.Module, lm_head: nn.Linear, tied: bool):
+        super().__init__()
+        self.decoder = decoder
+        self.lm_head = lm_head
+        self.tied = tied
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        if self.tied:
+            state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+            self.load_state_dict(state, strict=False)
+            self.lm_head.weight = self.decoder.embed_tokens.weight
+            missing = set(self.state_dict()) - set(state) - {"lm_head.weight"}
+        else:
+            missing = set(self.state_dict()) - set(state)
+            self.load_state_dict(state, strict=True)
+        if missing:
+            raise ValueError(f"checkpoint lacks language-model tensors: {sorted(missing)[:5]}")
+
+
+class LMFace(ABC):
+    """One family's language side, built from the checkpoint's `transformers` config."""
+
+    def __init__(self, config):
+        self.config = config
+
+    @abstractmethod
+    def rename(self, key: str) -> str | None:
+        """Checkpoint key -> key in `LanguageModelModules` (None: not a language-model tensor)."""
+
+    @abstractmethod
+    def build(self, dtype: torch.dtype) -> LanguageModelModules:
+        """Decoder + lm_head with uninitialised weights (the caller loads them)."""
+
+    @abstractmethod
+    def text_positions(self) -> PositionPlan:
+        """The plan of a prompt without media (requests that come without one)."""
+
+    @abstractmethod
+    def position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """`(rows, T)` positions of one packed sequence -> the decoder's `position_ids`."""
+
+    def inject(self, embeds: torch.Tensor, media: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]) -> None:
+        """Write each item's rows (`parts[0]`) into the packed `embeds` `(T, hidden)` at its slot
+        indices. Families with per-layer features (DeepStack) also keep their further parts here
+        for their decoder's layers."""
+        for index, parts in media:
+            embeds[index.to(embeds.device)] = parts[0].to(embeds.device, embeds.dtype)
+
+    def tied_embeddings(self) -> bool:
+        text = self.config.text_config
+        return bool(getattr(self.config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))

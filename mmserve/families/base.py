@@ -1,0 +1,63 @@
+"""The router face of a model family: what the router needs to know of it, and nothing more.
+
+The encoder face (`encoder_service.families`) and the LM face (`llm_service.families`) are the
+other two; all three are found through `mmserve.families.FAMILIES` by the checkpoint's
+`model_type`. Outside the faces nothing knows a family's token layout, its position rows or its
+preprocessing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mmserve.media import MediaItem, MediaKind, PlaceholderRange
+from mmserve.positions import PositionPlan
+
+
+@dataclass(frozen=True)
+class ItemExpansion:
+    """What replaces one media item's placeholder, computed from the item's header alone.
+
+    token_ids: the tokens in the prompt, embedding slots and structure tokens interleaved.
+    is_embed: which of them take encoder rows, in order (None: all).
+    cost: the item's encoder cost in output tokens (the encoder pool's batch budget unit).
+    layout: the family's own description of the item (e.g. a patch grid); it travels with the
+        item to the encoder face, which never re-reads headers, and to `position_plan`.
+    """
+
+    token_ids: tuple[int, ...]
+    is_embed: tuple[bool, ...] | None
+    cost: int
+    layout: object = None
+
+    @property
+    def num_embeds(self) -> int:
+        return len(self.token_ids) if self.is_embed is None else sum(self.is_embed)
+
+    def placed_at(self, offset: int) -> PlaceholderRange:
+        return PlaceholderRange(offset, len(self.token_ids), self.is_embed)
+
+
+class RouterFace(ABC):
+    """Prompt layout of a family. Subclasses are immutable and built once per router."""
+
+    @classmethod
+    @abstractmethod
+    def from_checkpoint(cls, model_dir: str, config: dict) -> RouterFace:
+        """The face for the checkpoint at `model_dir` (`config`: its config.json)."""
+
+    @abstractmethod
+    def placeholder(self, kind: MediaKind) -> str:
+        """The added token the chat template writes for one media item of `kind`."""
+
+    @abstractmethod
+    def expand(self, item: MediaItem, max_pixels: int) -> ItemExpansion:
+        """The item's expansion from its header(s); InvalidRequest when it cannot be served
+        (unreadable header, over `max_pixels`, a kind the family does not take)."""
+
+    @abstractmethod
+    def position_plan(self, token_ids: Sequence[int], ranges: Sequence[PlaceholderRange],
+                      expansions: Sequence[ItemExpansion]) -> PositionPlan:
+        """Positions of the whole prompt (media at `ranges`) and of every token after it."""
