@@ -169,3 +169,31 @@ def test_out_of_range_feature_layer_is_rejected():
     model.config.vision_feature_layer = -4
     with pytest.raises(ValueError, match="outside a tower of 2 layers"):
         feature_select(model.config)
+
+
+def test_batched_rows_equal_one_image_at_a_time(llava_models):
+    for path in llava_models.values():
+        encoder, _ = _encoder(path)
+        size = encoder.embeddings.config.image_size
+        pixels = torch.randn(3, 3, size, size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+        with torch.inference_mode():
+            batched = encoder(pixels)
+            for i in range(3):
+                torch.testing.assert_close(batched[i], encoder(pixels[i:i + 1])[0], rtol=1e-12, atol=1e-12)
+
+
+def test_clip_processor_center_crops_and_siglip_processor_squeezes(llava_models):
+    """Both give a fixed size whatever the input; CLIP (llava-1.5) resizes the shortest edge and
+    crops the center, so the ends of a wide image never reach the tower; SigLIP resizes the whole
+    image to the square."""
+    from transformers import AutoProcessor
+
+    wide = Image.new("RGB", (300, 100), (200, 30, 30))
+    other_ends = wide.copy()
+    other_ends.paste((30, 200, 30), (0, 0, 40, 100))
+    other_ends.paste((30, 30, 200), (260, 0, 300, 100))
+    for family, path in llava_models.items():
+        image_processor = AutoProcessor.from_pretrained(path).image_processor
+        a, b = (image_processor(images=[im], return_tensors="pt")["pixel_values"] for im in (wide, other_ends))
+        assert a.shape[-2:] == b.shape[-2:] == image_processor(images=[Image.new("RGB", (7, 900))])["pixel_values"][0].shape[-2:]
+        assert torch.equal(a, b) == (family == "llava")
