@@ -192,7 +192,8 @@ LLAVA_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 
-# llava-hf/llava-interleave-qwen-*-hf (image part): im_start turns, each message's images first.
+# llava-hf/llava-interleave-qwen-*-hf without its `<video>` clause (LlavaProcessor takes images only):
+# im_start turns, each message's images first, no default system prompt.
 LLAVA_QWEN_CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
     "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
@@ -253,7 +254,7 @@ def _llava(family: str, seed: int):
             seed, 1024, LLAVA_SPECIAL_TOKENS, eos_token="</s>", pad_token="<pad>", bos_token="<s>"
         )
         vision = CLIPVisionConfig(
-            num_hidden_layers=4, image_size=LLAVA_CLIP_IMAGE_SIZE, projection_dim=32, initializer_factor=1.0, **tower
+            num_hidden_layers=4, image_size=LLAVA_CLIP_IMAGE_SIZE, projection_dim=32, **tower
         )
         text = LlamaConfig(**_llava_text_config(tokenizer, "<s>", "</s>", "<pad>", tie_word_embeddings=False))
         select, layer, extra_tokens = "default", -2, 1
