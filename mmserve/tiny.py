@@ -1,10 +1,18 @@
-"""Deterministic tiny Qwen2-VL / Qwen2.5-VL checkpoints for tests and the embedded default.
+"""Deterministic tiny checkpoints (Qwen2-VL, Qwen2.5-VL, LLaVA) for tests and the embedded default.
 
 A tiny checkpoint is a normal Hugging Face directory: a real `transformers` config with small
 dimensions, random weights from a fixed seed (safetensors), a byte-level BPE tokenizer trained
-here with `tokenizers` (all Qwen2-VL special tokens), the real Qwen2-VL chat template and
-processor configs. `AutoProcessor` / `AutoModelForImageTextToText` load it unchanged; the same
-seed gives the same bytes.
+here with `tokenizers` (the family's special tokens), the chat template and processor configs of
+the checkpoints it imitates. `AutoProcessor` / `AutoModelForImageTextToText` load it unchanged;
+the same seed gives the same bytes.
+
+LLaVA (`model_type: llava`) comes in two shapes:
+- `llava` like llava-hf/llava-1.5-*-hf: CLIP tower, Llama LM, `vision_feature_layer: -2`,
+  strategy `default` (CLS dropped), CLIPImageProcessor (resize shortest edge + center crop), a
+  tokenizer that prepends `<s>` (the chat template does not), "USER: <image>\n... ASSISTANT:".
+- `llava_siglip` like llava-hf/llava-interleave-qwen-*-hf: SigLIP tower (no CLS, no head),
+  Qwen2 LM with tied embeddings, `vision_feature_layer: -1`, strategy `full`,
+  SiglipImageProcessor (resize to a fixed square), im_start/im_end chat template.
 """
 
 from __future__ import annotations
@@ -15,7 +23,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+LLAVA_FAMILIES = ("llava", "llava_siglip")
+FAMILIES = QWEN_FAMILIES + LLAVA_FAMILIES
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -88,7 +98,15 @@ def _corpus(seed: int) -> list[str]:
     return lines
 
 
-def _build_tokenizer(seed: int, vocab_size: int):
+def _build_tokenizer(
+    seed: int,
+    vocab_size: int,
+    special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
+    eos_token: str = "<|im_end|>",
+    pad_token: str = "<|endoftext|>",
+    bos_token: str | None = None,
+):
+    """Byte-level BPE trained on a fixed corpus; with `bos_token`, it is prepended to every encoding."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -102,17 +120,19 @@ def _build_tokenizer(seed: int, vocab_size: int):
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        vocab_size=vocab_size - len(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens(list(special_tokens))
+    bos = {} if bos_token is None else {"bos_token": bos_token, "add_bos_token": True}
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
+        eos_token=eos_token,
+        pad_token=pad_token,
         unk_token=None,
+        **bos,
         model_max_length=4096,
         clean_up_tokenization_spaces=False,
         split_special_tokens=False,
@@ -161,30 +181,140 @@ def _configs(family: str, tokenizer):
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
 
 
-def build_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:
-    """Write a tiny checkpoint of `family` to `out_dir` (atomically) and return its path."""
+# llava-hf/llava-1.5-*-hf: each message's images first, then its text parts, each followed by a space.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
+    "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}{# Render all text next #}{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
+    "{% endfor %}{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+# llava-hf/llava-interleave-qwen-*-hf without its `<video>` clause (LlavaProcessor takes images only):
+# im_start turns, each message's images first, no default system prompt.
+LLAVA_QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
+    "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}{# Render all text next #}{% if message['role'] != 'assistant' %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] }}"
+    "{% endfor %}{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{% generation %}{{ content['text'] }}{% endgeneration %}{% endfor %}{% endif %}{{'<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+LLAVA_IMAGE_TOKEN = "<image>"
+LLAVA_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", LLAVA_IMAGE_TOKEN, "<pad>")
+LLAVA_QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", LLAVA_IMAGE_TOKEN)
+LLAVA_PATCH_SIZE = 14
+LLAVA_CLIP_IMAGE_SIZE = 84  # 6 x 6 patches + CLS; strategy `default` drops CLS: 36 tokens
+LLAVA_SIGLIP_IMAGE_SIZE = 70  # 5 x 5 patches, no CLS, strategy `full`: 25 tokens
+
+
+def _llava_text_config(tokenizer, bos: str | None, eos: str, pad: str, **extra) -> dict:
+    ids = tokenizer.convert_tokens_to_ids
+    return dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=ids(bos) if bos else None,
+        eos_token_id=ids(eos),
+        pad_token_id=ids(pad),
+        **extra,
+    )
+
+
+def _llava(family: str, seed: int):
+    """(model, processor, eos ids) of a tiny LLaVA of either shape."""
     import torch
     from transformers import (
         AutoModelForImageTextToText,
-        GenerationConfig,
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaProcessor,
+        Qwen2Config,
+        SiglipImageProcessor,
+        SiglipVisionConfig,
+    )
+
+    grid = (LLAVA_CLIP_IMAGE_SIZE if family == "llava" else LLAVA_SIGLIP_IMAGE_SIZE) // LLAVA_PATCH_SIZE
+    tower = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, patch_size=LLAVA_PATCH_SIZE)
+    if family == "llava":
+        tokenizer = _build_tokenizer(
+            seed, 1024, LLAVA_SPECIAL_TOKENS, eos_token="</s>", pad_token="<pad>", bos_token="<s>"
+        )
+        vision = CLIPVisionConfig(
+            num_hidden_layers=4, image_size=LLAVA_CLIP_IMAGE_SIZE, projection_dim=32, **tower
+        )
+        text = LlamaConfig(**_llava_text_config(tokenizer, "<s>", "</s>", "<pad>", tie_word_embeddings=False))
+        select, layer, extra_tokens = "default", -2, 1
+        image_processor = CLIPImageProcessor(
+            size={"shortest_edge": LLAVA_CLIP_IMAGE_SIZE},
+            crop_size={"height": LLAVA_CLIP_IMAGE_SIZE, "width": LLAVA_CLIP_IMAGE_SIZE},
+        )
+        template, eos = LLAVA_CHAT_TEMPLATE, ["</s>"]
+    else:
+        tokenizer = _build_tokenizer(seed, 1024, LLAVA_QWEN_SPECIAL_TOKENS)
+        vision = SiglipVisionConfig(
+            num_hidden_layers=3, image_size=LLAVA_SIGLIP_IMAGE_SIZE, vision_use_head=False, **tower
+        )
+        text = Qwen2Config(
+            **_llava_text_config(tokenizer, None, "<|im_end|>", "<|endoftext|>", tie_word_embeddings=True)
+        )
+        select, layer, extra_tokens = "full", -1, 0
+        image_processor = SiglipImageProcessor(
+            size={"height": LLAVA_SIGLIP_IMAGE_SIZE, "width": LLAVA_SIGLIP_IMAGE_SIZE}
+        )
+        template, eos = LLAVA_QWEN_CHAT_TEMPLATE, ["<|im_end|>", "<|endoftext|>"]
+    config = LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=tokenizer.convert_tokens_to_ids(LLAVA_IMAGE_TOKEN),
+        image_seq_length=grid * grid,
+        vision_feature_layer=layer,
+        vision_feature_select_strategy=select,
+        projector_hidden_act="gelu",
+        tie_word_embeddings=text.tie_word_embeddings,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    processor = LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=LLAVA_PATCH_SIZE,
+        vision_feature_select_strategy=select,
+        chat_template=template,
+        image_token=LLAVA_IMAGE_TOKEN,
+        num_additional_image_tokens=extra_tokens,
+    )
+    return model, processor, [tokenizer.convert_tokens_to_ids(t) for t in eos]
+
+
+def _qwen(family: str, seed: int):
+    """(model, processor, eos ids) of a tiny Qwen2-VL / Qwen2.5-VL."""
+    import torch
+    from transformers import (
+        AutoModelForImageTextToText,
         Qwen2_5_VLProcessor,
         Qwen2VLImageProcessor,
         Qwen2VLProcessor,
         Qwen2VLVideoProcessor,
     )
 
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
-    out = Path(out_dir)
     tokenizer = _build_tokenizer(seed, vocab_size=1024)
     config = _configs(family, tokenizer)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
-    model.generation_config = GenerationConfig(
-        eos_token_id=[config.text_config.eos_token_id, config.text_config.bos_token_id],
-        pad_token_id=config.text_config.pad_token_id,
-        do_sample=False,
-    )
     image_processor = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     video_processor = Qwen2VLVideoProcessor(
         min_pixels=VIDEO_MIN_PIXELS, max_pixels=VIDEO_MAX_PIXELS, cap_pixels_per_frame=False
@@ -195,6 +325,24 @@ def build_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = 0) -> 
         tokenizer=tokenizer,
         video_processor=video_processor,
         chat_template=CHAT_TEMPLATE,
+    )
+    return model, processor, [config.text_config.eos_token_id, config.text_config.bos_token_id]
+
+
+def build_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """Write a tiny checkpoint of `family` to `out_dir` (atomically) and return its path."""
+    from transformers import GenerationConfig
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    out = Path(out_dir)
+    model, processor, eos_ids = (_qwen if family in QWEN_FAMILIES else _llava)(family, seed)
+    text_config = model.config.text_config
+    model.generation_config = GenerationConfig(
+        eos_token_id=eos_ids,
+        pad_token_id=text_config.pad_token_id,
+        **({"bos_token_id": text_config.bos_token_id} if family == "llava" else {}),
+        do_sample=False,
     )
 
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -24,3 +24,12 @@ def family(request) -> str:
 @pytest.fixture
 def model_dir(tiny_models, family) -> str:
     return tiny_models[family]
+
+
+@pytest.fixture(scope="session")
+def llava_models(tmp_path_factory) -> dict[str, str]:
+    """Both tiny LLaVA checkpoints (`llava`: CLIP + Llama, `llava_siglip`: SigLIP + Qwen2)."""
+    from mmserve.tiny import LLAVA_FAMILIES, ensure_tiny_model
+
+    root = os.environ.get("MMSERVE_TEST_MODELS") or str(tmp_path_factory.mktemp("models"))
+    return {f: str(ensure_tiny_model(f, os.path.join(root, f))) for f in LLAVA_FAMILIES}

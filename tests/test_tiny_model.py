@@ -43,4 +43,4 @@ def test_loads_with_auto_classes(model_dir, family):
 
 def test_unknown_family_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="unknown family"):
-        build_tiny_model("llava", tmp_path / "x")
+        build_tiny_model("llava_next", tmp_path / "x")

@@ -1,0 +1,171 @@
+"""Encoder math of LLaVA (`model_type: llava`): CLIP or SigLIP tower up to the deepest selected
+layer, feature select, projector. Input is fixed-size, so a batch is a stack `(B, 3, H, W)` and
+every image yields the same number of rows.
+
+The reference is `transformers` 5.x `LlavaModel.get_image_features`:
+
+- The tower runs with hidden states captured: `hidden_states[0]` is the input of encoder layer 0
+  (CLIP: embeddings then `pre_layrnorm`; SigLIP: patch + position embeddings) and
+  `hidden_states[i]` the output of layer `i - 1`, so there are `num_hidden_layers + 1` of them.
+  CLIP and SigLIP capture with `tie_last_hidden_states=False`: `hidden_states[-1]` is the last
+  layer's output BEFORE `post_layernorm`.
+- `vision_feature_layer` int L: `hidden_states[L]`; a list: each of them, the strategy applied to
+  each, concatenated on the feature axis in list order (the projector's `linear_1` takes
+  `len(list) * vision_hidden` inputs). Negative indices count from the full tower:
+  `L < 0` -> `L + num_hidden_layers + 1`. Layers needed = the deepest absolute index, e.g. a
+  4-layer tower with L = -2 selects `hidden_states[3]` = output of layer 2: 3 layers are built.
+- Strategy `default`: `h[:, 1:]`: drops the FIRST row whatever the tower (CLIP's CLS; with a
+  tower without CLS, such as SigLIP, it drops a real patch and transformers does so too);
+  `full`: all rows. `LlavaConfig` admits only these two (no `class`).
+- `post_layernorm` is never applied and SigLIP's attention-pooling head is never used; neither is
+  loaded here.
+- Projector: `linear_2(act(linear_1(features)))`.
+
+Where vLLM's generic rule (`vision.py` `resolve_visual_encoder_outputs`, DESIGN.md's seed rule)
+differs, the class wins: that rule applies `post_layernorm` to the last selected hidden state
+when the last layer is used (for `llava_siglip`, layer -1), transformers never does. (vLLM's own
+LLaVA models build the tower with `require_post_norm=False`, so they agree with transformers.)
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# transformers 5.x in-memory layout first, then the saved one (5.x `save_pretrained` writes the
+# legacy top-level prefixes); a tower key may also carry 4.x's `vision_model.` (hub llava-*-hf).
+VISION_PREFIXES = ("model.vision_tower.", "vision_tower.")
+PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
+_LEGACY_TOWER_PREFIX = "vision_model."
+# Rows a tower puts before its patches (CLIP: the CLS embedding).
+_LEADING_ROWS = {"clip_vision_model": 1, "siglip_vision_model": 0}
+STRATEGIES = ("default", "full")
+
+
+def _strip(key: str, prefixes: tuple[str, ...]) -> str | None:
+    for prefix in prefixes:
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return None
+
+
+def rename(key: str) -> str | None:
+    """Checkpoint key -> key in the full vision module (None: not a vision tensor).
+
+    Tower keys come out as the 5.x tower names (`embeddings.*`, `pre_layrnorm.*`,
+    `encoder.layers.N.*`, `post_layernorm.*`, `head.*`), projector keys as `projector.*`.
+    """
+    tower = _strip(key, VISION_PREFIXES)
+    if tower is not None:
+        return tower.removeprefix(_LEGACY_TOWER_PREFIX)
+    projector = _strip(key, PROJECTOR_PREFIXES)
+    return None if projector is None else "projector." + projector
+
+
+@dataclass(frozen=True)
+class FeatureSelect:
+    """The config's feature select, resolved against the full tower depth."""
+
+    hidden_state_indices: tuple[int, ...]  # absolute indices into hidden_states, in config order
+    strategy: str
+    num_layers: int  # encoder layers to build and load: the deepest selected index
+
+
+def feature_select(config) -> FeatureSelect:
+    """Resolve `vision_feature_layer` / `vision_feature_select_strategy` of a `LlavaConfig`."""
+    depth = config.vision_config.num_hidden_layers
+    layer = config.vision_feature_layer
+    layers = [layer] if isinstance(layer, int) else list(layer)
+    if not layers:
+        raise ValueError("vision_feature_layer is an empty list")
+    indices = []
+    for index in layers:
+        absolute = index + depth + 1 if index < 0 else index
+        if not 0 <= absolute <= depth:
+            raise ValueError(f"vision_feature_layer {index} is outside a tower of {depth} layers")
+        indices.append(absolute)
+    strategy = config.vision_feature_select_strategy
+    if strategy not in STRATEGIES:
+        raise ValueError(f"vision_feature_select_strategy {strategy!r} is not one of {STRATEGIES}")
+    return FeatureSelect(tuple(indices), strategy, max(indices))
+
+
+def image_token_count(config) -> int:
+    """Placeholder tokens (= encoder rows) of one image; the same for every image.
+
+    `(image_size // patch_size) ** 2` patches, plus the tower's CLS row (CLIP: 1, SigLIP: 0),
+    minus 1 for strategy `default`. `LlavaProcessor` expands `<image>` to
+    `(H // patch_size) * (W // patch_size) + num_additional_image_tokens - (strategy == default)`
+    with (H, W) the processed size; the two agree when the processor's crop/size equals
+    `vision_config.image_size` and `num_additional_image_tokens` equals the CLS rows.
+    """
+    vision = config.vision_config
+    if vision.model_type not in _LEADING_ROWS:
+        raise ValueError(f"unsupported LLaVA vision tower {vision.model_type!r}")
+    grid = vision.image_size // vision.patch_size
+    rows = grid * grid + _LEADING_ROWS[vision.model_type]
+    return rows - 1 if config.vision_feature_select_strategy == "default" else rows
+
+
+class LlavaVisionEncoder(nn.Module):
+    """Tower embeddings (+ CLIP's pre-norm), the first `select.num_layers` encoder layers and the
+    projector. Parameter names are `rename`'s names with `encoder.layers` -> `layers`."""
+
+    def __init__(self, config, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        from transformers.initialization import no_init_weights
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+
+        self.select = feature_select(config)
+        self.tokens_per_image = image_token_count(config)
+        vision = copy.deepcopy(config.vision_config)
+        vision.num_hidden_layers = self.select.num_layers
+        if hasattr(vision, "vision_use_head"):
+            vision.vision_use_head = False
+        tower_cls = MODEL_MAPPING[type(vision)]
+        with no_init_weights():
+            tower = tower_cls._from_config(vision, dtype=dtype)
+            projector = LlavaMultiModalProjector(config).to(dtype)
+        self.embeddings = tower.embeddings
+        self.pre_layrnorm = tower.pre_layrnorm if hasattr(tower, "pre_layrnorm") else nn.Identity()
+        self.layers = tower.encoder.layers
+        self.projector = projector
+
+    def checkpoint_rename(self) -> Callable[[str], str | None]:
+        """`rename` restricted to the tensors this module holds (for `load_tensors`)."""
+        wanted = set(self.state_dict())
+
+        def to_module_key(key: str) -> str | None:
+            name = rename(key)
+            if name is None:
+                return None
+            if name.startswith("encoder.layers."):
+                name = name[len("encoder."):]
+            return name if name in wanted else None
+
+        return to_module_key
+
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        missing = set(self.state_dict()) - set(state)
+        if missing:
+            raise ValueError(f"checkpoint lacks vision tensors: {sorted(missing)[:5]}")
+        self.load_state_dict(state, strict=True)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """`(B, 3, H, W)` -> `(B, tokens_per_image, text_hidden)`."""
+        wanted = set(self.select.hidden_state_indices)
+        hidden = self.pre_layrnorm(self.embeddings(pixel_values.to(self.projector.linear_1.weight.dtype)))
+        kept = {0: hidden} if 0 in wanted else {}
+        for index, layer in enumerate(self.layers, start=1):
+            hidden = layer(hidden, None)
+            if index in wanted:
+                kept[index] = hidden
+        features = [kept[i] for i in self.select.hidden_state_indices]
+        if self.select.strategy == "default":
+            features = [f[:, 1:] for f in features]
+        return self.projector(torch.cat(features, dim=-1))
