@@ -64,9 +64,10 @@ def sdpa_metadata(q_lens: list[int], context_lens: list[int], slot_tables: list[
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """`transformers` attention function: `query` `(1, H, T, D)`, `key`/`value` `(1, Hkv, T, D)`
-    (new tokens only, rotary applied); `attention_mask` is the step's `AttentionBatch`.
-    Returns `((1, T, H, D), None)` as the library expects."""
-    batch: AttentionBatch = attention_mask
+    (new tokens only, rotary applied); the step's `AttentionBatch` arrives as the `paged_batch`
+    keyword, which every decoder passes down to its attention (a mask argument would not survive
+    the mask preprocessing of decoders that build their own). Returns `((1, T, H, D), None)`."""
+    batch: AttentionBatch = kwargs.get("paged_batch", attention_mask)
     if not isinstance(batch, AttentionBatch):
         raise TypeError("paged attention needs an AttentionBatch in place of the mask")
     pool = batch.kv_pool[module.layer_idx]

@@ -72,7 +72,7 @@ class ModelRunner:
         out = self.model.modules.decoder(
             inputs_embeds=embeds.unsqueeze(0),
             position_ids=self.model.face.position_ids(positions),
-            attention_mask={"full_attention": batch, "sliding_attention": batch},
+            paged_batch=batch,
             use_cache=False,
         )
         return self.model.modules.lm_head(out.last_hidden_state[0, rows])

@@ -5,6 +5,8 @@ characters, never a placeholder or a new turn. The chat template is rendered wit
 replaced by a sentinel; the rendered string is split at the (template-owned) added tokens, exactly
 as the tokenizer splits a whole string, and each piece between them is tokenized with added
 tokens disabled. Without special strings in user text this equals tokenizing the whole string.
+The tokenizer's own special tokens (a Llama tokenizer's BOS) wrap the result, as the processor's
+`tokenizer(text)` adds them.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ class Prompt(NamedTuple):
 class PromptBuilder:
     """Renders the checkpoint's chat template and tokenizes it safely (see module docstring)."""
 
-    def __init__(self, tokenizer, chat_template: str, placeholders: dict[MediaKind, str]):
+    def __init__(self, tokenizer, chat_template: str, placeholders: dict[MediaKind, str | None]):
+        """`placeholders`: the added token the template writes per media kind (None: kind not taken)."""
         self._tokenizer = tokenizer
         self._template = chat_template
         self._plain = copy.deepcopy(tokenizer.backend_tokenizer)
@@ -45,7 +48,10 @@ class PromptBuilder:
         added = sorted(tokenizer.get_added_vocab().items(), key=lambda kv: -len(kv[0]))
         self._added_ids = dict(added)
         self._added_re = re.compile("|".join(re.escape(tok) for tok, _ in added))
-        self._placeholder_ids = {kind: tokenizer.convert_tokens_to_ids(tok) for kind, tok in placeholders.items()}
+        self._placeholder_ids = {
+            kind: tokenizer.convert_tokens_to_ids(tok) for kind, tok in placeholders.items() if tok is not None
+        }
+        self._prefix, self._suffix = _special_wrapping(tokenizer)
 
     def _render(self, messages: list[ChatMessage]) -> tuple[str, list[str]]:
         texts: list[str] = []
@@ -91,8 +97,22 @@ class PromptBuilder:
                 ids += expansion.token_ids
             pos = match.end()
         ids += self._encode_plain(rendered[pos:], user_texts)
+        if self._prefix:
+            ranges = [r._replace(offset=r.offset + len(self._prefix)) for r in ranges]
+        ids = self._prefix + ids + self._suffix
         if len(ranges) != len(expansions):
             raise InvalidRequest(
                 f"chat template placed {len(ranges)} media placeholders for {len(expansions)} media items"
             )
         return Prompt(ids, ranges, kinds)
+
+
+def _special_wrapping(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after any text when it adds special tokens."""
+    probe = "a"
+    plain = tokenizer.encode(probe, add_special_tokens=False)
+    full = tokenizer.encode(probe, add_special_tokens=True)
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start], full[start + len(plain):]
+    return [], []
