@@ -36,13 +36,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from encoder_service.families.base import EncoderFace, PreparedItem
+from mmserve.families import llava as llava_router
+from mmserve.media import MediaItem, decode_image
+
 # transformers 5.x in-memory layout first, then the saved one (5.x `save_pretrained` writes the
 # legacy top-level prefixes); a tower key may also carry 4.x's `vision_model.` (hub llava-*-hf).
 VISION_PREFIXES = ("model.vision_tower.", "vision_tower.")
 PROJECTOR_PREFIXES = ("model.multi_modal_projector.", "multi_modal_projector.")
 _LEGACY_TOWER_PREFIX = "vision_model."
-# Rows a tower puts before its patches (CLIP: the CLS embedding).
-_LEADING_ROWS = {"clip_vision_model": 1, "siglip_vision_model": 0}
 STRATEGIES = ("default", "full")
 
 
@@ -95,20 +97,11 @@ def feature_select(config) -> FeatureSelect:
 
 
 def image_token_count(config) -> int:
-    """Placeholder tokens (= encoder rows) of one image; the same for every image.
-
-    `(image_size // patch_size) ** 2` patches, plus the tower's CLS row (CLIP: 1, SigLIP: 0),
-    minus 1 for strategy `default`. `LlavaProcessor` expands `<image>` to
-    `(H // patch_size) * (W // patch_size) + num_additional_image_tokens - (strategy == default)`
-    with (H, W) the processed size; the two agree when the processor's crop/size equals
-    `vision_config.image_size` and `num_additional_image_tokens` equals the CLS rows.
-    """
+    """Encoder rows of one image (the router face's count, see `mmserve.families.llava`)."""
     vision = config.vision_config
-    if vision.model_type not in _LEADING_ROWS:
-        raise ValueError(f"unsupported LLaVA vision tower {vision.model_type!r}")
-    grid = vision.image_size // vision.patch_size
-    rows = grid * grid + _LEADING_ROWS[vision.model_type]
-    return rows - 1 if config.vision_feature_select_strategy == "default" else rows
+    return llava_router.image_token_count(
+        vision.model_type, vision.image_size, vision.patch_size, config.vision_feature_select_strategy
+    )
 
 
 class LlavaVisionEncoder(nn.Module):
@@ -169,3 +162,37 @@ class LlavaVisionEncoder(nn.Module):
         if self.select.strategy == "default":
             features = [f[:, 1:] for f in features]
         return self.projector(torch.cat(features, dim=-1))
+
+
+class LlavaEncoderFace(EncoderFace):
+    """Fixed-size images, stacked `(B, 3, H, W)` (no packing needed: every image costs the same)."""
+
+    def __init__(self, model_dir: str, config, dtype: torch.dtype):
+        from transformers import AutoProcessor
+
+        self.image_processor = AutoProcessor.from_pretrained(model_dir).image_processor
+        self.dtype = dtype
+        self._module = LlavaVisionEncoder(config, dtype)
+        self._rename = self._module.checkpoint_rename()
+
+    def rename(self, key: str) -> str | None:
+        return self._rename(key)
+
+    def build(self) -> nn.Module:
+        return self._module
+
+    def preprocess_fingerprint(self) -> str:
+        return self.image_processor.to_json_string()
+
+    def preprocess(self, item: MediaItem, layout: object) -> PreparedItem:
+        pixels = self.image_processor(images=[decode_image(item.frames[0])], return_tensors="pt")["pixel_values"]
+        n = self._module.tokens_per_image
+        return PreparedItem((pixels,), None, n, n)
+
+    def forward(self, module: nn.Module, batch) -> list[tuple[torch.Tensor, ...]]:
+        device = next(module.parameters()).device
+        pixels = torch.cat([p.tensors[0] for p in batch]).to(device, self.dtype)
+        return [(rows,) for rows in module(pixels).unbind(0)]
+
+
+ENCODER_FACE = LlavaEncoderFace

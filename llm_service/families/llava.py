@@ -13,6 +13,12 @@ the lm_head is the embedding table.
 
 from __future__ import annotations
 
+import torch
+from torch import nn
+
+from llm_service.families.base import LanguageModelModules, LMFace
+from mmserve.positions import LinearPositions, PositionPlan
+
 _DECODER_PREFIXES = ("model.language_model.", "language_model.model.")
 _LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
 
@@ -37,3 +43,27 @@ def decoder_class(config) -> type:
 
 def tied_lm_head(config) -> bool:
     return bool(config.tie_word_embeddings or config.text_config.tie_word_embeddings)
+
+
+class LlavaLMFace(LMFace):
+    def rename(self, key: str) -> str | None:
+        return rename(key)
+
+    def text_positions(self) -> PositionPlan:
+        return LinearPositions(rows=1)
+
+    def position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """`(1, T)` positions of a packed sequence are the decoder's `(batch=1, T)` as they are."""
+        return positions
+
+    def build(self, dtype: torch.dtype) -> LanguageModelModules:
+        from transformers.initialization import no_init_weights
+
+        text = self.config.text_config
+        with no_init_weights():
+            decoder = decoder_class(self.config)._from_config(text, dtype=dtype)
+            lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=dtype)
+        return LanguageModelModules(decoder, lm_head, tied_lm_head(self.config))
+
+
+LM_FACE = LlavaLMFace
