@@ -95,3 +95,30 @@ def test_block_manager_invariants(ops):
     for table in tables.values():
         bm.free(table)
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_same_image_after_an_encoder_identity_change_does_not_reuse_kv(model_dir):
+    """The media part of a block's cache key is the output's key (content + encoder identity):
+    the same image encoded by an upgraded encoder (new weights fingerprint) misses the cache."""
+    import dataclasses
+
+    from mmserve.embeddings import ItemEmbedding
+
+    engine = make_engine(model_dir, block_size=BLOCK)
+    messages = _image_prompt(3)
+    request = plan_request(model_dir, messages, "old-encoder", MAX_TOKENS)
+    (rng, old), = request.media
+    upgraded = ItemEmbedding(old.parts, key=old.key + "+new-weights")
+    again = dataclasses.replace(request, request_id="new-encoder", media=((rng, upgraded),))
+    collector = Collector()
+    collector.add(engine, request)
+    run_until_done(engine, collector)
+    cached_before = engine.stats().num_cached_tokens
+    collector.add(engine, again)
+    run_until_done(engine, collector)
+    assert engine.stats().num_cached_tokens - cached_before == rng.offset // BLOCK * BLOCK  # text before it only
+    same = dataclasses.replace(request, request_id="same-encoder")
+    cached_before = engine.stats().num_cached_tokens
+    collector.add(engine, same)
+    run_until_done(engine, collector)
+    assert engine.stats().num_cached_tokens - cached_before > rng.offset // BLOCK * BLOCK  # image blocks reused
