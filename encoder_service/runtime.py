@@ -14,6 +14,7 @@ import torch
 
 from encoder_service.cache import EncoderIdentity
 from encoder_service.families import encoder_face
+from encoder_service.vit_attention import use_packed_attention
 from mmserve.checkpoint import load_tensors, read_config, resolve_dtype
 from mmserve.errors import InvalidRequest
 from mmserve.families import family_of, router_face
@@ -69,7 +70,7 @@ class VisionEncoder:
         loaded = load_tensors(model_dir, self._face.rename, self.dtype)
         tower = self._face.build_tower(config, self.dtype)
         tower.load_state_dict(loaded.state_dict, strict=True)
-        self.tower = tower.to(self.device).eval().requires_grad_(False)
+        self.tower = use_packed_attention(tower.to(self.device).eval().requires_grad_(False))
         self.keys_read = loaded.keys_read
         self.merge_size = config.vision_config.spatial_merge_size
         preprocess = self._image_processor.to_json_string() + self._video_processor.to_json_string()
