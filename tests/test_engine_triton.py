@@ -115,3 +115,62 @@ def test_layer_windows_follow_layer_types():
 
     text = Qwen2VLTextConfig(num_hidden_layers=3, use_sliding_window=True, sliding_window=64, max_window_layers=1)
     assert attention.layer_windows(text, 3) == (None, 64, 64)
+
+
+def test_failed_graph_capture_disables_graphs_and_says_why(tiny_models, monkeypatch, caplog):
+    from llm_service.cuda_graphs import DecodeGraphs, graph_batch_sizes
+
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    engine = make_engine(tiny_models["qwen2_vl"], num_kv_blocks=32)
+
+    def broken(self, b, pool):
+        raise RuntimeError("capture not permitted")
+
+    monkeypatch.setattr(DecodeGraphs, "_capture_one", broken)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # CPU-only box
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    with caplog.at_level("WARNING"):
+        assert DecodeGraphs.capture(engine.runner) is None
+    assert "CUDA graph capture failed" in caplog.text and "capture not permitted" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_engine_runs_the_triton_kernel_and_decode_graphs(tiny_models, monkeypatch):
+    import mmserve.triton_attention as kernel
+    from llm_service.cuda_graphs import DecodeGraphs
+
+    model_dir = tiny_models["qwen2_vl"]
+    engine = LLMEngine(LanguageModel(model_dir, dtype="bfloat16", device="cuda"),
+                       EngineConfig(num_kv_blocks=256, max_graph_batch_size=8))
+    assert engine.runner.backend == "triton"
+    assert engine.runner.graphs is not None and sorted(engine.runner.graphs._graphs) == [1, 2, 4, 8]
+    kernel_calls, replays = [], []
+    original_kernel, original_run = kernel.paged_attention, DecodeGraphs.run
+    monkeypatch.setattr(kernel, "paged_attention", lambda *a, **k: kernel_calls.append(1) or original_kernel(*a, **k))
+    monkeypatch.setattr(DecodeGraphs, "run", lambda self, s: replays.append(len(s)) or original_run(self, s))
+    collector = Collector()
+    for i in range(6):
+        name, messages = mixed_cases()[i]
+        collector.add(engine, plan_request(model_dir, messages, name, 8))
+    run_until_done(engine, collector)
+    assert kernel_calls and replays  # eager prefills ran the kernel; decodes replayed graphs
+    assert all(collector.finish_reason(n) in ("stop", "length") for n in collector.events)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_decode_equals_eager_decode_in_float32(tiny_models):
+    model_dir = tiny_models["qwen2_vl"]
+    model = LanguageModel(model_dir, dtype="float32", device="cuda")
+    results = []
+    for graphs in (True, False):
+        engine = LLMEngine(model, EngineConfig(num_kv_blocks=256, max_graph_batch_size=8, cuda_graphs=graphs))
+        assert (engine.runner.graphs is not None) == graphs
+        collector = Collector()
+        for i in range(6):
+            name, messages = mixed_cases()[i]
+            collector.add(engine, plan_request(model_dir, messages, name, 8))
+        run_until_done(engine, collector)
+        results.append({n: collector.tokens(n) for n in collector.events})
+    assert results[0] == results[1]

@@ -5,7 +5,7 @@ import torch
 from transformers import AttentionInterface
 
 from encoder_service import VisionEncoder
-from encoder_service.vit_attention import VIT_ATTN_IMPLEMENTATION, packed_attention, padded_sdpa
+from encoder_service.vit_attention import VIT_ATTN_IMPLEMENTATION, grouped_sdpa, packed_attention
 from mmserve.media import MediaItem, MediaKind
 from tests.media_factory import image_bytes, video_frames
 
@@ -49,11 +49,11 @@ def test_packed_equals_the_towers_per_segment_loop(model_dir):
         torch.testing.assert_close(p, lp, rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("lengths", [[7, 1, 30, 12], [16, 16, 16], [9]])
-def test_padded_sdpa_equals_one_call_per_segment(lengths):
+@pytest.mark.parametrize("lengths", [[7, 1, 30, 12, 7, 30], [16, 16, 16], [9]])
+def test_grouped_sdpa_equals_one_call_per_segment(lengths):
     gen = torch.Generator().manual_seed(len(lengths))
     q, k, v = (torch.randn(sum(lengths), 3, 8, generator=gen, dtype=torch.float64) for _ in range(3))
-    out = padded_sdpa(q, k, v, torch.tensor(lengths), max(lengths), 0.35)
+    out = grouped_sdpa(q, k, v, torch.tensor(lengths), 0.35)
     expected = torch.cat([
         torch.nn.functional.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
                                                          scale=0.35).transpose(0, 1)
