@@ -71,7 +71,8 @@ class DecodeGraphs:
         return (buf[:b], buf[n:4 * n].view(3, n)[:, :b], buf[4 * n:4 * n + b], buf[5 * n:5 * n + b],
                 buf[6 * n:].view(n, w)[:b])
 
-    def _capture_one(self, b: int, pool):
+    def step_fn(self, b: int):
+        """The decode step of padded batch size `b` over the static buffer (what a graph captures)."""
         runner = self.runner
         ids, positions, slots, context_lens, tables = self._views(b)
         rows = torch.arange(b, device=runner.device)
@@ -86,11 +87,16 @@ class DecodeGraphs:
             embeds = runner.model.modules.decoder.embed_tokens(ids)
             return runner.forward(embeds, positions, batch, rows)
 
-        stream = torch.cuda.Stream(runner.device)
-        stream.wait_stream(torch.cuda.current_stream(runner.device))
+        return step
+
+    def _capture_one(self, b: int, pool):
+        step = self.step_fn(b)
+        device = self.runner.device
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             step()  # warm-up outside the graph: Triton compiles, the allocator settles
-        torch.cuda.current_stream(runner.device).wait_stream(stream)
+        torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             logits = step()

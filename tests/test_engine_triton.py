@@ -174,3 +174,31 @@ def test_cuda_graph_decode_equals_eager_decode_in_float32(tiny_models):
         run_until_done(engine, collector)
         results.append({n: collector.tokens(n) for n in collector.events})
     assert results[0] == results[1]
+
+
+@pytest.mark.kernel
+def test_decode_graph_inputs_staged_in_one_buffer_give_the_eager_logits(tiny_models, monkeypatch):
+    """What a captured graph computes, run eagerly on CPU: the static buffer filled by `_fill`
+    (padding rows included) gives the logits of the eager decode step."""
+    from llm_service.cuda_graphs import DecodeGraphs
+
+    model_dir = tiny_models["qwen2_vl"]
+    engine = LLMEngine(fp32_model(model_dir), EngineConfig(attention_backend="triton", max_graph_batch_size=8,
+                                                           **CONFIG))
+    collector = Collector()
+    for i in range(3):
+        collector.add(engine, plan_request(model_dir, mixed_cases()[12 + i][1], f"r{i}", 20))
+    while not all(s.num_computed >= s.num_prompt_tokens for s in engine.scheduler.running) or \
+            len(engine.scheduler.running) < 3:
+        engine.step()
+    scheduled = engine.scheduler.schedule().scheduled
+    assert len(scheduled) == 3 and all(s.num_tokens == 1 for s in scheduled)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # CPU-only box
+    graphs = DecodeGraphs(engine.runner)
+    assert graphs.fits(scheduled)
+    graphs._fill(scheduled)
+    graphs.device_buffer.copy_(graphs.host)
+    staged = graphs.step_fn(4)()[:3]  # padded to the graph size 4
+    embeds, positions, batch, last = engine.runner.prepare(scheduled)
+    eager = engine.runner.forward(embeds, positions, batch, last)
+    torch.testing.assert_close(staged, eager, rtol=1e-5, atol=1e-5)
