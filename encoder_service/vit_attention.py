@@ -24,8 +24,10 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
                      cu_seq_lens_q=None, cu_seq_lens_k=None, max_length_q=None, max_length_k=None, **kwargs):
     """`query`/`key`/`value` `(1, H, T, D)` of all segments packed by `cu_seq_lens_q`;
     returns `((1, T, H, D), None)`."""
-    if cu_seq_lens_q is None or (cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_q, cu_seq_lens_k)):
-        raise ValueError("packed ViT attention needs equal cu_seq_lens_q / cu_seq_lens_k (self-attention)")
+    if cu_seq_lens_q is None:
+        raise ValueError("packed ViT attention needs cu_seq_lens_q (a 'flash' implementation name passes it)")
+    if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_q, cu_seq_lens_k):
+        raise ValueError("packed ViT attention is self-attention: cu_seq_lens_k must equal cu_seq_lens_q")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
