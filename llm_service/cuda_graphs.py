@@ -129,11 +129,15 @@ class DecodeGraphs:
             tables[i, :len(seq.block_table)] = seq.block_table
 
     def run(self, scheduled) -> torch.Tensor:
-        """Logits `(len(scheduled), vocab)` of a decode-only step, by graph replay."""
+        """Logits `(len(scheduled), vocab)` of a decode-only step, by graph replay.
+
+        The copy is asynchronous from pinned memory: the next step rewrites the host buffer only
+        after the sampler has read these logits (a synchronisation), so the copy has landed."""
         b = len(scheduled)
         padded = next(s for s in self.sizes if s >= b)
         self._fill(scheduled)
-        self.device_buffer.copy_(self.host, non_blocking=True)  # the step's one host-to-device copy
+        used = 6 * self.sizes[-1] + padded * self.width  # block tables last: rows past `padded` stay behind
+        self.device_buffer[:used].copy_(self.host[:used], non_blocking=True)  # the step's one copy
         graph, logits = self._graphs[padded]
         graph.replay()
         return logits[:b]
