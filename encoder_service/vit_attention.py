@@ -26,7 +26,8 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
     returns `((1, T, H, D), None)`."""
     if cu_seq_lens_q is None:
         raise ValueError("packed ViT attention needs cu_seq_lens_q (a 'flash' implementation name passes it)")
-    if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(cu_seq_lens_q, cu_seq_lens_k):
+    other_keys = cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q
+    if other_keys and not torch.equal(cu_seq_lens_q, cu_seq_lens_k):
         raise ValueError("packed ViT attention is self-attention: cu_seq_lens_k must equal cu_seq_lens_q")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
     if scaling is None:

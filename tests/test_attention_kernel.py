@@ -136,11 +136,12 @@ def compile_for_sm90() -> list[str]:
     pointers = {"Q", "K", "V", "O"}
     indices = {"cu_seqlens_q", "kv_lens", "block_tables", "kv_starts"}
     compiled = []
-    for dtype, paged, sliding, group, head_dim, block_m in [("bf16", True, False, 6, 128, 16), ("bf16", True, True, 6, 128, 64),
-                                                            ("fp32", True, False, 2, 16, 16), ("bf16", False, False, 1, 80, 64)]:
-        constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m,
-                         BLOCK_N=32 if dtype == "fp32" else 64, PAGE_SIZE=16, PAGED=paged, CAUSAL=paged,
-                         SLIDING=sliding, PRECISION="ieee")
+    variants = [("bf16", True, False, 6, 128, 16), ("bf16", True, True, 6, 128, 64),
+                ("fp32", True, False, 2, 16, 16), ("bf16", False, False, 1, 80, 64)]
+    for dtype, paged, sliding, group, head_dim, block_m in variants:
+        constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+                         BLOCK_M=block_m, BLOCK_N=32 if dtype == "fp32" else 64, PAGE_SIZE=16, PAGED=paged,
+                         CAUSAL=paged, SLIDING=sliding, PRECISION="ieee")
         signature = {name: "constexpr" if name in constants else f"*{dtype}" if name in pointers else
                      "*i32" if name in indices else "fp32" if name == "scale" else "i32" for name in kernel.arg_names}
         source = ASTSource(fn=kernel, signature=signature,

@@ -45,8 +45,8 @@ def _greedy_tokens(model: LanguageModel, model_dir: str, backend: str, windows=N
         kernel.paged_attention = counting
     try:
         tokens = {}
-        # prompts longer than the token budget (chunked over steps) next to a short one, then the same image prompt again:
-        # its second run starts from prefix-cached blocks
+        # prompts longer than the token budget (chunked over steps) next to a short one, then the
+        # same image prompt again: its second run starts from prefix-cached blocks
         waves = [[("image-a", _image_prompt("Describe this picture in detail, please.")),
                   ("text", mixed_cases()[12][1]), ("video", mixed_cases()[17][1])],
                  [("image-b", _image_prompt("Describe this picture in detail, please. Then count."))]]

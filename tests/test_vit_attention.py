@@ -13,7 +13,8 @@ pytestmark = pytest.mark.kernel
 
 
 def _items() -> list[MediaItem]:
-    return [MediaItem(MediaKind.IMAGE, (image_bytes(56, 84, 1),)), MediaItem(MediaKind.IMAGE, (image_bytes(112, 56, 2),)),
+    return [MediaItem(MediaKind.IMAGE, (image_bytes(56, 84, 1),)),
+            MediaItem(MediaKind.IMAGE, (image_bytes(112, 56, 2),)),
             MediaItem(MediaKind.VIDEO, tuple(video_frames(4, 56, 56, 3)), fps=2.0)]
 
 
