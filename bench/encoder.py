@@ -2,6 +2,7 @@
 
     python bench/encoder.py                 # CPU, tiny Qwen2-VL, a few minutes
     python bench/encoder.py --device cuda   # + full-size Qwen2-VL vision tower (random weights)
+    python bench/encoder.py --vit-attention loop   # transformers' per-segment loop (before packing)
 
 All variants run in this process on the same encoder and the same burst of concurrent requests
 (one image each, sizes 224^2..1024^2 scaled to the model), with the same preprocessing workers;
@@ -114,11 +115,32 @@ async def run_serve_batch(encoder, items, max_batch_size: int, wait_s: float, wo
         device.shutdown()
 
 
+def forward_seconds(encoder, items, max_tokens: int, repeat: int = 3) -> float:
+    """Device time alone: the items prepared once, forwarded in token-budget batches (best of `repeat`)."""
+    prepared = [encoder.preprocess(i) for i in items]
+    batches, tokens = [[]], 0
+    for p in prepared:
+        if batches[-1] and tokens + encoder.num_tokens(p) > max_tokens:
+            batches.append([])
+            tokens = 0
+        batches[-1].append(p)
+        tokens += encoder.num_tokens(p)
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for batch in batches:
+            encoder.forward(batch)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def cpu_table(args) -> dict:
     from encoder_service import VisionEncoder
 
     model = args.model or tiny_checkpoint(args.scale)
     encoder = VisionEncoder(model, dtype=args.dtype, device="cpu")
+    if args.vit_attention == "loop":
+        encoder.tower.config._attn_implementation = "sdpa"  # one SDPA call per segment per layer
     items = [encoder.plan(item) for item in workload(args.items, args.scale)]  # what routers send
     tokens = sum(item.cost for item in items)
     budget = BatchConfig(max_batch_tokens=args.max_batch_tokens, max_batch_items=256, batch_wait_ms=args.wait_ms)
@@ -129,19 +151,22 @@ def cpu_table(args) -> dict:
     t_budget, stats = asyncio.run(run_pool(encoder, items, budget, w))
     t_hit, hit_stats = asyncio.run(run_pool(encoder, items, budget, w, cache_bytes=1 << 30, repeat=2))
     assert hit_stats.cache_hits >= len(items)
+    t_forward = forward_seconds(encoder, items, args.max_batch_tokens)
     rows = [
         ("(a) one item per forward", t_single),
         (f"(b) @serve.batch, {args.count_batch} per batch", t_count),
         (f"(c) token budget {args.max_batch_tokens}", t_budget),
         ("cache hits (c, warm)", t_hit),
+        ("(c) forwards alone (prepared once)", t_forward),
     ]
     print(f"\n{len(items)} concurrent requests, 1 image each, {tokens} tokens; model {Path(model).name}, "
-          f"{args.dtype}, CPU, {w} preprocess workers; budget batches: {stats.forwards} forwards")
+          f"{args.dtype}, CPU, {w} preprocess workers, ViT attention {args.vit_attention}; "
+          f"budget batches: {stats.forwards} forwards")
     print(f"{'variant':38s} {'items/s':>9s} {'tokens/s':>10s} {'vs (a)':>7s}")
     for name, secs in rows:
         print(f"{name:38s} {len(items) / secs:9.1f} {tokens / secs:10.0f} {t_single / secs:6.2f}x")
     return {
-        "items": len(items), "tokens": tokens,
+        "items": len(items), "tokens": tokens, "vit_attention": args.vit_attention,
         "single_items_per_s": len(items) / t_single,
         "count_batch_items_per_s": len(items) / t_count,
         "token_budget_items_per_s": len(items) / t_budget,
@@ -149,13 +174,14 @@ def cpu_table(args) -> dict:
         "token_budget_vs_single": t_single / t_budget,
         "token_budget_vs_count": t_count / t_budget,
         "cache_hit_items_per_s": len(items) / t_hit,
+        "token_budget_forward_items_per_s": len(items) / t_forward,
     }
 
 
 class FullSizeTower:
     """Full-size Qwen2-VL vision tower with random weights on CUDA, shaped like `VisionEncoder`."""
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: torch.dtype, vit_attention: str):
         from transformers import Qwen2VLImageProcessor
         from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
         from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
@@ -166,6 +192,10 @@ class FullSizeTower:
         self.config = Qwen2VLVisionConfig(hidden_size=3584)  # Qwen2-VL-7B's vision tower
         self.config._attn_implementation = "sdpa"
         self.tower = Qwen2VisionTransformerPretrainedModel._from_config(self.config, dtype=dtype).cuda().eval()
+        if vit_attention == "packed":
+            from encoder_service.vit_attention import use_packed_attention
+
+            use_packed_attention(self.tower)
         self.processor = Qwen2VLImageProcessor(max_pixels=1024 * 1024 * 2)
         self.identity = EncoderIdentity("qwen2-vl-random", "random", "default", str(dtype))
         # the real face's forward and split, without a checkpoint directory for its processors
@@ -199,7 +229,7 @@ class FullSizeTower:
 
 
 def cuda_rows(args) -> dict:
-    tower = FullSizeTower(torch.bfloat16)
+    tower = FullSizeTower(torch.bfloat16, args.vit_attention)
     results = {}
     for side in (448, 1024):
         items = [tower.plan(MediaItem(MediaKind.IMAGE, (image(side, side, 7_000 + k),))) for k in range(args.cuda_items)]
@@ -236,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--count-batch", type=int, default=8, help="@serve.batch max_batch_size")
     p.add_argument("--wait-ms", type=float, default=5.0)
+    p.add_argument("--vit-attention", choices=("packed", "loop"), default="packed",
+                   help="packed: one attention call per layer per batch; loop: one per item (transformers)")
     p.add_argument("--cuda-items", type=int, default=64)
     p.add_argument("--cuda-batch-tokens", type=int, default=16384)
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)")

@@ -5,22 +5,27 @@ function registered here with an `AttentionBatch` in place of the mask. That fun
 new K/V into the block pool at `slot_mapping` and attends over each sequence's K/V *read back
 from the pool* through its block table, packed (varlen) over all scheduled sequences.
 
-- CPU (and CUDA without a varlen kernel): one SDPA call over the packed queries against the
-  gathered K/V of every sequence, with a block-diagonal causal mask.
-- CUDA: `torch.nn.attention.varlen.varlen_attn` straight on the paged pool (`block_table`,
-  `seqused_k`), or `flash_attn_varlen_func` when `flash-attn` is installed.
+Two backends, chosen and checked once at startup by `choose_backend`:
+
+- `triton` (CUDA default): `mmserve.triton_attention.paged_attention` straight on the pool at
+  any block size, causal over each sequence's cached prefix, GQA, per-layer sliding windows.
+  On CPU only under `TRITON_INTERPRET=1` (tests). See docs/attention.md.
+- `sdpa` (CPU default): one SDPA call over the packed queries against the gathered K/V of every
+  sequence with a block-diagonal causal mask. Dense, O(T * sum(context)) memory: on CUDA only
+  when asked for explicitly.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 ATTN_IMPLEMENTATION = "mmserve_paged"
+BACKENDS = ("auto", "sdpa", "triton")
 
 
 @dataclass
@@ -30,8 +35,9 @@ class AttentionBatch:
     `kv_pool` is `(layers, 2, blocks, block_size, kv_heads, head_dim)`; `slot_mapping` `(T,)` the
     pool slot (`block * block_size + offset`) of each new token; `cu_seqlens_q` `(B + 1,)` int32;
     `context_lens` `(B,)` int32 tokens in the pool per sequence after this step; `block_tables`
-    `(B, max_blocks)` int32 (padded with a valid id). `gather_slots` / `mask` are the CPU path's
-    flat slots of every sequence's context and the `(T, sum(context_lens))` allowed pairs.
+    `(B, max_blocks)` int32 (padded with a valid id); `windows` the sliding window of each layer
+    (None: full attention). `gather_slots` / `masks` are the SDPA path's flat slots of every
+    sequence's context and, per window, the `(T, sum(context_lens))` allowed pairs.
     """
 
     kv_pool: torch.Tensor
@@ -41,14 +47,22 @@ class AttentionBatch:
     block_tables: torch.Tensor
     max_query_len: int
     max_context_len: int
-    backend: str  # "sdpa" | "varlen" | "flash_attn"
+    backend: str  # "sdpa" | "triton"
+    windows: tuple[int | None, ...] = ()
     gather_slots: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+
+def layer_windows(text_config, num_layers: int) -> tuple[int | None, ...]:
+    """Sliding window of each decoder layer, as `transformers` reads it (`layer_types`)."""
+    types = getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers
+    window = getattr(text_config, "sliding_window", None)
+    return tuple(window if t == "sliding_attention" and window else None for t in types[:num_layers])
 
 
 def sdpa_metadata(q_lens: list[int], context_lens: list[int], slot_tables: list[torch.Tensor],
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat pool slots of every sequence's context, and the block-diagonal causal mask."""
+                  device: torch.device, windows=(None,)) -> tuple[torch.Tensor, dict[int | None, torch.Tensor]]:
+    """Flat pool slots of every sequence's context, and the block-diagonal causal mask per window."""
     gather = torch.cat(slot_tables).to(device)
     total_q, total_k = sum(q_lens), sum(context_lens)
     q_seq = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
@@ -58,8 +72,12 @@ def sdpa_metadata(q_lens: list[int], context_lens: list[int], slot_tables: list[
     k_off = torch.cumsum(torch.tensor([0] + context_lens[:-1]), 0)
     q_pos = torch.arange(total_q) - q_off[q_seq] + (torch.tensor(context_lens) - torch.tensor(q_lens))[q_seq]
     k_pos = torch.arange(total_k) - k_off[k_seq]
-    mask = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
-    return gather, mask.to(device)
+    causal = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+    masks = {}
+    for w in set(windows):
+        mask = causal if w is None else causal & (k_pos[None, :] > q_pos[:, None] - w)
+        masks[w] = mask.to(device)
+    return gather, masks
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -78,70 +96,51 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k_new)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v_new)
     q = query[0].transpose(0, 1)  # (T, H, D)
-    if batch.backend == "sdpa":
-        out = _sdpa(q, k_cache, v_cache, batch, scaling)
-    elif batch.backend == "flash_attn":
-        out = _flash_attn(q, k_cache, v_cache, batch, scaling)
+    window = batch.windows[module.layer_idx] if batch.windows else None
+    if scaling is None:
+        scaling = head_dim ** -0.5
+    if batch.backend == "triton":
+        from mmserve.triton_attention import paged_attention as triton_paged
+
+        out = triton_paged(q.contiguous(), k_cache, v_cache, batch.cu_seqlens_q, batch.context_lens,
+                           batch.block_tables, batch.max_query_len, scaling, window)
     else:
-        out = _varlen(q, k_cache, v_cache, batch, scaling)
+        out = _sdpa(q, k_cache, v_cache, batch, scaling, batch.masks[window])
     return out.unsqueeze(0), None
 
 
-def _sdpa(q, k_cache, v_cache, batch: AttentionBatch, scaling):
+def _sdpa(q, k_cache, v_cache, batch: AttentionBatch, scaling, mask):
     kvh, d = k_cache.shape[-2], k_cache.shape[-1]
     k = k_cache.view(-1, kvh, d)[batch.gather_slots].transpose(0, 1).unsqueeze(0)  # (1, Hkv, S, D)
     v = v_cache.view(-1, kvh, d)[batch.gather_slots].transpose(0, 1).unsqueeze(0)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=batch.mask, scale=scaling,
+        q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask, scale=scaling,
         enable_gqa=q.shape[1] != kvh,
     )
     return out[0].transpose(0, 1)  # (T, H, D)
 
 
-def _varlen(q, k_cache, v_cache, batch: AttentionBatch, scaling):
-    from torch.nn.attention.varlen import varlen_attn
+def choose_backend(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """The attention backend for this replica, or ValueError saying why `requested` cannot run.
 
-    cu_k = F.pad(torch.cumsum(batch.context_lens, 0, dtype=torch.int32), (1, 0))
-    return varlen_attn(
-        q, k_cache, v_cache, batch.cu_seqlens_q, cu_k, batch.max_query_len, batch.max_context_len,
-        scale=scaling, window_size=(-1, 0), enable_gqa=q.shape[1] != k_cache.shape[-2],
-        seqused_k=batch.context_lens, block_table=batch.block_tables,
-    )
-
-
-def _flash_attn(q, k_cache, v_cache, batch: AttentionBatch, scaling):
-    from flash_attn import flash_attn_varlen_func
-
-    cu_k = F.pad(torch.cumsum(batch.context_lens, 0, dtype=torch.int32), (1, 0))
-    return flash_attn_varlen_func(
-        q, k_cache, v_cache, cu_seqlens_q=batch.cu_seqlens_q, cu_seqlens_k=cu_k,
-        max_seqlen_q=batch.max_query_len, max_seqlen_k=batch.max_context_len,
-        softmax_scale=scaling, causal=True, block_table=batch.block_tables,
-    )
-
-
-def choose_backend(device: torch.device, dtype: torch.dtype, block_size: int) -> str:
-    """The attention path for this device: see the module docstring."""
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-        return "sdpa"
+    `auto` is `triton` on CUDA (never a silent dense fallback there) and `sdpa` elsewhere.
+    """
+    if requested not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {requested!r}")
+    backend = requested if requested != "auto" else ("triton" if device.type == "cuda" else "sdpa")
+    if backend == "sdpa":
+        if device.type == "cuda":
+            logger.warning("attention_backend='sdpa' on CUDA: dense attention over every step's gathered "
+                           "K/V, O(tokens x context) memory; meant for debugging")
+        return backend
     try:
-        import flash_attn  # noqa: F401
-
-        if block_size % 256 == 0:  # flash-attn 2's paged KV wants pages of 256 tokens
-            return "flash_attn"
-    except ImportError:
-        pass
-    try:
-        import inspect
-
-        from torch.nn.attention.varlen import varlen_attn
-
-        if "block_table" in inspect.signature(varlen_attn).parameters:  # paged KV in newer torch only
-            return "varlen"
-    except ImportError:
-        pass
-    logger.warning("no paged varlen attention kernel; falling back to masked SDPA on %s", device)
-    return "sdpa"
+        from mmserve.triton_attention import unsupported_reason
+    except ImportError as e:
+        raise ValueError(f"attention backend 'triton' needs the triton package: {e}") from e
+    if reason := unsupported_reason(device, dtype, head_dim):
+        hint = " (attention_backend='sdpa' runs dense attention instead)" if requested == "auto" else ""
+        raise ValueError(f"attention backend 'triton' cannot run: {reason}{hint}")
+    return backend
 
 
 def register() -> None:

@@ -16,7 +16,9 @@ class EngineConfig:
     over several steps, without it a prompt longer than the budget runs alone in its step.
     `cuda_graphs` captures decode-only steps (CUDA only) for batch sizes up to
     `max_graph_batch_size`. `enable_prefix_caching` reuses the K/V blocks of identical prompt
-    prefixes (identical images included, by content hash) across requests.
+    prefixes (identical images included, by content hash) across requests. `attention_backend`:
+    `auto` (Triton paged kernel on CUDA, SDPA on CPU), `sdpa` or `triton` (on CPU only under
+    `TRITON_INTERPRET=1`); checked when the model runner starts, see `llm_service.attention`.
     """
 
     block_size: int = 16
@@ -30,6 +32,7 @@ class EngineConfig:
     max_graph_batch_size: int = 64
     max_logprobs: int = 20
     enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -38,3 +41,5 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")
+        if self.attention_backend not in ("auto", "sdpa", "triton"):
+            raise ValueError(f"attention_backend must be auto, sdpa or triton, got {self.attention_backend!r}")

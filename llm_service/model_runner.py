@@ -38,18 +38,22 @@ class ModelRunner:
         self.num_layers = len(decoder.layers)
         self.num_kv_heads = int(text.num_key_value_heads)
         self.head_dim = int(attn.head_dim)
+        self.backend = attention.choose_backend(config.attention_backend, self.device, model.dtype, self.head_dim)
         block_bytes = bytes_per_block(self.num_layers, self.num_kv_heads, self.head_dim, config.block_size, model.dtype)
         self.num_blocks = num_blocks_for(config, block_bytes, self.device)
         self.kv_pool = allocate_pool(self.num_layers, self.num_blocks, config.block_size, self.num_kv_heads,
                                      self.head_dim, model.dtype, self.device)
         self.scratch_block = self.num_blocks
-        self.backend = attention.choose_backend(self.device, model.dtype, config.block_size)
+        self.windows = attention.layer_windows(text, self.num_layers)
+        self.position_rows = model.face.text_positions().positions(0, 1).shape[0]  # the family's, for graph buffers
+        logger.info("attention backend %s, block size %d, sliding windows %s", self.backend, config.block_size,
+                    sorted({w for w in self.windows if w}) or "none")
         self.num_forwards = 0
         self.graphs = None
-        if self.device.type == "cuda" and config.cuda_graphs and self.backend != "sdpa":
+        if self.device.type == "cuda" and config.cuda_graphs and self.backend == "triton":
             from llm_service.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self)
+            self.graphs = DecodeGraphs.capture(self)
 
     def new_block_manager(self) -> BlockManager:
         return BlockManager(self.num_blocks, self.config.block_size)
@@ -58,7 +62,7 @@ class ModelRunner:
     def execute(self, scheduled: tuple[ScheduledSeq, ...]) -> tuple[torch.Tensor, list[int]]:
         """Logits `(N, vocab)` and the indices into `scheduled` of the N sequences that sample."""
         sample_rows = [i for i, s in enumerate(scheduled) if s.seq.num_computed + s.num_tokens == s.seq.num_tokens]
-        if self.graphs is not None and all(s.num_tokens == 1 for s in scheduled) and self.graphs.fits(len(scheduled)):
+        if self.graphs is not None and all(s.num_tokens == 1 for s in scheduled) and self.graphs.fits(scheduled):
             logits = self.graphs.run(scheduled)
         else:
             embeds, positions, batch, last = self.prepare(scheduled)
@@ -110,8 +114,9 @@ class ModelRunner:
             max_query_len=max(q_lens),
             max_context_len=max(ctx_lens),
             backend=self.backend,
+            windows=self.windows,
         )
         if self.backend == "sdpa":
-            batch.gather_slots, batch.mask = attention.sdpa_metadata(q_lens, ctx_lens, slot_tables, dev)
+            batch.gather_slots, batch.masks = attention.sdpa_metadata(q_lens, ctx_lens, slot_tables, dev, self.windows)
         last = (cu_q[1:] - 1).to(torch.long).to(dev)
         return embeds, torch.cat(positions, dim=1).to(dev), batch, last

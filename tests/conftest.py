@@ -1,6 +1,10 @@
 import os
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():  # Triton kernels (tests marked `kernel`) run in the interpreter on CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest_plugins = ("tests.serve_fixtures",)
 

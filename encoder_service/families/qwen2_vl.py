@@ -9,6 +9,7 @@ from torch import nn
 
 from encoder_service.batching import temporal_groups
 from encoder_service.families.base import EncoderFace, PreparedItem
+from encoder_service.vit_attention import use_packed_attention
 from mmserve.checkpoint import strip_prefix
 from mmserve.errors import InvalidRequest
 from mmserve.media import MediaItem, MediaKind, decode_image
@@ -46,7 +47,8 @@ class QwenVLEncoderFace(EncoderFace):
                 Qwen2_5_VisionTransformerPretrainedModel as Tower,
             )
         with no_init_weights():
-            return Tower._from_config(self.config.vision_config, dtype=self.dtype)
+            tower = Tower._from_config(self.config.vision_config, dtype=self.dtype)
+        return use_packed_attention(tower)  # one attention call per layer over the whole batch
 
     def preprocess_fingerprint(self) -> str:
         return self.image_processor.to_json_string() + self.video_processor.to_json_string()
