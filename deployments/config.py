@@ -109,6 +109,9 @@ class EngineArgs(_Args):
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     cuda_graphs: bool = True
     enable_prefix_caching: bool = Field(default=True, description="reuse K/V of identical prompt prefixes (images by content hash)")
+    attention_backend: Literal["auto", "sdpa", "triton"] = Field(
+        default="auto", description="auto: the Triton paged kernel on CUDA, SDPA on CPU (checked at replica start)"
+    )
 
     def resolve(self):
         from llm_service.config import EngineConfig
@@ -122,6 +125,7 @@ class EngineArgs(_Args):
             gpu_memory_utilization=self.gpu_memory_utilization,
             cuda_graphs=self.cuda_graphs,
             enable_prefix_caching=self.enable_prefix_caching,
+            attention_backend=self.attention_backend,
         )
 
 
