@@ -19,10 +19,9 @@ from mmserve.media import MediaItem, MediaKind
 from mmserve.planner import Message
 
 
-def error_response(status: int, message: str, kind: str | None = None, headers: dict | None = None) -> JSONResponse:
+def error_response(status: int, message: str, kind: str | None = None) -> JSONResponse:
     kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return JSONResponse(body, status, headers=headers)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status)
 
 
 async def read_body(request, limits: LimitArgs) -> bytes:

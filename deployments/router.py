@@ -24,7 +24,7 @@ from deployments import openai_api
 from deployments.config import LimitArgs
 from deployments.encoder import spread
 from deployments.failures import as_invalid_request, classify
-from deployments.generation import Generation, GenerationOptions, client_request_id
+from deployments.generation import Generation, GenerationOptions
 from deployments.grpc_ingress import GrpcIngress
 from deployments.llm import PendingRequest
 from deployments.metrics import RouterMetrics
@@ -208,9 +208,11 @@ class Router(GrpcIngress):
     async def chat_completions(self, request: Request) -> Response:
         if denied := self._check_auth(request):
             return denied
-        # the engine and encoders key requests by our own id; the client's is for logs and headers
+        # the engine and encoders key requests by our own id. The client's x-request-id (or the one
+        # Serve's proxy made up) is only logged here; the proxy echoes it in the response headers.
         request_id = uuid.uuid4().hex
-        headers = {"x-request-id": client_request_id(request.headers.get("x-request-id"), request_id)}
+        if given := request.headers.get("x-request-id"):
+            logger.info("request %s: x-request-id %r", request_id, given[:128])
         name = self.settings.served_model_name
         try:
             body = openai_api.parse_body(await openai_api.read_body(request, self.settings.limits),
@@ -222,15 +224,15 @@ class Router(GrpcIngress):
             if not body.stream:
                 result = await openai_api.completion(gen, name, body.return_token_ids)
         except Exception as e:
-            return openai_api.error_response(*self._reject(e, request_id), headers=headers)
+            return openai_api.error_response(*self._reject(e, request_id))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._recorded(gen, openai_api.sse(
                 gen, name, body.return_token_ids, include_usage, lambda e: self._reject(e, request_id)
             ))
-            return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
+            return StreamingResponse(chunks, media_type="text/event-stream")
         self._record(gen)
-        return JSONResponse(result, headers=headers)
+        return JSONResponse(result)
 
     async def _recorded(self, gen: Generation, chunks):
         async for chunk in chunks:
