@@ -183,6 +183,7 @@ def tokens_for_grid(grid: tuple[int, int, int], merge_size: int) -> int:
 def decode_data_uri(url: str, max_bytes: int) -> bytes:
     """Bytes of a base64 `data:` URI (other URLs are the router's `deployments.media_fetch`)."""
     header, sep, payload = url.partition(",")
+    header = header.lower()
     if not header.startswith("data:") or not sep:
         raise InvalidRequest("malformed data URI: expected data:<mime>;base64,<payload>")
     if not header.endswith(";base64"):
