@@ -137,14 +137,14 @@ def test_bad_grpc_requests_are_invalid_argument_and_a_good_one_follows(grpc_targ
 
 def test_two_concurrent_requests_with_the_same_request_id_both_succeed(serve_urls, grpc_target):
     url = serve_urls[APP] + "/v1/chat/completions"
-    body = {"messages": [{"role": "user", "content": "tell a story"}], "max_tokens": 24, "ignore_eos": True}
+    body = {"messages": [{"role": "user", "content": "tell a story"}], "max_tokens": 48, "ignore_eos": True}
 
     def http_call(_):
         return httpx.post(url, json=body, headers={"x-request-id": "same-id"}, timeout=120)
 
     def grpc_call(_):
         with VLMClient(grpc_target, application=APP) as c:
-            return c.generate([user("tell a story")], max_tokens=24, ignore_eos=True, request_id="same-id")
+            return c.generate([user("tell a story")], max_tokens=48, ignore_eos=True, request_id="same-id")
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         http_results = list(pool.map(http_call, range(2)))
@@ -153,7 +153,7 @@ def test_two_concurrent_requests_with_the_same_request_id_both_succeed(serve_url
         assert resp.status_code == 200, resp.text
         # Serve's proxy echoes the client's id (once); the engine keyed the request by the router's own
         assert resp.headers.get_list("x-request-id") == ["same-id"]
-        assert resp.json()["usage"]["completion_tokens"] == 24
+        assert resp.json()["usage"]["completion_tokens"] == 48
     assert len({r.json()["id"] for r in http_results}) == 2  # keyed by the router's own ids
     for reply in grpc_results:
-        assert reply.request_id == "same-id" and reply.usage.completion_tokens == 24
+        assert reply.request_id == "same-id" and reply.usage.completion_tokens == 48
