@@ -29,13 +29,27 @@ class DeploymentArgs(_Args):
 
 
 class LimitArgs(_Args):
+    """Request limits and media access (see `deployments.media_fetch` for the rules)."""
+
     max_items_per_request: int = Field(default=16, ge=0)
     max_frames_per_video: int = Field(default=64, ge=1)
     max_pixels_per_image: int = Field(default=40_000_000, ge=1)
-    max_request_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
-    allow_local_media: bool = True
+    max_request_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1024, description="request body; also all media URLs of one request together"
+    )
+    allow_local_media: bool = Field(default=False, description="local paths / file: URLs, inside local_media_dir only")
+    local_media_dir: str | None = Field(default=None, description="the only directory local media may come from")
     allow_http_media: bool = False
-    http_media_allowlist: tuple[str, ...] = ()
+    http_media_allowlist: tuple[str, ...] = Field(
+        default=(), description="hosts (and their subdomains) http(s) media may come from; a host listed "
+        "exactly may also resolve to a private or loopback address",
+    )
+
+    @model_validator(mode="after")
+    def _check_local_media(self) -> "LimitArgs":
+        if self.allow_local_media and not self.local_media_dir:
+            raise ValueError("allow_local_media needs local_media_dir (the one directory media may be read from)")
+        return self
 
     def media_limits(self) -> MediaLimits:
         return MediaLimits(self.max_items_per_request, self.max_frames_per_video, self.max_pixels_per_image)
@@ -52,6 +66,9 @@ class GrpcArgs(_Args):
     port: int = Field(default=0, ge=0, le=65535, description="each encoder replica's port; 0 = any free port")
     token: str | None = Field(default=None, description="shared token every EncoderService call must carry")
     result_ttl_s: float = Field(default=300.0, gt=0, description="how long an unfetched embedding stays pinned")
+    result_store_bytes: int = Field(
+        default=2 << 30, ge=1, description="pinned embeddings per encoder; over it encodes are refused (503)"
+    )
     chunk_bytes: int = Field(default=1 << 20, ge=1 << 16, le=3 << 20)
     fetch_timeout_s: float = Field(default=60.0, gt=0)
     encoder_address: str | None = Field(
@@ -80,6 +97,9 @@ class EncoderPoolArgs(_Args):
     max_skips: int = Field(default=4, ge=0, description="skip-ahead fairness: times one item may be overtaken")
     preprocess_workers: int = Field(default=4, ge=1, description="threads decoding/resizing/patchifying media")
     cache_bytes: int = Field(default=1 << 30, ge=0, description="embedding cache bound per replica; 0 = off")
+    max_queued_bytes: int = Field(
+        default=1 << 30, ge=1, description="preprocessed pixels queued per replica; over it items are refused (503)"
+    )
     autoscale: bool = False
     min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(default=4, ge=1)

@@ -21,7 +21,7 @@ from deployments.metrics import EncoderMetrics
 from encoder_service import VisionEncoder
 from encoder_service.batching import BatchConfig
 from encoder_service.pool import BatchRecord, EncoderPool, Lookup, PoolConfig, PoolListener
-from mmserve.errors import InvalidRequest
+from mmserve.errors import InvalidRequest, Overloaded
 from mmserve.media import EncodeItem
 
 logger = logging.getLogger("ray.serve")
@@ -47,7 +47,8 @@ def pool_config(args: EncoderPoolArgs) -> PoolConfig:
         skip_ahead=args.skip_ahead,
         max_skips=args.max_skips,
     )
-    return PoolConfig(batch=batch, preprocess_workers=args.preprocess_workers, cache_bytes=args.cache_bytes)
+    return PoolConfig(batch=batch, preprocess_workers=args.preprocess_workers, cache_bytes=args.cache_bytes,
+                      max_queued_bytes=args.max_queued_bytes)
 
 
 def encoder_options(deployment: DeploymentArgs, pool: EncoderPoolArgs) -> dict:
@@ -126,17 +127,22 @@ class EncoderDeployment:
 
     async def encode(self, items: list[EncodeItem]) -> list:
         """One `ItemEmbedding` (CPU) per item — or, with `transport: grpc`, one `EncodedRef` to
-        fetch it by; InvalidRequest if an item cannot be decoded."""
+        fetch it by. InvalidRequest if an item cannot be decoded, Overloaded when the pool's queue
+        (or the result store, or device memory) is full."""
         start = time.perf_counter()
         try:
             embeddings = await self.pool.encode(items)
-        except InvalidRequest:
+        except (InvalidRequest, Overloaded):  # bad media (400) / a full queue (503): not our bug
             self.metrics.failures.inc()
             raise
-        except Exception as e:
+        except torch.OutOfMemoryError:
+            self.metrics.failures.inc()
+            logger.warning("encoding %d items ran out of device memory", len(items))
+            raise Overloaded("the encoder ran out of device memory") from None
+        except Exception:  # a bug: the router answers 500
             self.metrics.failures.inc()
             logger.exception("encoding %d items failed", len(items))
-            raise InvalidRequest(f"cannot encode media: {e}") from None
+            raise
         for item, embedding in zip(items, embeddings):
             self.metrics.items.inc(tags={"kind": item.item.kind.value})
             self.metrics.tokens.inc(embedding.num_rows)

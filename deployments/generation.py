@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
-import asyncio
+import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from deployments.llm import root_cause
 from llm_service.sampling import SamplingParams
 from mmserve.detokenize import IncrementalDetokenizer
 from mmserve.errors import InvalidRequest
 from mmserve.planner import RequestPlan
+
+logger = logging.getLogger("ray.serve")
+
+
+def client_request_id(given: str | None, request_id: str) -> str:
+    """The id shown to the client (response header / trailing metadata): its own request id when
+    it sent one (logged beside ours), else ours. Only our id keys the request in the engine and
+    encoders, so two clients may send the same one."""
+    given = "".join(c for c in (given or "")[:128] if c.isascii() and c.isprintable())
+    if not given:
+        return request_id
+    logger.info("request %s: client request id %r", request_id, given)
+    return given
 
 
 @dataclass(frozen=True)
@@ -33,6 +46,51 @@ class GenerationOptions:
     ignore_eos: bool = False
     logprobs: int | None = None  # most likely alternatives to return per token; None: no logprobs
 
+    def __post_init__(self):
+        check_options(self)
+
+
+# Accepted ranges (vLLM's / OpenAI's): the one check shared by HTTP and gRPC.
+INT64 = (-(2**63), 2**63 - 1)
+MAX_INT32 = 2**31 - 1
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _check_range(name: str, value, low, high, *, low_open: bool = False) -> None:
+    """`value` in [low, high] ((low, high] with `low_open`); `high` None: no upper bound."""
+    if value is None:
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidRequest(f"{name} must be a finite number, got {value}")
+    if (value <= low if low_open else value < low) or (high is not None and value > high):
+        interval = f"{'(' if low_open else '['}{low}, {'inf)' if high is None else f'{high}]'}"
+        raise InvalidRequest(f"{name} must be in {interval}, got {value}")
+
+
+def check_options(opts: GenerationOptions) -> None:
+    """InvalidRequest naming the first option out of range (None means the default: fine)."""
+    _check_range("max_tokens", opts.max_tokens, 1, None)
+    _check_range("temperature", opts.temperature, 0.0, 2.0)
+    _check_range("top_p", opts.top_p, 0.0, 1.0, low_open=True)
+    _check_range("top_k", opts.top_k, -1, MAX_INT32)  # -1 and 0 disable it
+    _check_range("min_p", opts.min_p, 0.0, 1.0)
+    _check_range("repetition_penalty", opts.repetition_penalty, 0.0, None, low_open=True)
+    _check_range("frequency_penalty", opts.frequency_penalty, -2.0, 2.0)
+    _check_range("presence_penalty", opts.presence_penalty, -2.0, 2.0)
+    _check_range("seed", opts.seed, *INT64)
+    _check_range("top_logprobs", opts.logprobs, 0, MAX_LOGPROBS)
+    if len(opts.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stop has {len(opts.stop)} strings; the limit is {MAX_STOP_STRINGS}")
+    if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in opts.stop):
+        raise InvalidRequest(f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters")
+    if len(opts.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"stop_token_ids has {len(opts.stop_token_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")
+    for token_id in opts.stop_token_ids:
+        _check_range("stop_token_ids", token_id, 0, MAX_INT32)
+
 
 class Delta(NamedTuple):
     text: str
@@ -40,47 +98,6 @@ class Delta(NamedTuple):
     finish_reason: str | None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
-
-
-def as_invalid_request(e: BaseException) -> InvalidRequest | None:
-    """The InvalidRequest behind `e` (raised here or in a replica), if that is what it is."""
-    cause = root_cause(e)
-    return cause if isinstance(cause, InvalidRequest) else None
-
-
-class Failure(NamedTuple):
-    """Why a request failed, as every API reports it: `kind` is one of "invalid" (the client's
-    fault), "overloaded" (backpressure), "unavailable" (a backend is down), "deadline", "internal"."""
-
-    kind: str
-    message: str
-
-
-def _unavailable() -> tuple[type[BaseException], ...]:
-    from ray import exceptions as ray_exceptions
-    from ray.serve import exceptions as serve_exceptions
-
-    from mmserve.encoder_client import EmbeddingNotFound
-
-    return (serve_exceptions.DeploymentUnavailableError, serve_exceptions.ReplicaUnavailableError,
-            ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError, EmbeddingNotFound)
-
-
-def classify(e: BaseException) -> Failure:
-    from ray import exceptions as ray_exceptions
-    from ray.serve import exceptions as serve_exceptions
-
-    if (invalid := as_invalid_request(e)) is not None:
-        return Failure("invalid", str(invalid))
-    cause = root_cause(e)
-    for error in (e, cause):
-        if isinstance(error, serve_exceptions.BackPressureError):
-            return Failure("overloaded", "server overloaded (backpressure); retry later")
-        if isinstance(error, _unavailable()):
-            return Failure("unavailable", f"a backend is unavailable: {type(error).__name__}")
-        if isinstance(error, (TimeoutError, asyncio.TimeoutError, ray_exceptions.GetTimeoutError)):
-            return Failure("deadline", "deadline exceeded")
-    return Failure("internal", f"internal error: {type(cause).__name__}")
 
 
 class Generation:

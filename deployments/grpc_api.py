@@ -7,22 +7,16 @@ import asyncio
 import grpc
 
 from deployments.config import LimitArgs
-from deployments.generation import Generation, GenerationOptions, classify
-from deployments.media_fetch import load_url
-from mmserve.errors import InvalidRequest
+from deployments.failures import classify
+from deployments.generation import Generation, GenerationOptions
+from deployments.media_fetch import MediaFetcher
+from mmserve.errors import InvalidRequest, RequestTooLarge
 from mmserve.media import MediaItem, MediaKind
 from mmserve.planner import Message
 from protos.mmserve.v1 import vlm_pb2
 
 ROLES = ("system", "user", "assistant")
 REQUEST_ID_KEY = "x-request-id"
-_CODES = {
-    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
-    "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "unavailable": grpc.StatusCode.UNAVAILABLE,
-    "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
-    "internal": grpc.StatusCode.INTERNAL,
-}
 
 
 class Unauthenticated(Exception):
@@ -34,27 +28,28 @@ def status_for(e: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(e, Unauthenticated):
         return grpc.StatusCode.UNAUTHENTICATED, str(e)
     failure = classify(e)
-    return _CODES[failure.kind], failure.message
+    return failure.grpc_code, failure.message
 
 
 def check_request(request: vlm_pb2.GenerateRequest, limits: LimitArgs, served_model_name: str) -> None:
     size = request.ByteSize()
     if size > limits.max_request_bytes:
-        raise InvalidRequest(f"request of {size} bytes exceeds the limit of {limits.max_request_bytes}")
+        raise RequestTooLarge(f"request of {size} bytes exceeds the limit of {limits.max_request_bytes}")
     if request.model and request.model != served_model_name:
         raise InvalidRequest(f"model {request.model!r} is not served here; use {served_model_name!r}")
     if not request.messages:
         raise InvalidRequest("messages: at least one message is required")
-    s = request.sampling
-    if s.HasField("max_tokens") and s.max_tokens < 1:
-        raise InvalidRequest("sampling.max_tokens must be at least 1")
-    if s.HasField("temperature") and not 0 <= s.temperature <= 2:
-        raise InvalidRequest(f"sampling.temperature must be in [0, 2], got {s.temperature}")
-    if s.HasField("top_p") and not 0 < s.top_p <= 1:
-        raise InvalidRequest(f"sampling.top_p must be in (0, 1], got {s.top_p}")
+    parts = [p for m in request.messages for p in m.content]
+    media = [p for p in parts if p.WhichOneof("part") in ("image", "image_url", "video")]
+    if len(media) > limits.max_items_per_request:
+        raise InvalidRequest(f"request has {len(media)} media items; the limit is {limits.max_items_per_request}")
+    for p in media:
+        if p.WhichOneof("part") == "video" and len(p.video.frames) > limits.max_frames_per_video:
+            raise InvalidRequest(f"video has {len(p.video.frames)} frames; the limit is {limits.max_frames_per_video}")
 
 
 def options(request: vlm_pb2.GenerateRequest) -> GenerationOptions:
+    """The request's sampling options; InvalidRequest when one is out of range (`check_options`)."""
     s = request.sampling
 
     def opt(name: str):
@@ -67,7 +62,11 @@ def options(request: vlm_pb2.GenerateRequest) -> GenerationOptions:
 
 
 async def messages(request: vlm_pb2.GenerateRequest, limits: LimitArgs) -> list[Message]:
-    """Messages with every media part as bytes (image URLs loaded under the same rules as HTTP)."""
+    """Messages with every media part as bytes (image URLs loaded under the same rules as HTTP).
+
+    Call `check_request` first: it checks the item and frame limits before anything is loaded.
+    """
+    fetcher = MediaFetcher(limits)
 
     async def part(i: int, j: int, p: vlm_pb2.ContentPart) -> str | MediaItem:
         kind = p.WhichOneof("part")
@@ -76,12 +75,8 @@ async def messages(request: vlm_pb2.GenerateRequest, limits: LimitArgs) -> list[
         if kind == "image":
             return MediaItem(MediaKind.IMAGE, (p.image,))
         if kind == "image_url":
-            return MediaItem(MediaKind.IMAGE, (await load_url(p.image_url, limits),))
+            return MediaItem(MediaKind.IMAGE, (await fetcher.load(p.image_url),))
         if kind == "video":
-            if len(p.video.frames) > limits.max_frames_per_video:
-                raise InvalidRequest(
-                    f"video has {len(p.video.frames)} frames; the limit is {limits.max_frames_per_video}"
-                )
             return MediaItem(MediaKind.VIDEO, tuple(p.video.frames), fps=p.video.fps or 2.0)
         raise InvalidRequest(f"messages[{i}].content[{j}]: empty content part")
 
@@ -101,7 +96,8 @@ def usage(gen: Generation) -> vlm_pb2.Usage:
     )
 
 
-async def completion(gen: Generation) -> vlm_pb2.GenerateResponse:
+async def completion(gen: Generation, request_id: str) -> vlm_pb2.GenerateResponse:
+    """The whole answer; `request_id` is the id shown to the client (its own, when it sent one)."""
     text, tokens, finish = [], [], ""
     async for delta in gen.deltas():
         text.append(delta.text)
@@ -109,15 +105,15 @@ async def completion(gen: Generation) -> vlm_pb2.GenerateResponse:
             tokens.append(delta.token_id)
         finish = delta.finish_reason or finish
     return vlm_pb2.GenerateResponse(
-        request_id=gen.request_id, text="".join(text), token_ids=tokens, finish_reason=finish, usage=usage(gen),
+        request_id=request_id, text="".join(text), token_ids=tokens, finish_reason=finish, usage=usage(gen),
     )
 
 
-async def stream(gen: Generation):
+async def stream(gen: Generation, request_id: str):
     """One response per delta; the last carries finish_reason and usage."""
     async for delta in gen.deltas():
         response = vlm_pb2.GenerateResponse(
-            request_id=gen.request_id, text=delta.text,
+            request_id=request_id, text=delta.text,
             token_ids=[delta.token_id] if delta.token_id is not None else [],
             finish_reason=delta.finish_reason or "",
         )

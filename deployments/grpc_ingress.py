@@ -31,7 +31,7 @@ from grpc_health.v1 import health_pb2
 from ray.serve.config import gRPCOptions
 
 from deployments import grpc_api
-from deployments.generation import Generation
+from deployments.generation import Generation, client_request_id
 from protos.mmserve.v1 import vlm_pb2
 
 logger = logging.getLogger("ray.serve")
@@ -51,30 +51,36 @@ def grpc_options(port: int = 9000, request_timeout_s: float | None = None,
     )
 
 
+def _request_ids(request: vlm_pb2.GenerateRequest) -> tuple[str, str]:
+    """(our id: the engine's and encoders' key, the id shown to the client: its own if it sent one)."""
+    request_id = uuid.uuid4().hex
+    return request_id, client_request_id(request.request_id, request_id)
+
+
 class GrpcIngress:
     """VLMService + grpc.health.v1 for the Router; uses its `submit`, `settings`, `_record`, `_reject`."""
 
     async def Generate(self, request: vlm_pb2.GenerateRequest, grpc_context) -> vlm_pb2.GenerateResponse:
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id, shown_id = _request_ids(request)
         try:
             gen = await self._grpc_submit(request, request_id, grpc_context)
-            response = await grpc_api.completion(gen)
+            response = await grpc_api.completion(gen, shown_id)
         except Exception as e:
-            return self._grpc_failed(e, request_id, grpc_context)
+            return self._grpc_failed(e, request_id, shown_id, grpc_context)
         self._record(gen)
-        grpc_context.set_trailing_metadata([(grpc_api.REQUEST_ID_KEY, request_id)])
+        grpc_context.set_trailing_metadata([(grpc_api.REQUEST_ID_KEY, shown_id)])
         return response
 
     async def GenerateStream(self, request: vlm_pb2.GenerateRequest,
                              grpc_context) -> AsyncIterator[vlm_pb2.GenerateResponse]:
-        request_id = request.request_id or uuid.uuid4().hex
-        grpc_context.set_trailing_metadata([(grpc_api.REQUEST_ID_KEY, request_id)])
+        request_id, shown_id = _request_ids(request)
+        grpc_context.set_trailing_metadata([(grpc_api.REQUEST_ID_KEY, shown_id)])
         try:
             gen = await self._grpc_submit(request, request_id, grpc_context)
-            async for response in grpc_api.stream(gen):
+            async for response in grpc_api.stream(gen, shown_id):
                 yield response
         except Exception as e:
-            yield self._grpc_failed(e, request_id, grpc_context)
+            yield self._grpc_failed(e, request_id, shown_id, grpc_context)
             return
         self._record(gen)
 
@@ -102,7 +108,7 @@ class GrpcIngress:
         messages = await grpc_api.messages(request, settings.limits)
         return await self.submit(messages, grpc_api.options(request), request_id)
 
-    def _grpc_failed(self, e: Exception, request_id: str, grpc_context) -> vlm_pb2.GenerateResponse:
+    def _grpc_failed(self, e: Exception, request_id: str, shown_id: str, grpc_context) -> vlm_pb2.GenerateResponse:
         code, message = grpc_api.status_for(e)
         if code is grpc.StatusCode.UNAUTHENTICATED:
             logger.info("request %s: %s", request_id, message)
@@ -110,5 +116,5 @@ class GrpcIngress:
             self._reject(e, request_id)  # counts and logs it
         grpc_context.set_code(code)
         grpc_context.set_details(message)
-        grpc_context.set_trailing_metadata([(grpc_api.REQUEST_ID_KEY, request_id)])
-        return vlm_pb2.GenerateResponse(request_id=request_id)
+        grpc_context.set_trailing_metadata([(grpc_api.REQUEST_ID_KEY, shown_id)])
+        return vlm_pb2.GenerateResponse(request_id=shown_id)

@@ -19,7 +19,7 @@ from llm_service.engine import LLMEngine, LLMRequest, TokenEvent
 from llm_service.model import LanguageModel
 from llm_service.sampling import SamplingParams
 from mmserve.embeddings import ItemEmbedding
-from mmserve.errors import InvalidRequest
+from mmserve.errors import InvalidRequest, Overloaded
 from mmserve.media import PlaceholderRange
 from mmserve.positions import PositionPlan
 
@@ -117,6 +117,8 @@ class LLMDeployment:
                     finished = True
                     if event.finish_reason == "rejected":
                         raise InvalidRequest(event.error)
+                    if event.finish_reason == "overloaded":
+                        raise Overloaded(event.error)
                     raise RuntimeError(f"generation failed: {event.error}")
                 if event.token_id is not None:
                     now = time.perf_counter()

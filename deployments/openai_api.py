@@ -12,26 +12,54 @@ from pydantic import ValidationError
 
 from deployments.config import LimitArgs
 from deployments.generation import Delta, Generation, GenerationOptions
-from deployments.media_fetch import load_url
+from deployments.media_fetch import MediaFetcher
 from deployments.protocol import ChatCompletionRequest, ImageURLPart, TextPart
-from mmserve.errors import InvalidRequest
+from mmserve.errors import InvalidRequest, RequestTooLarge
 from mmserve.media import MediaItem, MediaKind
 from mmserve.planner import Message
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+def error_response(status: int, message: str, kind: str | None = None) -> JSONResponse:
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status)
+
+
+async def read_body(request, limits: LimitArgs) -> bytes:
+    """The body of a Starlette request, refused (413) as soon as it is known to be over the limit."""
+    limit = limits.max_request_bytes
+    too_large = RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _location(loc: tuple) -> str:
+    """Where a validation error is, as "messages.0.content.1.image_url.url": without the tags
+    pydantic inserts for the tagged unions of `ChatMessage.content` and of a content part."""
+    loc = list(loc)
+    if len(loc) > 3 and loc[2] == "content" and loc[3] in ("text", "parts"):
+        del loc[3]
+        if len(loc) > 4 and isinstance(loc[3], int) and loc[4] in ("text", "image_url", "video"):
+            del loc[4]
+    return ".".join(str(x) for x in loc)
 
 
 def parse_body(body: bytes, limits: LimitArgs) -> ChatCompletionRequest:
     if len(body) > limits.max_request_bytes:
-        raise InvalidRequest(f"request body of {len(body)} bytes exceeds the limit of {limits.max_request_bytes}")
+        raise RequestTooLarge(f"request body of {len(body)} bytes exceeds the limit of {limits.max_request_bytes}")
     try:
         request = ChatCompletionRequest.model_validate_json(body)
     except ValidationError as e:
         problems = []
         for err in e.errors()[:3]:
-            where = ".".join(str(x) for x in err.get("loc", ()))
+            where = _location(tuple(err.get("loc", ())))
             problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
         raise InvalidRequest("invalid request: " + "; ".join(problems)) from None
     if request.n != 1:
@@ -44,7 +72,7 @@ def parse_body(body: bytes, limits: LimitArgs) -> ChatCompletionRequest:
 def options(request: ChatCompletionRequest) -> GenerationOptions:
     stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
     return GenerationOptions(
-        max_tokens=request.max_completion_tokens or request.max_tokens,
+        max_tokens=request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens,
         temperature=request.temperature,
         top_p=request.top_p,
         top_k=request.top_k,
@@ -71,8 +99,21 @@ def _logprob_entry(gen: Generation, delta: Delta) -> dict:
             "top_logprobs": [entry(t, lp) for t, lp in delta.top_logprobs or ()]}
 
 
+def _check_media_counts(request: ChatCompletionRequest, limits: LimitArgs) -> None:
+    """Item and frame limits, checked before any URL is loaded."""
+    parts = [p for m in request.messages if not isinstance(m.content, str) for p in m.content]
+    media = [p for p in parts if not isinstance(p, TextPart)]
+    if len(media) > limits.max_items_per_request:
+        raise InvalidRequest(f"request has {len(media)} media items; the limit is {limits.max_items_per_request}")
+    for part in media:
+        if not isinstance(part, ImageURLPart) and len(part.video) > limits.max_frames_per_video:
+            raise InvalidRequest(f"video has {len(part.video)} frames; the limit is {limits.max_frames_per_video}")
+
+
 async def messages(request: ChatCompletionRequest, limits: LimitArgs) -> list[Message]:
-    """Messages with every media URL loaded into bytes."""
+    """Messages with every media URL loaded into bytes (limits on counts checked first)."""
+    _check_media_counts(request, limits)
+    fetcher = MediaFetcher(limits)
 
     async def convert(message) -> Message:
         if isinstance(message.content, str):
@@ -82,13 +123,9 @@ async def messages(request: ChatCompletionRequest, limits: LimitArgs) -> list[Me
             if isinstance(part, TextPart):
                 parts.append(part.text)
             elif isinstance(part, ImageURLPart):
-                parts.append(MediaItem(MediaKind.IMAGE, (await load_url(part.image_url.url, limits),)))
+                parts.append(MediaItem(MediaKind.IMAGE, (await fetcher.load(part.image_url.url),)))
             else:
-                if len(part.video) > limits.max_frames_per_video:
-                    raise InvalidRequest(
-                        f"video has {len(part.video)} frames; the limit is {limits.max_frames_per_video}"
-                    )
-                frames = await asyncio.gather(*(load_url(u, limits) for u in part.video))
+                frames = await asyncio.gather(*(fetcher.load(u) for u in part.video))
                 parts.append(MediaItem(MediaKind.VIDEO, tuple(frames), fps=part.fps))
         return Message(message.role, tuple(parts))
 

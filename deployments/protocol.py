@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 
 class _Model(BaseModel):
@@ -37,9 +37,21 @@ class VideoPart(_Model):
 ContentPart = Annotated[Union[TextPart, ImageURLPart, VideoPart], Field(discriminator="type")]
 
 
+def _content_kind(value: Any) -> str:
+    return "text" if isinstance(value, str) else "parts"
+
+
+# A string or a list of parts, chosen by the value's type: a bad part is reported as
+# "messages.0.content.1.image_url...", without the unrelated "content.str: ..." branch error.
+Content = Annotated[
+    Union[Annotated[str, Tag("text")], Annotated[list[ContentPart], Tag("parts")]],
+    Discriminator(_content_kind),
+]
+
+
 class ChatMessage(_Model):
     role: Literal["system", "user", "assistant"]
-    content: str | list[ContentPart]
+    content: Content
 
 
 class StreamOptions(_Model):
@@ -49,17 +61,18 @@ class StreamOptions(_Model):
 class ChatCompletionRequest(_Model):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    # sampling ranges are checked once, for HTTP and gRPC alike, by GenerationOptions
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     top_k: int | None = None
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    repetition_penalty: float | None = Field(default=None, gt=0)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = None
     seed: int | None = None
     n: int = 1
     stop: str | list[str] | None = None

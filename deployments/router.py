@@ -23,7 +23,8 @@ from ray.serve.handle import DeploymentHandle
 from deployments import openai_api
 from deployments.config import LimitArgs
 from deployments.encoder import spread
-from deployments.generation import Generation, GenerationOptions, as_invalid_request, classify
+from deployments.failures import as_invalid_request, classify
+from deployments.generation import Generation, GenerationOptions
 from deployments.grpc_ingress import GrpcIngress
 from deployments.llm import PendingRequest
 from deployments.transport import EmbeddingHandle
@@ -34,7 +35,6 @@ from mmserve.errors import InvalidRequest
 from mmserve.planner import Message, RequestPlan, RequestPlanner
 
 logger = logging.getLogger("ray.serve")
-_HTTP_STATUS = {"invalid": 400, "overloaded": 503, "unavailable": 503, "deadline": 504, "internal": 500}
 app = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
 
 
@@ -174,11 +174,13 @@ class Router(GrpcIngress):
         """(HTTP status, message) for a failed request, counted and logged."""
         failure = classify(e)
         self.metrics.requests.inc(tags={"outcome": failure.kind})
-        if failure.kind == "invalid":
+        if failure.kind in ("invalid", "too_large"):
             logger.info("request %s rejected: %s", request_id, failure.message)
-        else:
+        elif failure.kind == "internal":
             logger.error("request %s failed: %r", request_id, e, exc_info=e)
-        return _HTTP_STATUS[failure.kind], failure.message
+        else:
+            logger.warning("request %s failed (%s): %r", request_id, failure.kind, e)
+        return failure.http_status, failure.message
 
     # -- HTTP (OpenAI-compatible) -------------------------------------------------------------
     def _check_auth(self, request: Request) -> Response | None:
@@ -206,26 +208,31 @@ class Router(GrpcIngress):
     async def chat_completions(self, request: Request) -> Response:
         if denied := self._check_auth(request):
             return denied
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        # the engine and encoders key requests by our own id. The client's x-request-id (or the one
+        # Serve's proxy made up) is only logged here; the proxy echoes it in the response headers.
+        request_id = uuid.uuid4().hex
+        if given := request.headers.get("x-request-id"):
+            logger.info("request %s: x-request-id %r", request_id, given[:128])
         name = self.settings.served_model_name
         try:
-            body = openai_api.parse_body(await request.body(), self.settings.limits)
+            body = openai_api.parse_body(await openai_api.read_body(request, self.settings.limits),
+                                         self.settings.limits)
             if body.model and body.model != name:
                 raise InvalidRequest(f"model {body.model!r} is not served here; use {name!r}")
             messages = await openai_api.messages(body, self.settings.limits)
             gen = await self.submit(messages, openai_api.options(body), request_id)
+            if not body.stream:
+                result = await openai_api.completion(gen, name, body.return_token_ids)
         except Exception as e:
             return openai_api.error_response(*self._reject(e, request_id))
-        headers = {"x-request-id": request_id}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = self._recorded(gen, openai_api.sse(
                 gen, name, body.return_token_ids, include_usage, lambda e: self._reject(e, request_id)
             ))
-            return StreamingResponse(chunks, media_type="text/event-stream", headers=headers)
-        result = await openai_api.completion(gen, name, body.return_token_ids)
+            return StreamingResponse(chunks, media_type="text/event-stream")
         self._record(gen)
-        return JSONResponse(result, headers=headers)
+        return JSONResponse(result)
 
     async def _recorded(self, gen: Generation, chunks):
         async for chunk in chunks:

@@ -47,13 +47,15 @@ class GrpcPublisher:
     """Encoder side: serves this replica's results and pins each one until fetched or expired."""
 
     def __init__(self, args: GrpcArgs, encoder: Encoder | None = None, host: str | None = None):
-        self.store = ResultStore(ttl_s=args.result_ttl_s)
+        self.store = ResultStore(ttl_s=args.result_ttl_s, max_bytes=args.result_store_bytes)
         options = ServerOptions(args.bind_host, args.port, args.chunk_bytes, ServerSecurity(token=args.token))
         self._server = ServerThread(encoder, self.store, options)
         self.address = f"{host or advertised_host()}:{self._server.port}"
 
     def publish(self, items: Sequence[EncodeItem], embeddings: Sequence[ItemEmbedding]) -> list[EncodedRef]:
-        """Pin each embedding for one fetch; what to return to the caller instead of the tensors."""
+        """Pin each embedding for one fetch; what to return to the caller instead of the tensors.
+
+        Raises `Overloaded` when the store is full."""
         refs = []
         for item, embedding in zip(items, embeddings, strict=True):
             content_hash = item.item.content_hash

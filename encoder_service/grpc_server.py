@@ -10,9 +10,9 @@ health checks) and optional TLS. No Ray here: the encoder is anything with
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 from encoder_service.result_store import ResultStore
 from mmserve.embedding_wire import DEFAULT_CHUNK_BYTES, header_of, to_chunks
-from mmserve.errors import InvalidRequest
+from mmserve.errors import InvalidRequest, Overloaded
 from mmserve.media import MediaItem, MediaKind
 from protos.mmserve.v1 import encoder_pb2, encoder_pb2_grpc
 
@@ -88,12 +88,15 @@ def media_item(proto: encoder_pb2.MediaItem) -> MediaItem:
 
 class _TokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str):
-        self._expected = f"Bearer {token}"
+        self._expected = f"Bearer {token}".encode()
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         if details.method.startswith(f"/{health.SERVICE_NAME}/"):
             return await continuation(details)
-        if dict(details.invocation_metadata or ()).get("authorization") == self._expected:
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if isinstance(given, str):
+            given = given.encode()
+        if hmac.compare_digest(given, self._expected):  # constant time: no timing oracle on the token
             return await continuation(details)
 
         async def deny(request, context: grpc.aio.ServicerContext):
@@ -120,21 +123,24 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             [embedding] = await asyncio.to_thread(self.encoder.encode, [item])
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Overloaded as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        except torch.OutOfMemoryError:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the encoder ran out of device memory")
         tensor = embedding.to_wire()
         if request.return_embedding:
             for chunk in to_chunks(content_hash, tensor, self.chunk_bytes, key=embedding.key):
                 yield chunk
             return
-        self.store.put(content_hash, tensor)
+        try:
+            self.store.put(content_hash, tensor)
+        except Overloaded as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         yield encoder_pb2.EmbeddingChunk(header=header_of(content_hash, tensor, key=embedding.key))
 
     async def FetchEmbedding(self, request: encoder_pb2.FetchEmbeddingRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[encoder_pb2.EmbeddingChunk]:
-        deadline = time.monotonic() + min(request.wait_ms, _MAX_WAIT_MS) / 1000
-        tensor = self.store.acquire(request.content_hash)
-        while tensor is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
-            tensor = self.store.acquire(request.content_hash)
+        tensor = await self.store.wait_acquire(request.content_hash, min(request.wait_ms, _MAX_WAIT_MS) / 1000)
         if tensor is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no embedding pinned for {request.content_hash!r}")
         delivered = False
@@ -186,9 +192,10 @@ class ServerThread:
         self._thread.join(timeout=5)
 
 
-async def serve_forever(encoder: Encoder, options: ServerOptions, ttl_s: float = 300.0) -> None:
+async def serve_forever(encoder: Encoder, options: ServerOptions, ttl_s: float = 300.0,
+                        store_bytes: int = 2 << 30) -> None:
     """The standalone microservice: serve until cancelled (Ctrl-C)."""
-    server, port = await start_server(encoder, ResultStore(ttl_s=ttl_s), options)
+    server, port = await start_server(encoder, ResultStore(ttl_s=ttl_s, max_bytes=store_bytes), options)
     print(f"EncoderService ready on {options.host}:{port}", flush=True)
     try:
         await server.wait_for_termination()

@@ -10,7 +10,9 @@ any number of concurrent requests from one asyncio event loop:
                   -> one packed forward on the device thread -> split per item -> cache
 
 The forward of one batch overlaps the preprocessing of the next. An item that fails (corrupt
-media) fails only the requests that asked for it.
+media) fails only the requests that asked for it. The preprocessed pixels waiting for the device
+are bounded by `max_queued_bytes`: an item that would go over is refused with `Overloaded`
+(one item alone is always admitted, so any item can run).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from encoder_service.batching import BatchConfig, Selection, overtaken, select_b
 from encoder_service.cache import EmbeddingCache, EncoderIdentity
 from encoder_service.families.base import PreparedItem
 from mmserve.embeddings import ItemEmbedding
+from mmserve.errors import Overloaded
 from mmserve.media import EncodeItem
 
 logger = logging.getLogger(__name__)
@@ -41,10 +44,13 @@ class PoolConfig:
     batch: BatchConfig = BatchConfig()
     preprocess_workers: int = 4
     cache_bytes: int = 1 << 30  # 0 disables the cache
+    max_queued_bytes: int = 1 << 30  # preprocessed pixels waiting for (or in) a forward
 
     def __post_init__(self):
         if self.preprocess_workers < 1:
             raise ValueError("preprocess_workers must be >= 1")
+        if self.max_queued_bytes < 1:
+            raise ValueError("max_queued_bytes must be >= 1")
 
 
 class Encoder(Protocol):
@@ -74,6 +80,8 @@ class PoolStats(NamedTuple):
     cache_misses: int
     dedup_hits: int
     cache_bytes: int
+    queued_bytes: int = 0  # preprocessed pixels waiting for (or in) a forward
+    refused_overloaded: int = 0  # items refused because the queue was full
 
 
 class PoolListener:
@@ -107,6 +115,7 @@ class _Piece:
     prepared: PreparedItem
     cost: int
     enqueued: float
+    num_bytes: int = 0
     skips: int = 0
 
 
@@ -129,6 +138,8 @@ class EncoderPool:
         self._scheduler: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queued_tokens = 0
+        self._queued_bytes = 0
+        self._refused = 0
         self._forwards = 0
         self._pieces_forwarded = 0
         self._dedup_hits = 0
@@ -176,6 +187,8 @@ class EncoderPool:
             cache_misses=cache.misses if cache else 0,
             dedup_hits=self._dedup_hits,
             cache_bytes=cache.num_bytes if cache else 0,
+            queued_bytes=self._queued_bytes,
+            refused_overloaded=self._refused,
         )
 
     async def close(self) -> None:
@@ -206,6 +219,10 @@ class EncoderPool:
             future.set_result(hit)
             return future
         self.listener.on_lookup("miss")
+        if self._queued_bytes >= self.config.max_queued_bytes:  # full already: do not even preprocess
+            self._refused += 1
+            future.set_exception(self._overloaded())
+            return future
         job = _Job(key, future, item.cost)
         self._inflight[key] = job
         self._queued_tokens += item.cost
@@ -226,11 +243,17 @@ class EncoderPool:
         pieces = [prepared]
         if prepared.cost(unit) > budget:
             pieces = self.encoder.split(prepared, budget, unit)
+        num_bytes = [piece.num_bytes for piece in pieces]
+        if self._queued_bytes > 0 and self._queued_bytes + sum(num_bytes) > self.config.max_queued_bytes:
+            self._refused += 1
+            self._finish(job, error=self._overloaded())
+            return
         job.outputs = [None] * len(pieces)
         job.remaining = len(pieces)
         now = time.monotonic()
-        for index, piece in enumerate(pieces):
-            self._queue.append(_Piece(job, index, piece, piece.cost(unit), now))
+        for index, (piece, size) in enumerate(zip(pieces, num_bytes)):
+            self._queue.append(_Piece(job, index, piece, piece.cost(unit), now, size))
+            self._queued_bytes += size
         assert self._wake is not None
         self._wake.set()
 
@@ -249,6 +272,12 @@ class EncoderPool:
             job.future.set_result(result)
         self._notify_queue()
 
+    def _overloaded(self) -> Overloaded:
+        return Overloaded(f"the encoder's queue of preprocessed media is full ({self.config.max_queued_bytes} bytes)")
+
+    def _release(self, pieces: Sequence[_Piece]) -> None:
+        self._queued_bytes -= sum(p.num_bytes for p in pieces)
+
     def _notify_queue(self) -> None:
         cache_bytes = self.cache.num_bytes if self.cache is not None else 0
         self.listener.on_queue(self._queued_tokens, len(self._inflight), cache_bytes)
@@ -258,7 +287,10 @@ class EncoderPool:
         assert self._wake is not None
         wait_s = self.config.batch.batch_wait_ms / 1000
         while True:
-            self._queue = [p for p in self._queue if not p.job.future.done()]  # drop failed jobs' pieces
+            dropped = [p for p in self._queue if p.job.future.done()]  # pieces of failed jobs
+            if dropped:
+                self._release(dropped)
+                self._queue = [p for p in self._queue if not p.job.future.done()]
             if not self._queue:
                 self._wake.clear()
                 await self._wake.wait()
@@ -296,6 +328,8 @@ class EncoderPool:
             else:  # find the culprit: one forward per piece, so only its requests fail
                 logger.warning("batched forward of %d pieces failed (%r); retrying one by one", len(batch), e)
                 outputs = [await self._forward_alone(p) for p in batch]
+        finally:
+            self._release(batch)
         forward_ms = (time.monotonic() - start) * 1000
         cost = sum(p.cost for p in batch)
         self._forwards += 1

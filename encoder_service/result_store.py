@@ -1,17 +1,20 @@
 """Encoded results waiting to be fetched over gRPC, pinned until fetched or expired.
 
 Bookkeeping only, thread-safe: the encoder publishes from its worker threads, the gRPC server
-fetches from its event loop.
+fetches from its event loop (`wait_acquire` is woken by `put`, from any thread).
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from mmserve.errors import Overloaded
 
 
 @dataclass
@@ -21,6 +24,10 @@ class _Entry:
     expires_at: float
     fetching: int = 0
 
+    @property
+    def num_bytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
 
 @dataclass
 class ResultStore:
@@ -28,15 +35,20 @@ class ResultStore:
 
     Attributes:
         ttl_s: how long an unfetched result is kept after its last `put`.
+        max_bytes: bound on the tensors held; a `put` of a new entry over it raises `Overloaded`
+            (one entry alone is always admitted).
         clock: monotonic seconds (injectable for tests).
     An entry leaves the store when its pins are all released, or when its TTL has passed, but
     never while a fetch is streaming it (`acquire` ... `finish`).
     """
 
     ttl_s: float = 300.0
+    max_bytes: int = 2 << 30
     clock: Callable[[], float] = time.monotonic
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _num_bytes: int = 0
+    _waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]] = field(default_factory=dict)
 
     def put(self, content_hash: str, tensor: torch.Tensor) -> None:
         """Pin `tensor` under `content_hash` for one more fetch (the same item may be put twice)."""
@@ -45,20 +57,48 @@ class ResultStore:
             self._evict_expired(now)
             entry = self._entries.get(content_hash)
             if entry is None:
-                self._entries[content_hash] = _Entry(tensor, 1, now + self.ttl_s)
+                entry = _Entry(tensor, 1, now + self.ttl_s)
+                if self._entries and self._num_bytes + entry.num_bytes > self.max_bytes:
+                    raise Overloaded(f"the encoder's store of unfetched results is full ({self.max_bytes} bytes)")
+                self._entries[content_hash] = entry
+                self._num_bytes += entry.num_bytes
             else:
                 entry.pins += 1
                 entry.expires_at = now + self.ttl_s
+            waiters = self._waiters.pop(content_hash, [])
+        for loop, event in waiters:
+            loop.call_soon_threadsafe(event.set)
 
     def acquire(self, content_hash: str) -> torch.Tensor | None:
         """Start a fetch: the tensor, protected from eviction until `finish`; None if absent."""
         with self._lock:
-            self._evict_expired(self.clock())
-            entry = self._entries.get(content_hash)
-            if entry is None:
-                return None
-            entry.fetching += 1
-            return entry.tensor
+            return self._acquire_locked(content_hash)
+
+    async def wait_acquire(self, content_hash: str, timeout_s: float) -> torch.Tensor | None:
+        """`acquire`, waiting up to `timeout_s` for a `put` of `content_hash` (no polling)."""
+        deadline = time.monotonic() + timeout_s
+        loop = asyncio.get_running_loop()
+        while True:
+            event = asyncio.Event()
+            with self._lock:
+                tensor = self._acquire_locked(content_hash)
+                if tensor is not None:
+                    return tensor
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._waiters.setdefault(content_hash, []).append((loop, event))
+            try:
+                await asyncio.wait_for(event.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+            finally:
+                with self._lock:
+                    waiters = self._waiters.get(content_hash, [])
+                    if (loop, event) in waiters:
+                        waiters.remove((loop, event))
+                        if not waiters:
+                            del self._waiters[content_hash]
 
     def finish(self, content_hash: str, delivered: bool) -> None:
         """End a fetch; a delivered one releases one pin."""
@@ -70,7 +110,7 @@ class ResultStore:
             if delivered:
                 entry.pins -= 1
             if entry.pins <= 0 and entry.fetching == 0:
-                del self._entries[content_hash]
+                self._remove(content_hash)
 
     def __contains__(self, content_hash: str) -> bool:
         with self._lock:
@@ -83,9 +123,20 @@ class ResultStore:
     @property
     def num_bytes(self) -> int:
         with self._lock:
-            return sum(e.tensor.numel() * e.tensor.element_size() for e in self._entries.values())
+            return self._num_bytes
+
+    def _acquire_locked(self, content_hash: str) -> torch.Tensor | None:
+        self._evict_expired(self.clock())
+        entry = self._entries.get(content_hash)
+        if entry is None:
+            return None
+        entry.fetching += 1
+        return entry.tensor
+
+    def _remove(self, content_hash: str) -> None:
+        self._num_bytes -= self._entries.pop(content_hash).num_bytes
 
     def _evict_expired(self, now: float) -> None:
         expired = [h for h, e in self._entries.items() if e.expires_at <= now and e.fetching == 0]
         for content_hash in expired:
-            del self._entries[content_hash]
+            self._remove(content_hash)

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+import torch
+
 from llm_service.config import EngineConfig
 from llm_service.model import LanguageModel
 from llm_service.model_runner import ModelRunner
@@ -109,8 +111,12 @@ class LLMEngine:
                 self.step()
             except Exception as e:  # a failed step fails its requests, never the replica
                 logger.exception("engine step failed")
+                if isinstance(e, torch.OutOfMemoryError):  # resource exhaustion, not a bug: finish "overloaded"
+                    event = TokenEvent(None, "overloaded", "the language model ran out of device memory")
+                else:
+                    event = TokenEvent(None, "error", f"{type(e).__name__}: {e}")
                 for seq in list(self._by_id.values()):
-                    self._finish(seq, TokenEvent(None, "error", f"{type(e).__name__}: {e}"))
+                    self._finish(seq, event)
 
     def step(self) -> None:
         """Admit and abort, then schedule -> one forward -> sample -> emit."""

@@ -46,7 +46,8 @@ def new_generator(params: SamplingParams, device: torch.device) -> torch.Generat
     """The request's own random stream (None: greedy, or unseeded: the engine's shared stream)."""
     if params.greedy or params.seed is None:
         return None
-    return torch.Generator(device=device).manual_seed(params.seed)
+    # any integer seed works: reduced to the 64 bits torch takes (negative int64 seeds unchanged)
+    return torch.Generator(device=device).manual_seed(params.seed & (2**64 - 1))
 
 
 class SampleInput(NamedTuple):

@@ -14,7 +14,7 @@ import torch
 
 from mmserve.embedding_wire import from_chunks
 from mmserve.embeddings import ItemEmbedding
-from mmserve.errors import InvalidRequest
+from mmserve.errors import InvalidRequest, Overloaded
 from mmserve.media import MediaItem, MediaKind
 from protos.mmserve.v1 import encoder_pb2, encoder_pb2_grpc
 
@@ -104,4 +104,6 @@ def _translate(e: grpc.aio.AioRpcError) -> Exception:
         return InvalidRequest(e.details() or "invalid media item")
     if e.code() == grpc.StatusCode.NOT_FOUND:
         return EmbeddingNotFound(e.details())
+    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Overloaded(e.details() or "the encoder is overloaded")
     return e

@@ -30,3 +30,15 @@ def data_uri(data: bytes, mime: str = "image/png") -> str:
 
 def video_frames(num_frames: int, height: int, width: int, seed: int) -> list[bytes]:
     return [image_bytes(height, width, seed * 1000 + i) for i in range(num_frames)]
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A small PNG whose header claims `width` x `height` pixels (pixel data: a few bytes)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, payload: bytes) -> bytes:
+        return struct.pack(">I", len(payload)) + kind + payload + struct.pack(">I", zlib.crc32(kind + payload))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")

@@ -17,7 +17,7 @@ from PIL import Image, ImageOps
 
 from mmserve.families.qwen2_vl import image_grid, read_preprocess_config, video_grid
 from mmserve.errors import InvalidRequest
-from mmserve.media import MediaItem, MediaKind, load_media_bytes, read_image_size
+from mmserve.media import MediaItem, MediaKind, decode_data_uri, read_image_size
 from mmserve.planner import MediaLimits, Message, RequestPlanner
 from tests.media_factory import data_uri, image_bytes, video_frames
 
@@ -123,41 +123,21 @@ def test_garbage_bytes_are_invalid_requests(garbage):
 # ---------------------------------------------------------------------------------- media loading
 
 
-def test_load_media_bytes_data_uri_roundtrip():
+def test_data_uri_roundtrip():
     data = image_bytes(8, 8, seed=4)
-    assert load_media_bytes(data_uri(data), allow_local_files=False, allow_http=False, max_bytes=BIG) == data
+    assert decode_data_uri(data_uri(data), max_bytes=BIG) == data
 
 
 @pytest.mark.parametrize("payload", ["!!!notbase64!!!", "abc", "QUJD$$"])
-def test_load_media_bytes_invalid_base64(payload):
+def test_data_uri_invalid_base64(payload):
     with pytest.raises(InvalidRequest, match="base64"):
-        load_media_bytes(f"data:image/png;base64,{payload}", allow_local_files=False, allow_http=False, max_bytes=BIG)
+        decode_data_uri(f"data:image/png;base64,{payload}", max_bytes=BIG)
 
 
-def test_load_media_bytes_data_uri_too_large():
+def test_data_uri_too_large():
     uri = "data:image/png;base64," + base64.b64encode(b"x" * 3000).decode()
     with pytest.raises(InvalidRequest, match="limit"):
-        load_media_bytes(uri, allow_local_files=False, allow_http=False, max_bytes=1000)
-
-
-@pytest.mark.parametrize("url", ["http://example.com/a.png", "https://example.com/a.png"])
-def test_load_media_bytes_http_disabled(url):
-    with pytest.raises(InvalidRequest, match="disabled"):
-        load_media_bytes(url, allow_local_files=True, allow_http=False, max_bytes=BIG)
-
-
-def test_load_media_bytes_local_files(tmp_path):
-    data = image_bytes(8, 8, seed=5)
-    path = tmp_path / "a.png"
-    path.write_bytes(data)
-    for url in (str(path), f"file://{path}"):
-        assert load_media_bytes(url, allow_local_files=True, allow_http=False, max_bytes=BIG) == data
-        with pytest.raises(InvalidRequest, match="disabled"):
-            load_media_bytes(url, allow_local_files=False, allow_http=False, max_bytes=BIG)
-    with pytest.raises(InvalidRequest, match="limit"):
-        load_media_bytes(str(path), allow_local_files=True, allow_http=False, max_bytes=len(data) - 1)
-    with pytest.raises(InvalidRequest, match="not found"):
-        load_media_bytes(str(tmp_path / "missing.png"), allow_local_files=True, allow_http=False, max_bytes=BIG)
+        decode_data_uri(uri, max_bytes=1000)
 
 
 # ---------------------------------------------------------------------------------- grids

@@ -36,6 +36,10 @@ class PreparedItem:
     def cost(self, unit: str) -> int:
         return self.num_tokens if unit == "tokens" else self.num_patches
 
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
 
 class EncoderFace(ABC):
     """One family's vision side. Built once per encoder process (processors loaded here)."""

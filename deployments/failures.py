@@ -1,0 +1,92 @@
+"""Why a request failed, decided once for every API: the one place errors are classified.
+
+Only `InvalidRequest` (the client's fault) is a 4xx / INVALID_ARGUMENT. A full bounded resource
+(`Overloaded`, device out of memory) is 503 / RESOURCE_EXHAUSTED, a full Serve queue 429 /
+RESOURCE_EXHAUSTED, a backend that is gone 503 / UNAVAILABLE, and anything else is a bug:
+500 / INTERNAL, with only the exception's type shown to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Literal, NamedTuple
+
+import grpc
+
+from deployments.llm import root_cause
+from mmserve.errors import InvalidRequest, Overloaded, RequestTooLarge
+
+Kind = Literal["invalid", "too_large", "busy", "overloaded", "unavailable", "deadline", "internal"]
+HTTP_STATUS: dict[str, int] = {
+    "invalid": 400, "too_large": 413, "busy": 429, "overloaded": 503, "unavailable": 503,
+    "deadline": 504, "internal": 500,
+}
+GRPC_CODE: dict[str, grpc.StatusCode] = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "too_large": grpc.StatusCode.INVALID_ARGUMENT,
+    "busy": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "internal": grpc.StatusCode.INTERNAL,
+}
+
+
+class Failure(NamedTuple):
+    """How every API reports a failed request: `kind` (see HTTP_STATUS) and a client-safe message."""
+
+    kind: Kind
+    message: str
+
+    @property
+    def http_status(self) -> int:
+        return HTTP_STATUS[self.kind]
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        return GRPC_CODE[self.kind]
+
+
+def as_invalid_request(e: BaseException) -> InvalidRequest | None:
+    """The InvalidRequest behind `e` (raised here or in a replica), if that is what it is."""
+    cause = root_cause(e)
+    return cause if isinstance(cause, InvalidRequest) else None
+
+
+def _unavailable() -> tuple[type[BaseException], ...]:
+    from ray import exceptions as ray_exceptions
+    from ray.serve import exceptions as serve_exceptions
+
+    from mmserve.encoder_client import EmbeddingNotFound
+
+    return (serve_exceptions.DeploymentUnavailableError, serve_exceptions.ReplicaUnavailableError,
+            ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError, EmbeddingNotFound)
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    import torch
+
+    return isinstance(e, torch.OutOfMemoryError) or "OutOfMemoryError" in type(e).__name__
+
+
+def classify(e: BaseException) -> Failure:
+    from ray import exceptions as ray_exceptions
+    from ray.serve import exceptions as serve_exceptions
+
+    cause = root_cause(e)
+    if isinstance(cause, RequestTooLarge):
+        return Failure("too_large", str(cause))
+    if isinstance(cause, InvalidRequest):
+        return Failure("invalid", str(cause))
+    for error in (e, cause):
+        if isinstance(error, Overloaded):
+            return Failure("overloaded", f"server overloaded: {error}; retry later")
+        if _out_of_memory(error):
+            return Failure("overloaded", "server overloaded: out of device memory; retry later")
+        if isinstance(error, serve_exceptions.BackPressureError):
+            return Failure("busy", "server busy: request queue full; retry later")
+        if isinstance(error, _unavailable()):
+            return Failure("unavailable", f"a backend is unavailable: {type(error).__name__}")
+        if isinstance(error, (TimeoutError, asyncio.TimeoutError, ray_exceptions.GetTimeoutError)):
+            return Failure("deadline", "deadline exceeded")
+    return Failure("internal", f"internal error: {type(cause).__name__}")
