@@ -98,8 +98,8 @@ class DecodeGraphs:
             except Exception:
                 logger.exception("CUDA graph capture failed; decode runs eagerly")
                 self._failed = True
-                embeds, positions, batch, last = runner.prepare(scheduled)
-                return runner.forward(embeds, positions, batch, last)
+                embeds, positions, batch, last, extra = runner.prepare(scheduled)
+                return runner.forward(embeds, positions, batch, last, **extra)
         graph, logits = self._graphs[padded]
         graph.replay()
         return logits[:b]
