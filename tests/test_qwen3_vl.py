@@ -10,6 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmserve.embeddings import ItemEmbedding
+from mmserve.errors import InvalidRequest
+from mmserve.media import MediaItem, MediaKind
 from tests.cases import LONG_TEXT
 from tests.engine_support import Collector, make_engine, run_until_done
 from tests.media_factory import image_bytes, video_frames
@@ -134,3 +136,24 @@ def test_router_prompt_and_positions_equal_processor_and_get_rope_index(qwen3_di
     n = len(plan.token_ids)
     assert torch.equal(plan.positions.positions(0, n), ref[:, 0])
     assert torch.equal(plan.positions.positions(n, n + 3), (torch.arange(n, n + 3) + int(delta)).expand(3, -1))
+
+
+def test_split_video_parts_concatenate_to_the_whole(qwen3_dir):
+    """Temporal groups encoded apart give the whole video's embeddings and DeepStack features."""
+    _, enc, _ = runtimes(qwen3_dir)
+    item = MediaItem(MediaKind.VIDEO, tuple(video_frames(6, 64, 96, 9)), fps=2.0)
+    prepared = enc.preprocess(enc.plan(item))
+    [whole] = enc.forward([prepared])
+    per_group = prepared.num_tokens // prepared.layout[0]
+    pieces = enc.split(prepared, per_group, "tokens")
+    assert len(pieces) == prepared.layout[0] == 3
+    got = ItemEmbedding.concat(enc.forward(pieces), "k")
+    assert len(got.parts) == len(whole) > 1
+    for g, w in zip(got.parts, whole):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def test_video_shorter_than_a_temporal_patch_is_invalid(qwen3_dir):
+    planner, _, _ = runtimes(qwen3_dir)
+    with pytest.raises(InvalidRequest, match="at least 2 frames"):
+        planner.plan(to_planner_messages(_user(_video(1, 64, 64, 1, fps=2.0), _text("?"))))
