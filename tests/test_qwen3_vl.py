@@ -157,3 +157,14 @@ def test_video_shorter_than_a_temporal_patch_is_invalid(qwen3_dir):
     planner, _, _ = runtimes(qwen3_dir)
     with pytest.raises(InvalidRequest, match="at least 2 frames"):
         planner.plan(to_planner_messages(_user(_video(1, 64, 64, 1, fps=2.0), _text("?"))))
+
+
+def test_batched_requests_with_deepstack_share_forwards_and_equal_monolithic(qwen3_dir):
+    """Several media requests in the same forwards, prompts chunked (DeepStack rows of several
+    sequences and items packed into one mask)."""
+    names = ["one_image", "image_and_video", "three_images"]
+    requests = [plan_request(qwen3_dir, CASES[n](), n, MAX_TOKENS) for n in names]
+    tokens, steps = _engine_tokens(qwen3_dir, requests, max_num_batched_tokens=48)
+    assert steps < sum(len(r.prompt_token_ids) // 48 + MAX_TOKENS for r in requests)  # forwards were shared
+    for n in names:
+        assert tokens[n] == reference_generate(qwen3_dir, CASES[n](), MAX_TOKENS), n
