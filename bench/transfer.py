@@ -6,6 +6,9 @@
    Latency p50/p99 and MB/s per size.
 2. End-to-end overhead of the gRPC ingress versus HTTP: a small text request (max_tokens=1)
    against the same Serve app, p50/p99 per protocol.
+3. Embedding bytes per 448x448 image, Qwen2-VL vs Qwen3-VL (published full-size configs; rows
+   from the router's sizing rule, DeepStack parts included) and the transfer time of one such
+   output (random bf16 parts) over both transports.
 The last line printed is one JSON object with all figures.
 """
 
@@ -45,6 +48,21 @@ class Encoder:
     def tensor(self, mb: float, dtype: str, seed: int) -> torch.Tensor:
         return _tensor(mb, getattr(torch, dtype), seed)
 
+    def embedding(self, shape: tuple[int, int, int], seed: int):
+        """An `ItemEmbedding` of `parts` x `rows` x `hidden` random bf16 values."""
+        from mmserve.embeddings import ItemEmbedding
+
+        parts, rows, hidden = shape
+        gen = torch.Generator().manual_seed(seed)
+        return ItemEmbedding(tuple(torch.randn(rows, hidden, generator=gen).to(torch.bfloat16) for _ in range(parts)),
+                             key=f"family-{shape}-{seed}")
+
+    def publish_embedding(self, shape: tuple[int, int, int], seed: int):
+        from mmserve.media import EncodeItem, MediaItem, MediaKind
+
+        item = EncodeItem(MediaItem(MediaKind.IMAGE, (f"family-{shape}-{seed}".encode(),)), None, 0)
+        return self.publisher.publish([item], [self.embedding(shape, seed)])[0]
+
     def publish(self, mb: float, dtype: str, seed: int):
         from mmserve.embeddings import ItemEmbedding
         from mmserve.media import EncodeItem, MediaItem, MediaKind
@@ -65,13 +83,14 @@ class LLM:
     async def receive(self, refs: list) -> tuple[float, int]:
         """Seconds to materialise the tensor behind `refs[0]` (an ObjectRef), and its byte count."""
         start = time.perf_counter()
-        tensor = await refs[0]
-        return time.perf_counter() - start, tensor.numel() * tensor.element_size()
+        got = await refs[0]
+        seconds = time.perf_counter() - start
+        return seconds, got.num_bytes if hasattr(got, "num_bytes") else got.numel() * got.element_size()
 
     async def fetch(self, ref) -> tuple[float, int]:
         start = time.perf_counter()
-        tensor = (await self.fetcher.fetch(ref)).rows
-        return time.perf_counter() - start, tensor.numel() * tensor.element_size()
+        embedding = await self.fetcher.fetch(ref)
+        return time.perf_counter() - start, embedding.num_bytes
 
 
 def bench_transfer(iters: int) -> dict:
@@ -98,6 +117,66 @@ def bench_transfer(iters: int) -> dict:
                     "mb_s": round(nbytes / 1e6 / (p50 / 1000), 1), "bytes": nbytes,
                 }
     return results
+
+
+IMAGE_SIDE = 448
+
+
+def family_configs() -> dict:
+    """Published full-size configs (hub config.json values that size the encoder output)."""
+    from transformers import Qwen2VLConfig, Qwen3VLConfig
+
+    def qwen3(hidden: int):
+        return Qwen3VLConfig(text_config={"hidden_size": hidden},
+                             vision_config={"out_hidden_size": hidden, "deepstack_visual_indexes": [8, 16, 24]})
+
+    return {
+        "qwen2_vl_7b": Qwen2VLConfig(),  # defaults are Qwen2-VL-7B's: merger to 3584, 14-px patches
+        "qwen3_vl_4b": qwen3(2560),
+        "qwen3_vl_8b": qwen3(4096),
+    }
+
+
+def output_shape(config) -> tuple[int, int, int]:
+    """(parts, rows, hidden) of one 448x448 image's encoder output under `config`."""
+    from mmserve.families.qwen2_vl import VisionPreprocessConfig, image_grid, tokens_for_grid
+
+    vision = config.vision_config
+    merge = vision.spatial_merge_size
+    if config.model_type == "qwen3_vl":  # Qwen3-VL's image processor bounds
+        cfg = VisionPreprocessConfig(patch_size=vision.patch_size, merge_size=merge,
+                                     min_pixels=65536, max_pixels=16777216)
+        parts, hidden = 1 + len(vision.deepstack_visual_indexes), vision.out_hidden_size
+    else:
+        cfg = VisionPreprocessConfig(patch_size=vision.patch_size, merge_size=merge)
+        parts, hidden = 1, vision.hidden_size
+    rows = tokens_for_grid(image_grid(IMAGE_SIDE, IMAGE_SIDE, cfg), merge)
+    return parts, rows, hidden
+
+
+def bench_families(iters: int) -> dict:
+    encoder, llm = Encoder.remote(), LLM.remote()
+    out = {}
+    for name, config in family_configs().items():
+        shape = output_shape(config)
+        entry = {"parts": shape[0], "rows": shape[1], "hidden": shape[2], "bytes_bf16": 2 * shape[0] * shape[1] * shape[2]}
+        for transport in ("object_store", "grpc"):
+            times = []
+            for i in range(iters + 2):
+                if transport == "object_store":
+                    ref = encoder.embedding.remote(shape, i)
+                    ray.wait([ref])
+                    seconds, nbytes = ray.get(llm.receive.remote([ref]))
+                    del ref
+                else:
+                    seconds, nbytes = ray.get(llm.fetch.remote(ray.get(encoder.publish_embedding.remote(shape, i))))
+                assert nbytes == entry["bytes_bf16"]
+                if i >= 2:
+                    times.append(seconds * 1000)
+            p50, p99 = _percentiles(times)
+            entry[transport] = {"p50_ms": round(p50, 2), "p99_ms": round(p99, 2)}
+        out[name] = entry
+    return out
 
 
 def _free_port() -> int:
@@ -143,11 +222,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=20, help="timed transfers per size, dtype and transport")
     parser.add_argument("--ingress-iters", type=int, default=50)
+    parser.add_argument("--families-only", action="store_true", help="only section 3 (per-family output sizes)")
     ns = parser.parse_args()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    transfer = bench_transfer(ns.iters)
-    ingress = bench_ingress(ns.ingress_iters)
+    families = bench_families(ns.iters)
+    transfer = ingress = None
+    if not ns.families_only:
+        transfer = bench_transfer(ns.iters)
+        ingress = bench_ingress(ns.ingress_iters)
     ray.shutdown()
+
+    print(f"{'448x448 image':>14} | {'parts x rows x hidden':>22} {'MB bf16':>8} | "
+          f"{'object store p50/p99 ms':>24} | {'gRPC p50/p99 ms':>18}")
+    for name, f in families.items():
+        o, g = f["object_store"], f["grpc"]
+        print(f"{name:>14} | {f['parts']:>6} x {f['rows']:>5} x {f['hidden']:>5} {f['bytes_bf16'] / 1e6:>8.2f} | "
+              f"{o['p50_ms']:>11.2f} / {o['p99_ms']:>10.2f} | {g['p50_ms']:>8.2f} / {g['p99_ms']:>7.2f}")
+    if ns.families_only:
+        print(json.dumps({"families_448px": families}))
+        return
 
     print(f"{'size':>6} {'dtype':>9} | {'object store p50/p99 ms':>24} {'MB/s':>8} | {'gRPC p50/p99 ms':>18} {'MB/s':>8}")
     for mb in SIZES_MB:
@@ -170,6 +263,7 @@ def main() -> None:
         "ingress_http_p50_ms": round(ingress["http"][0], 2),
         "ingress_grpc_p50_ms": round(ingress["grpc"][0], 2),
         "ingress_grpc_minus_http_p50_ms": round(ingress["grpc"][0] - ingress["http"][0], 2),
+        "families_448px": families,
     }
     print(json.dumps(summary))
 

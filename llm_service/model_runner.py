@@ -65,19 +65,21 @@ class ModelRunner:
         if self.graphs is not None and all(s.num_tokens == 1 for s in scheduled) and self.graphs.fits(scheduled):
             logits = self.graphs.run(scheduled)
         else:
-            embeds, positions, batch, last = self.prepare(scheduled)
-            logits = self.forward(embeds, positions, batch, last[sample_rows])
+            embeds, positions, batch, last, extra = self.prepare(scheduled)
+            logits = self.forward(embeds, positions, batch, last[sample_rows], **extra)
         self.num_forwards += 1
         return logits, sample_rows
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                rows: torch.Tensor) -> torch.Tensor:
-        """The one model forward: decoder over `(T, hidden)` at `(rows, T)` positions, lm_head on `rows`."""
+                rows: torch.Tensor, **extra) -> torch.Tensor:
+        """The one model forward: decoder over `(T, hidden)` at `(rows, T)` positions, lm_head on
+        `rows`; `extra`: the decoder keyword arguments the LM face's `inject` returned."""
         out = self.model.modules.decoder(
             inputs_embeds=embeds.unsqueeze(0),
             position_ids=self.model.face.position_ids(positions),
             paged_batch=batch,
             use_cache=False,
+            **extra,
         )
         return self.model.modules.lm_head(out.last_hidden_state[0, rows])
 
@@ -99,7 +101,7 @@ class ModelRunner:
             ctx_lens.append(end)
         dev = self.device
         embeds = self.model.modules.decoder.embed_tokens(torch.tensor(ids, dtype=torch.long, device=dev))
-        self.model.face.inject(embeds, media)
+        extra = self.model.face.inject(embeds, media)
         max_blocks = max(len(s.seq.block_table) for s in scheduled)
         tables = torch.full((len(scheduled), max_blocks), self.scratch_block, dtype=torch.int32)
         for i, s in enumerate(scheduled):
@@ -119,4 +121,4 @@ class ModelRunner:
         if self.backend == "sdpa":
             batch.gather_slots, batch.masks = attention.sdpa_metadata(q_lens, ctx_lens, slot_tables, dev, self.windows)
         last = (cu_q[1:] - 1).to(torch.long).to(dev)
-        return embeds, torch.cat(positions, dim=1).to(dev), batch, last
+        return embeds, torch.cat(positions, dim=1).to(dev), batch, last, extra

@@ -1,4 +1,4 @@
-"""Deterministic tiny checkpoints (Qwen2-VL, Qwen2.5-VL, LLaVA) for tests and the embedded default.
+"""Deterministic tiny checkpoints (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA) for tests and the embedded default.
 
 A tiny checkpoint is a normal Hugging Face directory: a real `transformers` config with small
 dimensions, random weights from a fixed seed (safetensors), a byte-level BPE tokenizer trained
@@ -25,7 +25,8 @@ from pathlib import Path
 
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 LLAVA_FAMILIES = ("llava", "llava_siglip")
-FAMILIES = QWEN_FAMILIES + LLAVA_FAMILIES
+QWEN3_FAMILIES = ("qwen3_vl",)
+FAMILIES = QWEN_FAMILIES + QWEN3_FAMILIES + LLAVA_FAMILIES
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -329,6 +330,12 @@ def _qwen(family: str, seed: int):
     return model, processor, [config.text_config.eos_token_id, config.text_config.bos_token_id]
 
 
+def _qwen3(family: str, seed: int):
+    from mmserve.tiny_qwen3 import build_qwen3_vl
+
+    return build_qwen3_vl(seed)
+
+
 def build_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:
     """Write a tiny checkpoint of `family` to `out_dir` (atomically) and return its path."""
     from transformers import GenerationConfig
@@ -336,7 +343,8 @@ def build_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = 0) -> 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
     out = Path(out_dir)
-    model, processor, eos_ids = (_qwen if family in QWEN_FAMILIES else _llava)(family, seed)
+    builder = _qwen if family in QWEN_FAMILIES else _qwen3 if family in QWEN3_FAMILIES else _llava
+    model, processor, eos_ids = builder(family, seed)
     text_config = model.config.text_config
     model.generation_config = GenerationConfig(
         eos_token_id=eos_ids,

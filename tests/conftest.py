@@ -37,3 +37,12 @@ def llava_models(tmp_path_factory) -> dict[str, str]:
 
     root = os.environ.get("MMSERVE_TEST_MODELS") or str(tmp_path_factory.mktemp("models"))
     return {f: str(ensure_tiny_model(f, os.path.join(root, f))) for f in LLAVA_FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory) -> str:
+    """The tiny Qwen3-VL checkpoint (DeepStack, interleaved M-RoPE, video timestamps)."""
+    from mmserve.tiny import ensure_tiny_model
+
+    root = os.environ.get("MMSERVE_TEST_MODELS") or str(tmp_path_factory.mktemp("models"))
+    return str(ensure_tiny_model("qwen3_vl", os.path.join(root, "qwen3_vl")))

@@ -55,6 +55,20 @@ def test_output_parts_cross_as_one_unit(publisher):
     assert all(torch.equal(b.view(torch.int16), p.view(torch.int16)) for b, p in zip(back.parts, parts))
 
 
+def test_real_qwen3_vl_output_crosses_bit_identical(publisher, qwen3_dir):
+    """A Qwen3-VL encoder output (embeddings + DeepStack features) of an image and a video."""
+    from tests.pipeline import runtimes, to_planner_messages
+    from tests.test_qwen3_vl import CASES
+
+    planner, encoder, _ = runtimes(qwen3_dir)
+    outputs = encoder.encode(planner.plan(to_planner_messages(CASES["image_and_video"]())).media)
+    assert len(outputs) == 2 and all(len(e.parts) > 1 for e in outputs)
+    _, back = _roundtrip_embeddings(publisher, outputs)
+    for got, sent in zip(back, outputs):
+        assert len(got.parts) == len(sent.parts)
+        assert all(torch.equal(b.view(torch.int64), p.view(torch.int64)) for b, p in zip(got.parts, sent.parts))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 def test_embedding_crosses_bit_identical(publisher, dtype):
     tensor = torch.randn(300, 64, generator=torch.Generator().manual_seed(0)).to(dtype)

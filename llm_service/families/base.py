@@ -54,12 +54,13 @@ class LMFace(ABC):
     def position_ids(self, positions: torch.Tensor) -> torch.Tensor:
         """`(rows, T)` positions of one packed sequence -> the decoder's `position_ids`."""
 
-    def inject(self, embeds: torch.Tensor, media: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]) -> None:
+    def inject(self, embeds: torch.Tensor, media: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]) -> dict:
         """Write each item's rows (`parts[0]`) into the packed `embeds` `(T, hidden)` at its slot
-        indices. Families with per-layer features (DeepStack) also keep their further parts here
-        for their decoder's layers."""
+        indices; return the extra keyword arguments of this forward's decoder call (families with
+        per-layer features, e.g. Qwen3-VL DeepStack, pass their further parts there)."""
         for index, parts in media:
             embeds[index.to(embeds.device)] = parts[0].to(embeds.device, embeds.dtype)
+        return {}
 
     def tied_embeddings(self) -> bool:
         text = self.config.text_config

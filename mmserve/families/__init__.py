@@ -16,6 +16,7 @@ from mmserve.checkpoint import read_config
 FAMILIES = {
     "qwen2_vl": "qwen2_vl",
     "qwen2_5_vl": "qwen2_vl",
+    "qwen3_vl": "qwen3_vl",
     "llava": "llava",
 }
 

@@ -1,0 +1,44 @@
+"""LM face of Qwen3-VL: the text decoder (interleaved M-RoPE, 3 rows) and DeepStack injection.
+
+An item's parts are `(embeddings, *deepstack features)`. The embeddings replace the input rows at
+the item's slots; feature `k` is added to the hidden states after decoder layer `k` at the same
+positions: `Qwen3VLTextModel` takes them as `visual_pos_masks` `(1, T)` and
+`deepstack_visual_embeds` (one `(num_visual, hidden)` tensor per layer, rows in position order).
+With chunked prefill the engine hands over each item's parts already sliced to the chunk's slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llm_service.families.base import LanguageModelModules
+from llm_service.families.qwen2_vl import QwenVLLMFace
+
+
+class Qwen3VLLMFace(QwenVLLMFace):
+    def build(self, dtype: torch.dtype) -> LanguageModelModules:
+        from torch import nn
+        from transformers.initialization import no_init_weights
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
+
+        text = self.config.text_config
+        with no_init_weights():
+            decoder = Qwen3VLTextModel._from_config(text, dtype=dtype)
+            lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=dtype)
+        return LanguageModelModules(decoder, lm_head, self.tied_embeddings())
+
+    def inject(self, embeds: torch.Tensor, media: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]) -> dict:
+        super().inject(embeds, media)
+        if not media or len(media[0][1]) < 2:
+            return {}
+        dev = embeds.device
+        index = torch.cat([i for i, _ in media]).to(dev)
+        order = torch.argsort(index)  # the decoder reads the features in mask (position) order
+        mask = torch.zeros(embeds.shape[0], dtype=torch.bool, device=dev)
+        mask[index] = True
+        layers = [torch.cat([parts[k] for _, parts in media]).to(dev, embeds.dtype)[order]
+                  for k in range(1, len(media[0][1]))]
+        return {"visual_pos_masks": mask.unsqueeze(0), "deepstack_visual_embeds": layers}
+
+
+LM_FACE = Qwen3VLLMFace

@@ -1,0 +1,172 @@
+"""Router face of Qwen3-VL: image and video expansions from headers, interleaved M-RoPE plans.
+
+Images are sized exactly as Qwen2-VL's (its image processor, with 16-px patches). Videos differ:
+the Qwen3-VL video processor bounds frames x height x width and upscales frames smaller than a
+merged patch; and the processor writes, before each temporal group of the video, its timestamp
+(`<1.2 seconds>`) and wraps the group in vision start/end tokens. The router reproduces that from
+the frame count and fps alone (frame `i` at `i / fps`, groups padded with the last frame, a
+group's time the mean of its first and last frame). Positions follow `transformers`'
+`Qwen3VLModel.get_rope_index`: every temporal group is placed as an image of one frame; the
+interleaving of the three rows over the rotary dimensions happens in the decoder.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mmserve.errors import InvalidRequest
+from mmserve.families.base import ItemExpansion
+from mmserve.families.qwen2_vl import (
+    QwenLayout,
+    QwenVLRouterFace,
+    VisionPreprocessConfig,
+    image_grid,
+    read_preprocess_config,
+)
+from mmserve.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
+from mmserve.mrope import mrope_positions
+from mmserve.positions import ExplicitPositions, LinearPositions, PositionPlan
+
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+
+
+def video_resize(num_frames: int, height: int, width: int, cfg: VisionPreprocessConfig) -> tuple[int, int]:
+    """The Qwen3-VL video processor's resize (its `smart_resize` and per-frame cap)."""
+    factor, temporal = cfg.factor, cfg.temporal_patch_size
+    if num_frames < temporal:
+        raise InvalidRequest(f"a video needs at least {temporal} frames, got {num_frames}")
+    min_pixels, max_pixels = cfg.video_min_pixels, cfg.video_max_pixels
+    if cfg.video_cap_pixels_per_frame:
+        per_frame = max(min(cfg.video_max_tokens * factor * factor, max_pixels // num_frames), int(min_pixels * 1.05))
+        max_pixels = per_frame * num_frames
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise InvalidRequest(f"video aspect ratio {max(height, width) / min(height, width):.1f} exceeds 200")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def group_timestamps(num_frames: int, fps: float, temporal_patch_size: int) -> list[float]:
+    """Seconds of each temporal group (the processor's `_calculate_timestamps` over frames 0..n-1)."""
+    indices = list(range(num_frames))
+    indices += [indices[-1]] * (-num_frames % temporal_patch_size)
+    seconds = [i / fps for i in indices]
+    return [(seconds[i] + seconds[i + temporal_patch_size - 1]) / 2
+            for i in range(0, len(seconds), temporal_patch_size)]
+
+
+@dataclass(frozen=True)
+class Qwen3VLRouterFace(QwenVLRouterFace):
+    """Qwen2-VL's face with Qwen3-VL's video sizing, timestamps and per-group positions."""
+
+    timestamp_ids: object = None  # str -> token ids of a timestamp (the checkpoint's tokenizer)
+    vision_start_id: int = -1
+    vision_end_id: int = -1
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str, config: dict) -> Qwen3VLRouterFace:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        ids = tokenizer.convert_tokens_to_ids
+        return cls(
+            model_type=config["model_type"],
+            preprocess=read_preprocess_config(model_dir),
+            image_token_id=int(config.get("image_token_id", ids("<|image_pad|>"))),
+            video_token_id=int(config.get("video_token_id", ids("<|video_pad|>"))),
+            tokens_per_second=None,
+            timestamp_ids=_TimestampTokens(tokenizer),
+            vision_start_id=int(config.get("vision_start_token_id", ids(VISION_START))),
+            vision_end_id=int(config.get("vision_end_token_id", ids(VISION_END))),
+        )
+
+    def layout(self, item: MediaItem, max_pixels: int) -> QwenLayout:
+        sizes = {read_image_size(frame, max_pixels) for frame in item.frames}
+        if len(sizes) != 1:
+            raise InvalidRequest(f"all frames of a video must have the same size, got {sorted(sizes)}")
+        height, width = sizes.pop()
+        cfg = self.preprocess
+        if item.kind is MediaKind.IMAGE:
+            return QwenLayout(image_grid(height, width, cfg))
+        h, w = video_resize(len(item.frames), height, width, cfg)
+        t = -(-len(item.frames) // cfg.temporal_patch_size)
+        return QwenLayout((t, h // cfg.patch_size, w // cfg.patch_size))
+
+    def expand(self, item: MediaItem, max_pixels: int) -> ItemExpansion:
+        if item.kind is MediaKind.IMAGE:
+            return super().expand(item, max_pixels)
+        layout = self.layout(item, max_pixels)
+        t, h, w = layout.grid
+        per_group = h * w // (self.preprocess.merge_size ** 2)
+        tokens: list[int] = []
+        is_embed: list[bool] = []
+        for seconds in group_timestamps(len(item.frames), item.fps, self.preprocess.temporal_patch_size):
+            stamp = self.timestamp_ids(f"<{seconds:.1f} seconds>")
+            tokens += [*stamp, self.vision_start_id, *[self.video_token_id] * per_group, self.vision_end_id]
+            is_embed += [False] * (len(stamp) + 1) + [True] * per_group + [False]
+        return ItemExpansion(tuple(tokens), tuple(is_embed), cost=t * per_group, layout=layout)
+
+    def position_plan(self, token_ids: Sequence[int], ranges: Sequence[PlaceholderRange],
+                      expansions: Sequence[ItemExpansion]) -> PositionPlan:
+        """Every image and every temporal group of a video is one `(1, h, w)` grid at its run of
+        embedding slots; the tokens between (timestamps, vision start/end) are text."""
+        if not ranges:
+            return LinearPositions(rows=3)
+        runs: list[PlaceholderRange] = []
+        grids: list[tuple[int, int, int]] = []
+        for rng, expansion in zip(ranges, expansions):
+            _, h, w = expansion.layout.grid
+            for start, length in _embed_runs(rng):
+                runs.append(PlaceholderRange(rng.offset + start, length))
+                grids.append((1, h, w))
+        positions, delta = mrope_positions(len(token_ids), runs, grids, self.preprocess.merge_size)
+        return ExplicitPositions(positions, delta)
+
+
+def _embed_runs(rng: PlaceholderRange) -> list[tuple[int, int]]:
+    """(start, length) of each run of consecutive embedding slots in `rng`, from its start."""
+    runs: list[tuple[int, int]] = []
+    for slot in rng.embed_slots():
+        if runs and runs[-1][0] + runs[-1][1] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((slot, 1))
+    return runs
+
+
+class _TimestampTokens:
+    """Token ids of a timestamp string, as the processor's tokenizer writes it between special
+    tokens (memoised: a video repeats few distinct times)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+        self._cache: dict[str, tuple[int, ...]] = {}
+
+    def __call__(self, text: str) -> tuple[int, ...]:
+        if text not in self._cache:
+            self._cache[text] = tuple(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._cache[text]
+
+    def __eq__(self, other) -> bool:  # one per tokenizer; the face's equality ignores it
+        return isinstance(other, _TimestampTokens)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+ROUTER_FACE = Qwen3VLRouterFace

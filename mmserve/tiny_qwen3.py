@@ -1,0 +1,188 @@
+"""The tiny Qwen3-VL checkpoint (`model_type: qwen3_vl`), built by `mmserve.tiny.build_tiny_model`.
+
+Like Qwen/Qwen3-VL-*-Instruct, shrunk: a 16-px patch ViT with a learned position grid and
+DeepStack mergers (`deepstack_visual_indexes` non-empty: their features are added to the hidden
+states of the first LM layers), a text decoder with interleaved M-RoPE, the Qwen2-VL image
+processor and the Qwen3-VL video processor (timestamps per temporal group) with small pixel
+bounds, the Qwen3-VL chat template (no default system message) and a tokenizer with the
+Qwen3-VL special tokens.
+"""
+
+from __future__ import annotations
+
+QWEN3_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<think>",
+    "</think>",
+)
+
+# The chat template of Qwen3-VL-*-Instruct: system turn only when given, media placeholders in
+# place, tool calls in <tool_call> tags, tool responses grouped in one user turn.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- if tools %}\n    {{- '<|im_start|>system\\n' }}\n    {%- if messages[0].role == 'system' %}\n"
+    "        {%- if messages[0].content is string %}\n            {{- messages[0].content }}\n"
+    "        {%- else %}\n            {%- for content in messages[0].content %}\n"
+    "                {%- if 'text' in content %}\n                    {{- content.text }}\n"
+    "                {%- endif %}\n            {%- endfor %}\n        {%- endif %}\n"
+    "        {{- '\\n\\n' }}\n    {%- endif %}\n"
+    "    {{- \"# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}\n"
+    "    {%- for tool in tools %}\n        {{- \"\\n\" }}\n        {{- tool | tojson }}\n    {%- endfor %}\n"
+    "    {{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
+    "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}\n"
+    "{%- else %}\n    {%- if messages[0].role == 'system' %}\n        {{- '<|im_start|>system\\n' }}\n"
+    "        {%- if messages[0].content is string %}\n            {{- messages[0].content }}\n"
+    "        {%- else %}\n            {%- for content in messages[0].content %}\n"
+    "                {%- if 'text' in content %}\n                    {{- content.text }}\n"
+    "                {%- endif %}\n            {%- endfor %}\n        {%- endif %}\n"
+    "        {{- '<|im_end|>\\n' }}\n    {%- endif %}\n{%- endif %}\n"
+    "{%- set image_count = namespace(value=0) %}\n{%- set video_count = namespace(value=0) %}\n"
+    "{%- for message in messages %}\n    {%- if message.role == \"user\" %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' }}\n        {%- if message.content is string %}\n"
+    "            {{- message.content }}\n        {%- else %}\n            {%- for content in message.content %}\n"
+    "                {%- if content.type == 'image' or 'image' in content or 'image_url' in content %}\n"
+    "                    {%- set image_count.value = image_count.value + 1 %}\n"
+    "                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}\n"
+    "                    <|vision_start|><|image_pad|><|vision_end|>\n"
+    "                {%- elif content.type == 'video' or 'video' in content %}\n"
+    "                    {%- set video_count.value = video_count.value + 1 %}\n"
+    "                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}\n"
+    "                    <|vision_start|><|video_pad|><|vision_end|>\n"
+    "                {%- elif 'text' in content %}\n                    {{- content.text }}\n"
+    "                {%- endif %}\n            {%- endfor %}\n        {%- endif %}\n"
+    "        {{- '<|im_end|>\\n' }}\n    {%- elif message.role == \"assistant\" %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' }}\n        {%- if message.content is string %}\n"
+    "            {{- message.content }}\n        {%- else %}\n"
+    "            {%- for content_item in message.content %}\n                {%- if 'text' in content_item %}\n"
+    "                    {{- content_item.text }}\n                {%- endif %}\n            {%- endfor %}\n"
+    "        {%- endif %}\n        {%- if message.tool_calls %}\n"
+    "            {%- for tool_call in message.tool_calls %}\n"
+    "                {%- if (loop.first and message.content) or (not loop.first) %}\n"
+    "                    {{- '\\n' }}\n                {%- endif %}\n                {%- if tool_call.function %}\n"
+    "                    {%- set tool_call = tool_call.function %}\n                {%- endif %}\n"
+    "                {{- '<tool_call>\\n{\"name\": \"' }}\n                {{- tool_call.name }}\n"
+    "                {{- '\", \"arguments\": ' }}\n                {%- if tool_call.arguments is string %}\n"
+    "                    {{- tool_call.arguments }}\n                {%- else %}\n"
+    "                    {{- tool_call.arguments | tojson }}\n                {%- endif %}\n"
+    "                {{- '}\\n</tool_call>' }}\n            {%- endfor %}\n        {%- endif %}\n"
+    "        {{- '<|im_end|>\\n' }}\n    {%- elif message.role == \"tool\" %}\n"
+    "        {%- if loop.first or (messages[loop.index0 - 1].role != \"tool\") %}\n"
+    "            {{- '<|im_start|>user' }}\n        {%- endif %}\n        {{- '\\n<tool_response>\\n' }}\n"
+    "        {%- if message.content is string %}\n            {{- message.content }}\n        {%- else %}\n"
+    "            {%- for content in message.content %}\n"
+    "                {%- if content.type == 'image' or 'image' in content or 'image_url' in content %}\n"
+    "                    {%- set image_count.value = image_count.value + 1 %}\n"
+    "                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}\n"
+    "                    <|vision_start|><|image_pad|><|vision_end|>\n"
+    "                {%- elif content.type == 'video' or 'video' in content %}\n"
+    "                    {%- set video_count.value = video_count.value + 1 %}\n"
+    "                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}\n"
+    "                    <|vision_start|><|video_pad|><|vision_end|>\n"
+    "                {%- elif 'text' in content %}\n                    {{- content.text }}\n"
+    "                {%- endif %}\n            {%- endfor %}\n        {%- endif %}\n"
+    "        {{- '\\n</tool_response>' }}\n"
+    "        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n"
+    "            {{- '<|im_end|>\\n' }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n"
+)
+
+PATCH_SIZE = 16
+MERGE_SIZE = 2
+FACTOR = PATCH_SIZE * MERGE_SIZE
+# Small pixel bounds (factor 32 = patch 16 x merge 2): images 4..64 tokens; a video's bounds are
+# on frames x height x width (the Qwen3-VL video processor's rule).
+MIN_PIXELS = FACTOR * FACTOR * 4
+MAX_PIXELS = FACTOR * FACTOR * 64
+VIDEO_MIN_PIXELS = FACTOR * FACTOR * 8
+VIDEO_MAX_PIXELS = FACTOR * FACTOR * 64
+DEEPSTACK_VISUAL_INDEXES = (0, 1)
+
+
+def qwen3_vl_config(tokenizer):
+    from transformers import Qwen3VLConfig
+
+    ids = tokenizer.convert_tokens_to_ids
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                         "mrope_interleaved": True},
+        bos_token_id=ids("<|endoftext|>"),
+        eos_token_id=ids("<|im_end|>"),
+        pad_token_id=ids("<|endoftext|>"),
+    )
+    vision = dict(
+        depth=3, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3, out_hidden_size=64,
+        patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=2,
+        num_position_embeddings=64, deepstack_visual_indexes=list(DEEPSTACK_VISUAL_INDEXES),
+        initializer_range=0.2,
+    )
+    return Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=False,
+    )
+
+
+def build_qwen3_vl(seed: int):
+    """(model, processor, eos ids) of the tiny Qwen3-VL."""
+    import torch
+    from transformers import (
+        AutoModelForImageTextToText,
+        Qwen2VLImageProcessor,
+        Qwen3VLProcessor,
+        Qwen3VLVideoProcessor,
+    )
+
+    from mmserve.tiny import _build_tokenizer
+
+    tokenizer = _build_tokenizer(seed, 1024, QWEN3_SPECIAL_TOKENS)
+    config = qwen3_vl_config(tokenizer)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    norm = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
+    sizes = dict(patch_size=PATCH_SIZE, merge_size=MERGE_SIZE, temporal_patch_size=2)
+    image_processor = Qwen2VLImageProcessor(
+        size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}, **sizes, **norm
+    )
+    video_processor = Qwen3VLVideoProcessor(
+        size={"shortest_edge": VIDEO_MIN_PIXELS, "longest_edge": VIDEO_MAX_PIXELS},
+        cap_pixels_per_frame=False, fps=2, **sizes, **norm,
+    )
+    processor = Qwen3VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=QWEN3_CHAT_TEMPLATE,
+    )
+    text = config.text_config
+    return model, processor, [text.eos_token_id, text.bos_token_id]

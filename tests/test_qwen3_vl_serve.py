@@ -1,0 +1,87 @@
+"""Qwen3-VL through the Serve app == `transformers` monolithic `generate` (float64): the openai
+client (streaming == non-streaming), the public gRPC API, and both embedding transports; an
+item's DeepStack parts cross `object_store` (Ray) bit for bit."""
+
+import openai
+import pytest
+import torch
+
+from mmserve.client import VLMClient
+from tests.media_factory import data_uri
+from tests.pipeline import runtimes, to_planner_messages
+from tests.reference import reference_generate
+from tests.serve_fixtures import _app_args
+from tests.test_grpc_serve import proto_messages
+from tests.test_qwen3_vl import CASES, MAX_TOKENS
+
+APPS = {"qwen3_vl": {}, "qwen3_vl_grpc": {"transport": "grpc"}}
+
+pytestmark = pytest.mark.serve
+
+
+@pytest.fixture(scope="module")
+def qwen3_apps(serve_ports, qwen3_dir):
+    """{name: base URL}: one app per embedding transport on the session's Serve instance."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    for name, extra in APPS.items():
+        serve.run(build_app(_app_args(qwen3_dir, name, **extra)), name=name, route_prefix=f"/{name}")
+    try:
+        yield {name: f"http://127.0.0.1:{serve_ports[0]}/{name}" for name in APPS}
+    finally:
+        for name in APPS:
+            serve.delete(name)
+
+
+def _api(messages):
+    def part(p):
+        if p["type"] == "image":
+            return {"type": "image_url", "image_url": {"url": data_uri(p["bytes"])}}
+        if p["type"] == "video":
+            return {"type": "video", "video": [data_uri(f) for f in p["frames"]], "fps": p["fps"]}
+        return p
+
+    return [{"role": m["role"], "content": [part(p) for p in m["content"]]} for m in messages]
+
+
+def _chat(url, name, messages, stream):
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    resp = c.chat.completions.create(model=name, messages=_api(messages), max_tokens=MAX_TOKENS, stream=stream,
+                                     extra_body={"return_token_ids": True})
+    if not stream:
+        return resp.choices[0].message.content, resp.choices[0].model_extra["token_ids"]
+    text, tokens = [], []
+    for chunk in resp:
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            tokens += choice.model_extra.get("token_ids", [])
+    return "".join(text), tokens
+
+
+@pytest.mark.parametrize("case", ["one_image", "video", "image_and_video"])
+def test_http_both_transports_and_grpc_equal_monolithic(qwen3_apps, qwen3_dir, serve_ports, case):
+    messages = CASES[case]()
+    expected = reference_generate(qwen3_dir, messages, MAX_TOKENS)
+    text, tokens = _chat(qwen3_apps["qwen3_vl"], "qwen3_vl", messages, stream=False)
+    assert tokens == expected
+    assert _chat(qwen3_apps["qwen3_vl"], "qwen3_vl", messages, stream=True) == (text, tokens)
+    assert _chat(qwen3_apps["qwen3_vl_grpc"], "qwen3_vl_grpc", messages, stream=False) == (text, tokens)
+    if case != "image_and_video":  # the gRPC API carries a message's media before its text
+        with VLMClient(f"127.0.0.1:{serve_ports[1]}", application="qwen3_vl") as c:
+            unary = c.generate(proto_messages(messages), max_tokens=MAX_TOKENS)
+            streamed = list(c.stream(proto_messages(messages), max_tokens=MAX_TOKENS))
+        assert list(unary.token_ids) == expected and unary.text == text
+        assert [t for r in streamed for t in r.token_ids] == expected
+
+
+def test_deepstack_parts_cross_object_store_bit_identical(serve_ports, qwen3_dir):
+    import ray
+
+    planner, encoder, _ = runtimes(qwen3_dir)
+    [emb] = encoder.encode(planner.plan(to_planner_messages(CASES["video"]())).media)
+    assert len(emb.parts) > 1
+    back = ray.get(ray.put(emb))
+    assert back.key == emb.key and len(back.parts) == len(emb.parts)
+    assert all(torch.equal(b.view(torch.int64), p.view(torch.int64)) for b, p in zip(back.parts, emb.parts))
