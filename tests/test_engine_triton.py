@@ -200,6 +200,6 @@ def test_decode_graph_inputs_staged_in_one_buffer_give_the_eager_logits(tiny_mod
     graphs._fill(scheduled)
     graphs.device_buffer.copy_(graphs.host)
     staged = graphs.step_fn(4)()[:3]  # padded to the graph size 4
-    embeds, positions, batch, last = engine.runner.prepare(scheduled)
-    eager = engine.runner.forward(embeds, positions, batch, last)
+    embeds, positions, batch, last, extra = engine.runner.prepare(scheduled)
+    eager = engine.runner.forward(embeds, positions, batch, last, **extra)
     torch.testing.assert_close(staged, eager, rtol=1e-5, atol=1e-5)
