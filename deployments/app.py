@@ -45,5 +45,6 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         external_encoder=args.grpc.encoder_address,
         encoder_token=args.grpc.token,
         encoder_tls_ca=args.grpc.tls_ca,
+        llm_retries=args.llm_retries,
     )
     return Router.options(**args.router.options("Router")).bind(encoder, llm, settings)

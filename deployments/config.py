@@ -165,6 +165,10 @@ class AppArgs(_Args):
         description="wait for the encoder before calling the LLM instead of passing the pending refs "
         "(slower: see bench/dispatch.py); errors then surface before an LLM replica is involved",
     )
+    llm_retries: int = Field(
+        default=2, ge=0, description="resubmissions of one request after its LLM replica was lost "
+        "(a stream resumes from the tokens it sent); then 503 / UNAVAILABLE",
+    )
     # defaults fit a 2-core laptop (1.25 CPUs in all); size them for real clusters (k8s/overlays/gpu)
     router: DeploymentArgs = DeploymentArgs(num_cpus=0.25)
     encoder: DeploymentArgs = DeploymentArgs(num_cpus=0.5)

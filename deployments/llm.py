@@ -36,6 +36,7 @@ class PendingRequest:
     positions: PositionPlan
     ranges: tuple[PlaceholderRange, ...]
     embeddings: tuple[EmbeddingHandle, ...]  # one per range
+    resumed_tokens: int = 0  # a failover continuation: the last this many prompt tokens were already sent
 
 
 def root_cause(e: BaseException) -> BaseException:
@@ -94,6 +95,9 @@ class LLMDeployment:
 
     async def generate(self, pending: PendingRequest) -> AsyncIterator[TokenEvent]:
         """Stream of `TokenEvent`s; the stream ends after the one carrying `finish_reason`."""
+        if pending.resumed_tokens:
+            logger.info("request %s: resuming a stream after a lost replica, %d tokens already sent",
+                        pending.request_id, pending.resumed_tokens)
         embeddings = await self._embeddings(pending) if pending.embeddings else []
         request = LLMRequest(
             request_id=pending.request_id,

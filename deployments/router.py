@@ -23,6 +23,7 @@ from ray.serve.handle import DeploymentHandle
 from deployments import openai_api
 from deployments.config import LimitArgs
 from deployments.encoder import spread
+from deployments.failover import Failover
 from deployments.failures import as_invalid_request, classify
 from deployments.generation import Generation, GenerationOptions
 from deployments.grpc_ingress import GrpcIngress
@@ -48,6 +49,7 @@ class RouterSettings:
     external_encoder: str | None = None  # host:port of a standalone EncoderService, used instead of `encoder`
     encoder_token: str | None = None
     encoder_tls_ca: str | None = None  # PEM file: reach external_encoder over TLS
+    llm_retries: int = 2  # resubmissions of one request after its LLM replica was lost (failover)
 
 
 @serve.deployment
@@ -70,6 +72,7 @@ class Router(GrpcIngress):
         self.metrics = RouterMetrics()
         self.created = int(time.time())
         self._external_client = None  # EncoderClient of settings.external_encoder, made on first use
+        self._failovers = {"resubmits": 0, "resumed_streams": 0, "resumed_tokens": 0, "resumed_with_media": 0}
 
     # -- the request flow ---------------------------------------------------------------------
     async def submit(self, messages: list[Message], opts: GenerationOptions, request_id: str) -> Generation:
@@ -90,8 +93,8 @@ class Router(GrpcIngress):
                 "request %s: %d prompt tokens, %d media items (%d media tokens), max_tokens %d",
                 request_id, len(plan.token_ids), len(plan.items), plan.num_media_tokens, sampling.max_tokens,
             )
-            stream = self.llm.options(stream=True).generate.remote(pending)
-            first = await stream.__anext__()  # errors surface here, before any response is sent
+            failover = Failover(self.llm, pending, self.settings.llm_retries, self._count_resume)
+            stream, first = await failover.start()  # errors surface here, before any response is sent
         except Exception as e:
             invalid = as_invalid_request(e)
             if invalid is None:
@@ -99,7 +102,20 @@ class Router(GrpcIngress):
             raise invalid from None
         self.metrics.prompt_tokens.inc(len(plan.token_ids))
         self.metrics.ttft_ms.observe((time.perf_counter() - started) * 1000)
-        return Generation(request_id, plan, sampling, opts.stop, stream, first, self.tokenizer)
+        return Generation(request_id, plan, sampling, opts.stop, stream, first, self.tokenizer, failover.resume)
+
+    def _count_resume(self, continuation: PendingRequest) -> None:
+        self.metrics.resubmits.inc()
+        self._failovers["resubmits"] += 1
+        if sent := continuation.resumed_tokens:
+            self.metrics.resumed_tokens.inc(sent)
+            self._failovers["resumed_streams"] += 1
+            self._failovers["resumed_tokens"] += sent
+            self._failovers["resumed_with_media"] += bool(continuation.embeddings)
+
+    def failover_stats(self) -> dict:
+        """This replica's failover counters (resubmits, resumed streams, tokens they carried)."""
+        return dict(self._failovers)
 
     async def _dispatch_media(self, plan: RequestPlan) -> tuple[EmbeddingHandle, ...]:
         """Send every item to the encoder at once, waiting for none; one handle per item, in order.
