@@ -34,7 +34,8 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
             model_dir, args.dtype, args.device, args.encoder_pool, args.transport, args.grpc
         )
     llm = LLMDeployment.options(**args.llm.options("LLM")).bind(
-        model_dir, args.dtype, args.device, args.engine.resolve(), args.transport, args.grpc
+        model_dir, args.dtype, args.device, args.engine.resolve(), args.transport, args.grpc,
+        args.engine.stall_timeout_s,
     )
     settings = RouterSettings(
         model_dir=model_dir,

@@ -132,6 +132,10 @@ class EngineArgs(_Args):
     attention_backend: Literal["auto", "sdpa", "triton"] = Field(
         default="auto", description="auto: the Triton paged kernel on CUDA, SDPA on CPU (checked at replica start)"
     )
+    stall_timeout_s: float = Field(
+        default=60.0, gt=0, description="an LLM replica holding work with no engine step in this long is "
+        "unhealthy (Serve replaces it; its requests fail over)",
+    )
 
     def resolve(self):
         from llm_service.config import EngineConfig

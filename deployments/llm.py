@@ -49,7 +49,8 @@ def root_cause(e: BaseException) -> BaseException:
 @serve.deployment
 class LLMDeployment:
     def __init__(self, model_dir: str, dtype: str, device: str, engine: EngineConfig | None = None,
-                 transport: str = "object_store", grpc: GrpcArgs | None = None):
+                 transport: str = "object_store", grpc: GrpcArgs | None = None, stall_timeout_s: float = 60.0):
+        self.stall_timeout_s = stall_timeout_s
         self.model = LanguageModel(model_dir, dtype=dtype, device=resolve_device(device))
         self.engine = LLMEngine(self.model, engine or EngineConfig())
         self.engine.start()
@@ -75,6 +76,13 @@ class LLMDeployment:
                 self.metrics.preemptions.inc(stats.num_preemptions - last.num_preemptions)
             self.metrics.tokens_per_s.set((stats.num_generated - last.num_generated) / interval_s)
             last = stats
+
+    def check_health(self) -> None:
+        """Serve's liveness probe: a replica whose engine thread died, or that holds work and made
+        no step in `stall_timeout_s`, is replaced (its requests fail over in the router)."""
+        if reason := self.engine.health(self.stall_timeout_s):
+            logger.error("LLM replica unhealthy: %s", reason)
+            raise RuntimeError(reason)
 
     def stats(self) -> dict:
         """The engine's counters (queues, KV blocks, preemptions, tokens): for tests and debugging."""

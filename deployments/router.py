@@ -198,6 +198,11 @@ class Router(GrpcIngress):
             logger.warning("request %s failed (%s): %r", request_id, failure.kind, e)
         return failure.http_status, failure.message
 
+    def check_health(self) -> None:
+        """Serve's liveness probe (a blocked event loop fails it by timing out): the tokenizer answers."""
+        if not self.tokenizer.encode("ok"):
+            raise RuntimeError("the router's tokenizer returned no tokens")
+
     # -- HTTP (OpenAI-compatible) -------------------------------------------------------------
     def _check_auth(self, request: Request) -> Response | None:
         key = self.settings.api_key
