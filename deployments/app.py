@@ -35,7 +35,7 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         )
     llm = LLMDeployment.options(**args.llm.options("LLM")).bind(
         model_dir, args.dtype, args.device, args.engine.resolve(), args.transport, args.grpc,
-        args.engine.stall_timeout_s,
+        args.engine.stall_timeout_s, args.engine.max_waiting_tokens,
     )
     settings = RouterSettings(
         model_dir=model_dir,

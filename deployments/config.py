@@ -13,17 +13,30 @@ class _Args(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# Serve's queue bound per deployment when `max_queued_requests` is left out: the router and the
+# LLM queue as many requests as they run at once; the encoder is bounded by queued bytes instead
+DEFAULT_MAX_QUEUED = {"Router": 64, "LLM": 64}
+RETRY_AFTER_S = 1
+
+
 class DeploymentArgs(_Args):
     num_replicas: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=1.0, ge=0)
     num_gpus: float = Field(default=0.0, ge=0)
     max_ongoing_requests: int = Field(default=64, ge=1)
+    max_queued_requests: int | None = Field(
+        default=None, ge=-1, description="requests queued for a replica (per caller) before Serve answers "
+        "429 + Retry-After / RESOURCE_EXHAUSTED; -1: unbounded; default: 64 for Router and LLM, -1 for Encoder",
+    )
 
     def options(self, name: str) -> dict:
+        queued = self.max_queued_requests
         return {
             "name": name,
             "num_replicas": self.num_replicas,
             "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": DEFAULT_MAX_QUEUED.get(name, -1) if queued is None else queued,
+            "backpressure_config": {"status_code": 429, "retry_after_s": RETRY_AFTER_S},
             "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
         }
 
@@ -131,6 +144,10 @@ class EngineArgs(_Args):
     enable_prefix_caching: bool = Field(default=True, description="reuse K/V of identical prompt prefixes (images by content hash)")
     attention_backend: Literal["auto", "sdpa", "triton"] = Field(
         default="auto", description="auto: the Triton paged kernel on CUDA, SDPA on CPU (checked at replica start)"
+    )
+    max_waiting_tokens: int = Field(
+        default=32768, ge=1, description="prompt tokens per LLM replica admitted but not prefilled yet; a "
+        "request over it gets 429 + Retry-After / RESOURCE_EXHAUSTED (one request is always admitted)",
     )
     stall_timeout_s: float = Field(
         default=60.0, gt=0, description="an LLM replica holding work with no engine step in this long is "

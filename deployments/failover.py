@@ -72,6 +72,7 @@ class Failover:
             prompt_token_ids=p.prompt_token_ids + tuple(sent),
             sampling=dataclasses.replace(p.sampling, max_tokens=p.sampling.max_tokens - len(sent)),
             resumed_tokens=len(sent),
+            attempt=self.attempts,
         )
 
     async def _submit(self, pending: PendingRequest):

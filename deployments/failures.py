@@ -1,8 +1,8 @@
 """Why a request failed, decided once for every API: the one place errors are classified.
 
 Only `InvalidRequest` (the client's fault) is a 4xx / INVALID_ARGUMENT. A full bounded resource
-(`Overloaded`, device out of memory) is 503 / RESOURCE_EXHAUSTED, a full Serve queue 429 /
-RESOURCE_EXHAUSTED, a backend that is gone 503 / UNAVAILABLE (a lost replica, "lost", is one the
+(`Overloaded`, device out of memory) is 503 / RESOURCE_EXHAUSTED, a full queue (Serve's
+`max_queued_requests`, the LLM's waiting tokens: `QueueFull`) 429 + Retry-After / RESOURCE_EXHAUSTED, a backend that is gone 503 / UNAVAILABLE (a lost replica, "lost", is one the
 router fails over from first: `replica_lost`), and anything else is a bug:
 500 / INTERNAL, with only the exception's type shown to the client.
 """
@@ -15,7 +15,7 @@ from typing import Literal, NamedTuple
 import grpc
 
 from deployments.llm import root_cause
-from mmserve.errors import InvalidRequest, Overloaded, RequestTooLarge
+from mmserve.errors import InvalidRequest, Overloaded, QueueFull, RequestTooLarge
 
 Kind = Literal["invalid", "too_large", "busy", "overloaded", "lost", "unavailable", "deadline", "internal"]
 HTTP_STATUS: dict[str, int] = {
@@ -95,6 +95,8 @@ def classify(e: BaseException) -> Failure:
     if isinstance(cause, InvalidRequest):
         return Failure("invalid", str(cause))
     for error in (e, cause):
+        if isinstance(error, QueueFull):
+            return Failure("busy", f"server busy: {error}; retry later")
         if isinstance(error, Overloaded):
             return Failure("overloaded", f"server overloaded: {error}; retry later")
         if _out_of_memory(error):

@@ -22,3 +22,8 @@ class Overloaded(RuntimeError):
 
     The message says which resource and is safe to show to the client.
     """
+
+
+class QueueFull(RuntimeError):
+    """A queue bounded to keep latency in check is full: retry shortly. HTTP 429 (with Retry-After) /
+    gRPC RESOURCE_EXHAUSTED. The message says which queue and is safe to show to the client."""
