@@ -32,13 +32,18 @@ def test_rayservice_embeds_the_serve_config():
     assert yaml.safe_load(_rayservice()["spec"]["serveConfigV2"]) == _serve_config()
 
 
-def test_gpu_overlay_args_validate():
+def gpu_overlay_serve_config() -> dict:
+    """serveConfigV2 of the GPU (production) overlay."""
     patches = yaml.safe_load((ROOT / "k8s" / "overlays" / "gpu" / "gpu-workers.yaml").read_text())
-    serve_config = next(p["value"] for p in patches if p["path"] == "/spec/serveConfigV2")
+    return yaml.safe_load(next(p["value"] for p in patches if p["path"] == "/spec/serveConfigV2"))
+
+
+def test_gpu_overlay_args_validate():
     from ray.serve.schema import ServeDeploySchema
 
-    ServeDeploySchema.model_validate(yaml.safe_load(serve_config))
-    for app in yaml.safe_load(serve_config)["applications"]:
+    serve_config = gpu_overlay_serve_config()
+    ServeDeploySchema.model_validate(serve_config)
+    for app in serve_config["applications"]:
         args = AppArgs.model_validate(app["args"])
         assert args.encoder.num_gpus >= 1 and args.llm.num_gpus >= 1
 
