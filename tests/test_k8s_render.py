@@ -155,3 +155,39 @@ def test_gpu_overlay_defines_the_model_volume_read_only_many():
 def test_model_fill_job_validates():
     job = yaml.safe_load((ROOT / "k8s" / "models" / "fill-job.yaml").read_text())
     kubernetes_validate.validate(job, KUBERNETES_VERSION, strict=True)
+
+
+def test_every_gpu_worker_group_has_a_disruption_budget():
+    budgets = [d for d in render("gpu") if d["kind"] == "PodDisruptionBudget"]
+    for group in groups("gpu")[1:]:
+        covering = [b for b in budgets if b["spec"]["selector"]["matchLabels"].items() <= group["labels"].items()]
+        assert len(covering) == 1 and covering[0]["spec"]["maxUnavailable"] == 1, group["groupName"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_ray_pod_exposes_metrics_and_the_head_points_at_grafana(overlay):
+    for group in groups(overlay):
+        (container,) = group["template"]["spec"]["containers"]
+        assert {"containerPort": 8080, "name": "metrics"} in container["ports"], group["groupName"]
+    (head,) = groups(overlay)[0]["template"]["spec"]["containers"]
+    env = {e["name"] for e in head["env"]}
+    assert {"RAY_GRAFANA_HOST", "RAY_PROMETHEUS_HOST"} <= env
+
+
+def test_pod_monitor_relabels_the_ray_cluster():
+    (monitor,) = yaml.safe_load_all((ROOT / "k8s" / "monitoring" / "podmonitor.yaml").read_text())
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics"
+    assert {
+        "sourceLabels": ["__meta_kubernetes_pod_label_ray_io_cluster"], "targetLabel": "ray_io_cluster"
+    } in endpoint["relabelings"]
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cpu"])
+def test_dockerfile_passes_hadolint(dockerfile):
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    result = subprocess.run([hadolint, str(ROOT / "k8s" / dockerfile)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = (ROOT / "k8s" / dockerfile).read_text()
+    assert "pip install --no-cache-dir ." in text and " -e " not in text  # non-editable
+    assert "torch==" in text  # pinned to a CUDA / CPU wheel index
