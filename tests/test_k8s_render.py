@@ -81,6 +81,7 @@ def test_no_deprecated_fields_and_an_upgrade_strategy(overlay):
     spec = rayservice(overlay)["spec"]
     assert "serviceUnhealthySecondThreshold" not in spec and "deploymentUnhealthySecondThreshold" not in spec
     assert spec["upgradeStrategy"]["type"] in ("NewCluster", "None")
+    assert spec["rayClusterConfig"]["authOptions"]["mode"] == "token"  # the dashboard listens on 0.0.0.0
     for group in groups(overlay):
         assert "labels" not in group["rayStartParams"], "KubeRay 1.5+ rejects rayStartParams['labels']"
         for container in group["template"]["spec"]["containers"]:
