@@ -25,7 +25,8 @@ from pathlib import Path
 
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 LLAVA_FAMILIES = ("llava", "llava_siglip")
-FAMILIES = QWEN_FAMILIES + LLAVA_FAMILIES
+STEP3_FAMILIES = ("step3p7",)
+FAMILIES = QWEN_FAMILIES + LLAVA_FAMILIES + STEP3_FAMILIES
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -336,7 +337,12 @@ def build_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = 0) -> 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
     out = Path(out_dir)
-    model, processor, eos_ids = (_qwen if family in QWEN_FAMILIES else _llava)(family, seed)
+    if family in STEP3_FAMILIES:
+        from mmserve.tiny_step3p7 import step3p7
+
+        model, processor, eos_ids = step3p7(seed, _build_tokenizer)
+    else:
+        model, processor, eos_ids = (_qwen if family in QWEN_FAMILIES else _llava)(family, seed)
     text_config = model.config.text_config
     model.generation_config = GenerationConfig(
         eos_token_id=eos_ids,

@@ -17,6 +17,7 @@ FAMILIES = {
     "qwen2_vl": "qwen2_vl",
     "qwen2_5_vl": "qwen2_vl",
     "llava": "llava",
+    "step3p7": "step3p7",
 }
 
 
