@@ -73,3 +73,55 @@ def test_large_images_give_many_crops_and_video_is_refused(step3_dir):
     assert face.placeholder(MediaKind.VIDEO) is None
     with pytest.raises(InvalidRequest):
         face.expand(MediaItem(MediaKind.VIDEO, (image_bytes(50, 50, 0),) * 2), 1 << 24)
+
+
+def _features(step3_dir, images: list[bytes]) -> list[torch.Tensor]:
+    from tests.reference import _pil
+
+    processor, model = load_reference(step3_dir)
+    inputs = processor.image_processor(images=[_pil(b) for b in images], return_tensors="pt")
+    with torch.inference_mode():
+        out = model.model.get_image_features(
+            pixel_values=inputs["pixel_values"].to(torch.float64),
+            pixel_values_local=inputs["pixel_values_local"].to(torch.float64) if "pixel_values_local" in inputs else None,
+            num_local_patches=inputs["num_local_patches"],
+        )
+    return list(out.pooler_output)
+
+
+SIZES = ((200, 200), (50, 50), (60, 180), (130, 90))
+
+
+def test_encoder_equals_in_tree_image_features_and_split_pieces_concatenate(step3_dir):
+    from tests.test_encoder_equivalence import encoder
+
+    enc = encoder(step3_dir, "float64")
+    images = [image_bytes(h, w, k) for k, (h, w) in enumerate(SIZES)]
+    expected = _features(step3_dir, images)
+    items = [enc.plan(MediaItem(MediaKind.IMAGE, (b,))) for b in images]
+    got = [e.rows for e in enc.encode(items)]
+    assert [g.shape[0] for g in got] == [i.cost for i in items] == [e.shape[0] for e in expected]
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-10)
+    prepared = enc.preprocess(items[0])  # 16 crops x 4 tokens + 16 global tokens
+    for budget, sizes in ((4, [4] * 16 + [16]), (20, [20, 20, 20, 20]), (24, [24, 24, 16, 16]), (80, [80])):
+        pieces = enc.split(prepared, budget, "tokens")
+        assert [p.num_tokens for p in pieces] == sizes
+        rows = torch.cat([parts[0] for piece in pieces for parts in enc.forward([piece])])
+        torch.testing.assert_close(rows, expected[0], rtol=0, atol=1e-10)
+
+
+def test_pooled_crops_split_across_batches_equal_whole_images(step3_dir):
+    import asyncio
+
+    from encoder_service.batching import BatchConfig
+    from tests.test_encoder_equivalence import CountingEncoder, encoder, pooled
+
+    enc = CountingEncoder(encoder(step3_dir, "float64"))
+    images = [image_bytes(h, w, 10 + k) for k, (h, w) in enumerate(SIZES)]
+    expected = _features(step3_dir, images)
+    items = [MediaItem(MediaKind.IMAGE, (b,)) for b in images]
+    got = asyncio.run(pooled(enc, items, BatchConfig(max_batch_tokens=24, batch_wait_ms=30), per_request=2))
+    assert sum(enc.forward_sizes) > len(items)  # the large images went through in pieces
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-10)
