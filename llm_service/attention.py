@@ -6,7 +6,8 @@ new K/V into the block pool at `slot_mapping` and attends over each sequence's K
 from the pool* through its block table, packed (varlen) over all scheduled sequences.
 
 - CPU (and CUDA without a varlen kernel): one SDPA call over the packed queries against the
-  gathered K/V of every sequence, with a block-diagonal causal mask.
+  gathered K/V of every sequence, with a block-diagonal causal mask; sliding-window layers
+  (`module.sliding_window`) use that mask restricted to their window (`window_masks`).
 - CUDA: `torch.nn.attention.varlen.varlen_attn` straight on the paged pool (`block_table`,
   `seqused_k`), or `flash_attn_varlen_func` when `flash-attn` is installed.
 """
@@ -44,6 +45,8 @@ class AttentionBatch:
     backend: str  # "sdpa" | "varlen" | "flash_attn"
     gather_slots: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    # CPU path, sliding-window layers: per window size, `mask` restricted to the last `window` keys.
+    window_masks: dict[int, torch.Tensor] | None = None
 
 
 def sdpa_metadata(q_lens: list[int], context_lens: list[int], slot_tables: list[torch.Tensor],
@@ -62,6 +65,28 @@ def sdpa_metadata(q_lens: list[int], context_lens: list[int], slot_tables: list[
     return gather, mask.to(device)
 
 
+def sliding_windows(decoder) -> tuple[int, ...]:
+    """The window sizes of the decoder's sliding-window attention layers (`transformers` attention
+    modules carry `sliding_window`: an int on sliding layers, None on full ones)."""
+    return tuple(sorted({int(w) for m in decoder.modules() if (w := getattr(m, "sliding_window", None))}))
+
+
+def sdpa_window_masks(q_lens: list[int], context_lens: list[int], windows: tuple[int, ...],
+                      device: torch.device) -> dict[int, torch.Tensor]:
+    """Per window, the block-diagonal causal mask of `sdpa_metadata` further restricted as
+    `transformers`' `sliding_window_overlay`: a query at position p sees keys at p - window < k <= p."""
+    if not windows:
+        return {}
+    q_seq = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
+    k_seq = torch.repeat_interleave(torch.arange(len(context_lens)), torch.tensor(context_lens))
+    q_off = torch.cumsum(torch.tensor([0] + q_lens[:-1]), 0)
+    k_off = torch.cumsum(torch.tensor([0] + context_lens[:-1]), 0)
+    q_pos = torch.arange(sum(q_lens)) - q_off[q_seq] + (torch.tensor(context_lens) - torch.tensor(q_lens))[q_seq]
+    k_pos = torch.arange(sum(context_lens)) - k_off[k_seq]
+    causal = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+    return {w: (causal & (k_pos[None, :] > q_pos[:, None] - w)).to(device) for w in windows}
+
+
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """`transformers` attention function: `query` `(1, H, T, D)`, `key`/`value` `(1, Hkv, T, D)`
     (new tokens only, rotary applied); the step's `AttentionBatch` arrives as the `paged_batch`
@@ -78,8 +103,11 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k_new)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v_new)
     q = query[0].transpose(0, 1)  # (T, H, D)
+    window = getattr(module, "sliding_window", None)
     if batch.backend == "sdpa":
-        out = _sdpa(q, k_cache, v_cache, batch, scaling)
+        out = _sdpa(q, k_cache, v_cache, batch, scaling, batch.window_masks[window] if window else batch.mask)
+    elif window:
+        raise RuntimeError(f"the {batch.backend} attention backend has no sliding-window path")
     elif batch.backend == "flash_attn":
         out = _flash_attn(q, k_cache, v_cache, batch, scaling)
     else:
@@ -87,12 +115,12 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     return out.unsqueeze(0), None
 
 
-def _sdpa(q, k_cache, v_cache, batch: AttentionBatch, scaling):
+def _sdpa(q, k_cache, v_cache, batch: AttentionBatch, scaling, mask):
     kvh, d = k_cache.shape[-2], k_cache.shape[-1]
     k = k_cache.view(-1, kvh, d)[batch.gather_slots].transpose(0, 1).unsqueeze(0)  # (1, Hkv, S, D)
     v = v_cache.view(-1, kvh, d)[batch.gather_slots].transpose(0, 1).unsqueeze(0)
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=batch.mask, scale=scaling,
+        q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask, scale=scaling,
         enable_gqa=q.shape[1] != kvh,
     )
     return out[0].transpose(0, 1)  # (T, H, D)

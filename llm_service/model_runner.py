@@ -44,6 +44,13 @@ class ModelRunner:
                                      self.head_dim, model.dtype, self.device)
         self.scratch_block = self.num_blocks
         self.backend = attention.choose_backend(self.device, model.dtype, config.block_size)
+        self.windows = attention.sliding_windows(decoder)
+        if self.windows and self.backend != "sdpa":
+            raise ValueError(
+                f"{type(decoder).__name__} has sliding-window attention layers (window {self.windows}) "
+                f"but the {self.backend!r} attention backend cannot honor them; serve it in float32/float64 "
+                "or on CPU (masked SDPA path)"
+            )
         self.num_forwards = 0
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs and self.backend != "sdpa":
@@ -113,5 +120,6 @@ class ModelRunner:
         )
         if self.backend == "sdpa":
             batch.gather_slots, batch.mask = attention.sdpa_metadata(q_lens, ctx_lens, slot_tables, dev)
+            batch.window_masks = attention.sdpa_window_masks(q_lens, ctx_lens, self.windows, dev)
         last = (cu_q[1:] - 1).to(torch.long).to(dev)
         return embeds, torch.cat(positions, dim=1).to(dev), batch, last
