@@ -125,3 +125,50 @@ def test_pooled_crops_split_across_batches_equal_whole_images(step3_dir):
     assert sum(enc.forward_sizes) > len(items)  # the large images went through in pieces
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-10)
+
+
+def _user(*parts):
+    return [{"role": "user", "content": list(parts)}]
+
+
+def _text(t):
+    return {"type": "text", "text": t}
+
+
+def _image(h, w, seed):
+    return {"type": "image", "bytes": image_bytes(h, w, seed)}
+
+
+CASES = {
+    "text_only": lambda: _user(_text("Hello, who are you? Tell me about the sky.")),
+    "one_image": lambda: _user(_image(64, 180, 1), _text("Describe this image.")),
+    "three_images": lambda: _user(_image(50, 50, 2), _text("Compare with"), _image(200, 200, 3),
+                                  _image(90, 160, 4), _text("please.")),
+    "long_prompt": lambda: _user(_image(120, 60, 8), _text(" ".join(["the cat sat on the mat"] * 12))),
+}
+MAX_TOKENS = 8
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_runtimes_equal_monolithic(step3_dir, case):
+    from tests.pipeline import served_generate
+
+    messages = CASES[case]()
+    if case == "long_prompt":
+        processor, model = load_reference(step3_dir)
+        assert len(processor.tokenizer("the cat sat on the mat " * 12)["input_ids"]) > 3 * model.config.text_config.sliding_window
+    assert served_generate(step3_dir, messages, MAX_TOKENS) == reference_generate(step3_dir, messages, MAX_TOKENS)
+
+
+def test_engine_refuses_sliding_windows_on_a_backend_without_them(step3_dir, monkeypatch):
+    from llm_service import attention
+    from llm_service.config import EngineConfig
+    from llm_service.model import LanguageModel
+    from llm_service.model_runner import ModelRunner
+
+    model = LanguageModel(step3_dir, dtype="float32")
+    config = EngineConfig(num_kv_blocks=8)
+    assert ModelRunner(model, config).windows == (model.text_config.sliding_window,)
+    monkeypatch.setattr(attention, "choose_backend", lambda *a: "varlen")
+    with pytest.raises(ValueError, match="sliding-window"):
+        ModelRunner(model, config)
