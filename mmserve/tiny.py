@@ -26,7 +26,8 @@ from pathlib import Path
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 LLAVA_FAMILIES = ("llava", "llava_siglip")
 STEP3_FAMILIES = ("step3p7",)
-FAMILIES = QWEN_FAMILIES + LLAVA_FAMILIES + STEP3_FAMILIES
+MINICPMV_FAMILIES = ("minicpmv4_6",)
+FAMILIES = QWEN_FAMILIES + LLAVA_FAMILIES + STEP3_FAMILIES + MINICPMV_FAMILIES
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -341,6 +342,10 @@ def build_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = 0) -> 
         from mmserve.tiny_step3p7 import step3p7
 
         model, processor, eos_ids = step3p7(seed, _build_tokenizer)
+    elif family in MINICPMV_FAMILIES:
+        from mmserve.tiny_minicpmv import minicpmv4_6
+
+        model, processor, eos_ids = minicpmv4_6(seed, _build_tokenizer)
     else:
         model, processor, eos_ids = (_qwen if family in QWEN_FAMILIES else _llava)(family, seed)
     text_config = model.config.text_config
