@@ -81,3 +81,61 @@ def test_llm_startup_refuses_the_hybrid_linear_attention_lm(minicpmv_dir):
 
     with pytest.raises(ValueError, match="linear-attention layers"):
         LanguageModel(minicpmv_dir, dtype="float32")
+
+
+def _features(model_dir, item: MediaItem) -> torch.Tensor:
+    processor, model = load_reference(model_dir)
+    with torch.inference_mode():
+        if item.kind is MediaKind.IMAGE:
+            x = processor.image_processor(images=[_pil(item.frames[0])], return_tensors="pt")
+            out = model.model.get_image_features(x["pixel_values"].to(torch.float64), x["target_sizes"])
+        else:
+            frames = [_pil(f) for f in item.frames]
+            meta = [{"total_num_frames": len(frames), "fps": 2.0, "frames_indices": list(range(len(frames)))}]
+            x = processor.video_processor(videos=[frames], do_sample_frames=False, video_metadata=meta,
+                                          return_tensors="pt")
+            out = model.model.get_video_features(x["pixel_values_videos"][:1].to(torch.float64),
+                                                 x["target_sizes_videos"])
+    return torch.cat(list(out.pooler_output))
+
+
+ITEMS = (
+    MediaItem(MediaKind.IMAGE, (image_bytes(200, 200, 0),)),
+    MediaItem(MediaKind.IMAGE, (image_bytes(40, 60, 1),)),
+    MediaItem(MediaKind.IMAGE, (image_bytes(90, 220, 2),)),
+    MediaItem(MediaKind.VIDEO, tuple(video_frames(3, 150, 120, 3))),
+)
+
+
+def test_encoder_equals_in_tree_features_and_split_views_concatenate(minicpmv_dir):
+    from tests.test_encoder_equivalence import encoder
+
+    enc = encoder(minicpmv_dir, "float64")
+    planned = [enc.plan(item) for item in ITEMS]
+    got = [e.rows for e in enc.encode(planned)]
+    for item, plan, rows in zip(ITEMS, planned, got):
+        expected = _features(minicpmv_dir, item)
+        assert rows.shape[0] == plan.cost == expected.shape[0]
+        torch.testing.assert_close(rows, expected, rtol=0, atol=1e-10)
+    prepared = enc.preprocess(planned[0])
+    assert prepared.layout >= 4  # source view + slices
+    for budget in (1, 10, prepared.num_tokens):
+        pieces = enc.split(prepared, budget, "tokens")
+        assert sum(p.num_tokens for p in pieces) == prepared.num_tokens
+        assert len(pieces) > 1 or budget >= prepared.num_tokens
+        rows = torch.cat([parts[0] for piece in pieces for parts in enc.forward([piece])])
+        torch.testing.assert_close(rows, got[0], rtol=0, atol=1e-10)
+
+
+def test_pooled_views_split_across_batches_equal_whole_items(minicpmv_dir):
+    import asyncio
+
+    from encoder_service.batching import BatchConfig
+    from tests.test_encoder_equivalence import CountingEncoder, encoder, pooled
+
+    enc = CountingEncoder(encoder(minicpmv_dir, "float64"))
+    expected = [_features(minicpmv_dir, item) for item in ITEMS]
+    got = asyncio.run(pooled(enc, list(ITEMS), BatchConfig(max_batch_tokens=12, batch_wait_ms=30), per_request=2))
+    assert sum(enc.forward_sizes) > len(ITEMS)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-10)
