@@ -139,3 +139,23 @@ def test_pooled_views_split_across_batches_equal_whole_items(minicpmv_dir):
     assert sum(enc.forward_sizes) > len(ITEMS)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-10)
+
+
+def test_tiny_loads_with_auto_classes_and_is_image_sensitive(minicpmv_dir):
+    from tests.reference import reference_generate
+
+    processor, model = load_reference(minicpmv_dir)
+    assert model.config.text_config.model_type == "qwen3_5_text"
+    assert {"linear_attention", "full_attention"} == set(model.config.text_config.layer_types)
+    assert processor.image_token_id == model.config.image_token_id
+    prompt = lambda b: [{"role": "user", "content": [{"type": "image", "bytes": b},  # noqa: E731
+                                                     {"type": "text", "text": "Describe the image."}]}]
+    first = reference_generate(minicpmv_dir, prompt(image_bytes(64, 180, 1)), 12)
+    second = reference_generate(minicpmv_dir, prompt(image_bytes(150, 90, 2)), 12)
+    assert first != second
+    hook = model.model.merger.register_forward_hook(lambda m, a, out: [torch.zeros_like(o) for o in out])
+    try:
+        zeroed = reference_generate(minicpmv_dir, prompt(image_bytes(64, 180, 1)), 12)
+    finally:
+        hook.remove()
+    assert first != zeroed

@@ -172,3 +172,16 @@ def test_engine_refuses_sliding_windows_on_a_backend_without_them(step3_dir, mon
     monkeypatch.setattr(attention, "choose_backend", lambda *a: "varlen")
     with pytest.raises(ValueError, match="sliding-window"):
         ModelRunner(model, config)
+
+
+def test_cli_builds_step3_and_minicpmv_deterministically(tmp_path, step3_dir):
+    import hashlib
+    from pathlib import Path
+
+    from mmserve.cli import main
+
+    for family in ("step3p7", "minicpmv4_6"):
+        assert main(["build-tiny-model", "--family", family, "--out", str(tmp_path / family)]) == 0
+        assert (tmp_path / family / "model.safetensors").is_file()
+    digest = lambda p: {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(Path(p).iterdir())}  # noqa: E731
+    assert digest(tmp_path / "step3p7") == digest(step3_dir)
