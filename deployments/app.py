@@ -1,50 +1,46 @@
-"""The application builder: `serve run deployments.app:build_app` or a Serve config YAML."""
+"""The application builder: `serve run deployments.app:build_app` or a Serve config YAML.
+
+Serve calls the builder in a task that may run on any node (on KubeRay usually the head: no
+GPU, no model volume), so it only validates arguments: it never reads the checkpoint or builds
+the tiny model. Replicas resolve the model and secrets on their own nodes
+(`deployments.replica_env`).
+"""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from ray.serve import Application
 
 from deployments.config import AppArgs
 from deployments.encoder import EncoderDeployment, encoder_options
 from deployments.llm import LLMDeployment
+from deployments.replica_env import model_name
 from deployments.router import Router, RouterSettings
-
-
-def resolve_model_dir(model: str | None) -> str:
-    """The checkpoint to serve: `model`, or the embedded tiny model (built once into the cache)."""
-    if model is None:
-        from mmserve.tiny import ensure_tiny_model
-
-        return str(ensure_tiny_model())
-    path = Path(model).expanduser()
-    if not (path / "config.json").is_file():
-        raise ValueError(f"--model {model!r} is not a Hugging Face checkpoint directory (no config.json)")
-    return str(path.resolve())
 
 
 def build_app(args: dict | AppArgs | None = None) -> Application:
     """Router (ingress) + encoder pool + LLM replicas, from validated `AppArgs`."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
-    model_dir = resolve_model_dir(args.model)
     encoder = None  # with grpc.encoder_address the router uses that standalone encoder instead
     if args.grpc.encoder_address is None:
         encoder = EncoderDeployment.options(**encoder_options(args.encoder, args.encoder_pool)).bind(
-            model_dir, args.dtype, args.device, args.encoder_pool, args.transport, args.grpc
+            args.model, args.dtype, args.device, args.encoder_pool, args.transport, args.grpc
         )
-    llm = LLMDeployment.options(**args.llm.options("LLM")).bind(
-        model_dir, args.dtype, args.device, args.engine.resolve(), args.transport, args.grpc,
+    # an LLM replica at its target runs a full batch (max_num_seqs): more replicas beyond that
+    llm_options = args.llm.options("LLM", default_target_ongoing_requests=args.engine.max_num_seqs)
+    llm = LLMDeployment.options(**llm_options).bind(
+        args.model, args.dtype, args.device, args.engine.resolve(), args.transport, args.grpc,
         args.engine.stall_timeout_s, args.engine.max_waiting_tokens,
     )
     settings = RouterSettings(
-        model_dir=model_dir,
-        served_model_name=args.served_model_name or Path(model_dir).name,
+        model_dir=args.model,
+        served_model_name=args.served_model_name or model_name(args.model),
         limits=args.limits,
         api_key=args.api_key,
+        api_key_env=args.api_key_env,
         await_embeddings=args.await_embeddings_in_router,
         external_encoder=args.grpc.encoder_address,
         encoder_token=args.grpc.token,
+        encoder_token_env=args.grpc.token_env,
         encoder_tls_ca=args.grpc.tls_ca,
         llm_retries=args.llm_retries,
     )

@@ -18,8 +18,35 @@ class _Args(BaseModel):
 DEFAULT_MAX_QUEUED = {"Router": 64, "LLM": 64}
 RETRY_AFTER_S = 1
 
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class ReplicaAutoscalingArgs(_Args):
+    """Serve's default autoscaling policy: replicas follow the ongoing requests per replica."""
+
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=4, ge=1)
+    target_ongoing_requests: float | None = Field(
+        default=None, gt=0, description="per replica; default for the LLM: the engine's max_num_seqs"
+    )
+    upscale_delay_s: float = Field(default=30.0, ge=0)
+    downscale_delay_s: float = Field(default=600.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_range(self) -> "ReplicaAutoscalingArgs":
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        return self
+
 
 class DeploymentArgs(_Args):
+    """One deployment's replicas and where they may run.
+
+    `label_selector`, `resources` and `accelerator_type` go to the replicas' Ray actor options:
+    on KubeRay they pin a deployment to its worker group (the group's `labels` and `resources`),
+    so encoder and LLM replicas never share, or land on, the wrong pods.
+    """
+
     num_replicas: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=1.0, ge=0)
     num_gpus: float = Field(default=0.0, ge=0)
@@ -28,17 +55,42 @@ class DeploymentArgs(_Args):
         default=None, ge=-1, description="requests queued for a replica (per caller) before Serve answers "
         "429 + Retry-After / RESOURCE_EXHAUSTED; -1: unbounded; default: 64 for Router and LLM, -1 for Encoder",
     )
+    label_selector: dict[str, str] = Field(default_factory=dict, description="Ray node labels a replica needs")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per replica")
+    accelerator_type: str | None = Field(default=None, description="e.g. H100, A100, L4 (Ray accelerator types)")
+    autoscaling: ReplicaAutoscalingArgs | None = Field(
+        default=None, description="autoscale on ongoing requests (num_replicas is then ignored)"
+    )
 
-    def options(self, name: str) -> dict:
-        queued = self.max_queued_requests
-        return {
+    def options(self, name: str, default_target_ongoing_requests: float | None = None) -> dict:
+        actor: dict = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.label_selector:
+            actor["label_selector"] = dict(self.label_selector)
+        if self.resources:
+            actor["resources"] = dict(self.resources)
+        if self.accelerator_type:
+            actor["accelerator_type"] = self.accelerator_type
+        queued = DEFAULT_MAX_QUEUED.get(name, -1) if self.max_queued_requests is None else self.max_queued_requests
+        options = {
             "name": name,
-            "num_replicas": self.num_replicas,
             "max_ongoing_requests": self.max_ongoing_requests,
-            "max_queued_requests": DEFAULT_MAX_QUEUED.get(name, -1) if queued is None else queued,
+            "max_queued_requests": queued,
             "backpressure_config": {"status_code": 429, "retry_after_s": RETRY_AFTER_S},
-            "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
+            "ray_actor_options": actor,
         }
+        if self.autoscaling is None:
+            options["num_replicas"] = self.num_replicas
+            return options
+        scaling = self.autoscaling
+        target = scaling.target_ongoing_requests or default_target_ongoing_requests
+        options["autoscaling_config"] = {
+            "min_replicas": scaling.min_replicas,
+            "max_replicas": scaling.max_replicas,
+            **({"target_ongoing_requests": target} if target else {}),
+            "upscale_delay_s": scaling.upscale_delay_s,
+            "downscale_delay_s": scaling.downscale_delay_s,
+        }
+        return options
 
 
 class LimitArgs(_Args):
@@ -78,6 +130,10 @@ class GrpcArgs(_Args):
     bind_host: str = "[::]"
     port: int = Field(default=0, ge=0, le=65535, description="each encoder replica's port; 0 = any free port")
     token: str | None = Field(default=None, description="shared token every EncoderService call must carry")
+    token_env: str | None = Field(
+        default=None, pattern=ENV_NAME, description="environment variable holding `token`, read where each "
+        "replica runs (the Serve config then holds only the name)",
+    )
     result_ttl_s: float = Field(default=300.0, gt=0, description="how long an unfetched embedding stays pinned")
     result_store_bytes: int = Field(
         default=2 << 30, ge=1, description="pinned embeddings per encoder; over it encodes are refused (503)"
@@ -92,6 +148,20 @@ class GrpcArgs(_Args):
         default=None, description="PEM file of the CA that signed the standalone encoder's certificate: "
         "connect to `encoder_address` over TLS",
     )
+
+    @model_validator(mode="after")
+    def _check_token(self) -> "GrpcArgs":
+        if self.token is not None and self.token_env is not None:
+            raise ValueError("set grpc.token or grpc.token_env, not both")
+        return self
+
+    def on_node(self) -> "GrpcArgs":
+        """These arguments with `token` read from `token_env` on this node (a replica's)."""
+        if self.token_env is None:
+            return self
+        from deployments.replica_env import secret
+
+        return self.model_copy(update={"token": secret(None, self.token_env, "grpc.token_env"), "token_env": None})
 
 
 class EncoderPoolArgs(_Args):
@@ -181,6 +251,10 @@ class AppArgs(_Args):
         default="object_store", description="how embeddings reach the LLM replicas (same tensors either way)"
     )
     api_key: str | None = None
+    api_key_env: str | None = Field(
+        default=None, pattern=ENV_NAME, description="environment variable holding the API key, read where "
+        "each router replica runs (the Serve config then holds only the name)",
+    )
     await_embeddings_in_router: bool = Field(
         default=False,
         description="wait for the encoder before calling the LLM instead of passing the pending refs "
@@ -198,6 +272,21 @@ class AppArgs(_Args):
     encoder_pool: EncoderPoolArgs = EncoderPoolArgs()
     grpc: GrpcArgs = GrpcArgs()
     engine: EngineArgs = EngineArgs()
+
+    @model_validator(mode="after")
+    def _check_deployments(self) -> "AppArgs":
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("set api_key or api_key_env, not both")
+        if self.encoder.autoscaling is not None:
+            raise ValueError("the encoder autoscales on queued tokens: use encoder_pool.autoscale, not encoder.autoscaling")
+        if self.llm.autoscaling is not None:
+            target = self.llm.autoscaling.target_ongoing_requests or self.engine.max_num_seqs
+            if target > self.llm.max_ongoing_requests:
+                raise ValueError(
+                    f"llm: target_ongoing_requests ({target:g}) > max_ongoing_requests "
+                    f"({self.llm.max_ongoing_requests}): replicas could never reach the target"
+                )
+        return self
 
     @model_validator(mode="after")
     def _check_external_encoder(self) -> "AppArgs":

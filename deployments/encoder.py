@@ -18,6 +18,7 @@ from ray import serve
 from deployments.autoscaling import QUEUED_TOKENS, autoscaling_config
 from deployments.config import DeploymentArgs, EncoderPoolArgs, GrpcArgs
 from deployments.metrics import EncoderMetrics
+from deployments.replica_env import resolve_model_dir
 from encoder_service import VisionEncoder
 from encoder_service.batching import BatchConfig
 from encoder_service.pool import BatchRecord, EncoderPool, Lookup, PoolConfig, PoolListener
@@ -114,8 +115,9 @@ class _MetricsListener(PoolListener):
 
 @serve.deployment
 class EncoderDeployment:
-    def __init__(self, model_dir: str, dtype: str, device: str, pool: EncoderPoolArgs | None = None,
+    def __init__(self, model_dir: str | None, dtype: str, device: str, pool: EncoderPoolArgs | None = None,
                  transport: str = "object_store", grpc: GrpcArgs | None = None):
+        model_dir, grpc = resolve_model_dir(model_dir), (grpc or GrpcArgs()).on_node()
         self.encoder = VisionEncoder(model_dir, dtype=dtype, device=resolve_device(device))
         self.metrics = EncoderMetrics()
         self.pool = EncoderPool(self.encoder, pool_config(pool or EncoderPoolArgs()), _MetricsListener(self.metrics))

@@ -13,6 +13,7 @@ from ray import serve
 from deployments.config import GrpcArgs
 from deployments.encoder import resolve_device
 from deployments.metrics import LLMMetrics
+from deployments.replica_env import resolve_model_dir
 from deployments.transport import EmbeddingHandle, resolve
 from llm_service.config import EngineConfig
 from llm_service.engine import LLMEngine, LLMRequest, TokenEvent
@@ -49,9 +50,10 @@ def root_cause(e: BaseException) -> BaseException:
 
 @serve.deployment
 class LLMDeployment:
-    def __init__(self, model_dir: str, dtype: str, device: str, engine: EngineConfig | None = None,
+    def __init__(self, model_dir: str | None, dtype: str, device: str, engine: EngineConfig | None = None,
                  transport: str = "object_store", grpc: GrpcArgs | None = None, stall_timeout_s: float = 60.0,
                  max_waiting_tokens: int | None = None):
+        model_dir, grpc = resolve_model_dir(model_dir), (grpc or GrpcArgs()).on_node()
         self.stall_timeout_s = stall_timeout_s
         self.max_waiting_tokens = max_waiting_tokens  # None: unbounded
         self.waiting_tokens = 0  # prompt tokens of requests admitted here whose first event is not back

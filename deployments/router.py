@@ -11,7 +11,7 @@ import hmac
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -30,6 +30,7 @@ from deployments.grpc_ingress import GrpcIngress
 from deployments.llm import PendingRequest
 from deployments.transport import EmbeddingHandle
 from deployments.metrics import RouterMetrics
+from deployments.replica_env import resolve_model_dir, secret
 from llm_service.sampling import SamplingParams
 from mmserve.checkpoint import read_config
 from mmserve.errors import InvalidRequest
@@ -41,7 +42,7 @@ app = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
 
 @dataclass(frozen=True)
 class RouterSettings:
-    model_dir: str
+    model_dir: str | None  # as given (None: the tiny model); `on_node()` resolves it where the replica runs
     served_model_name: str
     limits: LimitArgs
     api_key: str | None
@@ -50,6 +51,17 @@ class RouterSettings:
     encoder_token: str | None = None
     encoder_tls_ca: str | None = None  # PEM file: reach external_encoder over TLS
     llm_retries: int = 2  # resubmissions of one request after its LLM replica was lost (failover)
+    api_key_env: str | None = None  # environment variable holding api_key, read on the replica's node
+    encoder_token_env: str | None = None  # likewise for encoder_token
+
+    def on_node(self) -> "RouterSettings":
+        """These settings with the model directory and secrets resolved on this node."""
+        return replace(
+            self,
+            model_dir=resolve_model_dir(self.model_dir),
+            api_key=secret(self.api_key, self.api_key_env, "api_key_env"),
+            encoder_token=secret(self.encoder_token, self.encoder_token_env, "grpc.token_env"),
+        )
 
 
 @serve.deployment
@@ -58,6 +70,7 @@ class Router(GrpcIngress):
     def __init__(self, encoder: DeploymentHandle | None, llm: DeploymentHandle, settings: RouterSettings):
         from transformers import AutoTokenizer, GenerationConfig
 
+        settings = settings.on_node()
         self.encoder = encoder
         self.llm = llm
         self.settings = settings

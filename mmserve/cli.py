@@ -9,9 +9,11 @@ import time
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    import ray
     from ray import serve
 
+    start = time.perf_counter()
+    if ns.config:
+        return _serve_config(ns, start)
     from deployments.app import build_app
     from deployments.config import AppArgs, DeploymentArgs
 
@@ -30,8 +32,7 @@ def _serve(ns: argparse.Namespace) -> int:
         encoder=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.encoder_gpus),
         llm=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.llm_gpus),
     )
-    start = time.perf_counter()
-    ray.init(num_cpus=cpus, include_dashboard=ns.dashboard, logging_level="WARNING")
+    _start_ray(ns)
     from deployments.grpc_ingress import grpc_options
 
     serve.start(http_options={"host": ns.host, "port": ns.http_port}, grpc_options=grpc_options(port=ns.grpc_port))
@@ -42,6 +43,66 @@ def _serve(ns: argparse.Namespace) -> int:
         f"{ns.host}:{ns.grpc_port} (Ctrl-C to stop)",
         flush=True,
     )
+    return _wait_for_ctrl_c()
+
+
+def _start_ray(ns: argparse.Namespace) -> None:
+    import ray
+
+    context = ray.init(
+        num_cpus=ns.num_cpus, include_dashboard=ns.dashboard, dashboard_host=ns.host, logging_level="WARNING"
+    )
+    if ns.dashboard and context.dashboard_url:
+        print(f"Ray dashboard: http://{context.dashboard_url} (Serve tab: deployments, replicas, logs)", flush=True)
+
+
+def _serve_config(ns: argparse.Namespace, start: float) -> int:
+    """The Serve config file `serve run` / `serve deploy` / KubeRay's serveConfigV2 take: the same
+    controller builds the apps; every app setting comes from the file."""
+    import yaml
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    with open(ns.config) as f:
+        config = ServeDeploySchema.model_validate(yaml.safe_load(f))
+    _start_ray(ns)
+    options = config.model_dump(include={"proxy_location", "http_options", "grpc_options"}, exclude_unset=True)
+    serve.start(**options)
+    _get_global_client().deploy_apps(config)
+    names = [app.name for app in config.applications]
+    while True:
+        statuses = {name: serve.status().applications.get(name) for name in names}
+        failed = {n: a.message for n, a in statuses.items() if a is not None and a.status == "DEPLOY_FAILED"}
+        if failed:
+            for name, message in failed.items():
+                print(f"application {name} failed to deploy: {message}", file=sys.stderr)
+            serve.shutdown()
+            return 1
+        if all(a is not None and a.status == "RUNNING" for a in statuses.values()):
+            break
+        time.sleep(1)
+    http = config.http_options
+    print(
+        f"mmserve ready in {time.perf_counter() - start:.1f}s from {ns.config}: "
+        f"http://{http.host}:{http.port} ({', '.join(names)}; Ctrl-C to stop)",
+        flush=True,
+    )
+    return _wait_for_ctrl_c()
+
+
+def _wait_for_ctrl_c() -> int:
+    """Serve until Ctrl-C or SIGTERM (docker stop, Kubernetes), then shut Serve and Ray down."""
+    import signal
+
+    import ray
+    from ray import serve
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)  # also where a parent left SIGINT ignored
     try:
         while True:
             time.sleep(3600)
@@ -178,7 +239,15 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument("--llm-gpus", type=float, default=0)
     serve_p.add_argument("--grpc-port", type=int, default=9000, help="Serve's gRPC proxy port")
     serve_p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (HTTP header, gRPC metadata)")
-    serve_p.add_argument("--dashboard", action="store_true", help="also start the Ray dashboard")
+    serve_p.add_argument(
+        "--dashboard", action=argparse.BooleanOptionalAction, default=True,
+        help="start the Ray dashboard (default; on --host, port 8265) and print its URL",
+    )
+    serve_p.add_argument(
+        "--config", default=None, metavar="YAML",
+        help="a Serve config file (e.g. deployments/serve_config.yaml, the one `serve run` and k8s take); "
+        "app flags (--model, --dtype, ...) are then ignored",
+    )
     serve_p.set_defaults(func=_serve)
 
     tiny_p = sub.add_parser("build-tiny-model", help="write a deterministic tiny checkpoint")

@@ -77,7 +77,7 @@ class RequestPlanner:
     def plan(self, messages: list[Message]) -> RequestPlan:
         items = [p for m in messages for p in m.parts if isinstance(p, MediaItem)]
         self._check_limits(items)
-        expansions = [self.face.expand(item, self.limits.max_pixels_per_image) for item in items]
+        expansions = self.face.expand_all(items, self.limits.max_pixels_per_image)
         chat = [
             ChatMessage(m.role, tuple(p.kind if isinstance(p, MediaItem) else p for p in m.parts))
             for m in messages

@@ -26,7 +26,9 @@ from pathlib import Path
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 LLAVA_FAMILIES = ("llava", "llava_siglip")
 QWEN3_FAMILIES = ("qwen3_vl",)
-FAMILIES = QWEN_FAMILIES + QWEN3_FAMILIES + LLAVA_FAMILIES
+STEP3_FAMILIES = ("step3p7",)
+MINICPMV_FAMILIES = ("minicpmv4_6",)
+FAMILIES = QWEN_FAMILIES + QWEN3_FAMILIES + LLAVA_FAMILIES + STEP3_FAMILIES + MINICPMV_FAMILIES
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -343,8 +345,17 @@ def build_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = 0) -> 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
     out = Path(out_dir)
-    builder = _qwen if family in QWEN_FAMILIES else _qwen3 if family in QWEN3_FAMILIES else _llava
-    model, processor, eos_ids = builder(family, seed)
+    if family in STEP3_FAMILIES:
+        from mmserve.tiny_step3p7 import step3p7
+
+        model, processor, eos_ids = step3p7(seed, _build_tokenizer)
+    elif family in MINICPMV_FAMILIES:
+        from mmserve.tiny_minicpmv import minicpmv4_6
+
+        model, processor, eos_ids = minicpmv4_6(seed, _build_tokenizer)
+    else:
+        builder = _qwen if family in QWEN_FAMILIES else _qwen3 if family in QWEN3_FAMILIES else _llava
+        model, processor, eos_ids = builder(family, seed)
     text_config = model.config.text_config
     model.generation_config = GenerationConfig(
         eos_token_id=eos_ids,

@@ -10,26 +10,9 @@ Qwen3-VL special tokens.
 
 from __future__ import annotations
 
-QWEN3_SPECIAL_TOKENS = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<|object_ref_start|>",
-    "<|object_ref_end|>",
-    "<|box_start|>",
-    "<|box_end|>",
-    "<|quad_start|>",
-    "<|quad_end|>",
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-    "<tool_call>",
-    "</tool_call>",
-    "<think>",
-    "</think>",
-)
+from mmserve.tiny import SPECIAL_TOKENS
+
+QWEN3_SPECIAL_TOKENS = SPECIAL_TOKENS + ("<tool_call>", "</tool_call>", "<think>", "</think>")
 
 # The chat template of Qwen3-VL-*-Instruct: system turn only when given, media placeholders in
 # place, tool calls in <tool_call> tags, tool responses grouped in one user turn.

@@ -1,8 +1,9 @@
-"""The prompts every equivalence test runs (transformers chat shape, media as bytes)."""
+"""The prompts every equivalence test runs (transformers chat shape, media as bytes), and the same
+prompts sent to a served app with the `openai` client."""
 
 from __future__ import annotations
 
-from tests.media_factory import image_bytes, video_frames
+from tests.media_factory import data_uri, image_bytes, video_frames
 
 LONG_TEXT = " ".join(f"word{i % 97} and the {i % 13} cat sat on mat number {i}." for i in range(140))
 
@@ -34,3 +35,32 @@ def cases() -> dict[str, list[dict]]:
             {"role": "user", "content": [image(64, 64, 8), text(LONG_TEXT)]},
         ],
     }
+
+
+def api_messages(messages: list[dict]) -> list[dict]:
+    """The reference shape (media as bytes) as OpenAI chat messages (media as data: URIs)."""
+    def part(p):
+        if p["type"] == "image":
+            return {"type": "image_url", "image_url": {"url": data_uri(p["bytes"])}}
+        if p["type"] == "video":
+            return {"type": "video", "video": [data_uri(f) for f in p["frames"]], "fps": p["fps"]}
+        return p
+
+    return [{"role": m["role"], "content": [part(p) for p in m["content"]]} for m in messages]
+
+
+def openai_chat(url: str, model: str, messages: list[dict], max_tokens: int, stream: bool) -> tuple[str, list[int]]:
+    """(text, token ids) of one chat completion from the app at `url`, streamed or not."""
+    import openai
+
+    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    resp = c.chat.completions.create(model=model, messages=api_messages(messages), max_tokens=max_tokens,
+                                     stream=stream, extra_body={"return_token_ids": True})
+    if not stream:
+        return resp.choices[0].message.content, resp.choices[0].model_extra["token_ids"]
+    text, tokens = [], []
+    for chunk in resp:
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            tokens += choice.model_extra.get("token_ids", [])
+    return "".join(text), tokens

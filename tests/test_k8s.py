@@ -32,13 +32,18 @@ def test_rayservice_embeds_the_serve_config():
     assert yaml.safe_load(_rayservice()["spec"]["serveConfigV2"]) == _serve_config()
 
 
-def test_gpu_overlay_args_validate():
+def gpu_overlay_serve_config() -> dict:
+    """serveConfigV2 of the GPU (production) overlay."""
     patches = yaml.safe_load((ROOT / "k8s" / "overlays" / "gpu" / "gpu-workers.yaml").read_text())
-    serve_config = next(p["value"] for p in patches if p["path"] == "/spec/serveConfigV2")
+    return yaml.safe_load(next(p["value"] for p in patches if p["path"] == "/spec/serveConfigV2"))
+
+
+def test_gpu_overlay_args_validate():
     from ray.serve.schema import ServeDeploySchema
 
-    ServeDeploySchema.model_validate(yaml.safe_load(serve_config))
-    for app in yaml.safe_load(serve_config)["applications"]:
+    serve_config = gpu_overlay_serve_config()
+    ServeDeploySchema.model_validate(serve_config)
+    for app in serve_config["applications"]:
         args = AppArgs.model_validate(app["args"])
         assert args.encoder.num_gpus >= 1 and args.llm.num_gpus >= 1
 
@@ -50,7 +55,7 @@ def test_grafana_dashboard_queries_only_exported_metrics():
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
     queried = set(re.findall(r"ray_(mmserve_[a-z_]+?)(?:_bucket|_total)?\b", exprs))
     exported = set(re.findall(r'"(mmserve_[a-z_]+)"', (ROOT / "deployments" / "metrics.py").read_text()))
-    assert queried and queried <= exported
+    assert queried and queried == exported  # every exported metric is charted, nothing else
     for metric in ("mmserve_encoder_queued_tokens", "mmserve_encoder_batch_fill_ratio", "mmserve_llm_kv_usage_ratio"):
         assert metric in queried
 
@@ -73,3 +78,15 @@ def test_serve_config_fits_a_two_core_machine():
     assert total <= 2
     defaults = AppArgs()
     assert sum(d.num_cpus * d.num_replicas for d in (defaults.router, defaults.encoder, defaults.llm)) <= 2
+
+
+def test_grafana_dashboard_filters_every_query_by_ray_cluster():
+    """A blue/green upgrade runs two RayClusters: every series is selected by the $cluster variable."""
+    import re
+
+    dashboard = json.loads((ROOT / "k8s" / "grafana" / "mmserve-dashboard.json").read_text())
+    assert "cluster" in {v["name"] for v in dashboard["templating"]["list"]}
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for metric in re.findall(r"\bray_[a-z_]+(?:\{[^}]*\})?", target["expr"]):
+                assert 'ray_io_cluster=~"$cluster"' in metric, (panel["title"], metric)

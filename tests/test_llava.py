@@ -1,14 +1,13 @@
 """LLaVA (CLIP and SigLIP towers) served disaggregated == `transformers` monolithic `generate`:
 through the runtimes, the Serve app (openai client, streaming and not) and gRPC."""
 
-import openai
 import pytest
 
 from mmserve.client import VLMClient
 from mmserve.families import router_face
 from mmserve.media import MediaItem, MediaKind
-from tests.cases import LONG_TEXT
-from tests.media_factory import data_uri, image_bytes, video_frames
+from tests.cases import LONG_TEXT, openai_chat
+from tests.media_factory import image_bytes, video_frames
 from tests.pipeline import served_generate
 from tests.reference import load_reference, reference_generate
 from tests.serve_fixtures import _app_args
@@ -80,27 +79,8 @@ def llava_apps(serve_ports, llava_models):
             serve.delete(name)
 
 
-def _api(messages):
-    out = []
-    for m in messages:
-        content = [{"type": "image_url", "image_url": {"url": data_uri(p["bytes"])}} if p["type"] == "image" else p
-                   for p in m["content"]]
-        out.append({"role": m["role"], "content": content})
-    return out
-
-
 def _chat(url, name, messages, stream):
-    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    resp = c.chat.completions.create(model=name, messages=_api(messages), max_tokens=MAX_TOKENS, stream=stream,
-                                     extra_body={"return_token_ids": True})
-    if not stream:
-        return resp.choices[0].message.content, resp.choices[0].model_extra["token_ids"]
-    text, tokens = [], []
-    for chunk in resp:
-        for choice in chunk.choices:
-            text.append(choice.delta.content or "")
-            tokens += choice.model_extra.get("token_ids", [])
-    return "".join(text), tokens
+    return openai_chat(url, name, messages, MAX_TOKENS, stream)
 
 
 @pytest.mark.serve

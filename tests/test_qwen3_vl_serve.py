@@ -2,12 +2,11 @@
 client (streaming == non-streaming), the public gRPC API, and both embedding transports; an
 item's DeepStack parts cross `object_store` (Ray) bit for bit."""
 
-import openai
 import pytest
 import torch
 
 from mmserve.client import VLMClient
-from tests.media_factory import data_uri
+from tests.cases import openai_chat
 from tests.pipeline import runtimes, to_planner_messages
 from tests.reference import reference_generate
 from tests.serve_fixtures import _app_args
@@ -35,29 +34,8 @@ def qwen3_apps(serve_ports, qwen3_dir):
             serve.delete(name)
 
 
-def _api(messages):
-    def part(p):
-        if p["type"] == "image":
-            return {"type": "image_url", "image_url": {"url": data_uri(p["bytes"])}}
-        if p["type"] == "video":
-            return {"type": "video", "video": [data_uri(f) for f in p["frames"]], "fps": p["fps"]}
-        return p
-
-    return [{"role": m["role"], "content": [part(p) for p in m["content"]]} for m in messages]
-
-
 def _chat(url, name, messages, stream):
-    c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    resp = c.chat.completions.create(model=name, messages=_api(messages), max_tokens=MAX_TOKENS, stream=stream,
-                                     extra_body={"return_token_ids": True})
-    if not stream:
-        return resp.choices[0].message.content, resp.choices[0].model_extra["token_ids"]
-    text, tokens = [], []
-    for chunk in resp:
-        for choice in chunk.choices:
-            text.append(choice.delta.content or "")
-            tokens += choice.model_extra.get("token_ids", [])
-    return "".join(text), tokens
+    return openai_chat(url, name, messages, MAX_TOKENS, stream)
 
 
 @pytest.mark.parametrize("case", ["one_image", "video", "image_and_video"])

@@ -57,6 +57,11 @@ class RouterFace(ABC):
         """The item's expansion from its header(s); InvalidRequest when it cannot be served
         (unreadable header, over `max_pixels`, a kind the family does not take)."""
 
+    def expand_all(self, items: Sequence[MediaItem], max_pixels: int) -> list[ItemExpansion]:
+        """The expansions of one request's items, in prompt order. Families whose expansion depends
+        on an item's ordinal in the prompt (MiniCPM-V's `<image_id>N</image_id>`) override this."""
+        return [self.expand(item, max_pixels) for item in items]
+
     @abstractmethod
     def position_plan(self, token_ids: Sequence[int], ranges: Sequence[PlaceholderRange],
                       expansions: Sequence[ItemExpansion]) -> PositionPlan:

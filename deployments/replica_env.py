@@ -1,0 +1,65 @@
+"""What a replica resolves on the node it runs on: the model directory and secrets.
+
+Serve builds the application (calls `build_app`) in a task that may run on any node — on
+KubeRay usually the head, which has no GPU and no model volume — so the builder passes the
+model and secrets as the user wrote them, and each replica resolves them here, in its
+constructor. A failure names the path or variable and the node, and fails that replica.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+
+def model_name(model: str | None) -> str:
+    """The served model name for `model`, computed without touching the filesystem."""
+    if model is None:
+        from mmserve.tiny import default_model_dir
+
+        return default_model_dir().name
+    return Path(os.path.normpath(os.path.abspath(os.path.expanduser(model)))).name
+
+
+def resolve_model_dir(model: str | None) -> str:
+    """The checkpoint directory on this node: `model`, or the embedded tiny model.
+
+    The tiny model is built once per node into `$MMSERVE_CACHE` (default `~/.cache/mmserve`):
+    replicas starting together on one node take a file lock, the first builds, the rest wait
+    and reuse it.
+    """
+    if model is None:
+        return str(_ensure_tiny_model_locked())
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {model!r} is not a Hugging Face checkpoint directory (no config.json) on node "
+            f"{socket.gethostname()}: mount the model volume on every node that runs mmserve replicas"
+        )
+    return str(path.resolve())
+
+
+def _ensure_tiny_model_locked() -> Path:
+    from mmserve.tiny import default_model_dir, ensure_tiny_model
+
+    out = default_model_dir()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
+        return ensure_tiny_model(out_dir=out)
+
+
+def secret(value: str | None, env_name: str | None, field: str) -> str | None:
+    """`value`, or the value of environment variable `env_name` on this node (`field` names the
+    argument in errors); the variable must be set and non-empty."""
+    if env_name is None:
+        return value
+    resolved = os.environ.get(env_name)
+    if not resolved:
+        raise RuntimeError(
+            f"{field}: environment variable {env_name} is not set on node {socket.gethostname()} "
+            "(on Kubernetes: fill it from a Secret with env[].valueFrom.secretKeyRef)"
+        )
+    return resolved

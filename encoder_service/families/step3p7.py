@@ -1,0 +1,201 @@
+"""Encoder face of Step3 (`model_type: step3p7`): one ViT (+ two stride-2 downsamplers) run on each
+local crop and on the global view independently, then a linear projector. An image's rows are its
+crops' rows (row-major) followed by the global view's (`Step3p7Model.get_image_features`).
+
+Every view is a fixed-size square and the tower attends within a view only, so a crop or the
+global view is a sub-item for the token budget: `split` cuts an image into runs of views whose
+outputs, concatenated in order, equal the whole image's. A batch stacks all its crops in one
+forward and all its global views in another (two fixed shapes).
+
+Checkpoints in the hub layout (what `save_pretrained` writes: `vision_model.transformer.resblocks.*`
+with a fused `attn.in_proj_*`, `vit_large_projector.weight`) are converted on load as transformers'
+`step3p5_vision` conversion mapping does (rename, unfuse q/k/v, RoPE permutation of q/k); the
+in-memory layout (`model.vision_model.*`, `model.multi_modal_projector.*`) loads as it is.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from encoder_service.families.base import EncoderFace, PreparedItem
+from mmserve.errors import InvalidRequest
+from mmserve.media import MediaItem, MediaKind, decode_image
+
+_HUB_VISION_RENAMES = (
+    (r"^conv1\.weight", "embeddings.patch_embedding.weight"),
+    (r"^positional_embedding", "embeddings.position_embedding.weight"),
+    (r"^transformer\.resblocks\.", "layers."),
+    (r"^ln_pre\.", "pre_layernorm."),
+    (r"^vit_downsampler1\.", "downsampler1."),
+    (r"^vit_downsampler2\.", "downsampler2."),
+    (r"\.ls_1\.gamma", ".lambda_1"),
+    (r"\.ls_2\.gamma", ".lambda_2"),
+    (r"\.mlp\.c_fc\.", ".mlp.fc1."),
+    (r"\.mlp\.c_proj\.", ".mlp.fc2."),
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ln_1\.", ".layernorm_before."),
+    (r"\.ln_2\.", ".layernorm_after."),
+)
+
+
+def rename(key: str) -> str | None:
+    """Checkpoint key -> module key (`tower.*` in either layout, `projector.weight`); None otherwise."""
+    for prefix in ("model.vision_model.", "vision_model."):
+        if key.startswith(prefix):
+            return "tower." + key[len(prefix):]
+    if key in ("vit_large_projector.weight", "model.multi_modal_projector.weight"):
+        return "projector.weight"
+    if key in ("vit_large_projector.bias", "model.multi_modal_projector.bias"):
+        return "projector.bias"
+    return None
+
+
+def _permute_for_rope(tensor: torch.Tensor, heads: int) -> torch.Tensor:
+    """transformers' `PermuteForRope` (interleaved -> split halves) on a q or k projection."""
+    dim0 = tensor.shape[0]
+    half = dim0 // heads // 2
+    rest = tensor.shape[1:]
+    return tensor.view(heads, half, 2, *rest).transpose(1, 2).reshape(dim0, *rest)
+
+
+def convert_hub_vision(state: dict[str, torch.Tensor], heads: int) -> dict[str, torch.Tensor]:
+    """Hub-layout `tower.*` keys -> `Step3p7VisionModel` keys (others unchanged)."""
+    out = {}
+    for key, value in state.items():
+        if not key.startswith("tower.") or ".attn.in_proj_" not in key and not any(
+            re.search(p, key[len("tower."):]) for p, _ in _HUB_VISION_RENAMES
+        ):
+            out[key] = value
+            continue
+        name = key[len("tower."):]
+        for pattern, target in _HUB_VISION_RENAMES:
+            name = re.sub(pattern, target, name)
+        match = re.fullmatch(r"(.*)\.self_attn\.in_proj_(weight|bias)", name)
+        if match is None:
+            out["tower." + name] = value
+            continue
+        q, k, v = value.chunk(3, dim=0)
+        base, kind = match.groups()
+        for proj, tensor in (("q_proj", _permute_for_rope(q, heads)), ("k_proj", _permute_for_rope(k, heads)),
+                             ("v_proj", v)):
+            out[f"tower.{base}.self_attn.{proj}.{kind}"] = tensor.contiguous()
+    return out
+
+
+class Step3VisionEncoder(nn.Module):
+    """`tower` (`Step3p7VisionModel`) + `projector`; hub-layout tensors are converted on load."""
+
+    def __init__(self, config, dtype: torch.dtype):
+        super().__init__()
+        from transformers.initialization import no_init_weights
+        from transformers.models.step3p7.modeling_step3p7 import Step3p7VisionModel
+
+        vision = config.vision_config
+        with no_init_weights():
+            self.tower = Step3p7VisionModel._from_config(vision, dtype=dtype)
+            self.projector = nn.Linear(vision.hidden_size * 4, config.text_config.hidden_size,
+                                       bias=config.projector_bias, dtype=dtype)
+        heads = vision.num_attention_heads
+
+        def convert(state, prefix, *args):
+            converted = convert_hub_vision({k[len(prefix):]: state.pop(k) for k in list(state)
+                                            if k.startswith(prefix)}, heads)
+            state.update({prefix + k: v for k, v in converted.items()})
+
+        self._register_load_state_dict_pre_hook(convert)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        """`(B, 3, S, S)` views -> `(B, tokens, text_hidden)`."""
+        return self.projector(self.tower(pixels).last_hidden_state)
+
+
+@dataclass(frozen=True)
+class Views:
+    """A run of one image's views: `crops` local crops (of the item's, in order), then the global
+    view when `has_global`."""
+
+    crops: int
+    has_global: bool
+
+
+class Step3EncoderFace(EncoderFace):
+    def __init__(self, model_dir: str, config, dtype: torch.dtype):
+        from transformers import AutoProcessor
+
+        self.config = config
+        self.dtype = dtype
+        self.image_processor = AutoProcessor.from_pretrained(model_dir).image_processor
+        stride = self.image_processor.vision_patch_size * self.image_processor.downsampler_stride
+        self.crop_tokens = (self.image_processor.patch_size // stride) ** 2
+        self.global_tokens = (self.image_processor.size["height"] // stride) ** 2
+        self.crop_patches = (self.image_processor.patch_size // self.image_processor.vision_patch_size) ** 2
+        self.global_patches = (self.image_processor.size["height"] // self.image_processor.vision_patch_size) ** 2
+
+    def rename(self, key: str) -> str | None:
+        return rename(key)
+
+    def build(self) -> nn.Module:
+        return Step3VisionEncoder(self.config, self.dtype)
+
+    def preprocess_fingerprint(self) -> str:
+        return self.image_processor.to_json_string()
+
+    def _prepared(self, crops: torch.Tensor, global_view: torch.Tensor) -> PreparedItem:
+        views = Views(crops.shape[0], global_view.shape[0] > 0)
+        tokens = views.crops * self.crop_tokens + views.has_global * self.global_tokens
+        patches = views.crops * self.crop_patches + views.has_global * self.global_patches
+        return PreparedItem((crops, global_view), views, tokens, patches)
+
+    def preprocess(self, item: MediaItem, layout) -> PreparedItem:
+        if item.kind is not MediaKind.IMAGE:
+            raise InvalidRequest(f"this model takes images only, not {item.kind.value}")
+        out = self.image_processor(images=[decode_image(item.frames[0])], return_tensors="pt")
+        global_view = out["pixel_values"]
+        crops = out.get("pixel_values_local")
+        if crops is None:
+            crops = global_view.new_zeros((0, 3, self.image_processor.patch_size, self.image_processor.patch_size))
+        if layout is not None and crops.shape[0] != layout.num_crops:  # the router planned it from the header
+            raise RuntimeError(f"processor made {crops.shape[0]} crops, the router planned {layout.num_crops}")
+        return self._prepared(crops, global_view)
+
+    def split(self, prepared: PreparedItem, budget: int, unit: str) -> list[PreparedItem]:
+        """Runs of whole views (crops in order, then the global view), each within `budget` where a
+        single view fits."""
+        crops, global_view = prepared.tensors
+        crop_cost = self.crop_tokens if unit == "tokens" else self.crop_patches
+        global_cost = self.global_tokens if unit == "tokens" else self.global_patches
+        pieces, start, used = [], 0, 0
+        for index in range(crops.shape[0]):
+            if used and used + crop_cost > budget:
+                pieces.append(self._prepared(crops[start:index], global_view[:0]))
+                start, used = index, 0
+            used += crop_cost
+        if global_view.shape[0] and used and used + global_cost > budget:
+            pieces.append(self._prepared(crops[start:], global_view[:0]))
+            start = crops.shape[0]
+        pieces.append(self._prepared(crops[start:], global_view))
+        return pieces
+
+    def forward(self, module: nn.Module, batch: Sequence[PreparedItem]) -> list[tuple[torch.Tensor, ...]]:
+        device = next(module.parameters()).device
+        rows = []
+        for which in (0, 1):  # all crops of the batch in one forward, all global views in another
+            views = torch.cat([p.tensors[which] for p in batch])
+            out = module(views.to(device, self.dtype)) if views.shape[0] else None
+            counts = [p.tensors[which].shape[0] for p in batch]
+            rows.append([] if out is None else list(torch.split(out, counts)))
+            if out is None:
+                rows[-1] = [None] * len(batch)
+        result = []
+        for crops, global_rows in zip(*rows):
+            parts = [t.reshape(-1, t.shape[-1]) for t in (crops, global_rows) if t is not None and t.shape[0]]
+            result.append((torch.cat(parts),))
+        return result
+
+
+ENCODER_FACE = Step3EncoderFace

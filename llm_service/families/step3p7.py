@@ -1,0 +1,91 @@
+"""LM face of Step3 (`model_type: step3p7`): `Step3p7TextModel` as it is (full and sliding-window
+layers with their own head counts and RoPE theta, per-head gate, dense and MoE MLPs), 1-D positions.
+
+Sliding-window layers need the paged engine's window masks (`llm_service.attention`, CPU SDPA
+path); the engine refuses the model on a backend without them. `use_bidirectional_attention`
+(a bidirectional window overlay) is not served.
+
+Checkpoint layouts:
+- hub (what `save_pretrained` writes): `model.{embed_tokens,layers,norm}.*`, MoE as
+  `layers.N.moe.{gate.weight,router_bias,gate_proj.weight,up_proj.weight,down_proj.weight}` and
+  `layers.N.share_expert.*`; converted here as transformers' `step3p7` conversion mapping does
+  (renames; gate_proj and up_proj concatenated on dim 1 into `mlp.experts.gate_up_proj`). Trailing
+  MTP layers (index >= num_hidden_layers) are not read.
+- in memory: `model.language_model.*`, `lm_head.weight`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from llm_service.families.base import LanguageModelModules, LMFace
+from mmserve.positions import LinearPositions, PositionPlan
+
+_HUB_MOE = (
+    (r"\.moe\.gate\.weight$", ".mlp.gate.weight"),
+    (r"\.moe\.router_bias$", ".mlp.gate.e_score_correction_bias"),
+    (r"\.moe\.down_proj\.weight$", ".mlp.experts.down_proj"),
+    (r"\.moe\.gate_proj\.weight$", ".mlp.experts.gate_proj"),  # joined with up_proj on load
+    (r"\.moe\.up_proj\.weight$", ".mlp.experts.up_proj"),
+    (r"\.share_expert\.", ".mlp.shared_experts."),
+)
+
+
+def rename(key: str, num_layers: int) -> str | None:
+    if key == "lm_head.weight":
+        return key
+    for prefix in ("model.language_model.", "model."):
+        if key.startswith(prefix):
+            name = key[len(prefix):]
+            break
+    else:
+        return None
+    if name.startswith(("vision_model.", "multi_modal_projector.")):
+        return None
+    layer = re.match(r"layers\.(\d+)\.", name)
+    if layer and int(layer.group(1)) >= num_layers:
+        return None  # MTP layers
+    for pattern, target in _HUB_MOE:
+        name = re.sub(pattern, target, name)
+    return "decoder." + name
+
+
+class Step3LanguageModel(LanguageModelModules):
+    def load(self, state: dict[str, torch.Tensor]) -> None:
+        state = dict(state)
+        for key in [k for k in state if k.endswith(".mlp.experts.gate_proj")]:
+            base = key[: -len("gate_proj")]
+            state[base + "gate_up_proj"] = torch.cat([state.pop(key), state.pop(base + "up_proj")], dim=1)
+        super().load(state)
+
+
+class Step3LMFace(LMFace):
+    def __init__(self, config):
+        super().__init__(config)
+        if getattr(config.text_config, "use_bidirectional_attention", False):
+            raise ValueError("Step3 with use_bidirectional_attention is not supported by the paged engine")
+
+    def rename(self, key: str) -> str | None:
+        return rename(key, self.config.text_config.num_hidden_layers)
+
+    def text_positions(self) -> PositionPlan:
+        return LinearPositions(rows=1)
+
+    def position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions
+
+    def build(self, dtype: torch.dtype) -> LanguageModelModules:
+        from transformers.initialization import no_init_weights
+        from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
+
+        text = self.config.text_config
+        with no_init_weights():
+            decoder = Step3p7TextModel._from_config(text, dtype=dtype)
+            lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=dtype)
+        return Step3LanguageModel(decoder, lm_head, self.tied_embeddings())
+
+
+LM_FACE = Step3LMFace

@@ -1,0 +1,66 @@
+"""Tiny MiniCPM-V 4.6 (`model_type: minicpmv4_6`): SigLIP-style ViT with the window-attention
+merger after layer 1 and the MLP merger, the default `qwen3_5_text` hybrid LM (linear + full
+attention layers) at toy sizes. Processors shrunk (`scale_resolution` 112, patch 14) so 40-200 px
+images give several slices; the tokenizer names MiniCPM-V's extra special tokens.
+"""
+
+from __future__ import annotations
+
+MINICPMV_NAMED_TOKENS = {
+    "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+    "image_start_token": "<image>", "image_end_token": "</image>",
+    "slice_start_token": "<slice>", "slice_end_token": "</slice>",
+    "image_id_start_token": "<image_id>", "image_id_end_token": "</image_id>",
+}
+MINICPMV_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", *MINICPMV_NAMED_TOKENS.values())
+MINICPMV_SCALE = 112
+# Weights drawn at seed + 3: at seed + 0 the tiny LM answers `<|im_end|>` first whatever the image,
+# so its greedy tokens would not show that the image matters.
+INIT_SEED_OFFSET = 3
+
+# ChatML with one image / video token per item where the message puts it.
+MINICPMV_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' %}{{ '<|image_pad|>' }}"
+    "{% elif content['type'] == 'video' %}{{ '<|video_pad|>' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{'<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def minicpmv4_6(seed: int, build_tokenizer):
+    """(model, processor, eos ids) of a tiny MiniCPM-V 4.6."""
+    import torch
+    from transformers import AutoModelForImageTextToText, MiniCPMV4_6Config, PreTrainedTokenizerFast
+    from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import MiniCPMV4_6ImageProcessor
+    from transformers.models.minicpmv4_6.processing_minicpmv4_6 import MiniCPMV4_6Processor
+    from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import MiniCPMV4_6VideoProcessor
+
+    base = build_tokenizer(seed, 1024, MINICPMV_SPECIAL_TOKENS)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        unk_token=None, extra_special_tokens=MINICPMV_NAMED_TOKENS, model_max_length=4096,
+        clean_up_tokenization_spaces=False, split_special_tokens=False,
+    )
+    ids = tokenizer.convert_tokens_to_ids
+    text = dict(
+        model_type="qwen3_5_text", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        initializer_range=0.2, pad_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
+    )
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  image_size=MINICPMV_SCALE, patch_size=14, insert_layer_id=1)
+    config = MiniCPMV4_6Config(
+        text_config=text, vision_config=vision, insert_layer_id=1,
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+    )
+    torch.manual_seed(seed + INIT_SEED_OFFSET)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    processor = MiniCPMV4_6Processor(
+        image_processor=MiniCPMV4_6ImageProcessor(scale_resolution=MINICPMV_SCALE, max_slice_nums=9),
+        video_processor=MiniCPMV4_6VideoProcessor(scale_resolution=MINICPMV_SCALE, max_slice_nums=2),
+        tokenizer=tokenizer, chat_template=MINICPMV_CHAT_TEMPLATE,
+    )
+    return model, processor, [ids("<|im_end|>"), ids("<|endoftext|>")]
