@@ -8,6 +8,11 @@ router owns, so the new replica fetches the same tensors), and `max_tokens` less
 The router's detokenizer (in `Generation`) keeps its stop-string state, so the client sees one
 uninterrupted stream, and greedy output equals an uninterrupted run token for token.
 
+An encoder replica that dies with a request's items surfaces inside the LLM replica, which
+raises `EmbeddingsLost` naming those items before it runs anything. The router re-encodes just
+them (`reencode`: Serve routes the calls to a live encoder replica, or waits for a replacement when
+none is left) and resubmits with the new handles; the request keeps its place in the flow.
+
 Not bit-exact on resume: seeded sampling (the continuation's generator starts again from the seed)
 and frequency/presence penalties (they count output tokens only; the tokens sent before the
 failure are prompt tokens of the continuation). Repetition penalty, stop ids and EOS are exact.
@@ -17,25 +22,33 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from deployments.failures import replica_lost
-from deployments.llm import PendingRequest
+from deployments.llm import PendingRequest, root_cause
+from deployments.transport import EmbeddingHandle
+from mmserve.errors import EmbeddingsLost
+
+Reencode = Callable[[tuple[EmbeddingHandle, ...], tuple[int, ...]], Awaitable[tuple[EmbeddingHandle, ...]]]
 
 logger = logging.getLogger("ray.serve")
 
 
 class Failover:
     """Submits `pending` to `llm` (a DeploymentHandle or anything with its `options().generate.remote`
-    shape) and resubmits on replica loss, at most `retries` times per request."""
+    shape) and resubmits on replica loss, at most `retries` times per request for lost LLM
+    replicas and as many for lost encoder replicas."""
 
     def __init__(self, llm, pending: PendingRequest, retries: int,
-                 on_resume: Callable[[PendingRequest], None] | None = None):
+                 on_resume: Callable[[PendingRequest], None] | None = None, reencode: Reencode | None = None):
         self.llm = llm
         self.pending = pending
         self.retries = retries
         self.on_resume = on_resume  # called with each continuation before it is submitted
-        self.attempts = 0  # resubmissions so far
+        self.reencode = reencode  # (handles, lost item positions) -> new handles; None: no encoder failover
+        self.attempts = 0  # resubmissions so far (they name the engine requests)
+        self.llm_losses = 0
+        self.encoder_losses = 0
 
     async def start(self):
         """(stream, first event) of the request; retried like a resume with no tokens sent."""
@@ -48,13 +61,26 @@ class Failover:
         """(stream, first event) of a continuation after `error`; re-raises `error` (or the last
         one) when it is not a lost replica or the retries are spent."""
         while True:
-            if not replica_lost(error) or self.attempts >= self.retries:
+            lost = root_cause(error)
+            if isinstance(lost, EmbeddingsLost) and self.reencode and self.encoder_losses < self.retries:
+                self.encoder_losses += 1
+                logger.warning("request %s: %s; re-encoding on a live encoder (retry %d of %d)",
+                               self.pending.request_id, lost, self.encoder_losses, self.retries)
+                try:
+                    handles = await self.reencode(self.pending.embeddings, lost.items)
+                except Exception as e:
+                    error = e
+                    continue
+                self.pending = dataclasses.replace(self.pending, embeddings=handles)
+            elif replica_lost(error) and self.llm_losses < self.retries:
+                self.llm_losses += 1
+                logger.warning(
+                    "request %s: LLM replica lost (%s); resubmitting with %d tokens already sent (retry %d of %d)",
+                    self.pending.request_id, type(error).__name__, len(sent), self.llm_losses, self.retries,
+                )
+            else:
                 raise error
             self.attempts += 1
-            logger.warning(
-                "request %s: LLM replica lost (%s); resubmitting with %d tokens already sent (retry %d of %d)",
-                self.pending.request_id, type(error).__name__, len(sent), self.attempts, self.retries,
-            )
             continuation = self._continuation(sent)
             if self.on_resume is not None:
                 self.on_resume(continuation)

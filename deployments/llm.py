@@ -20,7 +20,7 @@ from llm_service.engine import LLMEngine, LLMRequest, TokenEvent
 from llm_service.model import LanguageModel
 from llm_service.sampling import SamplingParams
 from mmserve.embeddings import ItemEmbedding
-from mmserve.errors import InvalidRequest, Overloaded, QueueFull
+from mmserve.errors import EmbeddingsLost, InvalidRequest, Overloaded, QueueFull
 from mmserve.media import PlaceholderRange
 from mmserve.positions import PositionPlan
 
@@ -98,6 +98,9 @@ class LLMDeployment:
         start = time.perf_counter()
         try:
             embeddings = await resolve(pending.embeddings, self.fetcher)
+        except EmbeddingsLost as e:  # the router re-encodes these items and resubmits
+            logger.warning("request %s: %s", pending.request_id, e)
+            raise
         except Exception as e:
             cause = root_cause(e)
             if isinstance(cause, InvalidRequest):

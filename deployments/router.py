@@ -34,6 +34,7 @@ from deployments.replica_env import resolve_model_dir, secret
 from llm_service.sampling import SamplingParams
 from mmserve.checkpoint import read_config
 from mmserve.errors import InvalidRequest
+from mmserve.media import EncodeItem, MediaItem
 from mmserve.planner import Message, RequestPlan, RequestPlanner
 
 logger = logging.getLogger("ray.serve")
@@ -85,7 +86,8 @@ class Router(GrpcIngress):
         self.metrics = RouterMetrics()
         self.created = int(time.time())
         self._external_client = None  # EncoderClient of settings.external_encoder, made on first use
-        self._failovers = {"resubmits": 0, "resumed_streams": 0, "resumed_tokens": 0, "resumed_with_media": 0}
+        self._failovers = {"resubmits": 0, "resumed_streams": 0, "resumed_tokens": 0, "resumed_with_media": 0,
+                           "reencoded_items": 0}
 
     # -- the request flow ---------------------------------------------------------------------
     async def submit(self, messages: list[Message], opts: GenerationOptions, request_id: str) -> Generation:
@@ -100,13 +102,14 @@ class Router(GrpcIngress):
                 sampling=sampling,
                 positions=plan.positions,
                 ranges=tuple(plan.ranges),
-                embeddings=await self._dispatch_media(plan),
+                embeddings=await self._encode(plan.media),
             )
             logger.info(
                 "request %s: %d prompt tokens, %d media items (%d media tokens), max_tokens %d",
                 request_id, len(plan.token_ids), len(plan.items), plan.num_media_tokens, sampling.max_tokens,
             )
-            failover = Failover(self.llm, pending, self.settings.llm_retries, self._count_resume)
+            failover = Failover(self.llm, pending, self.settings.llm_retries, self._count_resume,
+                                lambda handles, lost: self._reencode(plan, handles, lost))
             stream, first = await failover.start()  # errors surface here, before any response is sent
         except Exception as e:
             invalid = as_invalid_request(e)
@@ -130,18 +133,17 @@ class Router(GrpcIngress):
         """This replica's failover counters (resubmits, resumed streams, tokens they carried)."""
         return dict(self._failovers)
 
-    async def _dispatch_media(self, plan: RequestPlan) -> tuple[EmbeddingHandle, ...]:
+    async def _encode(self, media: list[EncodeItem]) -> tuple[EmbeddingHandle, ...]:
         """Send every item to the encoder at once, waiting for none; one handle per item, in order.
 
         A large request is split into groups of near-equal tokens, one encoder call each, so Serve
         spreads them over replicas; each replica batches them with other requests' items.
         """
-        if not plan.items:
+        if not media:
             return ()
-        self.metrics.media_items.inc(len(plan.items))
+        self.metrics.media_items.inc(len(media))
         if self.settings.external_encoder:
-            return await self._encode_externally(plan)
-        media = plan.media
+            return await self._encode_externally([m.item for m in media])
         groups = spread([m.cost for m in media])  # balanced by encoder cost: one call per group
         responses = [self.encoder.encode.remote([media[i] for i in group]) for group in groups]
         refs = [await r._to_object_ref() for r in responses]
@@ -150,7 +152,18 @@ class Router(GrpcIngress):
         where = {i: EmbeddingHandle(ref, pos) for group, ref in zip(groups, refs) for pos, i in enumerate(group)}
         return tuple(where[i] for i in range(len(media)))
 
-    async def _encode_externally(self, plan: RequestPlan) -> tuple[EmbeddingHandle, ...]:
+    async def _reencode(self, plan: RequestPlan, handles: tuple[EmbeddingHandle, ...],
+                        lost: tuple[int, ...]) -> tuple[EmbeddingHandle, ...]:
+        """`handles` with the items at `lost` (their encoder replica died) encoded again."""
+        self.metrics.reencoded_items.inc(len(lost))
+        self._failovers["reencoded_items"] += len(lost)
+        media = plan.media
+        new = list(handles)
+        for i, handle in zip(lost, await self._encode([media[i] for i in lost])):
+            new[i] = handle
+        return tuple(new)
+
+    async def _encode_externally(self, items: list[MediaItem]) -> tuple[EmbeddingHandle, ...]:
         """Encode on the standalone encoder; it keeps each result pinned for the LLM to fetch."""
         if self._external_client is None:  # grpc.aio channels belong to the running loop
             from mmserve.encoder_client import EncoderClient
@@ -160,7 +173,7 @@ class Router(GrpcIngress):
                 self.settings.external_encoder, self.settings.encoder_token,
                 root_certificates=Path(ca).read_bytes() if ca else None,
             )
-        refs = await asyncio.gather(*(self._external_client.encode_pinned(item) for item in plan.items))
+        refs = await asyncio.gather(*(self._external_client.encode_pinned(item) for item in items))
         return tuple(EmbeddingHandle(ref) for ref in refs)
 
     def _sampling(self, opts: GenerationOptions, prompt_len: int) -> SamplingParams:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from ray import exceptions as ray_exceptions
@@ -137,3 +138,82 @@ def test_other_errors_are_not_retried():
     assert len(llm.calls) == 1
     assert not replica_lost(RuntimeError("x"))
     assert replica_lost(ray_exceptions.ActorUnavailableError("x", b"\0" * 16))
+
+
+# -- encoder failover -------------------------------------------------------------------------
+def _done(value) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    (future.set_exception if isinstance(value, BaseException) else future.set_result)(value)
+    return future
+
+
+def test_resolve_names_exactly_the_items_of_a_lost_encoder_call():
+    from deployments.transport import EmbeddingHandle, resolve
+    from mmserve.embeddings import ItemEmbedding
+    from mmserve.errors import EmbeddingsLost
+
+    import torch
+
+    async def main(second_call_error: BaseException):
+        ok = _done([ItemEmbedding((torch.zeros(2, 4),), "a"), ItemEmbedding((torch.ones(3, 4),), "b")])
+        dead = _done(second_call_error)
+        handles = (EmbeddingHandle(ok, 0), EmbeddingHandle(dead, 0), EmbeddingHandle(ok, 1), EmbeddingHandle(dead, 1))
+        return await resolve(handles, None)
+
+    with pytest.raises(EmbeddingsLost) as info:
+        asyncio.run(main(ray_exceptions.ActorDiedError()))
+    assert info.value.items == (1, 3)
+    with pytest.raises(ValueError, match="bad pixels"):  # an item's own error is not a lost encoder
+        asyncio.run(main(ValueError("bad pixels")))
+
+
+def test_embeddings_lost_crosses_processes_with_its_items():
+    import pickle
+
+    from mmserve.errors import EmbeddingsLost
+
+    error = pickle.loads(pickle.dumps(EmbeddingsLost((0, 2))))
+    assert error.items == (0, 2) and "2 media items to re-encode" in str(error)
+
+
+def test_items_of_a_lost_encoder_are_reencoded_and_the_request_resubmitted():
+    from deployments.transport import EmbeddingHandle
+    from mmserve.errors import EmbeddingsLost
+
+    class LLMWithMedia(FakeLLM):
+        """Loses the embeddings of every handle whose ref is 'dead' (its encoder died) at submission."""
+
+        def remote(self, pending):
+            lost = tuple(i for i, h in enumerate(pending.embeddings) if h.ref == "dead")
+            if lost:
+                self.calls.append(pending)
+                return FakeStream(iter([EmbeddingsLost(lost)]))
+            return super().remote(pending)
+
+    reencoded = []
+
+    async def reencode(handles, lost):
+        reencoded.append(lost)
+        return tuple(EmbeddingHandle("live", h.index) if i in lost else h for i, h in enumerate(handles))
+
+    async def run(refs: list[str], retries: int = 2):
+        pending = dataclasses.replace(_pending(6), embeddings=tuple(EmbeddingHandle(r, i) for i, r in enumerate(refs)))
+        llm = LLMWithMedia([None, None])
+        stream, first = await Failover(llm, pending, retries, reencode=reencode).start()
+        return [first.token_id] + [e.token_id async for e in stream], llm.calls
+
+    expected, _ = asyncio.run(run(["live", "live", "live"]))
+    tokens, calls = asyncio.run(run(["live", "dead", "dead"]))
+    assert tokens == expected and reencoded == [(1, 2)]
+    assert [h.ref for h in calls[-1].embeddings] == ["live", "live", "live"]
+    assert calls[-1].prompt_token_ids == calls[0].prompt_token_ids and calls[-1].request_id != calls[0].request_id
+
+    async def never_live(handles, lost):
+        return handles  # every encoder stays dead
+
+    async def bounded():
+        pending = dataclasses.replace(_pending(6), embeddings=(EmbeddingHandle("dead", 0),))
+        await Failover(LLMWithMedia([]), pending, 2, reencode=never_live).start()
+
+    with pytest.raises(EmbeddingsLost):
+        asyncio.run(bounded())
