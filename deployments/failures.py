@@ -15,7 +15,7 @@ from typing import Literal, NamedTuple
 import grpc
 
 from deployments.llm import root_cause
-from mmserve.errors import InvalidRequest, Overloaded, QueueFull, RequestTooLarge
+from mmserve.errors import InvalidRequest, Overloaded, QueueFull, RequestTooLarge, ShuttingDown
 
 Kind = Literal["invalid", "too_large", "busy", "overloaded", "lost", "unavailable", "deadline", "internal"]
 HTTP_STATUS: dict[str, int] = {
@@ -95,6 +95,8 @@ def classify(e: BaseException) -> Failure:
     if isinstance(cause, InvalidRequest):
         return Failure("invalid", str(cause))
     for error in (e, cause):
+        if isinstance(error, ShuttingDown):
+            return Failure("unavailable", f"{error}; retry shortly")
         if isinstance(error, QueueFull):
             return Failure("busy", f"server busy: {error}; retry later")
         if isinstance(error, Overloaded):

@@ -22,6 +22,7 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments import openai_api
 from deployments.config import LimitArgs
+from deployments.drain import DrainWatch
 from deployments.encoder import spread
 from deployments.failover import Failover
 from deployments.failures import as_invalid_request, classify
@@ -33,7 +34,7 @@ from deployments.metrics import RouterMetrics
 from deployments.replica_env import resolve_model_dir, secret
 from llm_service.sampling import SamplingParams
 from mmserve.checkpoint import read_config
-from mmserve.errors import InvalidRequest
+from mmserve.errors import InvalidRequest, ShuttingDown
 from mmserve.media import EncodeItem, MediaItem
 from mmserve.planner import Message, RequestPlan, RequestPlanner
 
@@ -86,6 +87,7 @@ class Router(GrpcIngress):
         self.metrics = RouterMetrics()
         self.created = int(time.time())
         self._external_client = None  # EncoderClient of settings.external_encoder, made on first use
+        self.drain = DrainWatch(serve.get_replica_context().app_name)
         self._failovers = {"resubmits": 0, "resumed_streams": 0, "resumed_tokens": 0, "resumed_with_media": 0,
                            "reencoded_items": 0}
 
@@ -93,6 +95,9 @@ class Router(GrpcIngress):
     async def submit(self, messages: list[Message], opts: GenerationOptions, request_id: str) -> Generation:
         """Plan, dispatch and start generating; raises InvalidRequest for anything the client got wrong."""
         started = time.perf_counter()
+        self.drain.start()
+        if self.drain.draining:
+            raise ShuttingDown("server is shutting down")
         try:
             plan = await asyncio.to_thread(self.planner.plan, messages)
             sampling = self._sampling(opts, len(plan.token_ids))
@@ -239,7 +244,8 @@ class Router(GrpcIngress):
 
     @app.get("/health")
     async def health(self) -> Response:
-        return Response(status_code=200)
+        self.drain.start()
+        return Response(status_code=503 if self.drain.draining else 200)  # draining: take me out of rotation
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:

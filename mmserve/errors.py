@@ -29,6 +29,10 @@ class QueueFull(RuntimeError):
     gRPC RESOURCE_EXHAUSTED. The message says which queue and is safe to show to the client."""
 
 
+class ShuttingDown(RuntimeError):
+    """The server is draining before it stops: HTTP 503 / gRPC UNAVAILABLE; retry elsewhere."""
+
+
 class EmbeddingsLost(RuntimeError):
     """The encoder replica holding some of a request's media items died before their embeddings
     reached the LLM replica. `items` are the positions of those items in the request (the order of
