@@ -1,5 +1,9 @@
-"""Lossless LLM failover in a real Serve app with two LLM replicas: one is killed with `ray.kill`
-while every stream is mid-way; every request completes with the output of an uninterrupted run."""
+"""Lossless failover in real Serve apps, replicas killed with `ray.kill`.
+
+With two LLM and two encoder replicas: an LLM replica killed while every stream is mid-way, and
+an encoder replica killed with items queued on it. With one of each: requests wait for the
+replacement. Every request completes with the output it had before any fault (greedy, float64).
+The encoders' caches are off, so every run encodes again."""
 
 from __future__ import annotations
 
@@ -15,19 +19,38 @@ from tests.serve_fixtures import _app_args
 
 pytestmark = pytest.mark.serve
 APP = "failover"
+SINGLE = "failover1"
 MAX_TOKENS = 48
+
+
+NO_CACHE = {"cache_bytes": 0}
+
+
+def _deploy(serve_ports, model_dir: str, app: str, replicas: int) -> str:
+    from ray import serve
+
+    from deployments.app import build_app
+
+    group = {"num_replicas": replicas, "num_cpus": 0.1}
+    args = _app_args(model_dir, app, llm=group, encoder=group, encoder_pool=NO_CACHE, llm_retries=2)
+    serve.run(build_app(args), name=app, route_prefix=f"/{app}")
+    return f"http://127.0.0.1:{serve_ports[0]}/{app}/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
 def failover_url(serve_ports, tiny_models):
     from ray import serve
 
-    from deployments.app import build_app
-
-    args = _app_args(tiny_models["qwen2_vl"], APP, llm={"num_replicas": 2, "num_cpus": 0.1}, llm_retries=2)
-    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
-    yield f"http://127.0.0.1:{serve_ports[0]}/{APP}/v1/chat/completions"
+    yield _deploy(serve_ports, tiny_models["qwen2_vl"], APP, replicas=2)
     serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def single_url(serve_ports, tiny_models):
+    from ray import serve
+
+    yield _deploy(serve_ports, tiny_models["qwen2_vl"], SINGLE, replicas=1)
+    serve.delete(SINGLE)
 
 
 def _bodies() -> list[dict]:
@@ -61,7 +84,7 @@ def _stream(url: str, body: dict, tokens: list[int], errors: list[str]) -> None:
         errors.append(repr(e))
 
 
-def _run_all(url: str, bodies: list[dict], while_running=None) -> tuple[list[list[int]], list[str]]:
+def _run_all(url: str, bodies: list[dict], while_running=None) -> tuple[list[list[int]], list[str], object]:
     outputs: list[list[int]] = [[] for _ in bodies]
     errors: list[str] = []
     threads = [threading.Thread(target=_stream, args=(url, b, out, errors)) for b, out in zip(bodies, outputs)]
@@ -73,50 +96,132 @@ def _run_all(url: str, bodies: list[dict], while_running=None) -> tuple[list[lis
     return outputs, errors, result
 
 
-def _llm_replicas() -> list:
+def _replicas(app: str, deployment: str) -> list:
     import ray
 
-    return [(a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
-            if f"{APP}#LLM#" in a["name"]]
+    return [ray.get_actor(a["name"], namespace=a["namespace"])
+            for a in ray.util.list_named_actors(all_namespaces=True) if f"{app}#{deployment}#" in a["name"]]
 
 
-def _kill_mid_stream(outputs: list[list[int]]) -> bool:
-    """Kills one LLM replica once every stream has sent >= 2 tokens and has >= 8 left."""
+def _ongoing(replica) -> int:
     import ray
 
-    replicas = _llm_replicas()
-    assert len(replicas) == 2, replicas
-    victim = ray.get_actor(replicas[0][0], namespace=replicas[0][1])
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        counts = [len(o) for o in outputs]
-        if any(c > MAX_TOKENS - 8 for c in counts):
-            return False  # missed the window
-        if all(c >= 2 for c in counts):
-            ray.kill(victim, no_restart=False)
-            return True
-        time.sleep(0.002)
-    return False
+    return ray.get(replica.get_num_ongoing_requests.remote())  # Serve's own probe of a replica's load
+
+
+def _kill_llm_mid_stream(app: str, replicas: int):
+    """Kills one LLM replica once every stream has sent >= 2 tokens and has >= 8 left; returns the
+    number of requests it held, or None when the window was missed."""
+    import ray
+
+    def watch(outputs: list[list[int]]) -> int | None:
+        found = _replicas(app, "LLM")
+        assert len(found) == replicas, found
+        victim = found[0]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            counts = [len(o) for o in outputs]
+            if any(c > MAX_TOKENS - 8 for c in counts):
+                return None  # missed the window
+            if all(c >= 2 for c in counts):
+                held = _ongoing(victim)
+                ray.kill(victim, no_restart=False)
+                return held
+            time.sleep(0.002)
+        return None
+
+    return watch
+
+
+def _kill_encoder_with_queued_items(app: str):
+    """Kills the first encoder replica seen holding encode calls; returns how many it held."""
+    import ray
+
+    def watch(outputs: list[list[int]]) -> int | None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(outputs):
+            for victim in _replicas(app, "Encoder"):
+                if held := _ongoing(victim):
+                    ray.kill(victim, no_restart=False)
+                    return held
+            time.sleep(0.002)
+        return None
+
+    return watch
+
+
+def _image_bodies(count: int, images: int) -> list[dict]:
+    """Requests with several large images each: preprocessing keeps items queued on the encoders."""
+    bodies = []
+    for i in range(count):
+        content = [{"type": "image_url", "image_url": {"url": data_uri(image_bytes(960 + 8 * j, 1000, seed=10 * i + j))}}
+                   for j in range(images)]
+        content.append({"type": "text", "text": f"request {i}: what do these show?"})
+        bodies.append({"messages": [{"role": "user", "content": content}], "max_tokens": 6, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "return_token_ids": True})
+    return bodies
+
+
+def _stats(app: str) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("Router", app_name=app).failover_stats.remote().result()
+
+
+def _with_fault(url: str, bodies: list[dict], watch, app: str, counter: str, tries: int = 3):
+    """(outputs, errors, what `watch` returned, increase of `counter`) of the first run in which the
+    fault cost its replica requests (the Router's failover `counter` grew). Every run must match."""
+    for _attempt in range(tries):  # a loaded machine may let the requests outrun the watcher: try again
+        before = _stats(app)[counter]
+        outputs, errors, held = _run_all(url, bodies, watch)
+        grown = _stats(app)[counter] - before
+        if held and grown:
+            return outputs, errors, held, grown
+        assert not errors, errors
+    pytest.fail("the fault never hit a replica holding requests")
 
 
 def test_killing_an_llm_replica_mid_stream_loses_nothing(failover_url):
-    from ray import serve
-
     bodies = _bodies()
     expected, errors, _ = _run_all(failover_url, bodies)  # recorded before any fault
     assert not errors, errors
     assert all(len(e) == MAX_TOKENS for e in expected)
-    router = serve.get_deployment_handle("Router", app_name=APP)
-    before = router.failover_stats.remote().result()
-    for _attempt in range(3):  # a loaded machine may let a stream run past the window: try again
-        outputs, errors, killed = _run_all(failover_url, bodies, _kill_mid_stream)
-        if killed:
-            break
-    assert killed, "never caught every stream mid-way"
+    before = _stats(APP)
+    outputs, errors, held, resumed = _with_fault(
+        failover_url, bodies, _kill_llm_mid_stream(APP, 2), APP, "resumed_streams"
+    )
     assert not errors, errors
     assert outputs == expected  # greedy: the same tokens as the uninterrupted run, nothing lost
-    after = router.failover_stats.remote().result()
-    resumed = after["resumed_streams"] - before["resumed_streams"]
-    assert 0 < resumed <= len(bodies), after
+    after = _stats(APP)
+    assert resumed == held, (held, after)  # every stream on the killed replica, and only those
     assert after["resumed_tokens"] - before["resumed_tokens"] >= 2 * resumed
     assert after["resumed_with_media"] > before["resumed_with_media"], after
+
+
+def test_killing_an_encoder_replica_with_items_queued_loses_nothing(failover_url):
+    bodies = _image_bodies(8, images=4)
+    expected, errors, _ = _run_all(failover_url, bodies)
+    assert not errors, errors
+    outputs, errors, held, reencoded = _with_fault(
+        failover_url, bodies, _kill_encoder_with_queued_items(APP), APP, "reencoded_items"
+    )
+    assert not errors, errors
+    assert outputs == expected
+    assert reencoded > 0 and held > 0
+
+
+def test_with_one_replica_each_requests_wait_for_the_replacement(single_url):
+    bodies = _bodies()[:3]
+    expected, errors, _ = _run_all(single_url, bodies)
+    assert not errors, errors
+    outputs, errors, held, resumed = _with_fault(
+        single_url, bodies, _kill_llm_mid_stream(SINGLE, 1), SINGLE, "resumed_streams"
+    )
+    assert not errors and outputs == expected and resumed == held == len(bodies)
+    image_bodies = _image_bodies(3, images=4)
+    expected, errors, _ = _run_all(single_url, image_bodies)
+    assert not errors, errors
+    outputs, errors, _, _ = _with_fault(
+        single_url, image_bodies, _kill_encoder_with_queued_items(SINGLE), SINGLE, "reencoded_items"
+    )
+    assert not errors and outputs == expected
