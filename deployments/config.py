@@ -39,6 +39,14 @@ class ReplicaAutoscalingArgs(_Args):
         return self
 
 
+def _serve_has_backpressure_config() -> bool:
+    import inspect
+
+    from ray import serve
+
+    return "backpressure_config" in inspect.signature(serve.deployment).parameters
+
+
 class DeploymentArgs(_Args):
     """One deployment's replicas and where they may run.
 
@@ -75,9 +83,10 @@ class DeploymentArgs(_Args):
             "name": name,
             "max_ongoing_requests": self.max_ongoing_requests,
             "max_queued_requests": queued,
-            "backpressure_config": {"status_code": 429, "retry_after_s": RETRY_AFTER_S},
             "ray_actor_options": actor,
         }
+        if _serve_has_backpressure_config():  # Serve >= 2.5x; older ones answer 503 without Retry-After
+            options["backpressure_config"] = {"status_code": 429, "retry_after_s": RETRY_AFTER_S}
         if self.autoscaling is None:
             options["num_replicas"] = self.num_replicas
             return options

@@ -68,3 +68,38 @@ def test_serve_queue_bounds_come_from_the_config():
     assert encoder["max_queued_requests"] == -1  # the encoder is bounded by queued bytes
     assert router["backpressure_config"] == {"status_code": 429, "retry_after_s": 1}
     assert DeploymentArgs(max_queued_requests=3).options("LLM")["max_queued_requests"] == 3
+
+
+@pytest.mark.serve
+def test_a_burst_over_the_queue_bounds_gets_429_and_the_rest_completes(serve_ports, tiny_models):
+    import threading
+
+    import httpx
+    from ray import serve
+
+    from deployments.app import build_app
+    from tests.serve_fixtures import _app_args
+
+    app = "admission"
+    router = {"num_cpus": 0.1, "max_ongoing_requests": 2, "max_queued_requests": 2}
+    serve.run(build_app(_app_args(tiny_models["qwen2_vl"], app, router=router)), name=app, route_prefix=f"/{app}")
+    url = f"http://127.0.0.1:{serve_ports[0]}/{app}/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 24, "ignore_eos": True,
+            "temperature": 0}
+    try:
+        expected = httpx.post(url, json=body, timeout=60).json()["choices"][0]["message"]["content"]
+        responses: list[httpx.Response] = []
+        threads = [threading.Thread(target=lambda: responses.append(httpx.post(url, json=body, timeout=120)))
+                   for _ in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        serve.delete(app)
+    shed = [r for r in responses if r.status_code == 429]
+    served = [r for r in responses if r.status_code == 200]
+    assert len(shed) + len(served) == 16, [r.status_code for r in responses]
+    assert shed and len(served) >= 4  # two running + two queued at least
+    assert all(r.headers.get("retry-after") == "1" for r in shed)
+    assert all(r.json()["choices"][0]["message"]["content"] == expected for r in served)
