@@ -107,7 +107,9 @@ def classify(e: BaseException) -> Failure:
             return Failure("busy", "server busy: request queue full; retry later")
         if isinstance(error, _replica_lost()):
             return Failure("lost", f"a backend replica was lost: {type(error).__name__}; retry later")
-        if isinstance(error, _unavailable()):
+        if isinstance(error, _unavailable()) or (
+            isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
+        ):  # (the second: a standalone encoder that cannot be reached)
             return Failure("unavailable", f"a backend is unavailable: {type(error).__name__}")
         if isinstance(error, (TimeoutError, asyncio.TimeoutError, ray_exceptions.GetTimeoutError)):
             return Failure("deadline", "deadline exceeded")
