@@ -28,7 +28,8 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
     # an LLM replica at its target runs a full batch (max_num_seqs): more replicas beyond that
     llm_options = args.llm.options("LLM", default_target_ongoing_requests=args.engine.max_num_seqs)
     llm = LLMDeployment.options(**llm_options).bind(
-        args.model, args.dtype, args.device, args.engine.resolve(), args.transport, args.grpc
+        args.model, args.dtype, args.device, args.engine.resolve(), args.transport, args.grpc,
+        args.engine.stall_timeout_s, args.engine.max_waiting_tokens,
     )
     settings = RouterSettings(
         model_dir=args.model,
@@ -41,5 +42,6 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         encoder_token=args.grpc.token,
         encoder_token_env=args.grpc.token_env,
         encoder_tls_ca=args.grpc.tls_ca,
+        llm_retries=args.llm_retries,
     )
     return Router.options(**args.router.options("Router")).bind(encoder, llm, settings)

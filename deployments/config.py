@@ -13,6 +13,11 @@ class _Args(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# Serve's queue bound per deployment when `max_queued_requests` is left out: the router and the
+# LLM queue as many requests as they run at once; the encoder is bounded by queued bytes instead
+DEFAULT_MAX_QUEUED = {"Router": 64, "LLM": 64}
+RETRY_AFTER_S = 1
+
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 
@@ -34,6 +39,14 @@ class ReplicaAutoscalingArgs(_Args):
         return self
 
 
+def _serve_has_backpressure_config() -> bool:
+    import inspect
+
+    from ray import serve
+
+    return "backpressure_config" in inspect.signature(serve.deployment).parameters
+
+
 class DeploymentArgs(_Args):
     """One deployment's replicas and where they may run.
 
@@ -46,6 +59,10 @@ class DeploymentArgs(_Args):
     num_cpus: float = Field(default=1.0, ge=0)
     num_gpus: float = Field(default=0.0, ge=0)
     max_ongoing_requests: int = Field(default=64, ge=1)
+    max_queued_requests: int | None = Field(
+        default=None, ge=-1, description="requests queued for a replica (per caller) before Serve answers "
+        "429 + Retry-After / RESOURCE_EXHAUSTED; -1: unbounded; default: 64 for Router and LLM, -1 for Encoder",
+    )
     label_selector: dict[str, str] = Field(default_factory=dict, description="Ray node labels a replica needs")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per replica")
     accelerator_type: str | None = Field(default=None, description="e.g. H100, A100, L4 (Ray accelerator types)")
@@ -61,7 +78,15 @@ class DeploymentArgs(_Args):
             actor["resources"] = dict(self.resources)
         if self.accelerator_type:
             actor["accelerator_type"] = self.accelerator_type
-        options = {"name": name, "max_ongoing_requests": self.max_ongoing_requests, "ray_actor_options": actor}
+        queued = DEFAULT_MAX_QUEUED.get(name, -1) if self.max_queued_requests is None else self.max_queued_requests
+        options = {
+            "name": name,
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": queued,
+            "ray_actor_options": actor,
+        }
+        if _serve_has_backpressure_config():  # Serve >= 2.5x; older ones answer 503 without Retry-After
+            options["backpressure_config"] = {"status_code": 429, "retry_after_s": RETRY_AFTER_S}
         if self.autoscaling is None:
             options["num_replicas"] = self.num_replicas
             return options
@@ -199,6 +224,14 @@ class EngineArgs(_Args):
     attention_backend: Literal["auto", "sdpa", "triton"] = Field(
         default="auto", description="auto: the Triton paged kernel on CUDA, SDPA on CPU (checked at replica start)"
     )
+    max_waiting_tokens: int = Field(
+        default=32768, ge=1, description="prompt tokens per LLM replica admitted but not prefilled yet; a "
+        "request over it gets 429 + Retry-After / RESOURCE_EXHAUSTED (one request is always admitted)",
+    )
+    stall_timeout_s: float = Field(
+        default=60.0, gt=0, description="an LLM replica holding work with no engine step in this long is "
+        "unhealthy (Serve replaces it; its requests fail over)",
+    )
 
     def resolve(self):
         from llm_service.config import EngineConfig
@@ -235,6 +268,10 @@ class AppArgs(_Args):
         default=False,
         description="wait for the encoder before calling the LLM instead of passing the pending refs "
         "(slower: see bench/dispatch.py); errors then surface before an LLM replica is involved",
+    )
+    llm_retries: int = Field(
+        default=2, ge=0, description="resubmissions of one request after its LLM replica was lost "
+        "(a stream resumes from the tokens it sent); then 503 / UNAVAILABLE",
     )
     # defaults fit a 2-core laptop (1.25 CPUs in all); size them for real clusters (k8s/overlays/gpu)
     router: DeploymentArgs = DeploymentArgs(num_cpus=0.25)

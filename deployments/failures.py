@@ -1,8 +1,9 @@
 """Why a request failed, decided once for every API: the one place errors are classified.
 
 Only `InvalidRequest` (the client's fault) is a 4xx / INVALID_ARGUMENT. A full bounded resource
-(`Overloaded`, device out of memory) is 503 / RESOURCE_EXHAUSTED, a full Serve queue 429 /
-RESOURCE_EXHAUSTED, a backend that is gone 503 / UNAVAILABLE, and anything else is a bug:
+(`Overloaded`, device out of memory) is 503 / RESOURCE_EXHAUSTED, a full queue (Serve's
+`max_queued_requests`, the LLM's waiting tokens: `QueueFull`) 429 + Retry-After / RESOURCE_EXHAUSTED, a backend that is gone 503 / UNAVAILABLE (a lost replica, "lost", is one the
+router fails over from first: `replica_lost`), and anything else is a bug:
 500 / INTERNAL, with only the exception's type shown to the client.
 """
 
@@ -14,11 +15,11 @@ from typing import Literal, NamedTuple
 import grpc
 
 from deployments.llm import root_cause
-from mmserve.errors import InvalidRequest, Overloaded, RequestTooLarge
+from mmserve.errors import InvalidRequest, Overloaded, QueueFull, RequestTooLarge, ShuttingDown
 
-Kind = Literal["invalid", "too_large", "busy", "overloaded", "unavailable", "deadline", "internal"]
+Kind = Literal["invalid", "too_large", "busy", "overloaded", "lost", "unavailable", "deadline", "internal"]
 HTTP_STATUS: dict[str, int] = {
-    "invalid": 400, "too_large": 413, "busy": 429, "overloaded": 503, "unavailable": 503,
+    "invalid": 400, "too_large": 413, "busy": 429, "overloaded": 503, "lost": 503, "unavailable": 503,
     "deadline": 504, "internal": 500,
 }
 GRPC_CODE: dict[str, grpc.StatusCode] = {
@@ -26,6 +27,7 @@ GRPC_CODE: dict[str, grpc.StatusCode] = {
     "too_large": grpc.StatusCode.INVALID_ARGUMENT,
     "busy": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "lost": grpc.StatusCode.UNAVAILABLE,
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
     "internal": grpc.StatusCode.INTERNAL,
@@ -53,14 +55,28 @@ def as_invalid_request(e: BaseException) -> InvalidRequest | None:
     return cause if isinstance(cause, InvalidRequest) else None
 
 
-def _unavailable() -> tuple[type[BaseException], ...]:
+def _replica_lost() -> tuple[type[BaseException], ...]:
     from ray import exceptions as ray_exceptions
+    from ray.serve import exceptions as serve_exceptions
+
+    # ActorDiedError is a RayActorError; Serve raises ReplicaUnavailableError for a replica it
+    # cannot reach
+    return (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError,
+            serve_exceptions.ReplicaUnavailableError)
+
+
+def replica_lost(e: BaseException) -> bool:
+    """True when `e` means the replica serving the request died or cannot be reached: the
+    request itself is fine and may run again on another replica."""
+    return any(isinstance(error, _replica_lost()) for error in (e, root_cause(e)))
+
+
+def _unavailable() -> tuple[type[BaseException], ...]:
     from ray.serve import exceptions as serve_exceptions
 
     from mmserve.encoder_client import EmbeddingNotFound
 
-    return (serve_exceptions.DeploymentUnavailableError, serve_exceptions.ReplicaUnavailableError,
-            ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError, EmbeddingNotFound)
+    return (serve_exceptions.DeploymentUnavailableError, EmbeddingNotFound)
 
 
 def _out_of_memory(e: BaseException) -> bool:
@@ -79,13 +95,21 @@ def classify(e: BaseException) -> Failure:
     if isinstance(cause, InvalidRequest):
         return Failure("invalid", str(cause))
     for error in (e, cause):
+        if isinstance(error, ShuttingDown):
+            return Failure("unavailable", f"{error}; retry shortly")
+        if isinstance(error, QueueFull):
+            return Failure("busy", f"server busy: {error}; retry later")
         if isinstance(error, Overloaded):
             return Failure("overloaded", f"server overloaded: {error}; retry later")
         if _out_of_memory(error):
             return Failure("overloaded", "server overloaded: out of device memory; retry later")
         if isinstance(error, serve_exceptions.BackPressureError):
             return Failure("busy", "server busy: request queue full; retry later")
-        if isinstance(error, _unavailable()):
+        if isinstance(error, _replica_lost()):
+            return Failure("lost", f"a backend replica was lost: {type(error).__name__}; retry later")
+        if isinstance(error, _unavailable()) or (
+            isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
+        ):  # (the second: a standalone encoder that cannot be reached)
             return Failure("unavailable", f"a backend is unavailable: {type(error).__name__}")
         if isinstance(error, (TimeoutError, asyncio.TimeoutError, ray_exceptions.GetTimeoutError)):
             return Failure("deadline", "deadline exceeded")

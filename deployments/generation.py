@@ -104,7 +104,7 @@ class Generation:
     """A validated, dispatched request and its token stream (first event already received)."""
 
     def __init__(self, request_id: str, plan: RequestPlan, sampling: SamplingParams, stop: tuple[str, ...],
-                 stream, first, tokenizer):
+                 stream, first, tokenizer, resume=None):
         self.request_id = request_id
         self.plan = plan
         self.sampling = sampling
@@ -114,15 +114,31 @@ class Generation:
         self._stream = stream
         self._first = first
         self._tokenizer = tokenizer
+        # `await resume(error, tokens sent)` -> (stream, first event) of a continuation on another
+        # LLM replica, or re-raises (`deployments.failover.Failover.resume`); None: no failover
+        self._resume = resume
 
     async def _events(self) -> AsyncIterator:
-        yield self._first
-        if self._first.finish_reason:
-            return
-        async for event in self._stream:
+        """The LLM's events, one uninterrupted stream across failovers."""
+        sent: list[int] = []
+        event = self._first
+        while True:
+            if event is None:
+                try:
+                    event = await self._stream.__anext__()
+                except StopAsyncIteration:
+                    return
+                except Exception as e:
+                    if self._resume is None:
+                        raise
+                    self._stream.cancel()
+                    self._stream, event = await self._resume(e, tuple(sent))
+            if event.token_id is not None:
+                sent.append(event.token_id)
             yield event
             if event.finish_reason:
                 return
+            event = None
 
     async def deltas(self) -> AsyncIterator[Delta]:
         """Text deltas; a stop string ends the stream early and aborts the LLM request."""

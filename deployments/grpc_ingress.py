@@ -85,12 +85,15 @@ class GrpcIngress:
         self._record(gen)
 
     async def Check(self, request: health_pb2.HealthCheckRequest, grpc_context) -> health_pb2.HealthCheckResponse:
-        """grpc.health.v1: SERVING for "" and the VLM service once this replica is up."""
+        """grpc.health.v1: SERVING for "" and the VLM service once this replica is up, NOT_SERVING
+        while it drains before shutdown."""
         if request.service not in ("", VLM_SERVICE):
             grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
             grpc_context.set_details(f"unknown service {request.service!r}")
             return health_pb2.HealthCheckResponse()
-        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+        self.drain.start()
+        status = health_pb2.HealthCheckResponse.NOT_SERVING if self.drain.draining else health_pb2.HealthCheckResponse.SERVING
+        return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request: health_pb2.HealthCheckRequest,
                     grpc_context) -> AsyncIterator[health_pb2.HealthCheckResponse]:

@@ -20,7 +20,7 @@ from llm_service.engine import LLMEngine, LLMRequest, TokenEvent
 from llm_service.model import LanguageModel
 from llm_service.sampling import SamplingParams
 from mmserve.embeddings import ItemEmbedding
-from mmserve.errors import InvalidRequest, Overloaded
+from mmserve.errors import EmbeddingsLost, InvalidRequest, Overloaded, QueueFull
 from mmserve.media import PlaceholderRange
 from mmserve.positions import PositionPlan
 
@@ -37,6 +37,8 @@ class PendingRequest:
     positions: PositionPlan
     ranges: tuple[PlaceholderRange, ...]
     embeddings: tuple[EmbeddingHandle, ...]  # one per range
+    resumed_tokens: int = 0  # a failover continuation: the last this many prompt tokens were already sent
+    attempt: int = 0  # 0: the first submission; n: the router's n-th resubmission (never refused as busy)
 
 
 def root_cause(e: BaseException) -> BaseException:
@@ -49,8 +51,12 @@ def root_cause(e: BaseException) -> BaseException:
 @serve.deployment
 class LLMDeployment:
     def __init__(self, model_dir: str | None, dtype: str, device: str, engine: EngineConfig | None = None,
-                 transport: str = "object_store", grpc: GrpcArgs | None = None):
+                 transport: str = "object_store", grpc: GrpcArgs | None = None, stall_timeout_s: float = 60.0,
+                 max_waiting_tokens: int | None = None):
         model_dir, grpc = resolve_model_dir(model_dir), (grpc or GrpcArgs()).on_node()
+        self.stall_timeout_s = stall_timeout_s
+        self.max_waiting_tokens = max_waiting_tokens  # None: unbounded
+        self.waiting_tokens = 0  # prompt tokens of requests admitted here whose first event is not back
         self.model = LanguageModel(model_dir, dtype=dtype, device=resolve_device(device))
         self.engine = LLMEngine(self.model, engine or EngineConfig())
         self.engine.start()
@@ -77,6 +83,13 @@ class LLMDeployment:
             self.metrics.tokens_per_s.set((stats.num_generated - last.num_generated) / interval_s)
             last = stats
 
+    def check_health(self) -> None:
+        """Serve's liveness probe: a replica whose engine thread died, or that holds work and made
+        no step in `stall_timeout_s`, is replaced (its requests fail over in the router)."""
+        if reason := self.engine.health(self.stall_timeout_s):
+            logger.error("LLM replica unhealthy: %s", reason)
+            raise RuntimeError(reason)
+
     def stats(self) -> dict:
         """The engine's counters (queues, KV blocks, preemptions, tokens): for tests and debugging."""
         return self.engine.stats()._asdict()
@@ -85,6 +98,9 @@ class LLMDeployment:
         start = time.perf_counter()
         try:
             embeddings = await resolve(pending.embeddings, self.fetcher)
+        except EmbeddingsLost as e:  # the router re-encodes these items and resubmits
+            logger.warning("request %s: %s", pending.request_id, e)
+            raise
         except Exception as e:
             cause = root_cause(e)
             if isinstance(cause, InvalidRequest):
@@ -96,6 +112,25 @@ class LLMDeployment:
 
     async def generate(self, pending: PendingRequest) -> AsyncIterator[TokenEvent]:
         """Stream of `TokenEvent`s; the stream ends after the one carrying `finish_reason`."""
+        cost = len(pending.prompt_token_ids)
+        bound = self.max_waiting_tokens
+        if bound is not None and not pending.attempt and self.waiting_tokens and self.waiting_tokens + cost > bound:
+            raise QueueFull(f"{self.waiting_tokens} prompt tokens wait for the language model (limit {bound})")
+        if pending.resumed_tokens:
+            logger.info("request %s: resuming a stream after a lost replica, %d tokens already sent",
+                        pending.request_id, pending.resumed_tokens)
+        self.waiting_tokens += cost
+        events = self._generate(pending)
+        try:
+            async for event in events:
+                self.waiting_tokens -= cost  # the first event (a token or the end) is back
+                cost = 0
+                yield event
+        finally:
+            self.waiting_tokens -= cost
+            await events.aclose()  # aborts the engine request when the caller went away
+
+    async def _generate(self, pending: PendingRequest) -> AsyncIterator[TokenEvent]:
         embeddings = await self._embeddings(pending) if pending.embeddings else []
         request = LLMRequest(
             request_id=pending.request_id,

@@ -16,6 +16,9 @@ class RouterMetrics:
         self.prompt_tokens = Counter("mmserve_router_prompt_tokens", "Prompt tokens (media tokens included)")
         self.ttft_ms = Histogram("mmserve_router_ttft_ms", "Time to first token", boundaries=_LATENCY_MS)
         self.tpot_ms = Histogram("mmserve_router_tpot_ms", "Mean time per output token after the first", boundaries=_LATENCY_MS)
+        self.resubmits = Counter("mmserve_router_llm_resubmits", "Requests resubmitted after an LLM replica was lost")
+        self.reencoded_items = Counter("mmserve_router_reencoded_items", "Media items encoded again after their encoder replica was lost")
+        self.resumed_tokens = Counter("mmserve_router_resumed_tokens", "Tokens already sent that failover continuations carried")
 
 
 class EncoderMetrics:

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from deployments.config import LimitArgs
+from deployments.config import RETRY_AFTER_S, LimitArgs
 from deployments.generation import Delta, Generation, GenerationOptions
 from deployments.media_fetch import MediaFetcher
 from deployments.protocol import ChatCompletionRequest, ImageURLPart, TextPart
@@ -21,7 +21,9 @@ from mmserve.planner import Message
 
 def error_response(status: int, message: str, kind: str | None = None) -> JSONResponse:
     kind = kind or ("invalid_request_error" if status < 500 else "server_error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None  # busy / overloaded / lost
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status,
+                        headers=headers)
 
 
 async def read_body(request, limits: LimitArgs) -> bytes:

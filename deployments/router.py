@@ -22,7 +22,9 @@ from ray.serve.handle import DeploymentHandle
 
 from deployments import openai_api
 from deployments.config import LimitArgs
+from deployments.drain import DrainWatch
 from deployments.encoder import spread
+from deployments.failover import Failover
 from deployments.failures import as_invalid_request, classify
 from deployments.generation import Generation, GenerationOptions
 from deployments.grpc_ingress import GrpcIngress
@@ -32,7 +34,8 @@ from deployments.metrics import RouterMetrics
 from deployments.replica_env import resolve_model_dir, secret
 from llm_service.sampling import SamplingParams
 from mmserve.checkpoint import read_config
-from mmserve.errors import InvalidRequest
+from mmserve.errors import InvalidRequest, ShuttingDown
+from mmserve.media import EncodeItem, MediaItem
 from mmserve.planner import Message, RequestPlan, RequestPlanner
 
 logger = logging.getLogger("ray.serve")
@@ -49,6 +52,7 @@ class RouterSettings:
     external_encoder: str | None = None  # host:port of a standalone EncoderService, used instead of `encoder`
     encoder_token: str | None = None
     encoder_tls_ca: str | None = None  # PEM file: reach external_encoder over TLS
+    llm_retries: int = 2  # resubmissions of one request after its LLM replica was lost (failover)
     api_key_env: str | None = None  # environment variable holding api_key, read on the replica's node
     encoder_token_env: str | None = None  # likewise for encoder_token
 
@@ -83,11 +87,17 @@ class Router(GrpcIngress):
         self.metrics = RouterMetrics()
         self.created = int(time.time())
         self._external_client = None  # EncoderClient of settings.external_encoder, made on first use
+        self.drain = DrainWatch(serve.get_replica_context().app_name)
+        self._failovers = {"resubmits": 0, "resumed_streams": 0, "resumed_tokens": 0, "resumed_with_media": 0,
+                           "reencoded_items": 0}
 
     # -- the request flow ---------------------------------------------------------------------
     async def submit(self, messages: list[Message], opts: GenerationOptions, request_id: str) -> Generation:
         """Plan, dispatch and start generating; raises InvalidRequest for anything the client got wrong."""
         started = time.perf_counter()
+        self.drain.start()
+        if self.drain.draining:
+            raise ShuttingDown("server is shutting down")
         try:
             plan = await asyncio.to_thread(self.planner.plan, messages)
             sampling = self._sampling(opts, len(plan.token_ids))
@@ -97,14 +107,15 @@ class Router(GrpcIngress):
                 sampling=sampling,
                 positions=plan.positions,
                 ranges=tuple(plan.ranges),
-                embeddings=await self._dispatch_media(plan),
+                embeddings=await self._encode(plan.media),
             )
             logger.info(
                 "request %s: %d prompt tokens, %d media items (%d media tokens), max_tokens %d",
                 request_id, len(plan.token_ids), len(plan.items), plan.num_media_tokens, sampling.max_tokens,
             )
-            stream = self.llm.options(stream=True).generate.remote(pending)
-            first = await stream.__anext__()  # errors surface here, before any response is sent
+            failover = Failover(self.llm, pending, self.settings.llm_retries, self._count_resume,
+                                lambda handles, lost: self._reencode(plan, handles, lost))
+            stream, first = await failover.start()  # errors surface here, before any response is sent
         except Exception as e:
             invalid = as_invalid_request(e)
             if invalid is None:
@@ -112,20 +123,32 @@ class Router(GrpcIngress):
             raise invalid from None
         self.metrics.prompt_tokens.inc(len(plan.token_ids))
         self.metrics.ttft_ms.observe((time.perf_counter() - started) * 1000)
-        return Generation(request_id, plan, sampling, opts.stop, stream, first, self.tokenizer)
+        return Generation(request_id, plan, sampling, opts.stop, stream, first, self.tokenizer, failover.resume)
 
-    async def _dispatch_media(self, plan: RequestPlan) -> tuple[EmbeddingHandle, ...]:
+    def _count_resume(self, continuation: PendingRequest) -> None:
+        self.metrics.resubmits.inc()
+        self._failovers["resubmits"] += 1
+        if sent := continuation.resumed_tokens:
+            self.metrics.resumed_tokens.inc(sent)
+            self._failovers["resumed_streams"] += 1
+            self._failovers["resumed_tokens"] += sent
+            self._failovers["resumed_with_media"] += bool(continuation.embeddings)
+
+    def failover_stats(self) -> dict:
+        """This replica's failover counters (resubmits, resumed streams, tokens they carried)."""
+        return dict(self._failovers)
+
+    async def _encode(self, media: list[EncodeItem]) -> tuple[EmbeddingHandle, ...]:
         """Send every item to the encoder at once, waiting for none; one handle per item, in order.
 
         A large request is split into groups of near-equal tokens, one encoder call each, so Serve
         spreads them over replicas; each replica batches them with other requests' items.
         """
-        if not plan.items:
+        if not media:
             return ()
-        self.metrics.media_items.inc(len(plan.items))
+        self.metrics.media_items.inc(len(media))
         if self.settings.external_encoder:
-            return await self._encode_externally(plan)
-        media = plan.media
+            return await self._encode_externally([m.item for m in media])
         groups = spread([m.cost for m in media])  # balanced by encoder cost: one call per group
         responses = [self.encoder.encode.remote([media[i] for i in group]) for group in groups]
         refs = [await r._to_object_ref() for r in responses]
@@ -134,7 +157,18 @@ class Router(GrpcIngress):
         where = {i: EmbeddingHandle(ref, pos) for group, ref in zip(groups, refs) for pos, i in enumerate(group)}
         return tuple(where[i] for i in range(len(media)))
 
-    async def _encode_externally(self, plan: RequestPlan) -> tuple[EmbeddingHandle, ...]:
+    async def _reencode(self, plan: RequestPlan, handles: tuple[EmbeddingHandle, ...],
+                        lost: tuple[int, ...]) -> tuple[EmbeddingHandle, ...]:
+        """`handles` with the items at `lost` (their encoder replica died) encoded again."""
+        self.metrics.reencoded_items.inc(len(lost))
+        self._failovers["reencoded_items"] += len(lost)
+        media = plan.media
+        new = list(handles)
+        for i, handle in zip(lost, await self._encode([media[i] for i in lost])):
+            new[i] = handle
+        return tuple(new)
+
+    async def _encode_externally(self, items: list[MediaItem]) -> tuple[EmbeddingHandle, ...]:
         """Encode on the standalone encoder; it keeps each result pinned for the LLM to fetch."""
         if self._external_client is None:  # grpc.aio channels belong to the running loop
             from mmserve.encoder_client import EncoderClient
@@ -144,7 +178,7 @@ class Router(GrpcIngress):
                 self.settings.external_encoder, self.settings.encoder_token,
                 root_certificates=Path(ca).read_bytes() if ca else None,
             )
-        refs = await asyncio.gather(*(self._external_client.encode_pinned(item) for item in plan.items))
+        refs = await asyncio.gather(*(self._external_client.encode_pinned(item) for item in items))
         return tuple(EmbeddingHandle(ref) for ref in refs)
 
     def _sampling(self, opts: GenerationOptions, prompt_len: int) -> SamplingParams:
@@ -195,6 +229,11 @@ class Router(GrpcIngress):
             logger.warning("request %s failed (%s): %r", request_id, failure.kind, e)
         return failure.http_status, failure.message
 
+    def check_health(self) -> None:
+        """Serve's liveness probe (a blocked event loop fails it by timing out): the tokenizer answers."""
+        if not self.tokenizer.encode("ok"):
+            raise RuntimeError("the router's tokenizer returned no tokens")
+
     # -- HTTP (OpenAI-compatible) -------------------------------------------------------------
     def _check_auth(self, request: Request) -> Response | None:
         key = self.settings.api_key
@@ -205,7 +244,8 @@ class Router(GrpcIngress):
 
     @app.get("/health")
     async def health(self) -> Response:
-        return Response(status_code=200)
+        self.drain.start()
+        return Response(status_code=503 if self.drain.draining else 200)  # draining: take me out of rotation
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:

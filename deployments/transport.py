@@ -17,7 +17,8 @@ from deployments.config import GrpcArgs
 from encoder_service.grpc_server import Encoder, ServerOptions, ServerSecurity, ServerThread
 from encoder_service.result_store import ResultStore
 from mmserve.embeddings import ItemEmbedding
-from mmserve.encoder_client import EncodedRef, EncoderClient
+from mmserve.encoder_client import EmbeddingNotFound, EncodedRef, EncoderClient
+from mmserve.errors import EmbeddingsLost
 from mmserve.media import EncodeItem
 
 
@@ -99,16 +100,44 @@ class GrpcFetcher:
 
 async def resolve(handles: Sequence[EmbeddingHandle], fetcher: GrpcFetcher | None) -> list[ItemEmbedding]:
     """The outputs behind `handles`, in order: each encoder call's result list is awaited once,
-    `EncodedRef`s are fetched concurrently (they need `fetcher`)."""
-    calls = list(dict.fromkeys(h.ref for h in handles if h.index is not None))
-    results = dict(zip(calls, await asyncio.gather(*calls)))
-    found = [h.ref if h.index is None else results[h.ref][h.index] for h in handles]
+    `EncodedRef`s are fetched concurrently (they need `fetcher`).
 
-    async def one(found: ItemEmbedding | EncodedRef) -> ItemEmbedding:
+    Raises `EmbeddingsLost` naming every item whose encoder replica is gone (its call died, or
+    its pinned gRPC result can no longer be fetched), so the router can re-encode just those.
+    """
+    calls = list(dict.fromkeys(h.ref for h in handles if h.index is not None))
+    results = dict(zip(calls, await asyncio.gather(*calls, return_exceptions=True)))
+
+    async def one(h: EmbeddingHandle) -> ItemEmbedding:
+        found = h.ref if h.index is None else results[h.ref]
+        if isinstance(found, BaseException):
+            raise found
+        if h.index is not None:
+            found = found[h.index]
         if isinstance(found, ItemEmbedding):
             return found
         if fetcher is None:
             raise RuntimeError("an encoder returned a gRPC reference but this replica has no gRPC fetcher")
         return await fetcher.fetch(found)
 
-    return list(await asyncio.gather(*(one(f) for f in found)))
+    outcomes = await asyncio.gather(*(one(h) for h in handles), return_exceptions=True)
+    lost = tuple(i for i, o in enumerate(outcomes) if isinstance(o, BaseException) and encoder_lost(o))
+    if lost:
+        raise EmbeddingsLost(lost)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return list(outcomes)
+
+
+def encoder_lost(e: BaseException) -> bool:
+    """True when `e` means the encoder that computed (or holds) an item is gone, not that the item is bad."""
+    import grpc
+
+    from deployments.failures import replica_lost  # (failures imports this module's neighbours)
+
+    if isinstance(e, EmbeddingNotFound):  # a pinned result died with its encoder's server
+        return True
+    if isinstance(e, grpc.aio.AioRpcError):
+        return e.code() == grpc.StatusCode.UNAVAILABLE
+    return replica_lost(e)

@@ -57,6 +57,8 @@ class LLMEngine:
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._in_step: list[Sequence] = []  # the sequences of the step being run
+        self.last_progress = time.monotonic()  # a step started or finished, or work arrived while idle
         self.num_steps = 0
         self.num_generated = 0
         self.step_times: list[float] = []
@@ -67,6 +69,8 @@ class LLMEngine:
             request = dataclasses.replace(request, positions=self.model.face.text_positions())
         seq = Sequence(request, emit, next(self._arrivals), new_generator(request.sampling, self.model.device))
         with self._cv:
+            if not self._new and not self._by_id:  # idle until now: the stall clock starts here
+                self.last_progress = time.monotonic()
             self._new.append(seq)
             self._cv.notify()
 
@@ -95,6 +99,18 @@ class LLMEngine:
             self._thread = threading.Thread(target=self._loop, name="llm-engine", daemon=True)
             self._thread.start()
 
+    def health(self, stall_timeout_s: float) -> str | None:
+        """Why this engine cannot serve (its thread is dead, or it holds work and no step started
+        or finished within `stall_timeout_s`), or None when it is healthy."""
+        if self._stopped:
+            return "the engine was shut down"
+        if self._thread is not None and not self._thread.is_alive():
+            return "the engine thread is dead"
+        idle_for = time.monotonic() - self.last_progress
+        if self.num_requests and idle_for > stall_timeout_s:
+            return f"the engine holds {self.num_requests} requests and made no step in {idle_for:.0f}s"
+        return None
+
     def shutdown(self) -> None:
         with self._cv:
             self._stopped = True
@@ -109,19 +125,25 @@ class LLMEngine:
                     return
             try:
                 self.step()
-            except Exception as e:  # a failed step fails its requests, never the replica
+            except Exception as e:  # a failed step fails its sequences, never the waiting ones nor the replica
                 logger.exception("engine step failed")
                 if isinstance(e, torch.OutOfMemoryError):  # resource exhaustion, not a bug: finish "overloaded"
                     event = TokenEvent(None, "overloaded", "the language model ran out of device memory")
                 else:
                     event = TokenEvent(None, "error", f"{type(e).__name__}: {e}")
-                for seq in list(self._by_id.values()):
+                # failed before a batch was chosen (admission, scheduling): nothing tells which
+                # sequences the state is still good for, so all fail
+                for seq in self._in_step or list(self._by_id.values()):
                     self._finish(seq, event)
+                self._in_step = []
 
     def step(self) -> None:
         """Admit and abort, then schedule -> one forward -> sample -> emit."""
+        self.last_progress = time.monotonic()
+        self._in_step = []
         self._admit()
         out = self.scheduler.schedule()
+        self._in_step = [item.seq for item in out.scheduled]
         for seq in out.preempted:  # alone in the pool and still too long: it can never run again
             if self.blocks.blocks_for(seq.num_tokens) > self.blocks.num_blocks:
                 self._finish(seq, TokenEvent(None, "length"))
@@ -139,6 +161,8 @@ class LLMEngine:
             for j, seq in enumerate(seqs):
                 self._postprocess(seq, result.token_ids[j], result.logprobs[j], result.top_logprobs[j])
         self.num_steps += 1
+        self._in_step = []
+        self.last_progress = time.monotonic()
         self.step_times.append(time.perf_counter() - start)
         del self.step_times[:-1000]
 

@@ -43,7 +43,7 @@ def _serve(ns: argparse.Namespace) -> int:
         f"{ns.host}:{ns.grpc_port} (Ctrl-C to stop)",
         flush=True,
     )
-    return _wait_for_ctrl_c()
+    return _serve_until_signal(["mmserve"], ns.grace_period)
 
 
 def _start_ray(ns: argparse.Namespace) -> None:
@@ -88,28 +88,38 @@ def _serve_config(ns: argparse.Namespace, start: float) -> int:
         f"http://{http.host}:{http.port} ({', '.join(names)}; Ctrl-C to stop)",
         flush=True,
     )
-    return _wait_for_ctrl_c()
+    return _serve_until_signal(names, ns.grace_period)
 
 
-def _wait_for_ctrl_c() -> int:
-    """Serve until Ctrl-C or SIGTERM (docker stop, Kubernetes), then shut Serve and Ray down."""
+def _serve_until_signal(app_names: list[str], grace_s: float) -> int:
+    """Serve until SIGTERM (docker stop, Kubernetes) or Ctrl-C, then drain and stop cleanly:
+    new requests get 503 / UNAVAILABLE, requests in flight finish (up to `grace_s`), then Serve
+    and Ray shut down and the command exits 0."""
     import signal
 
     import ray
     from ray import serve
 
-    def interrupt(*_):
-        raise KeyboardInterrupt
+    from deployments.drain import drain
 
+    stop = []
+
+    def interrupt(signum, _frame):
+        stop.append(signum)
+
+    # after ray.init: these replace Ray's own handlers (its SIGTERM one dumps a stack trace)
     signal.signal(signal.SIGTERM, interrupt)
     signal.signal(signal.SIGINT, interrupt)  # also where a parent left SIGINT ignored
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("shutting down", flush=True)
-        serve.shutdown()
-        ray.shutdown()
+    while not stop:
+        time.sleep(0.2)
+    name = signal.Signals(stop[0]).name
+    print(f"{name}: draining (new requests get 503; up to {grace_s:g}s for requests in flight)", flush=True)
+    left = drain(app_names, grace_s)
+    if left:
+        print(f"grace period over with {left} requests in flight", flush=True)
+    print("shutting down", flush=True)
+    serve.shutdown()
+    ray.shutdown()
     return 0
 
 
@@ -238,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument("--encoder-gpus", type=float, default=0)
     serve_p.add_argument("--llm-gpus", type=float, default=0)
     serve_p.add_argument("--grpc-port", type=int, default=9000, help="Serve's gRPC proxy port")
+    serve_p.add_argument("--grace-period", type=float, default=30.0,
+                         help="on SIGTERM / Ctrl-C: seconds requests in flight may take to finish")
     serve_p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (HTTP header, gRPC metadata)")
     serve_p.add_argument(
         "--dashboard", action=argparse.BooleanOptionalAction, default=True,

@@ -22,3 +22,25 @@ class Overloaded(RuntimeError):
 
     The message says which resource and is safe to show to the client.
     """
+
+
+class QueueFull(RuntimeError):
+    """A queue bounded to keep latency in check is full: retry shortly. HTTP 429 (with Retry-After) /
+    gRPC RESOURCE_EXHAUSTED. The message says which queue and is safe to show to the client."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is draining before it stops: HTTP 503 / gRPC UNAVAILABLE; retry elsewhere."""
+
+
+class EmbeddingsLost(RuntimeError):
+    """The encoder replica holding some of a request's media items died before their embeddings
+    reached the LLM replica. `items` are the positions of those items in the request (the order of
+    its embedding handles); the router re-encodes them on a live encoder and resubmits."""
+
+    def __init__(self, items: tuple[int, ...], message: str = "an encoder replica was lost"):
+        super().__init__(tuple(items), message)
+        self.items = tuple(items)
+
+    def __str__(self) -> str:
+        return f"{self.args[1]} ({len(self.items)} media items to re-encode)"

@@ -1,0 +1,219 @@
+"""Failover logic without Ray: a fake LLM handle whose replica dies mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+from ray import exceptions as ray_exceptions
+
+from deployments.failover import Failover
+from deployments.failures import classify, replica_lost
+from deployments.generation import Generation
+from deployments.llm import PendingRequest
+from llm_service.sampling import SamplingParams
+from llm_service.sequence import TokenEvent
+from mmserve.planner import RequestPlan
+
+EOS = 7
+
+
+def next_token(context: tuple[int, ...]) -> int:
+    """A deterministic 'model': the next token depends on the whole context (prompt + generated)."""
+    return 100 + (sum((i + 1) * t for i, t in enumerate(context)) * 31) % 400
+
+
+class FakeStream:
+    def __init__(self, events):
+        self._events = events
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.sleep(0)
+        try:
+            item = next(self._events)
+        except StopIteration:
+            raise StopAsyncIteration from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakeLLM:
+    """`options(stream=True).generate.remote(pending)`; replica i dies after `die_after[i]` tokens."""
+
+    def __init__(self, die_after: list[int | None], error: type[BaseException] = ray_exceptions.ActorDiedError):
+        self.die_after = list(die_after)
+        self.error = error
+        self.calls: list[PendingRequest] = []
+        self.generate = self
+
+    def options(self, **_):
+        return self
+
+    def remote(self, pending: PendingRequest) -> FakeStream:
+        self.calls.append(pending)
+        die = self.die_after.pop(0) if self.die_after else None
+
+        def events():
+            context = list(pending.prompt_token_ids)
+            for n in range(pending.sampling.max_tokens):
+                if die is not None and n == die:
+                    yield self.error()
+                    return
+                token = next_token(tuple(context))
+                context.append(token)
+                last = n + 1 == pending.sampling.max_tokens
+                yield TokenEvent(token, "length" if last else None)
+
+        return FakeStream(events())
+
+
+def _pending(max_tokens: int) -> PendingRequest:
+    return PendingRequest(
+        request_id="r1", prompt_token_ids=(11, 12, 13), sampling=SamplingParams(max_tokens=max_tokens),
+        positions=None, ranges=(), embeddings=(),
+    )
+
+
+class _Tokenizer:
+    def decode(self, ids, **_):
+        return "".join(f"<{i}>" for i in ids)
+
+    def convert_ids_to_tokens(self, ids):
+        return [f"<{i}>" for i in ids]
+
+
+async def _run(llm: FakeLLM, max_tokens: int, retries: int = 2):
+    resumed = []
+    failover = Failover(llm, _pending(max_tokens), retries, lambda p: resumed.append(p.resumed_tokens))
+    stream, first = await failover.start()
+    plan = RequestPlan(token_ids=[11, 12, 13], items=[], ranges=[], expansions=[], positions=None)
+    gen = Generation("r1", plan, _pending(max_tokens).sampling, (), stream, first, _Tokenizer(), failover.resume)
+    tokens = [d.token_id async for d in gen.deltas() if d.token_id is not None]
+    return tokens, resumed, gen
+
+
+def test_a_stream_resumes_on_another_replica_with_the_tokens_sent():
+    expected, _, _ = asyncio.run(_run(FakeLLM([None]), 20))
+    assert len(expected) == 20
+    llm = FakeLLM([5, 3, None])  # the first replica dies after 5 tokens, the second after 3 more
+    tokens, resumed, gen = asyncio.run(_run(llm, 20))
+    assert tokens == expected
+    assert resumed == [5, 8]
+    assert gen.num_generated == 20
+    second, third = llm.calls[1], llm.calls[2]
+    assert second.prompt_token_ids == (11, 12, 13) + tuple(expected[:5])
+    assert second.sampling.max_tokens == 15 and second.resumed_tokens == 5
+    assert third.prompt_token_ids == (11, 12, 13) + tuple(expected[:8])
+    assert third.sampling.max_tokens == 12
+    assert len({c.request_id for c in llm.calls}) == 3  # a fresh engine key per submission
+
+
+def test_a_request_lost_before_its_first_token_runs_again():
+    expected, _, _ = asyncio.run(_run(FakeLLM([None]), 6))
+    tokens, resumed, _ = asyncio.run(_run(FakeLLM([0]), 6))
+    assert tokens == expected and resumed == [0]
+
+
+def test_retries_are_bounded_then_unavailable():
+    with pytest.raises(ray_exceptions.ActorDiedError) as info:
+        asyncio.run(_run(FakeLLM([2, 1, 1, None]), 20, retries=2))
+    failure = classify(info.value)
+    assert failure.kind == "lost" and failure.http_status == 503
+    assert failure.grpc_code.name == "UNAVAILABLE"
+
+
+def test_other_errors_are_not_retried():
+    llm = FakeLLM([2, None], error=RuntimeError)
+    with pytest.raises(RuntimeError):
+        asyncio.run(_run(llm, 20))
+    assert len(llm.calls) == 1
+    assert not replica_lost(RuntimeError("x"))
+    assert replica_lost(ray_exceptions.ActorUnavailableError("x", b"\0" * 16))
+
+
+# -- encoder failover -------------------------------------------------------------------------
+def _done(value) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    (future.set_exception if isinstance(value, BaseException) else future.set_result)(value)
+    return future
+
+
+def test_resolve_names_exactly_the_items_of_a_lost_encoder_call():
+    from deployments.transport import EmbeddingHandle, resolve
+    from mmserve.embeddings import ItemEmbedding
+    from mmserve.errors import EmbeddingsLost
+
+    import torch
+
+    async def main(second_call_error: BaseException):
+        ok = _done([ItemEmbedding((torch.zeros(2, 4),), "a"), ItemEmbedding((torch.ones(3, 4),), "b")])
+        dead = _done(second_call_error)
+        handles = (EmbeddingHandle(ok, 0), EmbeddingHandle(dead, 0), EmbeddingHandle(ok, 1), EmbeddingHandle(dead, 1))
+        return await resolve(handles, None)
+
+    with pytest.raises(EmbeddingsLost) as info:
+        asyncio.run(main(ray_exceptions.ActorDiedError()))
+    assert info.value.items == (1, 3)
+    with pytest.raises(ValueError, match="bad pixels"):  # an item's own error is not a lost encoder
+        asyncio.run(main(ValueError("bad pixels")))
+
+
+def test_embeddings_lost_crosses_processes_with_its_items():
+    import pickle
+
+    from mmserve.errors import EmbeddingsLost
+
+    error = pickle.loads(pickle.dumps(EmbeddingsLost((0, 2))))
+    assert error.items == (0, 2) and "2 media items to re-encode" in str(error)
+
+
+def test_items_of_a_lost_encoder_are_reencoded_and_the_request_resubmitted():
+    from deployments.transport import EmbeddingHandle
+    from mmserve.errors import EmbeddingsLost
+
+    class LLMWithMedia(FakeLLM):
+        """Loses the embeddings of every handle whose ref is 'dead' (its encoder died) at submission."""
+
+        def remote(self, pending):
+            lost = tuple(i for i, h in enumerate(pending.embeddings) if h.ref == "dead")
+            if lost:
+                self.calls.append(pending)
+                return FakeStream(iter([EmbeddingsLost(lost)]))
+            return super().remote(pending)
+
+    reencoded = []
+
+    async def reencode(handles, lost):
+        reencoded.append(lost)
+        return tuple(EmbeddingHandle("live", h.index) if i in lost else h for i, h in enumerate(handles))
+
+    async def run(refs: list[str], retries: int = 2):
+        pending = dataclasses.replace(_pending(6), embeddings=tuple(EmbeddingHandle(r, i) for i, r in enumerate(refs)))
+        llm = LLMWithMedia([None, None])
+        stream, first = await Failover(llm, pending, retries, reencode=reencode).start()
+        return [first.token_id] + [e.token_id async for e in stream], llm.calls
+
+    expected, _ = asyncio.run(run(["live", "live", "live"]))
+    tokens, calls = asyncio.run(run(["live", "dead", "dead"]))
+    assert tokens == expected and reencoded == [(1, 2)]
+    assert [h.ref for h in calls[-1].embeddings] == ["live", "live", "live"]
+    assert calls[-1].prompt_token_ids == calls[0].prompt_token_ids and calls[-1].request_id != calls[0].request_id
+
+    async def never_live(handles, lost):
+        return handles  # every encoder stays dead
+
+    async def bounded():
+        pending = dataclasses.replace(_pending(6), embeddings=(EmbeddingHandle("dead", 0),))
+        await Failover(LLMWithMedia([]), pending, 2, reencode=never_live).start()
+
+    with pytest.raises(EmbeddingsLost):
+        asyncio.run(bounded())
