@@ -43,5 +43,6 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         encoder_token_env=args.grpc.token_env,
         encoder_tls_ca=args.grpc.tls_ca,
         llm_retries=args.llm_retries,
+        max_pending_requests=args.max_pending_requests,
     )
     return Router.options(**args.router.options("Router")).bind(encoder, llm, settings)

@@ -58,7 +58,7 @@ def _request_ids(request: vlm_pb2.GenerateRequest) -> tuple[str, str]:
 
 
 class GrpcIngress:
-    """VLMService + grpc.health.v1 for the Router; uses its `submit`, `settings`, `_record`, `_reject`."""
+    """VLMService + grpc.health.v1 for the Router; uses its `admitted`, `submit`, `settings`, `_record`, `_reject`."""
 
     async def Generate(self, request: vlm_pb2.GenerateRequest, grpc_context) -> vlm_pb2.GenerateResponse:
         request_id, shown_id = _request_ids(request)
@@ -102,6 +102,10 @@ class GrpcIngress:
 
     # -- plumbing ---------------------------------------------------------------------------------
     async def _grpc_submit(self, request: vlm_pb2.GenerateRequest, request_id: str, grpc_context) -> Generation:
+        with self.admitted():
+            return await self._admitted_submit(request, request_id, grpc_context)
+
+    async def _admitted_submit(self, request: vlm_pb2.GenerateRequest, request_id: str, grpc_context) -> Generation:
         settings = self.settings
         if settings.api_key:
             given = dict(grpc_context.invocation_metadata()).get("authorization", "")
