@@ -102,18 +102,15 @@ class GrpcIngress:
 
     # -- plumbing ---------------------------------------------------------------------------------
     async def _grpc_submit(self, request: vlm_pb2.GenerateRequest, request_id: str, grpc_context) -> Generation:
-        with self.admitted():
-            return await self._admitted_submit(request, request_id, grpc_context)
-
-    async def _admitted_submit(self, request: vlm_pb2.GenerateRequest, request_id: str, grpc_context) -> Generation:
         settings = self.settings
         if settings.api_key:
             given = dict(grpc_context.invocation_metadata()).get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
                 raise grpc_api.Unauthenticated("invalid or missing API key (metadata 'authorization: Bearer KEY')")
-        grpc_api.check_request(request, settings.limits, settings.served_model_name)
-        messages = await grpc_api.messages(request, settings.limits)
-        return await self.submit(messages, grpc_api.options(request), request_id)
+        with self.admitted():
+            grpc_api.check_request(request, settings.limits, settings.served_model_name)
+            messages = await grpc_api.messages(request, settings.limits)
+            return await self.submit(messages, grpc_api.options(request), request_id)
 
     def _grpc_failed(self, e: Exception, request_id: str, shown_id: str, grpc_context) -> vlm_pb2.GenerateResponse:
         code, message = grpc_api.status_for(e)
