@@ -203,3 +203,47 @@ def test_decode_graph_inputs_staged_in_one_buffer_give_the_eager_logits(tiny_mod
     embeds, positions, batch, last, extra = engine.runner.prepare(scheduled)
     eager = engine.runner.forward(embeds, positions, batch, last, **extra)
     torch.testing.assert_close(staged, eager, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_greedy_equals_transformers_generate_or_splits_at_a_near_tie(tiny_models):
+    """bf16 on the GPU: the engine (Triton kernel + decode graphs) against `generate` in bf16 on the
+    same weights. Rounding may flip a token only where the reference's top two logits nearly tie."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.reference import reference_inputs
+
+    model_dir = tiny_models["qwen2_vl"]
+    engine = LLMEngine(LanguageModel(model_dir, dtype="bfloat16", device="cuda"),
+                       EngineConfig(num_kv_blocks=256, max_graph_batch_size=8))
+    assert engine.runner.backend == "triton" and engine.runner.graphs is not None
+    reference = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    cases = [c for c in mixed_cases() if c[0].startswith("text_")]
+    eos = reference.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos or [])
+    collector = Collector()
+    for name, messages in cases:
+        collector.add(engine, plan_request(model_dir, messages, name, 16))
+    run_until_done(engine, collector)
+    exact, ties = 0, []
+    for name, messages in cases:
+        inputs = reference_inputs(model_dir, messages).to("cuda")
+        with torch.inference_mode():
+            out = reference.generate(**inputs, do_sample=False, max_new_tokens=16,
+                                     output_scores=True, return_dict_in_generate=True)
+        want = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()  # with its EOS, if any
+        got = collector.tokens(name)
+        if collector.finish_reason(name) == "stop":
+            got.append(want[len(got)] if len(want) > len(got) and want[len(got)] in eos else min(eos))
+        if got == want:
+            exact += 1
+            continue
+        split = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+        top2 = out.scores[split][0].float().topk(2)
+        gap = float(top2.values[0] - top2.values[1])
+        ties.append((name, split, gap))
+        assert got[split] == int(top2.indices[1]), f"{name}: token {split} is not the reference's runner-up"
+        assert gap < 0.125, f"{name}: split at token {split} where the top two logits differ by {gap:.4f}"
+    print(f"bf16 vs generate: {exact}/{len(cases)} identical; splits at near-ties: {ties}")
+    assert exact >= len(cases) // 2
