@@ -45,6 +45,9 @@ class DecodeGraphs:
         n, w = self.sizes[-1], self.width
         self.host = torch.zeros(n * (3 + self.rows + w), dtype=torch.int32).pin_memory()
         self.device_buffer = torch.zeros_like(self.host, device=runner.device)
+        # row indices and cu_seqlens of every size: graphs read them at replay, so they must live as
+        # long as the graphs (a tensor made inside `step_fn` would be freed after capture and reused)
+        self.arange = torch.arange(n + 1, dtype=torch.int32, device=runner.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @classmethod
@@ -83,8 +86,7 @@ class DecodeGraphs:
         """The decode step of padded batch size `b` over the static buffer (what a graph captures)."""
         runner = self.runner
         ids, positions, slots, context_lens, tables = self._views(b)
-        rows = torch.arange(b, device=runner.device)
-        cu_q = torch.arange(b + 1, dtype=torch.int32, device=runner.device)
+        rows, cu_q = self.arange[:b], self.arange[:b + 1]
 
         def step() -> torch.Tensor:
             batch = AttentionBatch(

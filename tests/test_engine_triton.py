@@ -199,7 +199,13 @@ def test_decode_graph_inputs_staged_in_one_buffer_give_the_eager_logits(tiny_mod
     assert graphs.fits(scheduled)
     graphs._fill(scheduled)
     graphs.device_buffer.copy_(graphs.host)
-    staged = graphs.step_fn(4)()[:3]  # padded to the graph size 4
+    step = graphs.step_fn(4)
+    # every tensor a captured graph reads lives as long as the graphs (a temporary would be freed
+    # after capture and its memory reused: replays then read garbage)
+    owned = {graphs.device_buffer.untyped_storage().data_ptr(), graphs.arange.untyped_storage().data_ptr()}
+    inputs = [c.cell_contents for c in step.__closure__ if isinstance(c.cell_contents, torch.Tensor)]
+    assert len(inputs) >= 6 and all(t.untyped_storage().data_ptr() in owned for t in inputs)
+    staged = step()[:3]  # padded to the graph size 4
     embeds, positions, batch, last, extra = engine.runner.prepare(scheduled)
     eager = engine.runner.forward(embeds, positions, batch, last, **extra)
     torch.testing.assert_close(staged, eager, rtol=1e-5, atol=1e-5)
@@ -209,7 +215,8 @@ def test_decode_graph_inputs_staged_in_one_buffer_give_the_eager_logits(tiny_mod
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bf16_greedy_equals_transformers_generate_or_splits_at_a_near_tie(tiny_models):
     """bf16 on the GPU: the engine (Triton kernel + decode graphs) against `generate` in bf16 on the
-    same weights. Rounding may flip a token only where the reference's top two logits nearly tie."""
+    same weights. Rounding may flip a token only where the reference's logit of our token nearly
+    ties its best one (the tiny model's random logits are flat, so near-ties are common)."""
     from transformers import AutoModelForImageTextToText
 
     from tests.reference import reference_inputs
@@ -231,7 +238,7 @@ def test_cuda_bf16_greedy_equals_transformers_generate_or_splits_at_a_near_tie(t
         inputs = reference_inputs(model_dir, messages).to("cuda")
         with torch.inference_mode():
             out = reference.generate(**inputs, do_sample=False, max_new_tokens=16,
-                                     output_scores=True, return_dict_in_generate=True)
+                                     output_logits=True, return_dict_in_generate=True)
         want = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()  # with its EOS, if any
         got = collector.tokens(name)
         if collector.finish_reason(name) == "stop":
@@ -240,10 +247,9 @@ def test_cuda_bf16_greedy_equals_transformers_generate_or_splits_at_a_near_tie(t
             exact += 1
             continue
         split = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-        top2 = out.scores[split][0].float().topk(2)
-        gap = float(top2.values[0] - top2.values[1])
-        ties.append((name, split, gap))
-        assert got[split] == int(top2.indices[1]), f"{name}: token {split} is not the reference's runner-up"
-        assert gap < 0.125, f"{name}: split at token {split} where the top two logits differ by {gap:.4f}"
-    print(f"bf16 vs generate: {exact}/{len(cases)} identical; splits at near-ties: {ties}")
+        scores = out.logits[split][0].float()
+        gap = float(scores.max() - scores[got[split]])  # how far below the reference's best our token is
+        ties.append((name, split, round(gap, 4), round(float(scores.std()), 3)))  # + the logits' spread
+        assert gap < 0.125, f"{name}: split at token {split}, {gap:.4f} below the reference's top logit"
+    print(f"bf16 vs generate: {exact}/{len(cases)} identical; splits (case, token, gap, logit std): {ties}")
     assert exact >= len(cases) // 2

@@ -65,16 +65,28 @@ def test_grouped_sdpa_equals_one_call_per_segment(lengths):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_packed_vit_runs_the_triton_kernel_in_bf16(model_dir, monkeypatch):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_packed_vit_makes_one_kernel_call_per_layer(model_dir, dtype, monkeypatch):
+    """bf16: torch's varlen flash attention (where this torch has it); float32: the Triton kernel."""
     import mmserve.triton_attention as kernel
+    from encoder_service.vit_attention import _torch_varlen
 
-    encoder = VisionEncoder(model_dir, dtype="bfloat16", device="cuda")
-    calls = []
+    encoder = VisionEncoder(model_dir, dtype=dtype, device="cuda")
+    calls = {"triton": 0, "torch": 0}
     original = kernel.varlen_attention
-    monkeypatch.setattr(kernel, "varlen_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    monkeypatch.setattr(kernel, "varlen_attention",
+                        lambda *a, **k: calls.__setitem__("triton", calls["triton"] + 1) or original(*a, **k))
     prepared = [encoder.preprocess(encoder.plan(item)) for item in _items()]
+    flash = _torch_varlen(torch.empty(1, 1, 16, dtype=getattr(torch, dtype), device="cuda"))  # None for float32
+    if flash is not None:
+        from torch.nn.attention import varlen
+
+        monkeypatch.setattr(varlen, "varlen_attn",
+                            lambda *a, **k: calls.__setitem__("torch", calls["torch"] + 1) or flash(*a, **k))
     packed = encoder.forward(prepared)
-    assert len(calls) == _depth(encoder)
+    expected = {"torch": _depth(encoder), "triton": 0} if flash is not None else {"torch": 0, "triton": _depth(encoder)}
+    assert calls == expected
     encoder.tower.config._attn_implementation = "sdpa"
+    tol = 5e-2 if dtype == "bfloat16" else 1e-4
     for p, lp in zip(packed, encoder.forward(prepared)):
-        torch.testing.assert_close(p[0].float(), lp[0].float(), rtol=5e-2, atol=5e-2)
+        torch.testing.assert_close(p[0].float(), lp[0].float(), rtol=tol, atol=tol)
