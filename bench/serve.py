@@ -242,14 +242,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--url", help="an mmserve app already running (default: start one here)")
     p.add_argument("--model-name", default="bench", help="served model name at --url")
     p.add_argument("--model", help="checkpoint for the app started here (default: the bench checkpoint)")
-    p.add_argument("--quick", action="store_true", help="bench checkpoint, 48 requests, small images")
+    p.add_argument("--quick", action="store_true", help="bench checkpoint, 120 requests, images 112²..336²")
     p.add_argument("--compare", choices=("colocated",), help="run disaggregated, then colocated, side by side")
     p.add_argument("--colocated", action="store_true", help="start the app here in colocated mode")
     p.add_argument("--num-cpus", type=float, default=2.0, help="total CPUs of the app started here")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--request-rate", type=float, nargs="+", default=None,
-                   help="requests/s (several: a sweep); default: 1.5 / the unloaded mean E2E")
+                   help="requests/s (several: a sweep; the summary is the last); default: 0.75 and 1.5 / the "
+                   "unloaded mean E2E")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1: Poisson")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-images", type=int, default=2)
@@ -267,7 +268,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     began = time.perf_counter()
-    num_prompts = args.num_prompts or (48 if args.quick else 200)
+    num_prompts = args.num_prompts or (120 if args.quick else 200)
     dataset = DatasetConfig(buckets=QUICK_BUCKETS if args.quick else DatasetConfig().buckets, max_images=args.max_images,
                             text_only_share=args.text_only_share, repeat_share=args.repeat_share,
                             input_len=args.input_len, output_len=args.output_len)
@@ -299,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
                 summary["vit_share"] = (sum(image_vit) / sum(image_e2e)) if vit and image_e2e else None
                 if args.goodput is None:
                     slo = SLO(ttft_ms=round(3 * base["median_ttft_ms"], 1), tpot_ms=round(3 * base["median_tpot_ms"], 1))
-                if rates is None:
-                    rates = [round(1.5 * 1000 / base["mean_e2el_ms"], 3)]
+                if rates is None:  # below and above one request at a time; the summary is the last
+                    rates = [round(k * 1000 / base["mean_e2el_ms"], 3) for k in (0.75, 1.5)]
                 print(f"unloaded ({len(unloaded)} requests one at a time): median TTFT {base['median_ttft_ms']:.1f} ms, "
                       f"median TPOT {base['median_tpot_ms']:.1f} ms, mean E2E {base['mean_e2el_ms']:.1f} ms; "
                       f"vit_share {summary['vit_share'] if summary['vit_share'] is None else round(summary['vit_share'], 3)}")
