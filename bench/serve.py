@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                             input_len=args.input_len, output_len=args.output_len)
     specs = generate_requests(dataset, num_prompts, args.seed)
     unloaded_specs = generate_requests(dataset, args.unloaded_requests, args.seed + 1)
-    warm_specs = generate_requests(dataset, 2, args.seed + 2)  # other images: the unloaded run misses the cache
+    warm_specs = generate_requests(dataset, 8, args.seed + 2)  # other images: the unloaded run misses the cache
     modes = ["disaggregated", "colocated"] if args.compare else ["colocated" if args.colocated else "disaggregated"]
     model = None
     vit: list[float] = []
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         url = args.url or start_app(model, mode == "colocated", args.num_cpus, args.dtype)
         try:
-            asyncio.run(run_load(url, args.model_name, warm_specs, [0.0, 0.0], "warm-up", concurrency=1))
+            asyncio.run(run_load(url, args.model_name, warm_specs, [0.0] * len(warm_specs), "warm-up", concurrency=2))
             if mode == modes[0]:
                 unloaded = asyncio.run(run_load(url, args.model_name, unloaded_specs, [0.0] * len(unloaded_specs),
                                                 "unloaded", concurrency=1))
