@@ -51,5 +51,6 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         encoder_tls_ca=args.grpc.tls_ca,
         llm_retries=args.llm_retries,
         colocated=args.colocated,
+        max_pending_requests=args.max_pending_requests,
     )
     return Router.options(**args.router.options("Router")).bind(encoder, llm, settings)

@@ -13,9 +13,10 @@ class _Args(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-# Serve's queue bound per deployment when `max_queued_requests` is left out: the router and the
-# LLM queue as many requests as they run at once; the encoder is bounded by queued bytes instead
-DEFAULT_MAX_QUEUED = {"Router": 64, "LLM": 64}
+# Serve's queue bound per deployment when `max_queued_requests` is left out. A request queued for
+# the router waits for a whole request to finish, so few; the LLM queues as many as it runs at
+# once; the encoder is bounded by queued bytes instead (bench/soak.py measured these)
+DEFAULT_MAX_QUEUED = {"Router": 8, "LLM": 64}
 RETRY_AFTER_S = 1
 
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -61,7 +62,7 @@ class DeploymentArgs(_Args):
     max_ongoing_requests: int = Field(default=64, ge=1)
     max_queued_requests: int | None = Field(
         default=None, ge=-1, description="requests queued for a replica (per caller) before Serve answers "
-        "429 + Retry-After / RESOURCE_EXHAUSTED; -1: unbounded; default: 64 for Router and LLM, -1 for Encoder",
+        "429 + Retry-After / RESOURCE_EXHAUSTED; -1: unbounded; default: 8 for the Router (a request queued there waits for a whole request to finish), 64 for the LLM, -1 for the Encoder",
     )
     label_selector: dict[str, str] = Field(default_factory=dict, description="Ray node labels a replica needs")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per replica")
@@ -276,6 +277,11 @@ class AppArgs(_Args):
     llm_retries: int = Field(
         default=2, ge=0, description="resubmissions of one request after its LLM replica was lost "
         "(a stream resumes from the tokens it sent); then 503 / UNAVAILABLE",
+    )
+    max_pending_requests: int = Field(
+        default=16, ge=1, description="per Router replica: requests admitted that have no first token yet "
+        "(planning, encoding, waiting for prefill); more get 429 + Retry-After / RESOURCE_EXHAUSTED at once. "
+        "It bounds TTFT under bursts; raise it with faster replicas (bench/soak.py measures the trade)",
     )
     # defaults fit a 2-core laptop (1.25 CPUs in all); size them for real clusters (k8s/overlays/gpu)
     router: DeploymentArgs = DeploymentArgs(num_cpus=0.25)

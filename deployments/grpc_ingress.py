@@ -58,7 +58,7 @@ def _request_ids(request: vlm_pb2.GenerateRequest) -> tuple[str, str]:
 
 
 class GrpcIngress:
-    """VLMService + grpc.health.v1 for the Router; uses its `submit`, `settings`, `_record`, `_reject`."""
+    """VLMService + grpc.health.v1 for the Router; uses its `admitted`, `submit`, `settings`, `_record`, `_reject`."""
 
     async def Generate(self, request: vlm_pb2.GenerateRequest, grpc_context) -> vlm_pb2.GenerateResponse:
         request_id, shown_id = _request_ids(request)
@@ -107,9 +107,10 @@ class GrpcIngress:
             given = dict(grpc_context.invocation_metadata()).get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {settings.api_key}".encode()):
                 raise grpc_api.Unauthenticated("invalid or missing API key (metadata 'authorization: Bearer KEY')")
-        grpc_api.check_request(request, settings.limits, settings.served_model_name)
-        messages = await grpc_api.messages(request, settings.limits)
-        return await self.submit(messages, grpc_api.options(request), request_id)
+        with self.admitted():
+            grpc_api.check_request(request, settings.limits, settings.served_model_name)
+            messages = await grpc_api.messages(request, settings.limits)
+            return await self.submit(messages, grpc_api.options(request), request_id)
 
     def _grpc_failed(self, e: Exception, request_id: str, shown_id: str, grpc_context) -> vlm_pb2.GenerateResponse:
         code, message = grpc_api.status_for(e)

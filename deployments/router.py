@@ -7,6 +7,7 @@ return once the first token (or the first error) is back. The HTTP routes below 
 """
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
@@ -35,7 +36,7 @@ from deployments.metrics import RouterMetrics
 from deployments.replica_env import resolve_model_dir, secret
 from llm_service.sampling import SamplingParams
 from mmserve.checkpoint import read_config
-from mmserve.errors import InvalidRequest, ShuttingDown
+from mmserve.errors import InvalidRequest, QueueFull, ShuttingDown
 from mmserve.media import EncodeItem, MediaItem
 from mmserve.planner import Message, RequestPlan, RequestPlanner
 
@@ -54,6 +55,7 @@ class RouterSettings:
     encoder_token: str | None = None
     encoder_tls_ca: str | None = None  # PEM file: reach external_encoder over TLS
     llm_retries: int = 2  # resubmissions of one request after its LLM replica was lost (failover)
+    max_pending_requests: int = 16  # admitted requests without a first token yet; more: 429
     api_key_env: str | None = None  # environment variable holding api_key, read on the replica's node
     encoder_token_env: str | None = None  # likewise for encoder_token
     colocated: bool = False  # no encoder: the LLM replica encodes the media it is handed (LocalMedia)
@@ -90,16 +92,30 @@ class Router(GrpcIngress):
         self.created = int(time.time())
         self._external_client = None  # EncoderClient of settings.external_encoder, made on first use
         self.drain = DrainWatch(serve.get_replica_context().app_name)
+        self.before_first_token = 0  # requests admitted here that have no first token yet
         self._failovers = {"resubmits": 0, "resumed_streams": 0, "resumed_tokens": 0, "resumed_with_media": 0,
                            "reencoded_items": 0}
 
     # -- the request flow ---------------------------------------------------------------------
-    async def submit(self, messages: list[Message], opts: GenerationOptions, request_id: str) -> Generation:
-        """Plan, dispatch and start generating; raises InvalidRequest for anything the client got wrong."""
-        started = time.perf_counter()
+    @contextlib.contextmanager
+    def admitted(self):
+        """Admission, before a request's body is even read: 503 while draining, 429 while
+        `max_pending_requests` requests wait for their first token. Held until `submit` returns."""
         self.drain.start()
         if self.drain.draining:
             raise ShuttingDown("server is shutting down")
+        if self.before_first_token >= self.settings.max_pending_requests:  # bounds TTFT under bursts
+            raise QueueFull(f"{self.before_first_token} requests wait for their first token "
+                            f"(limit {self.settings.max_pending_requests})")
+        self.before_first_token += 1
+        try:
+            yield
+        finally:
+            self.before_first_token -= 1
+
+    async def submit(self, messages: list[Message], opts: GenerationOptions, request_id: str) -> Generation:
+        """Plan, dispatch and start generating; raises InvalidRequest for anything the client got wrong."""
+        started = time.perf_counter()
         try:
             plan = await asyncio.to_thread(self.planner.plan, messages)
             sampling = self._sampling(opts, len(plan.token_ids))
@@ -272,12 +288,13 @@ class Router(GrpcIngress):
             logger.info("request %s: x-request-id %r", request_id, given[:128])
         name = self.settings.served_model_name
         try:
-            body = openai_api.parse_body(await openai_api.read_body(request, self.settings.limits),
-                                         self.settings.limits)
-            if body.model and body.model != name:
-                raise InvalidRequest(f"model {body.model!r} is not served here; use {name!r}")
-            messages = await openai_api.messages(body, self.settings.limits)
-            gen = await self.submit(messages, openai_api.options(body), request_id)
+            with self.admitted():  # a refused request costs next to nothing: its body is not read
+                body = openai_api.parse_body(await openai_api.read_body(request, self.settings.limits),
+                                             self.settings.limits)
+                if body.model and body.model != name:
+                    raise InvalidRequest(f"model {body.model!r} is not served here; use {name!r}")
+                messages = await openai_api.messages(body, self.settings.limits)
+                gen = await self.submit(messages, openai_api.options(body), request_id)
             if not body.stream:
                 result = await openai_api.completion(gen, name, body.return_token_ids)
         except Exception as e:

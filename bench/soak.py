@@ -1,0 +1,377 @@
+"""Soak: a served app under load, bad inputs and replica kills; nothing good may be lost or wrong.
+
+    python bench/soak.py [--requests 300] [--concurrency 16] [--burst 256] [--seed 0]
+    mmserve bench soak ...
+
+On loopback, the tiny Qwen2-VL in float64 (greedy outputs are exact), 2 LLM + 2 encoder replicas
+(encoder caches off, so every run encodes). Phases:
+1. unloaded: sequential streams, TTFT p50 / p99;
+2. reference: every good request once, no fault (the expected outputs);
+3. soak: all requests (10% bad inputs of many kinds) at `--concurrency`; one encoder replica is
+   killed while it holds encode calls, and one LLM replica once every stream in flight has sent
+   >= 2 tokens and has >= 8 left (new requests wait for that moment). A good request is lost if
+   it does not complete with 200, wrong if its tokens differ from the reference; a bad input is
+   rejected cleanly if it gets a 4xx with a JSON error message;
+4. burst: `--burst` requests at once: 429s, and p99 TTFT of the admitted vs unloaded.
+RSS of every replica is sampled at the start and the end of the soak.
+The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.soak_inputs import MAX_TOKENS, SoakRequest, encode, good_request, soak_requests  # noqa: E402
+
+APP = "soak"
+
+
+@dataclass
+class Result:
+    status: int = 0
+    tokens: list[int] = field(default_factory=list)
+    ttft_s: float | None = None
+    message: str = ""
+    json_error: bool = False
+    seconds: float = 0.0  # until the response ended
+
+
+def send(client: httpx.Client, url: str, req: SoakRequest, live: dict[int, list[int]] | None = None) -> Result:
+    """One request; a stream's tokens so far are visible in `live[req.index]` while it runs."""
+    out = Result()
+    start = time.perf_counter()
+    headers = {"content-type": "application/json"}
+    try:
+        with client.stream("POST", url, content=encode(req), headers=headers, timeout=300) as resp:
+            out.status = resp.status_code
+            if resp.status_code != 200 or not req.stream:
+                body = resp.read()
+                try:
+                    data = json.loads(body)
+                except ValueError:
+                    out.message = body[:200].decode(errors="replace")
+                    return out
+                if resp.status_code == 200:
+                    out.tokens = list(data["choices"][0].get("token_ids") or [])
+                else:
+                    out.message = str(data.get("error", {}).get("message", ""))
+                    out.json_error = bool(out.message)
+                return out
+            if live is not None:
+                live[req.index] = out.tokens
+            for line in resp.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out.status, out.message = 599, str(event["error"])  # failed mid-stream
+                for choice in event.get("choices", []):
+                    ids = choice.get("token_ids") or []
+                    if ids and out.ttft_s is None:
+                        out.ttft_s = time.perf_counter() - start
+                    out.tokens.extend(ids)
+    except Exception as e:  # a hang or a dropped connection: the request is lost
+        out.status, out.message = 598, repr(e)
+    finally:
+        if live is not None:
+            live.pop(req.index, None)
+        out.seconds = time.perf_counter() - start
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+# -- replicas --------------------------------------------------------------------------------
+def replicas(deployment: str) -> list:
+    import ray
+
+    return [ray.get_actor(a["name"], namespace=a["namespace"])
+            for a in ray.util.list_named_actors(all_namespaces=True) if f"{APP}#{deployment}#" in a["name"]]
+
+
+def ongoing(replica) -> int:
+    import ray
+
+    try:
+        return ray.get(replica.get_num_ongoing_requests.remote(), timeout=5)
+    except Exception:
+        return 0
+
+
+def replica_rss_mb() -> dict[str, float]:
+    """{replica name: RSS in MB} of every replica of the app."""
+    import psutil
+    import ray
+
+    rss = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if f"{APP}#" not in actor["name"]:
+            continue
+        try:
+            handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
+            pid = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()), timeout=10)
+            rss[actor["name"].split("::")[-1]] = psutil.Process(pid).memory_info().rss / 2**20
+        except Exception:  # a replica that is gone (or going) has no RSS to report
+            continue
+    return rss
+
+
+class Faults:
+    """Kills one encoder replica (holding encode calls) after `encoder_at` requests started, and one
+    LLM replica (every stream mid-way) after `llm_at`; new requests wait at `gate` meanwhile."""
+
+    def __init__(self, encoder_at: int, llm_at: int, live: dict[int, list[int]]):
+        self.encoder_at, self.llm_at, self.live = encoder_at, llm_at, live
+        self.started = 0
+        self.gate = threading.Event()
+        self.gate.set()
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.report: dict = {}
+
+    def admit(self) -> None:
+        self.gate.wait()
+        with self.lock:
+            self.started += 1
+
+    def run(self) -> None:
+        import ray
+
+        while self.started < self.encoder_at and not self.done.is_set():
+            time.sleep(0.01)
+        while not self.done.is_set() and "encoder_held" not in self.report:
+            for victim in replicas("Encoder"):
+                if held := ongoing(victim):
+                    ray.kill(victim, no_restart=False)
+                    self.report.update(encoder_held=held, encoder_killed_after=self.started)
+                    break
+            time.sleep(0.002)
+        while self.started < self.llm_at and not self.done.is_set():
+            time.sleep(0.01)
+        while not self.done.is_set() and "llm_held" not in self.report:
+            self.gate.clear()  # new requests wait until the kill
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                counts = [len(t) for t in list(self.live.values())]
+                if counts and all(2 <= c <= MAX_TOKENS - 8 for c in counts):
+                    victim = replicas("LLM")[0]
+                    held = ongoing(victim)
+                    ray.kill(victim, no_restart=False)
+                    self.report.update(llm_held=held, llm_streams_mid_way=len(counts), llm_killed_after=self.started)
+                    break
+                if not counts or any(c > MAX_TOKENS - 8 for c in counts):
+                    break  # missed the window: let a few more requests in and look again
+                time.sleep(0.002)
+            self.gate.set()
+            time.sleep(0.3)
+        self.gate.set()
+
+
+def run_all(url: str, requests: list[SoakRequest], concurrency: int, faults: Faults | None = None,
+            live: dict | None = None) -> list[Result]:
+    results: list[Result | None] = [None] * len(requests)
+
+    def one(i: int) -> None:
+        if faults:
+            faults.admit()
+        with httpx.Client() as client:
+            results[i] = send(client, url, requests[i], live)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        for n, _ in enumerate(pool.map(one, range(len(requests))), 1):
+            if n % 50 == 0:
+                print(f"  {n}/{len(requests)} done", flush=True)
+    return results
+
+
+def burst(url: str, count: int, seed: int) -> list[Result]:
+    """`count` streaming requests sent at once from one event loop (threads would spend the
+    client's CPU, on the same cores as the server, on switching)."""
+    import asyncio
+
+    rng = random.Random(seed)
+    bodies = [encode(SoakRequest(i, True, True, {**good_request(10_000 + i, rng, light=True).body, "stream": True}))
+              for i in range(count)]
+
+    async def one(client: httpx.AsyncClient, body: bytes) -> Result:
+        out = Result()
+        start = time.perf_counter()
+        try:
+            async with client.stream("POST", url, content=body, headers={"content-type": "application/json"}) as resp:
+                out.status = resp.status_code
+                async for line in resp.aiter_lines():
+                    if out.ttft_s is None and line.startswith("data: {") and '"token_ids":[' in line.replace(" ", ""):
+                        out.ttft_s = time.perf_counter() - start
+        except Exception as e:
+            out.status, out.message = 598, repr(e)
+        out.seconds = time.perf_counter() - start
+        return out
+
+    async def main() -> list[Result]:
+        limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
+        async with httpx.AsyncClient(limits=limits, timeout=300) as client:
+            return list(await asyncio.gather(*(one(client, b) for b in bodies)))
+
+    return asyncio.run(main())
+
+
+def burst_summary(shot: list[Result], unloaded_p99_ms: float) -> dict:
+    admitted = [r.ttft_s * 1000 for r in shot if r.status == 200 and r.ttft_s is not None]
+    return {
+        "burst_admitted": len(admitted), "shed_429": sum(r.status == 429 for r in shot),
+        "shed_p50_ms": round(pct([r.seconds * 1000 for r in shot if r.status == 429], 50), 1),
+        "shed_p99_ms": round(pct([r.seconds * 1000 for r in shot if r.status == 429], 99), 1),
+        "burst_other_statuses": sorted({r.status for r in shot} - {200, 429}),
+        "loaded_p50_ttft_ms": round(pct(admitted, 50), 1), "loaded_p99_ttft_ms": round(pct(admitted, 99), 1),
+        "p99_ttft_loaded_vs_unloaded": round(pct(admitted, 99) / unloaded_p99_ms, 2),
+    }
+
+
+# -- the run ---------------------------------------------------------------------------------
+def start_app(ns: argparse.Namespace) -> str:
+    import ray
+    from ray import serve
+
+    from deployments.app import build_app
+    from mmserve.tiny import ensure_tiny_model
+
+    model = ns.model or str(ensure_tiny_model("qwen2_vl", Path(tempfile.gettempdir()) / "mmserve-soak-qwen2_vl"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    small = {"num_cpus": 0.1}
+    args = {"model": model, "dtype": "float64", "served_model_name": APP, "router": small,
+            "encoder": {**small, "num_replicas": 2}, "llm": {**small, "num_replicas": 2},
+            "encoder_pool": {"cache_bytes": 0}, **json.loads(ns.app_args)}
+    serve.run(build_app(args), name=APP, route_prefix="/")
+    return f"http://127.0.0.1:{port}/v1/chat/completions"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--bad-share", type=float, default=0.1)
+    p.add_argument("--burst", type=int, default=256)
+    p.add_argument("--unloaded", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="checkpoint (default: the tiny Qwen2-VL)")
+    p.add_argument("--app-args", default="{}", help="JSON merged into the app arguments")
+    p.add_argument("--burst-only", action="store_true", help="only the unloaded and burst phases (tuning admission)")
+    ns = p.parse_args()
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    t0 = time.perf_counter()
+    url = start_app(ns)
+    from ray import serve
+
+    router = serve.get_deployment_handle("Router", app_name=APP)
+    print(f"app up in {time.perf_counter() - t0:.0f}s", flush=True)
+
+    rng = random.Random(ns.seed + 1)
+    with httpx.Client() as client:
+        unloaded = [send(client, url, SoakRequest(r.index, True, True, {**r.body, "stream": True}))
+                    for r in (good_request(20_000 + i, rng, light=True) for i in range(ns.unloaded))]
+    unloaded_ttft = [r.ttft_s * 1000 for r in unloaded if r.ttft_s is not None]
+    print(f"unloaded: TTFT p50 {pct(unloaded_ttft, 50):.0f} ms, p99 {pct(unloaded_ttft, 99):.0f} ms", flush=True)
+
+    if ns.burst_only:
+        print(json.dumps(burst_summary(burst(url, ns.burst, ns.seed + 2), pct(unloaded_ttft, 99))))
+        serve.shutdown()
+        return 0
+    requests = soak_requests(ns.requests, ns.bad_share, ns.seed)
+    good = [r for r in requests if r.good]
+    print(f"reference: {len(good)} good requests, no fault", flush=True)
+    t = time.perf_counter()
+    reference = dict(zip((r.index for r in good), run_all(url, good, ns.concurrency)))
+    reference_s = time.perf_counter() - t
+    unusable = [i for i, r in reference.items() if r.status != 200]
+    assert not unusable, f"reference run failed for {len(unusable)} requests: {reference[unusable[0]].message}"
+
+    rss_start = replica_rss_mb()
+    before = router.failover_stats.remote().result()
+    live: dict[int, list[int]] = {}
+    faults = Faults(int(0.3 * len(requests)), int(0.6 * len(requests)), live)
+    killer = threading.Thread(target=faults.run, daemon=True)
+    killer.start()
+    print(f"soak: {len(requests)} requests ({len(requests) - len(good)} bad), concurrency {ns.concurrency}, "
+          "one encoder and one LLM replica killed", flush=True)
+    t = time.perf_counter()
+    results = run_all(url, requests, ns.concurrency, faults, live)
+    soak_s = time.perf_counter() - t
+    faults.done.set()
+    killer.join(timeout=30)
+    after = router.failover_stats.remote().result()
+    lost = [r for r in requests if r.good and results[r.index].status != 200]
+    wrong = [r for r in requests if r.good and results[r.index].status == 200
+             and results[r.index].tokens != reference[r.index].tokens]
+    unclean = [(r.kind, results[r.index].status, results[r.index].message[:80]) for r in requests
+               if not r.good and not (400 <= results[r.index].status < 500 and results[r.index].json_error)]
+
+    print(f"burst: {ns.burst} requests at once", flush=True)
+    shot = burst(url, ns.burst, ns.seed + 2)
+    rss_end = replica_rss_mb()
+    loaded = burst_summary(shot, pct(unloaded_ttft, 99))
+    both = sorted(set(rss_start) & set(rss_end))
+    growth = {n: rss_end[n] - rss_start[n] for n in both}
+
+    rows = [
+        ("unloaded", f"{len(unloaded)} sequential", f"{pct(unloaded_ttft, 50):.0f}", f"{pct(unloaded_ttft, 99):.0f}"),
+        ("reference", f"{len(good)} good in {reference_s:.0f}s", "", ""),
+        ("soak", f"{len(requests)} in {soak_s:.0f}s: lost {len(lost)}, wrong {len(wrong)}, "
+                 f"bad not rejected {len(unclean)}/{len(requests) - len(good)}", "", ""),
+        ("burst", f"{ns.burst} at once: 200 {loaded['burst_admitted']}, 429 {loaded['shed_429']}, "
+                  f"other {loaded['burst_other_statuses'] or '-'}",
+         f"{loaded['loaded_p50_ttft_ms']:.0f}", f"{loaded['loaded_p99_ttft_ms']:.0f}"),
+    ]
+    print(f"\n{'phase':<10} {'requests':<64} {'TTFT p50 ms':>11} {'p99 ms':>8}")
+    for row in rows:
+        print(f"{row[0]:<10} {row[1]:<64} {row[2]:>11} {row[3]:>8}")
+    print(f"\nfaults: {faults.report}; failover counters during the soak: "
+          f"{ {k: after[k] - before[k] for k in after} }")
+    print(f"\n{'replica':<40} {'RSS start MB':>12} {'end MB':>8}")
+    for name in sorted(set(rss_start) | set(rss_end)):
+        start, end = rss_start.get(name), rss_end.get(name)
+        print(f"{name:<40} {start or float('nan'):>12.0f} {end or float('nan'):>8.0f}")
+    for kind, status, message in unclean:
+        print(f"not rejected cleanly: {kind}: {status} {message}")
+    for r in lost[:5]:
+        print(f"lost: request {r.index}: {results[r.index].status} {results[r.index].message[:120]}")
+    summary = {
+        "good_requests": len(good), "good_lost": len(lost), "wrong_answers": len(wrong),
+        "bad_inputs": len(requests) - len(good), "bad_not_rejected": len(unclean),
+        "burst": ns.burst, **loaded, "unloaded_p99_ttft_ms": round(pct(unloaded_ttft, 99), 1),
+        "rss_growth_mb": round(max(growth.values(), default=0.0), 1),
+        "resumed_streams": after["resumed_streams"] - before["resumed_streams"],
+        "reencoded_items": after["reencoded_items"] - before["reencoded_items"],
+        **faults.report, "seconds": round(time.perf_counter() - t0),
+    }
+    print(json.dumps(summary))
+    serve.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
