@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from ray.serve import Application
 
+from deployments.colocated import ColocatedLLMDeployment
 from deployments.config import AppArgs
 from deployments.encoder import EncoderDeployment, encoder_options
 from deployments.llm import LLMDeployment
@@ -18,19 +19,25 @@ from deployments.router import Router, RouterSettings
 
 
 def build_app(args: dict | AppArgs | None = None) -> Application:
-    """Router (ingress) + encoder pool + LLM replicas, from validated `AppArgs`."""
+    """Router (ingress) + encoder pool + LLM replicas (or, colocated, LLM replicas that encode), from `AppArgs`."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     encoder = None  # with grpc.encoder_address the router uses that standalone encoder instead
-    if args.grpc.encoder_address is None:
+    if args.grpc.encoder_address is None and not args.colocated:
         encoder = EncoderDeployment.options(**encoder_options(args.encoder, args.encoder_pool)).bind(
             args.model, args.dtype, args.device, args.encoder_pool, args.transport, args.grpc
         )
     # an LLM replica at its target runs a full batch (max_num_seqs): more replicas beyond that
     llm_options = args.llm.options("LLM", default_target_ongoing_requests=args.engine.max_num_seqs)
-    llm = LLMDeployment.options(**llm_options).bind(
-        args.model, args.dtype, args.device, args.engine.resolve(), args.transport, args.grpc,
-        args.engine.stall_timeout_s, args.engine.max_waiting_tokens,
-    )
+    if args.colocated:  # no Encoder deployment: each LLM replica encodes in-process
+        llm = ColocatedLLMDeployment.options(**llm_options).bind(
+            args.model, args.dtype, args.device, args.engine.resolve(), args.grpc,
+            args.engine.stall_timeout_s, args.engine.max_waiting_tokens, args.encoder_pool,
+        )
+    else:
+        llm = LLMDeployment.options(**llm_options).bind(
+            args.model, args.dtype, args.device, args.engine.resolve(), args.transport, args.grpc,
+            args.engine.stall_timeout_s, args.engine.max_waiting_tokens,
+        )
     settings = RouterSettings(
         model_dir=args.model,
         served_model_name=args.served_model_name or model_name(args.model),
@@ -43,6 +50,7 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         encoder_token_env=args.grpc.token_env,
         encoder_tls_ca=args.grpc.tls_ca,
         llm_retries=args.llm_retries,
+        colocated=args.colocated,
         max_pending_requests=args.max_pending_requests,
     )
     return Router.options(**args.router.options("Router")).bind(encoder, llm, settings)

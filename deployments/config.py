@@ -270,6 +270,10 @@ class AppArgs(_Args):
         description="wait for the encoder before calling the LLM instead of passing the pending refs "
         "(slower: see bench/dispatch.py); errors then surface before an LLM replica is involved",
     )
+    colocated: bool = Field(
+        default=False, description="no Encoder deployment: each LLM replica encodes its requests' media "
+        "in-process with its own encoder pool (the baseline of bench/serve.py --compare colocated)",
+    )
     llm_retries: int = Field(
         default=2, ge=0, description="resubmissions of one request after its LLM replica was lost "
         "(a stream resumes from the tokens it sent); then 503 / UNAVAILABLE",
@@ -307,6 +311,8 @@ class AppArgs(_Args):
     def _check_external_encoder(self) -> "AppArgs":
         if self.grpc.encoder_address and self.transport != "grpc":
             raise ValueError("grpc.encoder_address (a standalone encoder) needs transport: grpc")
+        if self.colocated and (self.grpc.encoder_address or self.transport != "object_store"):
+            raise ValueError("colocated: true encodes inside the LLM replicas: no transport: grpc or grpc.encoder_address")
         if self.grpc.tls_ca and not self.grpc.encoder_address:
             raise ValueError("grpc.tls_ca applies to a standalone encoder: set grpc.encoder_address")
         return self

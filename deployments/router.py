@@ -22,6 +22,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from deployments import openai_api
+from deployments.colocated import LocalMedia
 from deployments.config import LimitArgs
 from deployments.drain import DrainWatch
 from deployments.encoder import spread
@@ -57,6 +58,7 @@ class RouterSettings:
     max_pending_requests: int = 16  # admitted requests without a first token yet; more: 429
     api_key_env: str | None = None  # environment variable holding api_key, read on the replica's node
     encoder_token_env: str | None = None  # likewise for encoder_token
+    colocated: bool = False  # no encoder: the LLM replica encodes the media it is handed (LocalMedia)
 
     def on_node(self) -> "RouterSettings":
         """These settings with the model directory and secrets resolved on this node."""
@@ -163,6 +165,8 @@ class Router(GrpcIngress):
         if not media:
             return ()
         self.metrics.media_items.inc(len(media))
+        if self.settings.colocated:
+            return tuple(LocalMedia(m) for m in media)
         if self.settings.external_encoder:
             return await self._encode_externally([m.item for m in media])
         groups = spread([m.cost for m in media])  # balanced by encoder cost: one call per group

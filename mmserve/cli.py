@@ -214,7 +214,7 @@ def _chat(ns: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("encoder", "llm", "transfer", "dispatch", "soak")
+BENCHMARKS = ("encoder", "llm", "transfer", "dispatch", "serve", "soak")
 
 
 def _bench(ns: argparse.Namespace, extra: list[str]) -> int:

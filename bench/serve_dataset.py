@@ -1,0 +1,133 @@
+"""Seeded request mix and arrival process for `bench/serve.py` (the shape of vLLM's `random-mm`).
+
+Pure Python: no Ray, no model. Everything is drawn from one `random.Random(seed)`, so the same
+arguments give the same requests and the same send times.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ResolutionBucket:
+    height: int
+    width: int
+    probability: float
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    """What one benchmark request looks like.
+
+    buckets: image resolutions with their probabilities (normalised when drawn).
+    max_images: images per image request, uniform in 1..max_images.
+    text_only_share: share of requests with no image.
+    repeat_share: share of images that repeat an earlier image of this run (encoder cache hits).
+    input_len / output_len: mean text tokens of the prompt / max_tokens; range_ratio spreads them
+    uniformly over mean*(1-r)..mean*(1+r), as vLLM's `--random-range-ratio`.
+    """
+
+    buckets: tuple[ResolutionBucket, ...] = (
+        ResolutionBucket(256, 256, 0.5),
+        ResolutionBucket(512, 512, 0.3),
+        ResolutionBucket(640, 640, 0.2),
+    )
+    max_images: int = 2
+    text_only_share: float = 0.2
+    repeat_share: float = 0.1
+    input_len: int = 32
+    output_len: int = 16
+    range_ratio: float = 0.25
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """One image to synthesise: `seed` fixes its pixels, so a repeated image has the same seed."""
+
+    height: int
+    width: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    index: int
+    prompt_words: int
+    max_tokens: int
+    images: tuple[ImageSpec, ...] = field(default_factory=tuple)
+
+
+def _spread(rng: random.Random, mean: int, ratio: float) -> int:
+    low = max(1, int(round(mean * (1 - ratio))))
+    high = max(low, int(round(mean * (1 + ratio))))
+    return rng.randint(low, high)
+
+
+def generate_requests(config: DatasetConfig, num_requests: int, seed: int) -> list[RequestSpec]:
+    rng = random.Random(seed)
+    weights = [bucket.probability for bucket in config.buckets]
+    seen: list[ImageSpec] = []
+    requests: list[RequestSpec] = []
+    next_image_seed = seed * 1_000_003
+    for index in range(num_requests):
+        images: list[ImageSpec] = []
+        if rng.random() >= config.text_only_share:
+            for _ in range(rng.randint(1, config.max_images)):
+                if seen and rng.random() < config.repeat_share:
+                    images.append(rng.choice(seen))
+                    continue
+                bucket = rng.choices(config.buckets, weights=weights)[0]
+                next_image_seed += 1
+                spec = ImageSpec(bucket.height, bucket.width, next_image_seed)
+                seen.append(spec)
+                images.append(spec)
+        requests.append(RequestSpec(
+            index=index,
+            prompt_words=_spread(rng, config.input_len, config.range_ratio),
+            max_tokens=_spread(rng, config.output_len, config.range_ratio),
+            images=tuple(images),
+        ))
+    return requests
+
+
+def arrival_times(num_requests: int, request_rate: float, seed: int, burstiness: float = 1.0) -> list[float]:
+    """Send offsets in seconds from the start, as vLLM's `--request-rate` / `--burstiness`.
+
+    Inter-arrival gaps are gamma(shape=burstiness, scale=1/(rate*burstiness)): mean 1/rate and
+    coefficient of variation 1/sqrt(burstiness); burstiness 1 is a Poisson process. An infinite
+    rate sends everything at time 0.
+    """
+    if request_rate <= 0:
+        raise ValueError(f"request_rate must be > 0, got {request_rate}")
+    if burstiness <= 0:
+        raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    if math.isinf(request_rate):
+        return [0.0] * num_requests
+    rng = random.Random(seed ^ 0x5EED)
+    now = 0.0
+    times = []
+    for _ in range(num_requests):
+        times.append(now)
+        now += rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness))
+    return times
+
+
+def synthesize_image(spec: ImageSpec) -> bytes:
+    """PNG bytes of a seeded random image (numpy and PIL imported lazily)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(spec.seed).integers(0, 256, (spec.height, spec.width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def prompt_text(spec: RequestSpec) -> str:
+    words = ("describe", "the", "picture", "in", "detail", "and", "count", "objects")
+    return " ".join(words[(spec.index + i) % len(words)] for i in range(spec.prompt_words))

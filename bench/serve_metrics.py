@@ -1,0 +1,140 @@
+"""Serving metrics from a recorded trace, with vLLM's `bench serve` field names where they overlap.
+
+TTFT = first token - send; TPOT = (E2E - TTFT) / (output_tokens - 1) for requests with more than
+one token; ITL = every gap between consecutive tokens of a request; E2E (vLLM's `e2el`) = last
+token - send. Throughputs divide by the trace's duration (first send .. last finish). A request is
+good when it completed and meets every SLO; failures (429s included) are never good.
+Percentiles interpolate linearly, as numpy's default.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request of a trace; times in seconds on one clock. `status` is the HTTP status (or a
+    gRPC code name); `ok` is False for errors and 429s."""
+
+    send_time: float
+    end_time: float
+    ok: bool
+    status: str = "200"
+    token_times: tuple[float, ...] = field(default_factory=tuple)
+    input_tokens: int = 0
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.send_time
+
+    @property
+    def e2el(self) -> float:
+        return self.token_times[-1] - self.send_time
+
+    @property
+    def tpot(self) -> float | None:
+        if self.output_tokens < 2:
+            return None
+        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    @classmethod
+    def parse(cls, text: str | list[str] | None) -> "SLO":
+        """`"ttft:500 tpot:50"` (or its words as a list) -> SLO; unknown keys are a ValueError."""
+        if not text:
+            return cls()
+        parts = text.split() if isinstance(text, str) else list(text)
+        values: dict[str, float] = {}
+        for part in parts:
+            key, sep, value = part.partition(":")
+            if not sep or key not in ("ttft", "tpot", "e2el"):
+                raise ValueError(f"goodput SLO {part!r}: expected ttft:MS, tpot:MS or e2el:MS")
+            values[f"{key}_ms"] = float(value)
+        return cls(**values)
+
+    def met_by(self, record: RequestRecord) -> bool:
+        if not record.ok or record.output_tokens == 0:
+            return False
+        if self.ttft_ms is not None and record.ttft * 1000 > self.ttft_ms:
+            return False
+        if self.tpot_ms is not None and (record.tpot or 0.0) * 1000 > self.tpot_ms:
+            return False
+        if self.e2el_ms is not None and record.e2el * 1000 > self.e2el_ms:
+            return False
+        return True
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: v for k, v in (("ttft", self.ttft_ms), ("tpot", self.tpot_ms), ("e2el", self.e2el_ms)) if v is not None}
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _summary(name: str, seconds: list[float], percentiles: tuple[float, ...]) -> dict[str, float]:
+    ms = [s * 1000 for s in seconds]
+    out = {
+        f"mean_{name}_ms": statistics.fmean(ms) if ms else 0.0,
+        f"median_{name}_ms": percentile(ms, 50),
+        f"std_{name}_ms": statistics.pstdev(ms) if ms else 0.0,
+    }
+    for q in percentiles:
+        out[f"p{q:g}_{name}_ms"] = percentile(ms, q)
+    return out
+
+
+def compute_metrics(records: list[RequestRecord], slo: SLO = SLO(), percentiles: tuple[float, ...] = (50, 90, 99)) -> dict:
+    """The benchmark's result dict for `records` (see the module docstring for definitions)."""
+    if not records:
+        raise ValueError("no requests in the trace")
+    done = [r for r in records if r.ok and r.output_tokens > 0]
+    start = min(r.send_time for r in records)
+    end = max([r.end_time for r in records] + [r.token_times[-1] for r in done])
+    duration = max(end - start, 1e-9)
+    output_tokens = sum(r.output_tokens for r in done)
+    good = sum(1 for r in records if slo.met_by(r))
+    statuses: dict[str, int] = {}
+    for r in records:
+        statuses[r.status] = statuses.get(r.status, 0) + 1
+    result = {
+        "duration": duration,
+        "num_prompts": len(records),
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "rejected_429": statuses.get("429", 0) + statuses.get("RESOURCE_EXHAUSTED", 0),
+        "statuses": statuses,
+        "total_input_tokens": sum(r.input_tokens for r in done),
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(done) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (output_tokens + sum(r.input_tokens for r in done)) / duration,
+        "request_goodput": good / duration,
+        "goodput_slo": slo.as_dict(),
+    }
+    result.update(_summary("ttft", [r.ttft for r in done], percentiles))
+    result.update(_summary("tpot", [r.tpot for r in done if r.tpot is not None], percentiles))
+    result.update(_summary("itl", [gap for r in done for gap in r.itls], percentiles))
+    result.update(_summary("e2el", [r.e2el for r in done], percentiles))
+    return result
