@@ -24,7 +24,7 @@ def video_t_factor(second_per_grid_t: float, tokens_per_second: float) -> torch.
     """Qwen2.5-VL's temporal position step, computed in float32 as the model does.
 
     The step stays fractional (positions are truncated after the multiply), as in Qwen's own
-    code and `transformers` 5.18+. `transformers` 5.17 and earlier truncate `second_per_grid_t`
+    code and in `transformers` 5.23 (checked). `transformers` 5.17 truncates `second_per_grid_t`
     first (`int(0.5)` = 0 at 4 fps), so their `generate` differs from this for such videos."""
     return torch.tensor(second_per_grid_t, dtype=torch.float32) * tokens_per_second
 
