@@ -25,7 +25,7 @@ def video_t_factor(second_per_grid_t: float, tokens_per_second: float) -> torch.
 
     The step stays fractional (positions are truncated after the multiply), as in Qwen's own
     code and in `transformers` 5.23 (checked). `transformers` 5.17 truncates `second_per_grid_t`
-    first (`int(0.5)` = 0 at 4 fps), so their `generate` differs from this for such videos."""
+    first (`int(0.5)` = 0 at 4 fps), so its `generate` differs from this for such videos."""
     return torch.tensor(second_per_grid_t, dtype=torch.float32) * tokens_per_second
 
 
