@@ -108,3 +108,26 @@ def test_percentile_interpolates_like_numpy():
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
     assert percentile([1.0, 2.0, 3.0, 4.0], 99) == pytest.approx(3.97)
     assert percentile([], 99) == 0.0
+
+
+def test_the_load_runs_over_http_and_grpc_against_a_served_app(serve_urls, grpc_target):
+    """The load generator's two transports against the session's real app: every request streams
+    exactly its max_tokens (ignore_eos), a token at a time, over both."""
+    import asyncio
+
+    from bench.serve import run_load
+
+    config = DatasetConfig(buckets=(ResolutionBucket(56, 56, 1.0),), max_images=2, text_only_share=0.25,
+                           repeat_share=0.3, input_len=12, output_len=4, range_ratio=0.0)
+    specs = generate_requests(config, 6, seed=5)
+    assert any(s.images for s in specs) and any(not s.images for s in specs)
+    zeros = [0.0] * len(specs)
+    http = asyncio.run(run_load(serve_urls["qwen2_vl"], "qwen2_vl", specs, zeros, concurrency=3))
+    grpc = asyncio.run(run_load(grpc_target, "qwen2_vl", specs, zeros, concurrency=3, transport="grpc",
+                                application="qwen2_vl"))
+    for records in (http, grpc):
+        assert [r.status for r in records] == ["200"] * len(specs)
+        assert [r.output_tokens for r in records] == [s.max_tokens for s in specs]
+    refused = asyncio.run(run_load(grpc_target, "no-such-model", specs[:1], [0.0], transport="grpc",
+                                   application="qwen2_vl"))
+    assert refused[0].status == "INVALID_ARGUMENT" and not refused[0].ok
