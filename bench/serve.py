@@ -305,7 +305,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--request-rate", type=float, nargs="+", default=None,
-                   help="requests/s (several: a sweep; the summary is the last); default: 0.75 and 1.5 / the "
+                   help="requests/s (several: a sweep; the summary takes the best goodput); default: 0.75 and 1.5 / the "
                    "unloaded mean E2E")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1: Poisson")
     p.add_argument("--seed", type=int, default=0)

@@ -47,8 +47,9 @@ class ColocatedLLM(LLMDeployment.func_or_class):
             return await super()._embeddings(pending)
         start = time.perf_counter()
         embeddings = await self.pool.encode([h.item for h in pending.embeddings])
-        self.metrics.embedding_wait_ms.observe((time.perf_counter() - start) * 1000)
-        self.encoder_metrics.encode_ms.observe((time.perf_counter() - start) * 1000)
+        elapsed_ms = (time.perf_counter() - start) * 1000
+        self.metrics.embedding_wait_ms.observe(elapsed_ms)
+        self.encoder_metrics.encode_ms.observe(elapsed_ms)
         return embeddings
 
     def encoder_stats(self) -> dict:
