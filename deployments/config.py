@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from deployments.allowlist import parse_allowlist_entry
 from mmserve.planner import MediaLimits
 
 
@@ -116,9 +117,21 @@ class LimitArgs(_Args):
     local_media_dir: str | None = Field(default=None, description="the only directory local media may come from")
     allow_http_media: bool = False
     http_media_allowlist: tuple[str, ...] = Field(
-        default=(), description="hosts (and their subdomains) http(s) media may come from; a host listed "
+        default=(), description="where http(s) media may come from: `host` (ports 80 and 443 only) or "
+        "`host:port` / `[v6addr]:port` (that port only); a name also admits its subdomains; a host listed "
         "exactly may also resolve to a private or loopback address",
     )
+    media_fetch_timeout_s: float = Field(
+        default=30.0, gt=0, description="all media URLs of one request together (fetched concurrently, "
+        "redirects included); over it the request is refused (400)",
+    )
+
+    @field_validator("http_media_allowlist")
+    @classmethod
+    def _check_allowlist(cls, entries: tuple[str, ...]) -> tuple[str, ...]:
+        for entry in entries:
+            parse_allowlist_entry(entry)
+        return entries
 
     @model_validator(mode="after")
     def _check_local_media(self) -> "LimitArgs":

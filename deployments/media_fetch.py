@@ -1,84 +1,144 @@
 """Media URLs -> bytes for the router, under the server's media-access rules.
 
 - `data:` URIs: always.
-- Local files (a path or `file://`): only with `limits.allow_local_media`, and only inside
-  `limits.local_media_dir` (real path, symlinks resolved). Any failure, whether the file is
-  missing, unreadable, not a regular file or outside the directory, gets the same message, and
-  nothing outside the directory is ever opened.
-- http(s): only with `limits.allow_http_media`, to hosts on `limits.http_media_allowlist` (an
-  entry also admits its subdomains). Redirects are followed by hand, each hop checked the same
-  way. Hosts are resolved here and every address must be public; a private, loopback or
-  link-local address is admitted only for a host listed exactly (an IP literal or full name).
-  The connection goes to the checked address (no second lookup). Bodies are streamed under a
-  byte cap.
+- Local files (a path or `file://`): only with `limits.allow_local_media`, and only beneath
+  `limits.local_media_dir`. The file is opened relative to a descriptor of that directory with
+  no symlink followed and no `..` (openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS, else a walk one
+  component at a time with O_NOFOLLOW), so swapping a directory for a symlink mid-open cannot lead
+  outside. Any failure, whether the file is missing, unreadable, not a regular file, a symlink or
+  outside the directory, gets the same message.
+- http(s): only with `limits.allow_http_media`, to `host[:port]` entries of
+  `limits.http_media_allowlist`: an entry without a port admits ports 80 and 443, `host:port`
+  (`[v6addr]:port`) that port only; a name also admits its subdomains. Redirects are followed by
+  hand, each hop checked the same way. Hosts are resolved here and every address must be public;
+  a private, loopback or link-local address is admitted only for a host listed exactly (an IP
+  literal or full name). The connection goes to the checked address (no second lookup). Bodies
+  are streamed under a byte cap.
 - Any other scheme is refused as such.
 
-`MediaFetcher` is per request: it counts the bytes fetched against `limits.max_request_bytes`.
+What the client is told: refusals decided from its URL alone (disabled, scheme, credentials, not
+in the allowlist) and the byte limit name the problem. Every other failure (DNS, a private
+address, connect, TLS, a status other than 200, a redirect the rules refuse, too many redirects)
+is the one message `FETCH_FAILED`, so answers cannot map what listens behind the server; the
+reason goes to the "ray.serve" log with the request id.
+
+`MediaFetcher` is per request: it counts the bytes fetched against `limits.max_request_bytes`
+and bounds all of them by one deadline, `limits.media_fetch_timeout_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
-import os
+import logging
 import socket
-import stat
+from collections.abc import Sequence
 from urllib.parse import urljoin, urlsplit
 
+from deployments.allowlist import allowlist_match, host_match, parse_allowlist_entry
 from deployments.config import LimitArgs
+from deployments.local_media import read_local_media
 from mmserve.errors import InvalidRequest
 from mmserve.media import decode_data_uri
 
-HTTP_TIMEOUT_S = 10.0  # connect / each read
-HTTP_TOTAL_TIMEOUT_S = 30.0  # one URL, redirects included
+log = logging.getLogger("ray.serve")
+
+FETCH_FAILED = "media URL could not be fetched"
+HTTP_TIMEOUT_S = 10.0  # connect / each read; the request's deadline bounds the whole
+MAX_CONCURRENT_FETCHES = 8
 MAX_REDIRECTS = 5
 _REDIRECTS = {301, 302, 303, 307, 308}
 _READ_CHUNK = 1 << 20
 
 
-class MediaFetcher:
-    """Loads one request's media URLs; the bytes of all of them count against one budget."""
+class _Unfetchable(Exception):
+    """A fetch failed for a reason the client is not told (it goes to the log)."""
 
-    def __init__(self, limits: LimitArgs):
+
+class MediaFetcher:
+    """Loads one request's media URLs: all of them share one byte budget and one deadline
+    (starting at the first `load` / `load_all`), at most `MAX_CONCURRENT_FETCHES` at a time."""
+
+    def __init__(self, limits: LimitArgs, request_id: str = "-"):
         self.limits = limits
+        self.request_id = request_id
         self._budget = limits.max_request_bytes
+        self._deadline: float | None = None
+        self._slots = asyncio.Semaphore(MAX_CONCURRENT_FETCHES)
 
     async def load(self, url: str) -> bytes:
         """The bytes `url` names; InvalidRequest (a 400) for anything unusable or not allowed."""
+        return (await self.load_all([url]))[0]
+
+    async def load_all(self, urls: Sequence[str]) -> list[bytes]:
+        """The bytes of every URL, in order, fetched concurrently; the first failure cancels
+        the rest and is raised."""
+        if not urls:
+            return []
+        loop = asyncio.get_running_loop()
+        if self._deadline is None:
+            self._deadline = loop.time() + self.limits.media_fetch_timeout_s
+        tasks = [asyncio.ensure_future(self._load_one(url)) for url in urls]
+        try:
+            done, _ = await asyncio.wait(
+                tasks, timeout=max(0.0, self._deadline - loop.time()), return_when=asyncio.FIRST_EXCEPTION
+            )
+            failed = [t for t in tasks if t in done and t.exception() is not None]
+            if failed:
+                raise failed[0].exception()
+            if len(done) < len(tasks):
+                timeout = self.limits.media_fetch_timeout_s
+                log.warning("request %s: media not fetched within %g s", self.request_id, timeout)
+                raise InvalidRequest(f"media took longer than {timeout:g} s to fetch")
+            return [t.result() for t in tasks]
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _load_one(self, url: str) -> bytes:
         scheme = _scheme(url)
         if scheme == "data":
             return decode_data_uri(url, self.limits.max_request_bytes)
         if scheme in ("http", "https"):
             if not self.limits.allow_http_media:
                 raise InvalidRequest("http(s) media URLs are disabled on this server; send a data: URI")
-            data = await self._fetch_http(url)
-        elif scheme in ("", "file"):
-            if not self.limits.allow_local_media:
-                raise InvalidRequest("local file media are disabled on this server; send a data: URI")
-            data = await asyncio.to_thread(read_local_media, url, self.limits.local_media_dir, self._budget)
-        else:
+            async with self._slots:
+                return await self._fetch_http(url)
+        if scheme not in ("", "file"):
             raise InvalidRequest(f"unsupported media URL scheme {scheme!r}; use data:, http(s): or file:")
-        self._take(len(data))
+        if not self.limits.allow_local_media:
+            raise InvalidRequest("local file media are disabled on this server; send a data: URI")
+        async with self._slots:
+            data = await asyncio.to_thread(read_local_media, url, self.limits.local_media_dir, self._budget)
+        limit = self.limits.max_request_bytes
+        self._take(len(data), InvalidRequest(f"media of this request exceed the limit of {limit} bytes"))
         return data
 
-    def _take(self, num_bytes: int) -> None:
+    def _take(self, num_bytes: int, too_big: InvalidRequest) -> None:
         if num_bytes > self._budget:
-            raise InvalidRequest(f"media of this request exceed the limit of {self.limits.max_request_bytes} bytes")
+            raise too_big
         self._budget -= num_bytes
 
     async def _fetch_http(self, url: str) -> bytes:
         try:
-            return await asyncio.wait_for(self._follow(url), HTTP_TOTAL_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            raise InvalidRequest(f"fetching media URL {url!r} took longer than {HTTP_TOTAL_TIMEOUT_S:g} s") from None
+            return await self._follow(url)
+        except _Unfetchable as e:
+            log.warning("request %s: media URL %r could not be fetched: %s", self.request_id, url, e)
+            raise InvalidRequest(FETCH_FAILED) from None
 
     async def _follow(self, url: str) -> bytes:
         import httpx
 
-        timeout = httpx.Timeout(HTTP_TIMEOUT_S)
-        async with httpx.AsyncClient(follow_redirects=False, trust_env=False, timeout=timeout) as client:
-            for _ in range(MAX_REDIRECTS + 1):
-                target = await check_http_url(url, self.limits.http_media_allowlist)
+        requested = url
+        async with httpx.AsyncClient(follow_redirects=False, trust_env=False, timeout=HTTP_TIMEOUT_S) as client:
+            for hop in range(MAX_REDIRECTS + 1):
+                try:
+                    target = await check_http_url(url, self.limits.http_media_allowlist)
+                except InvalidRequest as e:
+                    if hop == 0:
+                        raise  # decided from the client's own URL: it may know why
+                    raise _Unfetchable(f"redirected to {url!r}: {e}") from None
                 try:
                     async with client.stream(
                         "GET", target.address_url, headers={"Host": target.host_header},
@@ -88,23 +148,22 @@ class MediaFetcher:
                             url = urljoin(url, resp.headers["location"])
                             continue
                         if resp.status_code != 200:
-                            raise InvalidRequest(f"media URL {url!r} answered HTTP {resp.status_code}")
-                        return await self._read_capped(resp, url)
-                except httpx.HTTPError as e:
-                    raise InvalidRequest(f"cannot fetch media URL {url!r}: {type(e).__name__}") from None
-        raise InvalidRequest(f"media URL redirected more than {MAX_REDIRECTS} times")
+                            raise _Unfetchable(f"{url!r} answered HTTP {resp.status_code}")
+                        return await self._read_capped(resp, requested)
+                except (InvalidRequest, _Unfetchable):
+                    raise
+                except Exception as e:  # noqa: BLE001 (whatever the upstream did, the client hears one thing)
+                    raise _Unfetchable(f"{url!r}: {type(e).__name__}: {e}") from None
+        raise _Unfetchable(f"redirected more than {MAX_REDIRECTS} times")
 
     async def _read_capped(self, resp, url: str) -> bytes:
-        cap = self._budget
         too_big = InvalidRequest(f"media at {url!r} exceeds the limit of {self.limits.max_request_bytes} bytes")
         length = resp.headers.get("content-length", "")
-        if length.isdigit() and int(length) > cap:
+        if length.isascii() and length.isdigit() and int(length) > self._budget:
             raise too_big
-        chunks, size = [], 0
+        chunks = []
         async for chunk in resp.aiter_bytes(_READ_CHUNK):
-            size += len(chunk)
-            if size > cap:
-                raise too_big
+            self._take(len(chunk), too_big)  # as it arrives: concurrent fetches share the budget
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -113,38 +172,6 @@ def _scheme(url: str) -> str:
     if url.startswith("/"):
         return ""
     return urlsplit(url).scheme.lower()
-
-
-# -- local files ------------------------------------------------------------------------------------
-def read_local_media(url: str, media_dir: str | None, max_bytes: int) -> bytes:
-    """Bytes of a local file inside `media_dir` (a relative path is taken from there)."""
-    path = url[len("file://"):] if url.startswith("file://") else url
-    unavailable = InvalidRequest(f"local media {path!r} is not available: name a readable file inside the media directory")
-    if not media_dir or "\0" in path:
-        raise unavailable
-    root = os.path.realpath(media_dir)
-    real = os.path.realpath(os.path.join(root, path))
-    if os.path.commonpath([root, real]) != root:
-        raise unavailable  # outside the directory (also through a symlink): never opened
-    try:
-        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
-        raise unavailable from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise unavailable
-        if info.st_size > max_bytes:
-            raise InvalidRequest(f"media item larger than the limit of {max_bytes} bytes")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(max_bytes + 1)
-    except OSError:
-        raise unavailable from None
-    finally:
-        os.close(fd)
-    if len(data) > max_bytes:
-        raise InvalidRequest(f"media item larger than the limit of {max_bytes} bytes")
-    return data
 
 
 # -- http(s) ------------------------------------------------------------------------------------------
@@ -160,21 +187,6 @@ class HttpTarget:
         self.host_header = host_literal if port == default else f"{host_literal}:{port}"
 
 
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
-def host_allowed(host: str, allowlist: tuple[str, ...]) -> bool:
-    """`host` is an entry of `allowlist` or (for names, not IP addresses) a subdomain of one."""
-    host = host.lower().rstrip(".")
-    entries = [a.lower().rstrip(".") for a in allowlist]
-    return host in entries or (not _is_ip(host) and any(host.endswith("." + a) for a in entries))
-
-
 def _public(address: str) -> bool:
     ip = ipaddress.ip_address(address.split("%", 1)[0])
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
@@ -182,8 +194,9 @@ def _public(address: str) -> bool:
     return ip.is_global and not ip.is_multicast
 
 
-async def check_http_url(url: str, allowlist: tuple[str, ...]) -> HttpTarget:
-    """Where to connect for `url` if the rules allow it (see the module docstring), else InvalidRequest."""
+async def check_http_url(url: str, allowlist: Sequence[str]) -> HttpTarget:
+    """Where to connect for `url` if the rules allow it (see the module docstring). InvalidRequest
+    for what the URL alone decides; _Unfetchable for what the lookup found (not told to the client)."""
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -194,19 +207,20 @@ async def check_http_url(url: str, allowlist: tuple[str, ...]) -> HttpTarget:
         raise InvalidRequest(f"media URL {url!r}: only http(s) redirects are followed")
     if parts.username or parts.password:
         raise InvalidRequest("media URLs with credentials are not allowed")
-    if not host or not host_allowed(host, allowlist):
-        raise InvalidRequest(f"media host {host!r} is not in the allowlist")
     port = port or (443 if scheme == "https" else 80)
+    match = allowlist_match(host, port, allowlist) if host else None
+    if match is None:
+        other_port = host and host_match(host, [parse_allowlist_entry(e) for e in allowlist])
+        raise InvalidRequest(f"media host {host!r} is not in the allowlist" + (" for this port" if other_port else ""))
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError):
-        raise InvalidRequest(f"cannot resolve media host {host!r}") from None
+    except (OSError, UnicodeError) as e:
+        raise _Unfetchable(f"cannot resolve {host!r}: {e}") from None
     addresses = list(dict.fromkeys(info[4][0] for info in infos))
-    explicit = host.lower() in (a.lower().rstrip(".") for a in allowlist)
-    if not addresses or not (explicit or all(_public(a) for a in addresses)):
-        raise InvalidRequest(
-            f"media host {host!r} resolves to a private, loopback or link-local address; "
-            "list it exactly in http_media_allowlist to allow that"
+    if not addresses or not (match == "exact" or all(_public(a) for a in addresses)):
+        raise _Unfetchable(
+            f"{host!r} resolves to {', '.join(addresses)}: a private, loopback or link-local address is fetched "
+            "only from a host listed exactly (with this port) in http_media_allowlist"
         )
     path = parts.path or "/"
     if parts.query:
