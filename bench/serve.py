@@ -155,11 +155,12 @@ def bench_checkpoint(out: Path) -> str:
     from transformers import AutoModelForImageTextToText, GenerationConfig, Qwen2VLImageProcessor, Qwen2VLProcessor
 
     from mmserve import tiny
+    from mmserve.tiny import qwen2_vl, tokenizer as tiny_tokenizer
 
     if (out / "mmserve_tiny.json").exists():
         return str(out)
-    tokenizer = tiny._build_tokenizer(0, vocab_size=1024)
-    config = tiny._configs("qwen2_vl", tokenizer)
+    tokenizer = tiny_tokenizer.build_tokenizer(0, vocab_size=1024)
+    config = qwen2_vl.config("qwen2_vl", tokenizer)
     for key, value in dict(depth=6, embed_dim=256, num_heads=4, mlp_ratio=4).items():
         setattr(config.vision_config, key, value)
     torch.manual_seed(0)

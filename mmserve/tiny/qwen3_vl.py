@@ -1,4 +1,4 @@
-"""The tiny Qwen3-VL checkpoint (`model_type: qwen3_vl`), built by `mmserve.tiny.build_tiny_model`.
+"""Tiny Qwen3-VL (`qwen3_vl`).
 
 Like Qwen/Qwen3-VL-*-Instruct, shrunk: a 16-px patch ViT with a learned position grid and
 DeepStack mergers (`deepstack_visual_indexes` non-empty: their features are added to the hidden
@@ -10,7 +10,9 @@ Qwen3-VL special tokens.
 
 from __future__ import annotations
 
-from mmserve.tiny import SPECIAL_TOKENS
+from mmserve.tiny.tokenizer import SPECIAL_TOKENS, build_tokenizer, text_config
+
+VARIANTS: dict[str, str] = {}
 
 QWEN3_SPECIAL_TOKENS = SPECIAL_TOKENS + ("<tool_call>", "</tool_call>", "<think>", "</think>")
 
@@ -97,28 +99,13 @@ VIDEO_MAX_PIXELS = FACTOR * FACTOR * 64
 DEEPSTACK_VISUAL_INDEXES = (0, 1)
 
 
-def qwen3_vl_config(tokenizer):
+def config(tokenizer):
+    """The tiny `Qwen3VLConfig` for `tokenizer`'s vocabulary."""
     from transformers import Qwen3VLConfig
 
     ids = tokenizer.convert_tokens_to_ids
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        initializer_range=0.2,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
-                         "mrope_interleaved": True},
-        bos_token_id=ids("<|endoftext|>"),
-        eos_token_id=ids("<|im_end|>"),
-        pad_token_id=ids("<|endoftext|>"),
-    )
+    text = text_config(tokenizer, num_hidden_layers=3, head_dim=16, tie_word_embeddings=False, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True})
     vision = dict(
         depth=3, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3, out_hidden_size=64,
         patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=2,
@@ -136,22 +123,12 @@ def qwen3_vl_config(tokenizer):
     )
 
 
-def build_qwen3_vl(seed: int):
-    """(model, processor, eos ids) of the tiny Qwen3-VL."""
-    import torch
-    from transformers import (
-        AutoModelForImageTextToText,
-        Qwen2VLImageProcessor,
-        Qwen3VLProcessor,
-        Qwen3VLVideoProcessor,
-    )
+def build(name: str, seed: int):
+    """The tiny Qwen3-VL (see `mmserve.tiny` for the contract)."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-    from mmserve.tiny import _build_tokenizer
-
-    tokenizer = _build_tokenizer(seed, 1024, QWEN3_SPECIAL_TOKENS)
-    config = qwen3_vl_config(tokenizer)
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    tokenizer = build_tokenizer(seed, 1024, QWEN3_SPECIAL_TOKENS)
+    model_config = config(tokenizer)
     norm = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     sizes = dict(patch_size=PATCH_SIZE, merge_size=MERGE_SIZE, temporal_patch_size=2)
     image_processor = Qwen2VLImageProcessor(
@@ -167,5 +144,5 @@ def build_qwen3_vl(seed: int):
         video_processor=video_processor,
         chat_template=QWEN3_CHAT_TEMPLATE,
     )
-    text = config.text_config
-    return model, processor, [text.eos_token_id, text.bos_token_id]
+    text = model_config.text_config
+    return model_config, processor, [text.eos_token_id, text.bos_token_id], seed

@@ -6,6 +6,10 @@ images give several slices; the tokenizer names MiniCPM-V's extra special tokens
 
 from __future__ import annotations
 
+from mmserve.tiny.tokenizer import build_tokenizer
+
+VARIANTS: dict[str, str] = {}
+
 MINICPMV_NAMED_TOKENS = {
     "image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
     "image_start_token": "<image>", "image_end_token": "</image>",
@@ -29,10 +33,9 @@ MINICPMV_CHAT_TEMPLATE = (
 )
 
 
-def minicpmv4_6(seed: int, build_tokenizer):
-    """(model, processor, eos ids) of a tiny MiniCPM-V 4.6."""
-    import torch
-    from transformers import AutoModelForImageTextToText, MiniCPMV4_6Config, PreTrainedTokenizerFast
+def build(name: str, seed: int):
+    """The tiny MiniCPM-V 4.6 (see `mmserve.tiny` for the contract)."""
+    from transformers import MiniCPMV4_6Config, PreTrainedTokenizerFast
     from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import MiniCPMV4_6ImageProcessor
     from transformers.models.minicpmv4_6.processing_minicpmv4_6 import MiniCPMV4_6Processor
     from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import MiniCPMV4_6VideoProcessor
@@ -56,11 +59,9 @@ def minicpmv4_6(seed: int, build_tokenizer):
         text_config=text, vision_config=vision, insert_layer_id=1,
         image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
     )
-    torch.manual_seed(seed + INIT_SEED_OFFSET)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
     processor = MiniCPMV4_6Processor(
         image_processor=MiniCPMV4_6ImageProcessor(scale_resolution=MINICPMV_SCALE, max_slice_nums=9),
         video_processor=MiniCPMV4_6VideoProcessor(scale_resolution=MINICPMV_SCALE, max_slice_nums=2),
         tokenizer=tokenizer, chat_template=MINICPMV_CHAT_TEMPLATE,
     )
-    return model, processor, [ids("<|im_end|>"), ids("<|endoftext|>")]
+    return config, processor, [ids("<|im_end|>"), ids("<|endoftext|>")], seed + INIT_SEED_OFFSET

@@ -8,6 +8,10 @@ two stride-2 downsamplers: 4 x 4 = 16 tokens), local crops 56 px (2 x 2 = 4 toke
 
 from __future__ import annotations
 
+from mmserve.tiny.tokenizer import build_tokenizer
+
+VARIANTS: dict[str, str] = {}
+
 STEP3_IMAGE_TOKEN = "<im_patch>"
 STEP3_SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", STEP3_IMAGE_TOKEN, "<im_start>", "<im_end>",
@@ -28,10 +32,9 @@ STEP3_CHAT_TEMPLATE = (
 )
 
 
-def step3p7(seed: int, build_tokenizer):
-    """(model, processor, eos ids) of a tiny Step3."""
-    import torch
-    from transformers import AutoModelForImageTextToText, Step3p7Config
+def build(name: str, seed: int):
+    """The tiny Step3 (see `mmserve.tiny` for the contract)."""
+    from transformers import Step3p7Config
     from transformers.models.step3p7.image_processing_step3p7 import Step3p7ImageProcessor
     from transformers.models.step3p7.processing_step3p7 import Step3p7Processor
 
@@ -53,12 +56,10 @@ def step3p7(seed: int, build_tokenizer):
         patch_size=STEP3_VIT_PATCH, mlp_ratio=2.0, initializer_range=0.2,
     )
     config = Step3p7Config(text_config=text, vision_config=vision, image_token_id=ids(STEP3_IMAGE_TOKEN))
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
     image_processor = Step3p7ImageProcessor(
         size={"height": STEP3_IMAGE_SIZE, "width": STEP3_IMAGE_SIZE}, patch_size=STEP3_CROP_SIZE,
         vision_patch_size=STEP3_VIT_PATCH,
     )
     processor = Step3p7Processor(image_processor=image_processor, tokenizer=tokenizer,
                                  chat_template=STEP3_CHAT_TEMPLATE)
-    return model, processor, [ids("<|im_end|>"), ids("<|endoftext|>")]
+    return config, processor, [ids("<|im_end|>"), ids("<|endoftext|>")], seed

@@ -1,0 +1,83 @@
+"""Tiny Qwen2-VL (`qwen2_vl`) and Qwen2.5-VL (`qwen2_5_vl`): the Qwen2-VL special tokens and chat
+template, the Qwen2-VL image and video processors with small pixel bounds; Qwen2.5-VL's ViT has
+window attention (full attention in blocks 1 and 3)."""
+
+from __future__ import annotations
+
+from mmserve.tiny.tokenizer import SPECIAL_TOKENS, build_tokenizer, text_config
+
+VARIANTS: dict[str, str] = {}
+
+# The chat template shipped with Qwen2-VL-*-Instruct (identical for Qwen2.5-VL).
+CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Pixel limits kept small so the tiny model sees few patches (factor 28 = patch 14 x merge 2).
+MIN_PIXELS = 28 * 28 * 4
+MAX_PIXELS = 28 * 28 * 64
+VIDEO_MIN_PIXELS = 28 * 28 * 4
+VIDEO_MAX_PIXELS = 28 * 28 * 16
+
+
+def config(model_type: str, tokenizer):
+    """The tiny `Qwen2VLConfig` / `Qwen2_5_VLConfig` for `tokenizer`'s vocabulary."""
+    from transformers import Qwen2VLConfig, Qwen2_5_VLConfig
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    text = text_config(tokenizer, tie_word_embeddings=False, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    common = dict(
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    if model_type == "qwen2_vl":
+        vision = dict(
+            depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=4, in_channels=3,
+            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.2,
+        )
+        return Qwen2VLConfig(text_config=text, vision_config=vision, **common)
+    vision = dict(
+        depth=4, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3, out_hidden_size=64,
+        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+        fullatt_block_indexes=[1, 3], tokens_per_second=2, initializer_range=0.2,
+    )
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
+
+
+def build(name: str, seed: int):
+    """The tiny Qwen2-VL / Qwen2.5-VL (see `mmserve.tiny` for the contract)."""
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    tokenizer = build_tokenizer(seed, vocab_size=1024)
+    model_config = config(name, tokenizer)
+    image_processor = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    video_processor = Qwen2VLVideoProcessor(
+        min_pixels=VIDEO_MIN_PIXELS, max_pixels=VIDEO_MAX_PIXELS, cap_pixels_per_frame=False
+    )
+    processor_cls = Qwen2VLProcessor if name == "qwen2_vl" else Qwen2_5_VLProcessor
+    processor = processor_cls(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE,
+    )
+    text = model_config.text_config
+    return model_config, processor, [text.eos_token_id, text.bos_token_id], seed

@@ -1,0 +1,92 @@
+"""What the tiny builders share: the tokenizer trainer (byte-level BPE, Qwen2's split pattern, a
+fixed corpus: the same seed and special tokens give the same vocabulary) and the small text config."""
+
+from __future__ import annotations
+
+# The Qwen2-VL special tokens: the default set (Qwen-style ChatML tokenizers).
+SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+)
+
+# Qwen2's pre-tokenizer split pattern.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+_WORDS = (
+    "the a an of to in is it that this what where who how why image video picture photo frame "
+    "describe show tell me about color colour red green blue yellow black white cat dog bird car "
+    "tree house sky sea mountain person people left right top bottom middle small large many one "
+    "two three four five six seven eight nine ten hello world assistant user system helpful answer "
+    "question please thank you see look there are is was were will would can could should model "
+    "vision language token embedding encoder decoder serve request response stream batch cache"
+).split()
+
+
+def _corpus(seed: int) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(4000):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(3, 16))]
+        sep = rng.choice([" ", " ", " ", ", ", ". "])
+        lines.append(sep.join(words).capitalize() + rng.choice([".", "?", "!", "", "\n"]))
+    lines.append("0123456789 !\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~ café naïve 日本語 😀")
+    return lines
+
+
+def build_tokenizer(
+    seed: int,
+    vocab_size: int,
+    special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
+    eos_token: str = "<|im_end|>",
+    pad_token: str = "<|endoftext|>",
+    bos_token: str | None = None,
+):
+    """Byte-level BPE trained on a fixed corpus; with `bos_token`, it is prepended to every encoding."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    tok.add_special_tokens(list(special_tokens))
+    bos = {} if bos_token is None else {"bos_token": bos_token, "add_bos_token": True}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=eos_token,
+        pad_token=pad_token,
+        unk_token=None,
+        **bos,
+        model_max_length=4096,
+        clean_up_tokenization_spaces=False,
+        split_special_tokens=False,
+    )
+
+
+def text_config(tokenizer, bos: str | None = "<|endoftext|>", eos: str = "<|im_end|>", pad: str = "<|endoftext|>",
+                **overrides) -> dict:
+    """The tiny decoder every family's LM starts from (2 layers of width 64, GQA 4/2); `overrides` change it."""
+    ids = tokenizer.convert_tokens_to_ids
+    return dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6, initializer_range=0.2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=ids(bos) if bos else None, eos_token_id=ids(eos), pad_token_id=ids(pad),
+    ) | overrides
