@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+from cachetools import LRUCache
 
 from mmserve.embeddings import ItemEmbedding
 from mmserve.media import MediaItem
@@ -41,7 +41,7 @@ def tensor_bytes(t: torch.Tensor | ItemEmbedding) -> int:
 
 
 class EmbeddingCache:
-    """LRU of embeddings whose summed size never exceeds `capacity_bytes`.
+    """LRU of embeddings whose summed size never exceeds `capacity_bytes` (a `cachetools.LRUCache`).
 
     `get` refreshes recency; `put` evicts least-recently-used entries until the new one fits and
     skips entries larger than the whole capacity. Cached tensors are shared: treat them as
@@ -51,12 +51,18 @@ class EmbeddingCache:
     def __init__(self, capacity_bytes: int):
         if capacity_bytes < 0:
             raise ValueError("capacity_bytes must be >= 0")
-        self.capacity_bytes = capacity_bytes
-        self.num_bytes = 0
         self.hits = 0
         self.misses = 0
-        self._entries: OrderedDict[str, ItemEmbedding] = OrderedDict()
+        self._entries: LRUCache[str, ItemEmbedding] = LRUCache(maxsize=capacity_bytes, getsizeof=tensor_bytes)
         self._lock = threading.Lock()
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._entries.maxsize
+
+    @property
+    def num_bytes(self) -> int:
+        return self._entries.currsize
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -69,23 +75,15 @@ class EmbeddingCache:
             value = self._entries.get(key)
             if value is None:
                 self.misses += 1
-                return None
-            self._entries.move_to_end(key)
-            self.hits += 1
+            else:
+                self.hits += 1
             return value
 
     def put(self, key: str, value: ItemEmbedding) -> bool:
         """Insert (or refresh) `key`; False when `value` alone exceeds the capacity."""
-        size = tensor_bytes(value)
+        if tensor_bytes(value) > self.capacity_bytes:
+            return False
         with self._lock:
-            if size > self.capacity_bytes:
-                return False
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self.num_bytes -= tensor_bytes(old)
-            while self._entries and self.num_bytes + size > self.capacity_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                self.num_bytes -= tensor_bytes(evicted)
+            self._entries.pop(key, None)  # cachetools 5 would count the old value while evicting
             self._entries[key] = value
-            self.num_bytes += size
             return True

@@ -4,39 +4,54 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tokenizers.decoders import DecodeStream
+
+_INVALID_PREFIX = "Invalid prefix"  # DecodeStream's error when a token rewrites text it released
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, in constant work per token.
 
-    Only a short window of recent ids is decoded per token (vLLM's prefix/read offsets): the
-    text of `ids[prefix:]` minus the text of `ids[prefix:read]` is what the new token added.
-    Text is released once it is final: never half of a multi-byte UTF-8 character (decoded as
-    U+FFFD until its last byte arrives), and never a prefix that could still become a stop
-    string. `add` returns the new text; `stopped` turns true once a stop string appears, after
-    which the output ends just before it. The concatenated output equals decoding all ids at once.
+    `tokenizers.decoders.DecodeStream` decodes a short window of recent ids per token and holds
+    back half a multi-byte UTF-8 character (U+FFFD until its last byte arrives); on top of it, a
+    prefix that could still become a stop string is held back. `add` returns the new text;
+    `stopped` turns true once a stop string appears, after which the output ends just before it;
+    `flush` releases the rest (a trailing U+FFFD the ids really decode to included).
+
+    Invariant: the concatenated output equals `tokenizer.decode(ids, skip_special_tokens=True)`
+    cut before the first stop string. `tokenizer` is a fast transformers tokenizer; the stream
+    follows its `backend_tokenizer`, so a tokenizer that also cleans up spaces after decoding
+    (`clean_up_tokenization_spaces`, which transformers applies to non-BPE models only) streams
+    without that clean-up. A decoder whose output for invalid bytes is not prefix-stable (byte
+    fallback, where one more byte token can turn bytes already released into U+FFFD) cannot
+    stream that text exactly: the stream restarts at that token; the text released stands.
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
-        self._tokenizer = tokenizer
+        self._backend = tokenizer.backend_tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._ids: list[int] = []
+        self._base = 0  # the stream started at ids[_base], when `text` was _base_chars long
+        self._base_chars = 0
+        self._pending = False  # the stream holds ids whose text is not in `text` yet
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
-        self._ids: list[int] = []
-        self._prefix = 0  # ids[:_prefix] are fully reflected in `text`
-        self._read = 0  # ids[:_read] produced the text so far
         self._sent = 0
         self.text = ""
         self.stopped = False
 
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _new_text(self, final: bool) -> str:
-        prefix_text = self._decode(self._ids[self._prefix:self._read])
-        full = self._decode(self._ids[self._prefix:])
-        if len(full) <= len(prefix_text) or (full.endswith("\ufffd") and not final):
-            return ""  # nothing yet, or a character still incomplete
-        self._prefix, self._read = self._read, len(self._ids)
-        return full[len(prefix_text):]
+    def _step(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        try:
+            new = self._stream.step(self._backend, token_id)
+        except Exception as e:  # tokenizers raises a bare Exception
+            if not str(e).startswith(_INVALID_PREFIX):
+                raise
+            self._stream = DecodeStream(skip_special_tokens=True)
+            self._base, self._base_chars = len(self._ids) - 1, len(self.text)
+            new = self._stream.step(self._backend, token_id)
+        self._pending = new is None
+        return new or ""
 
     def _append(self, new: str) -> None:
         start = max(0, len(self.text) - self._hold)  # where a stop string completed by `new` can begin
@@ -49,16 +64,17 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         if self.stopped:
             return ""
-        self._ids.append(token_id)
-        self._append(self._new_text(final=False))
+        self._append(self._step(token_id))
         if self.stopped:
             return self._release(len(self.text))
         return self._release(len(self.text) - self._hold)
 
     def flush(self) -> str:
         """Everything not yet released (call when generation ends)."""
-        if not self.stopped:
-            self._append(self._new_text(final=True))
+        if not self.stopped and self._pending:
+            rest = self._backend.decode(self._ids[self._base:], skip_special_tokens=True)
+            self._append(rest[len(self.text) - self._base_chars:])
+            self._pending = False
         return self._release(len(self.text))
 
     def _release(self, upto: int) -> str:

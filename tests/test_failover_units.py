@@ -84,11 +84,15 @@ def _pending(max_tokens: int) -> PendingRequest:
 
 
 class _Tokenizer:
-    def decode(self, ids, **_):
-        return "".join(f"<{i}>" for i in ids)
+    """Token i is the word "<i>" (a word-level backend: the detokenizer streams through it)."""
 
-    def convert_ids_to_tokens(self, ids):
-        return [f"<{i}>" for i in ids]
+    def __init__(self):
+        from tokenizers import Tokenizer, models
+
+        self.backend_tokenizer = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(1000)}, unk_token="<0>"))
+
+    def decode(self, ids, **kw):
+        return self.backend_tokenizer.decode(ids, **kw)
 
 
 async def _run(llm: FakeLLM, max_tokens: int, retries: int = 2):

@@ -55,3 +55,40 @@ def test_deltas_add_up_to_the_whole_decode_cut_at_the_stop_string(tokenizer, ids
     full = tokenizer.decode(ids, skip_special_tokens=True)
     cut = full.find(stop) if stop else -1
     assert out == (full[:cut] if cut != -1 else full)
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "llava"])
+def tiny_tokenizer(request):
+    """Two of the tiny byte-level BPE tokenizers: Qwen's special tokens, LLaVA's (with `<s>`)."""
+    models = request.getfixturevalue("tiny_models" if request.param == "qwen2_vl" else "llava_models")
+    return AutoTokenizer.from_pretrained(models[request.param])
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_deltas_add_up_to_the_whole_decode_with_special_ids_and_split_characters(tiny_tokenizer, data):
+    tok = tiny_tokenizer
+    texts = st.text(st.sampled_from("ab é你好🙂\n"), max_size=6)
+    pieces = st.one_of(
+        st.integers(0, len(tok) - 1).map(lambda i: [i]),  # the byte alphabet splits characters
+        st.sampled_from(tok.all_special_ids).map(lambda i: [i]),
+        texts.map(lambda text: tok.encode(text, add_special_tokens=False)),
+    )
+    ids = [i for piece in data.draw(st.lists(pieces, max_size=20)) for i in piece]
+    detok = IncrementalDetokenizer(tok)
+    out = "".join(detok.add(i) for i in ids) + detok.flush()
+    assert out == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_a_decoder_that_rewrites_released_text_restarts_instead_of_raising():
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "a": 1, **{f"<0x{b:02X}>": 2 + b for b in range(256)}}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>")
+    ids = [2 + 0x41, 2 + 0xE4, 1]  # "A", then a lone lead byte: byte fallback turns both into U+FFFD
+    assert tok.decode(ids) == "\ufffd\ufffda"
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.add(i) for i in ids] + [detok.flush()] == ["A", "", "a", ""]
