@@ -195,7 +195,7 @@ def start_app(model: str, colocated: bool, num_cpus: float, dtype: str) -> tuple
 
     from deployments.app import build_app
     from deployments.config import AppArgs
-    from deployments.grpc_ingress import grpc_options
+    from deployments.router import grpc_options
 
     half = num_cpus / 2
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")

@@ -190,7 +190,7 @@ def bench_ingress(iters: int) -> dict:
     from ray import serve
 
     from deployments.app import build_app
-    from deployments.grpc_ingress import grpc_options
+    from deployments.router import grpc_options
     from mmserve.client import VLMClient, user
 
     http_port, grpc_port = _free_port(), _free_port()

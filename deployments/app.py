@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from ray.serve import Application
 
-from deployments.colocated import ColocatedLLMDeployment
 from deployments.config import AppArgs
 from deployments.encoder import EncoderDeployment, encoder_options
 from deployments.llm import LLMDeployment
@@ -21,23 +20,18 @@ from deployments.router import Router, RouterSettings
 def build_app(args: dict | AppArgs | None = None) -> Application:
     """Router (ingress) + encoder pool + LLM replicas (or, colocated, LLM replicas that encode), from `AppArgs`."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
-    encoder = None  # with grpc.encoder_address the router uses that standalone encoder instead
+    encoder = None  # colocated: none; with grpc.encoder_address the router uses that standalone encoder
     if args.grpc.encoder_address is None and not args.colocated:
         encoder = EncoderDeployment.options(**encoder_options(args.encoder, args.encoder_pool)).bind(
             args.model, args.dtype, args.device, args.encoder_pool, args.transport, args.grpc
         )
     # an LLM replica at its target runs a full batch (max_num_seqs): more replicas beyond that
     llm_options = args.llm.options("LLM", default_target_ongoing_requests=args.engine.max_num_seqs)
-    if args.colocated:  # no Encoder deployment: each LLM replica encodes in-process
-        llm = ColocatedLLMDeployment.options(**llm_options).bind(
-            args.model, args.dtype, args.device, args.engine.resolve(), args.grpc,
-            args.engine.stall_timeout_s, args.engine.max_waiting_tokens, args.encoder_pool,
-        )
-    else:
-        llm = LLMDeployment.options(**llm_options).bind(
-            args.model, args.dtype, args.device, args.engine.resolve(), args.transport, args.grpc,
-            args.engine.stall_timeout_s, args.engine.max_waiting_tokens,
-        )
+    llm = LLMDeployment.options(**llm_options).bind(
+        args.model, args.dtype, args.device, engine=args.engine.resolve(), transport=args.transport, grpc=args.grpc,
+        stall_timeout_s=args.engine.stall_timeout_s, max_waiting_tokens=args.engine.max_waiting_tokens,
+        colocated_pool=args.encoder_pool if args.colocated else None,
+    )
     settings = RouterSettings(
         model_dir=args.model,
         served_model_name=args.served_model_name or model_name(args.model),

@@ -107,9 +107,9 @@ class DeploymentArgs(_Args):
 class LimitArgs(_Args):
     """Request limits and media access (see `deployments.media_fetch` for the rules)."""
 
-    max_items_per_request: int = Field(default=16, ge=0)
-    max_frames_per_video: int = Field(default=64, ge=1)
-    max_pixels_per_image: int = Field(default=40_000_000, ge=1)
+    max_items_per_request: int = Field(default=MediaLimits.max_items_per_request, ge=0)
+    max_frames_per_video: int = Field(default=MediaLimits.max_frames_per_video, ge=1)
+    max_pixels_per_image: int = Field(default=MediaLimits.max_pixels_per_image, ge=1)
     max_request_bytes: int = Field(
         default=64 * 1024 * 1024, ge=1024, description="request body; also all media URLs of one request together"
     )
@@ -222,6 +222,18 @@ class EncoderPoolArgs(_Args):
         if self.look_back_period_s <= self.metrics_interval_s:
             raise ValueError("look_back_period_s must be greater than metrics_interval_s")
         return self
+
+    def resolve(self):
+        from encoder_service.batching import BatchConfig
+        from encoder_service.pool import PoolConfig
+
+        batch = BatchConfig(
+            max_batch_tokens=self.max_batch_tokens, max_batch_items=self.max_batch_items,
+            batch_wait_ms=self.batch_wait_ms, cost_unit=self.cost_unit, skip_ahead=self.skip_ahead,
+            max_skips=self.max_skips,
+        )
+        return PoolConfig(batch=batch, preprocess_workers=self.preprocess_workers, cache_bytes=self.cache_bytes,
+                          max_queued_bytes=self.max_queued_bytes)
 
 
 class EngineArgs(_Args):

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
 
-from deployments.failures import replica_lost
-from deployments.llm import PendingRequest, root_cause
-from deployments.transport import EmbeddingHandle
+from deployments.failures import replica_lost, root_cause
+from deployments.handles import EmbeddingHandle, PendingRequest
+from llm_service.sequence import TokenEvent
 from mmserve.errors import EmbeddingsLost
 
 Reencode = Callable[[tuple[EmbeddingHandle, ...], tuple[int, ...]], Awaitable[tuple[EmbeddingHandle, ...]]]
@@ -34,12 +35,27 @@ Reencode = Callable[[tuple[EmbeddingHandle, ...], tuple[int, ...]], Awaitable[tu
 logger = logging.getLogger("ray.serve")
 
 
-class Failover:
-    """Submits `pending` to `llm` (a DeploymentHandle or anything with its `options().generate.remote`
-    shape) and resubmits on replica loss, at most `retries` times per request for lost LLM
-    replicas and as many for lost encoder replicas."""
+class TokenStream(Protocol):
+    """One submission's `TokenEvent`s (Serve's streaming `DeploymentResponseGenerator`)."""
 
-    def __init__(self, llm, pending: PendingRequest, retries: int,
+    def __aiter__(self) -> AsyncIterator[TokenEvent]: ...
+
+    async def __anext__(self) -> TokenEvent: ...
+
+    def cancel(self) -> None: ...
+
+
+class LLMClient(Protocol):
+    """Where the router submits requests: the LLM deployment (`deployments.router.ServeLLMClient`)."""
+
+    def generate(self, pending: PendingRequest) -> TokenStream: ...
+
+
+class Failover:
+    """Submits `pending` to `llm` and resubmits on replica loss, at most `retries` times per
+    request for lost LLM replicas and as many for lost encoder replicas."""
+
+    def __init__(self, llm: LLMClient, pending: PendingRequest, retries: int,
                  on_resume: Callable[[PendingRequest], None] | None = None, reencode: Reencode | None = None):
         self.llm = llm
         self.pending = pending
@@ -102,7 +118,7 @@ class Failover:
         )
 
     async def _submit(self, pending: PendingRequest):
-        stream = self.llm.options(stream=True).generate.remote(pending)
+        stream = self.llm.generate(pending)
         try:
             first = await stream.__anext__()  # errors surface here, before any response is sent
         except BaseException:

@@ -1,6 +1,7 @@
 """Why a request failed, decided once for every API: the one place errors are classified.
 
-Only `InvalidRequest` (the client's fault) is a 4xx / INVALID_ARGUMENT. A full bounded resource
+Only the client's faults are 4xx: `InvalidRequest` (400 / INVALID_ARGUMENT), `RequestTooLarge`
+(413 / INVALID_ARGUMENT), `Unauthenticated` (401 / UNAUTHENTICATED). A full bounded resource
 (`Overloaded`, device out of memory) is 503 / RESOURCE_EXHAUSTED, a full queue (Serve's
 `max_queued_requests`, the LLM's waiting tokens: `QueueFull`) 429 + Retry-After / RESOURCE_EXHAUSTED, a backend that is gone 503 / UNAVAILABLE (a lost replica, "lost", is one the
 router fails over from first: `replica_lost`), and anything else is a bug:
@@ -14,16 +15,17 @@ from typing import Literal, NamedTuple
 
 import grpc
 
-from deployments.llm import root_cause
-from mmserve.errors import InvalidRequest, Overloaded, QueueFull, RequestTooLarge, ShuttingDown
+from mmserve.errors import InvalidRequest, Overloaded, QueueFull, RequestTooLarge, ShuttingDown, Unauthenticated
 
-Kind = Literal["invalid", "too_large", "busy", "overloaded", "lost", "unavailable", "deadline", "internal"]
+Kind = Literal["invalid", "too_large", "unauthenticated", "busy", "overloaded", "lost", "unavailable", "deadline",
+               "internal"]
 HTTP_STATUS: dict[str, int] = {
-    "invalid": 400, "too_large": 413, "busy": 429, "overloaded": 503, "lost": 503, "unavailable": 503,
-    "deadline": 504, "internal": 500,
+    "invalid": 400, "too_large": 413, "unauthenticated": 401, "busy": 429, "overloaded": 503, "lost": 503,
+    "unavailable": 503, "deadline": 504, "internal": 500,
 }
 GRPC_CODE: dict[str, grpc.StatusCode] = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
     "too_large": grpc.StatusCode.INVALID_ARGUMENT,
     "busy": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -49,10 +51,11 @@ class Failure(NamedTuple):
         return GRPC_CODE[self.kind]
 
 
-def as_invalid_request(e: BaseException) -> InvalidRequest | None:
-    """The InvalidRequest behind `e` (raised here or in a replica), if that is what it is."""
-    cause = root_cause(e)
-    return cause if isinstance(cause, InvalidRequest) else None
+def root_cause(e: BaseException) -> BaseException:
+    """The exception a replica raised, through Ray's task-error wrappers."""
+    while getattr(e, "cause", None) is not None and e.cause is not e:
+        e = e.cause
+    return e
 
 
 def _replica_lost() -> tuple[type[BaseException], ...]:
@@ -94,6 +97,8 @@ def classify(e: BaseException) -> Failure:
         return Failure("too_large", str(cause))
     if isinstance(cause, InvalidRequest):
         return Failure("invalid", str(cause))
+    if isinstance(cause, Unauthenticated):
+        return Failure("unauthenticated", str(cause))
     for error in (e, cause):
         if isinstance(error, ShuttingDown):
             return Failure("unavailable", f"{error}; retry shortly")

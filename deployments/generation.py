@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -90,6 +91,43 @@ def check_options(opts: GenerationOptions) -> None:
         raise InvalidRequest(f"stop_token_ids has {len(opts.stop_token_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")
     for token_id in opts.stop_token_ids:
         _check_range("stop_token_ids", token_id, 0, MAX_INT32)
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(GenerationOptions))
+
+
+def sampling_params(opts: GenerationOptions, prompt_len: int, max_model_len: int, defaults) -> SamplingParams:
+    """What the engine samples with: the client's options, the checkpoint's `GenerationConfig`
+    (`defaults`) for what it left out (vLLM's rule), `max_tokens` defaulting to the rest of the
+    context; InvalidRequest when the prompt and `max_tokens` do not fit `max_model_len`."""
+    remaining = max_model_len - prompt_len
+    if remaining <= 0 or (opts.max_tokens is not None and opts.max_tokens > remaining):
+        raise InvalidRequest(
+            f"prompt of {prompt_len} tokens + max_tokens {opts.max_tokens or 1} exceeds the model's "
+            f"context of {max_model_len} tokens"
+        )
+    sample = bool(defaults.do_sample)  # the checkpoint's sampling defaults apply only when it samples
+
+    def default(value, model_value, greedy_value):
+        if value is not None:
+            return value
+        return model_value if sample and model_value is not None else greedy_value
+
+    return SamplingParams(
+        max_tokens=opts.max_tokens or remaining,
+        temperature=float(default(opts.temperature, defaults.temperature, 0.0)),
+        top_p=float(default(opts.top_p, defaults.top_p, 1.0)),
+        top_k=max(int(default(opts.top_k, defaults.top_k, 0)), 0),
+        min_p=float(default(opts.min_p, getattr(defaults, "min_p", None), 0.0)),
+        # like transformers' generate and vLLM, the checkpoint's repetition penalty applies greedy too
+        repetition_penalty=float(opts.repetition_penalty or defaults.repetition_penalty or 1.0),
+        frequency_penalty=float(opts.frequency_penalty or 0.0),
+        presence_penalty=float(opts.presence_penalty or 0.0),
+        seed=opts.seed,
+        stop_token_ids=frozenset(opts.stop_token_ids),
+        ignore_eos=opts.ignore_eos,
+        logprobs=opts.logprobs,
+    )
 
 
 class Delta(NamedTuple):

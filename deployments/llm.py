@@ -1,4 +1,10 @@
-"""LLM deployment: wraps `llm_service`'s engine; streams token events back to the router."""
+"""LLM deployment: wraps `llm_service`'s engine; streams token events back to the router.
+
+With `colocated_pool` (the app's `colocated: true`) the replica also runs its own `EncoderPool`
+on its device and encodes the `LocalMedia` the router hands it: the baseline disaggregation is
+measured against (vLLM's DP-N). Failover stays lossless: a request resubmitted to another
+replica carries its media, which that replica encodes again.
+"""
 
 from __future__ import annotations
 
@@ -6,58 +12,36 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from ray import serve
 
-from deployments.config import GrpcArgs
-from deployments.encoder import resolve_device
-from deployments.metrics import LLMMetrics
+from deployments.config import EncoderPoolArgs, GrpcArgs
+from deployments.failures import root_cause
+from deployments.handles import PendingRequest
+from deployments.metrics import EncoderMetrics, LLMMetrics, PoolMetrics
 from deployments.replica_env import resolve_model_dir
-from deployments.transport import EmbeddingHandle, resolve
+from deployments.transport import resolve
 from llm_service.config import EngineConfig
 from llm_service.engine import LLMEngine, LLMRequest, TokenEvent
 from llm_service.model import LanguageModel
-from llm_service.sampling import SamplingParams
+from mmserve.checkpoint import resolve_device
 from mmserve.embeddings import ItemEmbedding
-from mmserve.errors import EmbeddingsLost, InvalidRequest, Overloaded, QueueFull
-from mmserve.media import PlaceholderRange
-from mmserve.positions import PositionPlan
+from mmserve.errors import EmbeddingsLost, InvalidRequest, QueueFull
+from mmserve.media import EncodeItem
 
 logger = logging.getLogger("ray.serve")
-
-
-@dataclass(frozen=True)
-class PendingRequest:
-    """What the router sends: the prompt plan plus object refs of embeddings still being computed."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-    positions: PositionPlan
-    ranges: tuple[PlaceholderRange, ...]
-    embeddings: tuple[EmbeddingHandle, ...]  # one per range
-    resumed_tokens: int = 0  # a failover continuation: the last this many prompt tokens were already sent
-    attempt: int = 0  # 0: the first submission; n: the router's n-th resubmission (never refused as busy)
-
-
-def root_cause(e: BaseException) -> BaseException:
-    """The exception a replica raised, through Ray's task-error wrappers."""
-    while getattr(e, "cause", None) is not None and e.cause is not e:
-        e = e.cause
-    return e
 
 
 @serve.deployment
 class LLMDeployment:
     def __init__(self, model_dir: str | None, dtype: str, device: str, engine: EngineConfig | None = None,
                  transport: str = "object_store", grpc: GrpcArgs | None = None, stall_timeout_s: float = 60.0,
-                 max_waiting_tokens: int | None = None):
-        model_dir, grpc = resolve_model_dir(model_dir), (grpc or GrpcArgs()).on_node()
+                 max_waiting_tokens: int | None = None, colocated_pool: EncoderPoolArgs | None = None):
+        model_dir, device = resolve_model_dir(model_dir), resolve_device(device)
         self.stall_timeout_s = stall_timeout_s
         self.max_waiting_tokens = max_waiting_tokens  # None: unbounded
         self.waiting_tokens = 0  # prompt tokens of requests admitted here whose first event is not back
-        self.model = LanguageModel(model_dir, dtype=dtype, device=resolve_device(device))
+        self.model = LanguageModel(model_dir, dtype=dtype, device=device)
         self.engine = LLMEngine(self.model, engine or EngineConfig())
         self.engine.start()
         self.metrics = LLMMetrics()
@@ -66,7 +50,15 @@ class LLMDeployment:
         if transport == "grpc":  # encoder results arrive as refs to pull from the encoder replica
             from deployments.transport import GrpcFetcher
 
-            self.fetcher = GrpcFetcher(grpc or GrpcArgs())
+            self.fetcher = GrpcFetcher((grpc or GrpcArgs()).on_node())
+        self.pool = None
+        if colocated_pool is not None:  # encode the media the router hands over, in-process
+            from encoder_service import VisionEncoder
+            from encoder_service.pool import EncoderPool
+
+            self.encoder_metrics = EncoderMetrics()
+            encoder = VisionEncoder(model_dir, dtype=dtype, device=device)
+            self.pool = EncoderPool(encoder, colocated_pool.resolve(), PoolMetrics(self.encoder_metrics))
 
     async def _export_stats(self, interval_s: float = 1.0) -> None:
         """Engine gauges (queues, KV blocks, preemptions, tokens/s) every `interval_s`."""
@@ -94,10 +86,16 @@ class LLMDeployment:
         """The engine's counters (queues, KV blocks, preemptions, tokens): for tests and debugging."""
         return self.engine.stats()._asdict()
 
+    async def _encode_locally(self, items: list[EncodeItem]) -> list[ItemEmbedding]:
+        start = time.perf_counter()
+        embeddings = await self.pool.encode(items)
+        self.encoder_metrics.encode_ms.observe((time.perf_counter() - start) * 1000)
+        return embeddings
+
     async def _embeddings(self, pending: PendingRequest) -> list[ItemEmbedding]:
         start = time.perf_counter()
         try:
-            embeddings = await resolve(pending.embeddings, self.fetcher)
+            embeddings = await resolve(pending.embeddings, self.fetcher, self._encode_locally if self.pool else None)
         except EmbeddingsLost as e:  # the router re-encodes these items and resubmits
             logger.warning("request %s: %s", pending.request_id, e)
             raise
@@ -152,11 +150,7 @@ class LLMDeployment:
                 event = await events.get()
                 if event.error:
                     finished = True
-                    if event.finish_reason == "rejected":
-                        raise InvalidRequest(event.error)
-                    if event.finish_reason == "overloaded":
-                        raise Overloaded(event.error)
-                    raise RuntimeError(f"generation failed: {event.error}")
+                    raise event.error
                 if event.token_id is not None:
                     now = time.perf_counter()
                     (self.metrics.ttft_ms if first else self.metrics.itl_ms).observe((now - last_token_at) * 1000)

@@ -1,43 +1,51 @@
-"""OpenAI wire format <-> the app's protocol-neutral request and generation."""
+"""The OpenAI-compatible HTTP API as a thin adapter of the request core: the OpenAI wire format
+to a `ChatRequest`, a `Generation` to a completion or SSE chunks, failures to status codes."""
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import json
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from fastapi.responses import JSONResponse
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from deployments.config import RETRY_AFTER_S, LimitArgs
-from deployments.generation import Delta, Generation, GenerationOptions
-from deployments.media_fetch import MediaFetcher
+from deployments.config import RETRY_AFTER_S
+from deployments.core import ChatRequest, RequestCore, new_request_id
+from deployments.failures import Failure
+from deployments.generation import OPTION_NAMES, Delta, Generation, GenerationOptions
 from deployments.protocol import ChatCompletionRequest, ImageURLPart, TextPart
-from mmserve.errors import InvalidRequest, RequestTooLarge
-from mmserve.media import MediaItem, MediaKind
+from mmserve.errors import InvalidRequest
+from mmserve.media import MediaKind, MediaSource
 from mmserve.planner import Message
+
+logger = logging.getLogger("ray.serve")
 
 
 def error_response(status: int, message: str, kind: str | None = None) -> JSONResponse:
-    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+    kind = kind or ("authentication_error" if status == 401 else "invalid_request_error" if status < 500
+                    else "server_error")
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None  # busy / overloaded / lost
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status,
                         headers=headers)
 
 
-async def read_body(request, limits: LimitArgs) -> bytes:
-    """The body of a Starlette request, refused (413) as soon as it is known to be over the limit."""
-    limit = limits.max_request_bytes
-    too_large = RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
+def failure_response(failure: Failure) -> JSONResponse:
+    return error_response(failure.http_status, failure.message)
+
+
+async def read_body(request: Request, check_size: Callable[[int], None]) -> bytes:
+    """The body of a Starlette request, refused as soon as `check_size` says it is too large."""
     length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise too_large
+    if length.isdigit():
+        check_size(int(length))
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > limit:
-            raise too_large
+        check_size(size)
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -53,9 +61,7 @@ def _location(loc: tuple) -> str:
     return ".".join(str(x) for x in loc)
 
 
-def parse_body(body: bytes, limits: LimitArgs) -> ChatCompletionRequest:
-    if len(body) > limits.max_request_bytes:
-        raise RequestTooLarge(f"request body of {len(body)} bytes exceeds the limit of {limits.max_request_bytes}")
+def parse_body(body: bytes) -> ChatCompletionRequest:
     try:
         request = ChatCompletionRequest.model_validate_json(body)
     except ValidationError as e:
@@ -72,22 +78,31 @@ def parse_body(body: bytes, limits: LimitArgs) -> ChatCompletionRequest:
 
 
 def options(request: ChatCompletionRequest) -> GenerationOptions:
-    stop = (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ())
-    return GenerationOptions(
-        max_tokens=request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        min_p=request.min_p,
-        repetition_penalty=request.repetition_penalty,
-        frequency_penalty=request.frequency_penalty,
-        presence_penalty=request.presence_penalty,
-        seed=request.seed,
-        stop=stop,
-        stop_token_ids=tuple(request.stop_token_ids or ()),
-        ignore_eos=request.ignore_eos,
-        logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+    """The sampling options: fields named as in `GenerationOptions` pass as they are."""
+    given = {name: getattr(request, name) for name in OPTION_NAMES if name in ChatCompletionRequest.model_fields}
+    given = {name: value for name, value in given.items() if value is not None}
+    return GenerationOptions(**{
+        **given,
+        "max_tokens": request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens,
+        "stop": (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ()),
+        "stop_token_ids": tuple(request.stop_token_ids or ()),
+        "logprobs": (request.top_logprobs or 0) if request.logprobs else None,
+    })
+
+
+def chat_request(request: ChatCompletionRequest) -> ChatRequest:
+    def part(p) -> str | MediaSource:
+        if isinstance(p, TextPart):
+            return p.text
+        if isinstance(p, ImageURLPart):
+            return MediaSource(MediaKind.IMAGE, (p.image_url.url,))
+        return MediaSource(MediaKind.VIDEO, tuple(p.video), fps=p.fps)
+
+    messages = tuple(
+        Message(m.role, (m.content,) if isinstance(m.content, str) else tuple(part(p) for p in m.content))
+        for m in request.messages
     )
+    return ChatRequest(messages, options(request), request.model)
 
 
 def _logprob_entry(gen: Generation, delta: Delta) -> dict:
@@ -99,39 +114,6 @@ def _logprob_entry(gen: Generation, delta: Delta) -> dict:
 
     return {**entry(delta.token_id, delta.logprob),
             "top_logprobs": [entry(t, lp) for t, lp in delta.top_logprobs or ()]}
-
-
-def _check_media_counts(request: ChatCompletionRequest, limits: LimitArgs) -> None:
-    """Item and frame limits, checked before any URL is loaded."""
-    parts = [p for m in request.messages if not isinstance(m.content, str) for p in m.content]
-    media = [p for p in parts if not isinstance(p, TextPart)]
-    if len(media) > limits.max_items_per_request:
-        raise InvalidRequest(f"request has {len(media)} media items; the limit is {limits.max_items_per_request}")
-    for part in media:
-        if not isinstance(part, ImageURLPart) and len(part.video) > limits.max_frames_per_video:
-            raise InvalidRequest(f"video has {len(part.video)} frames; the limit is {limits.max_frames_per_video}")
-
-
-async def messages(request: ChatCompletionRequest, limits: LimitArgs) -> list[Message]:
-    """Messages with every media URL loaded into bytes (limits on counts checked first)."""
-    _check_media_counts(request, limits)
-    fetcher = MediaFetcher(limits)
-
-    async def convert(message) -> Message:
-        if isinstance(message.content, str):
-            return Message(message.role, (message.content,))
-        parts: list[str | MediaItem] = []
-        for part in message.content:
-            if isinstance(part, TextPart):
-                parts.append(part.text)
-            elif isinstance(part, ImageURLPart):
-                parts.append(MediaItem(MediaKind.IMAGE, (await fetcher.load(part.image_url.url),)))
-            else:
-                frames = await asyncio.gather(*(fetcher.load(u) for u in part.video))
-                parts.append(MediaItem(MediaKind.VIDEO, tuple(frames), fps=part.fps))
-        return Message(message.role, tuple(parts))
-
-    return list(await asyncio.gather(*(convert(m) for m in request.messages)))
 
 
 async def completion(gen: Generation, model: str, with_token_ids: bool) -> dict:
@@ -155,7 +137,7 @@ async def completion(gen: Generation, model: str, with_token_ids: bool) -> dict:
 
 
 async def sse(gen: Generation, model: str, with_token_ids: bool, include_usage: bool,
-              on_error) -> AsyncIterator[str]:
+              on_error: Callable[[Exception], Failure]) -> AsyncIterator[str]:
     """SSE chunks; an error after the headers went out ends the stream with an error event."""
     base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
 
@@ -177,6 +159,55 @@ async def sse(gen: Generation, model: str, with_token_ids: bool, include_usage: 
         if include_usage:
             yield event({**base, "choices": [], "usage": gen.usage()})
     except Exception as e:
-        status, message = on_error(e)
-        yield event({"error": {"message": message, "code": status}})
+        failure = on_error(e)
+        yield event({"error": {"message": failure.message, "code": failure.http_status}})
     yield "data: [DONE]\n\n"
+
+
+@dataclasses.dataclass
+class OpenAIAdapter:
+    """The routes' bodies; the Serve deployment's FastAPI routes call these."""
+
+    core: RequestCore
+
+    def health(self) -> Response:
+        return Response(status_code=503 if self.core.draining else 200)  # draining: take me out of rotation
+
+    def models(self, request: Request) -> Response:
+        try:
+            self.core.authenticate(request.headers.get("authorization"))
+        except Exception as e:
+            return failure_response(self.core.failed(e, "-"))
+        return JSONResponse({"object": "list", "data": [self.core.model_card()]})
+
+    async def chat_completions(self, request: Request) -> Response:
+        # the engine and encoders key requests by our own id. The client's x-request-id (or the one
+        # Serve's proxy made up) is only logged here; the proxy echoes it in the response headers.
+        request_id = new_request_id()
+        if given := request.headers.get("x-request-id"):
+            logger.info("request %s: x-request-id %r", request_id, given[:128])
+        body: ChatCompletionRequest | None = None
+
+        async def read() -> ChatRequest:  # only once admitted: a refused request's body is never read
+            nonlocal body
+            body = parse_body(await read_body(request, self.core.check_size))
+            return chat_request(body)
+
+        name = self.core.settings.served_model_name
+        try:
+            gen = await self.core.generate(request.headers.get("authorization"), read, request_id)
+            if not body.stream:
+                result = await completion(gen, name, body.return_token_ids)
+        except Exception as e:
+            return failure_response(self.core.failed(e, request_id))
+        if not body.stream:
+            self.core.finished(gen)
+            return JSONResponse(result)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = sse(gen, name, body.return_token_ids, include_usage, lambda e: self.core.failed(e, request_id))
+        return StreamingResponse(self._finished(gen, chunks), media_type="text/event-stream")
+
+    async def _finished(self, gen: Generation, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        async for chunk in chunks:
+            yield chunk
+        self.core.finished(gen)

@@ -49,8 +49,8 @@ Content = Annotated[
 ]
 
 
-class ChatMessage(_Model):
-    role: Literal["system", "user", "assistant"]
+class ChatCompletionMessage(_Model):
+    role: str  # checked by the request core, as for gRPC
     content: Content
 
 
@@ -60,8 +60,9 @@ class StreamOptions(_Model):
 
 class ChatCompletionRequest(_Model):
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
-    # sampling ranges are checked once, for HTTP and gRPC alike, by GenerationOptions
+    messages: list[ChatCompletionMessage] = Field(min_length=1)
+    # sampling ranges are checked once, for HTTP and gRPC alike, by GenerationOptions; a field
+    # named as one of GenerationOptions' passes to it as it is (`openai_api.options`)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     temperature: float | None = None

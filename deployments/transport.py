@@ -3,17 +3,20 @@
 With `transport: object_store` (the default) encoder results are `ItemEmbedding`s that Ray moves;
 with `transport: grpc` each encoder replica runs an `EncoderService` server and its results are
 `EncodedRef`s, which the LLM replica resolves by streaming them from that server. Both give the
-same tensors bit for bit. The router hands the LLM one `EmbeddingHandle` per item either way.
+same tensors bit for bit. The router hands the LLM one handle per item (`deployments.handles`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
+import grpc
+
 from deployments.config import GrpcArgs
+from deployments.failures import replica_lost
+from deployments.handles import EmbeddingHandle, LocalMedia, PinnedEmbedding, StoredEmbedding
 from encoder_service.grpc_server import Encoder, ServerOptions, ServerSecurity, ServerThread
 from encoder_service.result_store import ResultStore
 from mmserve.embeddings import ItemEmbedding
@@ -21,20 +24,7 @@ from mmserve.encoder_client import EmbeddingNotFound, EncodedRef, EncoderClient
 from mmserve.errors import EmbeddingsLost
 from mmserve.media import EncodeItem
 
-
-
-@dataclass(frozen=True)
-class EmbeddingHandle:
-    """Where one item's encoder output is, or will be.
-
-    `ref` is the ObjectRef of one encoder call's result list and `index` the item's place in it
-    (the router owns the ref, so it outlives the encoder replica that computed it), or `ref` is
-    an `EncodedRef` pinned on an encoder's gRPC server and `index` is None. An encoder call's
-    results are themselves `ItemEmbedding`s, or `EncodedRef`s with `transport: grpc`.
-    """
-
-    ref: object
-    index: int | None = None
+EncodeLocally = Callable[[list[EncodeItem]], Awaitable[list[ItemEmbedding]]]
 
 
 def advertised_host() -> str:
@@ -98,21 +88,32 @@ class GrpcFetcher:
         await asyncio.gather(*(c.close() for c in clients))
 
 
-async def resolve(handles: Sequence[EmbeddingHandle], fetcher: GrpcFetcher | None) -> list[ItemEmbedding]:
+async def resolve(handles: Sequence[EmbeddingHandle], fetcher: GrpcFetcher | None = None,
+                  encode_locally: EncodeLocally | None = None) -> list[ItemEmbedding]:
     """The outputs behind `handles`, in order: each encoder call's result list is awaited once,
-    `EncodedRef`s are fetched concurrently (they need `fetcher`).
+    `EncodedRef`s are fetched concurrently (they need `fetcher`), `LocalMedia` are encoded here
+    in one call (they need `encode_locally`).
 
     Raises `EmbeddingsLost` naming every item whose encoder replica is gone (its call died, or
     its pinned gRPC result can no longer be fetched), so the router can re-encode just those.
     """
-    calls = list(dict.fromkeys(h.ref for h in handles if h.index is not None))
+    calls = list(dict.fromkeys(h.ref for h in handles if isinstance(h, StoredEmbedding)))
     results = dict(zip(calls, await asyncio.gather(*calls, return_exceptions=True)))
+    local = [i for i, h in enumerate(handles) if isinstance(h, LocalMedia)]
+    if local:
+        if encode_locally is None:
+            raise RuntimeError("the router sent media to encode but this replica has no encoder (colocated: false)")
+        encoded = dict(zip(local, await encode_locally([handles[i].item for i in local])))
 
-    async def one(h: EmbeddingHandle) -> ItemEmbedding:
-        found = h.ref if h.index is None else results[h.ref]
-        if isinstance(found, BaseException):
-            raise found
-        if h.index is not None:
+    async def one(i: int, h: EmbeddingHandle) -> ItemEmbedding:
+        if isinstance(h, LocalMedia):
+            return encoded[i]
+        if isinstance(h, PinnedEmbedding):
+            found = h.ref
+        else:
+            found = results[h.ref]
+            if isinstance(found, BaseException):
+                raise found
             found = found[h.index]
         if isinstance(found, ItemEmbedding):
             return found
@@ -120,7 +121,7 @@ async def resolve(handles: Sequence[EmbeddingHandle], fetcher: GrpcFetcher | Non
             raise RuntimeError("an encoder returned a gRPC reference but this replica has no gRPC fetcher")
         return await fetcher.fetch(found)
 
-    outcomes = await asyncio.gather(*(one(h) for h in handles), return_exceptions=True)
+    outcomes = await asyncio.gather(*(one(i, h) for i, h in enumerate(handles)), return_exceptions=True)
     lost = tuple(i for i, o in enumerate(outcomes) if isinstance(o, BaseException) and encoder_lost(o))
     if lost:
         raise EmbeddingsLost(lost)
@@ -132,10 +133,6 @@ async def resolve(handles: Sequence[EmbeddingHandle], fetcher: GrpcFetcher | Non
 
 def encoder_lost(e: BaseException) -> bool:
     """True when `e` means the encoder that computed (or holds) an item is gone, not that the item is bad."""
-    import grpc
-
-    from deployments.failures import replica_lost  # (failures imports this module's neighbours)
-
     if isinstance(e, EmbeddingNotFound):  # a pinned result died with its encoder's server
         return True
     if isinstance(e, grpc.aio.AioRpcError):

@@ -24,6 +24,7 @@ from llm_service.model_runner import ModelRunner
 from llm_service.sampling import SampleInput, new_generator, sample
 from llm_service.scheduler import Scheduler
 from llm_service.sequence import LLMRequest, Sequence, Status, TokenEvent
+from mmserve.errors import EngineError, InvalidRequest, Overloaded
 
 __all__ = ["EngineStats", "LLMEngine", "LLMRequest", "TokenEvent"]
 logger = logging.getLogger(__name__)
@@ -127,10 +128,10 @@ class LLMEngine:
                 self.step()
             except Exception as e:  # a failed step fails its sequences, never the waiting ones nor the replica
                 logger.exception("engine step failed")
-                if isinstance(e, torch.OutOfMemoryError):  # resource exhaustion, not a bug: finish "overloaded"
-                    event = TokenEvent(None, "overloaded", "the language model ran out of device memory")
+                if isinstance(e, torch.OutOfMemoryError):  # resource exhaustion, not a bug
+                    event = TokenEvent(None, "error", Overloaded("the language model ran out of device memory"))
                 else:
-                    event = TokenEvent(None, "error", f"{type(e).__name__}: {e}")
+                    event = TokenEvent(None, "error", EngineError(f"generation failed: {type(e).__name__}: {e}"))
                 # failed before a batch was chosen (admission, scheduling): nothing tells which
                 # sequences the state is still good for, so all fail
                 for seq in self._in_step or list(self._by_id.values()):
@@ -181,7 +182,7 @@ class LLMEngine:
             aborted, self._aborted = self._aborted, set()
         for seq in new:
             if error := self._reject_reason(seq):
-                seq.emit(TokenEvent(None, "rejected", error))
+                seq.emit(TokenEvent(None, "error", InvalidRequest(error)))
             elif seq.request_id in aborted:
                 seq.emit(TokenEvent(None, "abort"))
             else:

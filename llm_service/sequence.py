@@ -45,9 +45,10 @@ class TokenEvent(NamedTuple):
     """
 
     token_id: int | None
-    # "stop" | "length" | "abort" | "error" (the engine failed) | "rejected" (the request cannot be served)
-    finish_reason: str | None = None
-    error: str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (then `error` says why)
+    # the failure, as the exception the caller raises: `InvalidRequest` (the request cannot be
+    # served), `Overloaded` (out of device memory) or `EngineError` (a failed step)
+    error: Exception | None = None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
 

@@ -44,6 +44,13 @@ def resolve_dtype(name: str, config: dict) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_device(device: str) -> str:
+    """`auto` is CUDA when this process sees a GPU, else the CPU."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def _safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():

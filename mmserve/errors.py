@@ -12,6 +12,10 @@ class InvalidRequest(ValueError):
     """
 
 
+class Unauthenticated(Exception):
+    """The API key is missing or wrong: HTTP 401 / gRPC UNAUTHENTICATED."""
+
+
 class RequestTooLarge(InvalidRequest):
     """The request body is over the configured size limit: HTTP 413 / gRPC INVALID_ARGUMENT."""
 
@@ -27,6 +31,10 @@ class Overloaded(RuntimeError):
 class QueueFull(RuntimeError):
     """A queue bounded to keep latency in check is full: retry shortly. HTTP 429 (with Retry-After) /
     gRPC RESOURCE_EXHAUSTED. The message says which queue and is safe to show to the client."""
+
+
+class EngineError(RuntimeError):
+    """An engine step failed (a bug, not the request's fault): HTTP 500 / gRPC INTERNAL."""
 
 
 class ShuttingDown(RuntimeError):

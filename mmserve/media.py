@@ -61,6 +61,16 @@ class EncodeItem:
 
 
 @dataclass(frozen=True)
+class MediaSource:
+    """A media part as the client sent it, not loaded yet: each frame is a URL (`data:`,
+    http(s), a local path) or already the encoded bytes (gRPC's `image`, `video.frames`)."""
+
+    kind: MediaKind
+    frames: tuple[str | bytes, ...]
+    fps: float = 2.0
+
+
+@dataclass(frozen=True)
 class MediaItem:
     """One image (one frame) or video (frames in order, all used) as raw encoded bytes."""
 

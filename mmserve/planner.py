@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,24 +10,35 @@ from mmserve.checkpoint import read_chat_template
 from mmserve.errors import InvalidRequest
 from mmserve.families import router_face
 from mmserve.families.base import ItemExpansion
-from mmserve.media import EncodeItem, MediaItem, MediaKind, PlaceholderRange
+from mmserve.media import EncodeItem, MediaItem, MediaKind, MediaSource, PlaceholderRange
 from mmserve.positions import PositionPlan
-from mmserve.prompt import ChatMessage, PromptBuilder
+from mmserve.prompt import Message, PromptBuilder
+
+__all__ = ["MediaLimits", "Message", "RequestPlan", "RequestPlanner"]
 
 
 @dataclass(frozen=True)
 class MediaLimits:
+    """Per-request media limits; the defaults are the server's (`LimitArgs` takes them from here)."""
+
     max_items_per_request: int = 16
     max_frames_per_video: int = 64
     max_pixels_per_image: int = 40_000_000
 
-
-@dataclass(frozen=True)
-class Message:
-    """A chat message whose media parts carry their bytes."""
-
-    role: str
-    parts: tuple[str | MediaItem, ...]
+    def check(self, items: Sequence[MediaSource | MediaItem]) -> None:
+        """InvalidRequest naming the first limit one request's media break; needs only what the
+        client sent (counts, fps), so it runs before anything is fetched or decoded."""
+        if len(items) > self.max_items_per_request:
+            raise InvalidRequest(f"request has {len(items)} media items; the limit is {self.max_items_per_request}")
+        for item in items:
+            if item.kind is not MediaKind.VIDEO:
+                continue
+            if not item.frames:
+                raise InvalidRequest("video has no frames")
+            if len(item.frames) > self.max_frames_per_video:
+                raise InvalidRequest(f"video has {len(item.frames)} frames; the limit is {self.max_frames_per_video}")
+            if not item.fps > 0:
+                raise InvalidRequest(f"video fps must be positive, got {item.fps}")
 
 
 @dataclass(frozen=True)
@@ -58,30 +70,10 @@ class RequestPlanner:
         placeholders = {kind: self.face.placeholder(kind) for kind in MediaKind}
         self._builder = PromptBuilder(tokenizer, template, placeholders)
 
-    def _check_limits(self, items: list[MediaItem]) -> None:
-        lim = self.limits
-        if len(items) > lim.max_items_per_request:
-            raise InvalidRequest(
-                f"request has {len(items)} media items; the limit is {lim.max_items_per_request}"
-            )
-        for item in items:
-            if item.kind is MediaKind.VIDEO and len(item.frames) > lim.max_frames_per_video:
-                raise InvalidRequest(
-                    f"video has {len(item.frames)} frames; the limit is {lim.max_frames_per_video}"
-                )
-            if item.kind is MediaKind.VIDEO and not item.frames:
-                raise InvalidRequest("video has no frames")
-            if item.kind is MediaKind.VIDEO and not item.fps > 0:
-                raise InvalidRequest(f"video fps must be positive, got {item.fps}")
-
-    def plan(self, messages: list[Message]) -> RequestPlan:
+    def plan(self, messages: list[Message[MediaItem]]) -> RequestPlan:
         items = [p for m in messages for p in m.parts if isinstance(p, MediaItem)]
-        self._check_limits(items)
+        self.limits.check(items)
         expansions = self.face.expand_all(items, self.limits.max_pixels_per_image)
-        chat = [
-            ChatMessage(m.role, tuple(p.kind if isinstance(p, MediaItem) else p for p in m.parts))
-            for m in messages
-        ]
-        prompt = self._builder.build(chat, expansions)
+        prompt = self._builder.build(messages, expansions)
         positions = self.face.position_plan(prompt.token_ids, prompt.ranges, expansions)
         return RequestPlan(prompt.token_ids, items, prompt.ranges, expansions, positions)

@@ -14,20 +14,26 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 from mmserve.errors import InvalidRequest
 from mmserve.families.base import ItemExpansion
-from mmserve.media import MediaKind, PlaceholderRange
+from mmserve.media import MediaItem, MediaKind, MediaSource, PlaceholderRange
 
 _SENTINEL = "\ue000{}\ue001"
 _SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
 
 
+Media = TypeVar("Media", MediaSource, MediaItem)
+
+
 @dataclass(frozen=True)
-class ChatMessage:
+class Message(Generic[Media]):
+    """A chat message: text parts and media parts, as the client sent them (`MediaSource`) or
+    loaded (`MediaItem`, what the planner takes)."""
+
     role: str
-    parts: tuple[str | MediaKind, ...]
+    parts: tuple[str | Media, ...]
 
 
 class Prompt(NamedTuple):
@@ -53,14 +59,14 @@ class PromptBuilder:
         }
         self._prefix, self._suffix = _special_wrapping(tokenizer)
 
-    def _render(self, messages: list[ChatMessage]) -> tuple[str, list[str]]:
+    def _render(self, messages: list[Message]) -> tuple[str, list[str]]:
         texts: list[str] = []
         conversation = []
         for message in messages:
             content = []
             for part in message.parts:
-                if isinstance(part, MediaKind):
-                    content.append({"type": part.value})
+                if not isinstance(part, str):
+                    content.append({"type": part.kind.value})
                 else:
                     content.append({"type": "text", "text": _SENTINEL.format(len(texts))})
                     texts.append(part)
@@ -74,7 +80,7 @@ class PromptBuilder:
         text = _SENTINEL_RE.sub(lambda m: user_texts[int(m.group(1))], text)
         return self._plain.encode(text, add_special_tokens=False).ids if text else []
 
-    def build(self, messages: list[ChatMessage], expansions: list[ItemExpansion]) -> Prompt:
+    def build(self, messages: list[Message], expansions: list[ItemExpansion]) -> Prompt:
         """Token ids with the i-th media placeholder replaced by `expansions[i]`."""
         rendered, user_texts = self._render(messages)
         ids: list[int] = []

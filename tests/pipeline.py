@@ -67,7 +67,7 @@ def collect(events: queue.Queue, timeout: float = 120) -> tuple[list[int], str]:
     while True:
         ev = events.get(timeout=timeout)
         if ev.error:
-            raise RuntimeError(ev.error)
+            raise ev.error
         if ev.token_id is not None:
             tokens.append(ev.token_id)
         if ev.finish_reason:

@@ -38,7 +38,7 @@ def serve_ports():
     import ray
     from ray import serve
 
-    from deployments.grpc_ingress import grpc_options
+    from deployments.router import grpc_options
 
     http_port, grpc_port = _free_port(), _free_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")

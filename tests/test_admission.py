@@ -10,7 +10,8 @@ import pytest
 
 from deployments.config import AppArgs, DeploymentArgs
 from deployments.failures import classify
-from deployments.llm import LLMDeployment, PendingRequest
+from deployments.handles import PendingRequest
+from deployments.llm import LLMDeployment
 from deployments.openai_api import error_response
 from llm_service.sampling import SamplingParams
 from mmserve.errors import QueueFull

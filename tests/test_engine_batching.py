@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from mmserve.errors import InvalidRequest
 from tests.engine_support import (
     Collector, make_engine, mixed_cases, plan_request, reference_tokens, run_until_done,
 )
@@ -139,8 +140,9 @@ def test_prompt_larger_than_pool_is_an_error_not_a_crash(tiny_models):
     collector.add(engine, plan_request(tiny_models["qwen2_vl"], mixed_cases()[5][1], "long", 4))
     collector.add(engine, plan_request(tiny_models["qwen2_vl"], mixed_cases()[6][1], "short", 4))
     run_until_done(engine, collector)
-    assert collector.finish_reason("long") == "rejected"
-    assert "KV cache capacity" in collector.events["long"][-1].error
+    rejected = collector.events["long"][-1].error
+    assert collector.finish_reason("long") == "error" and isinstance(rejected, InvalidRequest)
+    assert "KV cache capacity" in str(rejected)
     assert collector.finish_reason("short") in ("stop", "length")
 
 

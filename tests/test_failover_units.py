@@ -1,4 +1,4 @@
-"""Failover logic without Ray: a fake LLM handle whose replica dies mid-stream."""
+"""Failover logic without Ray: a fake LLM client whose replica dies mid-stream."""
 
 from __future__ import annotations
 
@@ -11,69 +11,10 @@ from ray import exceptions as ray_exceptions
 from deployments.failover import Failover
 from deployments.failures import classify, replica_lost
 from deployments.generation import Generation
-from deployments.llm import PendingRequest
+from deployments.handles import PendingRequest, StoredEmbedding
 from llm_service.sampling import SamplingParams
-from llm_service.sequence import TokenEvent
 from mmserve.planner import RequestPlan
-
-EOS = 7
-
-
-def next_token(context: tuple[int, ...]) -> int:
-    """A deterministic 'model': the next token depends on the whole context (prompt + generated)."""
-    return 100 + (sum((i + 1) * t for i, t in enumerate(context)) * 31) % 400
-
-
-class FakeStream:
-    def __init__(self, events):
-        self._events = events
-        self.cancelled = False
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        await asyncio.sleep(0)
-        try:
-            item = next(self._events)
-        except StopIteration:
-            raise StopAsyncIteration from None
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def cancel(self):
-        self.cancelled = True
-
-
-class FakeLLM:
-    """`options(stream=True).generate.remote(pending)`; replica i dies after `die_after[i]` tokens."""
-
-    def __init__(self, die_after: list[int | None], error: type[BaseException] = ray_exceptions.ActorDiedError):
-        self.die_after = list(die_after)
-        self.error = error
-        self.calls: list[PendingRequest] = []
-        self.generate = self
-
-    def options(self, **_):
-        return self
-
-    def remote(self, pending: PendingRequest) -> FakeStream:
-        self.calls.append(pending)
-        die = self.die_after.pop(0) if self.die_after else None
-
-        def events():
-            context = list(pending.prompt_token_ids)
-            for n in range(pending.sampling.max_tokens):
-                if die is not None and n == die:
-                    yield self.error()
-                    return
-                token = next_token(tuple(context))
-                context.append(token)
-                last = n + 1 == pending.sampling.max_tokens
-                yield TokenEvent(token, "length" if last else None)
-
-        return FakeStream(events())
+from tests.core_fakes import FakeLLM, FakeStream
 
 
 def _pending(max_tokens: int) -> PendingRequest:
@@ -152,7 +93,7 @@ def _done(value) -> asyncio.Future:
 
 
 def test_resolve_names_exactly_the_items_of_a_lost_encoder_call():
-    from deployments.transport import EmbeddingHandle, resolve
+    from deployments.transport import resolve
     from mmserve.embeddings import ItemEmbedding
     from mmserve.errors import EmbeddingsLost
 
@@ -161,7 +102,7 @@ def test_resolve_names_exactly_the_items_of_a_lost_encoder_call():
     async def main(second_call_error: BaseException):
         ok = _done([ItemEmbedding((torch.zeros(2, 4),), "a"), ItemEmbedding((torch.ones(3, 4),), "b")])
         dead = _done(second_call_error)
-        handles = (EmbeddingHandle(ok, 0), EmbeddingHandle(dead, 0), EmbeddingHandle(ok, 1), EmbeddingHandle(dead, 1))
+        handles = (StoredEmbedding(ok, 0), StoredEmbedding(dead, 0), StoredEmbedding(ok, 1), StoredEmbedding(dead, 1))
         return await resolve(handles, None)
 
     with pytest.raises(EmbeddingsLost) as info:
@@ -181,27 +122,26 @@ def test_embeddings_lost_crosses_processes_with_its_items():
 
 
 def test_items_of_a_lost_encoder_are_reencoded_and_the_request_resubmitted():
-    from deployments.transport import EmbeddingHandle
     from mmserve.errors import EmbeddingsLost
 
     class LLMWithMedia(FakeLLM):
         """Loses the embeddings of every handle whose ref is 'dead' (its encoder died) at submission."""
 
-        def remote(self, pending):
+        def generate(self, pending):
             lost = tuple(i for i, h in enumerate(pending.embeddings) if h.ref == "dead")
             if lost:
                 self.calls.append(pending)
                 return FakeStream(iter([EmbeddingsLost(lost)]))
-            return super().remote(pending)
+            return super().generate(pending)
 
     reencoded = []
 
     async def reencode(handles, lost):
         reencoded.append(lost)
-        return tuple(EmbeddingHandle("live", h.index) if i in lost else h for i, h in enumerate(handles))
+        return tuple(StoredEmbedding("live", h.index) if i in lost else h for i, h in enumerate(handles))
 
     async def run(refs: list[str], retries: int = 2):
-        pending = dataclasses.replace(_pending(6), embeddings=tuple(EmbeddingHandle(r, i) for i, r in enumerate(refs)))
+        pending = dataclasses.replace(_pending(6), embeddings=tuple(StoredEmbedding(r, i) for i, r in enumerate(refs)))
         llm = LLMWithMedia([None, None])
         stream, first = await Failover(llm, pending, retries, reencode=reencode).start()
         return [first.token_id] + [e.token_id async for e in stream], llm.calls
@@ -216,7 +156,7 @@ def test_items_of_a_lost_encoder_are_reencoded_and_the_request_resubmitted():
         return handles  # every encoder stays dead
 
     async def bounded():
-        pending = dataclasses.replace(_pending(6), embeddings=(EmbeddingHandle("dead", 0),))
+        pending = dataclasses.replace(_pending(6), embeddings=(StoredEmbedding("dead", 0),))
         await Failover(LLMWithMedia([]), pending, 2, reencode=never_live).start()
 
     with pytest.raises(EmbeddingsLost):

@@ -33,7 +33,7 @@ def test_sigterm_drains_then_exits_cleanly(tiny_models, tmp_path):
     env.update(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
     log = (tmp_path / "serve.log").open("w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "mmserve.cli", "serve", "--model", tiny_models["qwen2_vl"], "--dtype", "float64",
+        [sys.executable, "-m", "deployments.cli", "serve", "--model", tiny_models["qwen2_vl"], "--dtype", "float64",
          "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--num-cpus", "1", "--grace-period", "120"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )

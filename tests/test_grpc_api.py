@@ -1,7 +1,6 @@
 """gRPC edge without a running app: status codes, API key, protobuf -> request conversion."""
 
 import asyncio
-import contextlib
 
 import grpc
 import pytest
@@ -10,10 +9,12 @@ from ray.serve import exceptions as serve_exceptions
 
 from deployments import grpc_api
 from deployments.config import LimitArgs
-from deployments.grpc_ingress import GrpcIngress
+from deployments.failures import classify
+from deployments.grpc_api import GrpcAdapter
 from mmserve.client import VideoFrames, request, user
-from mmserve.errors import InvalidRequest
+from mmserve.errors import InvalidRequest, Unauthenticated
 from mmserve.media import MediaKind
+from tests.core_fakes import FakeLLM, make_core
 
 
 @pytest.mark.parametrize("error, code", [
@@ -23,21 +24,21 @@ from mmserve.media import MediaKind
     (serve_exceptions.DeploymentUnavailableError(deployment_id="LLM"), grpc.StatusCode.UNAVAILABLE),
     (ray_exceptions.ActorDiedError(), grpc.StatusCode.UNAVAILABLE),
     (TimeoutError(), grpc.StatusCode.DEADLINE_EXCEEDED),
-    (grpc_api.Unauthenticated("no key"), grpc.StatusCode.UNAUTHENTICATED),
+    (Unauthenticated("no key"), grpc.StatusCode.UNAUTHENTICATED),
     (RuntimeError("boom"), grpc.StatusCode.INTERNAL),
 ])
 def test_status_codes(error, code):
-    assert grpc_api.status_for(error)[0] == code
+    assert classify(error).grpc_code == code
 
 
 def test_internal_errors_do_not_leak_messages():
-    assert grpc_api.status_for(RuntimeError("secret path /etc/x"))[1] == "internal error: RuntimeError"
+    assert classify(RuntimeError("secret path /etc/x")).message == "internal error: RuntimeError"
 
 
 def test_conversion_to_messages_and_options():
     req = request([user("what?", images=[b"img"], videos=[VideoFrames((b"f1", b"f2"), 1.0)])],
                   max_tokens=5, temperature=0.0, stop=["x"])
-    [message] = asyncio.run(grpc_api.messages(req, LimitArgs()))
+    [message] = grpc_api.chat_request(req).messages
     image, video, text = message.parts
     assert (image.kind, image.frames) == (MediaKind.IMAGE, (b"img",))
     assert (video.kind, video.frames, video.fps) == (MediaKind.VIDEO, (b"f1", b"f2"), 1.0)
@@ -46,20 +47,8 @@ def test_conversion_to_messages_and_options():
     assert (opts.max_tokens, opts.temperature, opts.top_p, opts.stop) == (5, 0.0, None, ("x",))
 
 
-def test_request_over_the_size_limit_is_invalid():
-    req = request([user("x", images=[b"\0" * 5000])])
-    with pytest.raises(InvalidRequest, match="exceeds the limit of 4096"):
-        grpc_api.check_request(req, LimitArgs(max_request_bytes=4096), "m")
-
-
-class _Settings:
-    api_key = "k3y"
-    limits = LimitArgs()
-    served_model_name = "m"
-
-
 class _Context:
-    def __init__(self, metadata):
+    def __init__(self, metadata=()):
         self.metadata, self.code, self.details, self.trailing = metadata, None, None, []
 
     def invocation_metadata(self):
@@ -75,29 +64,22 @@ class _Context:
         self.trailing = md
 
 
-class _Router(GrpcIngress):
-    settings = _Settings()
-    submitted = 0
-
-    def admitted(self):  # the Router's admission control is not under test here
-        return contextlib.nullcontext()
-
-    async def submit(self, messages, opts, request_id):
-        self.submitted += 1
-        raise InvalidRequest("stop here")
-
-    def _reject(self, e, request_id):
-        return 400, str(e)
+def test_request_over_the_size_limit_is_invalid(tiny_models):
+    req = request([user("x", images=[b"\0" * 5000])])
+    adapter, ctx = GrpcAdapter(make_core(tiny_models["qwen2_vl"], limits=LimitArgs(max_request_bytes=4096))), _Context()
+    asyncio.run(adapter.generate(req, ctx))
+    assert ctx.code == grpc.StatusCode.INVALID_ARGUMENT and "exceeds the limit of 4096" in ctx.details
 
 
 @pytest.mark.parametrize("metadata, code", [
     ((), grpc.StatusCode.UNAUTHENTICATED),
     ((("authorization", "Bearer nope"),), grpc.StatusCode.UNAUTHENTICATED),
-    ((("authorization", "Bearer k3y"),), grpc.StatusCode.INVALID_ARGUMENT),  # got through to submit
+    ((("authorization", "Bearer k3y"),), None),  # got through: answered
 ])
-def test_api_key_is_required_in_metadata(metadata, code):
-    router, ctx = _Router(), _Context(metadata)
-    reply = asyncio.run(router.Generate(request([user("hi")], request_id="r1"), ctx))
+def test_api_key_is_required_in_metadata(metadata, code, tiny_models):
+    llm = FakeLLM()
+    adapter, ctx = GrpcAdapter(make_core(tiny_models["qwen2_vl"], llm, api_key="k3y")), _Context(metadata)
+    reply = asyncio.run(adapter.generate(request([user("hi")], request_id="r1", max_tokens=2), ctx))
     assert ctx.code == code and reply.request_id == "r1"
     assert ("x-request-id", "r1") in ctx.trailing
-    assert router.submitted == (code == grpc.StatusCode.INVALID_ARGUMENT)
+    assert len(llm.calls) == (code is None)

@@ -115,7 +115,7 @@ def test_health_is_serving(grpc_target, serve_urls):
 
 
 def test_cli_chat_over_grpc_streams_the_answer(grpc_target, tmp_path, capsys):
-    from mmserve.cli import main
+    from deployments.cli import main
 
     path = tmp_path / "img.png"
     path.write_bytes(image_bytes(64, 96, 11))

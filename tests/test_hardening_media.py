@@ -432,13 +432,15 @@ def test_the_first_failure_cancels_the_rest(http_port):
     assert error == FETCH_FAILED and took < 1.5  # not the 30 s deadline the trickles would run into
 
 
-def test_item_count_is_checked_before_anything_is_fetched(http_port):
+def test_item_count_is_checked_before_anything_is_fetched(http_port, tiny_models):
     from deployments import openai_api
+    from tests.core_fakes import make_core, reader
 
     url = f"http://127.0.0.1:{http_port}/img.png"
     parts = [{"type": "image_url", "image_url": {"url": url}} for _ in range(1000)]
-    body = openai_api.parse_body(json.dumps({"messages": [{"role": "user", "content": parts}]}).encode(), LimitArgs())
+    body = openai_api.parse_body(json.dumps({"messages": [{"role": "user", "content": parts}]}).encode())
+    core = make_core(tiny_models["qwen2_vl"], limits=_http_limits(f"127.0.0.1:{http_port}"))
     _Handler.hits.clear()
     with pytest.raises(InvalidRequest, match="1000 media items; the limit is 16"):
-        asyncio.run(openai_api.messages(body, _http_limits(f"127.0.0.1:{http_port}")))
+        asyncio.run(core.generate(None, reader(openai_api.chat_request(body)), "r"))
     assert _Handler.hits == []

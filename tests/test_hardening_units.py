@@ -5,6 +5,7 @@ decoder may only ever raise InvalidRequest.
 """
 
 import asyncio
+import functools
 import io
 import json
 import threading
@@ -22,8 +23,7 @@ from deployments import grpc_api, openai_api
 from deployments.config import LimitArgs
 from deployments.encoder import EncoderDeployment
 from deployments.failures import classify
-from deployments.generation import GenerationOptions
-from deployments.router import Router
+from deployments.generation import GenerationOptions, sampling_params
 from encoder_service.batching import BatchConfig
 from encoder_service.pool import EncoderPool, PoolConfig
 from encoder_service.result_store import ResultStore
@@ -31,6 +31,7 @@ from llm_service.sampling import SampleInput, new_generator, sample
 from mmserve.client import request, user
 from mmserve.errors import InvalidRequest, Overloaded, RequestTooLarge
 from mmserve.media import decode_image, read_image_size
+from tests.core_fakes import FakeLLM, make_core
 from tests.encoder_fakes import FakeEncoder, expected_output, fake_item
 from tests.media_factory import png_claiming
 
@@ -51,7 +52,6 @@ FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(Heal
 def test_errors_are_classified_once_for_both_apis(error, status, code):
     failure = classify(error)
     assert (failure.http_status, failure.grpc_code) == (status, code)
-    assert grpc_api.status_for(error) == (code, failure.message)
 
 
 class _Metrics:
@@ -113,26 +113,11 @@ def test_out_of_range_sampling_is_invalid_over_http_and_grpc(field, value):
     body = {"messages": [{"role": "user", "content": "hi"}], field: value}
     text = json.dumps(body, allow_nan=True).encode()
     with pytest.raises(InvalidRequest, match=field):
-        openai_api.options(openai_api.parse_body(text, LimitArgs()))
+        openai_api.options(openai_api.parse_body(text))
     if field == "top_k" or field == "seed" and not -(2**63) <= value < 2**63:
         return  # the protobuf field's type already excludes it (int32 / int64)
     with pytest.raises(InvalidRequest, match=field):
         grpc_api.options(request([user("hi")], **{field: value}))
-
-
-class _RouterStub:
-    """What `Router._sampling` reads: the context length and the checkpoint's generation defaults."""
-
-    max_model_len = 4096
-    generation_defaults = None
-
-
-def _router_stub() -> _RouterStub:
-    if _RouterStub.generation_defaults is None:
-        from transformers import GenerationConfig
-
-        _RouterStub.generation_defaults = GenerationConfig()
-    return _RouterStub()
 
 
 finite = dict(allow_nan=False, allow_infinity=False)
@@ -154,7 +139,9 @@ options_in_range = st.builds(
 @settings(FUZZ, max_examples=60)
 @given(options_in_range, st.integers(0, 2**32))
 def test_sampling_never_crashes_on_options_that_pass(opts, logits_seed):
-    params = Router.func_or_class._sampling(_router_stub(), opts, prompt_len=5)
+    from transformers import GenerationConfig
+
+    params = sampling_params(opts, prompt_len=5, max_model_len=4096, defaults=GenerationConfig())
     logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(logits_seed), dtype=torch.float64) * 10
     inputs = [SampleInput(params, new_generator(params, torch.device("cpu")), [1, 2, 3], [4, 4]) for _ in range(2)]
     result = sample(logits, inputs)
@@ -166,14 +153,15 @@ def test_content_part_errors_name_the_part_without_union_noise():
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
                                                       {"type": "image_url", "image_url": {}}]}]}
     with pytest.raises(InvalidRequest) as e:
-        openai_api.parse_body(json.dumps(body).encode(), LimitArgs())
+        openai_api.parse_body(json.dumps(body).encode())
     assert str(e.value) == "invalid request: messages.0.content.1.image_url.url: Field required"
 
 
-def test_request_body_over_the_limit_is_413():
-    limits = LimitArgs(max_request_bytes=2048)
+def test_request_body_over_the_limit_is_413(tiny_models):
+    core = make_core(tiny_models["qwen2_vl"], limits=LimitArgs(max_request_bytes=2048))
+    core.check_size(2048)
     with pytest.raises(RequestTooLarge):
-        openai_api.parse_body(b" " * 4096, limits)
+        core.check_size(4096)
     assert classify(RequestTooLarge("x")).http_status == 413
 
 
@@ -194,26 +182,33 @@ chat_body = st.fixed_dictionaries({"messages": st.lists(message, max_size=3)}, o
 })
 
 
-def _parse_all_the_way(raw: bytes) -> None:
-    limits = LimitArgs(max_items_per_request=4)
+@functools.lru_cache(maxsize=1)
+def _fuzz_core(model_dir: str):
+    return make_core(model_dir, limits=LimitArgs(max_items_per_request=4))
+
+
+def _parse_all_the_way(model_dir: str, raw: bytes) -> None:
+    """The whole request path (parse, check, load media, plan, sample) to a fake LLM."""
+
+    async def read():
+        return openai_api.chat_request(openai_api.parse_body(raw))
+
     try:
-        body = openai_api.parse_body(raw, limits)
-        openai_api.options(body)
-        asyncio.run(openai_api.messages(body, limits))
+        asyncio.run(_fuzz_core(model_dir).generate(None, read, "fuzz"))
     except InvalidRequest:
         pass
 
 
 @settings(FUZZ, max_examples=80)
-@given(chat_body)
-def test_fuzzed_requests_raise_only_invalid_request(body):
-    _parse_all_the_way(json.dumps(body).encode())
+@given(body=chat_body)
+def test_fuzzed_requests_raise_only_invalid_request(tiny_models, body):
+    _parse_all_the_way(tiny_models["qwen2_vl"], json.dumps(body).encode())
 
 
 @FUZZ
-@given(st.binary(max_size=200))
-def test_fuzzed_bytes_raise_only_invalid_request(raw):
-    _parse_all_the_way(raw)
+@given(raw=st.binary(max_size=200))
+def test_fuzzed_bytes_raise_only_invalid_request(tiny_models, raw):
+    _parse_all_the_way(tiny_models["qwen2_vl"], raw)
 
 
 # -- the media header reader and decoder ---------------------------------------------------------------
@@ -322,18 +317,15 @@ def test_fetch_waits_on_an_event_not_a_poll():
 
 
 # -- request ids ----------------------------------------------------------------------------------------
-def test_grpc_engine_key_is_ours_and_the_client_id_is_echoed():
-    from tests.test_grpc_api import _Context, _Router
+def test_grpc_engine_key_is_ours_and_the_client_id_is_echoed(tiny_models):
+    from deployments.grpc_api import GrpcAdapter
+    from tests.test_grpc_api import _Context
 
-    seen = []
-
-    class Router_(_Router):
-        async def submit(self, messages, opts, request_id):
-            seen.append(request_id)
-            raise InvalidRequest("stop here")
-
+    llm = FakeLLM()
+    adapter = GrpcAdapter(make_core(tiny_models["qwen2_vl"], llm, api_key="k3y"))
     for _ in range(2):
         ctx = _Context((("authorization", "Bearer k3y"),))
-        reply = asyncio.run(Router_().Generate(request([user("hi")], request_id="same"), ctx))
+        reply = asyncio.run(adapter.generate(request([user("hi")], request_id="same", max_tokens=2), ctx))
         assert reply.request_id == "same" and ("x-request-id", "same") in ctx.trailing
+    seen = [pending.request_id for pending in llm.calls]
     assert len(set(seen)) == 2 and "same" not in seen and all(len(s) == 32 for s in seen)

@@ -176,7 +176,7 @@ def test_cli_builds_step3_and_minicpmv_deterministically(tmp_path, step3_dir):
     import hashlib
     from pathlib import Path
 
-    from mmserve.cli import main
+    from deployments.cli import main
 
     for family in ("step3p7", "minicpmv4_6"):
         assert main(["build-tiny-model", "--family", family, "--out", str(tmp_path / family)]) == 0

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmserve.cli import main
+from deployments.cli import main
 from mmserve.tiny import (
     LLAVA_CHAT_TEMPLATE,
     LLAVA_FAMILIES,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mmserve.cli import main
+from deployments.cli import main
 from mmserve.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tiny_model
 
 

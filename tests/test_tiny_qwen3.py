@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from mmserve.cli import main
+from deployments.cli import main
 from mmserve.tiny import QWEN3_CHAT_TEMPLATE, QWEN3_SPECIAL_TOKENS, build_tiny_model
 from tests.media_factory import image_bytes, video_frames
 from tests.reference import load_reference, reference_generate, reference_inputs

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from deployments.config import GrpcArgs
-from deployments.transport import EmbeddingHandle, GrpcFetcher, GrpcPublisher, resolve
+from deployments.handles import PinnedEmbedding
+from deployments.transport import GrpcFetcher, GrpcPublisher, resolve
 from mmserve.embeddings import ItemEmbedding
 from mmserve.encoder_client import EmbeddingNotFound, EncoderClient
 from mmserve.media import EncodeItem, MediaItem, MediaKind
@@ -37,7 +38,7 @@ def _roundtrip_embeddings(publisher, embeddings):
 
     async def go():
         try:
-            return await resolve([EmbeddingHandle(ref) for ref in refs], fetcher)
+            return await resolve([PinnedEmbedding(ref) for ref in refs], fetcher)
         finally:
             await fetcher.close()
 

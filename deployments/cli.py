@@ -33,7 +33,7 @@ def _serve(ns: argparse.Namespace) -> int:
         llm=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.llm_gpus),
     )
     _start_ray(ns)
-    from deployments.grpc_ingress import grpc_options
+    from deployments.router import grpc_options
 
     serve.start(http_options={"host": ns.host, "port": ns.http_port}, grpc_options=grpc_options(port=ns.grpc_port))
     serve.run(build_app(args), name="mmserve", route_prefix="/")

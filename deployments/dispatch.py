@@ -1,0 +1,98 @@
+"""How the router sends a request's media to be encoded: one `MediaDispatcher` per app mode.
+
+- `EncoderPoolDispatcher`: the app's Encoder deployment; results stay in the object store.
+- `ExternalEncoderDispatcher`: a standalone `mmserve encoder-server` (`grpc.encoder_address`),
+  which keeps each result pinned for the LLM replica to fetch.
+- `ColocatedDispatcher` (`colocated: true`): no encoder; the LLM replica encodes the items.
+
+A dispatcher never waits for an embedding to be computed: it returns one handle per item, in
+order, which the router passes on to the LLM replica. Encoding the items of a lost encoder again
+(failover) is another `dispatch` of just those items.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+
+from deployments.handles import EmbeddingHandle, LocalMedia, PinnedEmbedding, StoredEmbedding
+from mmserve.media import EncodeItem
+
+# One request's items are spread over several encoder calls (so over replicas) only when each
+# call still gets at least SPREAD_MIN_GROUP_TOKENS; a small request stays one call (one RPC).
+SPREAD_MIN_GROUP_TOKENS = 2048
+SPREAD_MAX_GROUPS = 8
+
+
+class MediaDispatcher(ABC):
+    @abstractmethod
+    async def dispatch(self, media: Sequence[EncodeItem]) -> tuple[EmbeddingHandle, ...]:
+        """Send every item to be encoded, waiting for none; one handle per item, in order."""
+
+
+def balanced_groups(sizes: Sequence[int], num_groups: int) -> list[list[int]]:
+    """Item indices in `num_groups` groups of near-equal summed size (none empty).
+
+    Largest item first onto the least-loaded group (vLLM's `get_load_balance_assignment`);
+    indices ascend within a group. Fewer groups when there are fewer items.
+    """
+    num_groups = max(1, min(num_groups, len(sizes)))
+    heap = [(0, g) for g in range(num_groups)]
+    groups: list[list[int]] = [[] for _ in range(num_groups)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        load, g = heapq.heappop(heap)
+        groups[g].append(i)
+        heapq.heappush(heap, (load + sizes[i], g))
+    return [sorted(g) for g in groups if g]
+
+
+def spread(sizes: Sequence[int]) -> list[list[int]]:
+    """How the router splits one request's items (token counts `sizes`) into encoder calls."""
+    return balanced_groups(sizes, min(SPREAD_MAX_GROUPS, max(1, sum(sizes) // SPREAD_MIN_GROUP_TOKENS)))
+
+
+class EncoderPoolDispatcher(MediaDispatcher):
+    """Items to the Encoder deployment, split into size-balanced calls so Serve spreads a large
+    request over replicas (each replica batches them with other requests' items)."""
+
+    def __init__(self, encoder, await_embeddings: bool = False):
+        self.encoder = encoder  # DeploymentHandle of the Encoder deployment
+        self.await_embeddings = await_embeddings  # wait until computed (not fetched) before handing over
+
+    async def dispatch(self, media: Sequence[EncodeItem]) -> tuple[EmbeddingHandle, ...]:
+        groups = spread([m.cost for m in media])
+        responses = [self.encoder.encode.remote([media[i] for i in group]) for group in groups]
+        refs = [await r._to_object_ref() for r in responses]  # nested refs: the LLM need not wait for them
+        if self.await_embeddings:
+            import ray
+
+            await asyncio.to_thread(ray.wait, refs, num_returns=len(refs), fetch_local=False)
+        where = {i: StoredEmbedding(ref, pos) for group, ref in zip(groups, refs) for pos, i in enumerate(group)}
+        return tuple(where[i] for i in range(len(media)))
+
+
+class ExternalEncoderDispatcher(MediaDispatcher):
+    """Items to a standalone EncoderService, which pins each result for the LLM to fetch."""
+
+    def __init__(self, address: str, token: str | None = None, tls_ca: str | None = None):
+        self.address, self.token = address, token
+        self.root_certificates = Path(tls_ca).read_bytes() if tls_ca else None
+        self._client = None  # grpc.aio channels belong to the running loop: made on first use
+
+    async def dispatch(self, media: Sequence[EncodeItem]) -> tuple[EmbeddingHandle, ...]:
+        if self._client is None:
+            from mmserve.encoder_client import EncoderClient
+
+            self._client = EncoderClient(self.address, self.token, root_certificates=self.root_certificates)
+        refs = await asyncio.gather(*(self._client.encode_pinned(m.item) for m in media))
+        return tuple(PinnedEmbedding(ref) for ref in refs)
+
+
+class ColocatedDispatcher(MediaDispatcher):
+    """No encoder: each item goes to the LLM replica as is."""
+
+    async def dispatch(self, media: Sequence[EncodeItem]) -> tuple[EmbeddingHandle, ...]:
+        return tuple(LocalMedia(m) for m in media)

@@ -1,0 +1,56 @@
+"""What the router hands an LLM replica: the prompt plan and one typed handle per media item.
+
+A handle says where the item's embedding is, or will be; which kind the router makes depends on
+the app's mode (`deployments.dispatch`), and the LLM replica resolves each kind its own way
+(`deployments.transport.resolve`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llm_service.sampling import SamplingParams
+from mmserve.encoder_client import EncodedRef
+from mmserve.media import EncodeItem, PlaceholderRange
+from mmserve.positions import PositionPlan
+
+
+@dataclass(frozen=True)
+class StoredEmbedding:
+    """In the Ray object store: `ref` is one encoder call's result list and `index` the item's
+    place in it. The router owns the ref, so it outlives the encoder replica that computed it.
+    The result is an `ItemEmbedding`, or with `transport: grpc` an `EncodedRef` to fetch."""
+
+    ref: object  # ray.ObjectRef (or any awaitable of the call's result list)
+    index: int
+
+
+@dataclass(frozen=True)
+class PinnedEmbedding:
+    """Pinned on a standalone encoder's `EncoderService` (`grpc.encoder_address`): fetched by hash."""
+
+    ref: EncodedRef
+
+
+@dataclass(frozen=True)
+class LocalMedia:
+    """The item itself, for the LLM replica to encode in-process (`colocated: true`)."""
+
+    item: EncodeItem
+
+
+EmbeddingHandle = StoredEmbedding | PinnedEmbedding | LocalMedia
+
+
+@dataclass(frozen=True)
+class PendingRequest:
+    """What the router sends: the prompt plan plus a handle per media item (still being computed)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    positions: PositionPlan | None
+    ranges: tuple[PlaceholderRange, ...]
+    embeddings: tuple[EmbeddingHandle, ...]  # one per range
+    resumed_tokens: int = 0  # a failover continuation: the last this many prompt tokens were already sent
+    attempt: int = 0  # 0: the first submission; n: the router's n-th resubmission (never refused as busy)
