@@ -46,5 +46,6 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         llm_retries=args.llm_retries,
         colocated=args.colocated,
         max_pending_requests=args.max_pending_requests,
+        max_fetching_requests=args.max_fetching_requests,
     )
     return Router.options(**args.router.options("Router")).bind(encoder, llm, settings)

@@ -4,123 +4,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-import time
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from ray import serve
+    from deployments.local_serve import RefusedToStart, serve_app, serve_config
 
-    start = time.perf_counter()
-    if ns.config:
-        return _serve_config(ns, start)
-    from deployments.app import build_app
-    from deployments.config import AppArgs, DeploymentArgs
-
-    if ns.model is None:
-        from mmserve.tiny import default_model_dir, ensure_tiny_model
-
-        print(f"building the embedded tiny model into {default_model_dir()} (once) ...", flush=True)
-        ensure_tiny_model()
-    cpus = ns.num_cpus
-    args = AppArgs(
-        model=ns.model,
-        dtype=ns.dtype,
-        device=ns.device,
-        api_key=ns.api_key,
-        router=DeploymentArgs(num_cpus=0.25 * cpus),
-        encoder=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.encoder_gpus),
-        llm=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.llm_gpus),
-    )
-    _start_ray(ns)
-    from deployments.router import grpc_options
-
-    serve.start(http_options={"host": ns.host, "port": ns.http_port}, grpc_options=grpc_options(port=ns.grpc_port))
-    serve.run(build_app(args), name="mmserve", route_prefix="/")
-    print(
-        f"mmserve ready in {time.perf_counter() - start:.1f}s: "
-        f"http://{ns.host}:{ns.http_port}/v1/chat/completions, gRPC mmserve.v1.VLMService on "
-        f"{ns.host}:{ns.grpc_port} (Ctrl-C to stop)",
-        flush=True,
-    )
-    return _serve_until_signal(["mmserve"], ns.grace_period)
-
-
-def _start_ray(ns: argparse.Namespace) -> None:
-    import ray
-
-    context = ray.init(
-        num_cpus=ns.num_cpus, include_dashboard=ns.dashboard, dashboard_host=ns.host, logging_level="WARNING"
-    )
-    if ns.dashboard and context.dashboard_url:
-        print(f"Ray dashboard: http://{context.dashboard_url} (Serve tab: deployments, replicas, logs)", flush=True)
-
-
-def _serve_config(ns: argparse.Namespace, start: float) -> int:
-    """The Serve config file `serve run` / `serve deploy` / KubeRay's serveConfigV2 take: the same
-    controller builds the apps; every app setting comes from the file."""
-    import yaml
-    from ray import serve
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
-    with open(ns.config) as f:
-        config = ServeDeploySchema.model_validate(yaml.safe_load(f))
-    _start_ray(ns)
-    options = config.model_dump(include={"proxy_location", "http_options", "grpc_options"}, exclude_unset=True)
-    serve.start(**options)
-    _get_global_client().deploy_apps(config)
-    names = [app.name for app in config.applications]
-    while True:
-        statuses = {name: serve.status().applications.get(name) for name in names}
-        failed = {n: a.message for n, a in statuses.items() if a is not None and a.status == "DEPLOY_FAILED"}
-        if failed:
-            for name, message in failed.items():
-                print(f"application {name} failed to deploy: {message}", file=sys.stderr)
-            serve.shutdown()
-            return 1
-        if all(a is not None and a.status == "RUNNING" for a in statuses.values()):
-            break
-        time.sleep(1)
-    http = config.http_options
-    print(
-        f"mmserve ready in {time.perf_counter() - start:.1f}s from {ns.config}: "
-        f"http://{http.host}:{http.port} ({', '.join(names)}; Ctrl-C to stop)",
-        flush=True,
-    )
-    return _serve_until_signal(names, ns.grace_period)
-
-
-def _serve_until_signal(app_names: list[str], grace_s: float) -> int:
-    """Serve until SIGTERM (docker stop, Kubernetes) or Ctrl-C, then drain and stop cleanly:
-    new requests get 503 / UNAVAILABLE, requests in flight finish (up to `grace_s`), then Serve
-    and Ray shut down and the command exits 0."""
-    import signal
-
-    import ray
-    from ray import serve
-
-    from deployments.drain import drain
-
-    stop = []
-
-    def interrupt(signum, _frame):
-        stop.append(signum)
-
-    # after ray.init: these replace Ray's own handlers (its SIGTERM one dumps a stack trace)
-    signal.signal(signal.SIGTERM, interrupt)
-    signal.signal(signal.SIGINT, interrupt)  # also where a parent left SIGINT ignored
-    while not stop:
-        time.sleep(0.2)
-    name = signal.Signals(stop[0]).name
-    print(f"{name}: draining (new requests get 503; up to {grace_s:g}s for requests in flight)", flush=True)
-    left = drain(app_names, grace_s)
-    if left:
-        print(f"grace period over with {left} requests in flight", flush=True)
-    print("shutting down", flush=True)
-    serve.shutdown()
-    ray.shutdown()
-    return 0
+    try:
+        return serve_config(ns) if ns.config else serve_app(ns)
+    except RefusedToStart as e:
+        print(f"mmserve serve: {e}", file=sys.stderr)
+        return 2
 
 
 def _build_tiny(ns: argparse.Namespace) -> int:
@@ -250,11 +145,19 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument("--grpc-port", type=int, default=9000, help="Serve's gRPC proxy port")
     serve_p.add_argument("--grace-period", type=float, default=30.0,
                          help="on SIGTERM / Ctrl-C: seconds requests in flight may take to finish")
-    serve_p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (HTTP header, gRPC metadata)")
+    serve_p.add_argument("--api-key-env", default=None, metavar="NAME",
+                         help="require 'Authorization: Bearer KEY' (HTTP header, gRPC metadata), KEY being the "
+                         "value of environment variable NAME (default: MMSERVE_API_KEY when it is set)")
+    serve_p.add_argument("--api-key", default=None, help="the key itself: visible in ps; prefer MMSERVE_API_KEY")
     serve_p.add_argument(
         "--dashboard", action=argparse.BooleanOptionalAction, default=True,
-        help="start the Ray dashboard (default; on --host, port 8265) and print its URL",
+        help="start the Ray dashboard (default; port 8265) and print its URL",
     )
+    serve_p.add_argument("--dashboard-host", default="127.0.0.1",
+                         help="where the dashboard listens (default 127.0.0.1, whatever --host says)")
+    serve_p.add_argument("--public-metrics", action="store_true",
+                         help="let Ray's ports, its Prometheus metrics among them, listen on this machine's address "
+                         "(default: loopback only)")
     serve_p.add_argument(
         "--config", default=None, metavar="YAML",
         help="a Serve config file (e.g. deployments/serve_config.yaml, the one `serve run` and k8s take); "
@@ -273,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     chat_p.add_argument("--image", action="append", help="image file (repeatable)")
     chat_p.add_argument("--url", default="http://127.0.0.1:8000")
     chat_p.add_argument("--max-tokens", type=int, default=64)
-    chat_p.add_argument("--api-key", default=None)
+    chat_p.add_argument("--api-key", default=os.environ.get("MMSERVE_API_KEY"), help="default: $MMSERVE_API_KEY")
     chat_p.add_argument("--grpc", metavar="HOST:PORT", default=None, help="use the gRPC API at HOST:PORT instead of HTTP")
     chat_p.add_argument("--application", default=None, help="Serve application name (gRPC, several apps)")
     chat_p.set_defaults(func=_chat)
@@ -284,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     enc_p.add_argument("--port", type=int, default=9100)
     enc_p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     enc_p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    enc_p.add_argument("--token", default=None, help="shared token callers must send (authorization: Bearer)")
+    enc_p.add_argument("--token", default=os.environ.get("MMSERVE_ENCODER_TOKEN"),
+                       help="shared token callers must send (authorization: Bearer); default: $MMSERVE_ENCODER_TOKEN")
     enc_p.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: TLS on)")
     enc_p.add_argument("--tls-key", default=None)
     enc_p.add_argument("--tls-client-ca", default=None, help="PEM CA for client certificates (mutual TLS)")

@@ -308,6 +308,11 @@ class AppArgs(_Args):
         "(planning, encoding, waiting for prefill); more get 429 + Retry-After / RESOURCE_EXHAUSTED at once. "
         "It bounds TTFT under bursts; raise it with faster replicas (bench/soak.py measures the trade)",
     )
+    max_fetching_requests: int = Field(
+        default=64, ge=1, description="per Router replica: requests whose body is being read or whose media URLs "
+        "are being fetched (they hold no max_pending_requests place, so slow media never crowd out ready "
+        "requests); more get 429 + Retry-After / RESOURCE_EXHAUSTED at once",
+    )
     # defaults fit a 2-core laptop (1.25 CPUs in all); size them for real clusters (k8s/overlays/gpu)
     router: DeploymentArgs = DeploymentArgs(num_cpus=0.25)
     encoder: DeploymentArgs = DeploymentArgs(num_cpus=0.5)

@@ -54,6 +54,7 @@ class CoreSettings:
     api_key: str | None = None
     llm_retries: int = 2  # resubmissions of one request after its LLM replica was lost
     max_pending_requests: int = 16  # admitted requests without a first token yet; more: 429
+    max_fetching_requests: int = 64  # requests being read or having media fetched (no pending slot); more: 429
 
 
 class RequestListener:
@@ -65,6 +66,26 @@ class RequestListener:
     def on_finished(self, gen: Generation) -> None: ...
     def on_resubmit(self, continuation: PendingRequest) -> None: ...
     def on_reencode(self, num_items: int) -> None: ...
+
+
+class Bound:
+    """`limit` places; `take()` holds one for a `with` block. QueueFull (429) when none is free."""
+
+    def __init__(self, limit: int, what: str):
+        self.limit, self.what, self.held = limit, what, 0
+
+    def check(self) -> None:
+        if self.held >= self.limit:
+            raise QueueFull(f"{self.held} {self.what} (limit {self.limit})")
+
+    @contextlib.contextmanager
+    def take(self):
+        self.check()
+        self.held += 1
+        try:
+            yield
+        finally:
+            self.held -= 1
 
 
 def new_request_id() -> str:
@@ -85,7 +106,8 @@ class RequestCore:
         self.llm = llm
         self.listener = listener or RequestListener()
         self._draining = draining
-        self.before_first_token = 0  # requests admitted that have no first token yet
+        self.pending = Bound(settings.max_pending_requests, "requests wait for their first token")
+        self.receiving = Bound(settings.max_fetching_requests, "requests are being received (body, media)")
         self.created = int(time.time())
 
     @classmethod
@@ -104,16 +126,26 @@ class RequestCore:
     # -- the request flow ---------------------------------------------------------------------
     async def generate(self, authorization: str | None, read: Callable[[], Awaitable[ChatRequest]],
                        request_id: str) -> Generation:
-        """Authenticate, admit, `read()` the request, then check, plan, dispatch and start it.
+        """Authenticate, `read()` the request, check it and load its media, then admit, plan,
+        dispatch and start it.
+
+        Admission is two bounds. Reading the body and fetching media (a slow client or URL takes
+        as long as it takes, up to `media_fetch_timeout_s`) count against `max_fetching_requests`
+        only; `max_pending_requests`, which bounds TTFT, counts requests from planning to their
+        first token, so slow media never crowd out requests that are ready. A full router refuses
+        at once, before the body is read.
 
         Raises the typed errors `failures.classify` maps: `Unauthenticated` before anything else,
         `ShuttingDown` / `QueueFull` before the request is read, `InvalidRequest` for anything
         the client got wrong, and whatever a backend raised."""
         self.authenticate(authorization)
-        with self._admitted():
+        self._check_open()
+        with self.receiving.take():
             request = await read()
             self._check(request)
             messages = await self._load_media(request, request_id)
+        self._check_open()
+        with self.pending.take():
             return await self._start(messages, request.options, request_id)
 
     def authenticate(self, authorization: str | None) -> None:
@@ -130,19 +162,11 @@ class RequestCore:
     def draining(self) -> bool:
         return self._draining()
 
-    @contextlib.contextmanager
-    def _admitted(self):
+    def _check_open(self) -> None:
         """503 while draining, 429 while `max_pending_requests` requests wait for their first token."""
         if self.draining:
             raise ShuttingDown("server is shutting down")
-        limit = self.settings.max_pending_requests
-        if self.before_first_token >= limit:  # bounds TTFT under bursts
-            raise QueueFull(f"{self.before_first_token} requests wait for their first token (limit {limit})")
-        self.before_first_token += 1
-        try:
-            yield
-        finally:
-            self.before_first_token -= 1
+        self.pending.check()
 
     def _check(self, request: ChatRequest) -> None:
         name = self.settings.served_model_name

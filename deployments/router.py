@@ -53,6 +53,7 @@ class RouterSettings:
     encoder_tls_ca: str | None = None  # PEM file: reach external_encoder over TLS
     llm_retries: int = 2  # resubmissions of one request after its LLM replica was lost (failover)
     max_pending_requests: int = 16  # admitted requests without a first token yet; more: 429
+    max_fetching_requests: int = 64  # requests being read or having media fetched; more: 429
     api_key_env: str | None = None  # environment variable holding api_key, read on the replica's node
     encoder_token_env: str | None = None  # likewise for encoder_token
     colocated: bool = False  # no encoder: the LLM replica encodes the media it is handed
@@ -68,7 +69,7 @@ class RouterSettings:
 
     def core(self) -> CoreSettings:
         return CoreSettings(self.served_model_name, self.limits, self.model_dir, self.api_key, self.llm_retries,
-                            self.max_pending_requests)
+                            self.max_pending_requests, self.max_fetching_requests)
 
     def dispatcher(self, encoder: DeploymentHandle | None) -> MediaDispatcher:
         if self.colocated:

@@ -1,13 +1,15 @@
 """One Ray + Serve instance per test session (registered as a plugin in conftest.py).
 
 `serve_urls`: one float64 app per tiny model family, HTTP + the public gRPC API on Serve's proxy.
-`secured_url`: one more qwen2_vl app, started on first use, with `transport: grpc`, an API key and
+`secured_url`: one more qwen2_vl app, started on first use, with `transport: grpc`, an API key (read
+from an environment variable by its replicas, never in the Serve config) and
 the router awaiting embeddings before it calls the LLM (the non-default hand-off), and a KV pool
 of 1 MiB (~1,000 float64 tokens of the tiny model) below its 4,096-token context.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -16,6 +18,7 @@ from tests.conftest import FAMILIES
 
 TEST_LIMITS = {"max_items_per_request": 4, "max_pixels_per_image": 1_000_000, "max_frames_per_video": 8}
 TEST_API_KEY = "test-key"
+TEST_API_KEY_ENV = "MMSERVE_TEST_API_KEY"  # the secured app reads its key from here, as deployments should
 _SMALL = {"num_cpus": 0.1}
 
 
@@ -41,6 +44,7 @@ def serve_ports():
     from deployments.router import grpc_options
 
     http_port, grpc_port = _free_port(), _free_port()
+    os.environ[TEST_API_KEY_ENV] = TEST_API_KEY  # before Ray starts: its replicas inherit it
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     serve.start(http_options={"host": "127.0.0.1", "port": http_port}, grpc_options=grpc_options(port=grpc_port))
     try:
@@ -75,7 +79,7 @@ def secured_url(serve_ports, tiny_models) -> str:
 
     from deployments.app import build_app
 
-    args = _app_args(tiny_models["qwen2_vl"], "secured", transport="grpc", api_key=TEST_API_KEY,
+    args = _app_args(tiny_models["qwen2_vl"], "secured", transport="grpc", api_key_env=TEST_API_KEY_ENV,
                      await_embeddings_in_router=True, engine={"kv_cache_memory_mb": 1})
     serve.run(build_app(args), name="secured", route_prefix="/secured")
     return f"http://127.0.0.1:{serve_ports[0]}/secured"

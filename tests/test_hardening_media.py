@@ -444,3 +444,33 @@ def test_item_count_is_checked_before_anything_is_fetched(http_port, tiny_models
     with pytest.raises(InvalidRequest, match="1000 media items; the limit is 16"):
         asyncio.run(core.generate(None, reader(openai_api.chat_request(body)), "r"))
     assert _Handler.hits == []
+
+
+def test_trickling_media_take_no_place_from_ready_requests(http_port, tiny_models):
+    """As many trickling image URLs as the router's `max_pending_requests` do not turn a plain
+    request away (no 429): fetching holds a place of its own bound; they end at the deadline."""
+    from deployments.core import ChatRequest
+    from deployments.generation import GenerationOptions
+    from mmserve.media import MediaKind, MediaSource
+    from mmserve.planner import Message
+    from tests.core_fakes import make_core, reader
+
+    limits = _http_limits(f"127.0.0.1:{http_port}", media_fetch_timeout_s=3)
+    core = make_core(tiny_models["qwen2_vl"], limits=limits, max_pending_requests=16)
+    image = MediaSource(MediaKind.IMAGE, (f"http://127.0.0.1:{http_port}/trickle",))
+    trickling = ChatRequest((Message("user", (image, "what is this?")),), GenerationOptions(max_tokens=2))
+    plain = ChatRequest((Message("user", ("hi",)),), GenerationOptions(max_tokens=2))
+
+    async def main():
+        slow = [asyncio.create_task(core.generate(None, reader(trickling), f"slow{i}")) for i in range(16)]
+        await asyncio.sleep(0.5)
+        fetching, pending = core.receiving.held, core.pending.held
+        gen = await core.generate(None, reader(plain), "plain")
+        tokens = [d.token_id async for d in gen.deltas() if d.token_id is not None]
+        return fetching, pending, tokens, await asyncio.gather(*slow, return_exceptions=True)
+
+    fetching, pending, tokens, slow = asyncio.run(main())
+    assert (fetching, pending) == (16, 0)
+    assert len(tokens) == 2  # the plain request was served while all 16 trickled
+    assert all(isinstance(r, InvalidRequest) and "took longer than 3 s" in str(r) for r in slow), slow
+    assert core.receiving.held == core.pending.held == 0
