@@ -122,11 +122,11 @@ def forward_seconds(encoder, items, max_tokens: int, repeat: int = 3) -> float:
     prepared = [encoder.preprocess(i) for i in items]
     batches, tokens = [[]], 0
     for p in prepared:
-        if batches[-1] and tokens + encoder.num_tokens(p) > max_tokens:
+        if batches[-1] and tokens + p.num_tokens > max_tokens:
             batches.append([])
             tokens = 0
         batches[-1].append(p)
-        tokens += encoder.num_tokens(p)
+        tokens += p.num_tokens
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()

@@ -50,6 +50,9 @@ def triton_tile(q, k, v, cu, seg, scale, bm, bn, warps, stages):
 
 
 def main() -> int:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.strip().splitlines()[0]).parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA device")
         return 1

@@ -1,0 +1,55 @@
+"""Benches that cannot rot: every bench/ script answers `--help`, and finishes its smallest run
+(seconds to a minute) ending with its one JSON line, run as a user runs it (`python bench/X.py`).
+
+Out of CI, and said so here: serve.py's sweeps (tests/test_bench_serve.py runs its small runs)
+and soak.py (minutes long, by design)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if 'if __name__ == "__main__"' in p.read_text())
+SERVE = pytest.mark.serve
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+SMALLEST = {
+    "encoder.py": (["--items", "4"], []),
+    "llm.py": (["--prompt-len", "8", "--max-tokens", "4", "--concurrency", "1"], []),
+    "dispatch.py": (["--requests", "2"], [SERVE]),
+    "transfer.py": (["--iters", "1", "--ingress-iters", "2"], [SERVE]),
+    "vit_attention.py": ([], GPU),
+}
+ELSEWHERE = {"serve.py": "tests/test_bench_serve.py", "soak.py": "minutes long: run by hand"}
+
+
+def _run(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}  # their own Ray
+    env.update(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
+    return subprocess.run([sys.executable, str(BENCH / script), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_every_script_is_covered_or_said_to_be_elsewhere():
+    assert set(SCRIPTS) == set(SMALLEST) | set(ELSEWHERE)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help(script):
+    out = _run(script, "--help", timeout=120)
+    assert out.returncode == 0 and "usage:" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("script, args", [pytest.param(s, a, marks=m, id=s) for s, (a, m) in SMALLEST.items()])
+def test_smallest_run_ends_with_its_json_line(script, args):
+    out = _run(script, *args, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert isinstance(result, dict) and result
