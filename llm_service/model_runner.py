@@ -42,17 +42,17 @@ class ModelRunner:
         text = model.text_config
         self.num_layers = len(decoder.layers)
         state_layers = {s.layer_idx for s in self.state_specs}
-        kv_layers = [i for i in range(self.num_layers) if i not in state_layers]
-        attn = decoder.layers[kv_layers[0]].self_attn
-        self.kv_layers = tuple(kv_layers.index(i) if i in kv_layers else None for i in range(self.num_layers)) \
-            if state_layers else ()
+        attention_layers = [i for i in range(self.num_layers) if i not in state_layers]  # the KV pool's layers
+        attn = decoder.layers[attention_layers[0]].self_attn
+        pool_index = {layer: k for k, layer in enumerate(attention_layers)}
+        self.kv_layers = tuple(pool_index.get(i) for i in range(self.num_layers)) if state_layers else ()
         self.num_kv_heads = int(text.num_key_value_heads)
         self.head_dim = int(attn.head_dim)
         self.backend = attention.choose_backend(config.attention_backend, self.device, model.dtype, self.head_dim)
-        block_bytes = bytes_per_block(len(kv_layers), self.num_kv_heads, self.head_dim, config.block_size, model.dtype)
+        block_bytes = bytes_per_block(len(attention_layers), self.num_kv_heads, self.head_dim, config.block_size, model.dtype)
         self.num_blocks, self.num_slots = pool_sizes(config, block_bytes, slot_bytes(self.state_specs, model.dtype),
                                                      self.device)
-        self.kv_pool = allocate_pool(len(kv_layers), self.num_blocks, config.block_size, self.num_kv_heads,
+        self.kv_pool = allocate_pool(len(attention_layers), self.num_blocks, config.block_size, self.num_kv_heads,
                                      self.head_dim, model.dtype, self.device)
         self.states = StatePool(self.state_specs, self.num_slots, model.dtype, self.device) if self.num_slots else None
         self.scratch_block = self.num_blocks

@@ -175,3 +175,29 @@ def test_startup_sizes_slots_from_the_budget_and_turns_off_what_cannot_run(minic
 def test_pure_attention_models_get_no_slots(tiny_models):
     engine = make_engine(tiny_models["qwen2_vl"], num_kv_blocks=8)
     assert engine.slots is None and engine.runner.states is None and engine.config.enable_prefix_caching
+
+
+@pytest.mark.kernel
+def test_triton_backend_reads_the_attention_layers_kv_and_equals_sdpa(minicpmv_dir):  # noqa: F811
+    """The CUDA default backend (Triton paged kernel, interpreted on CPU) on a hybrid model: one
+    kernel call per full-attention layer per step, same greedy tokens as SDPA (float32)."""
+    import mmserve.triton_attention as kernel
+    from llm_service.config import EngineConfig
+    from llm_service.engine import LLMEngine
+    from llm_service.model import LanguageModel
+
+    model = LanguageModel(minicpmv_dir, dtype="float32")
+    picks = [1, 7, 16]  # image, text, video
+    results = {}
+    for backend in ("sdpa", "triton"):
+        engine = LLMEngine(model, EngineConfig(attention_backend=backend, num_kv_blocks=32, max_num_batched_tokens=24))
+        calls, original = [], kernel.paged_attention
+        kernel.paged_attention = lambda *a, **kw: calls.append(1) or original(*a, **kw)
+        try:
+            collector, _ = _run(engine, minicpmv_dir, [(mixed_cases()[i][0], mixed_cases()[i][1], 5) for i in picks])
+        finally:
+            kernel.paged_attention = original
+        results[backend] = {n: collector.tokens(n) for n in collector.events}
+        if backend == "triton":
+            assert len(calls) == engine.num_forwards * 1  # the one full-attention layer
+    assert results["triton"] == results["sdpa"] and all(results["sdpa"].values())
