@@ -87,7 +87,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ext = x.new_empty(channels, lay.total)
     ext[:, lay.state_cols] = conv_state[batch.slots].to(x.dtype).permute(1, 0, 2).reshape(channels, -1)
     ext[:, lay.token_cols] = x.T
-    conv_state[batch.slots] = ext[:, lay.tail_cols].reshape(channels, num_seqs, width).permute(1, 0, 2).to(conv_state.dtype)
+    new_state = ext[:, lay.tail_cols].reshape(channels, num_seqs, width).permute(1, 0, 2)
+    conv_state[batch.slots] = new_state.to(conv_state.dtype)
     out = F.conv1d(ext.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), bias, groups=channels)[0]
     out = out[:, lay.token_cols - width].T  # the window ending at each token starts `width` columns earlier
     if activation is not None:

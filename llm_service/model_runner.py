@@ -49,7 +49,8 @@ class ModelRunner:
         self.num_kv_heads = int(text.num_key_value_heads)
         self.head_dim = int(attn.head_dim)
         self.backend = attention.choose_backend(config.attention_backend, self.device, model.dtype, self.head_dim)
-        block_bytes = bytes_per_block(len(attention_layers), self.num_kv_heads, self.head_dim, config.block_size, model.dtype)
+        block_bytes = bytes_per_block(len(attention_layers), self.num_kv_heads, self.head_dim, config.block_size,
+                                      model.dtype)
         self.num_blocks, self.num_slots = pool_sizes(config, block_bytes, slot_bytes(self.state_specs, model.dtype),
                                                      self.device)
         self.kv_pool = allocate_pool(len(attention_layers), self.num_blocks, config.block_size, self.num_kv_heads,

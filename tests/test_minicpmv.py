@@ -84,7 +84,8 @@ def test_llm_loads_only_the_lm_and_declares_its_linear_attention_layers(minicpmv
     model = LanguageModel(minicpmv_dir, dtype="float32")
     types = model.text_config.layer_types
     assert types == ["linear_attention"] * 3 + ["full_attention"]  # the real 3:1 mix
-    assert [s.layer_idx for s in model.face.state_layers()] == [i for i, t in enumerate(types) if t == "linear_attention"]
+    linear = [i for i, t in enumerate(types) if t == "linear_attention"]
+    assert [s.layer_idx for s in model.face.state_layers()] == linear
     assert all(k.startswith(("model.language_model.", "lm_head.")) for k in model.keys_read)
 
 
