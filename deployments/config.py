@@ -243,7 +243,9 @@ class EngineArgs(_Args):
     max_num_seqs: int = Field(default=64, ge=1, description="sequences per engine step")
     max_num_batched_tokens: int = Field(default=2048, ge=1, description="token budget per engine step")
     enable_chunked_prefill: bool = True
-    kv_cache_memory_mb: int | None = Field(default=None, ge=1, description="KV pool size; default: from the device")
+    kv_cache_memory_mb: int | None = Field(
+        default=None, ge=1, description="KV pool size (with the per-sequence state slots of hybrid "
+        "linear-attention models, at most half of it); default: from the device")
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     cuda_graphs: bool = True
     enable_prefix_caching: bool = Field(default=True, description="reuse K/V of identical prompt prefixes (images by content hash)")

@@ -36,7 +36,9 @@ class AttentionBatch:
     pool slot (`block * block_size + offset`) of each new token; `cu_seqlens_q` `(B + 1,)` int32;
     `context_lens` `(B,)` int32 tokens in the pool per sequence after this step; `block_tables`
     `(B, max_blocks)` int32 (padded with a valid id); `windows` the sliding window of each layer
-    (None: full attention). `gather_slots` / `masks` are the SDPA path's flat slots of every
+    (None: full attention); `kv_layers` the pool index of each decoder layer's K/V when the pool
+    covers only some layers (hybrid models: not the linear-attention ones), empty when it is the
+    layer index itself. `gather_slots` / `masks` are the SDPA path's flat slots of every
     sequence's context and, per window, the `(T, sum(context_lens))` allowed pairs.
     """
 
@@ -49,6 +51,7 @@ class AttentionBatch:
     max_context_len: int
     backend: str  # "sdpa" | "triton"
     windows: tuple[int | None, ...] = ()
+    kv_layers: tuple[int | None, ...] = ()
     gather_slots: torch.Tensor | None = None
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
@@ -88,7 +91,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     batch: AttentionBatch = kwargs.get("paged_batch", attention_mask)
     if not isinstance(batch, AttentionBatch):
         raise TypeError("paged attention needs an AttentionBatch in place of the mask")
-    pool = batch.kv_pool[module.layer_idx]
+    pool = batch.kv_pool[batch.kv_layers[module.layer_idx] if batch.kv_layers else module.layer_idx]
     k_cache, v_cache = pool[0], pool[1]  # (blocks, block_size, Hkv, D)
     num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
     k_new = key[0].transpose(0, 1)  # (T, Hkv, D)

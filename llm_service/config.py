@@ -11,7 +11,10 @@ class EngineConfig:
 
     `kv_cache_bytes` sizes the paged KV pool; None means a default: on CUDA,
     `gpu_memory_utilization` of the device minus what is already in use (weights), on CPU 512 MiB.
-    `num_kv_blocks` overrides both (tests use it for a tiny pool). `max_num_batched_tokens`
+    `num_kv_blocks` overrides both (tests use it for a tiny pool). Models with linear-attention
+    layers also keep a recurrent state per running sequence, in state slots taken from the same
+    budget (`max_num_seqs` of them, as long as they fill at most half of it, at least one);
+    `num_state_slots` overrides that. `max_num_batched_tokens`
     is the per-step token budget; with `enable_chunked_prefill` a long prompt is prefilled
     over several steps, without it a prompt longer than the budget runs alone in its step.
     `cuda_graphs` captures decode-only steps (CUDA only) for batch sizes up to
@@ -27,6 +30,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     kv_cache_bytes: int | None = None
     num_kv_blocks: int | None = None
+    num_state_slots: int | None = None
     gpu_memory_utilization: float = 0.9
     cuda_graphs: bool = True
     max_graph_batch_size: int = 64
@@ -41,5 +45,7 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")
+        if self.num_state_slots is not None and self.num_state_slots < 1:
+            raise ValueError("num_state_slots must be positive")
         if self.attention_backend not in ("auto", "sdpa", "triton"):
             raise ValueError(f"attention_backend must be auto, sdpa or triton, got {self.attention_backend!r}")

@@ -3,7 +3,8 @@
 `step()` is schedule -> run -> postprocess: the scheduler picks the running decodes plus the
 prefills that fit the token budget and the KV pool, the model runner runs them in one packed
 forward, the sampler picks one token per sequence that caught up, and finished or aborted
-requests give their KV blocks back at once. Events leave through each request's callback.
+requests give their KV blocks (and state slots, for models with linear-attention layers) back
+at once. Events leave through each request's callback.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ class LLMEngine:
 
     def __init__(self, model: LanguageModel, config: EngineConfig | None = None):
         self.model = model
-        self.config = config or EngineConfig()
-        self.runner = ModelRunner(model, self.config)
+        self.runner = ModelRunner(model, config or EngineConfig())
+        self.config = self.runner.config  # as this model runs it (no prefix caching with recurrent state)
         self.blocks = self.runner.new_block_manager()
-        self.scheduler = Scheduler(self.config, self.blocks)
+        self.slots = self.runner.new_slot_manager()  # None unless the LM face declares state layers
+        self.scheduler = Scheduler(self.config, self.blocks, self.slots)
         self._new: list[Sequence] = []
         self._aborted: set[str] = set()
         self._by_id: dict[str, Sequence] = {}

@@ -10,39 +10,52 @@ from llm_service import attention
 from llm_service.attention import AttentionBatch
 from llm_service.block_manager import BlockManager
 from llm_service.config import EngineConfig
-from llm_service.kv_cache import allocate_pool, bytes_per_block, num_blocks_for
+from llm_service.kv_cache import allocate_pool, bytes_per_block, pool_sizes
 from llm_service.model import LanguageModel
 from llm_service.scheduler import ScheduledSeq
+from llm_service.state_cache import StateBatch, StatePool, resolve_config, slot_bytes
+from llm_service.state_slots import StateSlotManager
 
 logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Owns the tensors: the model, the KV pool, the per-step inputs (and CUDA graphs).
+    """Owns the tensors: the model, the KV pool, the state pool, the per-step inputs (and CUDA graphs).
 
     `execute` packs the scheduled chunks into one `(1, T, hidden)` sequence with per-token
-    positions from each request's plan (shaped for the decoder by the family's LM face), runs the `transformers` decoder once with an `AttentionBatch`
-    as its mask (see `llm_service.attention`), and returns the logits of the last token of each
-    sequence that has caught up with its tokens (the ones that sample this step).
+    positions from each request's plan (shaped for the decoder by the family's LM face), runs the
+    `transformers` decoder once with an `AttentionBatch` as its mask (see `llm_service.attention`)
+    and, for a model with linear-attention layers, a `StateBatch` over the sequences' state slots
+    (see `llm_service.state_cache`), and returns the logits of the last token of each sequence that
+    has caught up with its tokens (the ones that sample this step). `config` is the engine config
+    as this model runs it (`state_cache.resolve_config`).
     """
 
     def __init__(self, model: LanguageModel, config: EngineConfig):
         self.model = model
-        self.config = config
+        self.state_specs = model.face.state_layers()
+        self.config = config = resolve_config(config, self.state_specs)
         self.device = model.device
         attention.register()
         decoder = model.modules.decoder
         decoder.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
         text = model.text_config
-        attn = decoder.layers[0].self_attn
         self.num_layers = len(decoder.layers)
+        state_layers = {s.layer_idx for s in self.state_specs}
+        attention_layers = [i for i in range(self.num_layers) if i not in state_layers]  # the KV pool's layers
+        attn = decoder.layers[attention_layers[0]].self_attn
+        pool_index = {layer: k for k, layer in enumerate(attention_layers)}
+        self.kv_layers = tuple(pool_index.get(i) for i in range(self.num_layers)) if state_layers else ()
         self.num_kv_heads = int(text.num_key_value_heads)
         self.head_dim = int(attn.head_dim)
         self.backend = attention.choose_backend(config.attention_backend, self.device, model.dtype, self.head_dim)
-        block_bytes = bytes_per_block(self.num_layers, self.num_kv_heads, self.head_dim, config.block_size, model.dtype)
-        self.num_blocks = num_blocks_for(config, block_bytes, self.device)
-        self.kv_pool = allocate_pool(self.num_layers, self.num_blocks, config.block_size, self.num_kv_heads,
+        block_bytes = bytes_per_block(len(attention_layers), self.num_kv_heads, self.head_dim, config.block_size,
+                                      model.dtype)
+        self.num_blocks, self.num_slots = pool_sizes(config, block_bytes, slot_bytes(self.state_specs, model.dtype),
+                                                     self.device)
+        self.kv_pool = allocate_pool(len(attention_layers), self.num_blocks, config.block_size, self.num_kv_heads,
                                      self.head_dim, model.dtype, self.device)
+        self.states = StatePool(self.state_specs, self.num_slots, model.dtype, self.device) if self.num_slots else None
         self.scratch_block = self.num_blocks
         self.windows = attention.layer_windows(text, self.num_layers)
         self.position_rows = model.face.text_positions().positions(0, 1).shape[0]  # the family's, for graph buffers
@@ -57,6 +70,10 @@ class ModelRunner:
 
     def new_block_manager(self) -> BlockManager:
         return BlockManager(self.num_blocks, self.config.block_size)
+
+    def new_slot_manager(self) -> StateSlotManager | None:
+        """Bookkeeping of the state slots (None: the model keeps no recurrent state)."""
+        return StateSlotManager(self.num_slots) if self.states is not None else None
 
     @torch.inference_mode()
     def execute(self, scheduled: tuple[ScheduledSeq, ...]) -> tuple[torch.Tensor, list[int]]:
@@ -117,8 +134,21 @@ class ModelRunner:
             max_context_len=max(ctx_lens),
             backend=self.backend,
             windows=self.windows,
+            kv_layers=self.kv_layers,
         )
+        if self.states is not None:
+            extra["state_batch"] = self._state_batch(scheduled)
         if self.backend == "sdpa":
             batch.gather_slots, batch.masks = attention.sdpa_metadata(q_lens, ctx_lens, slot_tables, dev, self.windows)
         last = (cu_q[1:] - 1).to(torch.long).to(dev)
         return embeds, torch.cat(positions, dim=1).to(dev), batch, last, extra
+
+    def _state_batch(self, scheduled: tuple[ScheduledSeq, ...]) -> StateBatch:
+        """The step's state slots; those of sequences starting from their first token are zeroed."""
+        if any(s.seq.state_slot is None for s in scheduled):
+            raise RuntimeError("a scheduled sequence holds no state slot")
+        slots = torch.tensor([s.seq.state_slot for s in scheduled], dtype=torch.long, device=self.device)
+        fresh = [s.seq.state_slot for s in scheduled if s.seq.num_computed == 0]
+        if fresh:
+            self.states.reset(torch.tensor(fresh, dtype=torch.long, device=self.device))
+        return StateBatch(self.states, slots, tuple(s.num_tokens for s in scheduled))

@@ -9,6 +9,7 @@ from typing import NamedTuple
 from llm_service.block_manager import BlockManager
 from llm_service.config import EngineConfig
 from llm_service.sequence import Sequence, Status
+from llm_service.state_slots import StateSlotManager
 
 
 class ScheduledSeq(NamedTuple):
@@ -27,19 +28,22 @@ class SchedulerOutput:
 
 
 class PrefillAdder:
-    """Admits waiting sequences into one step while the token budget and the KV pool allow.
+    """Admits waiting sequences into one step while the token budget and the KV pool allow (and,
+    for models with recurrent state, a free state slot: a sequence is admitted with both or not
+    at all).
 
     With prefix caching, a sequence starting from scratch first takes the cached blocks of its
     longest cached prompt prefix and is computed from there.
     """
 
     def __init__(self, token_budget: int, blocks: BlockManager, chunked: bool, batch_empty: bool,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, slots: StateSlotManager | None = None):
         self.token_budget = token_budget
         self._blocks = blocks
         self._chunked = chunked
         self._batch_empty = batch_empty
         self._prefix_caching = prefix_caching
+        self._slots = slots
 
     def try_add(self, seq: Sequence) -> ScheduledSeq | None:
         """The share of `seq` that fits (None: nothing does; stop admitting, FIFO)."""
@@ -56,6 +60,9 @@ class PrefillAdder:
             return None
         if n <= 0:
             return None
+        needs_slot = self._slots is not None and seq.state_slot is None
+        if needs_slot and not self._slots.can_allocate():
+            return None
         if cached:
             if not self._blocks.can_allocate_after(cached, start + n):
                 return None
@@ -64,23 +71,28 @@ class PrefillAdder:
         elif not self._blocks.can_allocate(seq.block_table, seq.num_computed + n):
             return None
         self._blocks.allocate(seq.block_table, seq.num_computed + n)
+        if needs_slot:
+            seq.state_slot = self._slots.allocate()
         self.token_budget -= n
         self._batch_empty = False
         return ScheduledSeq(seq, n)
 
 
 class Scheduler:
-    """Waiting and running queues over one `BlockManager`.
+    """Waiting and running queues over one `BlockManager` (and one `StateSlotManager` for models
+    with recurrent state).
 
     Each step: every running sequence gets its pending tokens (1 for a decode, a chunk for a
     prefill in progress), oldest first; when the pool cannot hold them the youngest running
-    sequence is preempted (blocks freed, recomputed later, first in line). Then waiting
-    sequences are admitted FIFO while `max_num_seqs`, the token budget and the pool allow.
+    sequence is preempted (blocks and state slot freed, recomputed later, first in line). Then
+    waiting sequences are admitted FIFO while `max_num_seqs`, the token budget, the pool and the
+    state slots allow. Invariant: a sequence holds a state slot exactly while it is running.
     """
 
-    def __init__(self, config: EngineConfig, blocks: BlockManager):
+    def __init__(self, config: EngineConfig, blocks: BlockManager, slots: StateSlotManager | None = None):
         self.config = config
         self.blocks = blocks
+        self.slots = slots
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -120,7 +132,7 @@ class Scheduler:
             self.waiting.appendleft(victim)
         if not preempted:
             adder = PrefillAdder(budget, self.blocks, self.config.enable_chunked_prefill, not scheduled,
-                                 self.config.enable_prefix_caching)
+                                 self.config.enable_prefix_caching, self.slots)
             while self.waiting and len(self.running) < self.config.max_num_seqs and adder.token_budget > 0:
                 item = adder.try_add(self.waiting[0])
                 if item is None:
@@ -131,16 +143,22 @@ class Scheduler:
                 scheduled.append(item)
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _free(self, seq: Sequence) -> None:
         self.blocks.free(seq.block_table)
+        if seq.state_slot is not None:
+            self.slots.free(seq.state_slot)
+            seq.state_slot = None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._free(seq)
         seq.num_computed = 0
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
-        """Remove `seq` wherever it is and free its KV blocks at once."""
-        self.blocks.free(seq.block_table)
+        """Remove `seq` wherever it is and free its KV blocks and state slot at once."""
+        self._free(seq)
         seq.status = Status.FINISHED
         if seq in self.running:
             self.running.remove(seq)

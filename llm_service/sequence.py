@@ -64,8 +64,10 @@ class Sequence:
     """One request inside the engine.
 
     `tokens` is prompt + generated ids; `num_computed` how many of them have K/V in the pool
-    (the blocks of `block_table`). Preemption drops the blocks and sets `num_computed` to 0:
-    the sequence is recomputed from its tokens (media embeddings kept) when it runs again.
+    (the blocks of `block_table`) and, for models with linear-attention layers, are folded into
+    the recurrent state of `state_slot` (held while running, None otherwise). Preemption drops
+    the blocks and the slot and sets `num_computed` to 0: the sequence is recomputed from its
+    tokens (media embeddings kept) when it runs again.
     """
 
     request: LLMRequest
@@ -75,6 +77,7 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None
     status: Status = Status.WAITING
     num_preemptions: int = 0
     _block_hashes: list[int] | None = None

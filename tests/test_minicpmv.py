@@ -1,6 +1,7 @@
 """MiniCPM-V 4.6 (`minicpmv4_6`): tiny checkpoint, router face == the processor's input_ids (images
 with slices, several images numbered by `<image_id>`, videos of pre-extracted frames), encoder face
-== the in-tree model's features, LLM startup refused (hybrid linear-attention LM)."""
+== the in-tree model's features, the LM loaded with its linear-attention layers as state layers
+(served end to end: tests/test_hybrid_engine.py, tests/test_minicpmv_serve.py)."""
 
 import os
 
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from mmserve.families import router_face
 from mmserve.media import MediaItem, MediaKind
+from tests.cases import LONG_TEXT
 from tests.media_factory import image_bytes, video_frames
 from tests.reference import _pil, load_reference
 
@@ -76,11 +78,15 @@ def test_image_ids_number_images_in_prompt_order(minicpmv_dir):
     assert big.frames[0].rows * big.frames[0].cols >= 3
 
 
-def test_llm_startup_refuses_the_hybrid_linear_attention_lm(minicpmv_dir):
+def test_llm_loads_only_the_lm_and_declares_its_linear_attention_layers(minicpmv_dir):
     from llm_service.model import LanguageModel
 
-    with pytest.raises(ValueError, match="linear-attention layers"):
-        LanguageModel(minicpmv_dir, dtype="float32")
+    model = LanguageModel(minicpmv_dir, dtype="float32")
+    types = model.text_config.layer_types
+    assert types == ["linear_attention"] * 3 + ["full_attention"]  # the real 3:1 mix
+    linear = [i for i, t in enumerate(types) if t == "linear_attention"]
+    assert [s.layer_idx for s in model.face.state_layers()] == linear
+    assert all(k.startswith(("model.language_model.", "lm_head.")) for k in model.keys_read)
 
 
 def _features(model_dir, item: MediaItem) -> torch.Tensor:
@@ -159,3 +165,48 @@ def test_tiny_loads_with_auto_classes_and_is_image_sensitive(minicpmv_dir):
     finally:
         hook.remove()
     assert first != zeroed
+
+
+def _user(*parts):
+    return [{"role": "user", "content": list(parts)}]
+
+
+def _text(t):
+    return {"type": "text", "text": t}
+
+
+def _image(h, w, seed):
+    return {"type": "image", "bytes": image_bytes(h, w, seed)}
+
+
+CASES = {
+    "text_only": lambda: _user(_text("Hello, who are you? Tell me about the sky.")),
+    "one_image": lambda: _user(_image(64, 180, 1), _text("Describe this image.")),
+    # 2x2 and 1x2 slices beside a source view, and an image that takes none
+    "sliced_images": lambda: _user(_text("Compare"), _image(200, 200, 2), _text("with"), _image(90, 220, 3),
+                                   _image(150, 60, 4), _text("please.")),
+    "video": lambda: _user({"type": "video", "frames": video_frames(3, 150, 120, 5), "fps": 2.0},
+                           _text("What happens in the video?")),
+    "long_prompt": lambda: _user(_image(120, 160, 8), _text(LONG_TEXT)),  # > the 2,048-token step budget
+}
+MAX_TOKENS = 12
+
+
+def test_cases_take_slices_and_a_long_prompt(minicpmv_dir):
+    from tests.reference import reference_inputs
+
+    face = router_face(minicpmv_dir)
+    layouts = [face.expand(MediaItem(MediaKind.IMAGE, (p["bytes"],)), 1 << 24).layout
+               for p in CASES["sliced_images"]()[0]["content"] if p["type"] == "image"]
+    assert [(f.rows, f.cols) for lay in layouts for f in lay.frames] == [(2, 2), (1, 2), (0, 0)]
+    assert reference_inputs(minicpmv_dir, CASES["long_prompt"]())["input_ids"].shape[1] > 2048
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_runtimes_equal_monolithic(minicpmv_dir, case):
+    """Router -> encoder runtime -> LLM runtime (default engine settings) == monolithic generate."""
+    from tests.pipeline import served_generate
+    from tests.reference import reference_generate
+
+    messages = CASES[case]()
+    assert served_generate(minicpmv_dir, messages, MAX_TOKENS) == reference_generate(minicpmv_dir, messages, MAX_TOKENS)

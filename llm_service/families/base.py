@@ -7,6 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
+from llm_service.state_cache import StateSpec
 from mmserve.positions import PositionPlan
 
 
@@ -61,6 +62,17 @@ class LMFace(ABC):
         for index, parts in media:
             embeds[index.to(embeds.device)] = parts[0].to(embeds.device, embeds.dtype)
         return {}
+
+    def state_layers(self) -> tuple[StateSpec, ...]:
+        """The decoder layers that keep a recurrent state per sequence instead of K/V (linear
+        attention), with that state's shapes; () for a decoder of attention layers only.
+
+        When there are any, the engine gives each running sequence a state slot (sized from the
+        KV memory budget, prefix caching and CUDA graphs off), the KV pool covers only the other
+        layers, and every forward passes the step's `StateBatch` to the decoder as the
+        `state_batch` keyword: these layers must run the packed step from it (each sequence's
+        rows continue the state of its slot, which starts at zeros) and write the state back."""
+        return ()
 
     def tied_embeddings(self) -> bool:
         text = self.config.text_config

@@ -1,28 +1,50 @@
-"""LM face of MiniCPM-V 4.6 (`model_type: minicpmv4_6`): not served yet.
+"""LM face of MiniCPM-V 4.6 (`model_type: minicpmv4_6`): its `qwen3_5_text` hybrid decoder
+(Gated-DeltaNet linear-attention layers with per-sequence state between full-attention layers,
+`llm_service.families.qwen3_5_text`), 1-D positions, media rows injected at the embedding slots.
 
-Its language model defaults to `qwen3_5_text`, a hybrid in which 3 of every 4 layers are
-Gated-DeltaNet linear attention. Those layers carry a recurrent state (conv + SSM-like state) per
-sequence, which the paged KV engine has no place for; serving them is the "Hybrid language models"
-issue. Until then an LLM replica refuses the checkpoint at startup with this explanation, while
-its router and encoder faces serve (encoder-only deployments, `mmserve encoder-server`).
+Checkpoint keys: `model.language_model.<decoder key>` and `lm_head.weight` (no lm_head with
+`tie_word_embeddings`); the vision tower, the mergers and any `mtp.*` layers are not read.
 """
 
 from __future__ import annotations
 
-from llm_service.families.base import LMFace
+import torch
+from torch import nn
+
+from llm_service.families.base import LanguageModelModules, LMFace
+from llm_service.families.qwen3_5_text import build_decoder, state_layers
+from llm_service.state_cache import StateSpec
+from mmserve.positions import LinearPositions, PositionPlan
+
+_DECODER_PREFIX = "model.language_model."
 
 
 class MiniCPMVLMFace(LMFace):
-    def __init__(self, config):
-        text = getattr(config, "text_config", None)
-        layer_types = sorted(set(getattr(text, "layer_types", None) or []))
-        raise ValueError(
-            f"MiniCPM-V 4.6's language model ({getattr(text, 'model_type', '?')}, layer types {layer_types}) "
-            "has linear-attention layers with recurrent state, which the paged LLM engine cannot serve yet; "
-            "only its router and encoder faces are available (e.g. `mmserve encoder-server`)"
-        )
+    def rename(self, key: str) -> str | None:
+        if key == "lm_head.weight":
+            return key
+        if key.startswith(_DECODER_PREFIX):
+            return "decoder." + key[len(_DECODER_PREFIX):]
+        return None
 
-    rename = build = text_positions = position_ids = None  # never reached: __init__ refuses
+    def text_positions(self) -> PositionPlan:
+        return LinearPositions(rows=1)
+
+    def position_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """`(1, T)` positions; the decoder repeats them on its text and 3 rotary rows."""
+        return positions
+
+    def state_layers(self) -> tuple[StateSpec, ...]:
+        return state_layers(self.config.text_config)
+
+    def build(self, dtype: torch.dtype) -> LanguageModelModules:
+        from transformers.initialization import no_init_weights
+
+        text = self.config.text_config
+        decoder = build_decoder(text, dtype)
+        with no_init_weights():
+            lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=dtype)
+        return LanguageModelModules(decoder, lm_head, self.tied_embeddings())
 
 
 LM_FACE = MiniCPMVLMFace
