@@ -277,6 +277,37 @@ class EngineArgs(_Args):
         )
 
 
+def _serve_has_request_router() -> bool:
+    import inspect
+
+    from ray import serve
+
+    return "request_router_config" in inspect.signature(serve.deployment).parameters
+
+
+class RoutingArgs(_Args):
+    """How the router picks encoder and LLM replicas (`deployments.affinity`).
+
+    `affinity`: an item goes to the encoder replica owning its content hash, a request to the LLM
+    replica that got its longest prompt prefix, each within (1 + epsilon) x the mean load
+    (`AffinityRequestRouter`, Serve's request-router API). `default`: Serve's power-of-two
+    choices, one request's items split into size-balanced calls.
+    """
+
+    policy: Literal["affinity", "default"] = "affinity"
+    epsilon: float = Field(default=0.25, ge=0, description="load bound: no replica above (1 + epsilon) x the mean")
+
+    def deployment_options(self, block_size: int) -> dict:
+        """The Encoder and LLM deployments' `request_router_config` ({} for default routing, or a
+        Serve without the request-router API)."""
+        if self.policy != "affinity" or not _serve_has_request_router():
+            return {}
+        from deployments.affinity_router import ROUTER_CLASS
+
+        kwargs = {"epsilon": self.epsilon, "block_size": block_size}
+        return {"request_router_config": {"request_router_class": ROUTER_CLASS, "request_router_kwargs": kwargs}}
+
+
 class AppArgs(_Args):
     """Arguments of `deployments.app:build_app` (the `args:` of a Serve config YAML)."""
 
@@ -320,6 +351,7 @@ class AppArgs(_Args):
     encoder: DeploymentArgs = DeploymentArgs(num_cpus=0.5)
     llm: DeploymentArgs = DeploymentArgs(num_cpus=0.5)
     limits: LimitArgs = LimitArgs()
+    routing: RoutingArgs = RoutingArgs()
     encoder_pool: EncoderPoolArgs = EncoderPoolArgs()
     grpc: GrpcArgs = GrpcArgs()
     engine: EngineArgs = EngineArgs()

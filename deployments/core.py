@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from deployments.affinity import prefix_hashes
 from deployments.config import LimitArgs
 from deployments.dispatch import MediaDispatcher
 from deployments.failover import Failover, LLMClient
@@ -55,6 +56,7 @@ class CoreSettings:
     llm_retries: int = 2  # resubmissions of one request after its LLM replica was lost
     max_pending_requests: int = 16  # admitted requests without a first token yet; more: 429
     max_fetching_requests: int = 64  # requests being read or having media fetched (no pending slot); more: 429
+    prefix_block_size: int = 16  # tokens per prompt block in `PendingRequest.prefix_hashes` (the engine's)
 
 
 class RequestListener:
@@ -201,6 +203,8 @@ class RequestCore:
         pending = PendingRequest(
             request_id=request_id, prompt_token_ids=tuple(plan.token_ids), sampling=sampling,
             positions=plan.positions, ranges=tuple(plan.ranges), embeddings=await self._dispatch(media),
+            prefix_hashes=prefix_hashes(plan.token_ids, plan.ranges, [item.content_hash for item in plan.items],
+                                        self.settings.prefix_block_size),
         )
         logger.info("request %s: %d prompt tokens, %d media items (%d media tokens), max_tokens %d",
                     request_id, len(plan.token_ids), len(plan.items), plan.num_media_tokens, sampling.max_tokens)

@@ -55,17 +55,27 @@ def spread(sizes: Sequence[int]) -> list[list[int]]:
 
 
 class EncoderPoolDispatcher(MediaDispatcher):
-    """Items to the Encoder deployment, split into size-balanced calls so Serve spreads a large
-    request over replicas (each replica batches them with other requests' items)."""
+    """Items to the Encoder deployment, each replica batching them with other requests' items.
 
-    def __init__(self, encoder, await_embeddings: bool = False):
+    With affinity routing each item is one call, which `AffinityRequestRouter` sends to the
+    owner of its content hash; without, a request's items are split into size-balanced calls so
+    that Serve spreads a large request over replicas."""
+
+    def __init__(self, encoder, await_embeddings: bool = False, affinity: bool = False):
         self.encoder = encoder  # DeploymentHandle of the Encoder deployment
         self.await_embeddings = await_embeddings  # wait until computed (not fetched) before handing over
+        self.affinity = affinity
 
     async def dispatch(self, media: Sequence[EncodeItem]) -> tuple[EmbeddingHandle, ...]:
-        groups = spread([m.cost for m in media])
-        responses = [self.encoder.encode.remote([media[i] for i in group]) for group in groups]
-        refs = [await r._to_object_ref() for r in responses]  # nested refs: the LLM need not wait for them
+        if self.affinity:
+            # one item per call, each routed before the next is made: calls made from one request
+            # share Serve's internal request id, which a custom request router matches replicas by
+            groups = [[i] for i in range(len(media))]
+            refs = [await self.encoder.encode.remote([m])._to_object_ref() for m in media]
+        else:
+            groups = spread([m.cost for m in media])
+            responses = [self.encoder.encode.remote([media[i] for i in group]) for group in groups]
+            refs = [await r._to_object_ref() for r in responses]  # nested refs: the LLM need not wait for them
         if self.await_embeddings:
             import ray
 

@@ -52,5 +52,6 @@ class PendingRequest:
     positions: PositionPlan | None
     ranges: tuple[PlaceholderRange, ...]
     embeddings: tuple[EmbeddingHandle, ...]  # one per range
+    prefix_hashes: tuple[int, ...] = ()  # the prompt's block chain (`affinity.prefix_hashes`): routing only
     resumed_tokens: int = 0  # a failover continuation: the last this many prompt tokens were already sent
     attempt: int = 0  # 0: the first submission; n: the router's n-th resubmission (never refused as busy)

@@ -59,6 +59,14 @@ class RouterMetrics(RequestListener):
         return dict(self._failovers)
 
 
+class AffinityMetrics:
+    def __init__(self):
+        self.routed = Counter("mmserve_router_affinity_routed", "Encoder items and LLM requests routed, by outcome "
+                              "(owner / overflow; prefix_hit / no_prefix / overloaded)", tag_keys=("target", "outcome"))
+        self.prefix_tokens = Histogram("mmserve_router_prefix_tokens", "Prompt tokens the chosen LLM replica likely "
+                                       "holds cached (the router's record)", boundaries=_SIZES)
+
+
 class EncoderMetrics:
     def __init__(self):
         self.items = Counter("mmserve_encoder_items", "Media items encoded", tag_keys=("kind",))

@@ -57,6 +57,8 @@ class RouterSettings:
     api_key_env: str | None = None  # environment variable holding api_key, read on the replica's node
     encoder_token_env: str | None = None  # likewise for encoder_token
     colocated: bool = False  # no encoder: the LLM replica encodes the media it is handed
+    affinity: bool = False  # encoder items and LLM requests routed by AffinityRequestRouter
+    prefix_block_size: int = 16  # the engine's KV block size: the unit of prefix affinity
 
     def on_node(self) -> "RouterSettings":
         """These settings with the model directory and secrets resolved on this node."""
@@ -69,14 +71,14 @@ class RouterSettings:
 
     def core(self) -> CoreSettings:
         return CoreSettings(self.served_model_name, self.limits, self.model_dir, self.api_key, self.llm_retries,
-                            self.max_pending_requests, self.max_fetching_requests)
+                            self.max_pending_requests, self.max_fetching_requests, self.prefix_block_size)
 
     def dispatcher(self, encoder: DeploymentHandle | None) -> MediaDispatcher:
         if self.colocated:
             return ColocatedDispatcher()
         if self.external_encoder:
             return ExternalEncoderDispatcher(self.external_encoder, self.encoder_token, self.encoder_tls_ca)
-        return EncoderPoolDispatcher(encoder, self.await_embeddings)
+        return EncoderPoolDispatcher(encoder, self.await_embeddings, self.affinity)
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,12 @@ class Router:
     def failover_stats(self) -> dict:
         """This replica's failover counters (resubmits, resumed streams, tokens they carried)."""
         return self.metrics.failover_stats()
+
+    def routing_stats(self) -> dict[str, int]:
+        """This replica's affinity routing decisions, "deployment/outcome" -> requests."""
+        from deployments.affinity import DECISIONS
+
+        return {f"{deployment}/{outcome}": n for (deployment, outcome), n in DECISIONS.items()}
 
     def check_health(self) -> None:
         """Serve's liveness probe (a blocked event loop fails it by timing out): the tokenizer answers."""

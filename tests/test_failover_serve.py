@@ -115,7 +115,9 @@ def _kill_llm_mid_stream(app: str, replicas: int):
     import ray
 
     def watch(outputs: list[list[int]]) -> int | None:
-        found = _replicas(app, "LLM")
+        deadline = time.monotonic() + 60  # a replica killed by an earlier attempt may still be coming back
+        while len(found := _replicas(app, "LLM")) != replicas and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert len(found) == replicas, found
         victim = found[0]
         deadline = time.monotonic() + 120
