@@ -33,7 +33,6 @@ from deployments.handles import PendingRequest
 from mmserve.media import EncodeItem
 
 logger = logging.getLogger("ray.serve")
-ROUTER_CLASS = f"{__name__}:AffinityRequestRouter"
 
 
 class AffinityRequestRouter(RequestRouter):

@@ -302,10 +302,9 @@ class RoutingArgs(_Args):
         Serve without the request-router API)."""
         if self.policy != "affinity" or not _serve_has_request_router():
             return {}
-        from deployments.affinity_router import ROUTER_CLASS
-
         kwargs = {"epsilon": self.epsilon, "block_size": block_size}
-        return {"request_router_config": {"request_router_class": ROUTER_CLASS, "request_router_kwargs": kwargs}}
+        router = "deployments.affinity_router:AffinityRequestRouter"
+        return {"request_router_config": {"request_router_class": router, "request_router_kwargs": kwargs}}
 
 
 class AppArgs(_Args):
