@@ -19,7 +19,7 @@ from deployments.metrics import EncoderMetrics, PoolMetrics
 from deployments.replica_env import resolve_model_dir
 from encoder_service import VisionEncoder
 from encoder_service.pool import EncoderPool
-from mmserve.checkpoint import device_memory, resolve_device
+from mmserve.checkpoint import device_memory, hold_to_share, resolve_device
 from mmserve.errors import InvalidRequest, Overloaded
 from mmserve.media import EncodeItem
 
@@ -49,10 +49,7 @@ class EncoderDeployment:
                  transport: str = "object_store", grpc: GrpcArgs | None = None, device_share: float = 1.0):
         model_dir, grpc, device = resolve_model_dir(model_dir), (grpc or GrpcArgs()).on_node(), resolve_device(device)
         self.device_share = device_share
-        if device_share < 1 and torch.device(device).type == "cuda":
-            # a replica on part of a GPU (an LLM replica owns the rest) stays within its part: past
-            # it, a forward runs out of memory here (503) instead of in the LLM replica's headroom
-            torch.cuda.set_per_process_memory_fraction(device_share, torch.device(device))
+        hold_to_share(device, device_share)  # past its part of the GPU a forward fails here (503)
         self.encoder = VisionEncoder(model_dir, dtype=dtype, device=device)
         self.metrics = EncoderMetrics()
         self.pool = EncoderPool(self.encoder, (pool or EncoderPoolArgs()).resolve(), PoolMetrics(self.metrics))

@@ -24,7 +24,7 @@ from deployments.transport import resolve
 from llm_service.config import EngineConfig
 from llm_service.engine import LLMEngine, LLMRequest, TokenEvent
 from llm_service.model import LanguageModel
-from mmserve.checkpoint import device_memory, resolve_device
+from mmserve.checkpoint import device_memory, hold_to_share, resolve_device
 from mmserve.embeddings import ItemEmbedding
 from mmserve.errors import EmbeddingsLost, InvalidRequest, QueueFull
 from mmserve.media import EncodeItem
@@ -40,6 +40,8 @@ class LLMDeployment:
         model_dir, device = resolve_model_dir(model_dir), resolve_device(device)
         self.stall_timeout_s = stall_timeout_s
         self.max_waiting_tokens = max_waiting_tokens  # None: unbounded
+        engine = engine or EngineConfig()
+        hold_to_share(device, engine.device_share)  # the KV pool is sized within it too
         self.waiting_tokens = 0  # prompt tokens of requests admitted here whose first event is not back
         self.pool = None
         if colocated_pool is not None:  # encode the media the router hands over, in-process
@@ -51,7 +53,7 @@ class LLMDeployment:
             encoder = VisionEncoder(model_dir, dtype=dtype, device=device)
             self.pool = EncoderPool(encoder, colocated_pool.resolve(), PoolMetrics(self.encoder_metrics))
         self.model = LanguageModel(model_dir, dtype=dtype, device=device)
-        self.engine = LLMEngine(self.model, engine or EngineConfig())
+        self.engine = LLMEngine(self.model, engine)
         self.engine.start()
         self.metrics = LLMMetrics()
         self._stats_task: asyncio.Task | None = None

@@ -66,3 +66,14 @@ def test_shares_outside_zero_to_one_are_refused():
         EngineConfig(device_share=0)
     with pytest.raises(ValueError, match="device_share"):
         EngineConfig(device_share=1.5)
+
+
+def test_a_replica_on_part_of_a_gpu_is_held_to_its_part(monkeypatch):
+    from mmserve.checkpoint import hold_to_share
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: calls.append(f))
+    hold_to_share("cuda", 0.5)
+    hold_to_share("cuda", 1.0)  # a whole device: no cap
+    hold_to_share("cpu", 0.5)
+    assert calls == [0.5]
