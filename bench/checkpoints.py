@@ -61,7 +61,8 @@ def qwen2_vl_2b(out: str | Path, seed: int = 0, text_layers: int | None = None, 
                                                pad_token_id=text["pad_token_id"], do_sample=False)
     processor = Qwen2VLProcessor(
         image_processor=Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
-        video_processor=Qwen2VLVideoProcessor(cap_pixels_per_frame=False), tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
+        video_processor=Qwen2VLVideoProcessor(cap_pixels_per_frame=False), tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE,
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
