@@ -45,7 +45,8 @@ def num_blocks_for(config: EngineConfig, block_bytes: int, device: torch.device)
             budget = _CPU_DEFAULT_BYTES
     blocks = budget // block_bytes
     if blocks < 1:
-        raise ValueError(f"KV budget of {budget} bytes holds no block of {block_bytes} bytes")
+        raise ValueError(f"KV budget of {budget} bytes holds no block of {block_bytes} bytes: raise "
+                         "gpu_memory_utilization or the replica's num_gpus, or set kv_cache_memory_mb")
     return int(blocks)
 
 

@@ -77,3 +77,11 @@ def test_a_replica_on_part_of_a_gpu_is_held_to_its_part(monkeypatch):
     hold_to_share("cuda", 1.0)  # a whole device: no cap
     hold_to_share("cpu", 0.5)
     assert calls == [0.5]
+
+
+def test_a_share_too_small_for_the_weights_fails_at_startup_with_what_to_change(monkeypatch):
+    weights = 4 * GIB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (TOTAL - weights - GIB, TOTAL))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: weights)
+    with pytest.raises(ValueError, match="num_gpus"):
+        num_blocks_for(EngineConfig(device_share=0.05), 1 << 20, torch.device("cuda"))  # 3.6 GiB < the weights
