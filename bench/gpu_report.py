@@ -131,6 +131,8 @@ def run(cmd: list[str], timeout_s: float) -> tuple[int, str | None]:
 
 def bench_json(script: str, args: list[str], timeout_s: float) -> dict:
     code, last = run([sys.executable, str(ROOT / "bench" / script), *args], timeout_s)
+    if code == -signal.SIGKILL:
+        raise PartFailed(f"bench/{script} killed after {timeout_s:.0f} s")
     if code != 0 or last is None:
         raise PartFailed(f"bench/{script} exited {code}" + ("" if last else " without its JSON line"))
     return json.loads(last)
