@@ -249,12 +249,21 @@ def cuda_rows(args) -> dict:
             tower.forward(prepared)
         torch.cuda.synchronize()
         forward_s = (time.perf_counter() - start) / (3 * len(prepared))
-        mfu = tower.flops(grid) / forward_s / (args.peak_tflops * 1e12)
+        tflops = tower.flops(grid) / forward_s / 1e12
+        mfu = tflops / args.peak_tflops
         results[f"cuda_{side}_images_per_s"] = len(items) / seconds
         results[f"cuda_{side}_forward_images_per_s"] = 1 / forward_s
+        results[f"cuda_{side}_forward_tflops"] = tflops
         results[f"cuda_{side}_mfu"] = mfu
         print(f"cuda {side}^2 (grid {grid}): pool {len(items) / seconds:.1f} images/s end to end "
               f"({stats.forwards} forwards), forward alone {1 / forward_s:.1f} images/s, MFU {mfu:.1%}")
+        if side == 448:  # what the token budget buys over one item per forward, same pool otherwise
+            single = BatchConfig(max_batch_tokens=args.cuda_batch_tokens, max_batch_items=1, batch_wait_ms=0)
+            single_s, _ = asyncio.run(run_pool(tower, items, single, args.workers, queued_bytes=8 << 30))
+            results["cuda_448_single_images_per_s"] = len(items) / single_s
+            results["cuda_448_budget_vs_single"] = single_s / seconds
+            print(f"cuda 448^2 one image per forward: {len(items) / single_s:.1f} images/s "
+                  f"(token budget {single_s / seconds:.2f}x)")
     return results
 
 

@@ -5,8 +5,10 @@
 
 (a) `generate` serves the requests one at a time (what a replica without batching does);
 (b) the engine gets all of them at once. The last line printed is one JSON object.
-With --device cuda it also reports batch-1 decode ms/token against the weight-bandwidth bound
-(weight bytes / HBM bandwidth) and tokens/s at batch 64.
+Then steady decode (every sequence past its prefill): ms per step at batch 1 and 64, and (CUDA) at
+batch 4 over 8k-token contexts, with what bounds them (weight bytes, KV bytes per token); with
+--device cuda also batch-1 against the weight-bandwidth bound (weight bytes / HBM bandwidth).
+bench/gpu_report.py turns these into ratios to the physical limits.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.checkpoints import QWEN2_VL_2B_TEXT  # noqa: E402
+from bench.device_peaks import peaks  # noqa: E402
 from llm_service.config import EngineConfig  # noqa: E402
 from llm_service.engine import LLMEngine, LLMRequest  # noqa: E402
+from llm_service.kv_cache import bytes_per_block  # noqa: E402
 from llm_service.model import LanguageModel  # noqa: E402
 from llm_service.sampling import SamplingParams  # noqa: E402
 
@@ -33,11 +38,8 @@ SIZES = {
     # CPU default: small enough for a few minutes on 2 cores, big enough that compute shows
     "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=2, vocab_size=4096, max_position_embeddings=4096),
-    # Qwen2-VL-2B-Instruct's language model
-    "2b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-               num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768),
+    "2b": QWEN2_VL_2B_TEXT,  # Qwen2-VL-2B-Instruct's language model
 }
-HBM_GBPS = {"H100": 3350, "H200": 4800, "A100": 2039}
 
 
 def random_checkpoint(size: str, dtype: torch.dtype, device: str) -> Path:
@@ -90,8 +92,8 @@ def bench_generate(model, reqs, max_tokens, device) -> tuple[float, float]:
     return total / (time.perf_counter() - start), 1000 * sum(gaps) / max(len(gaps), 1)
 
 
-def bench_engine(engine: LLMEngine, reqs, max_tokens) -> tuple[float, float]:
-    """(tokens/s, mean inter-token ms) with all of `reqs` submitted at once."""
+def run_engine(engine: LLMEngine, reqs, max_tokens) -> tuple[float, list[list[float]]]:
+    """All of `reqs` submitted at once: (seconds until the last finished, each one's token times)."""
     times: dict[int, list[float]] = {i: [] for i in range(len(reqs))}
     done = threading.Event()
     left = [len(reqs)]
@@ -112,9 +114,23 @@ def bench_engine(engine: LLMEngine, reqs, max_tokens) -> tuple[float, float]:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         engine.add_request(LLMRequest(f"b{start}-{i}", tuple(ids), params), emit(i))
     done.wait()
-    elapsed = time.perf_counter() - start
-    gaps = [b - a for t in times.values() for a, b in zip(t, t[1:])]
-    return sum(len(t) for t in times.values()) / elapsed, 1000 * sum(gaps) / max(len(gaps), 1)
+    return time.perf_counter() - start, list(times.values())
+
+
+def bench_engine(engine: LLMEngine, reqs, max_tokens) -> tuple[float, float]:
+    """(tokens/s, mean inter-token ms) with all of `reqs` submitted at once."""
+    elapsed, times = run_engine(engine, reqs, max_tokens)
+    gaps = [b - a for t in times for a, b in zip(t, t[1:])]
+    return sum(len(t) for t in times) / elapsed, 1000 * sum(gaps) / max(len(gaps), 1)
+
+
+def decode_ms_per_step(engine: LLMEngine, batch: int, context: int, tokens: int, vocab: int) -> float:
+    """Steady decode of `batch` sequences over `context`-token prompts: the mean gap between a
+    sequence's tokens once every sequence has its first (no prefill chunk falls in a gap)."""
+    _, times = run_engine(engine, prompts(batch, context, vocab), tokens)
+    steady = max(t[0] for t in times)
+    gaps = [b - a for t in times for a, b in zip(t, t[1:]) if a >= steady]
+    return 1000 * sum(gaps) / max(len(gaps), 1)
 
 
 def main() -> None:
@@ -124,6 +140,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--decode-tokens", type=int, default=128, help="tokens per steady-decode measurement")
+    ap.add_argument("--long-context", type=int, default=None,
+                    help="prompt tokens of the long-context decode (default: 8192 on CUDA, 0 = skip, on CPU)")
+    ap.add_argument("--long-batch", type=int, default=4)
     args = ap.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
@@ -147,19 +167,31 @@ def main() -> None:
                        f"speedup_c{c}": round(e_tps / g_tps, 2), f"generate_itl_ms_c{c}": round(g_itl, 2),
                        f"engine_itl_ms_c{c}": round(e_itl, 2)})
         print(f"{c:>5} {g_tps:>15.1f} {e_tps:>13.1f} {e_tps / g_tps:>8.2f} {g_itl:>11.2f} {e_itl:>11.2f}")
+    runner, n = engine.runner, args.decode_tokens
+    long_context = args.long_context if args.long_context is not None else (8192 if args.device == "cuda" else 0)
+    result.update({
+        "weight_bytes": sum(p.numel() * p.element_size() for p in lm.modules.parameters()),
+        "kv_bytes_per_token": bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.head_dim, 1, lm.dtype),
+        "decode_ms_per_token_b1": round(decode_ms_per_step(engine, 1, args.prompt_len, n, vocab), 3),
+        "decode_ms_per_step_b64": round(decode_ms_per_step(engine, 64, args.prompt_len, n, vocab), 3),
+        "engine_tok_s_b64": round(bench_engine(engine, prompts(64, args.prompt_len, vocab), n)[0], 1),
+        "prompt_len": args.prompt_len, "decode_tokens": n,
+        "long_context": long_context or None, "long_batch": args.long_batch if long_context else None,
+        "decode_ms_per_step_long": round(decode_ms_per_step(engine, args.long_batch, long_context, n, vocab), 3)
+        if long_context else None,
+        "attention_backend": runner.backend, "cuda_graphs": runner.graphs is not None,
+    })
+    long = f"; batch {args.long_batch} over {long_context} tokens {result['decode_ms_per_step_long']} ms/step"
+    print(f"steady decode: batch 1 {result['decode_ms_per_token_b1']} ms/token, batch 64 "
+          f"{result['decode_ms_per_step_b64']} ms/step ({result['engine_tok_s_b64']:.0f} tok/s with prefills)"
+          f"{long if long_context else ''}")
     if args.device == "cuda":
-        weight_bytes = sum(p.numel() * p.element_size() for p in lm.modules.parameters())
         name = torch.cuda.get_device_name()
-        bw = next((v for k, v in HBM_GBPS.items() if k in name), None)
-        _, itl1 = bench_engine(engine, prompts(1, args.prompt_len, vocab), 128)
-        e64, _ = bench_engine(engine, prompts(64, args.prompt_len, vocab), 128)
-        result.update({"gpu": name, "decode_ms_per_token_b1": round(itl1, 3), "engine_tok_s_b64": round(e64, 1),
-                       "weight_bytes": weight_bytes,
-                       "bandwidth_bound_ms_b1": round(weight_bytes / (bw * 1e9) * 1000, 3) if bw else None,
-                       "attention_backend": engine.runner.backend,
-                       "cuda_graphs": engine.runner.graphs is not None})
-        print(f"batch-1 decode {itl1:.3f} ms/token vs bound {result['bandwidth_bound_ms_b1']} ms; "
-              f"batch-64 {e64:.0f} tok/s")
+        bw = peaks(name).memory_gbs
+        result.update({"gpu": name, "bandwidth_bound_ms_b1": round(result["weight_bytes"] / (bw * 1e9) * 1000, 3)
+                       if bw else None})
+        print(f"batch-1 decode {result['decode_ms_per_token_b1']:.3f} ms/token vs bound "
+              f"{result['bandwidth_bound_ms_b1']} ms")
     engine.shutdown()
     if not args.model:
         shutil.rmtree(model_dir, ignore_errors=True)

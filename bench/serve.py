@@ -4,6 +4,7 @@
     python bench/serve.py --quick                        # starts its own app on a bench-sized checkpoint
     python bench/serve.py --compare colocated --quick    # disaggregated vs colocated, side by side
     python bench/serve.py --quick --transport grpc       # the same requests as gRPC GenerateStream calls
+    python bench/serve.py --compare colocated --device cuda --model DIR --dtype bfloat16  # one GPU, halves
     mmserve bench serve ...                              # the same
 
 Requests are vLLM `random-mm`-shaped (bench/serve_dataset.py); metrics and JSON field names are
@@ -11,11 +12,12 @@ vLLM's `bench serve` ones (bench/serve_metrics.py). `--compare colocated` is fai
 the same total --num-cpus in both modes (disaggregated: one encoder + one LLM replica with half
 each; colocated: two LLM replicas with half each), so torch threads per replica (Ray sets
 OMP_NUM_THREADS to a replica's num_cpus) are equal too, and SLOs come from an unloaded run of the
-disaggregated app (printed). `--transport grpc` sends the same requests as `mmserve.v1`
-GenerateStream calls (429 there is RESOURCE_EXHAUSTED). Each rate sends its own requests (fresh
-images and prompts, the same in every mode), so no rate measures another's cache hits. The summary
-takes each mode's best goodput over the rates and its p99 TTFT at the lowest rate. The last line
-printed is one JSON object.
+disaggregated app (printed); with `--device cuda` every replica also gets `--gpus-per-replica` of
+the one GPU (0.5: encoder + LLM, or two colocated LLM replicas, share it). `--transport grpc`
+sends the same requests as `mmserve.v1` GenerateStream calls (429 there is RESOURCE_EXHAUSTED).
+Each rate sends its own requests (fresh images and prompts, the same in every mode), so no rate
+measures another's cache hits. The summary takes each mode's best goodput over the rates and its
+p99 TTFT at the lowest rate. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -187,7 +189,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_app(model: str, colocated: bool, num_cpus: float, dtype: str) -> tuple[str, str]:
+def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: str = "cpu",
+              gpus: float = 0.0) -> tuple[str, str]:
     """Starts Ray + Serve + the app in this process; returns its base URL and gRPC target (stop
     with `stop_app`)."""
     import ray
@@ -203,8 +206,9 @@ def start_app(model: str, colocated: bool, num_cpus: float, dtype: str) -> tuple
     serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc_options(port=grpc_port))
     big = {"max_ongoing_requests": 256, "max_queued_requests": -1}
     args = AppArgs(
-        model=model, served_model_name="bench", dtype=dtype, device="cpu", colocated=colocated, router={"num_cpus": 0, **big},
-        encoder={"num_cpus": half, **big}, llm={"num_cpus": half, "num_replicas": 2 if colocated else 1, **big},
+        model=model, served_model_name="bench", dtype=dtype, device=device, colocated=colocated, router={"num_cpus": 0, **big},
+        encoder={"num_cpus": half, "num_gpus": gpus, **big},
+        llm={"num_cpus": half, "num_gpus": gpus, "num_replicas": 2 if colocated else 1, **big},
     )
     serve.run(build_app(args), name="bench", route_prefix="/")
     return f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
@@ -218,7 +222,7 @@ def stop_app() -> None:
     ray.shutdown()
 
 
-def vit_seconds(model: str, specs: list[RequestSpec], dtype: str, threads: int) -> list[float]:
+def vit_seconds(model: str, specs: list[RequestSpec], dtype: str, threads: int, device: str = "cpu") -> list[float]:
     """In-process ViT time (decode + preprocess + forward) of each request's images, one thread pool
     the size of a replica's."""
     import torch
@@ -227,7 +231,7 @@ def vit_seconds(model: str, specs: list[RequestSpec], dtype: str, threads: int) 
     from mmserve.media import MediaItem, MediaKind
 
     torch.set_num_threads(max(1, threads))
-    encoder = VisionEncoder(model, dtype=dtype, device="cpu")
+    encoder = VisionEncoder(model, dtype=dtype, device=device)
     encoder.encode([MediaItem(MediaKind.IMAGE, (synthesize_image(i),)) for s in specs[:2] for i in s.images])  # warm-up
     out = []
     for spec in specs:
@@ -235,7 +239,12 @@ def vit_seconds(model: str, specs: list[RequestSpec], dtype: str, threads: int) 
         start = time.perf_counter()
         if items:
             encoder.encode(items)
+        if device == "cuda":
+            torch.cuda.synchronize()
         out.append(time.perf_counter() - start)
+    del encoder
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the app's replicas size their memory next
     return out
 
 
@@ -304,6 +313,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--colocated", action="store_true", help="start the app here in colocated mode")
     p.add_argument("--num-cpus", type=float, default=2.0, help="total CPUs of the app started here")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="of the app started here")
+    p.add_argument("--gpus-per-replica", type=float, default=0.5, help="with --device cuda: num_gpus of each replica")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--request-rate", type=float, nargs="+", default=None,
                    help="requests/s (several: a sweep; the summary takes the best goodput); default: 0.75 and 1.5 / the "
@@ -347,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         import tempfile
 
         model = args.model or bench_checkpoint(Path(tempfile.gettempdir()) / "mmserve-bench-serve-qwen2_vl-v1")
-        vit = vit_seconds(model, unloaded_specs, args.dtype, int(args.num_cpus / 2))
+        vit = vit_seconds(model, unloaded_specs, args.dtype, int(args.num_cpus / 2), args.device)
     slo = SLO.parse(args.goodput)
     rates = args.request_rate
     runs: dict[str, list[tuple[float, dict, list[RequestRecord]]]] = {}
@@ -356,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.url or args.grpc_target:
             url, grpc_target = args.url, args.grpc_target
         else:
-            url, grpc_target = start_app(model, mode == "colocated", args.num_cpus, args.dtype)
+            url, grpc_target = start_app(model, mode == "colocated", args.num_cpus, args.dtype, args.device,
+                                         args.gpus_per_replica if args.device == "cuda" else 0.0)
         target = grpc_target if args.transport == "grpc" else url
         try:
             asyncio.run(run_load(target, args.model_name, warm_specs, [0.0] * len(warm_specs), "warm-up", concurrency=2,
@@ -408,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"disaggregated / colocated goodput (best over the rates): {summary['goodput_ratio_disagg_over_colocated']}; "
               f"colocated / disaggregated p99 TTFT at {rates[0]}/s: {summary['p99_ttft_ratio_colocated_over_disagg']}")
     summary.update(slo={k: v for k, v in slo.as_dict().items()}, request_rates=rates, num_prompts=num_prompts,
-                   transport=args.transport,
+                   transport=args.transport, device=args.device,
                    num_cpus=args.num_cpus, seconds=round(time.perf_counter() - began, 1))
     if args.result_json:
         args.result_json.write_text(json.dumps({"summary": summary, "results": results}, indent=2))

@@ -24,13 +24,14 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
     encoder = None  # colocated: none; with grpc.encoder_address the router uses that standalone encoder
     if args.grpc.encoder_address is None and not args.colocated:
         encoder = EncoderDeployment.options(**encoder_options(args.encoder, args.encoder_pool), **routing).bind(
-            args.model, args.dtype, args.device, args.encoder_pool, args.transport, args.grpc
+            args.model, args.dtype, args.device, args.encoder_pool, args.transport, args.grpc,
+            device_share=args.encoder.device_share,
         )
     # an LLM replica at its target runs a full batch (max_num_seqs): more replicas beyond that
     llm_options = args.llm.options("LLM", default_target_ongoing_requests=args.engine.max_num_seqs) | routing
     llm = LLMDeployment.options(**llm_options).bind(
-        args.model, args.dtype, args.device, engine=args.engine.resolve(), transport=args.transport, grpc=args.grpc,
-        stall_timeout_s=args.engine.stall_timeout_s, max_waiting_tokens=args.engine.max_waiting_tokens,
+        args.model, args.dtype, args.device, engine=args.engine.resolve(args.llm.device_share), transport=args.transport,
+        grpc=args.grpc, stall_timeout_s=args.engine.stall_timeout_s, max_waiting_tokens=args.engine.max_waiting_tokens,
         colocated_pool=args.encoder_pool if args.colocated else None,
     )
     settings = RouterSettings(

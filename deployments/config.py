@@ -72,6 +72,12 @@ class DeploymentArgs(_Args):
         default=None, description="autoscale on ongoing requests (num_replicas is then ignored)"
     )
 
+    @property
+    def device_share(self) -> float:
+        """The fraction of one GPU a replica owns, memory included: `num_gpus` below 1 (two replicas
+        at 0.5 share a device), else the whole device (`num_gpus` 0: none was asked for)."""
+        return self.num_gpus if 0 < self.num_gpus < 1 else 1.0
+
     def options(self, name: str, default_target_ongoing_requests: float | None = None) -> dict:
         actor: dict = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
         if self.label_selector:
@@ -244,9 +250,13 @@ class EngineArgs(_Args):
     max_num_batched_tokens: int = Field(default=2048, ge=1, description="token budget per engine step")
     enable_chunked_prefill: bool = True
     kv_cache_memory_mb: int | None = Field(
-        default=None, ge=1, description="KV pool size (with the per-sequence state slots of hybrid "
-        "linear-attention models, at most half of it); default: from the device")
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+        default=None, ge=1, description="KV pool size, taken as given (with the per-sequence state slots of "
+        "hybrid linear-attention models, at most half of it); default: from the device (CPU: 512 MiB)"
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0, le=1, description="of the LLM replica's share of its GPU (llm.num_gpus below 1, else the "
+        "whole device): weights + KV pool; the rest of the share is headroom (activations, CUDA graphs)",
+    )
     cuda_graphs: bool = True
     enable_prefix_caching: bool = Field(default=True, description="reuse K/V of identical prompt prefixes (images by content hash)")
     attention_backend: Literal["auto", "sdpa", "triton"] = Field(
@@ -261,7 +271,8 @@ class EngineArgs(_Args):
         "unhealthy (Serve replaces it; its requests fail over)",
     )
 
-    def resolve(self):
+    def resolve(self, device_share: float = 1.0):
+        """The `EngineConfig` of an LLM replica owning `device_share` of its GPU."""
         from llm_service.config import EngineConfig
 
         return EngineConfig(
@@ -271,6 +282,7 @@ class EngineArgs(_Args):
             enable_chunked_prefill=self.enable_chunked_prefill,
             kv_cache_bytes=self.kv_cache_memory_mb * 2**20 if self.kv_cache_memory_mb else None,
             gpu_memory_utilization=self.gpu_memory_utilization,
+            device_share=device_share,
             cuda_graphs=self.cuda_graphs,
             enable_prefix_caching=self.enable_prefix_caching,
             attention_backend=self.attention_backend,

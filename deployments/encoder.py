@@ -19,7 +19,7 @@ from deployments.metrics import EncoderMetrics, PoolMetrics
 from deployments.replica_env import resolve_model_dir
 from encoder_service import VisionEncoder
 from encoder_service.pool import EncoderPool
-from mmserve.checkpoint import resolve_device
+from mmserve.checkpoint import device_memory, hold_to_share, resolve_device
 from mmserve.errors import InvalidRequest, Overloaded
 from mmserve.media import EncodeItem
 
@@ -46,9 +46,11 @@ def encoder_options(deployment: DeploymentArgs, pool: EncoderPoolArgs) -> dict:
 @serve.deployment
 class EncoderDeployment:
     def __init__(self, model_dir: str | None, dtype: str, device: str, pool: EncoderPoolArgs | None = None,
-                 transport: str = "object_store", grpc: GrpcArgs | None = None):
-        model_dir, grpc = resolve_model_dir(model_dir), (grpc or GrpcArgs()).on_node()
-        self.encoder = VisionEncoder(model_dir, dtype=dtype, device=resolve_device(device))
+                 transport: str = "object_store", grpc: GrpcArgs | None = None, device_share: float = 1.0):
+        model_dir, grpc, device = resolve_model_dir(model_dir), (grpc or GrpcArgs()).on_node(), resolve_device(device)
+        self.device_share = device_share
+        hold_to_share(device, device_share)  # past its part of the GPU a forward fails here (503)
+        self.encoder = VisionEncoder(model_dir, dtype=dtype, device=device)
         self.metrics = EncoderMetrics()
         self.pool = EncoderPool(self.encoder, (pool or EncoderPoolArgs()).resolve(), PoolMetrics(self.metrics))
         self.publisher = None
@@ -84,6 +86,10 @@ class EncoderDeployment:
     def stats(self) -> dict:
         """The pool's counters (forwards, cache, dedup, queue): for tests and debugging."""
         return self.pool.stats()._asdict()
+
+    def memory(self) -> dict:
+        """This replica's device memory (`mmserve.checkpoint.device_memory`) and its share of the device."""
+        return {**device_memory(self.encoder.device), "device_share": self.device_share}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics hook (see `deployments.autoscaling`)."""

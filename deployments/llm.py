@@ -24,7 +24,7 @@ from deployments.transport import resolve
 from llm_service.config import EngineConfig
 from llm_service.engine import LLMEngine, LLMRequest, TokenEvent
 from llm_service.model import LanguageModel
-from mmserve.checkpoint import resolve_device
+from mmserve.checkpoint import device_memory, hold_to_share, resolve_device
 from mmserve.embeddings import ItemEmbedding
 from mmserve.errors import EmbeddingsLost, InvalidRequest, QueueFull
 from mmserve.media import EncodeItem
@@ -40,9 +40,20 @@ class LLMDeployment:
         model_dir, device = resolve_model_dir(model_dir), resolve_device(device)
         self.stall_timeout_s = stall_timeout_s
         self.max_waiting_tokens = max_waiting_tokens  # None: unbounded
+        engine = engine or EngineConfig()
+        hold_to_share(device, engine.device_share)  # the KV pool is sized within it too
         self.waiting_tokens = 0  # prompt tokens of requests admitted here whose first event is not back
+        self.pool = None
+        if colocated_pool is not None:  # encode the media the router hands over, in-process
+            from encoder_service import VisionEncoder
+            from encoder_service.pool import EncoderPool
+
+            self.encoder_metrics = EncoderMetrics()
+            # loaded before the engine sizes its KV pool, so the pool leaves room for these weights
+            encoder = VisionEncoder(model_dir, dtype=dtype, device=device)
+            self.pool = EncoderPool(encoder, colocated_pool.resolve(), PoolMetrics(self.encoder_metrics))
         self.model = LanguageModel(model_dir, dtype=dtype, device=device)
-        self.engine = LLMEngine(self.model, engine or EngineConfig())
+        self.engine = LLMEngine(self.model, engine)
         self.engine.start()
         self.metrics = LLMMetrics()
         self._stats_task: asyncio.Task | None = None
@@ -51,14 +62,6 @@ class LLMDeployment:
             from deployments.transport import GrpcFetcher
 
             self.fetcher = GrpcFetcher((grpc or GrpcArgs()).on_node())
-        self.pool = None
-        if colocated_pool is not None:  # encode the media the router hands over, in-process
-            from encoder_service import VisionEncoder
-            from encoder_service.pool import EncoderPool
-
-            self.encoder_metrics = EncoderMetrics()
-            encoder = VisionEncoder(model_dir, dtype=dtype, device=device)
-            self.pool = EncoderPool(encoder, colocated_pool.resolve(), PoolMetrics(self.encoder_metrics))
 
     async def _export_stats(self, interval_s: float = 1.0) -> None:
         """Engine gauges (queues, KV blocks, preemptions, tokens/s) every `interval_s`."""
@@ -85,6 +88,13 @@ class LLMDeployment:
     def stats(self) -> dict:
         """The engine's counters (queues, KV blocks, preemptions, tokens): for tests and debugging."""
         return self.engine.stats()._asdict()
+
+    def memory(self) -> dict:
+        """This replica's device memory (`mmserve.checkpoint.device_memory`), its share of the
+        device and its KV pool's bytes: for tests and debugging."""
+        pool = self.engine.runner.kv_pool
+        return {**device_memory(self.model.device), "device_share": self.engine.config.device_share,
+                "kv_cache_bytes": pool.numel() * pool.element_size()}
 
     async def _encode_locally(self, items: list[EncodeItem]) -> list[ItemEmbedding]:
         start = time.perf_counter()

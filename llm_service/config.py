@@ -10,7 +10,9 @@ class EngineConfig:
     """How one LLM replica schedules, caches and runs.
 
     `kv_cache_bytes` sizes the paged KV pool; None means a default: on CUDA,
-    `gpu_memory_utilization` of the device minus what is already in use (weights), on CPU 512 MiB.
+    `gpu_memory_utilization` of this replica's `device_share` of the device (the fraction of a GPU
+    it was given: an encoder replica may own the rest) minus what it already holds (weights), and
+    no more than the device has free (`llm_service.kv_cache.cuda_kv_budget`); on CPU 512 MiB.
     `num_kv_blocks` overrides both (tests use it for a tiny pool). Models with linear-attention
     layers also keep a recurrent state per running sequence, in state slots taken from the same
     budget (`max_num_seqs` of them, as long as they fill at most half of it, at least one);
@@ -32,6 +34,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     num_state_slots: int | None = None
     gpu_memory_utilization: float = 0.9
+    device_share: float = 1.0
     cuda_graphs: bool = True
     max_graph_batch_size: int = 64
     max_logprobs: int = 20
@@ -43,6 +46,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1 or not 0 < self.device_share <= 1:
+            raise ValueError("gpu_memory_utilization and device_share must be in (0, 1]")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be positive")
         if self.num_state_slots is not None and self.num_state_slots < 1:

@@ -17,15 +17,31 @@ def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_siz
     return num_layers * 2 * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def cuda_kv_budget(free: int, total: int, in_use: int, utilization: float, share: float) -> int:
+    """KV bytes for a replica that owns `share` of a device of `total` bytes (Ray's fractional
+    `num_gpus`; an encoder replica may hold the rest): `utilization` of its share less what it
+    already holds (`in_use`: weights, a colocated encoder), and never more than the device has
+    `free` beyond its share's headroom (`1 - utilization` of it: activations, CUDA graphs), in
+    case another process took more than its own share. With `share` 1 that is the whole device:
+    `free - total * (1 - utilization)`, as before shares existed."""
+    own = share * total
+    return int(min(own * utilization - in_use, free - own * (1 - utilization)))
+
+
 def memory_budget(config: EngineConfig, device: torch.device) -> int:
     """Bytes for the KV pool and the state slots: `kv_cache_bytes`, else the device default (on
-    CUDA `gpu_memory_utilization` of the device minus what is in use, on CPU 512 MiB)."""
+    CUDA `cuda_kv_budget` of the replica's `device_share`, on CPU 512 MiB)."""
     if config.kv_cache_bytes is not None:
         return config.kv_cache_bytes
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return int(free - total * (1 - config.gpu_memory_utilization))
-    return _CPU_DEFAULT_BYTES
+    if device.type != "cuda":
+        return _CPU_DEFAULT_BYTES
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = torch.cuda.memory_reserved(device)
+    budget = cuda_kv_budget(free, total, in_use, config.gpu_memory_utilization, config.device_share)
+    logger.info("KV budget %.1f MiB: %.0f%% of this replica's %.2f share of %.1f GiB, %.1f MiB already held, "
+                "%.1f MiB free on the device", budget / 2**20, 100 * config.gpu_memory_utilization,
+                config.device_share, total / 2**30, in_use / 2**20, free / 2**20)
+    return budget
 
 
 def pool_sizes(config: EngineConfig, block_bytes: int, slot_bytes: int, device: torch.device) -> tuple[int, int]:
@@ -44,7 +60,8 @@ def pool_sizes(config: EngineConfig, block_bytes: int, slot_bytes: int, device: 
             raise ValueError(f"memory budget of {budget} bytes holds no state slot of {slot_bytes} bytes")
     blocks = (budget - slots * slot_bytes) // block_bytes
     if blocks < 1:
-        raise ValueError(f"KV budget of {budget - slots * slot_bytes} bytes holds no block of {block_bytes} bytes")
+        raise ValueError(f"KV budget of {budget - slots * slot_bytes} bytes holds no block of {block_bytes} bytes: "
+                         "raise gpu_memory_utilization or the replica's num_gpus, or set kv_cache_memory_mb")
     return int(blocks), int(slots)
 
 

@@ -1,8 +1,9 @@
 """Benches that cannot rot: every bench/ script answers `--help`, and finishes its smallest run
 (seconds to a minute) ending with its one JSON line, run as a user runs it (`python bench/X.py`).
 
-Out of CI, and said so here: serve.py's sweeps (tests/test_bench_serve.py runs its small runs)
-and soak.py (minutes long, by design)."""
+Out of CI, and said so here: serve.py's sweeps (tests/test_bench_serve.py runs its small runs),
+soak.py (minutes long, by design) and gpu_report.py (tests/test_gpu_report.py runs it into a
+temporary results file)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,13 @@ SERVE = pytest.mark.serve
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 SMALLEST = {
     "encoder.py": (["--items", "4"], []),
-    "llm.py": (["--prompt-len", "8", "--max-tokens", "4", "--concurrency", "1"], []),
+    "llm.py": (["--prompt-len", "8", "--max-tokens", "4", "--concurrency", "1", "--decode-tokens", "8"], []),
     "dispatch.py": (["--requests", "2"], [SERVE]),
     "transfer.py": (["--iters", "1", "--ingress-iters", "2"], [SERVE]),
     "vit_attention.py": ([], GPU),
 }
-ELSEWHERE = {"serve.py": "tests/test_bench_serve.py", "soak.py": "minutes long: run by hand"}
+ELSEWHERE = {"serve.py": "tests/test_bench_serve.py", "soak.py": "minutes long: run by hand",
+             "gpu_report.py": "tests/test_gpu_report.py (its runs append to a results file)"}
 
 
 def _run(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess:

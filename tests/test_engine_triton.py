@@ -217,39 +217,20 @@ def test_cuda_bf16_greedy_equals_transformers_generate_or_splits_at_a_near_tie(t
     """bf16 on the GPU: the engine (Triton kernel + decode graphs) against `generate` in bf16 on the
     same weights. Rounding may flip a token only where the reference's logit of our token nearly
     ties its best one (the tiny model's random logits are flat, so near-ties are common)."""
-    from transformers import AutoModelForImageTextToText
-
-    from tests.reference import reference_inputs
+    from tests.reference import NearTieTally, greedy_reference
 
     model_dir = tiny_models["qwen2_vl"]
     engine = LLMEngine(LanguageModel(model_dir, dtype="bfloat16", device="cuda"),
                        EngineConfig(num_kv_blocks=256, max_graph_batch_size=8))
     assert engine.runner.backend == "triton" and engine.runner.graphs is not None
-    reference = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     cases = [c for c in mixed_cases() if c[0].startswith("text_")]
-    eos = reference.generation_config.eos_token_id
-    eos = {eos} if isinstance(eos, int) else set(eos or [])
     collector = Collector()
     for name, messages in cases:
         collector.add(engine, plan_request(model_dir, messages, name, 16))
     run_until_done(engine, collector)
-    exact, ties = 0, []
+    tally = NearTieTally()
     for name, messages in cases:
-        inputs = reference_inputs(model_dir, messages).to("cuda")
-        with torch.inference_mode():
-            out = reference.generate(**inputs, do_sample=False, max_new_tokens=16,
-                                     output_logits=True, return_dict_in_generate=True)
-        want = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()  # with its EOS, if any
-        got = collector.tokens(name)
-        if collector.finish_reason(name) == "stop":
-            got.append(want[len(got)] if len(want) > len(got) and want[len(got)] in eos else min(eos))
-        if got == want:
-            exact += 1
-            continue
-        split = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-        scores = out.logits[split][0].float()
-        gap = float(scores.max() - scores[got[split]])  # how far below the reference's best our token is
-        ties.append((name, split, round(gap, 4), round(float(scores.std()), 3)))  # + the logits' spread
-        assert gap < 0.125, f"{name}: split at token {split}, {gap:.4f} below the reference's top logit"
-    print(f"bf16 vs generate: {exact}/{len(cases)} identical; splits (case, token, gap, logit std): {ties}")
-    assert exact >= len(cases) // 2
+        ref = greedy_reference(model_dir, messages, 16, torch.bfloat16, "cuda", key=name)
+        tally.check(name, collector.tokens(name), collector.finish_reason(name) == "stop", ref)
+    print(f"bf16 vs generate: {tally.summary(len(cases))}")
+    assert tally.exact >= len(cases) // 2

@@ -1,0 +1,78 @@
+"""A full-size checkpoint without the hub: Qwen2-VL-2B-Instruct's architecture with random weights.
+
+`qwen2_vl_2b(out)` writes a whole servable checkpoint (vision tower, merger, language model, the
+tiny models' tokenizer and Qwen2-VL chat template, Qwen2-VL-2B's image processor bounds), bf16,
+drawn on the CPU from a fixed seed: the same bytes on every host with the same torch. The GPU
+figures (bench/gpu_report.py) and the GPU app tests serve it; its answers are gibberish, its
+sizes (weights, KV bytes per token, ViT FLOPs) are the real model's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+# Qwen2-VL-2B-Instruct's config.json
+QWEN2_VL_2B_TEXT = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768)
+QWEN2_VL_2B_VISION = dict(depth=32, embed_dim=1280, hidden_size=1536, mlp_ratio=4, num_heads=16, in_channels=3,
+                          patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+# its preprocessor_config.json
+MIN_PIXELS, MAX_PIXELS = 3136, 12845056
+MARKER = "mmserve_random.json"
+
+
+def qwen2_vl_2b(out: str | Path, seed: int = 0, text_layers: int | None = None, vision_depth: int | None = None) -> str:
+    """Writes the checkpoint to `out` (once: an existing one with the same settings is kept) and
+    returns its path. `text_layers` / `vision_depth` shrink it (for CPU tests of this builder)."""
+    import torch
+    from transformers import (
+        AutoModelForImageTextToText, GenerationConfig, Qwen2VLConfig, Qwen2VLImageProcessor, Qwen2VLProcessor,
+        Qwen2VLVideoProcessor,
+    )
+
+    from mmserve.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
+    from mmserve.tiny.tokenizer import build_tokenizer, text_config
+
+    out = Path(out)
+    settings = {"architecture": "Qwen2-VL-2B-Instruct", "seed": seed, "text_layers": text_layers,
+                "vision_depth": vision_depth}
+    if (out / MARKER).exists() and json.loads((out / MARKER).read_text()) == settings:
+        return str(out)
+    tokenizer = build_tokenizer(seed, vocab_size=1024)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    text = text_config(tokenizer, **QWEN2_VL_2B_TEXT, initializer_range=0.02, tie_word_embeddings=True,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]})
+    vision = dict(QWEN2_VL_2B_VISION, initializer_range=0.02)
+    if text_layers is not None:
+        text["num_hidden_layers"] = text_layers
+    if vision_depth is not None:
+        vision["depth"] = vision_depth
+    config = Qwen2VLConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=True, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16).eval()
+    model.generation_config = GenerationConfig(eos_token_id=[text["eos_token_id"], text["bos_token_id"]],
+                                               pad_token_id=text["pad_token_id"], do_sample=False)
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
+        video_processor=Qwen2VLVideoProcessor(cap_pixels_per_frame=False), tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE,
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        processor.save_pretrained(tmp)
+        (tmp / MARKER).write_text(json.dumps(settings) + "\n")
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return str(out)

@@ -1,0 +1,384 @@
+"""Every GPU figure in one command: one record appended to bench/results/gpu.jsonl per run, and
+docs/gpu-figures.md regenerated from the whole file.
+
+    python bench/gpu_report.py                          # every part, on the GPU
+    python bench/gpu_report.py --only engine serve      # some parts: tests, engine, encoder, serve
+    python bench/gpu_report.py --device cpu --only engine   # same shape, CPU sizes: bench/results/cpu.jsonl
+    python bench/gpu_report.py --render-only            # docs/gpu-figures.md from gpu.jsonl again
+
+Each part runs what already measures (subprocesses; their last JSON line is read) and adds its
+figures to the run's record; every figure is in every record, null when this run did not measure
+it. On CUDA every part fits in 8 minutes on an H100:
+- tests: tests/test_gpu_app.py (the app on one GPU) -> gpu_app_tests {passed, failed, skipped}.
+- engine: bench/llm.py (Qwen2-VL-2B's LM, random bf16) -> steady decode at batch 1, 64, and 4 over
+  8k tokens, each against its bound: (weight bytes + KV bytes read per step) / peak memory bandwidth.
+- encoder: bench/encoder.py (the full-size Qwen2-VL vision tower) -> forward images/s and MFU against
+  the dense bf16 peak at 448^2 and 1024^2, the pool end to end over the forward alone, the token
+  budget over one image per forward.
+- serve: bench/serve.py --compare colocated (random full-size Qwen2-VL-2B, bench/checkpoints.py;
+  each replica on half the GPU) -> goodput and p99 TTFT of both modes; bench/transfer.py -> GB/s
+  of a 20 MB embedding by each transport, against the memory bandwidth.
+Peaks come from bench/device_peaks.py by the CUDA device name (--peak-gbs / --peak-tflops
+override). CPU records are for the shape (CI) and are not comparable with GPU ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import xml.etree.ElementTree as ET
+from importlib import metadata
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.device_peaks import Peaks, peaks  # noqa: E402
+
+PARTS = ("tests", "engine", "encoder", "serve")
+PART_TIMEOUT_S = 900  # each part is sized for under 8 minutes on an H100
+
+
+class Figure(NamedTuple):
+    name: str
+    unit: str
+    part: str
+
+
+FIGURES = (
+    Figure("gpu_app_tests", "tests passed / failed / skipped", "tests"),
+    Figure("decode_b1_ms", "ms/token", "engine"),
+    Figure("decode_b1_bound_ms", "ms/token", "engine"),
+    Figure("decode_b1_ratio_to_bound", "x the bound", "engine"),
+    Figure("decode_b64_ms", "ms/step", "engine"),
+    Figure("decode_b64_bound_ms", "ms/step", "engine"),
+    Figure("decode_b64_frac_of_bound", "fraction of the bound's speed", "engine"),
+    Figure("decode_b64_tok_s", "tok/s, prefills included", "engine"),
+    Figure("decode_8k_b4_ms", "ms/step", "engine"),
+    Figure("decode_8k_b4_bound_ms", "ms/step", "engine"),
+    Figure("decode_8k_b4_ratio_to_bound", "x the bound", "engine"),
+    Figure("vit_forward_448_images_per_s", "images/s", "encoder"),
+    Figure("vit_forward_1024_images_per_s", "images/s", "encoder"),
+    Figure("vit_mfu_448", "fraction of the dense bf16 peak", "encoder"),
+    Figure("vit_mfu_1024", "fraction of the dense bf16 peak", "encoder"),
+    Figure("encoder_pool_448_images_per_s", "images/s", "encoder"),
+    Figure("encoder_pool_1024_images_per_s", "images/s", "encoder"),
+    Figure("encoder_pool_over_forward_448", "ratio", "encoder"),
+    Figure("encoder_budget_vs_single_448", "x one image per forward", "encoder"),
+    Figure("serve_disagg_goodput_rps", "req/s", "serve"),
+    Figure("serve_colocated_goodput_rps", "req/s", "serve"),
+    Figure("serve_disagg_p99_ttft_ms", "ms", "serve"),
+    Figure("serve_colocated_p99_ttft_ms", "ms", "serve"),
+    Figure("transfer_object_store_gbs", "GB/s", "serve"),
+    Figure("transfer_grpc_gbs", "GB/s", "serve"),
+    Figure("transfer_object_store_frac_of_bandwidth", "fraction of peak memory bandwidth", "serve"),
+    Figure("transfer_grpc_frac_of_bandwidth", "fraction of peak memory bandwidth", "serve"),
+)
+UNITS = {f.name: f.unit for f in FIGURES}
+
+# CPU: the small sizes the benches' own smallest runs use (tests/test_bench_scripts.py)
+CPU_ARGS = {
+    "llm": ["--prompt-len", "8", "--max-tokens", "4", "--concurrency", "1", "--decode-tokens", "16",
+            "--long-context", "0"],
+    "encoder": ["--items", "4"],
+    "serve": ["--compare", "colocated", "--quick", "--num-prompts", "12", "--unloaded-requests", "2"],
+    "transfer": ["--iters", "1", "--ingress-iters", "2"],
+}
+CUDA_ARGS = {
+    "llm": ["--long-context", "8192", "--long-batch", "4"],
+    "encoder": ["--workers", "8"],
+    "serve": ["--compare", "colocated", "--dtype", "bfloat16", "--num-cpus", "8", "--num-prompts", "100",
+              "--input-len", "128", "--output-len", "64"],
+    "transfer": [],
+}
+
+
+class PartFailed(Exception):
+    pass
+
+
+def ratio(a: float | None, b: float | None, digits: int = 4) -> float | None:
+    return round(a / b, digits) if a is not None and b else None
+
+
+# -- running what measures ----------------------------------------------------------------------
+def run(cmd: list[str], timeout_s: float) -> tuple[int, str | None]:
+    """Runs `cmd` from the checkout (its output echoed to stderr); (exit code, last JSON line)."""
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0",
+               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    timer = threading.Timer(timeout_s, lambda: os.killpg(proc.pid, signal.SIGKILL))  # its Ray too
+    timer.start()
+    last = None
+    try:
+        for line in proc.stdout:
+            sys.stderr.write(line)
+            if line.startswith("{"):
+                last = line
+        proc.wait()
+    finally:
+        timer.cancel()
+    return proc.returncode, last
+
+
+def bench_json(script: str, args: list[str], timeout_s: float) -> dict:
+    code, last = run([sys.executable, str(ROOT / "bench" / script), *args], timeout_s)
+    if code == -signal.SIGKILL:
+        raise PartFailed(f"bench/{script} killed after {timeout_s:.0f} s")
+    if code != 0 or last is None:
+        raise PartFailed(f"bench/{script} exited {code}" + ("" if last else " without its JSON line"))
+    return json.loads(last)
+
+
+def tests_part(ns, peak: Peaks) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        junit = Path(tmp) / "junit.xml"
+        code, _ = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                       f"--junitxml={junit}", "tests/test_gpu_app.py"], ns.timeout)
+        if code not in (0, 1, 5) or not junit.exists():  # 1: some failed (a figure); 5: none collected
+            raise PartFailed(f"pytest exited {code}")
+        suite = ET.parse(junit).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        tests, failures, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+    return {"gpu_app_tests": {"passed": tests - failures - errors - skipped, "failed": failures + errors,
+                              "skipped": skipped}}
+
+
+def engine_figures(r: dict, peak: Peaks) -> dict:
+    """bench/llm.py's result -> decode figures; a step's bound reads the weights once and every
+    sequence's KV (mean context over the measured tokens) at peak memory bandwidth."""
+    def bound(batch: int, context: float) -> float | None:
+        kv = batch * context * r["kv_bytes_per_token"]
+        return round((r["weight_bytes"] + kv) / (peak.memory_gbs * 1e9) * 1e3, 4) if peak.memory_gbs else None
+
+    mean_context = r["prompt_len"] + r["decode_tokens"] / 2
+    b1, b1_bound = r["decode_ms_per_token_b1"], bound(1, mean_context)
+    b64, b64_bound = r["decode_ms_per_step_b64"], bound(64, mean_context)
+    long = r["decode_ms_per_step_long"] if (r["long_context"], r["long_batch"]) == (8192, 4) else None
+    long_bound = bound(4, 8192 + r["decode_tokens"] / 2) if long is not None else None
+    return {"decode_b1_ms": b1, "decode_b1_bound_ms": b1_bound, "decode_b1_ratio_to_bound": ratio(b1, b1_bound),
+            "decode_b64_ms": b64, "decode_b64_bound_ms": b64_bound, "decode_b64_frac_of_bound": ratio(b64_bound, b64),
+            "decode_b64_tok_s": r["engine_tok_s_b64"], "decode_8k_b4_ms": long, "decode_8k_b4_bound_ms": long_bound,
+            "decode_8k_b4_ratio_to_bound": ratio(long, long_bound)}
+
+
+def engine_part(ns, peak: Peaks) -> dict:
+    return engine_figures(bench_json("llm.py", ["--device", ns.device, *ns.sizes["llm"]], ns.timeout), peak)
+
+
+def encoder_figures(r: dict, peak: Peaks) -> dict:
+    """bench/encoder.py's CUDA rows -> encoder figures (its CPU table measures other sizes: none)."""
+    if "cuda_448_forward_images_per_s" not in r:
+        return {}
+    out = {"encoder_budget_vs_single_448": round(r["cuda_448_budget_vs_single"], 3),
+           "encoder_pool_over_forward_448": ratio(r["cuda_448_images_per_s"], r["cuda_448_forward_images_per_s"], 3)}
+    for side in (448, 1024):
+        out[f"vit_forward_{side}_images_per_s"] = round(r[f"cuda_{side}_forward_images_per_s"], 2)
+        out[f"vit_mfu_{side}"] = ratio(r[f"cuda_{side}_forward_tflops"], peak.bf16_tflops)
+        out[f"encoder_pool_{side}_images_per_s"] = round(r[f"cuda_{side}_images_per_s"], 2)
+    return out
+
+
+def encoder_part(ns, peak: Peaks) -> dict:
+    tflops = ["--peak-tflops", str(peak.bf16_tflops)] if peak.bf16_tflops else []
+    return encoder_figures(bench_json("encoder.py", ["--device", ns.device, *ns.sizes["encoder"], *tflops],
+                                      ns.timeout), peak)
+
+
+def serve_figures(summary: dict, transfer: dict, peak: Peaks) -> dict:
+    out = {f"serve_{mode}_{k}": summary[f"{mode}_{k}"] for mode in ("disagg", "colocated")
+           for k in ("goodput_rps", "p99_ttft_ms")}
+    for transport in ("object_store", "grpc"):
+        gbs = round(transfer[f"{transport}_mb_s_20mb"] / 1000, 3)
+        out[f"transfer_{transport}_gbs"] = gbs
+        out[f"transfer_{transport}_frac_of_bandwidth"] = ratio(gbs, peak.memory_gbs, 8)
+    return out
+
+
+def serve_part(ns, peak: Peaks) -> dict:
+    with tempfile.TemporaryDirectory() as plots:
+        args = [*ns.sizes["serve"], "--plot-dir", plots]
+        if ns.device == "cuda":
+            from bench.checkpoints import qwen2_vl_2b
+
+            models = Path(os.environ.get("MMSERVE_CACHE", Path.home() / ".cache" / "mmserve"))
+            args += ["--device", "cuda", "--model", qwen2_vl_2b(models / "qwen2_vl_2b_random")]
+        summary = bench_json("serve.py", args, ns.timeout)
+    return serve_figures(summary, bench_json("transfer.py", ns.sizes["transfer"], ns.timeout), peak)
+
+
+PART_RUNS = {"tests": tests_part, "engine": engine_part, "encoder": encoder_part, "serve": serve_part}
+
+
+# -- the record ---------------------------------------------------------------------------------
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _out(cmd: list[str]) -> str | None:
+    try:
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def device_name(device: str) -> str:
+    """As CUDA names it (asked in a child process: this one holds no CUDA memory while parts run)."""
+    if device == "cpu":
+        return "cpu"
+    name = _out([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0))"])
+    if not name:
+        raise SystemExit("no CUDA device here: use --device cpu")
+    return name.splitlines()[-1]
+
+
+def new_record(device: str, peak: Peaks) -> dict:
+    driver = _out(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if device != "cpu" else None
+    changes = _out(["git", "status", "--porcelain", "--untracked-files=no"])  # None: not a git checkout
+    record = {
+        "date": datetime.date.today().isoformat(), "commit": _out(["git", "rev-parse", "HEAD"]),
+        "dirty": None if changes is None else bool(changes), "device": device, "driver": driver.splitlines()[0] if driver else None,
+        "torch": _version("torch"), "triton": _version("triton") or _version("pytorch-triton"),
+        "transformers": _version("transformers"), "peak_gbs": peak.memory_gbs, "peak_tflops": peak.bf16_tflops,
+        "parts": [], "failed_parts": {},
+    }
+    record.update({f.name: None for f in FIGURES})
+    record["units"] = dict(UNITS)
+    return record
+
+
+# -- the page -----------------------------------------------------------------------------------
+def _num(value, fmt: str) -> str:
+    return "–" if value is None else fmt.format(value)
+
+
+def cell(r: dict, name: str, fmt: str, beside: str | None = None, beside_fmt: str = "") -> str:
+    """A figure (its range where the record gives one) and, in brackets, its ratio to the limit."""
+    span = (r.get("ranges") or {}).get(name)
+    text = "–".join(fmt.format(v) for v in span) if span else _num(r.get(name), fmt)
+    if beside:
+        span = (r.get("ranges") or {}).get(beside)
+        ratio_text = "–".join(beside_fmt.format(v) for v in span) if span else _num(r.get(beside), beside_fmt)
+        if ratio_text != "–":
+            text += f" ({ratio_text})"
+    return text
+
+
+def _tests_cell(r: dict) -> str:
+    t = r.get("gpu_app_tests")
+    return "–" if t is None else f"{t['passed']} passed, {t['failed']} failed" + (
+        f", {t['skipped']} skipped" if t.get("skipped") else "")
+
+
+def _pair(r: dict, a: str, b: str, fmt: str) -> str:
+    return "–" if r.get(a) is None and r.get(b) is None else f"{_num(r.get(a), fmt)} / {_num(r.get(b), fmt)}"
+
+
+COLUMNS = (
+    ("date", lambda r: r["date"]),
+    ("commit", lambda r: (r.get("commit") or "?")[:9] + ("+" if r.get("dirty") else "")),
+    ("device", lambda r: r["device"]),
+    ("app tests", _tests_cell),
+    ("decode b1 ms/token (x bound)", lambda r: cell(r, "decode_b1_ms", "{:.2f}", "decode_b1_ratio_to_bound", "{:.2f}x")),
+    ("decode b64 ms/step (of bound), tok/s", lambda r: ", ".join(
+        c for c in (cell(r, "decode_b64_ms", "{:.2f}", "decode_b64_frac_of_bound", "{:.0%}"),
+                    cell(r, "decode_b64_tok_s", "{:.0f} tok/s")) if c != "–") or "–"),
+    ("decode 8k b4 ms/step (x bound)", lambda r: cell(r, "decode_8k_b4_ms", "{:.2f}", "decode_8k_b4_ratio_to_bound",
+                                                      "{:.2f}x")),
+    ("ViT 448² img/s (MFU)", lambda r: cell(r, "vit_forward_448_images_per_s", "{:.0f}", "vit_mfu_448", "{:.1%}")),
+    ("ViT 1024² img/s (MFU)", lambda r: cell(r, "vit_forward_1024_images_per_s", "{:.1f}", "vit_mfu_1024", "{:.1%}")),
+    ("pool 448² img/s (of forward)", lambda r: cell(r, "encoder_pool_448_images_per_s", "{:.0f}",
+                                                    "encoder_pool_over_forward_448", "{:.2f}")),
+    ("budget vs one per forward 448²", lambda r: cell(r, "encoder_budget_vs_single_448", "{:.2f}x")),
+    ("goodput req/s disagg / coloc", lambda r: _pair(r, "serve_disagg_goodput_rps", "serve_colocated_goodput_rps",
+                                                     "{:.2f}")),
+    ("p99 TTFT ms disagg / coloc", lambda r: _pair(r, "serve_disagg_p99_ttft_ms", "serve_colocated_p99_ttft_ms",
+                                                   "{:.0f}")),
+    ("transfer GB/s obj store (of HBM)", lambda r: cell(r, "transfer_object_store_gbs", "{:.2f}",
+                                                        "transfer_object_store_frac_of_bandwidth", "{:.2%}")),
+    ("transfer GB/s gRPC (of HBM)", lambda r: cell(r, "transfer_grpc_gbs", "{:.2f}", "transfer_grpc_frac_of_bandwidth",
+                                                   "{:.2%}")),
+    ("notes", lambda r: "; ".join(filter(None, [r.get("source"), *(f"{p} failed: {e}" for p, e in
+                                                                   (r.get("failed_parts") or {}).items())]))),
+)
+
+HEADER = """# GPU figures
+
+Generated by `python bench/gpu_report.py` from `bench/results/gpu.jsonl` (one record per run, newest
+first): do not edit by hand, run `python bench/gpu_report.py --render-only`. – : not measured in that
+run. Brackets: the figure against its physical limit, from the device's peaks (`bench/device_peaks.py`):
+- decode: steady ms per step (batch 1: per token) against the step's bound, the weights read once plus
+  every sequence's KV at peak memory bandwidth (`x bound`: 1.0 is the limit; `of bound`: the bound's
+  speed reached); 8k b4 = batch 4 over 8,192-token contexts. Qwen2-VL-2B's LM, random bf16 weights.
+- ViT: forward alone, the full-size Qwen2-VL vision tower (random bf16), MFU against the dense bf16
+  peak; pool: the encoder pool end to end (preprocessing included) over the forward alone; budget: the
+  token-budget batcher over one image per forward.
+- serve: `bench/serve.py --compare colocated` on one GPU (each replica on half), the best goodput over
+  the swept rates and p99 TTFT at the lowest rate; transfer: a 20 MB bf16 embedding between replicas
+  (host memory), against the device's memory bandwidth.
+
+Every field of a record, with its unit, is in the record (`units`). CPU runs go to
+`bench/results/cpu.jsonl` and are not comparable.
+
+"""
+
+
+def render(records: list[dict]) -> str:
+    rows = [r for _, r in sorted(enumerate(records), key=lambda ir: (ir[1]["date"], ir[0]), reverse=True)]
+    lines = ["| " + " | ".join(h for h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(str(f(r)).replace("|", "/") for _, f in COLUMNS) + " |" for r in rows]
+    return HEADER + "\n".join(lines) + "\n"
+
+
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS), help="parts to run (default: all)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--peak-gbs", type=float, default=None, help="peak memory bandwidth, GB/s (default: by device)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak, TFLOP/s (H100/H200 SXM: 989)")
+    p.add_argument("--results", type=Path, default=None, help="default: bench/results/gpu.jsonl (cpu.jsonl on CPU)")
+    p.add_argument("--markdown", type=Path, default=None, help="default: docs/gpu-figures.md (none on CPU)")
+    p.add_argument("--render-only", action="store_true", help="only regenerate the page from --results")
+    p.add_argument("--timeout", type=float, default=PART_TIMEOUT_S, help="per subprocess, seconds")
+    ns = p.parse_args(argv)
+    results = ns.results or ROOT / "bench" / "results" / ("gpu.jsonl" if ns.device == "cuda" else "cpu.jsonl")
+    markdown = ns.markdown or (ROOT / "docs" / "gpu-figures.md" if ns.device == "cuda" else None)
+    failed = {}
+    if not ns.render_only:
+        device = device_name(ns.device)
+        peak = peaks(None if device == "cpu" else device, ns.peak_gbs, ns.peak_tflops)
+        ns.sizes = CUDA_ARGS if ns.device == "cuda" else CPU_ARGS
+        record = new_record(device, peak)
+        for part in (q for q in PARTS if q in ns.only):
+            try:
+                record.update(PART_RUNS[part](ns, peak))
+                record["parts"].append(part)
+            except (PartFailed, KeyError, ValueError) as e:
+                record["failed_parts"][part] = f"{type(e).__name__}: {e}" if not isinstance(e, PartFailed) else str(e)
+        results.parent.mkdir(parents=True, exist_ok=True)
+        with results.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(json.dumps(record))
+        failed = record["failed_parts"]
+    if markdown:
+        markdown.write_text(render(read_records(results)))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
