@@ -201,6 +201,7 @@ class RequestCore:
         pending = PendingRequest(
             request_id=request_id, prompt_token_ids=tuple(plan.token_ids), sampling=sampling,
             positions=plan.positions, ranges=tuple(plan.ranges), embeddings=await self._dispatch(media),
+            snapshot_boundaries=plan.snapshot_boundaries,
         )
         logger.info("request %s: %d prompt tokens, %d media items (%d media tokens), max_tokens %d",
                     request_id, len(plan.token_ids), len(plan.items), plan.num_media_tokens, sampling.max_tokens)

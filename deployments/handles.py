@@ -52,5 +52,6 @@ class PendingRequest:
     positions: PositionPlan | None
     ranges: tuple[PlaceholderRange, ...]
     embeddings: tuple[EmbeddingHandle, ...]  # one per range
+    snapshot_boundaries: tuple[int, ...] = ()  # `RequestPlan.snapshot_boundaries` (the system prompt's end)
     resumed_tokens: int = 0  # a failover continuation: the last this many prompt tokens were already sent
     attempt: int = 0  # 0: the first submission; n: the router's n-th resubmission (never refused as busy)

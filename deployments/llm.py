@@ -136,6 +136,7 @@ class LLMDeployment:
             sampling=pending.sampling,
             positions=pending.positions,
             media=tuple(zip(pending.ranges, embeddings)),
+            snapshot_boundaries=pending.snapshot_boundaries,
         )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
