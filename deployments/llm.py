@@ -61,7 +61,7 @@ class LLMDeployment:
             self.pool = EncoderPool(encoder, colocated_pool.resolve(), PoolMetrics(self.encoder_metrics))
 
     async def _export_stats(self, interval_s: float = 1.0) -> None:
-        """Engine gauges (queues, KV blocks, preemptions, tokens/s) every `interval_s`."""
+        """Engine gauges (queues, KV blocks, state snapshots, preemptions, tokens/s) every `interval_s`."""
         last = self.engine.stats()
         while True:
             await asyncio.sleep(interval_s)
@@ -70,6 +70,8 @@ class LLMDeployment:
             self.metrics.waiting.set(stats.num_waiting)
             self.metrics.kv_blocks_used.set(stats.kv_blocks_used)
             self.metrics.kv_usage.set(stats.kv_blocks_used / max(stats.kv_blocks_total, 1))
+            self.metrics.state_snapshots.set(stats.num_snapshots)
+            self.metrics.state_snapshot_bytes.set(stats.snapshot_bytes)
             if stats.num_preemptions > last.num_preemptions:
                 self.metrics.preemptions.inc(stats.num_preemptions - last.num_preemptions)
             self.metrics.tokens_per_s.set((stats.num_generated - last.num_generated) / interval_s)
