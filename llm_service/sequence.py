@@ -151,13 +151,14 @@ class Sequence:
         if self._snapshot_points is None:
             hashed = len(self.block_hashes(block_size)) * block_size
             ends = (*self.request.snapshot_boundaries, *(r.offset + r.length for r, _ in self.request.media), hashed)
-            self._snapshot_points = tuple(sorted({min(e, hashed) // block_size * block_size for e in ends} - {0}))
+            points = {min(e, hashed) // block_size * block_size for e in ends}
+            self._snapshot_points = tuple(sorted(p for p in points if p > 0))
         return self._snapshot_points
 
     def next_stop(self, start: int, block_size: int) -> int:
         """The first snapshot point after `start`, else the end of the tokens."""
-        i = bisect.bisect_right(self.snapshot_points(block_size), start)
         points = self.snapshot_points(block_size)
+        i = bisect.bisect_right(points, start)
         return points[i] if i < len(points) else self.num_tokens
 
     def chunk_media(self, start: int, end: int) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:

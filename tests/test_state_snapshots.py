@@ -5,6 +5,8 @@ state of its prefix (never one of a diverging prefix: other tokens, or the same 
 image), never outlives the KV block its prefix ends at, and no row leaks, across admission,
 resume, chunked prefill, preemption, abort, finish and eviction."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import event, settings
@@ -63,6 +65,8 @@ def test_snapshot_points_are_block_boundaries_of_the_system_prompt_media_and_pro
     assert len(seq.block_hashes(BLOCK)) == 4  # the last prompt token is never cached
     assert seq.snapshot_points(BLOCK) == (8, 12, 16)  # system ends at 9, image at 15, hashed prompt at 16
     assert [seq.next_stop(s, BLOCK) for s in (0, 8, 9, 16)] == [8, 12, 12, 20]
+    odd = Sequence(dataclasses.replace(seq.request, snapshot_boundaries=(-3, 2, 99)), lambda e: None, 2)
+    assert odd.snapshot_points(BLOCK) == (12, 16)  # out-of-range boundaries: none, or the prompt end
     unkeyed = _request(1, SYSTEMS[2], "", (1,))
     assert Sequence(unkeyed, lambda e: None, 1).snapshot_points(BLOCK) == ()  # media without a key: no caching
 
