@@ -2,6 +2,8 @@
 
     python bench/llm.py                      # CPU, a small random Qwen2-VL LM, a few minutes
     python bench/llm.py --device cuda        # full-size Qwen2-VL-2B LM config (random weights)
+    python bench/llm.py --hybrid-prefix      # hybrid LM: TTFT with state snapshots on vs off
+    python bench/llm.py --hybrid-prefix --quick    # the same, smaller prompt (seconds)
 
 (a) `generate` serves the requests one at a time (what a replica without batching does);
 (b) the engine gets all of them at once. The last line printed is one JSON object.
@@ -9,6 +11,12 @@ Then steady decode (every sequence past its prefill): ms per step at batch 1 and
 batch 4 over 8k-token contexts, with what bounds them (weight bytes, KV bytes per token); with
 --device cuda also batch-1 against the weight-bandwidth bound (weight bytes / HBM bandwidth).
 bench/gpu_report.py turns these into ratios to the physical limits.
+
+--hybrid-prefix: a Gated-DeltaNet hybrid LM (`qwen3_5_text` in a MiniCPM-V 4.6 shell, hidden 256,
+8 layers: 6 linear-attention + 2 full-attention, random weights) serves two requests that share
+a system prompt (1,024 tokens) and an image (256 placeholder tokens, random embedding rows under
+one media key) and differ in a 16-token question; the TTFT of the second one is measured with
+state snapshots on (prefix caching resumes it) and off (the whole prompt is computed again).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -33,6 +42,8 @@ from llm_service.engine import LLMEngine, LLMRequest  # noqa: E402
 from llm_service.kv_cache import bytes_per_block  # noqa: E402
 from llm_service.model import LanguageModel  # noqa: E402
 from llm_service.sampling import SamplingParams  # noqa: E402
+from mmserve.embeddings import ItemEmbedding  # noqa: E402
+from mmserve.media import PlaceholderRange  # noqa: E402
 
 SIZES = {
     # CPU default: small enough for a few minutes on 2 cores, big enough that compute shows
@@ -40,6 +51,14 @@ SIZES = {
                   num_key_value_heads=2, vocab_size=4096, max_position_embeddings=4096),
     "2b": QWEN2_VL_2B_TEXT,  # Qwen2-VL-2B-Instruct's language model
 }
+# the --hybrid-prefix LM: 3 linear-attention layers per full-attention layer, like Qwen3.5's
+HYBRID_TEXT = dict(model_type="qwen3_5_text", hidden_size=256, intermediate_size=768, num_hidden_layers=8,
+                   num_attention_heads=8, num_key_value_heads=2, head_dim=32, linear_num_key_heads=4,
+                   linear_key_head_dim=64, linear_num_value_heads=8, linear_value_head_dim=64,
+                   vocab_size=4096, max_position_embeddings=8192, eos_token_id=2, pad_token_id=0)
+IMAGE_TOKEN = 5
+# (system prompt, image placeholder, question) tokens
+HYBRID_SIZES = {"full": (1024, 256, 16), "quick": (256, 64, 16)}
 
 
 def random_checkpoint(size: str, dtype: torch.dtype, device: str) -> Path:
@@ -58,6 +77,98 @@ def random_checkpoint(size: str, dtype: torch.dtype, device: str) -> Path:
     out = Path(tempfile.mkdtemp(prefix=f"mmserve-bench-{size}-"))
     model.save_pretrained(out)
     return out
+
+
+def hybrid_checkpoint() -> Path:
+    """A MiniCPM-V 4.6 checkpoint with the `HYBRID_TEXT` LM (tiny vision tower), random weights."""
+    from transformers import MiniCPMV4_6Config, MiniCPMV4_6ForConditionalGeneration
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, image_size=112,
+                  patch_size=14, insert_layer_id=1)
+    config = MiniCPMV4_6Config(text_config=HYBRID_TEXT, vision_config=vision, insert_layer_id=1,
+                               image_token_id=IMAGE_TOKEN, video_token_id=IMAGE_TOKEN + 1)
+    torch.manual_seed(0)
+    model = MiniCPMV4_6ForConditionalGeneration(config)
+    out = Path(tempfile.mkdtemp(prefix="mmserve-bench-hybrid-"))
+    model.save_pretrained(out)
+    return out
+
+
+def hybrid_requests(tag: str, sizes: tuple[int, int, int], vocab: int, hidden: int, seed: int):
+    """Two requests sharing a system prompt and an image (distinct per `seed`), other questions."""
+    system_len, image_len, question_len = sizes
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(10, vocab, (system_len,), generator=g).tolist()
+    image = ItemEmbedding((torch.randn(image_len, hidden, generator=g),), key=f"bench-image-{seed}")
+    out = []
+    for i in range(2):
+        question = torch.randint(10, vocab, (question_len,), generator=g).tolist()
+        ids = tuple(system + [IMAGE_TOKEN] * image_len + question)
+        out.append(LLMRequest(f"{tag}-{seed}-{i}", ids, SamplingParams(max_tokens=2, ignore_eos=True),
+                              media=((PlaceholderRange(system_len, image_len), image),),
+                              snapshot_boundaries=(system_len,)))  # where the router says the system prompt ends
+    return out
+
+
+def ttft(engine: LLMEngine, request: LLMRequest) -> float:
+    """Seconds from `add_request` to the first token (the request runs to its end)."""
+    first, done = [], threading.Event()
+
+    def on_event(ev):
+        if not first:
+            first.append(time.perf_counter())
+        if ev.finish_reason:
+            done.set()
+
+    start = time.perf_counter()
+    engine.add_request(request, on_event)
+    done.wait()
+    return first[0] - start
+
+
+def bench_hybrid_prefix(quick: bool, repeats: int) -> None:
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    model_dir = hybrid_checkpoint()
+    lm = LanguageModel(model_dir, dtype="float32")
+    sizes = HYBRID_SIZES["quick" if quick else "full"]
+    hidden, vocab = lm.text_config.hidden_size, lm.vocab_size
+    result: dict[str, float | str] = {"device": "cpu", "model": "qwen3_5_text h256 8L (6 linear : 2 full)",
+                                      "system_tokens": sizes[0], "image_tokens": sizes[1], "question_tokens": sizes[2]}
+    rows = {}
+    for name, share in (("off", 0.0), ("on", EngineConfig.state_snapshot_share)):
+        engine = LLMEngine(lm, EngineConfig(max_num_batched_tokens=2048, state_snapshot_share=share))
+        engine.start()
+        warm = LLMRequest(f"warm-{name}", tuple(range(10, 26)), SamplingParams(max_tokens=2, ignore_eos=True))
+        ttft(engine, warm)  # first-forward costs (one block, nothing to cache)
+        firsts, seconds = [], []
+        cached = engine.stats().num_cached_tokens
+        for k in range(repeats):
+            first, second = hybrid_requests(name, sizes, vocab, hidden, k)
+            firsts.append(ttft(engine, first))
+            seconds.append(ttft(engine, second))
+        stats = engine.stats()
+        engine.shutdown()
+        rows[name] = (statistics.median(firsts), statistics.median(seconds),
+                      (stats.num_cached_tokens - cached) // repeats, stats)
+        if engine.snapshots is not None:
+            result["snapshot_budget_mb"] = round(engine.runner.states.snapshot_bytes / 2**20, 1)
+    off, on = rows["off"], rows["on"]
+    prompt = sum(sizes)
+    print(f"{'snapshots':>9} {'1st TTFT ms':>12} {'2nd TTFT ms':>12} {'2nd cached tok':>15} {'2nd computed tok':>17}")
+    for name, (t1, t2, cached, _) in rows.items():
+        print(f"{name:>9} {t1 * 1000:>12.1f} {t2 * 1000:>12.1f} {cached:>15} {prompt - cached:>17}")
+    speedup = off[1] / on[1]
+    snapshot_mb = on[3].snapshot_bytes / 2**20
+    print(f"2nd-request TTFT speedup {speedup:.2f}x; {on[3].num_snapshots} snapshots held ({snapshot_mb:.2f} MiB), "
+          f"{on[3].num_snapshot_resumes} resumes")
+    result.update({"ttft_first_ms_off": round(off[0] * 1000, 1), "ttft_first_ms_on": round(on[0] * 1000, 1),
+                   "ttft_second_ms_off": round(off[1] * 1000, 1), "ttft_second_ms_on": round(on[1] * 1000, 1),
+                   "cached_tokens_second_on": on[2], "hybrid_prefix_ttft_speedup": round(speedup, 2),
+                   "snapshots": on[3].num_snapshots, "snapshot_mb": round(snapshot_mb, 3),
+                   "snapshot_kib_each": round(on[3].snapshot_bytes / max(on[3].num_snapshots, 1) / 2**10, 1),
+                   "repeats": repeats})
+    shutil.rmtree(model_dir, ignore_errors=True)
+    print(json.dumps(result))
 
 
 def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -144,7 +255,14 @@ def main() -> None:
     ap.add_argument("--long-context", type=int, default=None,
                     help="prompt tokens of the long-context decode (default: 8192 on CUDA, 0 = skip, on CPU)")
     ap.add_argument("--long-batch", type=int, default=4)
+    ap.add_argument("--hybrid-prefix", action="store_true",
+                    help="hybrid LM: TTFT of a request sharing a system prompt + image, state snapshots on vs off")
+    ap.add_argument("--quick", action="store_true", help="--hybrid-prefix with a 256 + 64 + 16-token prompt")
+    ap.add_argument("--repeats", type=int, default=3, help="--hybrid-prefix: request pairs per setting (median)")
     args = ap.parse_args()
+    if args.hybrid_prefix:
+        bench_hybrid_prefix(args.quick, args.repeats)
+        return
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     model_dir = Path(args.model) if args.model else random_checkpoint(

@@ -259,6 +259,10 @@ class EngineArgs(_Args):
     )
     cuda_graphs: bool = True
     enable_prefix_caching: bool = Field(default=True, description="reuse K/V of identical prompt prefixes (images by content hash)")
+    state_snapshot_share: float = Field(
+        default=0.1, ge=0, lt=0.5, description="hybrid linear-attention models: share of the KV memory budget "
+        "for recurrent-state snapshots at prompt block boundaries (system prompt, images, prompt end), which "
+        "prefix caching needs to resume them; 0 turns their prefix caching off")
     attention_backend: Literal["auto", "sdpa", "triton"] = Field(
         default="auto", description="auto: the Triton paged kernel on CUDA, SDPA on CPU (checked at replica start)"
     )
@@ -285,6 +289,7 @@ class EngineArgs(_Args):
             device_share=device_share,
             cuda_graphs=self.cuda_graphs,
             enable_prefix_caching=self.enable_prefix_caching,
+            state_snapshot_share=self.state_snapshot_share,
             attention_backend=self.attention_backend,
         )
 

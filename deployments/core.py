@@ -205,6 +205,7 @@ class RequestCore:
             positions=plan.positions, ranges=tuple(plan.ranges), embeddings=await self._dispatch(media),
             prefix_hashes=prefix_hashes(plan.token_ids, plan.ranges, [item.content_hash for item in plan.items],
                                         self.settings.prefix_block_size),
+            snapshot_boundaries=plan.snapshot_boundaries,
         )
         logger.info("request %s: %d prompt tokens, %d media items (%d media tokens), max_tokens %d",
                     request_id, len(plan.token_ids), len(plan.items), plan.num_media_tokens, sampling.max_tokens)

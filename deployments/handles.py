@@ -53,5 +53,6 @@ class PendingRequest:
     ranges: tuple[PlaceholderRange, ...]
     embeddings: tuple[EmbeddingHandle, ...]  # one per range
     prefix_hashes: tuple[int, ...] = ()  # the prompt's block chain (`affinity.prefix_hashes`): routing only
+    snapshot_boundaries: tuple[int, ...] = ()  # `RequestPlan.snapshot_boundaries` (the system prompt's end)
     resumed_tokens: int = 0  # a failover continuation: the last this many prompt tokens were already sent
     attempt: int = 0  # 0: the first submission; n: the router's n-th resubmission (never refused as busy)

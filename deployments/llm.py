@@ -64,7 +64,7 @@ class LLMDeployment:
             self.fetcher = GrpcFetcher((grpc or GrpcArgs()).on_node())
 
     async def _export_stats(self, interval_s: float = 1.0) -> None:
-        """Engine gauges (queues, KV blocks, preemptions, tokens/s) every `interval_s`."""
+        """Engine gauges (queues, KV blocks, state snapshots, preemptions, tokens/s) every `interval_s`."""
         last = self.engine.stats()
         while True:
             await asyncio.sleep(interval_s)
@@ -73,6 +73,8 @@ class LLMDeployment:
             self.metrics.waiting.set(stats.num_waiting)
             self.metrics.kv_blocks_used.set(stats.kv_blocks_used)
             self.metrics.kv_usage.set(stats.kv_blocks_used / max(stats.kv_blocks_total, 1))
+            self.metrics.state_snapshots.set(stats.num_snapshots)
+            self.metrics.state_snapshot_bytes.set(stats.snapshot_bytes)
             if stats.num_preemptions > last.num_preemptions:
                 self.metrics.preemptions.inc(stats.num_preemptions - last.num_preemptions)
             self.metrics.tokens_per_s.set((stats.num_generated - last.num_generated) / interval_s)
@@ -146,6 +148,7 @@ class LLMDeployment:
             sampling=pending.sampling,
             positions=pending.positions,
             media=tuple(zip(pending.ranges, embeddings)),
+            snapshot_boundaries=pending.snapshot_boundaries,
         )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()

@@ -127,3 +127,6 @@ class LLMMetrics:
         self.ttft_ms = Histogram("mmserve_llm_ttft_ms", "Admission to first token", boundaries=_LATENCY_MS)
         self.itl_ms = Histogram("mmserve_llm_inter_token_ms", "Time between output tokens", boundaries=_LATENCY_MS)
         self.tokens_per_s = Gauge("mmserve_llm_tokens_per_s", "Output tokens/s over the last interval")
+        self.state_snapshots = Gauge("mmserve_llm_state_snapshots",
+                                     "Linear-attention state snapshots held for prefix caching (hybrid models)")
+        self.state_snapshot_bytes = Gauge("mmserve_llm_state_snapshot_bytes", "Bytes those state snapshots fill")

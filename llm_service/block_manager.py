@@ -6,7 +6,7 @@ No tensors here.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class BlockManager:
@@ -23,10 +23,11 @@ class BlockManager:
 
     Prefix caching: a full prompt block whose K/V are computed is `register`ed under the hash of
     its whole prefix (see `Sequence.block_hashes`). A freed block keeps its hash and stays
-    reusable until the free list hands it out for something else (least recently freed first).
+    reusable until the free list hands it out for something else (least recently freed first);
+    then `on_evict` hears of the hash that left the cache (hybrid models drop its state snapshot).
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, on_evict: Callable[[int], None] | None = None):
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
@@ -34,6 +35,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._by_hash: dict[int, int] = {}
         self._hash_of: dict[int, int] = {}
+        self._on_evict = on_evict
 
     @property
     def num_free_blocks(self) -> int:
@@ -62,6 +64,8 @@ class BlockManager:
             block, _ = self._free.popitem(last=False)
             if (old := self._hash_of.pop(block, None)) is not None:  # evict its cached prefix
                 del self._by_hash[old]
+                if self._on_evict is not None:
+                    self._on_evict(old)
             self.ref_counts[block] = 1
             block_table.append(block)
 
@@ -83,6 +87,9 @@ class BlockManager:
                 break
             blocks.append(block)
         return blocks
+
+    def is_cached(self, block_hash: int) -> bool:
+        return block_hash in self._by_hash
 
     def can_allocate_after(self, cached: Sequence[int], num_tokens: int) -> bool:
         """Whether an empty table could take `cached` and then grow to `num_tokens` tokens."""

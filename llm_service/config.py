@@ -16,7 +16,10 @@ class EngineConfig:
     `num_kv_blocks` overrides both (tests use it for a tiny pool). Models with linear-attention
     layers also keep a recurrent state per running sequence, in state slots taken from the same
     budget (`max_num_seqs` of them, as long as they fill at most half of it, at least one);
-    `num_state_slots` overrides that. `max_num_batched_tokens`
+    `num_state_slots` overrides that. With prefix caching, they also keep state snapshots at
+    prompt block boundaries (`llm_service.state_snapshots`): `state_snapshot_share` of the budget
+    (0: prefix caching off for them), or `num_state_snapshots` rows (with `num_kv_blocks`: one
+    per block unless given). `max_num_batched_tokens`
     is the per-step token budget; with `enable_chunked_prefill` a long prompt is prefilled
     over several steps, without it a prompt longer than the budget runs alone in its step.
     `cuda_graphs` captures decode-only steps (CUDA only) for batch sizes up to
@@ -33,6 +36,8 @@ class EngineConfig:
     kv_cache_bytes: int | None = None
     num_kv_blocks: int | None = None
     num_state_slots: int | None = None
+    state_snapshot_share: float = 0.1
+    num_state_snapshots: int | None = None
     gpu_memory_utilization: float = 0.9
     device_share: float = 1.0
     cuda_graphs: bool = True
@@ -52,5 +57,9 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be positive")
         if self.num_state_slots is not None and self.num_state_slots < 1:
             raise ValueError("num_state_slots must be positive")
+        if not 0 <= self.state_snapshot_share < 0.5:
+            raise ValueError(f"state_snapshot_share must be in [0, 0.5), got {self.state_snapshot_share}")
+        if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
+            raise ValueError("num_state_snapshots must not be negative")
         if self.attention_backend not in ("auto", "sdpa", "triton"):
             raise ValueError(f"attention_backend must be auto, sdpa or triton, got {self.attention_backend!r}")

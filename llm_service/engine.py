@@ -4,7 +4,9 @@
 prefills that fit the token budget and the KV pool, the model runner runs them in one packed
 forward, the sampler picks one token per sequence that caught up, and finished or aborted
 requests give their KV blocks (and state slots, for models with linear-attention layers) back
-at once. Events leave through each request's callback.
+at once. Events leave through each request's callback. With prefix caching, models with
+linear-attention layers also keep state snapshots at prompt block boundaries
+(`llm_service.state_snapshots`): the step's sequences that stopped at one are copied there.
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ class EngineStats(NamedTuple):
     num_steps: int
     num_forwards: int
     num_generated: int
-    num_cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
+    num_cached_tokens: int  # prompt tokens whose K/V came from the prefix cache (and state, for hybrid models)
+    num_snapshots: int = 0  # state snapshots held (hybrid models with prefix caching)
+    snapshot_bytes: int = 0  # bytes those snapshots fill (of the rows reserved: `LLMEngine.runner.states`)
+    num_snapshot_resumes: int = 0  # sequences admitted from a state snapshot so far
 
 
 class LLMEngine:
@@ -49,10 +54,11 @@ class LLMEngine:
     def __init__(self, model: LanguageModel, config: EngineConfig | None = None):
         self.model = model
         self.runner = ModelRunner(model, config or EngineConfig())
-        self.config = self.runner.config  # as this model runs it (no prefix caching with recurrent state)
-        self.blocks = self.runner.new_block_manager()
+        self.config = self.runner.config  # as this model runs it (prefix caching of recurrent state: snapshots)
+        self.snapshots = self.runner.new_snapshot_manager()  # None unless state layers + prefix caching
+        self.blocks = self.runner.new_block_manager(self.snapshots.drop if self.snapshots else None)
         self.slots = self.runner.new_slot_manager()  # None unless the LM face declares state layers
-        self.scheduler = Scheduler(self.config, self.blocks, self.slots)
+        self.scheduler = Scheduler(self.config, self.blocks, self.slots, self.snapshots)
         self._new: list[Sequence] = []
         self._aborted: set[str] = set()
         self._by_id: dict[str, Sequence] = {}
@@ -92,10 +98,13 @@ class LLMEngine:
         return self.runner.num_forwards
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
+        s, snaps = self.scheduler, self.snapshots
+        num_snapshots = snaps.num_used if snaps else 0
         return EngineStats(len(s.running), len(s.waiting) + len(self._new), self.blocks.num_used_blocks,
                            self.blocks.num_blocks, s.num_preemptions, self.num_steps, self.num_forwards,
-                           self.num_generated, self.blocks.num_cached_tokens)
+                           self.num_generated, self.blocks.num_cached_tokens, num_snapshots,
+                           num_snapshots * self.runner.states.row_bytes if snaps else 0,
+                           snaps.num_resumed if snaps else 0)
 
     def start(self) -> None:
         if self._thread is None:
@@ -157,6 +166,8 @@ class LLMEngine:
         for item in out.scheduled:
             self._register_full_blocks(item.seq, item.seq.num_computed, item.seq.num_computed + item.num_tokens)
             item.seq.num_computed += item.num_tokens
+            item.seq.resume_snapshot = None  # restored by this forward
+        self.runner.save_snapshots(self.scheduler.take_snapshots(out.scheduled))
         if rows:
             seqs = [out.scheduled[i].seq for i in rows]
             inputs = [SampleInput(s.request.sampling, s.generator, s.request.prompt_token_ids, s.generated) for s in seqs]

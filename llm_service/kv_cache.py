@@ -1,9 +1,10 @@
 """The preallocated paged KV pool: one tensor, sized from a memory budget (shared with the state
-slots of models with linear-attention layers)."""
+slots and state snapshots of models with linear-attention layers)."""
 
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -29,7 +30,7 @@ def cuda_kv_budget(free: int, total: int, in_use: int, utilization: float, share
 
 
 def memory_budget(config: EngineConfig, device: torch.device) -> int:
-    """Bytes for the KV pool and the state slots: `kv_cache_bytes`, else the device default (on
+    """Bytes for the KV pool, the state slots and snapshots: `kv_cache_bytes`, else the device default (on
     CUDA `cuda_kv_budget` of the replica's `device_share`, on CPU 512 MiB)."""
     if config.kv_cache_bytes is not None:
         return config.kv_cache_bytes
@@ -44,25 +45,43 @@ def memory_budget(config: EngineConfig, device: torch.device) -> int:
     return budget
 
 
-def pool_sizes(config: EngineConfig, block_bytes: int, slot_bytes: int, device: torch.device) -> tuple[int, int]:
-    """(KV blocks, state slots) that fit the budget; `slot_bytes` 0 (no state layers): no slots.
+class PoolSizes(NamedTuple):
+    blocks: int  # KV blocks
+    slots: int  # state slots (one per running sequence)
+    snapshots: int  # state snapshot rows (prefix caching of models with state layers)
+
+
+def pool_sizes(config: EngineConfig, block_bytes: int, slot_bytes: int, device: torch.device) -> PoolSizes:
+    """What fits the budget; `slot_bytes` 0 (no state layers): no slots, no snapshots.
 
     Slots come first: `num_state_slots`, else `max_num_seqs` as long as they take at most half
-    the budget; the KV pool gets the rest (`num_kv_blocks` overrides the KV side, and then the
-    slots are `num_state_slots` or `max_num_seqs`, outside any budget)."""
+    the budget. With prefix caching, snapshots (a slot's bytes each) take `state_snapshot_share`
+    of the budget (`num_state_snapshots` overrides), at most one per KV block (each belongs to
+    the block its prefix ends at). The KV pool gets the rest. `num_kv_blocks` overrides the KV
+    side; then slots are `num_state_slots` or `max_num_seqs` and snapshots `num_state_snapshots`
+    or one per block, outside any budget."""
+    snapshots = bool(slot_bytes) and config.enable_prefix_caching
     if config.num_kv_blocks is not None:
-        return config.num_kv_blocks, (config.num_state_slots or config.max_num_seqs) if slot_bytes else 0
+        blocks = config.num_kv_blocks
+        slots = (config.num_state_slots or config.max_num_seqs) if slot_bytes else 0
+        snaps = (blocks if config.num_state_snapshots is None else config.num_state_snapshots) if snapshots else 0
+        return PoolSizes(blocks, slots, min(snaps, blocks))
     budget = memory_budget(config, device)
-    slots = 0
+    slots = snaps = 0
     if slot_bytes:
         slots = config.num_state_slots or min(config.max_num_seqs, budget // 2 // slot_bytes)
         if slots < 1:
             raise ValueError(f"memory budget of {budget} bytes holds no state slot of {slot_bytes} bytes")
-    blocks = (budget - slots * slot_bytes) // block_bytes
+    if snapshots:
+        snaps = config.num_state_snapshots
+        if snaps is None:
+            snaps = int(budget * config.state_snapshot_share) // slot_bytes
+    blocks = (budget - (slots + snaps) * slot_bytes) // block_bytes
     if blocks < 1:
-        raise ValueError(f"KV budget of {budget - slots * slot_bytes} bytes holds no block of {block_bytes} bytes: "
-                         "raise gpu_memory_utilization or the replica's num_gpus, or set kv_cache_memory_mb")
-    return int(blocks), int(slots)
+        raise ValueError(f"KV budget of {budget - (slots + snaps) * slot_bytes} bytes holds no block of "
+                         f"{block_bytes} bytes: raise gpu_memory_utilization or the replica's num_gpus, or set "
+                         "kv_cache_memory_mb")
+    return PoolSizes(int(blocks), int(slots), int(min(snaps, blocks)))
 
 
 def allocate_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

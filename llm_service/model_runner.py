@@ -15,6 +15,7 @@ from llm_service.model import LanguageModel
 from llm_service.scheduler import ScheduledSeq
 from llm_service.state_cache import StateBatch, StatePool, resolve_config, slot_bytes
 from llm_service.state_slots import StateSlotManager
+from llm_service.state_snapshots import SnapshotManager
 
 logger = logging.getLogger(__name__)
 
@@ -28,13 +29,13 @@ class ModelRunner:
     and, for a model with linear-attention layers, a `StateBatch` over the sequences' state slots
     (see `llm_service.state_cache`), and returns the logits of the last token of each sequence that
     has caught up with its tokens (the ones that sample this step). `config` is the engine config
-    as this model runs it (`state_cache.resolve_config`).
+    as this model runs it (`state_cache.resolve_config`). With prefix caching, the state pool
+    also holds the state snapshots: restored into slots by `execute`, saved by `save_snapshots`.
     """
 
     def __init__(self, model: LanguageModel, config: EngineConfig):
         self.model = model
         self.state_specs = model.face.state_layers()
-        self.config = config = resolve_config(config, self.state_specs)
         self.device = model.device
         attention.register()
         decoder = model.modules.decoder
@@ -51,11 +52,13 @@ class ModelRunner:
         self.backend = attention.choose_backend(config.attention_backend, self.device, model.dtype, self.head_dim)
         block_bytes = bytes_per_block(len(attention_layers), self.num_kv_heads, self.head_dim, config.block_size,
                                       model.dtype)
-        self.num_blocks, self.num_slots = pool_sizes(config, block_bytes, slot_bytes(self.state_specs, model.dtype),
-                                                     self.device)
+        self.num_blocks, self.num_slots, self.num_snapshots = pool_sizes(
+            config, block_bytes, slot_bytes(self.state_specs, model.dtype), self.device)
+        self.config = config = resolve_config(config, self.state_specs, self.num_snapshots)
         self.kv_pool = allocate_pool(len(attention_layers), self.num_blocks, config.block_size, self.num_kv_heads,
                                      self.head_dim, model.dtype, self.device)
-        self.states = StatePool(self.state_specs, self.num_slots, model.dtype, self.device) if self.num_slots else None
+        self.states = StatePool(self.state_specs, self.num_slots, model.dtype, self.device,
+                                self.num_snapshots) if self.num_slots else None
         self.scratch_block = self.num_blocks
         self.windows = attention.layer_windows(text, self.num_layers)
         self.position_rows = model.face.text_positions().positions(0, 1).shape[0]  # the family's, for graph buffers
@@ -68,12 +71,28 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs.capture(self)
 
-    def new_block_manager(self) -> BlockManager:
-        return BlockManager(self.num_blocks, self.config.block_size)
+    def new_block_manager(self, on_evict=None) -> BlockManager:
+        return BlockManager(self.num_blocks, self.config.block_size, on_evict)
 
     def new_slot_manager(self) -> StateSlotManager | None:
         """Bookkeeping of the state slots (None: the model keeps no recurrent state)."""
         return StateSlotManager(self.num_slots) if self.states is not None else None
+
+    def new_snapshot_manager(self) -> SnapshotManager | None:
+        """Bookkeeping of the state snapshot rows (None: no recurrent state, or no prefix caching)."""
+        if self.states is None or not self.config.enable_prefix_caching:
+            return None
+        return SnapshotManager(self.num_snapshots, first_row=self.num_slots)
+
+    @torch.inference_mode()
+    def save_snapshots(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each `(slot, snapshot row)` of `copies` (rows distinct)."""
+        if copies:
+            src, dst = zip(*copies)
+            self.states.copy(self._index(src), self._index(dst))
+
+    def _index(self, ids) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
     def execute(self, scheduled: tuple[ScheduledSeq, ...]) -> tuple[torch.Tensor, list[int]]:
@@ -144,11 +163,16 @@ class ModelRunner:
         return embeds, torch.cat(positions, dim=1).to(dev), batch, last, extra
 
     def _state_batch(self, scheduled: tuple[ScheduledSeq, ...]) -> StateBatch:
-        """The step's state slots; those of sequences starting from their first token are zeroed."""
+        """The step's state slots; those of sequences starting from their first token are zeroed,
+        those of sequences resuming from a cached prefix take its snapshot."""
         if any(s.seq.state_slot is None for s in scheduled):
             raise RuntimeError("a scheduled sequence holds no state slot")
-        slots = torch.tensor([s.seq.state_slot for s in scheduled], dtype=torch.long, device=self.device)
         fresh = [s.seq.state_slot for s in scheduled if s.seq.num_computed == 0]
         if fresh:
-            self.states.reset(torch.tensor(fresh, dtype=torch.long, device=self.device))
+            self.states.reset(self._index(fresh))
+        resumed = [(s.seq.resume_snapshot, s.seq.state_slot) for s in scheduled if s.seq.resume_snapshot is not None]
+        if resumed:
+            src, dst = zip(*resumed)
+            self.states.copy(self._index(src), self._index(dst))
+        slots = self._index([s.seq.state_slot for s in scheduled])
         return StateBatch(self.states, slots, tuple(s.num_tokens for s in scheduled))

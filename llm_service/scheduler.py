@@ -10,6 +10,7 @@ from llm_service.block_manager import BlockManager
 from llm_service.config import EngineConfig
 from llm_service.sequence import Sequence, Status
 from llm_service.state_slots import StateSlotManager
+from llm_service.state_snapshots import SnapshotManager
 
 
 class ScheduledSeq(NamedTuple):
@@ -33,25 +34,34 @@ class PrefillAdder:
     at all).
 
     With prefix caching, a sequence starting from scratch first takes the cached blocks of its
-    longest cached prompt prefix and is computed from there.
+    longest cached prompt prefix and is computed from there. A model with recurrent state (its
+    `snapshots` given) takes them only up to the deepest block whose prefix has a state snapshot,
+    and its slot starts from that snapshot (`Sequence.resume_snapshot`); its prefill chunks stop
+    at the sequence's snapshot points (`Sequence.next_stop`), so that the state exists there.
     """
 
     def __init__(self, token_budget: int, blocks: BlockManager, chunked: bool, batch_empty: bool,
-                 prefix_caching: bool = False, slots: StateSlotManager | None = None):
+                 prefix_caching: bool = False, slots: StateSlotManager | None = None,
+                 snapshots: SnapshotManager | None = None):
         self.token_budget = token_budget
         self._blocks = blocks
         self._chunked = chunked
         self._batch_empty = batch_empty
-        self._prefix_caching = prefix_caching
+        self._prefix_caching = prefix_caching and (slots is None or snapshots is not None)
         self._slots = slots
+        self._snapshots = snapshots
 
     def try_add(self, seq: Sequence) -> ScheduledSeq | None:
         """The share of `seq` that fits (None: nothing does; stop admitting, FIFO)."""
+        bs = self._blocks.block_size
         cached: list[int] = []
         if self._prefix_caching and not seq.block_table:
-            cached = self._blocks.cached_prefix(seq.block_hashes(self._blocks.block_size))
-        start = len(cached) * self._blocks.block_size if cached else seq.num_computed
-        pending = seq.num_tokens - start
+            hashes = seq.block_hashes(bs)
+            cached = self._blocks.cached_prefix(hashes)
+            if self._snapshots is not None:  # K/V alone cannot resume the recurrent state
+                cached = cached[:self._snapshots.deepest(hashes[:len(cached)])]
+        start = len(cached) * bs if cached else seq.num_computed
+        pending = chunk_end(seq, start, bs, self._snapshots) - start
         if self._chunked:
             n = min(pending, self.token_budget)
         elif pending <= self.token_budget or self._batch_empty:
@@ -68,6 +78,8 @@ class PrefillAdder:
                 return None
             self._blocks.take_cached(seq.block_table, cached)
             seq.num_computed = start
+            if self._snapshots is not None:
+                seq.resume_snapshot = self._snapshots.resume(seq.block_hashes(bs)[len(cached) - 1])
         elif not self._blocks.can_allocate(seq.block_table, seq.num_computed + n):
             return None
         self._blocks.allocate(seq.block_table, seq.num_computed + n)
@@ -76,6 +88,12 @@ class PrefillAdder:
         self.token_budget -= n
         self._batch_empty = False
         return ScheduledSeq(seq, n)
+
+
+def chunk_end(seq: Sequence, start: int, block_size: int, snapshots: SnapshotManager | None) -> int:
+    """Where a chunk starting at `start` may end: the end of the tokens, or with state snapshots
+    the sequence's next snapshot point."""
+    return seq.next_stop(start, block_size) if snapshots is not None else seq.num_tokens
 
 
 class Scheduler:
@@ -87,12 +105,17 @@ class Scheduler:
     sequence is preempted (blocks and state slot freed, recomputed later, first in line). Then
     waiting sequences are admitted FIFO while `max_num_seqs`, the token budget, the pool and the
     state slots allow. Invariant: a sequence holds a state slot exactly while it is running.
+
+    With prefix caching, a model with recurrent state also keeps state snapshots (`snapshots`):
+    after each step the engine asks `take_snapshots` which slots to copy into snapshot rows.
     """
 
-    def __init__(self, config: EngineConfig, blocks: BlockManager, slots: StateSlotManager | None = None):
+    def __init__(self, config: EngineConfig, blocks: BlockManager, slots: StateSlotManager | None = None,
+                 snapshots: SnapshotManager | None = None):
         self.config = config
         self.blocks = blocks
         self.slots = slots
+        self.snapshots = snapshots if config.enable_prefix_caching else None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -111,7 +134,8 @@ class Scheduler:
         queue = list(self.running)
         while queue:
             seq = queue.pop(0)
-            n = min(seq.num_pending, budget) if self.config.enable_chunked_prefill else seq.num_pending
+            pending = chunk_end(seq, seq.num_computed, self.blocks.block_size, self.snapshots) - seq.num_computed
+            n = min(pending, budget) if self.config.enable_chunked_prefill else pending
             if n <= 0 or (n > budget and scheduled):
                 kept.append(seq)  # out of budget this step; stays running
                 continue
@@ -132,7 +156,7 @@ class Scheduler:
             self.waiting.appendleft(victim)
         if not preempted:
             adder = PrefillAdder(budget, self.blocks, self.config.enable_chunked_prefill, not scheduled,
-                                 self.config.enable_prefix_caching, self.slots)
+                                 self.config.enable_prefix_caching, self.slots, self.snapshots)
             while self.waiting and len(self.running) < self.config.max_num_seqs and adder.token_budget > 0:
                 item = adder.try_add(self.waiting[0])
                 if item is None:
@@ -143,8 +167,24 @@ class Scheduler:
                 scheduled.append(item)
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
 
+    def take_snapshots(self, scheduled: tuple[ScheduledSeq, ...]) -> list[tuple[int, int]]:
+        """After a step (its blocks registered, `num_computed` advanced): `(slot, snapshot row)`
+        copies that keep the state of every sequence that stopped at one of its snapshot points
+        whose prefix has none yet (rows distinct: a row reused within the step goes to the last)."""
+        if self.snapshots is None:
+            return []
+        bs = self.blocks.block_size
+        copies: dict[int, int] = {}
+        for seq, _ in scheduled:
+            if seq.num_computed in seq.snapshot_points(bs):
+                prefix = seq.block_hashes(bs)[seq.num_computed // bs - 1]
+                if self.blocks.is_cached(prefix) and (row := self.snapshots.save(prefix)) is not None:
+                    copies[row] = seq.state_slot
+        return [(slot, row) for row, slot in copies.items()]
+
     def _free(self, seq: Sequence) -> None:
         self.blocks.free(seq.block_table)
+        seq.resume_snapshot = None
         if seq.state_slot is not None:
             self.slots.free(seq.state_slot)
             seq.state_slot = None

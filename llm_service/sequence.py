@@ -34,6 +34,10 @@ class LLMRequest:
     # key (content + encoder identity) is what makes two prompts' media tokens equal for prefix
     # caching (an output without a key is never cached)
     media: tuple[tuple[PlaceholderRange, ItemEmbedding], ...] = ()
+    # prompt offsets after which the recurrent state of a hybrid model is worth keeping for later
+    # requests, beyond the ends of the media items and of the prompt, which the engine knows
+    # itself: the router puts the end of the system prompt here (`RequestPlan.snapshot_boundaries`)
+    snapshot_boundaries: tuple[int, ...] = ()
 
 
 class TokenEvent(NamedTuple):
@@ -67,7 +71,8 @@ class Sequence:
     (the blocks of `block_table`) and, for models with linear-attention layers, are folded into
     the recurrent state of `state_slot` (held while running, None otherwise). Preemption drops
     the blocks and the slot and sets `num_computed` to 0: the sequence is recomputed from its
-    tokens (media embeddings kept) when it runs again.
+    tokens (media embeddings kept) when it runs again. `resume_snapshot` is the state snapshot
+    row a sequence admitted from a cached prefix starts its slot from (until its first step).
     """
 
     request: LLMRequest
@@ -78,10 +83,12 @@ class Sequence:
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     state_slot: int | None = None
+    resume_snapshot: int | None = None
     status: Status = Status.WAITING
     num_preemptions: int = 0
     _block_hashes: list[int] | None = None
     _embed_slots: list[list[int]] | None = None
+    _snapshot_points: tuple[int, ...] | None = None
 
     def __post_init__(self):
         self.tokens = list(self.request.prompt_token_ids)
@@ -135,6 +142,24 @@ class Sequence:
                 prev = h.digest()
                 self._block_hashes.append(int.from_bytes(prev, "little"))
         return self._block_hashes
+
+    def snapshot_points(self, block_size: int) -> tuple[int, ...]:
+        """Where a hybrid model's prefill stops to snapshot its recurrent state (ascending token
+        counts): the last block boundary at or before the end of each of the request's
+        `snapshot_boundaries` (the system prompt), of each media item and of the prompt, within
+        the hashed blocks (`block_hashes`: the last prompt token always runs)."""
+        if self._snapshot_points is None:
+            hashed = len(self.block_hashes(block_size)) * block_size
+            ends = (*self.request.snapshot_boundaries, *(r.offset + r.length for r, _ in self.request.media), hashed)
+            points = {min(e, hashed) // block_size * block_size for e in ends}
+            self._snapshot_points = tuple(sorted(p for p in points if p > 0))
+        return self._snapshot_points
+
+    def next_stop(self, start: int, block_size: int) -> int:
+        """The first snapshot point after `start`, else the end of the tokens."""
+        points = self.snapshot_points(block_size)
+        i = bisect.bisect_right(points, start)
+        return points[i] if i < len(points) else self.num_tokens
 
     def chunk_media(self, start: int, end: int) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
         """For every media item with embedding slots in tokens `start..end`: the slots' indices

@@ -1,5 +1,6 @@
 """Per-sequence recurrent state of linear-attention layers: the preallocated slot pool beside the
-KV pool, and the per-step view the decoder's state layers read and write.
+KV pool (and the state snapshots of prefix caching after the slots), and the per-step view the
+decoder's state layers read and write.
 
 A hybrid decoder (Qwen3.5 / Qwen3-Next / MiniCPM-V 4.6's LM: Gated-DeltaNet layers between
 full-attention layers) declares its state layers through `LMFace.state_layers()`. Each such layer
@@ -46,39 +47,62 @@ def slot_bytes(specs: tuple[StateSpec, ...], dtype: torch.dtype) -> int:
     return sum(s.nbytes(dtype) for s in specs)
 
 
-def resolve_config(config: EngineConfig, specs: tuple[StateSpec, ...]) -> EngineConfig:
+def resolve_config(config: EngineConfig, specs: tuple[StateSpec, ...], num_snapshots: int = 0) -> EngineConfig:
     """`config` as a model with state layers `specs` can run it (unchanged without any): prefix
-    caching off (a cached KV block cannot restore the recurrent state of the prefix), CUDA decode
-    graphs off (they do not capture the state updates). Says so in the log."""
+    caching only with state snapshots (a cached KV block alone cannot restore the recurrent state
+    of its prefix; `num_snapshots` rows fit the budget, `StatePool` logs them), CUDA decode graphs
+    off (they do not capture the state updates). Says so in the log."""
     if not specs:
         return config
     layers = [s.layer_idx for s in specs]
-    if config.enable_prefix_caching:
+    prefix_caching = config.enable_prefix_caching and num_snapshots > 0
+    if config.enable_prefix_caching and not prefix_caching:
         logger.info("prefix caching is off: linear-attention layers %s keep a recurrent state per sequence "
-                    "that cached KV blocks cannot restore", layers)
+                    "that cached KV blocks cannot restore, and no state snapshot fits (state_snapshot_share "
+                    "%s, num_state_snapshots %s)", layers, config.state_snapshot_share, config.num_state_snapshots)
     if config.cuda_graphs:
         logger.info("CUDA decode graphs are off: they do not capture the recurrent-state updates of "
                     "linear-attention layers %s (decode runs eagerly)", layers)
-    return dataclasses.replace(config, enable_prefix_caching=False, cuda_graphs=False)
+    return dataclasses.replace(config, enable_prefix_caching=prefix_caching, cuda_graphs=False)
 
 
 class StatePool:
-    """The preallocated state tensors, one row per slot: `conv[layer]` `(slots, channels, width)`
-    and `recurrent[layer]` `(slots, *recurrent_shape)`, keyed by decoder layer index."""
+    """The preallocated state tensors: `conv[layer]` `(rows, channels, width)` and
+    `recurrent[layer]` `(rows, *recurrent_shape)`, keyed by decoder layer index. Rows
+    `0 .. num_slots - 1` are the running sequences' slots; the `num_snapshots` rows after them
+    hold state snapshots (`llm_service.state_snapshots`), copied from and into slots."""
 
-    def __init__(self, specs: tuple[StateSpec, ...], num_slots: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, specs: tuple[StateSpec, ...], num_slots: int, dtype: torch.dtype, device: torch.device,
+                 num_snapshots: int = 0):
         self.num_slots = num_slots
-        self.conv = {s.layer_idx: torch.zeros(num_slots, *s.conv_shape, dtype=dtype, device=device) for s in specs}
-        self.recurrent = {s.layer_idx: torch.zeros(num_slots, *s.recurrent_shape, dtype=s.recurrent_dtype,
+        self.num_snapshots = num_snapshots
+        rows = num_slots + num_snapshots
+        self.conv = {s.layer_idx: torch.zeros(rows, *s.conv_shape, dtype=dtype, device=device) for s in specs}
+        self.recurrent = {s.layer_idx: torch.zeros(rows, *s.recurrent_shape, dtype=s.recurrent_dtype,
                                                    device=device) for s in specs}
-        nbytes = sum(t.numel() * t.element_size() for t in (*self.conv.values(), *self.recurrent.values()))
+        self.row_bytes = slot_bytes(specs, dtype)
         logger.info("recurrent state: %d slots (%d linear-attention layers, %.1f MiB on %s): at most %d "
-                    "sequences run at once", num_slots, len(specs), nbytes / 2**20, device, num_slots)
+                    "sequences run at once", num_slots, len(specs), num_slots * self.row_bytes / 2**20, device,
+                    num_slots)
+        if num_snapshots:
+            logger.info("prefix caching with state snapshots: %d snapshots of %.1f KiB (%.1f MiB on %s) at "
+                        "prompt block boundaries (system prompt, media items, prompt end)", num_snapshots,
+                        self.row_bytes / 2**10, self.snapshot_bytes / 2**20, device)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return self.num_snapshots * self.row_bytes
 
     def reset(self, slots: torch.Tensor) -> None:
         """Zero the rows of `slots` (sequences that start from their first token)."""
         for t in (*self.conv.values(), *self.recurrent.values()):
             t.index_fill_(0, slots, 0)
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Rows `dst` take the contents of rows `src` (`dst` distinct, disjoint from `src`):
+        a slot saved to a snapshot, or a snapshot restored into a slot."""
+        for t in (*self.conv.values(), *self.recurrent.values()):
+            t.index_copy_(0, dst, t.index_select(0, src))
 
 
 @dataclass

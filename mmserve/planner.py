@@ -48,6 +48,9 @@ class RequestPlan:
     ranges: list[PlaceholderRange]
     expansions: list[ItemExpansion]  # per item: tokens, embedding slots, encoder cost, layout
     positions: PositionPlan  # the family's: opaque outside it
+    # prompt offsets where a hybrid LM keeps its recurrent state for later requests (the end of
+    # the system prompt; the engine adds the ends of the media items and of the prompt itself)
+    snapshot_boundaries: tuple[int, ...] = ()
 
     @property
     def num_media_tokens(self) -> int:
@@ -76,4 +79,5 @@ class RequestPlanner:
         expansions = self.face.expand_all(items, self.limits.max_pixels_per_image)
         prompt = self._builder.build(messages, expansions)
         positions = self.face.position_plan(prompt.token_ids, prompt.ranges, expansions)
-        return RequestPlan(prompt.token_ids, items, prompt.ranges, expansions, positions)
+        boundaries = () if prompt.system_end is None else (prompt.system_end,)
+        return RequestPlan(prompt.token_ids, items, prompt.ranges, expansions, positions, boundaries)

@@ -7,6 +7,11 @@ as the tokenizer splits a whole string, and each piece between them is tokenized
 tokens disabled. Without special strings in user text this equals tokenizing the whole string.
 The tokenizer's own special tokens (a Llama tokenizer's BOS) wrap the result, as the processor's
 `tokenizer(text)` adds them.
+
+The builder also says where a leading system message ends in the ids (`Prompt.system_end`): the
+template rendered with that message alone is a prefix of the whole rendering, ending where the
+tokenizing splits it (at an added token). A hybrid language model snapshots its recurrent state
+there for later requests with the same system prompt (`RequestPlan.snapshot_boundaries`).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class Prompt(NamedTuple):
     token_ids: list[int]
     ranges: list[PlaceholderRange]
     kinds: list[MediaKind]
+    system_end: int | None = None  # ids of the leading system message (None: none, or not a clean split)
 
 
 class PromptBuilder:
@@ -59,7 +65,7 @@ class PromptBuilder:
         }
         self._prefix, self._suffix = _special_wrapping(tokenizer)
 
-    def _render(self, messages: list[Message]) -> tuple[str, list[str]]:
+    def _render(self, messages: list[Message], add_generation_prompt: bool = True) -> tuple[str, list[str]]:
         texts: list[str] = []
         conversation = []
         for message in messages:
@@ -72,9 +78,19 @@ class PromptBuilder:
                     texts.append(part)
             conversation.append({"role": message.role, "content": content})
         rendered = self._tokenizer.apply_chat_template(
-            conversation, chat_template=self._template, tokenize=False, add_generation_prompt=True
+            conversation, chat_template=self._template, tokenize=False, add_generation_prompt=add_generation_prompt
         )
         return rendered, texts
+
+    def _system_end(self, messages: list[Message], rendered: str) -> int | None:
+        """Characters of `rendered` (sentinels in) that render the leading system message alone."""
+        if len(messages) < 2 or messages[0].role != "system":
+            return None
+        try:
+            head, _ = self._render(messages[:1], add_generation_prompt=False)
+        except Exception:  # a template that refuses a system message alone: no boundary, nothing else lost
+            return None
+        return len(head) if head and rendered.startswith(head) else None
 
     def _encode_plain(self, text: str, user_texts: list[str]) -> list[int]:
         text = _SENTINEL_RE.sub(lambda m: user_texts[int(m.group(1))], text)
@@ -83,6 +99,8 @@ class PromptBuilder:
     def build(self, messages: list[Message], expansions: list[ItemExpansion]) -> Prompt:
         """Token ids with the i-th media placeholder replaced by `expansions[i]`."""
         rendered, user_texts = self._render(messages)
+        stop = self._system_end(messages, rendered)
+        system_end = None
         ids: list[int] = []
         ranges: list[PlaceholderRange] = []
         kinds: list[MediaKind] = []
@@ -90,6 +108,8 @@ class PromptBuilder:
         pos = 0
         for match in self._added_re.finditer(rendered):
             ids += self._encode_plain(rendered[pos:match.start()], user_texts)
+            if match.start() == stop:
+                system_end = len(ids)
             token_id = self._added_ids[match.group(0)]
             kind = placeholder_kind.get(token_id)
             if kind is None:
@@ -101,6 +121,8 @@ class PromptBuilder:
                 ranges.append(expansion.placed_at(len(ids)))
                 kinds.append(kind)
                 ids += expansion.token_ids
+            if match.end() == stop:
+                system_end = len(ids)
             pos = match.end()
         ids += self._encode_plain(rendered[pos:], user_texts)
         if self._prefix:
@@ -110,7 +132,9 @@ class PromptBuilder:
             raise InvalidRequest(
                 f"chat template placed {len(ranges)} media placeholders for {len(expansions)} media items"
             )
-        return Prompt(ids, ranges, kinds)
+        if system_end is not None:
+            system_end += len(self._prefix)
+        return Prompt(ids, ranges, kinds, system_end)
 
 
 def _special_wrapping(tokenizer) -> tuple[list[int], list[int]]:

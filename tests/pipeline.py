@@ -50,6 +50,7 @@ def plan_request(model_dir: str, messages: list[dict], request_id: str, max_toke
         sampling=SamplingParams(max_tokens=max_tokens, **sampling),
         positions=plan.positions,
         media=tuple(zip(plan.ranges, embeddings)),
+        snapshot_boundaries=plan.snapshot_boundaries,
     )
 
 

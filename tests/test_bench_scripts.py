@@ -55,3 +55,12 @@ def test_smallest_run_ends_with_its_json_line(script, args):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert isinstance(result, dict) and result
+
+
+def test_hybrid_prefix_quick_run_resumes_the_second_request():
+    """`llm.py --hybrid-prefix --quick` (seconds): the second request resumes after the image."""
+    out = _run("llm.py", "--hybrid-prefix", "--quick", "--repeats", "1", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["cached_tokens_second_on"] == result["system_tokens"] + result["image_tokens"]
+    assert result["hybrid_prefix_ttft_speedup"] > 0 and result["snapshot_mb"] > 0

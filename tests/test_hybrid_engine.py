@@ -151,7 +151,7 @@ def test_abort_frees_slots_and_blocks_at_once(minicpmv_dir):  # noqa: F811
     _assert_all_freed(engine)
 
 
-def test_startup_sizes_slots_from_the_budget_and_turns_off_what_cannot_run(minicpmv_dir, caplog):  # noqa: F811
+def test_startup_sizes_slots_and_snapshots_from_the_budget(minicpmv_dir, caplog):  # noqa: F811
     from llm_service.state_cache import slot_bytes
 
     budget = 4 * 2**20
@@ -161,15 +161,26 @@ def test_startup_sizes_slots_from_the_budget_and_turns_off_what_cannot_run(minic
     per_slot = slot_bytes(runner.state_specs, runner.model.dtype)
     assert [s.layer_idx for s in runner.state_specs] == [0, 1, 2]
     assert runner.num_slots == budget // 2 // per_slot < 1000  # at most half the budget
+    assert runner.num_snapshots == int(budget * engine.config.state_snapshot_share) // per_slot > 0
     kv = runner.kv_pool
     assert kv.shape[0] == 1  # K/V of the one full-attention layer only
-    used = runner.num_slots * per_slot + runner.num_blocks * kv[0, :, 0].numel() * kv.element_size()
-    assert budget - kv[0, :, 0].numel() * kv.element_size() < used <= budget
-    assert not engine.config.enable_prefix_caching and not engine.config.cuda_graphs
-    assert engine.slots.num_slots == runner.num_slots
+    block_bytes = kv[0, :, 0].numel() * kv.element_size()
+    used = (runner.num_slots + runner.num_snapshots) * per_slot + runner.num_blocks * block_bytes
+    assert budget - block_bytes < used <= budget
+    assert runner.states.conv[0].shape[0] == runner.num_slots + runner.num_snapshots
+    assert engine.config.enable_prefix_caching and not engine.config.cuda_graphs
+    assert engine.snapshots.num_snapshots == runner.num_snapshots and engine.slots.num_slots == runner.num_slots
     log = caplog.text
-    assert f"{runner.num_slots} sequences run at once" in log and "prefix caching is off" in log
-    assert "CUDA decode graphs are off" in log
+    assert f"{runner.num_slots} sequences run at once" in log and "CUDA decode graphs are off" in log
+    assert f"prefix caching with state snapshots: {runner.num_snapshots} snapshots" in log
+    assert "prefix caching is off" not in log
+
+
+def test_no_snapshot_budget_turns_prefix_caching_off(minicpmv_dir, caplog):  # noqa: F811
+    with caplog.at_level(logging.INFO):
+        engine = make_engine(minicpmv_dir, kv_cache_bytes=4 * 2**20, state_snapshot_share=0.0)
+    assert not engine.config.enable_prefix_caching and engine.snapshots is None
+    assert engine.runner.num_snapshots == 0 and "prefix caching is off" in caplog.text
 
 
 def test_pure_attention_models_get_no_slots(tiny_models):

@@ -40,10 +40,10 @@ def test_blocks_on_cuda_come_from_the_replicas_share(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (TOTAL - weights - GIB, TOTAL))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: weights)
     block = 1 << 20
-    half, _ = pool_sizes(EngineConfig(device_share=0.5), block, 0, torch.device("cuda"))
+    half = pool_sizes(EngineConfig(device_share=0.5), block, 0, torch.device("cuda")).blocks
     assert half == int(0.5 * TOTAL * 0.9 - weights) // block
     explicit = EngineConfig(device_share=0.5, kv_cache_bytes=3 * GIB)  # kv_cache_memory_mb: taken as given
-    assert pool_sizes(explicit, block, 0, torch.device("cuda"))[0] == 3 * GIB // block
+    assert pool_sizes(explicit, block, 0, torch.device("cuda")).blocks == 3 * GIB // block
 
 
 @pytest.mark.parametrize("num_gpus, share", [(0.5, 0.5), (0.25, 0.25), (0, 1.0), (1, 1.0), (2, 1.0)])

@@ -238,6 +238,27 @@ def test_multimodal_plan_matches_processor(model_dir, family):
     assert [r.length for r in plan.ranges] == [n_img, int(ref["video_grid_thw"][0].prod()) // 4]
 
 
+def test_system_prompt_end_is_a_snapshot_boundary_and_the_ids_stay_the_processors(model_dir):
+    """The plan says where the system message ends (a hybrid LM snapshots its state there): the ids
+    before it are that message rendered alone; the ids themselves are unchanged (== transformers)."""
+    tok = _tokenizer(model_dir)
+    planner = RequestPlanner(model_dir, tok)
+    system = "You answer briefly. " * 5
+    img = image_bytes(60, 90, seed=6)
+    plan = planner.plan([Message("system", (system,)), Message("user", (MediaItem(MediaKind.IMAGE, (img,)), "ok?"))])
+    (end,) = plan.snapshot_boundaries
+    alone = tok.apply_chat_template([{"role": "system", "content": [{"type": "text", "text": system}]}], tokenize=False)
+    assert plan.token_ids[:end] == tok.encode(alone, add_special_tokens=False)
+    assert plan.token_ids[end] == tok.convert_tokens_to_ids("<|im_start|>") and end < plan.ranges[0].offset
+    from tests.reference import reference_inputs
+
+    ref = reference_inputs(model_dir, [{"role": "system", "content": [{"type": "text", "text": system}]},
+                                       {"role": "user", "content": [{"type": "image", "bytes": img},
+                                                                    {"type": "text", "text": "ok?"}]}])
+    assert plan.token_ids == ref["input_ids"][0].tolist()
+    assert planner.plan([Message("user", ("hi",))]).snapshot_boundaries == ()  # no system message
+
+
 # ---------------------------------------------------------------------------------- limits
 
 

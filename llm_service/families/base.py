@@ -68,10 +68,11 @@ class LMFace(ABC):
         attention), with that state's shapes; () for a decoder of attention layers only.
 
         When there are any, the engine gives each running sequence a state slot (sized from the
-        KV memory budget, prefix caching and CUDA graphs off), the KV pool covers only the other
-        layers, and every forward passes the step's `StateBatch` to the decoder as the
-        `state_batch` keyword: these layers must run the packed step from it (each sequence's
-        rows continue the state of its slot, which starts at zeros) and write the state back."""
+        KV memory budget, CUDA graphs off; prefix caching through state snapshots), the KV pool
+        covers only the other layers, and every forward passes the step's `StateBatch` to the
+        decoder as the `state_batch` keyword: these layers must run the packed step from it (each
+        sequence's rows continue the state of its slot, which starts at zeros or at a snapshot
+        the engine copied in) and write the state back."""
         return ()
 
     def tied_embeddings(self) -> bool:
