@@ -84,8 +84,9 @@ class EncoderDeployment:
         return self.publisher.publish(items, embeddings) if self.publisher else embeddings
 
     def stats(self) -> dict:
-        """The pool's counters (forwards, cache, dedup, queue): for tests and debugging."""
-        return self.pool.stats()._asdict()
+        """The pool's counters (forwards, cache, dedup, queue) and which replica answered: for
+        tests, benches and debugging (`encoder_stats` collects every replica's)."""
+        return {**self.pool.stats()._asdict(), "replica": serve.get_replica_context().replica_id.unique_id}
 
     def memory(self) -> dict:
         """This replica's device memory (`mmserve.checkpoint.device_memory`) and its share of the device."""
@@ -98,3 +99,15 @@ class EncoderDeployment:
     def check_health(self) -> None:
         if not any(True for _ in self.encoder.tower.parameters()):
             raise RuntimeError("vision tower has no parameters")
+
+
+def encoder_stats(handle, num_replicas: int, tries: int = 50) -> dict[str, dict]:
+    """Replica id -> `EncoderDeployment.stats()` of every one of `num_replicas` replicas (Serve
+    picks the replica of each call: ask until each has answered)."""
+    found: dict[str, dict] = {}
+    for _ in range(tries):
+        answer = handle.stats.remote().result()
+        found[answer["replica"]] = answer
+        if len(found) >= num_replicas:
+            break
+    return found
