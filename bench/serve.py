@@ -3,6 +3,7 @@
     python bench/serve.py --url http://127.0.0.1:8000 --model-name tiny-qwen2_vl --request-rate 4
     python bench/serve.py --quick                        # starts its own app on a bench-sized checkpoint
     python bench/serve.py --compare colocated --quick    # disaggregated vs colocated, side by side
+    python bench/serve.py --compare routing --quick      # affinity vs default routing, 2 + 2 replicas
     python bench/serve.py --quick --transport grpc       # the same requests as gRPC GenerateStream calls
     python bench/serve.py --compare colocated --device cuda --model DIR --dtype bfloat16  # one GPU, halves
     mmserve bench serve ...                              # the same
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.serve_dataset import (  # noqa: E402
     DatasetConfig, RequestSpec, ResolutionBucket, arrival_times, generate_requests, prompt_text, synthesize_image,
+    system_text,
 )
 from bench.serve_metrics import SLO, RequestRecord, compute_metrics  # noqa: E402
 
@@ -44,10 +46,13 @@ QUICK_BUCKETS = (ResolutionBucket(112, 112, 0.3), ResolutionBucket(224, 224, 0.5
 
 
 # -- the load -----------------------------------------------------------------------------------
-def request_body(spec: RequestSpec, model_name: str, images: dict[int, str]) -> dict:
+def request_body(spec: RequestSpec, model_name: str, images: dict[int, str], system_words: int = 48) -> dict:
     content = [{"type": "image_url", "image_url": {"url": images[i.seed]}} for i in spec.images]
     content.append({"type": "text", "text": prompt_text(spec)})
-    return {"model": model_name, "messages": [{"role": "user", "content": content}], "max_tokens": spec.max_tokens,
+    messages = [{"role": "user", "content": content}]
+    if spec.system is not None:
+        messages.insert(0, {"role": "system", "content": system_text(spec.system, system_words)})
+    return {"model": model_name, "messages": messages, "max_tokens": spec.max_tokens,
             "ignore_eos": True, "temperature": 0, "stream": True, "return_token_ids": True}
 
 
@@ -74,12 +79,16 @@ async def one_request(client, url: str, body: dict, send_at: float) -> RequestRe
     return RequestRecord(sent, time.perf_counter(), bool(times), "200", tuple(times))
 
 
-def grpc_request(spec: RequestSpec, model_name: str, images: dict[int, bytes]):
+def grpc_request(spec: RequestSpec, model_name: str, images: dict[int, bytes], system_words: int = 48):
     """The same request as `request_body`, as a `mmserve.v1` GenerateRequest (greedy, ignore_eos)."""
     from mmserve.client import request, user
+    from protos.mmserve.v1 import vlm_pb2
 
-    return request([user(prompt_text(spec), [images[i.seed] for i in spec.images])], model=model_name,
-                   max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
+    messages = [user(prompt_text(spec), [images[i.seed] for i in spec.images])]
+    if spec.system is not None:
+        text = vlm_pb2.ContentPart(text=system_text(spec.system, system_words))
+        messages.insert(0, vlm_pb2.ChatMessage(role="system", content=[text]))
+    return request(messages, model=model_name, max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
 
 
 async def one_request_grpc(stub, message, send_at: float, metadata: tuple = ()) -> RequestRecord:
@@ -190,9 +199,10 @@ def _free_port() -> int:
 
 
 def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: str = "cpu",
-              gpus: float = 0.0) -> tuple[str, str]:
+              gpus: float = 0.0, replicas: tuple[int, int] | None = None, routing: str = "affinity") -> tuple[str, str]:
     """Starts Ray + Serve + the app in this process; returns its base URL and gRPC target (stop
-    with `stop_app`)."""
+    with `stop_app`). `replicas`: (encoder, LLM) replicas sharing their half of the CPUs (default:
+    one each; colocated: two LLM replicas); `routing`: the app's routing policy."""
     import ray
     from ray import serve
 
@@ -205,10 +215,12 @@ def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: 
     port, grpc_port = _free_port(), _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc_options(port=grpc_port))
     big = {"max_ongoing_requests": 256, "max_queued_requests": -1}
+    encoders, llms = replicas or (1, 2 if colocated else 1)
     args = AppArgs(
         model=model, served_model_name="bench", dtype=dtype, device=device, colocated=colocated, router={"num_cpus": 0, **big},
-        encoder={"num_cpus": half, "num_gpus": gpus, **big},
-        llm={"num_cpus": half, "num_gpus": gpus, "num_replicas": 2 if colocated else 1, **big},
+        encoder={"num_cpus": half / encoders, "num_gpus": gpus, "num_replicas": encoders, **big},
+        llm={"num_cpus": half / (llms if replicas else 1), "num_gpus": gpus, "num_replicas": llms, **big},
+        routing={"policy": routing},
     )
     serve.run(build_app(args), name="bench", route_prefix="/")
     return f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
@@ -309,7 +321,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-name", default="bench", help="served model name at --url / --grpc-target")
     p.add_argument("--model", help="checkpoint for the app started here (default: the bench checkpoint)")
     p.add_argument("--quick", action="store_true", help="bench checkpoint, 120 requests, images 112²..336²")
-    p.add_argument("--compare", choices=("colocated",), help="run disaggregated, then colocated, side by side")
+    p.add_argument("--compare", choices=("colocated", "routing"),
+                   help="colocated: disaggregated, then colocated, side by side; routing: affinity vs Serve's default "
+                   "routing on 2 encoder + 2 LLM replicas, workloads A (popular images, shared system prompts) and "
+                   "B (one hot image) (bench/serve_routing.py)")
     p.add_argument("--colocated", action="store_true", help="start the app here in colocated mode")
     p.add_argument("--num-cpus", type=float, default=2.0, help="total CPUs of the app started here")
     p.add_argument("--dtype", default="float32")
@@ -340,6 +355,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.compare == "routing":
+        import tempfile
+
+        from bench.serve_routing import run as compare_routing
+
+        compare_routing(args, args.model or bench_checkpoint(Path(tempfile.gettempdir()) / "mmserve-bench-serve-qwen2_vl-v1"))
+        return 0
     began = time.perf_counter()
     num_prompts = args.num_prompts or (120 if args.quick else 200)
     dataset = DatasetConfig(buckets=QUICK_BUCKETS if args.quick else DatasetConfig().buckets, max_images=args.max_images,

@@ -25,7 +25,11 @@ class DatasetConfig:
     buckets: image resolutions with their probabilities (normalised when drawn).
     max_images: images per image request, uniform in 1..max_images.
     text_only_share: share of requests with no image.
-    repeat_share: share of images that repeat an earlier image of this run (encoder cache hits).
+    repeat_share: share of images that repeat an earlier image of this run (encoder cache hits),
+    or, with `image_pool` > 0, that are one of `image_pool` fixed images (the same in every run
+    of this seed: a workload's popular images).
+    system_prompts / system_share: that share of requests opens with one of `system_prompts`
+    system prompts of `system_words` words (prompt prefixes shared across requests).
     input_len / output_len: mean text tokens of the prompt / max_tokens; range_ratio spreads them
     uniformly over mean*(1-r)..mean*(1+r), as vLLM's `--random-range-ratio`.
     """
@@ -41,6 +45,10 @@ class DatasetConfig:
     input_len: int = 32
     output_len: int = 16
     range_ratio: float = 0.25
+    image_pool: int = 0
+    system_prompts: int = 0
+    system_share: float = 0.0
+    system_words: int = 48
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,7 @@ class RequestSpec:
     prompt_words: int
     max_tokens: int
     images: tuple[ImageSpec, ...] = field(default_factory=tuple)
+    system: int | None = None  # which shared system prompt opens the request (None: none)
 
 
 def _spread(rng: random.Random, mean: int, ratio: float) -> int:
@@ -69,6 +78,9 @@ def _spread(rng: random.Random, mean: int, ratio: float) -> int:
 def generate_requests(config: DatasetConfig, num_requests: int, seed: int) -> list[RequestSpec]:
     rng = random.Random(seed)
     weights = [bucket.probability for bucket in config.buckets]
+    pool_rng = random.Random(0x9001)  # the popular images do not depend on the run's seed
+    pool = [ImageSpec(b.height, b.width, 900_000_000 + k)
+            for k, b in enumerate(pool_rng.choices(config.buckets, weights=weights, k=config.image_pool))]
     seen: list[ImageSpec] = []
     requests: list[RequestSpec] = []
     next_image_seed = seed * 1_000_003
@@ -76,8 +88,8 @@ def generate_requests(config: DatasetConfig, num_requests: int, seed: int) -> li
         images: list[ImageSpec] = []
         if rng.random() >= config.text_only_share:
             for _ in range(rng.randint(1, config.max_images)):
-                if seen and rng.random() < config.repeat_share:
-                    images.append(rng.choice(seen))
+                if (pool or seen) and rng.random() < config.repeat_share:
+                    images.append(rng.choice(pool or seen))
                     continue
                 bucket = rng.choices(config.buckets, weights=weights)[0]
                 next_image_seed += 1
@@ -89,6 +101,7 @@ def generate_requests(config: DatasetConfig, num_requests: int, seed: int) -> li
             prompt_words=_spread(rng, config.input_len, config.range_ratio),
             max_tokens=_spread(rng, config.output_len, config.range_ratio),
             images=tuple(images),
+            system=rng.randrange(config.system_prompts) if rng.random() < config.system_share else None,
         ))
     return requests
 
@@ -126,6 +139,12 @@ def synthesize_image(spec: ImageSpec) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def system_text(index: int, words: int) -> str:
+    """The `index`-th shared system prompt."""
+    vocabulary = ("you", "are", "a", "careful", "assistant", "for", "images", "answer", "briefly", "and", "kindly")
+    return f"Role {index}: " + " ".join(vocabulary[(index * 7 + i) % len(vocabulary)] for i in range(words))
 
 
 def prompt_text(spec: RequestSpec) -> str:

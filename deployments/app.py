@@ -20,15 +20,15 @@ from deployments.router import Router, RouterSettings
 def build_app(args: dict | AppArgs | None = None) -> Application:
     """Router (ingress) + encoder pool + LLM replicas (or, colocated, LLM replicas that encode), from `AppArgs`."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
-    routing = args.routing.deployment_options(args.engine.block_size)
+    encoder_routing, llm_routing = args.routing.deployment_options(args.engine.block_size)
     encoder = None  # colocated: none; with grpc.encoder_address the router uses that standalone encoder
     if args.grpc.encoder_address is None and not args.colocated:
-        encoder = EncoderDeployment.options(**encoder_options(args.encoder, args.encoder_pool), **routing).bind(
+        encoder = EncoderDeployment.options(**encoder_options(args.encoder, args.encoder_pool), **encoder_routing).bind(
             args.model, args.dtype, args.device, args.encoder_pool, args.transport, args.grpc,
             device_share=args.encoder.device_share,
         )
     # an LLM replica at its target runs a full batch (max_num_seqs): more replicas beyond that
-    llm_options = args.llm.options("LLM", default_target_ongoing_requests=args.engine.max_num_seqs) | routing
+    llm_options = args.llm.options("LLM", default_target_ongoing_requests=args.engine.max_num_seqs) | llm_routing
     llm = LLMDeployment.options(**llm_options).bind(
         args.model, args.dtype, args.device, engine=args.engine.resolve(args.llm.device_share), transport=args.transport,
         grpc=args.grpc, stall_timeout_s=args.engine.stall_timeout_s, max_waiting_tokens=args.engine.max_waiting_tokens,
@@ -49,7 +49,7 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         colocated=args.colocated,
         max_pending_requests=args.max_pending_requests,
         max_fetching_requests=args.max_fetching_requests,
-        affinity=bool(routing) and encoder is not None,
+        affinity=bool(encoder_routing) and encoder is not None,
         prefix_block_size=args.engine.block_size,
     )
     return Router.options(**args.router.options("Router")).bind(encoder, llm, settings)

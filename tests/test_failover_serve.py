@@ -31,8 +31,9 @@ def _deploy(serve_ports, model_dir: str, app: str, replicas: int) -> str:
 
     from deployments.app import build_app
 
-    group = {"num_replicas": replicas, "num_cpus": 0.1}
-    args = _app_args(model_dir, app, llm=group, encoder=group, encoder_pool=NO_CACHE, llm_retries=2)
+    group = {"num_replicas": replicas, "num_cpus": 0.1}  # affinity on: killing an owner must lose nothing too
+    args = _app_args(model_dir, app, llm=group, encoder=group, encoder_pool=NO_CACHE, llm_retries=2,
+                     routing={"policy": "affinity"})
     serve.run(build_app(args), name=app, route_prefix=f"/{app}")
     return f"http://127.0.0.1:{serve_ports[0]}/{app}/v1/chat/completions"
 

@@ -45,8 +45,8 @@ def test_affinity_keeps_tokens_and_encodes_each_image_once_for_the_cluster(serve
 
     expected = _tokens(serve_urls["qwen2_vl"] + "/v1/chat/completions")  # one encoder, one LLM replica
     group = {"num_replicas": 2, "num_cpus": 0.1}
-    serve.run(build_app(_app_args(tiny_models["qwen2_vl"], APP, encoder=group, llm=group)), name=APP,
-              route_prefix=f"/{APP}")
+    args = _app_args(tiny_models["qwen2_vl"], APP, encoder=group, llm=group, routing={"policy": "affinity"})
+    serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
     try:
         got = _tokens(f"http://127.0.0.1:{serve_ports[0]}/{APP}/v1/chat/completions")
         routed = serve.get_deployment_handle("Router", app_name=APP).routing_stats.remote().result()
