@@ -123,10 +123,14 @@ class LLMEngine:
             return f"the engine holds {self.num_requests} requests and made no step in {idle_for:.0f}s"
         return None
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Stop the engine thread and wait for its step to end: a process that exits while the
+        thread is inside a torch op aborts ("terminate called without an active exception")."""
         with self._cv:
             self._stopped = True
             self._cv.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
 
     # -- engine thread -----------------------------------------------------------------------
     def _loop(self) -> None:
