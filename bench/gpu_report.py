@@ -89,7 +89,8 @@ CPU_ARGS = {
     "llm": ["--prompt-len", "8", "--max-tokens", "4", "--concurrency", "1", "--decode-tokens", "16",
             "--long-context", "0"],
     "encoder": ["--items", "4"],
-    "serve": ["--compare", "colocated", "--quick", "--num-prompts", "12", "--unloaded-requests", "2"],
+    "serve": ["--compare", "colocated", "--quick", "--num-prompts", "8", "--unloaded-requests", "2",
+              "--request-rate", "1"],
     "transfer": ["--iters", "1", "--ingress-iters", "2"],
 }
 CUDA_ARGS = {

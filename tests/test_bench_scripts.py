@@ -1,7 +1,8 @@
 """Benches that cannot rot: every bench/ script answers `--help`, and finishes its smallest run
 (seconds to a minute) ending with its one JSON line, run as a user runs it (`python bench/X.py`).
 
-Out of CI, and said so here: serve.py's sweeps (tests/test_bench_serve.py runs its small runs),
+Elsewhere, and said so here: transfer.py's smallest run is the one tests/test_gpu_report.py's
+serve part makes (one Ray start, not two); serve.py's sweeps (tests/test_bench_serve.py runs its small runs),
 soak.py (minutes long, by design) and gpu_report.py (tests/test_gpu_report.py runs it into a
 temporary results file)."""
 
@@ -25,10 +26,10 @@ SMALLEST = {
     "encoder.py": (["--items", "4"], []),
     "llm.py": (["--prompt-len", "8", "--max-tokens", "4", "--concurrency", "1", "--decode-tokens", "8"], []),
     "dispatch.py": (["--requests", "2"], [SERVE]),
-    "transfer.py": (["--iters", "1", "--ingress-iters", "2"], [SERVE]),
     "vit_attention.py": ([], GPU),
 }
 ELSEWHERE = {"serve.py": "tests/test_bench_serve.py", "soak.py": "minutes long: run by hand",
+             "transfer.py": "tests/test_gpu_report.py (the report's serve part runs its smallest run)",
              "gpu_report.py": "tests/test_gpu_report.py (its runs append to a results file)"}
 
 
