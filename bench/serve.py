@@ -4,6 +4,7 @@
     python bench/serve.py --quick                        # starts its own app on a bench-sized checkpoint
     python bench/serve.py --compare colocated --quick    # disaggregated vs colocated, side by side
     python bench/serve.py --compare routing --quick      # affinity vs default routing, 2 + 2 replicas
+    python bench/serve.py --compare ingress --quick      # Serve's ingress modes (bench/ingress.py)
     python bench/serve.py --quick --transport grpc       # the same requests as gRPC GenerateStream calls
     python bench/serve.py --compare colocated --device cuda --model DIR --dtype bfloat16  # one GPU, halves
     mmserve bench serve ...                              # the same
@@ -321,10 +322,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-name", default="bench", help="served model name at --url / --grpc-target")
     p.add_argument("--model", help="checkpoint for the app started here (default: the bench checkpoint)")
     p.add_argument("--quick", action="store_true", help="bench checkpoint, 120 requests, images 112²..336²")
-    p.add_argument("--compare", choices=("colocated", "routing"),
+    p.add_argument("--compare", choices=("colocated", "routing", "ingress"),
                    help="colocated: disaggregated, then colocated, side by side; routing: affinity vs Serve's default "
                    "routing on 2 encoder + 2 LLM replicas, workloads A (popular images, shared system prompts) and "
-                   "B (one hot image) (bench/serve_routing.py)")
+                   "B (one hot image) (bench/serve_routing.py); ingress: Serve's ingress modes, small requests and the 256 "
+                   "burst (bench/ingress.py)")
     p.add_argument("--colocated", action="store_true", help="start the app here in colocated mode")
     p.add_argument("--num-cpus", type=float, default=2.0, help="total CPUs of the app started here")
     p.add_argument("--dtype", default="float32")
@@ -355,6 +357,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.compare == "ingress":
+        from bench.ingress import main as compare_ingress
+
+        compare_ingress(["--quick"] if args.quick else [])
+        return 0
     if args.compare == "routing":
         import tempfile
 

@@ -143,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument("--encoder-gpus", type=float, default=0)
     serve_p.add_argument("--llm-gpus", type=float, default=0)
     serve_p.add_argument("--grpc-port", type=int, default=9000, help="Serve's gRPC proxy port")
+    serve_p.add_argument("--ingress", choices=("proxy", "direct", "haproxy"), default="proxy",
+                         help="Serve's ingress: its Python proxy (default; header-capped beyond loopback), the Router "
+                         "replicas listening themselves (direct, loopback only), or HAProxy; the last two are "
+                         "experimental in Serve 2.60 (deployments/ingress.py)")
     serve_p.add_argument("--grace-period", type=float, default=30.0,
                          help="on SIGTERM / Ctrl-C: seconds requests in flight may take to finish")
     serve_p.add_argument("--api-key-env", default=None, metavar="NAME",

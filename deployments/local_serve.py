@@ -14,6 +14,11 @@ SIGTERM / Ctrl-C, and nothing exposed that the operator did not ask for.
 
 Two Serve rules stand whatever `--host` says: the gRPC proxy listens on every interface
 (`[::]:port`), and so does each replica's inter-deployment gRPC server, which Ray's token guards.
+
+`--ingress proxy|direct|haproxy` picks Serve's ingress mode (deployments/ingress.py). Beyond
+loopback, `proxy` gets a header cap in front of its HTTP port, `direct` is refused (the Router
+replicas' own HTTP servers bound no header), and `haproxy` starts with a warning about the ports it
+opens on every interface.
 """
 
 from __future__ import annotations
@@ -92,6 +97,42 @@ def use_single_machine_mode(ns: argparse.Namespace) -> None:
         os.environ[SINGLE_MACHINE_ENV] = "0"  # the cluster's processes inherit it
 
 
+def plan_ingress(mode: str, host: str, port: int):
+    """(host, port) for Serve's http_options, and the HeaderCap to start in front of it (or None);
+    sets Serve's ingress environment (before Ray is imported). RefusedToStart for `direct` beyond
+    loopback."""
+    from deployments.ingress import DIRECT_PORTS, EXPERIMENTAL, HeaderCap, environ_for, free_loopback_port
+
+    beyond = not is_loopback(host)
+    if mode == "direct" and beyond:
+        raise RefusedToStart(
+            f"refusing --ingress direct on {host}: the Router replicas would listen there themselves, and their "
+            "HTTP server bounds no header size (a few requests with 100 MB headers stall the app). Keep it on "
+            "127.0.0.1 behind a proxy that caps headers, or use --ingress proxy (header-capped beyond loopback) "
+            "or --ingress haproxy")
+    environ_for(mode)
+    if mode in EXPERIMENTAL:
+        print(f"ingress {mode}: experimental in Ray Serve 2.60", file=sys.stderr, flush=True)
+    if mode == "haproxy" and beyond:
+        print(f"warning: --ingress haproxy also listens on every interface on 8404 (HAProxy stats) and 9101 "
+              f"(its Prometheus metrics), and the Router replicas' direct ports ({DIRECT_PORTS}) on {host}, which "
+              "bypass HAProxy's header cap: firewall them", file=sys.stderr, flush=True)
+    if mode == "proxy" and beyond:
+        upstream = free_loopback_port()
+        return "127.0.0.1", upstream, HeaderCap(host, port, upstream)
+    return host, port, None
+
+
+def ingress_line(mode: str, cap) -> str:
+    from deployments.ingress import DIRECT_PORTS, HEADER_CAP_BYTES
+
+    if cap is not None:
+        return f"ingress proxy, headers capped at {HEADER_CAP_BYTES // 1024} KiB in front"
+    if mode == "direct":
+        return f"ingress direct: the Router replicas listen on {DIRECT_PORTS}, from the first"
+    return f"ingress {mode}"
+
+
 def start_ray(ns: argparse.Namespace) -> None:
     import ray
 
@@ -107,6 +148,7 @@ def serve_app(ns: argparse.Namespace) -> int:
     start = time.perf_counter()
     check_exposure({"--host": ns.host, "--dashboard-host": ns.dashboard_host if ns.dashboard else "127.0.0.1"})
     key_env = api_key_env(ns)
+    serve_host, serve_port, cap = plan_ingress(ns.ingress, ns.host, ns.http_port)
     use_single_machine_mode(ns)
     from ray import serve
 
@@ -127,15 +169,18 @@ def serve_app(ns: argparse.Namespace) -> int:
         llm=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.llm_gpus),
     )
     start_ray(ns)
-    serve.start(http_options={"host": ns.host, "port": ns.http_port}, grpc_options=grpc_options(port=ns.grpc_port))
+    serve.start(http_options={"host": serve_host, "port": serve_port}, grpc_options=grpc_options(port=ns.grpc_port))
     serve.run(build_app(args), name="mmserve", route_prefix="/")
+    if cap is not None:
+        cap.start()
     print(
         f"mmserve ready in {time.perf_counter() - start:.1f}s: "
         f"http://{ns.host}:{ns.http_port}/v1/chat/completions, gRPC mmserve.v1.VLMService on "
-        f"port {ns.grpc_port}{f' (API key from {key_env})' if key_env else ''} (Ctrl-C to stop)",
+        f"port {ns.grpc_port}{f' (API key from {key_env})' if key_env else ''}; {ingress_line(ns.ingress, cap)} "
+        "(Ctrl-C to stop)",
         flush=True,
     )
-    return serve_until_signal(["mmserve"], ns.grace_period)
+    return serve_until_signal(["mmserve"], ns.grace_period, cap)
 
 
 def serve_config(ns: argparse.Namespace) -> int:
@@ -148,6 +193,7 @@ def serve_config(ns: argparse.Namespace) -> int:
         raw = yaml.safe_load(f)
     host = (raw.get("http_options") or {}).get("host", "127.0.0.1")
     check_exposure({"http_options.host": host, "--dashboard-host": ns.dashboard_host if ns.dashboard else "127.0.0.1"})
+    serve_host, serve_port, cap = plan_ingress(ns.ingress, host, (raw.get("http_options") or {}).get("port", 8000))
     use_single_machine_mode(ns)
     from ray import serve
     from ray.serve.context import _get_global_client
@@ -157,6 +203,7 @@ def serve_config(ns: argparse.Namespace) -> int:
     http = config.http_options
     start_ray(ns)
     options = config.model_dump(include={"proxy_location", "http_options", "grpc_options"}, exclude_unset=True)
+    options["http_options"] = {**options.get("http_options", {}), "host": serve_host, "port": serve_port}
     serve.start(**options)
     _get_global_client().deploy_apps(config)
     names = [app.name for app in config.applications]
@@ -171,15 +218,17 @@ def serve_config(ns: argparse.Namespace) -> int:
         if all(a is not None and a.status == "RUNNING" for a in statuses.values()):
             break
         time.sleep(1)
+    if cap is not None:
+        cap.start()
     print(
         f"mmserve ready in {time.perf_counter() - start:.1f}s from {ns.config}: "
-        f"http://{http.host}:{http.port} ({', '.join(names)}; Ctrl-C to stop)",
+        f"http://{http.host}:{http.port} ({', '.join(names)}; {ingress_line(ns.ingress, cap)}; Ctrl-C to stop)",
         flush=True,
     )
-    return serve_until_signal(names, ns.grace_period)
+    return serve_until_signal(names, ns.grace_period, cap)
 
 
-def serve_until_signal(app_names: list[str], grace_s: float) -> int:
+def serve_until_signal(app_names: list[str], grace_s: float, cap=None) -> int:
     """Serve until SIGTERM (docker stop, Kubernetes) or Ctrl-C, then drain and stop cleanly:
     new requests get 503 / UNAVAILABLE, requests in flight finish (up to `grace_s`), then Serve
     and Ray shut down and the command exits 0."""
@@ -206,6 +255,8 @@ def serve_until_signal(app_names: list[str], grace_s: float) -> int:
     if left:
         print(f"grace period over with {left} requests in flight", flush=True)
     print("shutting down", flush=True)
+    if cap is not None:  # after the drain: it forwarded the drain's 503s
+        cap.stop()
     serve.shutdown()
     ray.shutdown()
     return 0

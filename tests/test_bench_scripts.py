@@ -29,6 +29,7 @@ SMALLEST = {
     "vit_attention.py": ([], GPU),
 }
 ELSEWHERE = {"serve.py": "tests/test_bench_serve.py", "soak.py": "minutes long: run by hand",
+             "ingress.py": "minutes (a server per mode): tests/test_ingress_modes.py launches the modes",
              "transfer.py": "tests/test_gpu_report.py (the report's serve part runs its smallest run)",
              "gpu_report.py": "tests/test_gpu_report.py (its runs append to a results file)"}
 

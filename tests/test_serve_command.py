@@ -100,6 +100,7 @@ def test_beyond_loopback_only_the_app_listens_and_serve_internals_need_rays_toke
     # Serve opens one inter-deployment gRPC server per replica on [::] (a Serve rule); Ray's token guards it
     replica_servers = {port for port, name in exposed.items() if name.startswith("ray::ServeReplica")}
     assert set(exposed) - replica_servers == {served.http_port, served.grpc_port}, exposed
+    assert exposed[served.http_port] == "haproxy"  # the header cap in front of Serve's proxy (on loopback)
     assert len(replica_servers) == 3 and len(listening) > 8  # Ray's own ports were seen, all on loopback
     for port in replica_servers:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -139,6 +140,40 @@ def test_requests_need_the_key(served):
     assert httpx.post(served.url, json=body, timeout=60).status_code == 401
     ok = httpx.post(served.url, json=body, headers=AUTH, timeout=120)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1, ok.text
+
+
+def _flood(port: int, header_mb: int, until: float, cut: list) -> None:
+    """Requests with a `header_mb` MB header, one after another until `until` (no credentials)."""
+    chunk = b"a" * (1 << 20)
+    while time.monotonic() < until:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Flood: ")
+                for _ in range(header_mb):
+                    s.sendall(chunk)
+                s.sendall(b"\r\n\r\n")
+                s.recv(64)
+        except OSError:
+            cut.append(1)  # the server closed the connection mid-header
+
+
+@pytest.mark.serve
+def test_a_header_flood_leaves_health_answering_within_a_second(served):
+    """8 concurrent requests with 16 MB headers, again and again for 8 s (the attack used 100 MB):
+    the header cap answers them at 16 KiB, and /health answers within 1 s throughout."""
+    until, cut = time.monotonic() + 8, []
+    flooders = [threading.Thread(target=_flood, args=(served.http_port, 16, until, cut)) for _ in range(8)]
+    for t in flooders:
+        t.start()
+    worst = 0.0
+    while time.monotonic() < until:
+        began = time.monotonic()
+        assert httpx.get(f"http://127.0.0.1:{served.http_port}/health", timeout=5).status_code == 200
+        worst = max(worst, time.monotonic() - began)
+        time.sleep(0.1)
+    for t in flooders:
+        t.join()
+    assert worst < 1.0 and len(cut) >= 8, (worst, len(cut))
 
 
 @pytest.mark.serve
@@ -186,11 +221,20 @@ def test_sigterm_drains_then_exits_cleanly(served):
     ["serve", "--host", "0.0.0.0"],
     ["serve", "--dashboard-host", "0.0.0.0"],
     ["serve", "--config", str(ROOT / "deployments" / "serve_config.yaml")],  # its http_options.host: 0.0.0.0
+    ["serve", "--host", "0.0.0.0", "--ingress", "direct"],
 ])
 def test_exposure_without_ray_token_auth_is_refused_before_anything_starts(argv, monkeypatch, capsys):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     assert main(argv) == 2
     assert "refusing to listen on" in capsys.readouterr().err
+
+
+def test_direct_ingress_beyond_loopback_is_refused_even_with_ray_token_auth(monkeypatch, capsys):
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.delenv("MMSERVE_API_KEY", raising=False)
+    assert main(["serve", "--host", "0.0.0.0", "--ingress", "direct"]) == 2
+    err = capsys.readouterr().err
+    assert "refusing --ingress direct on 0.0.0.0" in err and "bounds no header size" in err
 
 
 def test_an_api_key_env_that_is_not_set_is_refused(monkeypatch, capsys):

