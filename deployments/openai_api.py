@@ -196,6 +196,7 @@ class OpenAIAdapter:
         name = self.core.settings.served_model_name
         try:
             gen = await self.core.generate(request.headers.get("authorization"), read, request_id)
+            gen.report_stages = body.return_stage_times
             if not body.stream:
                 result = await completion(gen, name, body.return_token_ids)
         except Exception as e:

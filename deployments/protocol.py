@@ -81,4 +81,5 @@ class ChatCompletionRequest(_Model):
     ignore_eos: bool = False
     stream: bool = False
     return_token_ids: bool = False  # vLLM extension: generated token ids in each choice / chunk
+    return_stage_times: bool = False  # mmserve extension: usage.stage_ms, milliseconds per stage of the request
     stream_options: StreamOptions | None = None

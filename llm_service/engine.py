@@ -160,6 +160,10 @@ class LLMEngine:
         self._admit()
         out = self.scheduler.schedule()
         self._in_step = [item.seq for item in out.scheduled]
+        now = time.monotonic()
+        for seq in self._in_step:
+            if seq.scheduled_at is None:
+                seq.scheduled_at = now
         for seq in out.preempted:  # alone in the pool and still too long: it can never run again
             if self.blocks.blocks_for(seq.num_tokens) > self.blocks.num_blocks:
                 self._finish(seq, TokenEvent(None, "length"))
@@ -199,9 +203,9 @@ class LLMEngine:
             aborted, self._aborted = self._aborted, set()
         for seq in new:
             if error := self._reject_reason(seq):
-                seq.emit(TokenEvent(None, "error", InvalidRequest(error)))
+                seq.send(TokenEvent(None, "error", InvalidRequest(error)))
             elif seq.request_id in aborted:
-                seq.emit(TokenEvent(None, "abort"))
+                seq.send(TokenEvent(None, "abort"))
             else:
                 self._by_id[seq.request_id] = seq
                 self.scheduler.add(seq)
@@ -233,10 +237,10 @@ class LLMEngine:
         if seq.num_generated >= p.max_tokens:
             self._finish(seq, TokenEvent(token, "length", None, logprob, top))
         else:
-            seq.emit(TokenEvent(token, None, None, logprob, top))
+            seq.send(TokenEvent(token, None, None, logprob, top))
 
     def _finish(self, seq: Sequence, event: TokenEvent) -> None:
         if seq.status is not Status.FINISHED:
             self.scheduler.finish(seq)
             self._by_id.pop(seq.request_id, None)
-            seq.emit(event)
+            seq.send(event)

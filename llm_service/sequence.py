@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +56,9 @@ class TokenEvent(NamedTuple):
     error: Exception | None = None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
+    # milliseconds per stage of this request: the engine puts {"prefill_queue_ms"} on a sequence's
+    # first event; the LLM deployment puts every stage it saw on the last (usage.stage_ms)
+    stages: dict[str, float] | None = None
 
 
 class Status(Enum):
@@ -89,9 +93,20 @@ class Sequence:
     _block_hashes: list[int] | None = None
     _embed_slots: list[list[int]] | None = None
     _snapshot_points: tuple[int, ...] | None = None
+    added_at: float = field(default_factory=time.monotonic)
+    scheduled_at: float | None = None  # its first step (the end of its prefill queue)
+    _sent: bool = False
 
     def __post_init__(self):
         self.tokens = list(self.request.prompt_token_ids)
+
+    def send(self, event: TokenEvent) -> None:
+        """`emit(event)`; the first event carries how long the sequence waited for its first step."""
+        if not self._sent:
+            self._sent = True
+            if self.scheduled_at is not None:
+                event = event._replace(stages={"prefill_queue_ms": (self.scheduled_at - self.added_at) * 1000})
+        self.emit(event)
 
     @property
     def request_id(self) -> str:

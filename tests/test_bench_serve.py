@@ -112,7 +112,8 @@ def test_percentile_interpolates_like_numpy():
 
 def test_the_load_runs_over_http_and_grpc_against_a_served_app(serve_urls, grpc_target):
     """The load generator's two transports against the session's real app: every request streams
-    exactly its max_tokens (ignore_eos), a token at a time, over both."""
+    exactly its max_tokens (ignore_eos), a token at a time, over both; over HTTP each record has
+    the server's stage times."""
     import asyncio
 
     from bench.serve import run_load
@@ -128,6 +129,8 @@ def test_the_load_runs_over_http_and_grpc_against_a_served_app(serve_urls, grpc_
     for records in (http, grpc):
         assert [r.status for r in records] == ["200"] * len(specs)
         assert [r.output_tokens for r in records] == [s.max_tokens for s in specs]
+    stages = {"router_ms", "embeddings_ms", "prefill_queue_ms", "prefill_ms", "decode_ms"}
+    assert all(set(r.stage_ms) == stages for r in http)  # each request's stage times, for --result-json
     refused = asyncio.run(run_load(grpc_target, "no-such-model", specs[:1], [0.0], transport="grpc",
                                    application="qwen2_vl"))
     assert refused[0].status == "INVALID_ARGUMENT" and not refused[0].ok

@@ -45,6 +45,8 @@ def test_a_failed_step_fails_only_its_sequences(tiny_models):
     assert calls[0] == ["a"]
     assert collector.finish_reason("a") == "error" and "injected" in str(collector.events["a"][-1].error)
     assert collector.finish_reason("b") == "length" and len(collector.tokens("b")) == 4
+    first, *rest = collector.events["b"]  # only the first event says how long it waited for its first step
+    assert first.stages["prefill_queue_ms"] >= 0 and all(e.stages is None for e in rest)
     assert engine.blocks.num_used_blocks == 0
 
 

@@ -26,7 +26,7 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from bench.ingress import direct_ports
+from bench.ingress import direct_ports, kill_session
 from mmserve.client import VLMClient, user
 from tests.serve_fixtures import _free_port
 
@@ -84,9 +84,9 @@ def served(request, tiny_models, tmp_path_factory):
         if mode == "direct":
             http_port, grpc_port = direct_ports(proc.pid)
         yield Served(mode, proc, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", log)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    finally:  # the whole session: Serve's HAProxy runs in a process group of its own
+        kill_session(proc.pid)
+        proc.wait()
 
 
 def _stream_text(url: str, body: dict) -> tuple[str, list[int]]:

@@ -1,5 +1,8 @@
 """The running Ray Serve app over HTTP, called with the real `openai` client."""
 
+import json
+import time
+
 import httpx
 import openai
 import pytest
@@ -66,6 +69,25 @@ def test_models_and_health(serve_urls):
     assert httpx.get(url + "/health").status_code == 200
     models = httpx.get(url + "/v1/models").json()
     assert models["data"][0]["id"] == "qwen2_vl" and models["data"][0]["max_model_len"] == 4096
+
+
+def test_stage_times_cover_the_request_and_are_asked_for(serve_urls):
+    """`return_stage_times`: usage.stage_ms names each stage (router, embeddings = encode queue +
+    encode + transfer as the LLM sees them, prefill queue, prefill, decode); together they fit in
+    the request's time as the client saw it. Without the flag, usage has no stage_ms."""
+    url = serve_urls["qwen2_vl"] + "/v1/chat/completions"
+    body = {"messages": image_case()[1], "max_tokens": 6, "ignore_eos": True}
+    began = time.perf_counter()
+    unary = httpx.post(url, json={**body, "return_stage_times": True}, timeout=120).json()["usage"]["stage_ms"]
+    wall_ms = (time.perf_counter() - began) * 1000
+    assert set(unary) == {"router_ms", "embeddings_ms", "prefill_queue_ms", "prefill_ms", "decode_ms"}
+    assert all(v >= 0 for v in unary.values()) and unary["embeddings_ms"] > 0 and unary["decode_ms"] > 0
+    assert sum(unary.values()) <= wall_ms
+    stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}, "return_stage_times": True}
+    with httpx.stream("POST", url, json=stream_body, timeout=120) as resp:
+        chunks = [line for line in resp.iter_lines() if line.startswith("data: {")]
+    assert set(json.loads(chunks[-1][6:])["usage"]["stage_ms"]) == set(unary)
+    assert "stage_ms" not in httpx.post(url, json=body, timeout=120).json()["usage"]
 
 
 def _truncated_png() -> bytes:
