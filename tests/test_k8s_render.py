@@ -175,6 +175,18 @@ def test_every_ray_pod_exposes_metrics_and_the_head_points_at_grafana(overlay):
     assert {"RAY_GRAFANA_HOST", "RAY_PROMETHEUS_HOST"} <= env
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_ray_pod_starts_serve_with_the_same_ingress_mode(overlay):
+    """Serve reads its ingress mode on every node (controller, proxies, replicas): one mode for all
+    pods, and the overlays keep Serve's proxy (deployments/ingress.py)."""
+    from deployments.ingress import serve_env
+
+    for group in groups(overlay):
+        (container,) = group["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert {k: env.get(k) for k in serve_env("proxy")} == serve_env("proxy"), group["groupName"]
+
+
 def test_pod_monitor_relabels_the_ray_cluster():
     (monitor,) = yaml.safe_load_all((ROOT / "k8s" / "monitoring" / "podmonitor.yaml").read_text())
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
