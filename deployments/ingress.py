@@ -135,6 +135,14 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
+LOCAL_DRAIN_PERIOD_S = "2"
+
+
 def environ_for(mode: str) -> None:
-    """Set `serve_env(mode)` in this process (its Ray cluster's processes inherit it)."""
+    """Set `serve_env(mode)` in this process (its Ray cluster's processes inherit it). On one
+    machine the direct-ingress replicas' minimum drain (Serve: 30 s, for a load balancer to
+    deregister them) drops to 2 s unless set: `mmserve serve`'s own drain has already refused new
+    requests and waited for those in flight."""
     os.environ.update(serve_env(mode))
+    if mode in EXPERIMENTAL:
+        os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", LOCAL_DRAIN_PERIOD_S)
