@@ -101,7 +101,8 @@ def plan_ingress(mode: str, host: str, port: int):
     """(host, port) for Serve's http_options, and the HeaderCap to start in front of it (or None);
     sets Serve's ingress environment (before Ray is imported). RefusedToStart for `direct` beyond
     loopback."""
-    from deployments.ingress import DIRECT_PORTS, EXPERIMENTAL, HeaderCap, environ_for, free_loopback_port
+    from deployments.ingress import (DIRECT_PORTS, EXPERIMENTAL, HeaderCap, environ_for, free_loopback_port,
+                                     haproxy_binary)
 
     beyond = not is_loopback(host)
     if mode == "direct" and beyond:
@@ -119,6 +120,11 @@ def plan_ingress(mode: str, host: str, port: int):
         print(f"warning: --ingress haproxy listens on every interface on 8404 (HAProxy stats) and 9101 (its "
               f"Prometheus metrics), whatever --host says{replicas}: firewall them", file=sys.stderr, flush=True)
     if mode == "proxy" and beyond:
+        try:
+            haproxy_binary()
+        except FileNotFoundError as e:  # found now, not after the app is up
+            raise RefusedToStart(f"refusing to listen on {host} without a header cap in front of Serve's proxy: {e}. "
+                                 "Or keep --host on 127.0.0.1 behind a proxy of yours that caps headers") from None
         upstream = free_loopback_port()
         return "127.0.0.1", upstream, HeaderCap(host, port, upstream)
     return host, port, None

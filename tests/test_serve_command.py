@@ -237,6 +237,14 @@ def test_direct_ingress_beyond_loopback_is_refused_even_with_ray_token_auth(monk
     assert "refusing --ingress direct on 0.0.0.0" in err and "bounds no header size" in err
 
 
+def test_no_header_cap_available_is_refused_before_anything_starts(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.delenv("MMSERVE_API_KEY", raising=False)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(tmp_path / "no-haproxy"))
+    assert main(["serve", "--host", "0.0.0.0"]) == 2
+    assert "without a header cap in front of Serve's proxy" in capsys.readouterr().err
+
+
 def test_an_api_key_env_that_is_not_set_is_refused(monkeypatch, capsys):
     monkeypatch.delenv("MMSERVE_TEST_UNSET_KEY", raising=False)
     assert main(["serve", "--api-key-env", "MMSERVE_TEST_UNSET_KEY"]) == 2
