@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import time
@@ -23,15 +22,10 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from deployments.ingress import free_loopback_port  # noqa: E402
 from tests.media_factory import data_uri, image_bytes  # noqa: E402
 
 MODES = {"pass_refs": False, "await": True}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ttft_ms(url: str, image: bytes) -> float:
@@ -65,7 +59,7 @@ def main() -> None:
     from mmserve.tiny import ensure_tiny_model
 
     model = ns.model or str(ensure_tiny_model())
-    port = _free_port()
+    port = free_loopback_port()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     small = {"num_cpus": 0.1}

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,14 +27,10 @@ from pathlib import Path
 
 import httpx
 
+from deployments.ingress import free_loopback_port
+
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("proxy", "direct", "haproxy", "proxy-capped")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def direct_ports(pid: int) -> tuple[int, int]:
@@ -82,7 +77,7 @@ def pct(values: list[float], q: float) -> float | None:
 
 class Server:
     def __init__(self, mode: str, log_dir: Path):
-        self.mode, self.http_port = mode, _free_port()
+        self.mode, self.http_port = mode, free_loopback_port()
         ingress = "proxy" if mode == "proxy-capped" else mode
         host = "0.0.0.0" if mode == "proxy-capped" else "127.0.0.1"  # beyond loopback: the header cap
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_SERVE_ENABLE"))}
@@ -90,7 +85,7 @@ class Server:
         self.log = log_dir / f"{mode}.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "deployments.cli", "serve", "--ingress", ingress, "--host", host,
-             "--http-port", str(self.http_port), "--grpc-port", str(_free_port()), "--no-dashboard"],
+             "--http-port", str(self.http_port), "--grpc-port", str(free_loopback_port()), "--no-dashboard"],
             cwd=ROOT, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 300) -> str:

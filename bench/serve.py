@@ -29,7 +29,6 @@ import asyncio
 import base64
 import contextlib
 import json
-import socket
 import statistics
 import sys
 import time
@@ -42,6 +41,7 @@ from bench.serve_dataset import (  # noqa: E402
     system_text,
 )
 from bench.serve_metrics import SLO, RequestRecord, compute_metrics  # noqa: E402
+from deployments.ingress import free_loopback_port  # noqa: E402
 
 QUICK_BUCKETS = (ResolutionBucket(112, 112, 0.3), ResolutionBucket(224, 224, 0.5), ResolutionBucket(336, 336, 0.2))
 
@@ -196,12 +196,6 @@ def bench_checkpoint(out: Path) -> str:
     return str(out)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: str = "cpu",
               gpus: float = 0.0, replicas: tuple[int, int] | None = None, routing: str = "affinity") -> tuple[str, str]:
     """Starts Ray + Serve + the app in this process; returns its base URL and gRPC target (stop
@@ -216,7 +210,7 @@ def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: 
 
     half = num_cpus / 2
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    port, grpc_port = _free_port(), _free_port()
+    port, grpc_port = free_loopback_port(), free_loopback_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc_options(port=grpc_port))
     big = {"max_ongoing_requests": 256, "max_queued_requests": -1}
     encoders, llms = replicas or (1, 2 if colocated else 1)
@@ -456,11 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                    num_cpus=args.num_cpus, seconds=round(time.perf_counter() - began, 1))
     if args.result_json:
         # each request: its times as the client saw them, and the server's stage times (HTTP)
-        requests = {f"{mode}@{rate:g}": [{"send_s": round(r.send_time - began, 4), "status": r.status,
-                                           "ttft_ms": round(r.ttft * 1000, 2) if r.ok and r.output_tokens else None,
-                                           "e2e_ms": round((r.end_time - r.send_time) * 1000, 2),
-                                           "output_tokens": r.output_tokens, "stage_ms": r.stage_ms}
-                                          for r in records]
+        requests = {f"{mode}@{rate:g}": [r.as_json(began) for r in records]
                     for mode, points in runs.items() for rate, _, records in points}
         args.result_json.write_text(json.dumps({"summary": summary, "results": results, "requests": requests},
                                                indent=2))

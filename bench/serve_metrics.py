@@ -26,6 +26,13 @@ class RequestRecord:
     input_tokens: int = 0
     stage_ms: dict[str, float] | None = None  # the server's usage.stage_ms (HTTP), None where not reported
 
+    def as_json(self, start: float) -> dict:
+        """This request for --result-json: times in ms, `send_s` from `start`."""
+        return {"send_s": round(self.send_time - start, 4), "status": self.status,
+                "ttft_ms": round(self.ttft * 1000, 2) if self.ok and self.output_tokens else None,
+                "e2e_ms": round((self.end_time - self.send_time) * 1000, 2), "output_tokens": self.output_tokens,
+                "stage_ms": self.stage_ms}
+
     @property
     def output_tokens(self) -> int:
         return len(self.token_times)

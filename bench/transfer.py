@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import time
 
 import ray
 import torch
+
+from deployments.ingress import free_loopback_port
 
 SIZES_MB = (0.8, 4.0, 20.0)
 HIDDEN = 2048
@@ -179,12 +180,6 @@ def bench_families(iters: int) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def bench_ingress(iters: int) -> dict:
     import httpx
     from ray import serve
@@ -193,7 +188,7 @@ def bench_ingress(iters: int) -> dict:
     from deployments.router import grpc_options
     from mmserve.client import VLMClient, user
 
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = free_loopback_port(), free_loopback_port()
     serve.start(http_options={"host": "127.0.0.1", "port": http_port}, grpc_options=grpc_options(port=grpc_port))
     small = {"num_cpus": 0.1}
     serve.run(build_app({"router": small, "encoder": small, "llm": small}), name="bench", route_prefix="/")
