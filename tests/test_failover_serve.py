@@ -171,7 +171,7 @@ def _stats(app: str) -> dict:
     return serve.get_deployment_handle("Router", app_name=app).failover_stats.remote().result()
 
 
-def _with_fault(url: str, bodies: list[dict], watch, app: str, counter: str, tries: int = 6, also: str = ""):
+def _with_fault(url: str, bodies: list[dict], watch, app: str, counter: str, tries: int = 10, also: str = ""):
     """(outputs, errors, what `watch` returned, increase of `counter`) of the first run in which the
     fault cost its replica requests (the Router's failover `counter` grew, and `also` if given).
     Every run must match."""
