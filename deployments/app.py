@@ -15,10 +15,12 @@ from deployments.encoder import EncoderDeployment, encoder_options
 from deployments.llm import LLMDeployment
 from deployments.replica_env import model_name
 from deployments.router import Router, RouterSettings
+from deployments.video import VideoDecoder, video_decoder_options
 
 
 def build_app(args: dict | AppArgs | None = None) -> Application:
-    """Router (ingress) + encoder pool + LLM replicas (or, colocated, LLM replicas that encode), from `AppArgs`."""
+    """Router (ingress) + video decoders + encoder pool + LLM replicas (or, colocated, LLM replicas
+    that encode), from `AppArgs`."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     encoder_routing, llm_routing = args.routing.deployment_options(args.engine.block_size)
     encoder = None  # colocated: none; with grpc.encoder_address the router uses that standalone encoder
@@ -52,4 +54,6 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         affinity=bool(encoder_routing) and encoder is not None,
         prefix_block_size=args.engine.block_size,
     )
-    return Router.options(**args.router.options("Router")).bind(encoder, llm, settings)
+    video = VideoDecoder.options(**video_decoder_options(args.video_decoder, args.video_decode)).bind(
+        args.model, args.limits, args.video_decode)
+    return Router.options(**args.router.options("Router")).bind(encoder, llm, settings, video)

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from deployments.allowlist import parse_allowlist_entry
 from mmserve.planner import MediaLimits
+from mmserve.video import VideoLimits
 
 
 class _Args(BaseModel):
@@ -131,6 +132,13 @@ class LimitArgs(_Args):
         default=30.0, gt=0, description="all media URLs of one request together (fetched concurrently, "
         "redirects included); over it the request is refused (400)",
     )
+    max_video_seconds: float = Field(default=VideoLimits.max_seconds, gt=0,
+                                     description="video_url: longest video, by its header and by its stream")
+    max_pixels_per_video_frame: int = Field(default=VideoLimits.max_pixels_per_frame, ge=1)
+    video_decode_timeout_s: float = Field(
+        default=VideoLimits.decode_timeout_s, gt=0, description="video_url: one video's decode, waiting for a "
+        "decoder included; past it the decoding worker is killed and the request refused (400)",
+    )
 
     @field_validator("http_media_allowlist")
     @classmethod
@@ -147,6 +155,35 @@ class LimitArgs(_Args):
 
     def media_limits(self) -> MediaLimits:
         return MediaLimits(self.max_items_per_request, self.max_frames_per_video, self.max_pixels_per_image)
+
+    def video_limits(self) -> VideoLimits:
+        return VideoLimits(self.max_video_seconds, self.max_frames_per_video, self.max_pixels_per_video_frame,
+                           self.video_decode_timeout_s)
+
+
+class VideoDecodeArgs(_Args):
+    """The VideoDecoder deployment's work (`video_url`): CPU replicas, each with `workers` decoding
+    processes. With `autoscale` on, replicas follow the decode seconds queued on them
+    (`deployments.autoscaling.QueuedWorkPolicy`) and `video_decoder.num_replicas` is ignored."""
+
+    workers: int = Field(default=2, ge=1, description="decoding processes per replica (one video each)")
+    autoscale: bool = False
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=4, ge=1)
+    target_queued_seconds_per_replica: float = Field(default=4.0, gt=0, description="decode seconds queued "
+                                                     "or running per replica")
+    upscale_delay_s: float = Field(default=5.0, ge=0)
+    downscale_delay_s: float = Field(default=120.0, ge=0)
+    look_back_period_s: float = Field(default=10.0, gt=0)
+    metrics_interval_s: float = Field(default=2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check_autoscaling(self) -> "VideoDecodeArgs":
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError("look_back_period_s must be greater than metrics_interval_s")
+        return self
 
 
 class GrpcArgs(_Args):
@@ -371,10 +408,12 @@ class AppArgs(_Args):
         "are being fetched (they hold no max_pending_requests place, so slow media never crowd out ready "
         "requests); more get 429 + Retry-After / RESOURCE_EXHAUSTED at once",
     )
-    # defaults fit a 2-core laptop (1.25 CPUs in all); size them for real clusters (k8s/overlays/gpu)
+    # defaults fit a 2-core laptop (1.5 CPUs in all); size them for real clusters (k8s/overlays/gpu)
     router: DeploymentArgs = DeploymentArgs(num_cpus=0.25)
     encoder: DeploymentArgs = DeploymentArgs(num_cpus=0.5)
     llm: DeploymentArgs = DeploymentArgs(num_cpus=0.5)
+    video_decoder: DeploymentArgs = DeploymentArgs(num_cpus=0.25)
+    video_decode: VideoDecodeArgs = VideoDecodeArgs()
     limits: LimitArgs = LimitArgs()
     routing: RoutingArgs = RoutingArgs()
     encoder_pool: EncoderPoolArgs = EncoderPoolArgs()
@@ -387,6 +426,9 @@ class AppArgs(_Args):
             raise ValueError("set api_key or api_key_env, not both")
         if self.encoder.autoscaling is not None:
             raise ValueError("the encoder autoscales on queued tokens: use encoder_pool.autoscale, not encoder.autoscaling")
+        if self.video_decoder.autoscaling is not None:
+            raise ValueError("the video decoder autoscales on queued decode seconds: use video_decode.autoscale, "
+                             "not video_decoder.autoscaling")
         if self.llm.autoscaling is not None:
             target = self.llm.autoscaling.target_ongoing_requests or self.engine.max_num_seqs
             if target > self.llm.max_ongoing_requests:

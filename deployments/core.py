@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from deployments.affinity import prefix_hashes
 from deployments.config import LimitArgs
@@ -31,7 +32,7 @@ from deployments.handles import EmbeddingHandle, PendingRequest
 from deployments.media_fetch import MediaFetcher
 from mmserve.checkpoint import read_config
 from mmserve.errors import InvalidRequest, QueueFull, RequestTooLarge, ShuttingDown, Unauthenticated
-from mmserve.media import EncodeItem, MediaItem, MediaSource
+from mmserve.media import DecodedVideo, EncodeItem, MediaItem, MediaSource
 from mmserve.planner import Message, RequestPlanner
 
 logger = logging.getLogger("ray.serve")
@@ -57,6 +58,13 @@ class CoreSettings:
     max_pending_requests: int = 16  # admitted requests without a first token yet; more: 429
     max_fetching_requests: int = 64  # requests being read or having media fetched (no pending slot); more: 429
     prefix_block_size: int = 16  # tokens per prompt block in `PendingRequest.prefix_hashes` (the engine's)
+
+
+class VideoDecoding(Protocol):
+    """Video files to their sampled frames: the VideoDecoder deployment's client, or a
+    `mmserve.video_worker.VideoDecodePool` in-process."""
+
+    async def decode(self, data: bytes, request_id: str) -> DecodedVideo: ...
 
 
 class RequestListener:
@@ -98,7 +106,7 @@ def new_request_id() -> str:
 class RequestCore:
     def __init__(self, settings: CoreSettings, planner: RequestPlanner, max_model_len: int, generation_defaults,
                  media: MediaDispatcher, llm: LLMClient, listener: RequestListener | None = None,
-                 draining: Callable[[], bool] = lambda: False):
+                 draining: Callable[[], bool] = lambda: False, videos: VideoDecoding | None = None):
         self.settings = settings
         self.planner = planner
         self.tokenizer = planner.tokenizer
@@ -108,13 +116,15 @@ class RequestCore:
         self.llm = llm
         self.listener = listener or RequestListener()
         self._draining = draining
+        self.videos = videos
         self.pending = Bound(settings.max_pending_requests, "requests wait for their first token")
         self.receiving = Bound(settings.max_fetching_requests, "requests are being received (body, media)")
         self.created = int(time.time())
 
     @classmethod
     def from_checkpoint(cls, model_dir: str, settings: CoreSettings, media: MediaDispatcher, llm: LLMClient,
-                        listener: RequestListener | None = None, draining=lambda: False) -> RequestCore:
+                        listener: RequestListener | None = None, draining=lambda: False,
+                        videos: VideoDecoding | None = None) -> RequestCore:
         from transformers import AutoTokenizer, GenerationConfig
 
         planner = RequestPlanner(model_dir, AutoTokenizer.from_pretrained(model_dir), settings.limits.media_limits())
@@ -123,7 +133,7 @@ class RequestCore:
             defaults = GenerationConfig.from_pretrained(model_dir)
         except OSError:
             defaults = GenerationConfig()
-        return cls(settings, planner, max_model_len, defaults, media, llm, listener, draining)
+        return cls(settings, planner, max_model_len, defaults, media, llm, listener, draining, videos)
 
     # -- the request flow ---------------------------------------------------------------------
     async def generate(self, authorization: str | None, read: Callable[[], Awaitable[ChatRequest]],
@@ -184,15 +194,19 @@ class RequestCore:
 
     async def _load_media(self, request: ChatRequest, request_id: str) -> list[Message[MediaItem]]:
         """The messages with every media source loaded: all URLs of the request fetched at once,
-        under one deadline and one byte budget (`media_fetch`)."""
+        under one deadline and one byte budget (`media_fetch`), then every video file decoded to
+        its sampled frames (the VideoDecoder deployment), all at once."""
         sources = media_of(request.messages)
         urls = [f for source in sources for f in source.frames if isinstance(f, str)]
-        loaded = iter(await MediaFetcher(self.settings.limits, request_id).load_all(urls) if urls else ())
-
-        def item(p: MediaSource) -> MediaItem:
-            return MediaItem(p.kind, tuple(f if isinstance(f, bytes) else next(loaded) for f in p.frames), fps=p.fps)
-
-        return [Message(m.role, tuple(p if isinstance(p, str) else item(p) for p in m.parts))
+        fetched = iter(await MediaFetcher(self.settings.limits, request_id).load_all(urls) if urls else ())
+        frames = [tuple(f if isinstance(f, bytes) else next(fetched) for f in source.frames) for source in sources]
+        files = [i for i, source in enumerate(sources) if source.container]
+        if files and self.videos is None:
+            raise InvalidRequest("this server does not decode video files; send a video as its frames")
+        decoded = dict(zip(files, await asyncio.gather(*(self.videos.decode(frames[i][0], request_id) for i in files))))
+        items = iter([MediaItem(source.kind, () if i in decoded else frames[i], fps=source.fps, decoded=decoded.get(i))
+                      for i, source in enumerate(sources)])
+        return [Message(m.role, tuple(p if isinstance(p, str) else next(items) for p in m.parts))
                 for m in request.messages]
 
     async def _start(self, messages: list[Message[MediaItem]], options: GenerationOptions,

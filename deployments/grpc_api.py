@@ -60,6 +60,8 @@ def chat_request(request: vlm_pb2.GenerateRequest) -> ChatRequest:
             return MediaSource(MediaKind.IMAGE, (getattr(p, kind),))
         if kind == "video":
             return MediaSource(MediaKind.VIDEO, tuple(p.video.frames), fps=p.video.fps or 2.0)
+        if kind in ("video_file", "video_url"):
+            return MediaSource(MediaKind.VIDEO, (getattr(p, kind),), container=True)
         raise InvalidRequest(f"messages[{i}].content[{j}]: empty content part")
 
     messages = tuple(Message(m.role, tuple(part(i, j, p) for j, p in enumerate(m.content)))

@@ -17,7 +17,7 @@ from deployments.config import RETRY_AFTER_S
 from deployments.core import ChatRequest, RequestCore, new_request_id
 from deployments.failures import Failure
 from deployments.generation import OPTION_NAMES, Delta, Generation, GenerationOptions
-from deployments.protocol import ChatCompletionRequest, ImageURLPart, TextPart
+from deployments.protocol import ChatCompletionRequest, ImageURLPart, TextPart, VideoURLPart
 from mmserve.errors import InvalidRequest
 from mmserve.media import MediaKind, MediaSource
 from mmserve.planner import Message
@@ -56,7 +56,7 @@ def _location(loc: tuple) -> str:
     loc = list(loc)
     if len(loc) > 3 and loc[2] == "content" and loc[3] in ("text", "parts"):
         del loc[3]
-        if len(loc) > 4 and isinstance(loc[3], int) and loc[4] in ("text", "image_url", "video"):
+        if len(loc) > 4 and isinstance(loc[3], int) and loc[4] in ("text", "image_url", "video", "video_url"):
             del loc[4]
     return ".".join(str(x) for x in loc)
 
@@ -96,6 +96,8 @@ def chat_request(request: ChatCompletionRequest) -> ChatRequest:
             return p.text
         if isinstance(p, ImageURLPart):
             return MediaSource(MediaKind.IMAGE, (p.image_url.url,))
+        if isinstance(p, VideoURLPart):
+            return MediaSource(MediaKind.VIDEO, (p.video_url.url,), container=True)
         return MediaSource(MediaKind.VIDEO, tuple(p.video), fps=p.fps)
 
     messages = tuple(

@@ -34,7 +34,14 @@ class VideoPart(_Model):
     fps: float = Field(default=2.0, gt=0)
 
 
-ContentPart = Annotated[Union[TextPart, ImageURLPart, VideoPart], Field(discriminator="type")]
+class VideoURLPart(_Model):
+    """A video file (mp4, webm, mkv, mov) decoded and sampled on the server, as vLLM takes it."""
+
+    type: Literal["video_url"]
+    video_url: ImageURL
+
+
+ContentPart = Annotated[Union[TextPart, ImageURLPart, VideoPart, VideoURLPart], Field(discriminator="type")]
 
 
 def _content_kind(value: Any) -> str:

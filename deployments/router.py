@@ -1,8 +1,8 @@
 """Router (ingress) deployment: the request core with its HTTP and gRPC adapters, on Serve.
 
 (No `from __future__ import annotations` here: FastAPI reads the routes' annotations at runtime.)
-It only composes: the core (`deployments.core`) with the media dispatcher of the app's mode and
-the LLM deployment's handle, the OpenAI adapter behind the FastAPI routes, the gRPC adapter
+It only composes: the core (`deployments.core`) with the media dispatcher of the app's mode, the
+LLM deployment's handle and the VideoDecoder's, the OpenAI adapter behind the FastAPI routes, the gRPC adapter
 behind the methods named as the RPCs (Serve's gRPC proxy calls those), and the Ray metrics.
 """
 
@@ -24,6 +24,7 @@ from deployments.handles import PendingRequest
 from deployments.metrics import RouterMetrics
 from deployments.openai_api import OpenAIAdapter
 from deployments.replica_env import resolve_model_dir, secret
+from deployments.video import ServeVideoClient
 
 app = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
 SERVICER_FUNCTIONS = (
@@ -94,12 +95,14 @@ class ServeLLMClient:
 @serve.deployment
 @serve.ingress(app)
 class Router:
-    def __init__(self, encoder: DeploymentHandle | None, llm: DeploymentHandle, settings: RouterSettings):
+    def __init__(self, encoder: DeploymentHandle | None, llm: DeploymentHandle, settings: RouterSettings,
+                 video: DeploymentHandle | None = None):
         settings = settings.on_node()
         self.metrics = RouterMetrics()
         self.drain = DrainWatch(serve.get_replica_context().app_name)
         self.core = RequestCore.from_checkpoint(settings.model_dir, settings.core(), settings.dispatcher(encoder),
-                                                ServeLLMClient(llm), self.metrics, self._draining)
+                                                ServeLLMClient(llm), self.metrics, self._draining,
+                                                ServeVideoClient(video) if video is not None else None)
         self.http = OpenAIAdapter(self.core)
         self.grpc = GrpcAdapter(self.core)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 import grpc
+import numpy as np
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -26,13 +27,16 @@ from grpc_reflection.v1alpha import reflection
 from encoder_service.result_store import ResultStore
 from mmserve.embedding_wire import DEFAULT_CHUNK_BYTES, header_of, to_chunks
 from mmserve.errors import InvalidRequest, Overloaded
-from mmserve.media import MediaItem, MediaKind
+from mmserve.media import DecodedVideo, MediaItem, MediaKind
 from protos.mmserve.v1 import encoder_pb2, encoder_pb2_grpc
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name
 _KINDS = {encoder_pb2.MediaItem.IMAGE: MediaKind.IMAGE, encoder_pb2.MediaItem.VIDEO: MediaKind.VIDEO}
 _MAX_WAIT_MS = 60_000
+# An Encode request carries a decoded video's frames (64 frames of 1080p are 400 MB); gRPC's own
+# default of 4 MiB would refuse most videos.
+MAX_MEDIA_MESSAGE_BYTES = 1 << 30
 
 
 class Encoder(Protocol):
@@ -81,9 +85,21 @@ def media_item(proto: encoder_pb2.MediaItem) -> MediaItem:
     kind = _KINDS.get(proto.kind)
     if kind is None:
         raise InvalidRequest("media item kind must be IMAGE or VIDEO")
+    if proto.HasField("decoded"):
+        return MediaItem(kind, (), fps=proto.fps or 2.0, decoded=decoded_video(proto.decoded))
     if not proto.frames or (kind is MediaKind.IMAGE and len(proto.frames) != 1):
         raise InvalidRequest("an image has exactly one frame, a video at least one")
     return MediaItem(kind, tuple(proto.frames), fps=proto.fps or 2.0)
+
+
+def decoded_video(proto: encoder_pb2.DecodedVideo) -> DecodedVideo:
+    shape = tuple(proto.shape)
+    if len(shape) != 4 or shape[-1] != 3 or min(shape) < 1 or int(np.prod(shape)) != len(proto.pixels):
+        raise InvalidRequest(f"decoded video: shape {shape} does not describe {len(proto.pixels)} bytes of RGB frames")
+    if not proto.indices or not proto.fps > 0 or max(proto.indices) >= proto.total_num_frames:
+        raise InvalidRequest("decoded video: indices, fps and total_num_frames disagree")
+    pixels = np.frombuffer(proto.pixels, dtype=np.uint8).reshape(shape)
+    return DecodedVideo(pixels, proto.fps, proto.total_num_frames, tuple(proto.indices), proto.content_hash)
 
 
 class _TokenInterceptor(grpc.aio.ServerInterceptor):
@@ -156,7 +172,8 @@ async def start_server(encoder: Encoder | None, store: ResultStore,
                        options: ServerOptions = ServerOptions()) -> tuple[grpc.aio.Server, int]:
     """A started server on the running loop and the port it bound."""
     interceptors = [_TokenInterceptor(options.security.token)] if options.security.token else []
-    server = grpc.aio.server(interceptors=interceptors)
+    server = grpc.aio.server(interceptors=interceptors,
+                             options=[("grpc.max_receive_message_length", MAX_MEDIA_MESSAGE_BYTES)])
     encoder_pb2_grpc.add_EncoderServiceServicer_to_server(
         EncoderServicer(encoder, store, options.chunk_bytes), server
     )

@@ -21,10 +21,13 @@ class VideoFrames:
     fps: float = 2.0
 
 
-def user(text: str, images: Sequence[bytes] = (), videos: Sequence[VideoFrames] = ()) -> vlm_pb2.ChatMessage:
-    """A user message: the media first, then the text (the usual VLM prompt layout)."""
+def user(text: str, images: Sequence[bytes] = (), videos: Sequence[VideoFrames] = (),
+         video_files: Sequence[bytes] = ()) -> vlm_pb2.ChatMessage:
+    """A user message: the media first, then the text (the usual VLM prompt layout). `video_files`:
+    mp4 / webm / mkv / mov files, decoded and sampled on the server."""
     parts = [vlm_pb2.ContentPart(image=data) for data in images]
     parts += [vlm_pb2.ContentPart(video=vlm_pb2.Video(frames=list(v.frames), fps=v.fps)) for v in videos]
+    parts += [vlm_pb2.ContentPart(video_file=data) for data in video_files]
     parts.append(vlm_pb2.ContentPart(text=text))
     return vlm_pb2.ChatMessage(role="user", content=parts)
 

@@ -96,7 +96,12 @@ class EncoderClient:
 
 def _item_proto(item: MediaItem) -> encoder_pb2.MediaItem:
     kind = encoder_pb2.MediaItem.IMAGE if item.kind is MediaKind.IMAGE else encoder_pb2.MediaItem.VIDEO
-    return encoder_pb2.MediaItem(kind=kind, frames=list(item.frames), fps=item.fps)
+    decoded = None
+    if (video := item.decoded) is not None:
+        decoded = encoder_pb2.DecodedVideo(
+            pixels=video.pixels.tobytes(), shape=video.pixels.shape, fps=video.fps,
+            total_num_frames=video.total_num_frames, indices=video.indices, content_hash=video.content_hash)
+    return encoder_pb2.MediaItem(kind=kind, frames=list(item.frames), fps=item.fps, decoded=decoded)
 
 
 def _translate(e: grpc.aio.AioRpcError) -> Exception:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
 
+import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from mmserve.errors import InvalidRequest
@@ -63,23 +64,82 @@ class EncodeItem:
 @dataclass(frozen=True)
 class MediaSource:
     """A media part as the client sent it, not loaded yet: each frame is a URL (`data:`,
-    http(s), a local path) or already the encoded bytes (gRPC's `image`, `video.frames`)."""
+    http(s), a local path) or already the encoded bytes (gRPC's `image`, `video.frames`).
+    `container`: `frames` is one video file (mp4, webm, mkv, mov), decoded and sampled on the server."""
 
     kind: MediaKind
     frames: tuple[str | bytes, ...]
     fps: float = 2.0
+    container: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class DecodedVideo:
+    """A video file decoded on the server: the frames the model's own sampler picked, in order.
+
+    `indices` are the sampled frame numbers and `fps`, `total_num_frames` the stream's, as
+    `transformers`' `VideoMetadata` holds them; `content_hash` is of the file's bytes and the
+    sampled indices (hashing the decoded pixels would cost more than decoding them)."""
+
+    pixels: np.ndarray  # (frames, height, width, 3) uint8, RGB
+    fps: float
+    total_num_frames: int
+    indices: tuple[int, ...]
+    content_hash: str
+
+    @property
+    def duration(self) -> float:
+        return self.total_num_frames / self.fps
+
+    def metadata(self) -> dict:
+        """The `video_metadata` entry `transformers`' processors take for these frames."""
+        _, height, width, _ = self.pixels.shape
+        return {"total_num_frames": self.total_num_frames, "fps": self.fps, "width": width, "height": height,
+                "duration": self.duration, "video_backend": "pyav", "frames_indices": list(self.indices)}
 
 
 @dataclass(frozen=True)
 class MediaItem:
-    """One image (one frame) or video (frames in order, all used) as raw encoded bytes."""
+    """One image (one frame) or video as raw encoded bytes (frames in order, all used), or a
+    video decoded on the server (`decoded`, no `frames`)."""
 
     kind: MediaKind
     frames: tuple[bytes, ...]
     fps: float = 2.0
+    decoded: DecodedVideo | None = None
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.decoded.pixels) if self.decoded is not None else len(self.frames)
+
+    @property
+    def sampled_fps(self) -> float:
+        """Frames per second of the frames the model sees (`VideoMetadata.sampled_fps`)."""
+        if self.decoded is None:
+            return self.fps
+        return len(self.decoded.indices) / self.decoded.total_num_frames * self.decoded.fps
+
+    @property
+    def frame_seconds(self) -> list[float]:
+        """The time of each frame in the video, as the processors compute it (`VideoMetadata.timestamps`)."""
+        if self.decoded is None:
+            return [i / self.fps for i in range(len(self.frames))]
+        return [i / self.decoded.fps for i in self.decoded.indices]
+
+    def frame_size(self, max_pixels: int) -> tuple[int, int]:
+        """(height, width) every frame shares, from headers only; InvalidRequest when unreadable,
+        over `max_pixels` (a decoded video was checked by its decoder) or of mixed sizes."""
+        if self.decoded is not None:
+            return tuple(self.decoded.pixels.shape[1:3])
+        sizes = {read_image_size(frame, max_pixels) for frame in self.frames}
+        if len(sizes) != 1:
+            raise InvalidRequest(f"all frames of a video must have the same size, got {sorted(sizes)}")
+        return sizes.pop()
 
     @property
     def content_hash(self) -> str:
+        if self.decoded is not None:
+            return self.decoded.content_hash
         h = hashlib.sha256(self.kind.value.encode())
         h.update(repr(self.fps if self.kind is MediaKind.VIDEO else 0.0).encode())
         for frame in self.frames:
@@ -89,6 +149,8 @@ class MediaItem:
 
     @property
     def num_bytes(self) -> int:
+        if self.decoded is not None:
+            return self.decoded.pixels.nbytes
         return sum(len(f) for f in self.frames)
 
 
@@ -168,3 +230,22 @@ def decode_data_uri(url: str, max_bytes: int) -> bytes:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as e:
         raise InvalidRequest(f"invalid base64 in data URI: {e}") from None
+
+
+def video_frames(item: MediaItem) -> np.ndarray | list[Image.Image]:
+    """A video's frames as its processor takes them: the decoded array, or the frames decoded to
+    RGB images (InvalidRequest when their sizes differ)."""
+    if item.decoded is not None:
+        return item.decoded.pixels
+    frames = [decode_image(data) for data in item.frames]
+    if len({f.size for f in frames}) != 1:
+        raise InvalidRequest("all frames of a video must have the same size")
+    return frames
+
+
+def video_metadata(item: MediaItem) -> dict:
+    """The `video_metadata` of a video item: a list of frames is frames 0..n-1 at `fps`."""
+    if item.decoded is not None:
+        return item.decoded.metadata()
+    n = len(item.frames)
+    return {"total_num_frames": n, "fps": item.fps, "frames_indices": list(range(n))}

@@ -31,12 +31,13 @@ class MediaLimits:
         if len(items) > self.max_items_per_request:
             raise InvalidRequest(f"request has {len(items)} media items; the limit is {self.max_items_per_request}")
         for item in items:
-            if item.kind is not MediaKind.VIDEO:
-                continue
-            if not item.frames:
+            if item.kind is not MediaKind.VIDEO or getattr(item, "container", False):
+                continue  # a video file's sampled frames are counted by its decoder
+            frames = item.num_frames if isinstance(item, MediaItem) else len(item.frames)
+            if not frames:
                 raise InvalidRequest("video has no frames")
-            if len(item.frames) > self.max_frames_per_video:
-                raise InvalidRequest(f"video has {len(item.frames)} frames; the limit is {self.max_frames_per_video}")
+            if frames > self.max_frames_per_video:
+                raise InvalidRequest(f"video has {frames} frames; the limit is {self.max_frames_per_video}")
             if not item.fps > 0:
                 raise InvalidRequest(f"video fps must be positive, got {item.fps}")
 

@@ -44,6 +44,8 @@ def api_messages(messages: list[dict]) -> list[dict]:
             return {"type": "image_url", "image_url": {"url": data_uri(p["bytes"])}}
         if p["type"] == "video":
             return {"type": "video", "video": [data_uri(f) for f in p["frames"]], "fps": p["fps"]}
+        if p["type"] == "video_file":
+            return {"type": "video_url", "video_url": {"url": data_uri(p["bytes"], "video/mp4")}}
         return p
 
     return [{"role": m["role"], "content": [part(p) for p in m["content"]]} for m in messages]

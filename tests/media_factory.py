@@ -42,3 +42,73 @@ def png_claiming(width: int, height: int) -> bytes:
 
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
+
+
+VIDEO_FORMATS = {  # container -> (PyAV format, video codec, audio codec, file suffix)
+    "mp4": ("mp4", "libx264", "aac", ".mp4"),
+    "mov": ("mov", "libx264", "aac", ".mov"),
+    "mkv": ("matroska", "libx264", "aac", ".mkv"),
+    "webm": ("webm", "libvpx-vp9", "libopus", ".webm"),
+}
+
+
+def video_file(seconds: float, fps: int, height: int, width: int, seed: int, container: str = "mp4",
+               audio: bool = True) -> bytes:
+    """A video file made with PyAV: smooth moving colours (so frames differ), optionally a silent
+    audio track; `seconds * fps` frames."""
+    import av
+
+    fmt, codec, audio_codec, _ = VIDEO_FORMATS[container]
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 255, (max(2, height // 8), max(2, width // 8), 3), dtype=np.uint8)
+    start = np.asarray(Image.fromarray(base).resize((width, height), Image.BILINEAR), dtype=np.int16)
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=fmt) as out:
+        stream = out.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        sound = out.add_stream(audio_codec, rate=48000) if audio else None
+        for i in range(round(seconds * fps)):
+            pixels = ((start + 7 * i) % 256).astype(np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                out.mux(packet)
+        out.mux(stream.encode())
+        if sound is not None:
+            _silent_audio(out, sound, seconds)
+    return buf.getvalue()
+
+
+def audio_only_file(seconds: float = 1.0) -> bytes:
+    """An mp4 holding one silent AAC track and no video."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        _silent_audio(out, out.add_stream("aac", rate=48000), seconds)
+    return buf.getvalue()
+
+
+def _silent_audio(out, stream, seconds: float) -> None:
+    import av
+
+    step = 960  # 20 ms: a frame size every audio encoder here takes
+    for start in range(0, int(seconds * 48000), step):
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, step), dtype=np.float32), format="fltp", layout="mono")
+        frame.sample_rate, frame.pts = 48000, start
+        for packet in stream.encode(frame):
+            out.mux(packet)
+    out.mux(stream.encode())
+
+
+def mkv_declaring(data: bytes, seconds: float | None = None, codec_id: bytes | None = None) -> bytes:
+    """A Matroska file from `video_file(..., container="mkv")` whose header declares another
+    duration (the Segment Info's Duration, in ms) or another video CodecID (same length)."""
+    import struct
+
+    if seconds is not None:
+        at = data.index(b"\x44\x89\x88") + 3  # Duration: 8-byte float
+        data = data[:at] + struct.pack(">d", seconds * 1000.0) + data[at + 8:]
+    if codec_id is not None:
+        old = b"V_MPEG4/ISO/AVC"
+        assert len(codec_id) == len(old)
+        data = data.replace(old, codec_id, 1)
+    return data

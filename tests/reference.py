@@ -34,7 +34,8 @@ def _pil(data: bytes) -> Image.Image:
 
 def reference_inputs(model_dir: str, messages: list[dict]):
     """`messages` in the processor's chat shape with media given as
-    `{"type": "image", "bytes": b}` / `{"type": "video", "frames": [b, ...], "fps": f}`."""
+    `{"type": "image", "bytes": b}` / `{"type": "video", "frames": [b, ...], "fps": f}` /
+    `{"type": "video_file", "bytes": mp4}`."""
     processor, _ = load_reference(model_dir)
     images, videos, metadata = [], [], []
     chat = []
@@ -50,6 +51,11 @@ def reference_inputs(model_dir: str, messages: list[dict]):
                 n = len(frames)
                 metadata.append({"total_num_frames": n, "fps": part.get("fps", 2.0), "frames_indices": list(range(n))})
                 content.append({"type": "video"})
+            elif part["type"] == "video_file":
+                frames, meta = load_video_file(model_dir, part["bytes"])
+                videos.append(frames)
+                metadata.append(meta)
+                content.append({"type": "video"})
             else:
                 content.append(part)
         chat.append({"role": m["role"], "content": content})
@@ -60,6 +66,30 @@ def reference_inputs(model_dir: str, messages: list[dict]):
     if videos:
         kwargs.update(videos=videos, video_metadata=metadata, do_sample_frames=False)
     return processor(text=[text], return_tensors="pt", **kwargs)
+
+
+def load_video_file(model_dir: str, data: bytes):
+    """Frames and metadata of a video file as `transformers`' own loader gives them: PyAV, sampled
+    by the checkpoint's `video_processor.sample_frames`. Where the processor's config names no
+    rate (Qwen2-VL's), at 2 fps: the rate the server documents (`mmserve.video.DEFAULT_SAMPLE_FPS`)."""
+    import inspect
+    import tempfile
+
+    from transformers.video_utils import load_video
+
+    from mmserve.video import DEFAULT_SAMPLE_FPS
+
+    vp = load_reference(model_dir)[0].video_processor
+    kwargs = {}
+    if (getattr(vp, "fps", None) is None and getattr(vp, "num_frames", None) is None
+            and "fps" in inspect.signature(vp.sample_frames).parameters):
+        kwargs["fps"] = DEFAULT_SAMPLE_FPS
+    with tempfile.NamedTemporaryFile(suffix=".mp4") as f:
+        f.write(data)
+        f.flush()
+        frames, metadata = load_video(f.name, backend="pyav", sample_indices_fn=functools.partial(vp.sample_frames, **kwargs))
+    metadata.frames_indices = [int(i) for i in metadata.frames_indices]
+    return frames, metadata
 
 
 def reference_generate(model_dir: str, messages: list[dict], max_new_tokens: int) -> list[int]:

@@ -16,7 +16,8 @@ import pytest
 
 from tests.conftest import FAMILIES
 
-TEST_LIMITS = {"max_items_per_request": 4, "max_pixels_per_image": 1_000_000, "max_frames_per_video": 8}
+TEST_LIMITS = {"max_items_per_request": 4, "max_pixels_per_image": 1_000_000, "max_frames_per_video": 8,
+               "max_video_seconds": 20, "max_pixels_per_video_frame": 1_000_000}
 TEST_API_KEY = "test-key"
 TEST_API_KEY_ENV = "MMSERVE_TEST_API_KEY"  # the secured app reads its key from here, as deployments should
 _SMALL = {"num_cpus": 0.1}
@@ -31,7 +32,7 @@ def _free_port() -> int:
 def _app_args(model_dir: str, name: str, **extra) -> dict:
     return {
         "model": model_dir, "dtype": "float64", "served_model_name": name,
-        "router": _SMALL, "encoder": _SMALL, "llm": _SMALL, "limits": TEST_LIMITS, **extra,
+        "router": _SMALL, "encoder": _SMALL, "llm": _SMALL, "video_decoder": _SMALL, "limits": TEST_LIMITS, **extra,
     }
 
 

@@ -63,3 +63,20 @@ def test_deepstack_parts_cross_object_store_bit_identical(serve_ports, qwen3_dir
     back = ray.get(ray.put(emb))
     assert back.key == emb.key and len(back.parts) == len(emb.parts)
     assert all(torch.equal(b.view(torch.int64), p.view(torch.int64)) for b, p in zip(back.parts, emb.parts))
+
+
+def test_video_url_equals_monolithic_on_both_transports(qwen3_apps, qwen3_dir, serve_ports):
+    """A video file (mp4 `video_url`), decoded and sampled on the server at Qwen3-VL's own rate,
+    with the timestamps its processor writes from the sampled frames' numbers."""
+    pytest.importorskip("av")
+    from mmserve.client import user
+    from tests.media_factory import video_file
+    from tests.test_video_url_serve import QUESTION, reference_messages
+
+    data = video_file(3.4, 10, 56, 84, seed=22)
+    ref = reference_messages(data)
+    expected = reference_generate(qwen3_dir, ref, MAX_TOKENS)
+    for name in APPS:
+        assert _chat(qwen3_apps[name], name, ref, stream=False)[1] == expected, name
+    with VLMClient(f"127.0.0.1:{serve_ports[1]}", application="qwen3_vl") as c:
+        assert list(c.generate([user(QUESTION, video_files=[data])], max_tokens=MAX_TOKENS).token_ids) == expected

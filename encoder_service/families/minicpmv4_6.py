@@ -20,7 +20,7 @@ from torch import nn
 from encoder_service.families.base import EncoderFace, PreparedItem
 from mmserve.checkpoint import strip_prefix
 from mmserve.errors import InvalidRequest
-from mmserve.media import MediaItem, MediaKind, decode_image
+from mmserve.media import MediaItem, MediaKind, decode_image, video_frames, video_metadata
 
 _TOWER = ("model.vision_tower.",)
 _MERGER = ("model.merger.",)
@@ -81,16 +81,12 @@ class MiniCPMVEncoderFace(EncoderFace):
         return PreparedItem((pixels, sizes), len(sizes), tokens, patches)
 
     def preprocess(self, item: MediaItem, layout) -> PreparedItem:
-        frames = [decode_image(data) for data in item.frames]
         if item.kind is MediaKind.IMAGE:
-            out = self.image_processor(images=frames[:1], return_tensors="pt")
+            out = self.image_processor(images=[decode_image(item.frames[0])], return_tensors="pt")
             pixels, sizes = out["pixel_values"], out["target_sizes"]
         else:
-            if len({f.size for f in frames}) != 1:
-                raise InvalidRequest("all frames of a video must have the same size")
-            meta = [{"total_num_frames": len(frames), "fps": item.fps, "frames_indices": list(range(len(frames)))}]
-            out = self.video_processor(videos=[frames], do_sample_frames=False, video_metadata=meta,
-                                       return_tensors="pt")
+            out = self.video_processor(videos=[video_frames(item)], do_sample_frames=False,
+                                       video_metadata=[video_metadata(item)], return_tensors="pt")
             pixels, sizes = out["pixel_values_videos"][:1], out["target_sizes_videos"]
         sizes = sizes.to(torch.long)
         if layout is not None and int((sizes[:, 0] * sizes[:, 1] // self.divisor).sum()) != sum(layout.view_tokens()):

@@ -12,7 +12,7 @@ from encoder_service.families.base import EncoderFace, PreparedItem
 from encoder_service.vit_attention import use_packed_attention
 from mmserve.checkpoint import strip_prefix
 from mmserve.errors import InvalidRequest
-from mmserve.media import MediaItem, MediaKind, decode_image
+from mmserve.media import MediaItem, MediaKind, decode_image, video_frames
 
 # Legacy checkpoints (every released Qwen2-VL) name the tower `visual.*`; transformers >= 4.52
 # in-memory layout is `model.visual.*`.
@@ -59,14 +59,11 @@ class QwenVLEncoderFace(EncoderFace):
 
     def preprocess(self, item: MediaItem, layout) -> PreparedItem:
         """Decode (EXIF orientation applied) and run the checkpoint's image/video processor."""
-        frames = [decode_image(data) for data in item.frames]
         if item.kind is MediaKind.IMAGE:
-            out = self.image_processor(images=frames, return_tensors="pt")
+            out = self.image_processor(images=[decode_image(item.frames[0])], return_tensors="pt")
             pixels, grid = out["pixel_values"], out["image_grid_thw"]
         else:
-            if len({f.size for f in frames}) != 1:
-                raise InvalidRequest("all frames of a video must have the same size")
-            out = self.video_processor(videos=[frames], do_sample_frames=False, return_tensors="pt")
+            out = self.video_processor(videos=[video_frames(item)], do_sample_frames=False, return_tensors="pt")
             pixels, grid = out["pixel_values_videos"], out["video_grid_thw"]
         grid = tuple(int(x) for x in grid[0].tolist())
         if layout is not None and grid != layout.grid:  # the router sized it from the header

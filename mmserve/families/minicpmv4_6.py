@@ -150,9 +150,7 @@ class MiniCPMVRouterFace(RouterFace):
     def expand(self, item: MediaItem, max_pixels: int, ordinal: int = 0) -> ItemExpansion:
         image = item.kind is MediaKind.IMAGE
         settings = dict(self.image if image else self.video)
-        sizes = [read_image_size(frame, max_pixels) for frame in item.frames]
-        if not image and len(set(sizes)) != 1:
-            raise InvalidRequest(f"all frames of a video must have the same size, got {sorted(set(sizes))}")
+        sizes = [read_image_size(item.frames[0], max_pixels)] if image else [item.frame_size(max_pixels)] * item.num_frames
         frames = tuple(plan_views(h, w, settings) for h, w in (sizes if not image else sizes[:1]))
         layout = ItemViews(frames, 4 if settings["downsample_mode"] == "4x" else 16)
         pad = self._id("image_token" if image else "video_token")

@@ -17,7 +17,7 @@ import torch
 from mmserve.checkpoint import processor_settings
 from mmserve.errors import InvalidRequest
 from mmserve.families.base import ItemExpansion, RouterFace
-from mmserve.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
+from mmserve.media import MediaItem, MediaKind, PlaceholderRange
 from mmserve.mrope import mrope_positions, video_t_factor
 from mmserve.positions import ExplicitPositions, LinearPositions, PositionPlan
 
@@ -148,16 +148,13 @@ class QwenVLRouterFace(RouterFace):
 
     def layout(self, item: MediaItem, max_pixels: int) -> QwenLayout:
         """Grid of `item` from its header(s); every frame of a video must share one size."""
-        sizes = {read_image_size(frame, max_pixels) for frame in item.frames}
-        if len(sizes) != 1:
-            raise InvalidRequest(f"all frames of a video must have the same size, got {sorted(sizes)}")
-        height, width = sizes.pop()
+        height, width = item.frame_size(max_pixels)
         if item.kind is MediaKind.IMAGE:
             return QwenLayout(image_grid(height, width, self.preprocess))
-        grid = video_grid(len(item.frames), height, width, self.preprocess)
+        grid = video_grid(item.num_frames, height, width, self.preprocess)
         if self.tokens_per_second is None:
             return QwenLayout(grid)
-        second_per_grid_t = self.preprocess.temporal_patch_size / item.fps
+        second_per_grid_t = self.preprocess.temporal_patch_size / item.sampled_fps
         return QwenLayout(grid, video_t_factor(second_per_grid_t, self.tokens_per_second))
 
     def expand(self, item: MediaItem, max_pixels: int) -> ItemExpansion:

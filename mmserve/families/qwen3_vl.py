@@ -4,8 +4,9 @@ Images are sized exactly as Qwen2-VL's (its image processor, with 16-px patches)
 the Qwen3-VL video processor bounds frames x height x width and upscales frames smaller than a
 merged patch; and the processor writes, before each temporal group of the video, its timestamp
 (`<1.2 seconds>`) and wraps the group in vision start/end tokens. The router reproduces that from
-the frame count and fps alone (frame `i` at `i / fps`, groups padded with the last frame, a
-group's time the mean of its first and last frame). Positions follow `transformers`'
+each frame's time alone (`MediaItem.frame_seconds`: frame `i` of a list of frames at `i / fps`,
+a server-decoded video's sampled frame `n` at `n / stream fps`; groups padded with the last
+frame, a group's time the mean of its first and last frame). Positions follow `transformers`'
 `Qwen3VLModel.get_rope_index`: every temporal group is placed as an image of one frame; the
 interleaving of the three rows over the rotary dimensions happens in the decoder.
 """
@@ -25,7 +26,7 @@ from mmserve.families.qwen2_vl import (
     image_grid,
     read_preprocess_config,
 )
-from mmserve.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
+from mmserve.media import MediaItem, MediaKind, PlaceholderRange
 from mmserve.mrope import mrope_positions
 from mmserve.positions import ExplicitPositions, LinearPositions, PositionPlan
 
@@ -61,11 +62,11 @@ def video_resize(num_frames: int, height: int, width: int, cfg: VisionPreprocess
     return h_bar, w_bar
 
 
-def group_timestamps(num_frames: int, fps: float, temporal_patch_size: int) -> list[float]:
-    """Seconds of each temporal group (the processor's `_calculate_timestamps` over frames 0..n-1)."""
-    indices = list(range(num_frames))
-    indices += [indices[-1]] * (-num_frames % temporal_patch_size)
-    seconds = [i / fps for i in indices]
+def group_timestamps(frame_seconds: Sequence[float], temporal_patch_size: int) -> list[float]:
+    """Seconds of each temporal group (the processor's `_calculate_timestamps`: the last frame
+    repeated to fill the last group, a group's time the mean of its first and last frame's)."""
+    seconds = list(frame_seconds)
+    seconds += [seconds[-1]] * (-len(seconds) % temporal_patch_size)
     return [(seconds[i] + seconds[i + temporal_patch_size - 1]) / 2
             for i in range(0, len(seconds), temporal_patch_size)]
 
@@ -96,15 +97,12 @@ class Qwen3VLRouterFace(QwenVLRouterFace):
         )
 
     def layout(self, item: MediaItem, max_pixels: int) -> QwenLayout:
-        sizes = {read_image_size(frame, max_pixels) for frame in item.frames}
-        if len(sizes) != 1:
-            raise InvalidRequest(f"all frames of a video must have the same size, got {sorted(sizes)}")
-        height, width = sizes.pop()
+        height, width = item.frame_size(max_pixels)
         cfg = self.preprocess
         if item.kind is MediaKind.IMAGE:
             return QwenLayout(image_grid(height, width, cfg))
-        h, w = video_resize(len(item.frames), height, width, cfg)
-        t = -(-len(item.frames) // cfg.temporal_patch_size)
+        h, w = video_resize(item.num_frames, height, width, cfg)
+        t = -(-item.num_frames // cfg.temporal_patch_size)
         return QwenLayout((t, h // cfg.patch_size, w // cfg.patch_size))
 
     def expand(self, item: MediaItem, max_pixels: int) -> ItemExpansion:
@@ -115,7 +113,7 @@ class Qwen3VLRouterFace(QwenVLRouterFace):
         per_group = h * w // (self.preprocess.merge_size ** 2)
         tokens: list[int] = []
         is_embed: list[bool] = []
-        for seconds in group_timestamps(len(item.frames), item.fps, self.preprocess.temporal_patch_size):
+        for seconds in group_timestamps(item.frame_seconds, self.preprocess.temporal_patch_size):
             stamp = self.timestamp_ids(f"<{seconds:.1f} seconds>")
             tokens += [*stamp, self.vision_start_id, *[self.video_token_id] * per_group, self.vision_end_id]
             is_embed += [False] * (len(stamp) + 1) + [True] * per_group + [False]

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class MediaItem(_message.Message):
-    __slots__ = ("kind", "frames", "fps")
+    __slots__ = ("kind", "frames", "fps", "decoded")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[MediaItem.Kind]
@@ -20,10 +20,28 @@ class MediaItem(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     FRAMES_FIELD_NUMBER: _ClassVar[int]
     FPS_FIELD_NUMBER: _ClassVar[int]
+    DECODED_FIELD_NUMBER: _ClassVar[int]
     kind: MediaItem.Kind
     frames: _containers.RepeatedScalarFieldContainer[bytes]
     fps: float
-    def __init__(self, kind: _Optional[_Union[MediaItem.Kind, str]] = ..., frames: _Optional[_Iterable[bytes]] = ..., fps: _Optional[float] = ...) -> None: ...
+    decoded: DecodedVideo
+    def __init__(self, kind: _Optional[_Union[MediaItem.Kind, str]] = ..., frames: _Optional[_Iterable[bytes]] = ..., fps: _Optional[float] = ..., decoded: _Optional[_Union[DecodedVideo, _Mapping]] = ...) -> None: ...
+
+class DecodedVideo(_message.Message):
+    __slots__ = ("pixels", "shape", "fps", "total_num_frames", "indices", "content_hash")
+    PIXELS_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_NUM_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    pixels: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    fps: float
+    total_num_frames: int
+    indices: _containers.RepeatedScalarFieldContainer[int]
+    content_hash: str
+    def __init__(self, pixels: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., fps: _Optional[float] = ..., total_num_frames: _Optional[int] = ..., indices: _Optional[_Iterable[int]] = ..., content_hash: _Optional[str] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
     __slots__ = ("item", "return_embedding")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprotos/mmserve/v1/vlm.proto\x12\nmmserve.v1\"$\n\x05Video\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x01\"o\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x0cH\x00\x12\x13\n\timage_url\x18\x03 \x01(\tH\x00\x12\"\n\x05video\x18\x04 \x01(\x0b\x32\x11.mmserve.v1.VideoH\x00\x42\x06\n\x04part\"E\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12(\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x17.mmserve.v1.ContentPart\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x8d\x01\n\x0fGenerateRequest\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.mmserve.v1.ChatMessage\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.mmserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\"e\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x04 \x01(\r\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.mmserve.v1.Usage2\xa2\x01\n\nVLMService\x12\x45\n\x08Generate\x12\x1b.mmserve.v1.GenerateRequest\x1a\x1c.mmserve.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.mmserve.v1.GenerateRequest\x1a\x1c.mmserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprotos/mmserve/v1/vlm.proto\x12\nmmserve.v1\"$\n\x05Video\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x01\"\x9a\x01\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x0cH\x00\x12\x13\n\timage_url\x18\x03 \x01(\tH\x00\x12\"\n\x05video\x18\x04 \x01(\x0b\x32\x11.mmserve.v1.VideoH\x00\x12\x14\n\nvideo_file\x18\x05 \x01(\x0cH\x00\x12\x13\n\tvideo_url\x18\x06 \x01(\tH\x00\x42\x06\n\x04part\"E\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12(\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x17.mmserve.v1.ContentPart\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"\x8d\x01\n\x0fGenerateRequest\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.mmserve.v1.ChatMessage\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.mmserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\"e\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x04 \x01(\r\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.mmserve.v1.Usage2\xa2\x01\n\nVLMService\x12\x45\n\x08Generate\x12\x1b.mmserve.v1.GenerateRequest\x1a\x1c.mmserve.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.mmserve.v1.GenerateRequest\x1a\x1c.mmserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,18 +33,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VIDEO']._serialized_start=43
   _globals['_VIDEO']._serialized_end=79
-  _globals['_CONTENTPART']._serialized_start=81
-  _globals['_CONTENTPART']._serialized_end=192
-  _globals['_CHATMESSAGE']._serialized_start=194
-  _globals['_CHATMESSAGE']._serialized_end=263
-  _globals['_SAMPLINGPARAMS']._serialized_start=266
-  _globals['_SAMPLINGPARAMS']._serialized_end=510
-  _globals['_GENERATEREQUEST']._serialized_start=513
-  _globals['_GENERATEREQUEST']._serialized_end=654
-  _globals['_USAGE']._serialized_start=656
-  _globals['_USAGE']._serialized_end=757
-  _globals['_GENERATERESPONSE']._serialized_start=760
-  _globals['_GENERATERESPONSE']._serialized_end=888
-  _globals['_VLMSERVICE']._serialized_start=891
-  _globals['_VLMSERVICE']._serialized_end=1053
+  _globals['_CONTENTPART']._serialized_start=82
+  _globals['_CONTENTPART']._serialized_end=236
+  _globals['_CHATMESSAGE']._serialized_start=238
+  _globals['_CHATMESSAGE']._serialized_end=307
+  _globals['_SAMPLINGPARAMS']._serialized_start=310
+  _globals['_SAMPLINGPARAMS']._serialized_end=554
+  _globals['_GENERATEREQUEST']._serialized_start=557
+  _globals['_GENERATEREQUEST']._serialized_end=698
+  _globals['_USAGE']._serialized_start=700
+  _globals['_USAGE']._serialized_end=801
+  _globals['_GENERATERESPONSE']._serialized_start=804
+  _globals['_GENERATERESPONSE']._serialized_end=932
+  _globals['_VLMSERVICE']._serialized_start=935
+  _globals['_VLMSERVICE']._serialized_end=1097
 # @@protoc_insertion_point(module_scope)

@@ -15,16 +15,20 @@ class Video(_message.Message):
     def __init__(self, frames: _Optional[_Iterable[bytes]] = ..., fps: _Optional[float] = ...) -> None: ...
 
 class ContentPart(_message.Message):
-    __slots__ = ("text", "image", "image_url", "video")
+    __slots__ = ("text", "image", "image_url", "video", "video_file", "video_url")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     IMAGE_URL_FIELD_NUMBER: _ClassVar[int]
     VIDEO_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FILE_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_URL_FIELD_NUMBER: _ClassVar[int]
     text: str
     image: bytes
     image_url: str
     video: Video
-    def __init__(self, text: _Optional[str] = ..., image: _Optional[bytes] = ..., image_url: _Optional[str] = ..., video: _Optional[_Union[Video, _Mapping]] = ...) -> None: ...
+    video_file: bytes
+    video_url: str
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[bytes] = ..., image_url: _Optional[str] = ..., video: _Optional[_Union[Video, _Mapping]] = ..., video_file: _Optional[bytes] = ..., video_url: _Optional[str] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

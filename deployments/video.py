@@ -1,0 +1,96 @@
+"""VideoDecoder deployment: `video_url` files decoded to the frames the model samples, on CPU replicas.
+
+Each replica holds a `VideoDecodePool` (worker processes with a deadline per video) and the
+checkpoint's frame sampler; GPU encoder nodes spend no host cores on decoding. The router awaits
+`decode` for each video file of a request and sends the frames on to the encoder as uint8 (through
+the object store, or gRPC to a standalone encoder). Replicas report the decode seconds queued on
+them to Serve's autoscaler (`deployments.autoscaling`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ray import serve
+
+from deployments.autoscaling import QUEUED_DECODE_S, autoscaling_config
+from deployments.config import DeploymentArgs, LimitArgs, VideoDecodeArgs
+from deployments.metrics import VideoMetrics
+from deployments.replica_env import resolve_model_dir
+from mmserve.errors import InvalidRequest
+from mmserve.media import DecodedVideo
+from mmserve.video import FrameSampler, pyav_available
+from mmserve.video_worker import VideoDecodePool
+
+logger = logging.getLogger("ray.serve")
+
+
+def video_decoder_options(deployment: DeploymentArgs, decode: VideoDecodeArgs) -> dict:
+    """Serve options of the VideoDecoder: fixed replicas, or autoscaling on queued decode seconds."""
+    options = deployment.options("VideoDecoder")
+    if decode.autoscale:
+        options.pop("num_replicas")
+        options["autoscaling_config"] = autoscaling_config(
+            min_replicas=decode.min_replicas, max_replicas=decode.max_replicas,
+            target_decode_s_per_replica=decode.target_queued_seconds_per_replica,
+            upscale_delay_s=decode.upscale_delay_s, downscale_delay_s=decode.downscale_delay_s,
+            look_back_period_s=decode.look_back_period_s, metrics_interval_s=decode.metrics_interval_s,
+        )
+    return options
+
+
+def frame_sampler(model_dir: str) -> FrameSampler | None:
+    """The checkpoint's sampler; None for a model without a video processor (it takes no video)."""
+    try:
+        return FrameSampler(model_dir)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+@serve.deployment
+class VideoDecoder:
+    def __init__(self, model_dir: str | None, limits: LimitArgs, decode: VideoDecodeArgs):
+        model_dir = resolve_model_dir(model_dir)
+        self.pool = VideoDecodePool(frame_sampler(model_dir), limits.video_limits(), decode.workers)
+        self.pool.start()
+        self.metrics = VideoMetrics()
+        if not pyav_available():
+            logger.warning("PyAV is not installed: video_url requests get 400 (install mmserve[video])")
+
+    async def decode(self, data: bytes, request_id: str = "-") -> DecodedVideo:
+        start = time.perf_counter()
+        try:
+            video = await self.pool.decode(data, request_id)
+        except InvalidRequest:
+            self.metrics.refused.inc()
+            raise
+        self.metrics.videos.inc()
+        self.metrics.frames.inc(len(video.indices))
+        self.metrics.decode_ms.observe((time.perf_counter() - start) * 1000)
+        return video
+
+    def stats(self) -> dict:
+        """The pool's counters and which replica answered (tests, benches, debugging)."""
+        stats = self.pool.stats
+        return {"decoded": stats.decoded, "refused": stats.refused, "killed": stats.killed, "busy_s": stats.busy_s,
+                "replica": serve.get_replica_context().replica_id.unique_id}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics hook (see `deployments.autoscaling`)."""
+        queued = self.pool.queued_seconds
+        self.metrics.queued_s.set(queued)
+        return {QUEUED_DECODE_S: queued}
+
+    def __del__(self):
+        self.pool.close()
+
+
+class ServeVideoClient:
+    """The core's video decoding over the VideoDecoder deployment's handle."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def decode(self, data: bytes, request_id: str) -> DecodedVideo:
+        return await self.handle.decode.remote(data, request_id)

@@ -1,0 +1,242 @@
+"""Video decoding in worker processes that can be killed: a deadline per video, crashes contained.
+
+`VideoDecodePool` (the VideoDecoder replica's) keeps `workers` processes of
+`python -m mmserve.video_worker`, each decoding one video at a time. A video is two calls to its
+worker: `probe` (open, check, count frames) and, once the model's sampler has picked frames from
+the probe, `decode`. Both share the video's deadline; a worker past it is killed and replaced,
+and so is one that dies (a decoder crash on a hostile file): the request gets a 400 naming what
+happened, and the next request a fresh worker.
+
+The protocol is length-prefixed pickles over the worker's stdin/stdout (the worker's own stdout
+goes to stderr, so nothing FFmpeg prints can corrupt it). Pickles come only from our own child.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from mmserve.errors import InvalidRequest
+from mmserve.media import DecodedVideo
+from mmserve.video import PYAV_MISSING, ContainerReader, FrameSampler, VideoLimits, pyav_available, video_content_hash
+
+logger = logging.getLogger("ray.serve")
+_HEADER = struct.Struct("<Q")
+
+
+def _send(stream, message) -> None:
+    body = pickle.dumps(message, protocol=5)
+    stream.write(_HEADER.pack(len(body)))
+    stream.write(body)
+    stream.flush()
+
+
+def _receive(stream):
+    header = stream.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        raise EOFError("worker pipe closed")
+    (size,) = _HEADER.unpack(header)
+    body = stream.read(size)
+    if len(body) < size:
+        raise EOFError("worker pipe closed mid-message")
+    return pickle.loads(body)
+
+
+# -- the worker process ---------------------------------------------------------------------------
+def main() -> None:
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)  # anything printed goes to stderr, never into the protocol
+    requests = sys.stdin.buffer
+    reader: ContainerReader | None = None
+    while True:
+        try:
+            op, *args = _receive(requests)
+        except EOFError:
+            return
+        try:
+            if op == "probe":
+                if reader is not None:
+                    reader.close()
+                reader = None
+                reader = ContainerReader(*args)
+                reply = ("ok", reader.probe)
+            elif op == "decode":
+                if reader is None:
+                    raise RuntimeError("decode before probe")
+                try:
+                    reply = ("ok", reader.decode(*args))
+                finally:
+                    reader.close()
+                    reader = None
+            else:
+                raise RuntimeError(f"unknown operation {op!r}")
+        except InvalidRequest as e:
+            reply = ("invalid", str(e))
+        except Exception as e:  # noqa: BLE001 (reported to the parent, which logs it)
+            reply = ("error", f"{type(e).__name__}: {e}")
+        _send(replies, reply)
+
+
+# -- the parent side ----------------------------------------------------------------------------------
+class WorkerLost(Exception):
+    """The worker was killed at the deadline (`timed_out`) or died."""
+
+    def __init__(self, message: str, timed_out: bool):
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+class DecodeWorker:
+    """One worker process; `call` blocks (run it in a thread) and kills the worker at `deadline`."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-m", "mmserve.video_worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, close_fds=True)
+        self._timed_out = False
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def call(self, message, deadline: float):
+        """The worker's reply to `message`; WorkerLost when it passes `deadline` (time.monotonic) or dies."""
+        self._timed_out = False
+        timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._kill_at_deadline)
+        timer.start()
+        try:
+            _send(self.proc.stdin, message)
+            return _receive(self.proc.stdout)
+        except (EOFError, OSError, pickle.UnpicklingError):
+            self.kill()
+            code = self.proc.returncode
+            if self._timed_out:
+                raise WorkerLost("killed at its deadline", timed_out=True) from None
+            raise WorkerLost(f"exited with code {code}", timed_out=False) from None
+        finally:
+            timer.cancel()
+
+    def _kill_at_deadline(self) -> None:
+        self._timed_out = True
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+
+@dataclass
+class DecodeStats:
+    decoded: int = 0  # videos decoded
+    refused: int = 0  # bad input (400)
+    killed: int = 0  # workers killed at a deadline or found dead
+    busy_s: float = 0.0  # seconds workers spent on videos
+
+
+class VideoDecodePool:
+    """Decodes one request's video file to its sampled frames in one of `workers` processes."""
+
+    def __init__(self, sampler: FrameSampler | None, limits: VideoLimits, workers: int = 2):
+        self.sampler = sampler
+        self.limits = limits
+        self.num_workers = workers
+        self.stats = DecodeStats()
+        self._idle: list[DecodeWorker] = []
+        self._slots = asyncio.Semaphore(workers)
+        self.waiting = 0
+        self._running: dict[int, float] = {}  # id -> start (time.monotonic)
+        self._mean_s = 1.0  # decode seconds of a video, a moving average (the autoscaling estimate)
+
+    def start(self) -> None:
+        """Start the workers now (else on first use), so the first video does not wait for them."""
+        if pyav_available():
+            while len(self._idle) < self.num_workers:
+                self._idle.append(DecodeWorker())
+
+    @property
+    def queued_seconds(self) -> float:
+        """Decode seconds ahead: the running videos' elapsed time plus the waiting ones at the mean."""
+        now = time.monotonic()
+        return sum(now - t for t in self._running.values()) + self.waiting * self._mean_s
+
+    async def decode(self, data: bytes, request_id: str = "-") -> DecodedVideo:
+        if not pyav_available():
+            raise InvalidRequest(PYAV_MISSING)
+        if self.sampler is None:
+            raise InvalidRequest("this model takes no video")
+        deadline = time.monotonic() + self.limits.decode_timeout_s
+        self.waiting += 1
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.limits.decode_timeout_s)
+        except asyncio.TimeoutError:
+            raise InvalidRequest(f"video was not decoded within {self.limits.decode_timeout_s:g} s "
+                                 "(decoders busy)") from None
+        finally:
+            self.waiting -= 1
+        worker = self._idle.pop() if self._idle else None
+        start = time.monotonic()
+        self._running[id(start)] = start
+        try:
+            worker = worker if worker is not None and worker.alive else await asyncio.to_thread(DecodeWorker)
+            video = await self._decode(worker, data, deadline)
+            self.stats.decoded += 1
+            return video
+        except InvalidRequest:
+            self.stats.refused += 1
+            raise
+        finally:
+            elapsed = time.monotonic() - start
+            del self._running[id(start)]
+            self.stats.busy_s += elapsed
+            self._mean_s = 0.8 * self._mean_s + 0.2 * elapsed
+            if worker is not None and worker.alive:
+                self._idle.append(worker)
+            self._slots.release()
+            logger.info("request %s: video of %d bytes decoded in %.3f s", request_id, len(data), elapsed)
+
+    async def _decode(self, worker: DecodeWorker, data: bytes, deadline: float) -> DecodedVideo:
+        probe = await self._call(worker, ("probe", data, self.limits), deadline)
+        indices = self.sampler.indices(probe)
+        if len(indices) > self.limits.max_frames:
+            raise InvalidRequest(f"video samples to {len(indices)} frames for this model; the limit is "
+                                 f"{self.limits.max_frames} (max_frames_per_video)")
+        pixels = await self._call(worker, ("decode", indices), deadline)
+        return DecodedVideo(pixels, probe.fps, probe.total_num_frames, tuple(indices),
+                            video_content_hash(data, indices))
+
+    async def _call(self, worker: DecodeWorker, message, deadline: float):
+        try:
+            status, value = await asyncio.to_thread(worker.call, message, deadline)
+        except WorkerLost as e:
+            self.stats.killed += 1
+            if e.timed_out:
+                raise InvalidRequest(f"video decoding took longer than {self.limits.decode_timeout_s:g} s") from None
+            logger.warning("video decode worker died: %s", e)
+            raise InvalidRequest(f"video could not be decoded (the decoder {e})") from None
+        if status == "invalid":
+            raise InvalidRequest(value)
+        if status != "ok":
+            raise RuntimeError(f"video decode worker failed: {value}")
+        return value
+
+    def close(self) -> None:
+        for worker in self._idle:
+            worker.kill()
+        self._idle.clear()
+
+
+if __name__ == "__main__":
+    main()

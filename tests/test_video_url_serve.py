@@ -1,0 +1,77 @@
+"""`video_url` through the running app: a video file sent over HTTP (`video_url`, a data: URI) and
+gRPC (`video_file` bytes, `video_url`) gives `transformers`' greedy tokens for the frames and
+metadata its own loader takes from the file; every bad file gets 400 / INVALID_ARGUMENT naming
+the problem, a good request follows each, and no replica restarts. (Qwen3-VL: tests/test_qwen3_vl_serve.py.)"""
+
+import grpc
+import httpx
+import pytest
+
+from mmserve.client import VLMClient, request, user
+from protos.mmserve.v1 import vlm_pb2, vlm_pb2_grpc
+from tests.cases import api_messages
+from tests.media_factory import data_uri, video_file
+from tests.reference import reference_generate
+from tests.test_hardening_serve import APP, _http_ok, _replicas
+from tests.test_serve_app import MAX_TOKENS, chat, client
+from tests.test_video_url import _bad_files
+
+pytestmark = pytest.mark.serve
+pytest.importorskip("av")  # the `video` extra: scripts/setup installs it
+
+QUESTION = "What happens in this video?"
+
+
+def video_url_messages(data: bytes) -> list[dict]:
+    return api_messages(reference_messages(data))
+
+
+def reference_messages(data: bytes) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "video_file", "bytes": data}, {"type": "text", "text": QUESTION}]}]
+
+
+def test_video_url_equals_monolithic_over_http_and_grpc(serve_urls, grpc_target, family, tiny_models):
+    data = video_file(3.4, 10, 56, 84, seed=21)  # 34 frames at 10 fps: the model samples 6
+    expected = reference_generate(tiny_models[family], reference_messages(data), MAX_TOKENS)
+    c = client(serve_urls, family)
+    text, tokens = chat(c, video_url_messages(data))
+    assert tokens == expected
+    assert chat(c, video_url_messages(data), stream=True) == (text, tokens)
+    with VLMClient(grpc_target, application=family) as g:
+        as_file = g.generate([user(QUESTION, video_files=[data])], max_tokens=MAX_TOKENS)
+        as_url = vlm_pb2.ChatMessage(role="user", content=[
+            vlm_pb2.ContentPart(video_url=data_uri(data, "video/mp4")), vlm_pb2.ContentPart(text=QUESTION)])
+        streamed = list(g.stream([as_url], max_tokens=MAX_TOKENS))
+    assert list(as_file.token_ids) == expected and as_file.text == text
+    assert [t for r in streamed for t in r.token_ids] == expected
+
+
+def test_bad_video_files_get_400_naming_the_problem_and_a_good_request_follows(serve_urls, grpc_target):
+    url = serve_urls[APP] + "/v1/chat/completions"
+    good = video_url_messages(video_file(3, 10, 32, 32, seed=7))
+    before = _replicas()
+    assert any("#VideoDecoder#" in n for n in before)
+    channel = grpc.insecure_channel(grpc_target)
+    stub = vlm_pb2_grpc.VLMServiceStub(channel)
+    try:
+        for name, (data, needle) in _bad_files().items():
+            resp = httpx.post(url, json={"messages": video_url_messages(data), "max_tokens": 3}, timeout=120)
+            assert resp.status_code == 400, (name, resp.text)
+            assert _matches(needle, resp.json()["error"]["message"]), (name, resp.text)
+            ok = httpx.post(url, json={"messages": good, "max_tokens": 3}, timeout=120)
+            assert ok.status_code == 200 and ok.json()["usage"]["prompt_tokens"] > 6 * 4, (name, ok.text)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Generate(request([user("?", video_files=[data])], max_tokens=3),
+                              metadata=(("application", APP),), timeout=120)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, e.value.details())
+            assert _matches(needle, e.value.details()), (name, e.value.details())
+        _http_ok(url)
+    finally:
+        channel.close()
+    assert _replicas() == before
+
+
+def _matches(pattern: str, message: str) -> bool:
+    import re
+
+    return re.search(pattern, message) is not None
