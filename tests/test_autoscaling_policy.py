@@ -70,3 +70,17 @@ def test_config_round_trips_through_serve():
     policy_cls = cfg.policy.get_policy()
     assert policy_cls.__name__ == "QueuedTokensPolicy" and cfg.policy.policy_kwargs == {"target_tokens_per_replica": 4096}
     assert policy_cls(**cfg.policy.policy_kwargs)(context([9000], num_requests=1, max_r=3))[0] == 3
+
+
+def test_video_decoder_config_runs_the_queued_work_policy_on_decode_seconds():
+    from deployments.autoscaling import QUEUED_DECODE_S
+
+    cfg = AutoscalingConfig(**autoscaling_config(
+        min_replicas=1, max_replicas=4, target_decode_s_per_replica=4.0, upscale_delay_s=1,
+        downscale_delay_s=2, look_back_period_s=5, metrics_interval_s=1,
+    ))
+    policy = cfg.policy.get_policy()(**cfg.policy.policy_kwargs)
+    assert cfg.policy.policy_kwargs == {"metric": QUEUED_DECODE_S, "target_per_replica": 4.0}
+    ctx = context([9.0, 4.5], num_requests=2, current=2, max_r=4)
+    ctx.aggregated_metrics = {QUEUED_DECODE_S: ctx.aggregated_metrics[QUEUED_TOKENS]}
+    assert policy(ctx)[0] == 4  # 13.5 decode seconds queued / 4 per replica

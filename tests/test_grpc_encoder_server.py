@@ -89,3 +89,28 @@ def test_reflection_lists_encoder_and_health(channel):
                                               metadata=TOKEN))
     names = {s.name for s in answer.list_services_response.service}
     assert {"mmserve.v1.EncoderService", "grpc.health.v1.Health"} <= names
+
+
+def test_a_decoded_video_crosses_as_uint8_frames_beyond_4_mib(encoder, channel):
+    """A video_url file's sampled frames (the router's VideoDecoder output) reach a standalone
+    encoder as raw uint8 (one message past gRPC's default 4 MiB) and encode as they do in-process;
+    a shape that does not describe the bytes is INVALID_ARGUMENT."""
+    import numpy as np
+
+    from mmserve.encoder_client import _item_proto
+    from mmserve.media import DecodedVideo
+
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 255, (8, 480, 400, 3), dtype=np.uint8)  # 4.6 MB
+    item = MediaItem(MediaKind.VIDEO, (), decoded=DecodedVideo(pixels, 10.0, 40, tuple(range(0, 40, 5)), "h" * 64))
+    stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+    chunks = list(stub.Encode(encoder_pb2.EncodeRequest(item=_item_proto(item), return_embedding=True),
+                              metadata=TOKEN, timeout=120))
+    header, tensor = from_chunks(chunks)
+    [expected] = encoder.encode([item])
+    assert torch.equal(tensor, expected.rows) and header.content_hash == "h" * 64
+    bad = _item_proto(item)
+    bad.decoded.shape[:] = [8, 480, 400, 4]
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Encode(encoder_pb2.EncodeRequest(item=bad), metadata=TOKEN, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not describe" in e.value.details()

@@ -74,10 +74,11 @@ def test_standalone_encoder_address_needs_grpc_transport():
 def test_serve_config_fits_a_two_core_machine():
     """`serve run deployments/serve_config.yaml` must schedule every replica on a 2-core laptop."""
     args = AppArgs.model_validate(_serve_config()["applications"][0]["args"])
-    total = sum(d.num_cpus * d.num_replicas for d in (args.router, args.encoder, args.llm))
+    total = sum(d.num_cpus * d.num_replicas for d in (args.router, args.encoder, args.llm, args.video_decoder))
     assert total <= 2
     defaults = AppArgs()
-    assert sum(d.num_cpus * d.num_replicas for d in (defaults.router, defaults.encoder, defaults.llm)) <= 2
+    deployments = (defaults.router, defaults.encoder, defaults.llm, defaults.video_decoder)
+    assert sum(d.num_cpus * d.num_replicas for d in deployments) <= 2
 
 
 def test_grafana_dashboard_filters_every_query_by_ray_cluster():

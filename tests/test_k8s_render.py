@@ -100,6 +100,7 @@ def test_gpu_overlay_pins_each_deployment_to_its_own_group():
         "router": (args.router, args.router.num_replicas, args.router.num_replicas),
         "encoder": (args.encoder, args.encoder_pool.min_replicas, args.encoder_pool.max_replicas),
         "llm": (args.llm, args.llm.autoscaling.min_replicas, args.llm.autoscaling.max_replicas),
+        "video": (args.video_decoder, args.video_decode.min_replicas, args.video_decode.max_replicas),
     }
     seen = set()
     for name, (deployment, low, high) in ranges.items():
@@ -118,8 +119,9 @@ def test_gpu_overlay_pins_each_deployment_to_its_own_group():
         mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
         assert mounts["/models"]["readOnly"] is True  # routers read config, tokenizer, processor files too
         assert args.model.startswith("/models/")
-    assert len(seen) == 3 and "head" not in seen
-    assert args.encoder.num_gpus >= 1 and args.llm.num_gpus >= 1 and args.router.num_gpus == 0
+    assert len(seen) == 4 and "head" not in seen
+    assert args.encoder.num_gpus >= 1 and args.llm.num_gpus >= 1 and args.router.num_gpus == args.video_decoder.num_gpus == 0
+    assert args.video_decode.autoscale and args.video_decode.workers <= args.video_decoder.num_cpus
 
 
 def test_gpu_overlay_llm_autoscales_on_ongoing_requests_from_max_num_seqs():

@@ -56,3 +56,15 @@ def test_grpc_api_equals_monolithic(minicpmv_apps, minicpmv_dir, serve_ports):  
     assert list(unary.token_ids) == expected
     assert [t for r in streamed for t in r.token_ids] == expected
     assert "".join(r.text for r in streamed) == unary.text
+
+
+def test_video_url_equals_monolithic_on_both_transports(minicpmv_apps, minicpmv_dir):  # noqa: F811
+    """A video file, sampled on the server by MiniCPM-V's own rule (1 frame a second)."""
+    pytest.importorskip("av")
+    from tests.media_factory import video_file
+    from tests.test_video_url_serve import reference_messages
+
+    messages = reference_messages(video_file(3.4, 10, 56, 84, seed=23))
+    expected = reference_generate(minicpmv_dir, messages, MAX_TOKENS)
+    for name in APPS:
+        assert _chat(minicpmv_apps[name], name, messages, stream=False)[1] == expected, name
