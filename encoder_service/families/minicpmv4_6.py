@@ -19,7 +19,6 @@ from torch import nn
 
 from encoder_service.families.base import EncoderFace, PreparedItem
 from mmserve.checkpoint import strip_prefix
-from mmserve.errors import InvalidRequest
 from mmserve.media import MediaItem, MediaKind, decode_image, video_frames, video_metadata
 
 _TOWER = ("model.vision_tower.",)

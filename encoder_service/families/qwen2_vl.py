@@ -11,7 +11,6 @@ from encoder_service.batching import temporal_groups
 from encoder_service.families.base import EncoderFace, PreparedItem
 from encoder_service.vit_attention import use_packed_attention
 from mmserve.checkpoint import strip_prefix
-from mmserve.errors import InvalidRequest
 from mmserve.media import MediaItem, MediaKind, decode_image, video_frames
 
 # Legacy checkpoints (every released Qwen2-VL) name the tower `visual.*`; transformers >= 4.52

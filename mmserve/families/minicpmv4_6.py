@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmserve.errors import InvalidRequest
 from mmserve.families.base import ItemExpansion, RouterFace
 from mmserve.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
 from mmserve.positions import LinearPositions, PositionPlan
