@@ -43,9 +43,11 @@ TRUNCATED_SHARE = 0.25
 
 
 def pyav_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("av") is not None
+    try:
+        import av  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -161,3 +161,14 @@ def test_a_worker_that_dies_fails_only_its_request(tiny_models):
         assert len(decode(pool, data).indices) == 6
     finally:
         pool.close()
+
+
+def test_without_pyav_a_video_file_gets_a_400_saying_how_to_enable_it(tiny_models, monkeypatch):
+    import sys
+
+    data = video_file(1, 10, 16, 16, seed=1)
+    monkeypatch.setitem(sys.modules, "av", None)  # as if the `video` extra were not installed
+    pool = VideoDecodePool(FrameSampler(tiny_models["qwen2_vl"]), BAD_LIMITS, workers=1)
+    with pytest.raises(InvalidRequest, match=r"needs PyAV .* install mmserve\[video\]"):
+        decode(pool, data)
+    assert not pool._idle  # no worker was started
