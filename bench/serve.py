@@ -218,7 +218,7 @@ def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: 
         model=model, served_model_name="bench", dtype=dtype, device=device, colocated=colocated, router={"num_cpus": 0, **big},
         encoder={"num_cpus": half / encoders, "num_gpus": gpus, "num_replicas": encoders, **big},
         llm={"num_cpus": half / (llms if replicas else 1), "num_gpus": gpus, "num_replicas": llms, **big},
-        routing={"policy": routing},
+        routing={"policy": routing}, video_decoder={"num_cpus": 0},  # no videos in this workload
     )
     serve.run(build_app(args), name="bench", route_prefix="/")
     return f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"

@@ -174,6 +174,7 @@ def serve_app(ns: argparse.Namespace) -> int:
         router=DeploymentArgs(num_cpus=0.25 * cpus),
         encoder=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.encoder_gpus),
         llm=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.llm_gpus),
+        video_decoder=DeploymentArgs(num_cpus=0.125 * cpus),
     )
     start_ray(ns)
     serve.start(http_options={"host": serve_host, "port": serve_port}, grpc_options=grpc_options(port=ns.grpc_port))
