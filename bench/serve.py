@@ -5,6 +5,7 @@
     python bench/serve.py --compare colocated --quick    # disaggregated vs colocated, side by side
     python bench/serve.py --compare routing --quick      # affinity vs default routing, 2 + 2 replicas
     python bench/serve.py --compare ingress --quick      # Serve's ingress modes (bench/ingress.py)
+    python bench/serve.py --video --quick                # video_url TTFT, 720p clips (bench/serve_video.py)
     python bench/serve.py --quick --transport grpc       # the same requests as gRPC GenerateStream calls
     python bench/serve.py --compare colocated --device cuda --model DIR --dtype bfloat16  # one GPU, halves
     mmserve bench serve ...                              # the same
@@ -324,6 +325,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "routing on 2 encoder + 2 LLM replicas, workloads A (popular images, shared system prompts) and "
                    "B (one hot image) (bench/serve_routing.py); ingress: Serve's ingress modes, small requests and the 256 "
                    "burst (bench/ingress.py)")
+    p.add_argument("--video", action="store_true", help="video_url TTFT on 720p clips (bench/serve_video.py)")
     p.add_argument("--colocated", action="store_true", help="start the app here in colocated mode")
     p.add_argument("--num-cpus", type=float, default=2.0, help="total CPUs of the app started here")
     p.add_argument("--dtype", default="float32")
@@ -358,6 +360,11 @@ def main(argv: list[str] | None = None) -> int:
         from bench.ingress import main as compare_ingress
 
         compare_ingress(["--quick"] if args.quick else [])
+        return 0
+    if args.video:
+        from bench.serve_video import run as video
+
+        video(args)
         return 0
     if args.compare == "routing":
         import tempfile

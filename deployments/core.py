@@ -203,7 +203,7 @@ class RequestCore:
         files = [i for i, source in enumerate(sources) if source.container]
         if files and self.videos is None:
             raise InvalidRequest("this server does not decode video files; send a video as its frames")
-        decoded = dict(zip(files, await asyncio.gather(*(self.videos.decode(frames[i][0], request_id) for i in files))))
+        decoded = dict(zip(files, await _all_or_none([self.videos.decode(frames[i][0], request_id) for i in files])))
         items = iter([MediaItem(source.kind, () if i in decoded else frames[i], fps=source.fps, decoded=decoded.get(i))
                       for i, source in enumerate(sources)])
         return [Message(m.role, tuple(p if isinstance(p, str) else next(items) for p in m.parts))
@@ -268,6 +268,17 @@ class RequestCore:
     def check_health(self) -> None:
         if not self.tokenizer.encode("ok"):
             raise RuntimeError("the router's tokenizer returned no tokens")
+
+
+async def _all_or_none(calls: list[Awaitable]) -> list:
+    """The results of `calls`, run at once; the first failure cancels the others and is raised."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def media_of(messages: Sequence[Message]) -> list:

@@ -114,7 +114,7 @@ class DecodeWorker:
         try:
             _send(self.proc.stdin, message)
             return _receive(self.proc.stdout)
-        except (EOFError, OSError, pickle.UnpicklingError):
+        except (EOFError, OSError, ValueError, pickle.UnpicklingError):  # ValueError: pipes closed by kill()
             self.kill()
             code = self.proc.returncode
             if self._timed_out:
@@ -187,8 +187,8 @@ class VideoDecodePool:
         finally:
             self.waiting -= 1
         worker = self._idle.pop() if self._idle else None
-        start = time.monotonic()
-        self._running[id(start)] = start
+        start, token = time.monotonic(), object()
+        self._running[token] = start
         try:
             worker = worker if worker is not None and worker.alive else await asyncio.to_thread(DecodeWorker)
             video = await self._decode(worker, data, deadline)
@@ -197,9 +197,13 @@ class VideoDecodePool:
         except InvalidRequest:
             self.stats.refused += 1
             raise
+        except asyncio.CancelledError:  # the request went away: its worker may be mid-call, so it goes too
+            if worker is not None:
+                worker.kill()
+            raise
         finally:
             elapsed = time.monotonic() - start
-            del self._running[id(start)]
+            del self._running[token]
             self.stats.busy_s += elapsed
             self._mean_s = 0.8 * self._mean_s + 0.2 * elapsed
             if worker is not None and worker.alive:

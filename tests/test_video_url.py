@@ -172,3 +172,28 @@ def test_without_pyav_a_video_file_gets_a_400_saying_how_to_enable_it(tiny_model
     with pytest.raises(InvalidRequest, match=r"needs PyAV .* install mmserve\[video\]"):
         decode(pool, data)
     assert not pool._idle  # no worker was started
+
+
+def test_a_cancelled_decode_kills_its_worker_and_the_pool_keeps_decoding(tiny_models):
+    """A request that goes away mid-decode (client cancel) takes its busy worker with it, so no
+    later video shares that worker's pipe with the abandoned call."""
+    pool = VideoDecodePool(FrameSampler(tiny_models["qwen2_vl"]), BAD_LIMITS, workers=1)
+    data = video_file(3, 10, 32, 32, seed=7)
+
+    async def cancel_mid_decode():
+        await pool.decode(data, "warm-up")
+        [busy] = pool._idle
+        task = asyncio.ensure_future(pool.decode(data, "cancelled"))
+        while not pool._running:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not busy.alive
+        return await pool.decode(data, "next")
+
+    try:
+        assert len(asyncio.run(cancel_mid_decode()).indices) == 6
+        assert not pool._running and pool.waiting == 0 and len(pool._idle) == 1
+    finally:
+        pool.close()
