@@ -29,12 +29,16 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
             args.model, args.dtype, args.device, args.encoder_pool, args.transport, args.grpc,
             device_share=args.encoder.device_share,
         )
+    video = VideoDecoder.options(**video_decoder_options(args.video_decoder, args.video_decode)).bind(
+        args.model, args.limits, args.video_decode)
+    stream_video = args.video_decode.stream and args.grpc.encoder_address is None
     # an LLM replica at its target runs a full batch (max_num_seqs): more replicas beyond that
     llm_options = args.llm.options("LLM", default_target_ongoing_requests=args.engine.max_num_seqs) | llm_routing
     llm = LLMDeployment.options(**llm_options).bind(
         args.model, args.dtype, args.device, engine=args.engine.resolve(args.llm.device_share), transport=args.transport,
         grpc=args.grpc, stall_timeout_s=args.engine.stall_timeout_s, max_waiting_tokens=args.engine.max_waiting_tokens,
         colocated_pool=args.encoder_pool if args.colocated else None,
+        encoder=encoder if stream_video else None, video=video if stream_video else None,
     )
     settings = RouterSettings(
         model_dir=args.model,
@@ -53,7 +57,6 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         max_fetching_requests=args.max_fetching_requests,
         affinity=bool(encoder_routing) and encoder is not None,
         prefix_block_size=args.engine.block_size,
+        stream_video=stream_video,
     )
-    video = VideoDecoder.options(**video_decoder_options(args.video_decoder, args.video_decode)).bind(
-        args.model, args.limits, args.video_decode)
     return Router.options(**args.router.options("Router")).bind(encoder, llm, settings, video)

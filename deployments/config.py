@@ -167,6 +167,11 @@ class VideoDecodeArgs(_Args):
     (`deployments.autoscaling.QueuedWorkPolicy`) and `video_decoder.num_replicas` is ignored."""
 
     workers: int = Field(default=2, ge=1, description="decoding processes per replica (one video each)")
+    stream: bool = Field(
+        default=True, description="stream video_url frames through the pipeline: each group of frames goes to "
+        "the encoder as it is decoded, and the LLM prefills behind them (off: decode, then encode, then prefill; "
+        "a standalone gRPC encoder never streams)",
+    )
     autoscale: bool = False
     min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(default=4, ge=1)

@@ -28,7 +28,7 @@ from deployments.dispatch import MediaDispatcher
 from deployments.failover import Failover, LLMClient
 from deployments.failures import Failure, classify
 from deployments.generation import Generation, GenerationOptions, sampling_params
-from deployments.handles import EmbeddingHandle, PendingRequest
+from deployments.handles import EmbeddingHandle, PendingRequest, StreamedVideo
 from deployments.media_fetch import MediaFetcher
 from mmserve.checkpoint import read_config
 from mmserve.errors import InvalidRequest, QueueFull, RequestTooLarge, ShuttingDown, Unauthenticated
@@ -58,6 +58,7 @@ class CoreSettings:
     max_pending_requests: int = 16  # admitted requests without a first token yet; more: 429
     max_fetching_requests: int = 64  # requests being read or having media fetched (no pending slot); more: 429
     prefix_block_size: int = 16  # tokens per prompt block in `PendingRequest.prefix_hashes` (the engine's)
+    stream_video: bool = False  # video files go to the LLM replica to stream through the pipeline (`StreamedVideo`)
 
 
 class VideoDecoding(Protocol):
@@ -65,6 +66,9 @@ class VideoDecoding(Protocol):
     `mmserve.video_worker.VideoDecodePool` in-process."""
 
     async def decode(self, data: bytes, request_id: str) -> DecodedVideo: ...
+
+    async def probe(self, data: bytes, request_id: str) -> DecodedVideo:
+        """The video's header (no pixels): what to plan a streamed video with."""
 
 
 class RequestListener:
@@ -203,9 +207,12 @@ class RequestCore:
         files = [i for i, source in enumerate(sources) if source.container]
         if files and self.videos is None:
             raise InvalidRequest("this server does not decode video files; send a video as its frames")
-        decoded = dict(zip(files, await _all_or_none([self.videos.decode(frames[i][0], request_id) for i in files])))
-        items = iter([MediaItem(source.kind, () if i in decoded else frames[i], fps=source.fps, decoded=decoded.get(i))
-                      for i, source in enumerate(sources)])
+        # streamed: planned from the header; the LLM replica decodes and encodes it (the file goes along)
+        stream = self.settings.stream_video and self.planner.face.streams_video
+        read = self.videos.probe if stream else self.videos.decode
+        decoded = dict(zip(files, await _all_or_none([read(frames[i][0], request_id) for i in files])))
+        items = iter([MediaItem(source.kind, frames[i] if stream or i not in decoded else (), fps=source.fps,
+                                decoded=decoded.get(i)) for i, source in enumerate(sources)])
         return [Message(m.role, tuple(p if isinstance(p, str) else next(items) for p in m.parts))
                 for m in request.messages]
 
@@ -241,7 +248,13 @@ class RequestCore:
         return gen
 
     async def _dispatch(self, media: Sequence[EncodeItem]) -> tuple[EmbeddingHandle, ...]:
-        return await self.media.dispatch(media) if media else ()
+        """A handle per item: the dispatcher's, or for a streamed video its file and frame groups."""
+        face = self.planner.face
+        streamed = {i: StreamedVideo(m.item.frames[0], m.item.decoded, tuple(face.stream_groups(m.item, m.layout)))
+                    for i, m in enumerate(media) if m.item.decoded is not None and m.item.decoded.pixels is None}
+        rest = [m for i, m in enumerate(media) if i not in streamed]
+        handles = iter(await self.media.dispatch(rest) if rest else ())
+        return tuple(streamed[i] if i in streamed else next(handles) for i in range(len(media)))
 
     # -- outcomes -------------------------------------------------------------------------------
     def finished(self, gen: Generation) -> None:

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 from llm_service.sampling import SamplingParams
 from mmserve.encoder_client import EncodedRef
-from mmserve.media import EncodeItem, PlaceholderRange
+from mmserve.families.base import StreamGroup
+from mmserve.media import DecodedVideo, EncodeItem, PlaceholderRange
 from mmserve.positions import PositionPlan
 
 
@@ -39,7 +40,19 @@ class LocalMedia:
     item: EncodeItem
 
 
-EmbeddingHandle = StoredEmbedding | PinnedEmbedding | LocalMedia
+@dataclass(frozen=True)
+class StreamedVideo:
+    """A video file the LLM replica takes through the pipeline itself, frame group by frame group:
+    it streams the groups from the VideoDecoder as they are decoded, sends each to be encoded at
+    once, and prefills up to the last group whose rows are in (`deployments.video_stream`).
+    `header` is the decoder's (no pixels) and `groups` the router face's `stream_groups`."""
+
+    data: bytes
+    header: DecodedVideo
+    groups: tuple[StreamGroup, ...]
+
+
+EmbeddingHandle = StoredEmbedding | PinnedEmbedding | LocalMedia | StreamedVideo
 
 
 @dataclass(frozen=True)

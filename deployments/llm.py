@@ -17,10 +17,11 @@ from ray import serve
 
 from deployments.config import EncoderPoolArgs, GrpcArgs
 from deployments.failures import root_cause
-from deployments.handles import PendingRequest
+from deployments.handles import PendingRequest, StoredEmbedding, StreamedVideo
 from deployments.metrics import EncoderMetrics, LLMMetrics, PoolMetrics
 from deployments.replica_env import resolve_model_dir
 from deployments.transport import resolve
+from deployments.video_stream import VideoStream
 from llm_service.config import EngineConfig
 from llm_service.engine import LLMEngine, LLMRequest, TokenEvent
 from llm_service.model import LanguageModel
@@ -36,7 +37,8 @@ logger = logging.getLogger("ray.serve")
 class LLMDeployment:
     def __init__(self, model_dir: str | None, dtype: str, device: str, engine: EngineConfig | None = None,
                  transport: str = "object_store", grpc: GrpcArgs | None = None, stall_timeout_s: float = 60.0,
-                 max_waiting_tokens: int | None = None, colocated_pool: EncoderPoolArgs | None = None):
+                 max_waiting_tokens: int | None = None, colocated_pool: EncoderPoolArgs | None = None,
+                 encoder=None, video=None):
         model_dir, device = resolve_model_dir(model_dir), resolve_device(device)
         self.stall_timeout_s = stall_timeout_s
         self.max_waiting_tokens = max_waiting_tokens  # None: unbounded
@@ -57,6 +59,7 @@ class LLMDeployment:
         self.engine.start()
         self.metrics = LLMMetrics()
         self._stats_task: asyncio.Task | None = None
+        self.encoder, self.video = encoder, video  # handles: this replica streams videos through them
         self.fetcher = None
         if transport == "grpc":  # encoder results arrive as refs to pull from the encoder replica
             from deployments.transport import GrpcFetcher
@@ -104,10 +107,10 @@ class LLMDeployment:
         self.encoder_metrics.encode_ms.observe((time.perf_counter() - start) * 1000)
         return embeddings
 
-    async def _embeddings(self, pending: PendingRequest) -> list[ItemEmbedding]:
+    async def _embeddings(self, pending: PendingRequest, handles) -> list[ItemEmbedding]:
         start = time.perf_counter()
         try:
-            embeddings = await resolve(pending.embeddings, self.fetcher, self._encode_locally if self.pool else None)
+            embeddings = await resolve(handles, self.fetcher, self._encode_locally if self.pool else None)
         except EmbeddingsLost as e:  # the router re-encodes these items and resubmits
             logger.warning("request %s: %s", pending.request_id, e)
             raise
@@ -140,9 +143,39 @@ class LLMDeployment:
             self.waiting_tokens -= cost
             await events.aclose()  # aborts the engine request when the caller went away
 
+    async def _frames(self, data: bytes, request_id: str, group_size: int) -> AsyncIterator:
+        """A streamed video's frame groups from the VideoDecoder, as it decodes them."""
+        groups = self.video.options(stream=True).frames.remote(data, request_id, group_size)
+        try:
+            async for group in groups:
+                yield group
+        finally:
+            groups.cancel()  # stopped early (a failure, the client gone): the decoder stops too
+
+    async def _encode_group(self, item: EncodeItem) -> ItemEmbedding:
+        """One frame group of a streamed video, encoded here (colocated) or by the Encoder
+        deployment (`EmbeddingsLost` when its replica died: the stream encodes it again)."""
+        if self.pool is not None:
+            return (await self._encode_locally([item]))[0]
+        [embedding] = await resolve([StoredEmbedding(self.encoder.encode.remote([item]), 0)], self.fetcher)
+        return embedding
+
     async def _generate(self, pending: PendingRequest) -> AsyncIterator[TokenEvent]:
         began = time.perf_counter()
-        embeddings = await self._embeddings(pending) if pending.embeddings else []
+        streamed = {i: h for i, h in enumerate(pending.embeddings) if isinstance(h, StreamedVideo)}
+        others = [h for h in pending.embeddings if not isinstance(h, StreamedVideo)]
+        resolved = iter(await self._embeddings(pending, others) if others else [])
+        stream, firsts = None, {}
+        if streamed:  # prefill behind the decoder: admitted once each video's first group is in
+            stream = VideoStream(pending.request_id, pending.ranges, streamed, self._frames, self._encode_group)
+            try:
+                firsts = await stream.start()
+            except BaseException as e:  # a failure, or the caller gone
+                stream.cancel()
+                if isinstance(cause := root_cause(e), InvalidRequest):
+                    raise InvalidRequest(str(cause)) from None
+                raise
+        embeddings = [firsts[i] if i in streamed else next(resolved) for i in range(len(pending.embeddings))]
         request = LLMRequest(
             request_id=pending.request_id,
             prompt_token_ids=pending.prompt_token_ids,
@@ -155,7 +188,12 @@ class LLMDeployment:
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         if self._stats_task is None:
             self._stats_task = asyncio.create_task(self._export_stats())
-        self.engine.add_request(request, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        self.engine.add_request(request, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                                ready=stream.ready() if stream else None)
+        if stream is not None:
+            stream.on_progress = lambda ready: self.engine.extend(pending.request_id, ready)
+            stream.on_progress(stream.ready())  # groups that came in since
+            stream.task.add_done_callback(lambda task: self._stream_ended(task, pending.request_id, events))
         finished = False
         added_at = last_token_at = time.perf_counter()
         first = True
@@ -183,7 +221,19 @@ class LLMDeployment:
                     self.metrics.finished.inc(tags={"reason": event.finish_reason})
                     return
         finally:
+            if stream is not None:
+                stream.cancel()
             if not finished:  # the caller went away (client disconnect, stop string): free the request
                 logger.info("aborting request %s", pending.request_id)
                 self.engine.abort(pending.request_id)
+
+    def _stream_ended(self, task: asyncio.Task, request_id: str, events: asyncio.Queue) -> None:
+        """A streamed video failed: the engine request is aborted and the stream ends with its error."""
+        if task.cancelled() or task.exception() is None:
+            return
+        cause = root_cause(task.exception())
+        logger.warning("request %s: streamed video failed: %r", request_id, cause)
+        self.engine.abort(request_id)
+        error = InvalidRequest(str(cause)) if isinstance(cause, InvalidRequest) else task.exception()
+        events.put_nowait(TokenEvent(None, "error", error))
     

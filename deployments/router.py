@@ -60,6 +60,7 @@ class RouterSettings:
     colocated: bool = False  # no encoder: the LLM replica encodes the media it is handed
     affinity: bool = False  # encoder items and LLM requests routed by AffinityRequestRouter
     prefix_block_size: int = 16  # the engine's KV block size: the unit of prefix affinity
+    stream_video: bool = False  # video_url files stream through the pipeline (the LLM replica drives them)
 
     def on_node(self) -> "RouterSettings":
         """These settings with the model directory and secrets resolved on this node."""
@@ -72,7 +73,8 @@ class RouterSettings:
 
     def core(self) -> CoreSettings:
         return CoreSettings(self.served_model_name, self.limits, self.model_dir, self.api_key, self.llm_retries,
-                            self.max_pending_requests, self.max_fetching_requests, self.prefix_block_size)
+                            self.max_pending_requests, self.max_fetching_requests, self.prefix_block_size,
+                            self.stream_video and not self.external_encoder)
 
     def dispatcher(self, encoder: DeploymentHandle | None) -> MediaDispatcher:
         if self.colocated:

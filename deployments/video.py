@@ -9,8 +9,12 @@ them to Serve's autoscaler (`deployments.autoscaling`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from collections.abc import AsyncIterator
+
+import numpy as np
 
 from ray import serve
 
@@ -53,7 +57,6 @@ class VideoDecoder:
     def __init__(self, model_dir: str | None, limits: LimitArgs, decode: VideoDecodeArgs):
         model_dir = resolve_model_dir(model_dir)
         self.pool = VideoDecodePool(frame_sampler(model_dir), limits.video_limits(), decode.workers)
-        self.pool.start()
         self.metrics = VideoMetrics()
         if not pyav_available():
             logger.warning("PyAV is not installed: video_url requests get 400 (install mmserve[video])")
@@ -70,10 +73,32 @@ class VideoDecoder:
         self.metrics.decode_ms.observe((time.perf_counter() - start) * 1000)
         return video
 
+    async def probe(self, data: bytes, request_id: str = "-") -> DecodedVideo:
+        """The video's header (what the router plans with), nothing decoded."""
+        try:
+            return await self.pool.probe(data, request_id)
+        except InvalidRequest:
+            self.metrics.refused.inc()
+            raise
+
+    async def frames(self, data: bytes, request_id: str = "-", group_size: int = 1) -> AsyncIterator[np.ndarray]:
+        """The sampled frames in groups of `group_size`, each as soon as it is decoded (a
+        streaming call: `handle.options(stream=True).frames.remote(...)`)."""
+        start, count = time.perf_counter(), 0
+        try:
+            async for group in self.pool.frames(data, request_id, group_size):
+                count += len(group)
+                yield group
+        except InvalidRequest:
+            self.metrics.refused.inc()
+            raise
+        self.metrics.videos.inc()
+        self.metrics.frames.inc(count)
+        self.metrics.decode_ms.observe((time.perf_counter() - start) * 1000)
+
     def stats(self) -> dict:
         """The pool's counters and which replica answered (tests, benches, debugging)."""
-        stats = self.pool.stats
-        return {"decoded": stats.decoded, "refused": stats.refused, "killed": stats.killed, "busy_s": stats.busy_s,
+        return {**dataclasses.asdict(self.pool.stats), "running": self.pool.num_running,
                 "replica": serve.get_replica_context().replica_id.unique_id}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -94,3 +119,6 @@ class ServeVideoClient:
 
     async def decode(self, data: bytes, request_id: str) -> DecodedVideo:
         return await self.handle.decode.remote(data, request_id)
+
+    async def probe(self, data: bytes, request_id: str) -> DecodedVideo:
+        return await self.handle.probe.remote(data, request_id)

@@ -99,7 +99,7 @@ def decoded_video(proto: encoder_pb2.DecodedVideo) -> DecodedVideo:
     if not proto.indices or not proto.fps > 0 or max(proto.indices) >= proto.total_num_frames:
         raise InvalidRequest("decoded video: indices, fps and total_num_frames disagree")
     pixels = np.frombuffer(proto.pixels, dtype=np.uint8).reshape(shape)
-    return DecodedVideo(pixels, proto.fps, proto.total_num_frames, tuple(proto.indices), proto.content_hash)
+    return DecodedVideo(shape[:3], proto.fps, proto.total_num_frames, tuple(proto.indices), proto.content_hash, pixels)
 
 
 class _TokenInterceptor(grpc.aio.ServerInterceptor):

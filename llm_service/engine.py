@@ -68,20 +68,33 @@ class LLMEngine:
         self._stopped = False
         self._in_step: list[Sequence] = []  # the sequences of the step being run
         self.last_progress = time.monotonic()  # a step started or finished, or work arrived while idle
+        self._idle = True  # waiting for work (or only for media rows): no step is owed
         self.num_steps = 0
         self.num_generated = 0
         self.step_times: list[float] = []
 
     # -- public API (any thread) -------------------------------------------------------------
-    def add_request(self, request: LLMRequest, emit: Callable[[TokenEvent], None]) -> None:
+    def add_request(self, request: LLMRequest, emit: Callable[[TokenEvent], None], ready: int | None = None) -> None:
+        """Queue `request`; `ready`: its prompt inputs are present up to that token only (its media
+        rows are still being filled: `extend` says when more are)."""
         if request.positions is None:
             request = dataclasses.replace(request, positions=self.model.face.text_positions())
-        seq = Sequence(request, emit, next(self._arrivals), new_generator(request.sampling, self.model.device))
+        seq = Sequence(request, emit, next(self._arrivals), new_generator(request.sampling, self.model.device),
+                       ready=ready)
         with self._cv:
             if not self._new and not self._by_id:  # idle until now: the stall clock starts here
                 self.last_progress = time.monotonic()
             self._new.append(seq)
             self._cv.notify()
+
+    def extend(self, request_id: str, ready: int | None) -> None:
+        """More of a request's prompt inputs are present (its media rows, filled in place up to
+        token `ready`; None: all of them): its prefill may go that far."""
+        with self._cv:
+            seq = self._by_id.get(request_id) or next((s for s in self._new if s.request_id == request_id), None)
+            if seq is not None:
+                seq.ready = ready
+                self._cv.notify()
 
     def abort(self, request_id: str) -> None:
         with self._cv:
@@ -119,7 +132,7 @@ class LLMEngine:
         if self._thread is not None and not self._thread.is_alive():
             return "the engine thread is dead"
         idle_for = time.monotonic() - self.last_progress
-        if self.num_requests and idle_for > stall_timeout_s:
+        if self.num_requests and not self._idle and idle_for > stall_timeout_s:
             return f"the engine holds {self.num_requests} requests and made no step in {idle_for:.0f}s"
         return None
 
@@ -136,7 +149,10 @@ class LLMEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
+                # idle: nothing to run, or only requests whose media rows are still on their way
+                self._idle = not (self._new or self._aborted or self.scheduler.has_work())
                 self._cv.wait_for(lambda: self._stopped or self._new or self._aborted or self.scheduler.has_work())
+                self._idle = False
                 if self._stopped:
                     return
             try:

@@ -60,6 +60,8 @@ class PrefillAdder:
             cached = self._blocks.cached_prefix(hashes)
             if self._snapshots is not None:  # K/V alone cannot resume the recurrent state
                 cached = cached[:self._snapshots.deepest(hashes[:len(cached)])]
+            if seq.ready is not None:  # leave the first chunk something to compute
+                cached = cached[:(seq.ready_end - 1) // bs]
         start = len(cached) * bs if cached else seq.num_computed
         pending = chunk_end(seq, start, bs, self._snapshots) - start
         if self._chunked:
@@ -92,8 +94,9 @@ class PrefillAdder:
 
 def chunk_end(seq: Sequence, start: int, block_size: int, snapshots: SnapshotManager | None) -> int:
     """Where a chunk starting at `start` may end: the end of the tokens, or with state snapshots
-    the sequence's next snapshot point."""
-    return seq.next_stop(start, block_size) if snapshots is not None else seq.num_tokens
+    the sequence's next snapshot point; never past the tokens whose inputs are present."""
+    end = seq.next_stop(start, block_size) if snapshots is not None else seq.num_tokens
+    return min(end, seq.ready_end)
 
 
 class Scheduler:
@@ -101,7 +104,7 @@ class Scheduler:
     with recurrent state).
 
     Each step: every running sequence gets its pending tokens (1 for a decode, a chunk for a
-    prefill in progress), oldest first; when the pool cannot hold them the youngest running
+    prefill in progress, none while it waits for media rows: `Sequence.ready`), oldest first; when the pool cannot hold them the youngest running
     sequence is preempted (blocks and state slot freed, recomputed later, first in line). Then
     waiting sequences are admitted FIFO while `max_num_seqs`, the token budget, the pool and the
     state slots allow. Invariant: a sequence holds a state slot exactly while it is running.
@@ -124,7 +127,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Whether a step would compute anything (sequences waiting for media rows would not)."""
+        return any(seq.runnable for seq in self.waiting) or any(seq.runnable for seq in self.running)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -157,11 +161,15 @@ class Scheduler:
         if not preempted:
             adder = PrefillAdder(budget, self.blocks, self.config.enable_chunked_prefill, not scheduled,
                                  self.config.enable_prefix_caching, self.slots, self.snapshots)
-            while self.waiting and len(self.running) < self.config.max_num_seqs and adder.token_budget > 0:
-                item = adder.try_add(self.waiting[0])
+            for seq in list(self.waiting):  # FIFO; a sequence still waiting for media rows is passed over
+                if len(self.running) >= self.config.max_num_seqs or adder.token_budget <= 0:
+                    break
+                if not seq.runnable:
+                    continue
+                item = adder.try_add(seq)
                 if item is None:
                     break
-                seq = self.waiting.popleft()
+                self.waiting.remove(seq)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
                 scheduled.append(item)

@@ -93,6 +93,9 @@ class Sequence:
     _block_hashes: list[int] | None = None
     _embed_slots: list[list[int]] | None = None
     _snapshot_points: tuple[int, ...] | None = None
+    # prompt tokens whose inputs are present (None: all of them): a streamed video's embedding
+    # rows arrive group by group, and the prompt is prefilled no further than they have
+    ready: int | None = None
     added_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None  # its first step (the end of its prefill queue)
     _sent: bool = False
@@ -127,6 +130,16 @@ class Sequence:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.num_prompt_tokens:]
+
+    @property
+    def ready_end(self) -> int:
+        """How far the tokens can be computed now: all of them, or up to `ready`."""
+        return self.num_tokens if self.ready is None else min(self.ready, self.num_tokens)
+
+    @property
+    def runnable(self) -> bool:
+        """Whether a step could compute any of its tokens now (not waiting for media rows)."""
+        return self.ready_end > self.num_computed
 
     @property
     def num_pending(self) -> int:

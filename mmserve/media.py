@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import hashlib
 import io
 from dataclasses import dataclass
@@ -78,22 +79,37 @@ class DecodedVideo:
     """A video file decoded on the server: the frames the model's own sampler picked, in order.
 
     `indices` are the sampled frame numbers and `fps`, `total_num_frames` the stream's, as
-    `transformers`' `VideoMetadata` holds them; `content_hash` is of the file's bytes and the
-    sampled indices (hashing the decoded pixels would cost more than decoding them)."""
+    `transformers`' `VideoMetadata` holds them; `shape` is (frames, height, width) of the frames
+    kept; `content_hash` is of the file's bytes and the sampled indices (hashing the decoded
+    pixels would cost more than decoding them). `pixels` is None in a video's header, whose
+    frames are streamed group by group (`group`) once the request is planned."""
 
-    pixels: np.ndarray  # (frames, height, width, 3) uint8, RGB
+    shape: tuple[int, int, int]
     fps: float
     total_num_frames: int
     indices: tuple[int, ...]
     content_hash: str
+    pixels: np.ndarray | None = None  # (frames, height, width, 3) uint8, RGB
 
     @property
     def duration(self) -> float:
         return self.total_num_frames / self.fps
 
+    def with_pixels(self, pixels: np.ndarray) -> DecodedVideo:
+        if tuple(pixels.shape[:3]) != self.shape:
+            raise ValueError(f"frames of shape {pixels.shape} for a video of {self.shape}")
+        return dataclasses.replace(self, pixels=pixels)
+
+    def group(self, first: int, pixels: np.ndarray) -> DecodedVideo:
+        """Frames `first..first + len(pixels)` of this video as a video of their own (what the
+        encoder gets of a streamed video: its layout says the whole video's frame size)."""
+        kept = sorted(set(self.indices))[first:first + len(pixels)]
+        return DecodedVideo(tuple(pixels.shape[:3]), self.fps, self.total_num_frames, tuple(kept),
+                            f"{self.content_hash}#{first}", pixels)
+
     def metadata(self) -> dict:
         """The `video_metadata` entry `transformers`' processors take for these frames."""
-        _, height, width, _ = self.pixels.shape
+        _, height, width = self.shape
         return {"total_num_frames": self.total_num_frames, "fps": self.fps, "width": width, "height": height,
                 "duration": self.duration, "video_backend": "pyav", "frames_indices": list(self.indices)}
 
@@ -101,7 +117,8 @@ class DecodedVideo:
 @dataclass(frozen=True)
 class MediaItem:
     """One image (one frame) or video as raw encoded bytes (frames in order, all used), or a
-    video decoded on the server (`decoded`, no `frames`)."""
+    video decoded on the server (`decoded`, no `frames`), or one streamed through the pipeline
+    (`decoded` its header, without pixels; `frames` its file)."""
 
     kind: MediaKind
     frames: tuple[bytes, ...]
@@ -110,7 +127,7 @@ class MediaItem:
 
     @property
     def num_frames(self) -> int:
-        return len(self.decoded.pixels) if self.decoded is not None else len(self.frames)
+        return self.decoded.shape[0] if self.decoded is not None else len(self.frames)
 
     @property
     def sampled_fps(self) -> float:
@@ -130,7 +147,7 @@ class MediaItem:
         """(height, width) every frame shares, from headers only; InvalidRequest when unreadable,
         over `max_pixels` (a decoded video was checked by its decoder) or of mixed sizes."""
         if self.decoded is not None:
-            return tuple(self.decoded.pixels.shape[1:3])
+            return self.decoded.shape[1:]
         sizes = {read_image_size(frame, max_pixels) for frame in self.frames}
         if len(sizes) != 1:
             raise InvalidRequest(f"all frames of a video must have the same size, got {sorted(sizes)}")
@@ -149,7 +166,7 @@ class MediaItem:
 
     @property
     def num_bytes(self) -> int:
-        if self.decoded is not None:
+        if self.decoded is not None and self.decoded.pixels is not None:
             return self.decoded.pixels.nbytes
         return sum(len(f) for f in self.frames)
 

@@ -24,6 +24,7 @@ import hashlib
 import inspect
 import io
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,11 @@ class VideoProbe:
     @property
     def duration(self) -> float:
         return self.total_num_frames / self.fps  # as `read_video_pyav` computes it
+
+
+def decoded_frame_count(indices) -> int:
+    """Frames a decode keeps for `indices`: each sampled frame once (a sampler may repeat one)."""
+    return len(set(indices))
 
 
 def video_content_hash(data: bytes, indices) -> str:
@@ -155,8 +161,10 @@ class ContainerReader:
             raise InvalidRequest(f"video is truncated or corrupt after {count} frames ({_reason(e)})") from None
         return count
 
-    def decode(self, indices: list[int]) -> np.ndarray:
-        """The frames at `indices` in decode order, (frames, height, width, 3) uint8 RGB."""
+    def decode(self, indices: list[int], group_size: int = 0) -> Iterator[np.ndarray]:
+        """The frames at `indices` in decode order (each frame once, as `transformers` keeps them),
+        (frames, height, width, 3) uint8 RGB, in groups of `group_size` frames as they are decoded
+        (0: all in one)."""
         import av
 
         probe = self.probe
@@ -165,6 +173,7 @@ class ContainerReader:
         if min(indices) < 0 or max(indices) >= probe.total_num_frames:
             raise InvalidRequest(f"sampled frame indices fall outside the video's {probe.total_num_frames} frames")
         wanted, end = set(indices), max(indices)
+        group_size = group_size or len(wanted)
         frames: list[np.ndarray] = []
         i = -1
         try:
@@ -177,11 +186,15 @@ class ContainerReader:
                         raise InvalidRequest(f"video frame {i} is {frame.width}x{frame.height}; the stream "
                                              f"declares {probe.width}x{probe.height}")
                     frames.append(frame.to_ndarray(format="rgb24"))
+                    if len(frames) == group_size:
+                        yield np.stack(frames)
+                        frames = []
         except av.error.FFmpegError as e:
             raise InvalidRequest(f"cannot decode video ({probe.codec}) at frame {i + 1}: {_reason(e)}") from None
         if i < end:
             raise InvalidRequest(f"video is truncated: {i + 1} of its {probe.total_num_frames} frames decode")
-        return np.stack(frames)
+        if frames:
+            yield np.stack(frames)
 
     def close(self) -> None:
         self.container.close()

@@ -3,7 +3,7 @@
 `VideoDecodePool` (the VideoDecoder replica's) keeps `workers` processes of
 `python -m mmserve.video_worker`, each decoding one video at a time. A video is two calls to its
 worker: `probe` (open, check, count frames) and, once the model's sampler has picked frames from
-the probe, `decode`. Both share the video's deadline; a worker past it is killed and replaced,
+the probe, `decode`, answered by one reply per group of frames as they are decoded. Both share the video's deadline; a worker past it is killed and replaced,
 and so is one that dies (a decoder crash on a hostile file): the request gets a 400 naming what
 happened, and the next request a fresh worker.
 
@@ -14,6 +14,7 @@ goes to stderr, so nothing FFmpeg prints can corrupt it). Pickles come only from
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import pickle
@@ -22,11 +23,16 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+
+import numpy as np
 
 from mmserve.errors import InvalidRequest
 from mmserve.media import DecodedVideo
-from mmserve.video import PYAV_MISSING, ContainerReader, FrameSampler, VideoLimits, pyav_available, video_content_hash
+from mmserve.video import (
+    PYAV_MISSING, ContainerReader, FrameSampler, VideoLimits, decoded_frame_count, pyav_available, video_content_hash,
+)
 
 logger = logging.getLogger("ray.serve")
 _HEADER = struct.Struct("<Q")
@@ -68,14 +74,21 @@ def main() -> None:
                 reader = None
                 reader = ContainerReader(*args)
                 reply = ("ok", reader.probe)
-            elif op == "decode":
+            elif op == "decode":  # (indices, group_size): one ("frames", array) per group, then ("ok", None)
                 if reader is None:
                     raise RuntimeError("decode before probe")
                 try:
-                    reply = ("ok", reader.decode(*args))
+                    for group in reader.decode(*args):
+                        _send(replies, ("frames", group))
+                    reply = ("ok", None)
                 finally:
                     reader.close()
                     reader = None
+            elif op == "close":
+                if reader is not None:
+                    reader.close()
+                reader = None
+                reply = ("ok", None)
             else:
                 raise RuntimeError(f"unknown operation {op!r}")
         except InvalidRequest as e:
@@ -101,18 +114,21 @@ class DecodeWorker:
         self.proc = subprocess.Popen([sys.executable, "-m", "mmserve.video_worker"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, close_fds=True)
         self._timed_out = False
+        self.pending: list[int] | None = None  # the sampled indices of the video it holds probed
 
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def call(self, message, deadline: float):
-        """The worker's reply to `message`; WorkerLost when it passes `deadline` (time.monotonic) or dies."""
+        """The worker's reply to `message` (None: send nothing, read its next reply); WorkerLost
+        when it passes `deadline` (time.monotonic) or dies."""
         self._timed_out = False
         timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._kill_at_deadline)
         timer.start()
         try:
-            _send(self.proc.stdin, message)
+            if message is not None:
+                _send(self.proc.stdin, message)
             return _receive(self.proc.stdout)
         except (EOFError, OSError, ValueError, pickle.UnpicklingError):  # ValueError: pipes closed by kill()
             self.kill()
@@ -140,14 +156,17 @@ class DecodeWorker:
 
 @dataclass
 class DecodeStats:
-    decoded: int = 0  # videos decoded
+    decoded: int = 0  # videos decoded (whole, or streamed)
+    streamed: int = 0  # of those, streamed group by group
     refused: int = 0  # bad input (400)
     killed: int = 0  # workers killed at a deadline or found dead
     busy_s: float = 0.0  # seconds workers spent on videos
 
 
 class VideoDecodePool:
-    """Decodes one request's video file to its sampled frames in one of `workers` processes."""
+    """Decodes one request's video file to its sampled frames in one of `workers` processes:
+    `probe` (the header: what the router plans with), `decode` (all frames), or `frames` (groups
+    of frames as they are decoded, for a video streamed through the pipeline)."""
 
     def __init__(self, sampler: FrameSampler | None, limits: VideoLimits, workers: int = 2):
         self.sampler = sampler
@@ -157,14 +176,13 @@ class VideoDecodePool:
         self._idle: list[DecodeWorker] = []
         self._slots = asyncio.Semaphore(workers)
         self.waiting = 0
-        self._running: dict[int, float] = {}  # id -> start (time.monotonic)
+        self._running: dict[object, float] = {}  # one entry per video being decoded -> its start
         self._mean_s = 1.0  # decode seconds of a video, a moving average (the autoscaling estimate)
 
-    def start(self) -> None:
-        """Start the workers now (else on first use), so the first video does not wait for them."""
-        if pyav_available():
-            while len(self._idle) < self.num_workers:
-                self._idle.append(DecodeWorker())
+    @property
+    def num_running(self) -> int:
+        """Videos a worker is busy with now."""
+        return len(self._running)
 
     @property
     def queued_seconds(self) -> float:
@@ -172,7 +190,29 @@ class VideoDecodePool:
         now = time.monotonic()
         return sum(now - t for t in self._running.values()) + self.waiting * self._mean_s
 
+    async def probe(self, data: bytes, request_id: str = "-") -> DecodedVideo:
+        """The video's header: what its frames will be (shape, sampled indices), none decoded."""
+        async with self._session(data, request_id) as (worker, header, deadline):
+            await self._call(worker, ("close",), deadline)
+            worker.pending = None
+            return header
+
     async def decode(self, data: bytes, request_id: str = "-") -> DecodedVideo:
+        async with self._session(data, request_id) as (worker, header, deadline):
+            [pixels] = [group async for group in self._frames(worker, header, 0, deadline)]
+            return header.with_pixels(pixels)
+
+    async def frames(self, data: bytes, request_id: str = "-", group_size: int = 1) -> AsyncIterator[np.ndarray]:
+        """The sampled frames in groups of `group_size` (the last may be shorter), each as soon as
+        it is decoded. Closing the iterator early kills its worker (it may be mid-video)."""
+        async with self._session(data, request_id) as (worker, header, deadline):
+            async for group in self._frames(worker, header, group_size, deadline):
+                yield group
+            self.stats.streamed += 1
+
+    @contextlib.asynccontextmanager
+    async def _session(self, data: bytes, request_id: str):
+        """A worker with the video opened and checked: yields (worker, header, deadline)."""
         if not pyav_available():
             raise InvalidRequest(PYAV_MISSING)
         if self.sampler is None:
@@ -191,13 +231,12 @@ class VideoDecodePool:
         self._running[token] = start
         try:
             worker = worker if worker is not None and worker.alive else await asyncio.to_thread(DecodeWorker)
-            video = await self._decode(worker, data, deadline)
+            yield worker, await self._header(worker, data, deadline), deadline
             self.stats.decoded += 1
-            return video
         except InvalidRequest:
             self.stats.refused += 1
             raise
-        except asyncio.CancelledError:  # the request went away: its worker may be mid-call, so it goes too
+        except (asyncio.CancelledError, GeneratorExit):  # the request went away mid-call: the worker goes too
             if worker is not None:
                 worker.kill()
             raise
@@ -207,21 +246,41 @@ class VideoDecodePool:
             self.stats.busy_s += elapsed
             self._mean_s = 0.8 * self._mean_s + 0.2 * elapsed
             if worker is not None and worker.alive:
-                self._idle.append(worker)
+                if self._busy(worker):
+                    worker.kill()  # left mid-video (a probe only, or a consumer that stopped early)
+                else:
+                    self._idle.append(worker)
             self._slots.release()
-            logger.info("request %s: video of %d bytes decoded in %.3f s", request_id, len(data), elapsed)
+            logger.info("request %s: video of %d bytes, %.3f s in a decoder", request_id, len(data), elapsed)
 
-    async def _decode(self, worker: DecodeWorker, data: bytes, deadline: float) -> DecodedVideo:
+    async def _header(self, worker: DecodeWorker, data: bytes, deadline: float) -> DecodedVideo:
         probe = await self._call(worker, ("probe", data, self.limits), deadline)
         indices = self.sampler.indices(probe)
         if len(indices) > self.limits.max_frames:
             raise InvalidRequest(f"video samples to {len(indices)} frames for this model; the limit is "
                                  f"{self.limits.max_frames} (max_frames_per_video)")
-        pixels = await self._call(worker, ("decode", indices), deadline)
-        return DecodedVideo(pixels, probe.fps, probe.total_num_frames, tuple(indices),
-                            video_content_hash(data, indices))
+        worker.pending = indices
+        shape = (decoded_frame_count(indices), probe.height, probe.width)
+        return DecodedVideo(shape, probe.fps, probe.total_num_frames, tuple(indices), video_content_hash(data, indices))
 
-    async def _call(self, worker: DecodeWorker, message, deadline: float):
+    async def _frames(self, worker: DecodeWorker, header: DecodedVideo, group_size: int,
+                      deadline: float) -> AsyncIterator[np.ndarray]:
+        message = ("decode", worker.pending, group_size)
+        worker.pending = None
+        while True:
+            status, value = await self._call(worker, message, deadline, "frames")
+            message = None
+            if status == "ok":
+                return
+            yield value
+
+    @staticmethod
+    def _busy(worker: DecodeWorker) -> bool:
+        """A probed video whose frames were never asked for: the worker still holds it open."""
+        return worker.pending is not None
+
+    async def _call(self, worker: DecodeWorker, message, deadline: float, *more: str):
+        """The worker's reply's value ("ok"); with `more`, (status, value) of a reply of those statuses too."""
         try:
             status, value = await asyncio.to_thread(worker.call, message, deadline)
         except WorkerLost as e:
@@ -232,9 +291,9 @@ class VideoDecodePool:
             raise InvalidRequest(f"video could not be decoded (the decoder {e})") from None
         if status == "invalid":
             raise InvalidRequest(value)
-        if status != "ok":
+        if status != "ok" and status not in more:
             raise RuntimeError(f"video decode worker failed: {value}")
-        return value
+        return (status, value) if more else value
 
     def close(self) -> None:
         for worker in self._idle:

@@ -102,7 +102,7 @@ def test_a_decoded_video_crosses_as_uint8_frames_beyond_4_mib(encoder, channel):
 
     rng = np.random.default_rng(0)
     pixels = rng.integers(0, 255, (8, 480, 400, 3), dtype=np.uint8)  # 4.6 MB
-    item = MediaItem(MediaKind.VIDEO, (), decoded=DecodedVideo(pixels, 10.0, 40, tuple(range(0, 40, 5)), "h" * 64))
+    item = MediaItem(MediaKind.VIDEO, (), decoded=DecodedVideo((8, 480, 400), 10.0, 40, tuple(range(0, 40, 5)), "h" * 64, pixels))
     stub = encoder_pb2_grpc.EncoderServiceStub(channel)
     chunks = list(stub.Encode(encoder_pb2.EncodeRequest(item=_item_proto(item), return_embedding=True),
                               metadata=TOKEN, timeout=120))

@@ -61,6 +61,14 @@ class QwenVLEncoderFace(EncoderFace):
         if item.kind is MediaKind.IMAGE:
             out = self.image_processor(images=[decode_image(item.frames[0])], return_tensors="pt")
             pixels, grid = out["pixel_values"], out["image_grid_thw"]
+        elif item.decoded is not None and layout is not None:
+            # sized as the router planned it: a streamed video's group of frames is resized as
+            # the whole video is (the processor would size a few frames alone differently)
+            patch = self.video_processor.patch_size
+            frames = resized_frames(self.video_processor, item.decoded.pixels, layout.grid[1] * patch,
+                                    layout.grid[2] * patch)
+            out = self.video_processor(videos=[frames], do_sample_frames=False, do_resize=False, return_tensors="pt")
+            pixels, grid = out["pixel_values_videos"], out["video_grid_thw"]
         else:
             out = self.video_processor(videos=[video_frames(item)], do_sample_frames=False, return_tensors="pt")
             pixels, grid = out["pixel_values_videos"], out["video_grid_thw"]
@@ -85,6 +93,16 @@ class QwenVLEncoderFace(EncoderFace):
         pixels = prepared.tensors[0]
         groups = temporal_groups(t, prepared.cost(unit) // t, budget)
         return [self._prepared(pixels[a * h * w:b * h * w], (b - a, h, w)) for a, b in groups]
+
+
+def resized_frames(processor, pixels, height: int, width: int) -> torch.Tensor:
+    """(frames, 3, height, width) uint8: `pixels` (frames, H, W, 3) resized by the processor's
+    own resize op, as its `_preprocess` resizes a whole video to the size it computed."""
+    from transformers.image_utils import SizeDict
+
+    video = torch.from_numpy(pixels).permute(0, 3, 1, 2).contiguous()[None]  # (1, T, C, H, W), stacked as there
+    resize = super(type(processor), processor).resize
+    return resize(image=video, size=SizeDict(height=height, width=width), resample=processor.resample)[0]
 
 
 ENCODER_FACE = QwenVLEncoderFace

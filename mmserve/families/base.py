@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from mmserve.media import MediaItem, MediaKind, PlaceholderRange
 from mmserve.positions import PositionPlan
@@ -40,6 +41,15 @@ class ItemExpansion:
         return PlaceholderRange(offset, len(self.token_ids), self.is_embed)
 
 
+class StreamGroup(NamedTuple):
+    """One group of a streamed video's frames as the encoder takes it: `frames` consecutive
+    sampled frames, their encoder `layout` and `cost` (output rows, in the item's row order)."""
+
+    frames: int
+    layout: object
+    cost: int
+
+
 class RouterFace(ABC):
     """Prompt layout of a family. Subclasses are immutable and built once per router."""
 
@@ -61,6 +71,16 @@ class RouterFace(ABC):
         """The expansions of one request's items, in prompt order. Families whose expansion depends
         on an item's ordinal in the prompt (MiniCPM-V's `<image_id>N</image_id>`) override this."""
         return [self.expand(item, max_pixels) for item in items]
+
+    def stream_groups(self, item: MediaItem, layout: object) -> list[StreamGroup] | None:
+        """How a server-decoded video of this family (its `layout` from `expand`) goes to the
+        encoder frame group by frame group, in order, as it is decoded: groups whose rows
+        concatenate to the whole item's. None (the default): its videos are encoded whole."""
+        return None
+
+    @property
+    def streams_video(self) -> bool:
+        return type(self).stream_groups is not RouterFace.stream_groups
 
     @abstractmethod
     def position_plan(self, token_ids: Sequence[int], ranges: Sequence[PlaceholderRange],

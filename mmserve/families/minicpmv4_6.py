@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from mmserve.families.base import ItemExpansion, RouterFace
+from mmserve.families.base import ItemExpansion, RouterFace, StreamGroup
 from mmserve.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
 from mmserve.positions import LinearPositions, PositionPlan
 
@@ -178,6 +178,13 @@ class MiniCPMVRouterFace(RouterFace):
                 for _ in range(plan.cols):
                     block("slice_start_token", next(counts), "slice_end_token")
         return ItemExpansion(tuple(tokens), tuple(embed), cost=sum(embed), layout=layout)
+
+    def stream_groups(self, item: MediaItem, layout: ItemViews) -> list[StreamGroup] | None:
+        """One frame per group: each frame is its own views."""
+        if item.kind is not MediaKind.VIDEO:
+            return None
+        groups = [ItemViews((plan,), layout.divisor) for plan in layout.frames]
+        return [StreamGroup(1, views, sum(views.view_tokens())) for views in groups]
 
     def expand_all(self, items: Sequence[MediaItem], max_pixels: int) -> list[ItemExpansion]:
         """`<image_id>N</image_id>`: N counts the request's images and its videos separately."""

@@ -16,7 +16,7 @@ import torch
 
 from mmserve.checkpoint import processor_settings
 from mmserve.errors import InvalidRequest
-from mmserve.families.base import ItemExpansion, RouterFace
+from mmserve.families.base import ItemExpansion, RouterFace, StreamGroup
 from mmserve.media import MediaItem, MediaKind, PlaceholderRange
 from mmserve.mrope import mrope_positions, video_t_factor
 from mmserve.positions import ExplicitPositions, LinearPositions, PositionPlan
@@ -162,6 +162,15 @@ class QwenVLRouterFace(RouterFace):
         n = tokens_for_grid(layout.grid, self.preprocess.merge_size)
         token = self.image_token_id if item.kind is MediaKind.IMAGE else self.video_token_id
         return ItemExpansion((token,) * n, None, cost=n, layout=layout)
+
+    def stream_groups(self, item: MediaItem, layout: QwenLayout) -> list[StreamGroup] | None:
+        """One temporal patch of frames per group: the ViT attends within a temporal patch only."""
+        if item.kind is not MediaKind.VIDEO:
+            return None
+        _, h, w = layout.grid
+        step, rows = self.preprocess.temporal_patch_size, h * w // self.preprocess.merge_size ** 2
+        n = item.num_frames
+        return [StreamGroup(min(step, n - first), QwenLayout((1, h, w)), rows) for first in range(0, n, step)]
 
     def position_plan(self, token_ids: Sequence[int], ranges: Sequence[PlaceholderRange],
                       expansions: Sequence[ItemExpansion]) -> PositionPlan:
