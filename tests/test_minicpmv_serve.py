@@ -11,7 +11,7 @@ from tests.serve_fixtures import _app_args
 from tests.test_grpc_serve import proto_messages
 from tests.test_minicpmv import CASES, MAX_TOKENS, minicpmv_dir  # noqa: F401  (fixture)
 
-APPS = {"minicpmv4_6": {}, "minicpmv4_6_grpc": {"transport": "grpc"}}
+APPS = {"minicpmv4_6": {}, "minicpmv4_6_grpc": {"transport": "grpc", "video_decode": {"stream": False}}}
 
 pytestmark = pytest.mark.serve
 
@@ -59,12 +59,15 @@ def test_grpc_api_equals_monolithic(minicpmv_apps, minicpmv_dir, serve_ports):  
 
 
 def test_video_url_equals_monolithic_on_both_transports(minicpmv_apps, minicpmv_dir):  # noqa: F811
-    """A video file, sampled on the server by MiniCPM-V's own rule (1 frame a second)."""
+    """A video file, sampled on the server by MiniCPM-V's own rule (1 frame a second): streamed
+    through the pipeline (object store app) and not (gRPC app), the same tokens."""
     pytest.importorskip("av")
     from tests.media_factory import video_file
-    from tests.test_video_url_serve import reference_messages
+    from tests.test_video_url_serve import decoder_stats, reference_messages
 
     messages = reference_messages(video_file(3.4, 10, 56, 84, seed=23))
     expected = reference_generate(minicpmv_dir, messages, MAX_TOKENS)
     for name in APPS:
+        before = decoder_stats(name)
         assert _chat(minicpmv_apps[name], name, messages, stream=False)[1] == expected, name
+        assert decoder_stats(name)["streamed"] - before["streamed"] == (name == "minicpmv4_6"), name

@@ -10,10 +10,11 @@ from tests.cases import openai_chat
 from tests.pipeline import runtimes, to_planner_messages
 from tests.reference import reference_generate
 from tests.serve_fixtures import _app_args
+from tests.test_video_url_serve import decoder_stats
 from tests.test_grpc_serve import proto_messages
 from tests.test_qwen3_vl import CASES, MAX_TOKENS
 
-APPS = {"qwen3_vl": {}, "qwen3_vl_grpc": {"transport": "grpc"}}
+APPS = {"qwen3_vl": {}, "qwen3_vl_grpc": {"transport": "grpc", "video_decode": {"stream": False}}}
 
 pytestmark = pytest.mark.serve
 
@@ -67,7 +68,8 @@ def test_deepstack_parts_cross_object_store_bit_identical(serve_ports, qwen3_dir
 
 def test_video_url_equals_monolithic_on_both_transports(qwen3_apps, qwen3_dir, serve_ports):
     """A video file (mp4 `video_url`), decoded and sampled on the server at Qwen3-VL's own rate,
-    with the timestamps its processor writes from the sampled frames' numbers."""
+    with the timestamps its processor writes from the sampled frames' numbers: streamed through the
+    pipeline (object store app) and not (gRPC app), the same tokens."""
     pytest.importorskip("av")
     from mmserve.client import user
     from tests.media_factory import video_file
@@ -77,6 +79,8 @@ def test_video_url_equals_monolithic_on_both_transports(qwen3_apps, qwen3_dir, s
     ref = reference_messages(data)
     expected = reference_generate(qwen3_dir, ref, MAX_TOKENS)
     for name in APPS:
+        before = decoder_stats(name)
         assert _chat(qwen3_apps[name], name, ref, stream=False)[1] == expected, name
+        assert decoder_stats(name)["streamed"] - before["streamed"] == (name == "qwen3_vl"), name
     with VLMClient(f"127.0.0.1:{serve_ports[1]}", application="qwen3_vl") as c:
         assert list(c.generate([user(QUESTION, video_files=[data])], max_tokens=MAX_TOKENS).token_ids) == expected

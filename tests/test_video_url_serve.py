@@ -5,6 +5,7 @@ the problem, a good request follows each, and no replica restarts. (Qwen3-VL: te
 
 import grpc
 import httpx
+import openai
 import pytest
 
 from mmserve.client import VLMClient, request, user
@@ -30,12 +31,38 @@ def reference_messages(data: bytes) -> list[dict]:
     return [{"role": "user", "content": [{"type": "video_file", "bytes": data}, {"type": "text", "text": QUESTION}]}]
 
 
+def decoder_stats(app: str) -> dict:
+    """The app's VideoDecoder counters (one replica)."""
+    from ray import serve
+
+    return serve.get_deployment_handle("VideoDecoder", app_name=app).stats.remote().result()
+
+
+@pytest.fixture(scope="module")
+def unstreamed_url(serve_ports, tiny_models):
+    """A Qwen2.5-VL app that decodes a video whole, then encodes it, then prefills (`stream: false`)."""
+    from ray import serve
+
+    from deployments.app import build_app
+    from tests.serve_fixtures import _app_args
+
+    name = "qwen2_5_vl_unstreamed"
+    serve.run(build_app(_app_args(tiny_models["qwen2_5_vl"], name, video_decode={"stream": False})), name=name,
+              route_prefix=f"/{name}")
+    try:
+        yield f"http://127.0.0.1:{serve_ports[0]}/{name}"
+    finally:
+        serve.delete(name)
+
+
 def test_video_url_equals_monolithic_over_http_and_grpc(serve_urls, grpc_target, family, tiny_models):
     data = video_file(3.4, 10, 56, 84, seed=21)  # 34 frames at 10 fps: the model samples 6
     expected = reference_generate(tiny_models[family], reference_messages(data), MAX_TOKENS)
     c = client(serve_urls, family)
+    before = decoder_stats(family)
     text, tokens = chat(c, video_url_messages(data))
     assert tokens == expected
+    assert decoder_stats(family)["streamed"] == before["streamed"] + 1  # streamed through the pipeline
     assert chat(c, video_url_messages(data), stream=True) == (text, tokens)
     with VLMClient(grpc_target, application=family) as g:
         as_file = g.generate([user(QUESTION, video_files=[data])], max_tokens=MAX_TOKENS)
@@ -75,3 +102,55 @@ def _matches(pattern: str, message: str) -> bool:
     import re
 
     return re.search(pattern, message) is not None
+
+
+def test_streaming_off_gives_the_same_tokens(unstreamed_url, tiny_models):
+    data = video_file(3.4, 10, 56, 84, seed=21)
+    expected = reference_generate(tiny_models["qwen2_5_vl"], reference_messages(data), MAX_TOKENS)
+    name = "qwen2_5_vl_unstreamed"
+    before = decoder_stats(name)
+    c = openai.OpenAI(base_url=unstreamed_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    resp = c.chat.completions.create(model=name, messages=video_url_messages(data), max_tokens=MAX_TOKENS,
+                                     extra_body={"return_token_ids": True})
+    assert resp.choices[0].model_extra["token_ids"] == expected
+    after = decoder_stats(name)
+    assert after["decoded"] == before["decoded"] + 1 and after["streamed"] == before["streamed"]
+
+
+def test_a_client_gone_mid_stream_leaves_no_blocks_and_no_busy_decoder(serve_urls):
+    """A streamed video request whose client goes away while the LLM replica holds it and the
+    decoder is still decoding: the replica frees the request's blocks, the decoder's worker is
+    released, and the next request is served."""
+    import asyncio
+    import time
+
+    from ray import serve
+
+    url = serve_urls[APP] + "/v1/chat/completions"
+    data = video_file(4, 30, 800, 800, seed=24)  # 120 frames of 800x800 to decode for 8 sampled ones
+    body = {"messages": video_url_messages(data), "max_tokens": 3}
+    llm = serve.get_deployment_handle("LLM", app_name=APP)
+
+    def in_flight() -> bool:  # admitted to the engine (its first frame group is in) and still decoding
+        stats = llm.stats.remote().result()
+        return stats["num_running"] + stats["num_waiting"] > 0 and decoder_stats(APP)["running"] > 0
+
+    async def leave_mid_stream() -> bool:
+        async with httpx.AsyncClient(timeout=60) as client:
+            request = asyncio.ensure_future(client.post(url, json=body))
+            while not request.done():
+                if await asyncio.to_thread(in_flight):
+                    request.cancel()
+                    return True
+            return False
+
+    assert asyncio.run(leave_mid_stream()), "the request ended before it was seen mid-stream"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats, video = llm.stats.remote().result(), decoder_stats(APP)
+        if stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0 and video["running"] == 0:
+            break
+        time.sleep(0.2)
+    assert stats["kv_blocks_used"] == 0 and stats["num_running"] == stats["num_waiting"] == 0, stats
+    assert video["running"] == 0, video
+    _http_ok(url)
