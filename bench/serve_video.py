@@ -1,14 +1,14 @@
-"""`python bench/serve.py --video [--quick]`: TTFT of `video_url` requests, and how much of it is decoding.
+"""`python bench/serve.py --video [--quick]`: TTFT of `video_url` requests, video streamed through
+the pipeline and not, side by side.
 
 The clips are H.264 at 720p and 30 fps, 30 s and 10 s long (made once with PyAV into the temp
-directory); the tiny Qwen2-VL samples them at 2 fps (60 and 20 frames). The app runs here with its
-caches off (every request decodes, encodes and prefills its video again), reading the clips as
-local files. Requests go one at a time, streamed, each asking for `usage.stage_ms`; the decoder's
-busy seconds per request come from `VideoDecoder.stats`. The table gives TTFT p50 / p99 per clip
-and the share of TTFT spent decoding (`decode_busy_share`, the 30 s clip's).
-
-Streaming frames through the pipeline (issue 28) is not built yet: `video_streaming_ttft_speedup_30s`
-is null until it is, and this run is its unstreamed baseline. The last line is one JSON object.
+directory); the tiny Qwen2-VL samples them at 2 fps (60 and 20 frames). Two apps run here on the
+same CPUs, `video_decode.stream` on and off, caches off (every request decodes, encodes and
+prefills its video again), reading the clips as local files. Requests go one at a time, on and
+off alternating; the decoder's busy seconds per request come from `VideoDecoder.stats`. The table
+gives TTFT p50 / p99 per clip and mode and the share of the unstreamed TTFT spent decoding. The
+last line is one JSON object: `video_streaming_ttft_speedup_30s` (p50 off over on, 30 s clip),
+`decode_busy_share` (decode seconds over TTFT, unstreamed, 30 s clip).
 """
 
 from __future__ import annotations
@@ -48,7 +48,11 @@ def make_clip(path: Path, seconds: int) -> Path:
     return path
 
 
-def start(model: str, clip_dir: Path, num_cpus: float) -> str:
+MODES = {"on": True, "off": False}
+
+
+def start(model: str, clip_dir: Path, num_cpus: float) -> dict[str, str]:
+    """Ray + Serve + one app per mode; {mode: chat completions URL}."""
     import ray
     from ray import serve
 
@@ -57,46 +61,55 @@ def start(model: str, clip_dir: Path, num_cpus: float) -> str:
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     port = free_loopback_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    quarter = num_cpus / 4
-    args = {
-        "model": model, "served_model_name": "bench", "dtype": "float32",
-        "router": {"num_cpus": 0}, "encoder": {"num_cpus": quarter}, "llm": {"num_cpus": quarter},
-        "video_decoder": {"num_cpus": 2 * quarter}, "video_decode": {"workers": 1},
-        "encoder_pool": {"cache_bytes": 0}, "engine": {"enable_prefix_caching": False},
-        "limits": {"allow_local_media": True, "local_media_dir": str(clip_dir), "max_frames_per_video": 64},
-    }
-    serve.run(build_app(args), name="bench", route_prefix="/")
-    return f"http://127.0.0.1:{port}/v1/chat/completions"
+    share = {"num_cpus": num_cpus / 8}  # the two apps' replicas share the CPUs; one request at a time runs
+    urls = {}
+    for mode, stream in MODES.items():
+        args = {
+            "model": model, "served_model_name": mode, "dtype": "float32",
+            "router": {"num_cpus": 0}, "encoder": share, "llm": share, "video_decoder": share,
+            "video_decode": {"workers": 1, "stream": stream},
+            "encoder_pool": {"cache_bytes": 0}, "engine": {"enable_prefix_caching": False},
+            "limits": {"allow_local_media": True, "local_media_dir": str(clip_dir), "max_frames_per_video": 64},
+        }
+        serve.run(build_app(args), name=mode, route_prefix=f"/{mode}")
+        urls[mode] = f"http://127.0.0.1:{port}/{mode}/v1/chat/completions"
+    return urls
 
 
-def decoder_busy_s() -> float:
+def decoder_busy_s(app: str) -> float:
     from ray import serve
 
-    return serve.get_deployment_handle("VideoDecoder", app_name="bench").stats.remote().result()["busy_s"]
+    return serve.get_deployment_handle("VideoDecoder", app_name=app).stats.remote().result()["busy_s"]
 
 
-async def measure(url: str, clip: Path, requests: int) -> dict:
+async def measure(urls: dict[str, str], clip: Path, requests: int) -> dict[str, dict]:
+    """{mode: figures} over `requests` per mode, the modes alternating (after one warm-up each)."""
     import httpx
 
-    body = {"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": str(clip)}},
-                                                      {"type": "text", "text": "What happens?"}]}],
-            "max_tokens": 4, "stream": True, "return_token_ids": True, "return_stage_times": True,
-            "stream_options": {"include_usage": True}}
-    rows = []
+    rows: dict[str, list[dict]] = {mode: [] for mode in urls}
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
-        for k in range(requests + 1):  # the first warms the decoder worker and the replicas up
-            busy = await asyncio.to_thread(decoder_busy_s)
-            record = await one_request(client, url, body, time.perf_counter())
-            if not record.ok:
-                raise RuntimeError(f"video request failed: {record.status}")
-            decode_s = await asyncio.to_thread(decoder_busy_s) - busy
-            if k:
-                rows.append({"ttft_s": record.ttft, "decode_s": decode_s, **(record.stage_ms or {})})
-    ttfts = sorted(r["ttft_s"] for r in rows)
-    mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in rows)  # noqa: E731
-    return {"ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))],
-            "decode_s": mean("decode_s"), "decode_busy_share": mean("decode_s") / statistics.fmean(ttfts),
-            "router_ms": mean("router_ms"), "embeddings_ms": mean("embeddings_ms"), "prefill_ms": mean("prefill_ms")}
+        for k in range(requests + 1):
+            for mode, url in urls.items():
+                body = {"model": mode, "max_tokens": 4, "stream": True, "return_token_ids": True,
+                        "return_stage_times": True, "stream_options": {"include_usage": True},
+                        "messages": [{"role": "user", "content": [
+                            {"type": "video_url", "video_url": {"url": str(clip)}},
+                            {"type": "text", "text": "What happens?"}]}]}
+                busy = await asyncio.to_thread(decoder_busy_s, mode)
+                record = await one_request(client, url, body, time.perf_counter())
+                if not record.ok:
+                    raise RuntimeError(f"video request failed ({mode}): {record.status}")
+                decode_s = await asyncio.to_thread(decoder_busy_s, mode) - busy
+                if k:  # the first warms each app's decoder worker and replicas up
+                    rows[mode].append({"ttft_s": record.ttft, "decode_s": decode_s})
+    out = {}
+    for mode, got in rows.items():
+        ttfts = sorted(r["ttft_s"] for r in got)
+        decode = statistics.fmean(r["decode_s"] for r in got)
+        out[mode] = {"ttft_p50_s": statistics.median(ttfts), "ttft_p99_s": ttfts[-1] if len(ttfts) < 100 else
+                     ttfts[round(0.99 * (len(ttfts) - 1))], "decode_s": decode,
+                     "decode_busy_share": decode / statistics.fmean(ttfts)}
+    return out
 
 
 def run(args) -> dict:
@@ -109,19 +122,22 @@ def run(args) -> dict:
     clips = {name: make_clip(clip_dir / f"{name}-720p30.mp4", seconds) for name, seconds in CLIPS.items()}
     print(f"clips ready in {time.perf_counter() - began:.1f} s: {', '.join(str(c) for c in clips.values())}", flush=True)
     model = args.model or str(ensure_tiny_model("qwen2_vl", clip_dir / "tiny-qwen2_vl"))
-    url = start(model, clip_dir, args.num_cpus)
+    urls = start(model, clip_dir, args.num_cpus)
     try:
-        results = {name: asyncio.run(measure(url, clip, 3 if args.quick else 8)) for name, clip in clips.items()}
+        results = {name: asyncio.run(measure(urls, clip, 3 if args.quick else 8)) for name, clip in clips.items()}
     finally:
         stop_app()
-    print(f"{'clip':>5} {'TTFT p50 s':>11} {'p99 s':>7} {'decode s':>9} {'decode share':>13} "
-          f"{'router ms':>10} {'embed ms':>9} {'prefill ms':>11}")
-    for name, r in results.items():
-        print(f"{name:>5} {r['ttft_p50_s']:>11.3f} {r['ttft_p99_s']:>7.3f} {r['decode_s']:>9.3f} "
-              f"{r['decode_busy_share']:>13.2f} {r['router_ms']:>10.0f} {r['embeddings_ms']:>9.0f} {r['prefill_ms']:>11.0f}")
-    summary = {"bench": "serve_video", "streaming": False, "video_streaming_ttft_speedup_30s": None,
-               "decode_busy_share": round(results["30s"]["decode_busy_share"], 3),
-               **{f"ttft_{q}_s_{name}": round(r[f"ttft_{q}_s"], 3) for name, r in results.items() for q in ("p50", "p99")},
-               "note": "frames are not streamed through the pipeline yet (issue 28): the unstreamed baseline"}
+    print(f"{'clip':>5} {'stream':>7} {'TTFT p50 s':>11} {'p99 s':>7} {'decode s':>9} {'decode share':>13}")
+    for name, modes in results.items():
+        for mode, r in modes.items():
+            print(f"{name:>5} {mode:>7} {r['ttft_p50_s']:>11.3f} {r['ttft_p99_s']:>7.3f} {r['decode_s']:>9.3f} "
+                  f"{r['decode_busy_share']:>13.2f}")
+    speedup = {name: modes["off"]["ttft_p50_s"] / modes["on"]["ttft_p50_s"] for name, modes in results.items()}
+    print(" ".join(f"speedup {name} (p50 off / on): {x:.2f}x" for name, x in speedup.items()))
+    summary = {"bench": "serve_video", "video_streaming_ttft_speedup_30s": round(speedup["30s"], 3),
+               "video_streaming_ttft_speedup_10s": round(speedup["10s"], 3),
+               "decode_busy_share": round(results["30s"]["off"]["decode_busy_share"], 3),
+               **{f"ttft_{q}_s_{name}_{mode}": round(r[f"ttft_{q}_s"], 3) for name, modes in results.items()
+                  for mode, r in modes.items() for q in ("p50", "p99")}}
     print(json.dumps(summary))
     return summary

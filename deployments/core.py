@@ -36,6 +36,9 @@ from mmserve.media import DecodedVideo, EncodeItem, MediaItem, MediaSource
 from mmserve.planner import Message, RequestPlanner
 
 logger = logging.getLogger("ray.serve")
+# frames per group of a streamed video: fewer, larger groups cost fewer transfers and encoder calls
+# per video; smaller ones let prefill follow the decoder more closely (bench/serve.py --video)
+STREAM_GROUP_FRAMES = 8
 ROLES = ("system", "user", "assistant")
 
 
@@ -249,9 +252,12 @@ class RequestCore:
 
     async def _dispatch(self, media: Sequence[EncodeItem]) -> tuple[EmbeddingHandle, ...]:
         """A handle per item: the dispatcher's, or for a streamed video its file and frame groups."""
-        face = self.planner.face
-        streamed = {i: StreamedVideo(m.item.frames[0], m.item.decoded, tuple(face.stream_groups(m.item, m.layout)))
-                    for i, m in enumerate(media) if m.item.decoded is not None and m.item.decoded.pixels is None}
+        def streamed_video(m: EncodeItem) -> StreamedVideo:
+            groups = self.planner.face.stream_groups(m.item, m.layout, STREAM_GROUP_FRAMES)
+            return StreamedVideo(m.item.frames[0], m.item.decoded, tuple(groups))
+
+        streamed = {i: streamed_video(m) for i, m in enumerate(media)
+                    if m.item.decoded is not None and m.item.decoded.pixels is None}
         rest = [m for i, m in enumerate(media) if i not in streamed]
         handles = iter(await self.media.dispatch(rest) if rest else ())
         return tuple(streamed[i] if i in streamed else next(handles) for i in range(len(media)))

@@ -28,19 +28,20 @@ def _groups(pool: VideoDecodePool, data: bytes, size: int) -> list[np.ndarray]:
     return asyncio.run(collect())
 
 
+@pytest.mark.parametrize("frames", [1, 4])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_frame_groups_encode_to_the_whole_video_rows(video_models, family):  # noqa: F811
+def test_frame_groups_encode_to_the_whole_video_rows(video_models, family, frames):  # noqa: F811
     from encoder_service import VisionEncoder
 
     model_dir = video_models[family]
-    data = video_file(3.4, 10, 56, 84, seed=31)  # the sampled frame count is odd for Qwen (a padded last group)
+    data = video_file(6.4, 10, 56, 84, seed=31)  # 13 frames at 2 fps: a padded last temporal patch for Qwen
     pool = VideoDecodePool(FrameSampler(model_dir), VideoLimits(), workers=1)
     try:
         header = asyncio.run(pool.probe(data, "test"))
         whole = MediaItem(MediaKind.VIDEO, (), decoded=asyncio.run(pool.decode(data, "test")))
         face = router_face(model_dir)
         [expansion] = face.expand_all([whole], 1 << 24)
-        groups = face.stream_groups(whole, expansion.layout)
+        groups = face.stream_groups(whole, expansion.layout, frames)
         assert sum(g.frames for g in groups) == header.shape[0] == whole.num_frames and len(groups) > 1
         decoded = _groups(pool, data, groups[0].frames)
     finally:

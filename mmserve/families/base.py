@@ -72,10 +72,11 @@ class RouterFace(ABC):
         on an item's ordinal in the prompt (MiniCPM-V's `<image_id>N</image_id>`) override this."""
         return [self.expand(item, max_pixels) for item in items]
 
-    def stream_groups(self, item: MediaItem, layout: object) -> list[StreamGroup] | None:
+    def stream_groups(self, item: MediaItem, layout: object, frames: int = 1) -> list[StreamGroup] | None:
         """How a server-decoded video of this family (its `layout` from `expand`) goes to the
-        encoder frame group by frame group, in order, as it is decoded: groups whose rows
-        concatenate to the whole item's. None (the default): its videos are encoded whole."""
+        encoder frame group by frame group, in order, as it is decoded: groups of about `frames`
+        frames (at least the family's smallest unit) whose rows concatenate to the whole item's.
+        None (the default): its videos are encoded whole."""
         return None
 
     @property

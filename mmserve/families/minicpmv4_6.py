@@ -179,12 +179,13 @@ class MiniCPMVRouterFace(RouterFace):
                     block("slice_start_token", next(counts), "slice_end_token")
         return ItemExpansion(tuple(tokens), tuple(embed), cost=sum(embed), layout=layout)
 
-    def stream_groups(self, item: MediaItem, layout: ItemViews) -> list[StreamGroup] | None:
-        """One frame per group: each frame is its own views."""
+    def stream_groups(self, item: MediaItem, layout: ItemViews, frames: int = 1) -> list[StreamGroup] | None:
+        """Whole frames per group: each frame is its own views."""
         if item.kind is not MediaKind.VIDEO:
             return None
-        groups = [ItemViews((plan,), layout.divisor) for plan in layout.frames]
-        return [StreamGroup(1, views, sum(views.view_tokens())) for views in groups]
+        n = max(1, frames)
+        groups = [ItemViews(layout.frames[i:i + n], layout.divisor) for i in range(0, len(layout.frames), n)]
+        return [StreamGroup(len(views.frames), views, sum(views.view_tokens())) for views in groups]
 
     def expand_all(self, items: Sequence[MediaItem], max_pixels: int) -> list[ItemExpansion]:
         """`<image_id>N</image_id>`: N counts the request's images and its videos separately."""

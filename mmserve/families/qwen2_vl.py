@@ -163,14 +163,19 @@ class QwenVLRouterFace(RouterFace):
         token = self.image_token_id if item.kind is MediaKind.IMAGE else self.video_token_id
         return ItemExpansion((token,) * n, None, cost=n, layout=layout)
 
-    def stream_groups(self, item: MediaItem, layout: QwenLayout) -> list[StreamGroup] | None:
-        """One temporal patch of frames per group: the ViT attends within a temporal patch only."""
+    def stream_groups(self, item: MediaItem, layout: QwenLayout, frames: int = 1) -> list[StreamGroup] | None:
+        """Whole temporal patches per group: the ViT attends within a temporal patch only."""
         if item.kind is not MediaKind.VIDEO:
             return None
-        _, h, w = layout.grid
-        step, rows = self.preprocess.temporal_patch_size, h * w // self.preprocess.merge_size ** 2
-        n = item.num_frames
-        return [StreamGroup(min(step, n - first), QwenLayout((1, h, w)), rows) for first in range(0, n, step)]
+        t, h, w = layout.grid
+        temporal, rows = self.preprocess.temporal_patch_size, h * w // self.preprocess.merge_size ** 2
+        patches = max(1, frames // temporal)  # temporal patches per group
+        groups = []
+        for first in range(0, t, patches):
+            n = min(patches, t - first)
+            groups.append(StreamGroup(min(n * temporal, item.num_frames - first * temporal), QwenLayout((n, h, w)),
+                                      n * rows))
+        return groups
 
     def position_plan(self, token_ids: Sequence[int], ranges: Sequence[PlaceholderRange],
                       expansions: Sequence[ItemExpansion]) -> PositionPlan:
