@@ -5,7 +5,7 @@
     python bench/serve.py --compare colocated --quick    # disaggregated vs colocated, side by side
     python bench/serve.py --compare routing --quick      # affinity vs default routing, 2 + 2 replicas
     python bench/serve.py --compare ingress --quick      # Serve's ingress modes (bench/ingress.py)
-    python bench/serve.py --video --quick                # video_url TTFT, 720p clips (bench/serve_video.py)
+    python bench/serve.py --video --quick                # video_url TTFT, streamed vs not (bench/serve_video.py)
     python bench/serve.py --quick --transport grpc       # the same requests as gRPC GenerateStream calls
     python bench/serve.py --compare colocated --device cuda --model DIR --dtype bfloat16  # one GPU, halves
     mmserve bench serve ...                              # the same

@@ -1,11 +1,12 @@
 """Video decoding in worker processes that can be killed: a deadline per video, crashes contained.
 
-`VideoDecodePool` (the VideoDecoder replica's) keeps `workers` processes of
-`python -m mmserve.video_worker`, each decoding one video at a time. A video is two calls to its
-worker: `probe` (open, check, count frames) and, once the model's sampler has picked frames from
-the probe, `decode`, answered by one reply per group of frames as they are decoded. Both share the video's deadline; a worker past it is killed and replaced,
-and so is one that dies (a decoder crash on a hostile file): the request gets a 400 naming what
-happened, and the next request a fresh worker.
+`VideoDecodePool` (the VideoDecoder replica's) keeps up to `workers` processes of
+`python -m mmserve.video_worker` (started on first use), each decoding one video at a time. A
+video is two calls to its worker: `probe` (open, check, count frames) and, once the model's
+sampler has picked frames from the probe, `decode`, answered by one reply per group of frames as
+they are decoded (a whole video: one group). Both share the video's deadline; a worker past it is
+killed and replaced, and so is one that dies (a decoder crash on a hostile file) or whose caller
+went away mid-video: the request gets a 400 naming what happened, the next request a fresh worker.
 
 The protocol is length-prefixed pickles over the worker's stdin/stdout (the worker's own stdout
 goes to stderr, so nothing FFmpeg prints can corrupt it). Pickles come only from our own child.
