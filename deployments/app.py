@@ -30,7 +30,7 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
             device_share=args.encoder.device_share,
         )
     video = VideoDecoder.options(**video_decoder_options(args.video_decoder, args.video_decode)).bind(
-        args.model, args.limits, args.video_decode)
+        args.model, args.limits.video_limits(), args.video_decode.workers)
     stream_video = args.video_decode.stream and args.grpc.encoder_address is None
     # an LLM replica at its target runs a full batch (max_num_seqs): more replicas beyond that
     llm_options = args.llm.options("LLM", default_target_ongoing_requests=args.engine.max_num_seqs) | llm_routing
@@ -58,5 +58,6 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         affinity=bool(encoder_routing) and encoder is not None,
         prefix_block_size=args.engine.block_size,
         stream_video=stream_video,
+        stream_group_frames=args.video_decode.stream_group_frames,
     )
     return Router.options(**args.router.options("Router")).bind(encoder, llm, settings, video)

@@ -172,6 +172,10 @@ class VideoDecodeArgs(_Args):
         "the encoder as it is decoded, and the LLM prefills behind them (off: decode, then encode, then prefill; "
         "a standalone gRPC encoder never streams)",
     )
+    stream_group_frames: int = Field(
+        default=8, ge=1, description="frames per group of a streamed video (at least the model's temporal patch): "
+        "larger groups cost fewer transfers and encoder calls, smaller ones let prefill follow the decoder closer",
+    )
     autoscale: bool = False
     min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(default=4, ge=1)

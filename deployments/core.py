@@ -36,9 +36,6 @@ from mmserve.media import DecodedVideo, EncodeItem, MediaItem, MediaSource
 from mmserve.planner import Message, RequestPlanner
 
 logger = logging.getLogger("ray.serve")
-# frames per group of a streamed video: fewer, larger groups cost fewer transfers and encoder calls
-# per video; smaller ones let prefill follow the decoder more closely (bench/serve.py --video)
-STREAM_GROUP_FRAMES = 8
 ROLES = ("system", "user", "assistant")
 
 
@@ -62,6 +59,7 @@ class CoreSettings:
     max_fetching_requests: int = 64  # requests being read or having media fetched (no pending slot); more: 429
     prefix_block_size: int = 16  # tokens per prompt block in `PendingRequest.prefix_hashes` (the engine's)
     stream_video: bool = False  # video files go to the LLM replica to stream through the pipeline (`StreamedVideo`)
+    stream_group_frames: int = 8  # frames per group of a streamed video
 
 
 class VideoDecoding(Protocol):
@@ -208,12 +206,13 @@ class RequestCore:
         fetched = iter(await MediaFetcher(self.settings.limits, request_id).load_all(urls) if urls else ())
         frames = [tuple(f if isinstance(f, bytes) else next(fetched) for f in source.frames) for source in sources]
         files = [i for i, source in enumerate(sources) if source.container]
-        if files and self.videos is None:
-            raise InvalidRequest("this server does not decode video files; send a video as its frames")
-        # streamed: planned from the header; the LLM replica decodes and encodes it (the file goes along)
-        stream = self.settings.stream_video and self.planner.face.streams_video
-        read = self.videos.probe if stream else self.videos.decode
-        decoded = dict(zip(files, await _all_or_none([read(frames[i][0], request_id) for i in files])))
+        decoded, stream = {}, self.settings.stream_video and self.planner.face.streams_video
+        if files:
+            if self.videos is None:
+                raise InvalidRequest("this server does not decode video files; send a video as its frames")
+            # streamed: planned from the header; the LLM replica decodes and encodes it (the file goes along)
+            read = self.videos.probe if stream else self.videos.decode
+            decoded = dict(zip(files, await _all_or_none([read(frames[i][0], request_id) for i in files])))
         items = iter([MediaItem(source.kind, frames[i] if stream or i not in decoded else (), fps=source.fps,
                                 decoded=decoded.get(i)) for i, source in enumerate(sources)])
         return [Message(m.role, tuple(p if isinstance(p, str) else next(items) for p in m.parts))
@@ -253,7 +252,7 @@ class RequestCore:
     async def _dispatch(self, media: Sequence[EncodeItem]) -> tuple[EmbeddingHandle, ...]:
         """A handle per item: the dispatcher's, or for a streamed video its file and frame groups."""
         def streamed_video(m: EncodeItem) -> StreamedVideo:
-            groups = self.planner.face.stream_groups(m.item, m.layout, STREAM_GROUP_FRAMES)
+            groups = self.planner.face.stream_groups(m.item, m.layout, self.settings.stream_group_frames)
             return StreamedVideo(m.item.frames[0], m.item.decoded, tuple(groups))
 
         streamed = {i: streamed_video(m) for i, m in enumerate(media)

@@ -111,16 +111,6 @@ class PoolMetrics(PoolListener):
         self.metrics.cache_bytes.set(cache_bytes)
 
 
-class VideoMetrics:
-    def __init__(self):
-        self.videos = Counter("mmserve_video_decoded", "Video files decoded to their sampled frames")
-        self.frames = Counter("mmserve_video_frames", "Frames sampled from decoded videos")
-        self.refused = Counter("mmserve_video_refused", "Video files refused (bad, over a limit, past the deadline)")
-        self.decode_ms = Histogram("mmserve_video_decode_ms", "Probe + sample + decode time per video (queue included)",
-                                   boundaries=_LATENCY_MS)
-        self.queued_s = Gauge("mmserve_video_queued_decode_s", "Decode seconds running or waiting on this replica")
-
-
 class LLMMetrics:
     def __init__(self):
         self.generated = Counter("mmserve_llm_generated_tokens", "Output tokens generated")

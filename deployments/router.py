@@ -61,6 +61,7 @@ class RouterSettings:
     affinity: bool = False  # encoder items and LLM requests routed by AffinityRequestRouter
     prefix_block_size: int = 16  # the engine's KV block size: the unit of prefix affinity
     stream_video: bool = False  # video_url files stream through the pipeline (the LLM replica drives them)
+    stream_group_frames: int = 8
 
     def on_node(self) -> "RouterSettings":
         """These settings with the model directory and secrets resolved on this node."""
@@ -74,7 +75,7 @@ class RouterSettings:
     def core(self) -> CoreSettings:
         return CoreSettings(self.served_model_name, self.limits, self.model_dir, self.api_key, self.llm_retries,
                             self.max_pending_requests, self.max_fetching_requests, self.prefix_block_size,
-                            self.stream_video and not self.external_encoder)
+                            self.stream_video and not self.external_encoder, self.stream_group_frames)
 
     def dispatcher(self, encoder: DeploymentHandle | None) -> MediaDispatcher:
         if self.colocated:

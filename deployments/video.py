@@ -13,19 +13,21 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import numpy as np
-
 from ray import serve
+from ray.serve.metrics import Counter, Gauge, Histogram
 
 from deployments.autoscaling import QUEUED_DECODE_S, autoscaling_config
-from deployments.config import DeploymentArgs, LimitArgs, VideoDecodeArgs
-from deployments.metrics import VideoMetrics
 from deployments.replica_env import resolve_model_dir
 from mmserve.errors import InvalidRequest
 from mmserve.media import DecodedVideo
-from mmserve.video import FrameSampler, pyav_available
+from mmserve.video import FrameSampler, VideoLimits, pyav_available
 from mmserve.video_worker import VideoDecodePool
+
+if TYPE_CHECKING:
+    from deployments.config import DeploymentArgs, VideoDecodeArgs
 
 logger = logging.getLogger("ray.serve")
 
@@ -44,19 +46,28 @@ def video_decoder_options(deployment: DeploymentArgs, decode: VideoDecodeArgs) -
     return options
 
 
-def frame_sampler(model_dir: str) -> FrameSampler | None:
-    """The checkpoint's sampler; None for a model without a video processor (it takes no video)."""
-    try:
-        return FrameSampler(model_dir)
-    except (OSError, ValueError, KeyError):
-        return None
+_LATENCY_MS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000]
+
+
+class VideoMetrics:
+    """Defined here, not in `deployments.metrics`: a VideoDecoder replica imports neither torch nor
+    `transformers` until it sees its first video (its start stays cheap)."""
+
+    def __init__(self):
+        self.videos = Counter("mmserve_video_decoded", "Video files decoded to their sampled frames")
+        self.frames = Counter("mmserve_video_frames", "Frames sampled from decoded videos")
+        self.refused = Counter("mmserve_video_refused", "Video files refused (bad, over a limit, past the deadline)")
+        self.decode_ms = Histogram("mmserve_video_decode_ms", "Probe + sample + decode time per video (queue included)",
+                                   boundaries=_LATENCY_MS)
+        self.queued_s = Gauge("mmserve_video_queued_decode_s", "Decode seconds running or waiting on this replica")
 
 
 @serve.deployment
 class VideoDecoder:
-    def __init__(self, model_dir: str | None, limits: LimitArgs, decode: VideoDecodeArgs):
-        model_dir = resolve_model_dir(model_dir)
-        self.pool = VideoDecodePool(frame_sampler(model_dir), limits.video_limits(), decode.workers)
+    def __init__(self, model_dir: str | None, limits: VideoLimits, workers: int = 2):
+        """`limits`: `LimitArgs.video_limits()`; `workers`: `video_decode.workers`. The checkpoint's
+        sampler loads with the first video."""
+        self.pool = VideoDecodePool(FrameSampler(resolve_model_dir(model_dir)), limits, workers)
         self.metrics = VideoMetrics()
         if not pyav_available():
             logger.warning("PyAV is not installed: video_url requests get 400 (install mmserve[video])")

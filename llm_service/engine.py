@@ -46,6 +46,7 @@ class EngineStats(NamedTuple):
     num_snapshots: int = 0  # state snapshots held (hybrid models with prefix caching)
     snapshot_bytes: int = 0  # bytes those snapshots fill (of the rows reserved: `LLMEngine.runner.states`)
     num_snapshot_resumes: int = 0  # sequences admitted from a state snapshot so far
+    num_waiting_media: int = 0  # sequences held that cannot run until more of their media rows are in
 
 
 class LLMEngine:
@@ -117,7 +118,8 @@ class LLMEngine:
                            self.blocks.num_blocks, s.num_preemptions, self.num_steps, self.num_forwards,
                            self.num_generated, self.blocks.num_cached_tokens, num_snapshots,
                            num_snapshots * self.runner.states.row_bytes if snaps else 0,
-                           snaps.num_resumed if snaps else 0)
+                           snaps.num_resumed if snaps else 0,
+                           sum(not seq.runnable for seq in [*s.waiting, *s.running]))
 
     def start(self) -> None:
         if self._thread is None:

@@ -20,6 +20,7 @@ that hangs or crashes on a hostile file takes only its own request down.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import io
@@ -225,15 +226,26 @@ def _reason(e: Exception) -> str:
 
 
 class FrameSampler:
-    """The checkpoint's own frame sampler: `video_processor.sample_frames(VideoMetadata)`."""
+    """The checkpoint's own frame sampler: `video_processor.sample_frames(VideoMetadata)`, loaded
+    with the first video (a model without a video processor takes no video: InvalidRequest)."""
 
     def __init__(self, model_dir: str | Path):
+        self.model_dir = str(model_dir)
+
+    @functools.cached_property
+    def processor(self):
         from transformers import AutoVideoProcessor
 
-        self.processor = AutoVideoProcessor.from_pretrained(str(model_dir))
+        try:
+            return AutoVideoProcessor.from_pretrained(self.model_dir)
+        except (OSError, ValueError, KeyError):
+            raise InvalidRequest("this model takes no video") from None
+
+    @functools.cached_property
+    def kwargs(self) -> dict:
         takes_fps = "fps" in inspect.signature(self.processor.sample_frames).parameters
         unset = getattr(self.processor, "fps", None) is None and getattr(self.processor, "num_frames", None) is None
-        self.kwargs = {"fps": DEFAULT_SAMPLE_FPS} if takes_fps and unset else {}
+        return {"fps": DEFAULT_SAMPLE_FPS} if takes_fps and unset else {}
 
     def indices(self, probe: VideoProbe) -> list[int]:
         """Sampled frame indices; InvalidRequest when the sampler cannot sample this video."""

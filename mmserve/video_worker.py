@@ -169,7 +169,7 @@ class VideoDecodePool:
     `probe` (the header: what the router plans with), `decode` (all frames), or `frames` (groups
     of frames as they are decoded, for a video streamed through the pipeline)."""
 
-    def __init__(self, sampler: FrameSampler | None, limits: VideoLimits, workers: int = 2):
+    def __init__(self, sampler: FrameSampler, limits: VideoLimits, workers: int = 2):
         self.sampler = sampler
         self.limits = limits
         self.num_workers = workers
@@ -216,8 +216,6 @@ class VideoDecodePool:
         """A worker with the video opened and checked: yields (worker, header, deadline)."""
         if not pyav_available():
             raise InvalidRequest(PYAV_MISSING)
-        if self.sampler is None:
-            raise InvalidRequest("this model takes no video")
         deadline = time.monotonic() + self.limits.decode_timeout_s
         self.waiting += 1
         try:
@@ -256,7 +254,7 @@ class VideoDecodePool:
 
     async def _header(self, worker: DecodeWorker, data: bytes, deadline: float) -> DecodedVideo:
         probe = await self._call(worker, ("probe", data, self.limits), deadline)
-        indices = self.sampler.indices(probe)
+        indices = await asyncio.to_thread(self.sampler.indices, probe)  # the first loads the processor
         if len(indices) > self.limits.max_frames:
             raise InvalidRequest(f"video samples to {len(indices)} frames for this model; the limit is "
                                  f"{self.limits.max_frames} (max_frames_per_video)")

@@ -38,7 +38,7 @@ pytestmark = pytest.mark.serve
 ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "multinode-key"
 DEPLOY_TIMEOUT_S = 240
-GROUP_OF = {"Router": "routers", "Encoder": "encoder", "LLM": "llm"}
+GROUP_OF = {"Router": "routers", "Encoder": "encoder", "LLM": "llm", "VideoDecoder": "video"}
 
 
 def cpu_sized(serve_config: dict, http_port: int) -> dict:
@@ -46,8 +46,9 @@ def cpu_sized(serve_config: dict, http_port: int) -> dict:
     (app,) = serve_config["applications"]
     args = app["args"]
     args.update(model=None, dtype="float32", device="cpu")
-    for name in ("router", "encoder", "llm"):
+    for name in ("router", "encoder", "llm", "video_decoder"):
         args[name] = {**args[name], "num_cpus": 0.25, "num_gpus": 0}
+    args["video_decode"] = {**args["video_decode"], "min_replicas": 1, "max_replicas": 1}
     args["router"]["num_replicas"] = 1
     args["encoder_pool"] = {**args["encoder_pool"], "min_replicas": 1, "max_replicas": 1}
     scaling = args["llm"]["autoscaling"]
@@ -62,6 +63,7 @@ def replicas_per_group(args: dict) -> dict[str, int]:
         "routers": args["router"]["num_replicas"],
         "encoder": args["encoder_pool"]["max_replicas"],
         "llm": args["llm"]["autoscaling"]["max_replicas"],
+        "video": args["video_decode"]["max_replicas"],
     }
 
 
@@ -146,7 +148,7 @@ def _driver(address: str, config: dict, timeout_s: float) -> dict:
 
     ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     deadline = time.monotonic() + 60
-    while sum(n["Alive"] for n in ray.nodes()) < 4:  # the head + one node per group
+    while sum(n["Alive"] for n in ray.nodes()) < 5:  # the head + one node per group
         if time.monotonic() > deadline:
             return {"error": f"nodes did not join: {[(n['Alive'], n['Labels']) for n in ray.nodes()]}"}
         time.sleep(0.5)
@@ -195,7 +197,8 @@ def test_production_overlay_places_each_deployment_on_its_group():
         for group in groups("gpu")[1:]:
             name = group["groupName"]
             (resource,) = group["resources"]
-            per_replica = {"routers": args["router"], "encoder": args["encoder"], "llm": args["llm"]}[name]["resources"][resource]
+            deployment = {"routers": "router", "encoder": "encoder", "llm": "llm", "video": "video_decoder"}[name]
+            per_replica = args[deployment]["resources"][resource]
             env = {"MMSERVE_API_KEY": API_KEY} if name == "routers" else None
             cluster.start_worker(name, group["labels"], {resource: per_replica * counts[name]}, env=env)
         driver = subprocess.run(
@@ -206,11 +209,11 @@ def test_production_overlay_places_each_deployment_on_its_group():
         assert driver.returncode == 0, driver.stderr[-3000:] + cluster.logs()
         result = json.loads(driver.stdout.strip().splitlines()[-1])
         assert "error" not in result, json.dumps(result, indent=1) + cluster.logs()
-        assert result["node_groups"] == sorted(["head", "router", "encoder", "llm"])
+        assert result["node_groups"] == sorted(["head", "router", "encoder", "llm", "video"])
         placed = sorted(map(tuple, result["replicas"]))
         expected = sorted(
             [("Router", "router")] * counts["routers"] + [("Encoder", "encoder")] * counts["encoder"]
-            + [("LLM", "llm")] * counts["llm"]
+            + [("LLM", "llm")] * counts["llm"] + [("VideoDecoder", "video")] * counts["video"]
         )
         assert placed == expected
 

@@ -204,5 +204,5 @@ def test_dockerfile_passes_hadolint(dockerfile):
     result = subprocess.run([hadolint, str(ROOT / "k8s" / dockerfile)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     text = (ROOT / "k8s" / dockerfile).read_text()
-    assert "pip install --no-cache-dir ." in text and " -e " not in text  # non-editable
+    assert 'pip install --no-cache-dir ".[video]"' in text and " -e " not in text  # non-editable, with PyAV
     assert "torch==" in text  # pinned to a CUDA / CPU wheel index

@@ -101,7 +101,8 @@ def test_beyond_loopback_only_the_app_listens_and_serve_internals_need_rays_toke
     replica_servers = {port for port, name in exposed.items() if name.startswith("ray::ServeReplica")}
     assert set(exposed) - replica_servers == {served.http_port, served.grpc_port}, exposed
     assert exposed[served.http_port] == "haproxy"  # the header cap in front of Serve's proxy (on loopback)
-    assert len(replica_servers) == 3 and len(listening) > 8  # Ray's own ports were seen, all on loopback
+    # one per replica: Router, Encoder, LLM, VideoDecoder; Ray's own ports were seen, all on loopback
+    assert len(replica_servers) == 4 and len(listening) > 8
     for port in replica_servers:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             with pytest.raises(grpc.RpcError) as refused:
