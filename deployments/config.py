@@ -161,7 +161,43 @@ class LimitArgs(_Args):
                            self.video_decode_timeout_s)
 
 
-class VideoDecodeArgs(_Args):
+class _QueuedWorkScaling(_Args):
+    """Autoscaling on the work queued per replica (`deployments.autoscaling.QueuedWorkPolicy`):
+    the encoder pool's on tokens, the video decoders' on decode seconds."""
+
+    autoscale: bool = False
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=4, ge=1)
+    upscale_delay_s: float = Field(default=5.0, ge=0)
+    downscale_delay_s: float = Field(default=120.0, ge=0)
+    look_back_period_s: float = Field(default=10.0, gt=0)
+    metrics_interval_s: float = Field(default=2.0, gt=0, description="how often replicas push their queued work")
+
+    @model_validator(mode="after")
+    def _check_autoscaling(self):
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError("look_back_period_s must be greater than metrics_interval_s")
+        return self
+
+    def scaled(self, options: dict, **target) -> dict:
+        """A deployment's Serve `options` with autoscaling on queued work when `autoscale` is on
+        (`target`: `autoscaling_config`'s target per replica)."""
+        if not self.autoscale:
+            return options
+        from deployments.autoscaling import autoscaling_config
+
+        options = {k: v for k, v in options.items() if k != "num_replicas"}
+        options["autoscaling_config"] = autoscaling_config(
+            min_replicas=self.min_replicas, max_replicas=self.max_replicas, upscale_delay_s=self.upscale_delay_s,
+            downscale_delay_s=self.downscale_delay_s, look_back_period_s=self.look_back_period_s,
+            metrics_interval_s=self.metrics_interval_s, **target,
+        )
+        return options
+
+
+class VideoDecodeArgs(_QueuedWorkScaling):
     """The VideoDecoder deployment's work (`video_url`): CPU replicas, each with `workers` decoding
     processes. With `autoscale` on, replicas follow the decode seconds queued on them
     (`deployments.autoscaling.QueuedWorkPolicy`) and `video_decoder.num_replicas` is ignored."""
@@ -176,23 +212,8 @@ class VideoDecodeArgs(_Args):
         default=8, ge=1, description="frames per group of a streamed video (at least the model's temporal patch): "
         "larger groups cost fewer transfers and encoder calls, smaller ones let prefill follow the decoder closer",
     )
-    autoscale: bool = False
-    min_replicas: int = Field(default=1, ge=0)
-    max_replicas: int = Field(default=4, ge=1)
     target_queued_seconds_per_replica: float = Field(default=4.0, gt=0, description="decode seconds queued "
                                                      "or running per replica")
-    upscale_delay_s: float = Field(default=5.0, ge=0)
-    downscale_delay_s: float = Field(default=120.0, ge=0)
-    look_back_period_s: float = Field(default=10.0, gt=0)
-    metrics_interval_s: float = Field(default=2.0, gt=0)
-
-    @model_validator(mode="after")
-    def _check_autoscaling(self) -> "VideoDecodeArgs":
-        if self.max_replicas < self.min_replicas:
-            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
-        if self.look_back_period_s <= self.metrics_interval_s:
-            raise ValueError("look_back_period_s must be greater than metrics_interval_s")
-        return self
 
 
 class GrpcArgs(_Args):
@@ -239,7 +260,7 @@ class GrpcArgs(_Args):
         return self.model_copy(update={"token": secret(None, self.token_env, "grpc.token_env"), "token_env": None})
 
 
-class EncoderPoolArgs(_Args):
+class EncoderPoolArgs(_QueuedWorkScaling):
     """The encoder pool: token-budget batching, preprocessing workers, embedding cache, autoscaling.
 
     With `autoscale` on, the encoder deployment runs `min_replicas`..`max_replicas` replicas sized
@@ -258,22 +279,7 @@ class EncoderPoolArgs(_Args):
     max_queued_bytes: int = Field(
         default=1 << 30, ge=1, description="preprocessed pixels queued per replica; over it items are refused (503)"
     )
-    autoscale: bool = False
-    min_replicas: int = Field(default=1, ge=0)
-    max_replicas: int = Field(default=4, ge=1)
     target_queued_tokens_per_replica: int = Field(default=32768, ge=1)
-    upscale_delay_s: float = Field(default=5.0, ge=0)
-    downscale_delay_s: float = Field(default=120.0, ge=0)
-    look_back_period_s: float = Field(default=10.0, gt=0)
-    metrics_interval_s: float = Field(default=2.0, gt=0, description="how often replicas push queued tokens")
-
-    @model_validator(mode="after")
-    def _check_autoscaling(self) -> "EncoderPoolArgs":
-        if self.max_replicas < self.min_replicas:
-            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
-        if self.look_back_period_s <= self.metrics_interval_s:
-            raise ValueError("look_back_period_s must be greater than metrics_interval_s")
-        return self
 
     def resolve(self):
         from encoder_service.batching import BatchConfig

@@ -13,7 +13,7 @@ import time
 import torch
 from ray import serve
 
-from deployments.autoscaling import QUEUED_TOKENS, autoscaling_config
+from deployments.autoscaling import QUEUED_TOKENS
 from deployments.config import DeploymentArgs, EncoderPoolArgs, GrpcArgs
 from deployments.metrics import EncoderMetrics, PoolMetrics
 from deployments.replica_env import resolve_model_dir
@@ -28,19 +28,7 @@ logger = logging.getLogger("ray.serve")
 
 def encoder_options(deployment: DeploymentArgs, pool: EncoderPoolArgs) -> dict:
     """Serve options of the encoder deployment: fixed replicas, or autoscaling on queued tokens."""
-    options = deployment.options("Encoder")
-    if pool.autoscale:
-        options.pop("num_replicas")
-        options["autoscaling_config"] = autoscaling_config(
-            min_replicas=pool.min_replicas,
-            max_replicas=pool.max_replicas,
-            target_tokens_per_replica=pool.target_queued_tokens_per_replica,
-            upscale_delay_s=pool.upscale_delay_s,
-            downscale_delay_s=pool.downscale_delay_s,
-            look_back_period_s=pool.look_back_period_s,
-            metrics_interval_s=pool.metrics_interval_s,
-        )
-    return options
+    return pool.scaled(deployment.options("Encoder"), target_tokens_per_replica=pool.target_queued_tokens_per_replica)
 
 
 @serve.deployment

@@ -19,7 +19,7 @@ import numpy as np
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from deployments.autoscaling import QUEUED_DECODE_S, autoscaling_config
+from deployments.autoscaling import QUEUED_DECODE_S
 from deployments.replica_env import resolve_model_dir
 from mmserve.errors import InvalidRequest
 from mmserve.media import DecodedVideo
@@ -34,16 +34,8 @@ logger = logging.getLogger("ray.serve")
 
 def video_decoder_options(deployment: DeploymentArgs, decode: VideoDecodeArgs) -> dict:
     """Serve options of the VideoDecoder: fixed replicas, or autoscaling on queued decode seconds."""
-    options = deployment.options("VideoDecoder")
-    if decode.autoscale:
-        options.pop("num_replicas")
-        options["autoscaling_config"] = autoscaling_config(
-            min_replicas=decode.min_replicas, max_replicas=decode.max_replicas,
-            target_decode_s_per_replica=decode.target_queued_seconds_per_replica,
-            upscale_delay_s=decode.upscale_delay_s, downscale_delay_s=decode.downscale_delay_s,
-            look_back_period_s=decode.look_back_period_s, metrics_interval_s=decode.metrics_interval_s,
-        )
-    return options
+    return decode.scaled(deployment.options("VideoDecoder"),
+                         target_decode_s_per_replica=decode.target_queued_seconds_per_replica)
 
 
 _LATENCY_MS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000]
