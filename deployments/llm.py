@@ -164,17 +164,21 @@ class LLMDeployment:
         began = time.perf_counter()
         streamed = {i: h for i, h in enumerate(pending.embeddings) if isinstance(h, StreamedVideo)}
         others = [h for h in pending.embeddings if not isinstance(h, StreamedVideo)]
-        resolved = iter(await self._embeddings(pending, others) if others else [])
         stream, firsts = None, {}
         if streamed:  # prefill behind the decoder: admitted once each video's first group is in
             stream = VideoStream(pending.request_id, pending.ranges, streamed, self._frames, self._encode_group)
-            try:
-                firsts = await stream.start()
-            except BaseException as e:  # a failure, or the caller gone
+            starting = asyncio.ensure_future(stream.start())  # decoding while the other items resolve
+        try:
+            resolved = iter(await self._embeddings(pending, others) if others else [])
+            if stream is not None:
+                firsts = await starting
+        except BaseException as e:  # a failure, or the caller gone
+            if stream is not None:
+                starting.cancel()
                 stream.cancel()
                 if isinstance(cause := root_cause(e), InvalidRequest):
                     raise InvalidRequest(str(cause)) from None
-                raise
+            raise
         embeddings = [firsts[i] if i in streamed else next(resolved) for i in range(len(pending.embeddings))]
         request = LLMRequest(
             request_id=pending.request_id,
