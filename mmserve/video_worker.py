@@ -200,14 +200,14 @@ class VideoDecodePool:
 
     async def decode(self, data: bytes, request_id: str = "-") -> DecodedVideo:
         async with self._session(data, request_id) as (worker, header, deadline):
-            [pixels] = [group async for group in self._frames(worker, header, 0, deadline)]
+            [pixels] = [group async for group in self._frames(worker, 0, deadline)]
             return header.with_pixels(pixels)
 
     async def frames(self, data: bytes, request_id: str = "-", group_size: int = 1) -> AsyncIterator[np.ndarray]:
         """The sampled frames in groups of `group_size` (the last may be shorter), each as soon as
         it is decoded. Closing the iterator early kills its worker (it may be mid-video)."""
         async with self._session(data, request_id) as (worker, header, deadline):
-            async for group in self._frames(worker, header, group_size, deadline):
+            async for group in self._frames(worker, group_size, deadline):
                 yield group
             self.stats.streamed += 1
 
@@ -245,8 +245,8 @@ class VideoDecodePool:
             self.stats.busy_s += elapsed
             self._mean_s = 0.8 * self._mean_s + 0.2 * elapsed
             if worker is not None and worker.alive:
-                if self._busy(worker):
-                    worker.kill()  # left mid-video (a probe only, or a consumer that stopped early)
+                if worker.pending is not None:  # probed, frames never asked for: it still holds the video open
+                    worker.kill()
                 else:
                     self._idle.append(worker)
             self._slots.release()
@@ -262,8 +262,7 @@ class VideoDecodePool:
         shape = (decoded_frame_count(indices), probe.height, probe.width)
         return DecodedVideo(shape, probe.fps, probe.total_num_frames, tuple(indices), video_content_hash(data, indices))
 
-    async def _frames(self, worker: DecodeWorker, header: DecodedVideo, group_size: int,
-                      deadline: float) -> AsyncIterator[np.ndarray]:
+    async def _frames(self, worker: DecodeWorker, group_size: int, deadline: float) -> AsyncIterator[np.ndarray]:
         message = ("decode", worker.pending, group_size)
         worker.pending = None
         while True:
@@ -272,11 +271,6 @@ class VideoDecodePool:
             if status == "ok":
                 return
             yield value
-
-    @staticmethod
-    def _busy(worker: DecodeWorker) -> bool:
-        """A probed video whose frames were never asked for: the worker still holds it open."""
-        return worker.pending is not None
 
     async def _call(self, worker: DecodeWorker, message, deadline: float, *more: str):
         """The worker's reply's value ("ok"); with `more`, (status, value) of a reply of those statuses too."""
