@@ -24,7 +24,7 @@ import hashlib
 import math
 import random
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 from cachetools import LRUCache
 
@@ -63,12 +63,18 @@ class BoundedLoadRing:
                 break
         return list(seen)
 
-    def owner(self, key: str, loads: Mapping[str, float], cost: float, epsilon: float) -> str:
-        """The first member in `key`'s preference whose load + `cost` fits the bound (the least
-        loaded member if none does: an item larger than the bound alone)."""
+    def owner(self, key: str, loads: Mapping[str, float], cost: float, epsilon: float,
+              holders: Collection[str] = ()) -> str:
+        """The first member in `key`'s preference that holds the key already (`holders`: no work
+        to add); else the first whose load + `cost` fits the bound (the least loaded member if
+        none does: an item larger than the bound alone)."""
+        preference = self.preference(key)
+        for member in preference:
+            if member in holders:
+                return member
         loads = {m: loads.get(m, 0.0) for m in self.members}
         bound = capacity(loads, cost, epsilon)
-        for member in self.preference(key):
+        for member in preference:
             if loads[member] + cost <= bound:
                 return member
         return min(self.members, key=lambda m: loads[m])
@@ -108,6 +114,23 @@ class PrefixRecord:
     def record(self, hashes: Sequence[int], member: str) -> None:
         for h in hashes:
             self._where[h] = member
+
+
+class HolderRecord:
+    """Which replicas this router sent each item key to (each caches what it encodes, and dedupes
+    what is in flight): key -> replica ids, LRU-bounded. Exact for this router's sends; an
+    eviction on the replica or a failed encode costs one encode there, never correctness."""
+
+    def __init__(self, max_entries: int = 1 << 16):
+        self._held: LRUCache[str, tuple[str, ...]] = LRUCache(maxsize=max_entries)
+
+    def holders(self, key: str, members: Collection[str]) -> tuple[str, ...]:
+        return tuple(m for m in self._held.get(key, ()) if m in members)
+
+    def record(self, key: str, member: str) -> None:
+        held = self._held.get(key, ())
+        if member not in held:
+            self._held[key] = (*held, member)
 
 
 def power_of_two(members: Sequence[str], loads: Mapping[str, float], rng: random.Random) -> str:

@@ -5,9 +5,10 @@ deployments (`request_router_config`), so routing stays inside Serve's replica t
 probing, backoff and autoscaling. It reads the key from the call's argument, which already holds
 it: an `Encoder.encode` call carries its items (content hash, cost in tokens; with affinity the
 dispatcher sends one item per call), an `LLM.generate` call our `handles.PendingRequest` (its
-`prefix_hashes`, cost: its prompt tokens). The rules are `deployments.affinity`'s; the loads are
-the tokens this router has in flight on each replica (routed, not completed). Anything else
-(a `stats` call) is routed by power-of-two choices.
+`prefix_hashes`; cost: the tokens it makes the replica run, `_llm_work`). The rules are
+`deployments.affinity`'s; the loads are the tokens this router has in flight on each replica
+(routed, not completed), an item the replica already holds (`HolderRecord`) counting none.
+Anything else (a `stats` call) is routed by power-of-two choices.
 
 Serve takes the first rank a replica of which has room: the owner (or the prefix's replica)
 alone first, then the rest, so a replica whose queue is full never blocks a request.
@@ -28,7 +29,7 @@ from ray.serve.request_router import PendingRequest as ServePendingRequest
 from ray.serve.request_router import ReplicaID, RequestRouter, RunningReplica
 
 from deployments import affinity
-from deployments.affinity import BoundedLoadRing, PrefixRecord, capacity, power_of_two
+from deployments.affinity import BoundedLoadRing, HolderRecord, PrefixRecord, capacity, power_of_two
 from deployments.handles import PendingRequest
 from mmserve.media import EncodeItem
 
@@ -41,6 +42,7 @@ class AffinityRequestRouter(RequestRouter):
         self._block_size = block_size
         self._ring: BoundedLoadRing | None = None
         self._record = PrefixRecord()
+        self._held = HolderRecord()  # item key -> encoder replicas that got it
         self._loads: Counter = Counter()  # replica id -> tokens in flight from this router
         # internal request id -> [(replica id, tokens)]: calls made from one request share the id
         self._in_flight: dict[str, list[tuple[str, int]]] = {}
@@ -71,11 +73,14 @@ class AffinityRequestRouter(RequestRouter):
             if self._ring is None or self._ring.members != tuple(ids):
                 self._ring = BoundedLoadRing(ids)  # churn: rebuilt over the live replicas
             key, cost = arg[0].item.content_hash, sum(item.cost for item in arg)
-            owner = self._ring.owner(key, loads, cost, self._epsilon)
+            holders = self._held.holders(key, ids)
+            owner = self._ring.owner(key, loads, cost, self._epsilon, holders)
+            if owner in holders:
+                return owner, "held", 0
             return owner, "owner" if owner == self._ring.preference(key)[0] else "overflow", 0
         if isinstance(arg, PendingRequest):
             replica, depth = self._record.longest(arg.prefix_hashes, ids)
-            cost = len(arg.prompt_token_ids)
+            cost = self._llm_work(arg, depth)
             if replica is not None and loads[replica] + cost <= capacity(loads, cost, self._epsilon):
                 return replica, "prefix_hit", depth
             return power_of_two(ids, loads, self._rng), "overloaded" if replica is not None else "no_prefix", 0
@@ -84,14 +89,24 @@ class AffinityRequestRouter(RequestRouter):
     def on_request_routed(self, pending_request: ServePendingRequest, replica_id: ReplicaID, result) -> None:
         arg = pending_request.args[0] if pending_request.args else None
         if isinstance(arg, PendingRequest):
-            cost = len(arg.prompt_token_ids)
+            cost = self._llm_work(arg, self._record.longest(arg.prefix_hashes, (replica_id.unique_id,))[1])
             self._record.record(arg.prefix_hashes, replica_id.unique_id)
         elif isinstance(arg, list) and arg and isinstance(arg[0], EncodeItem):
-            cost = sum(item.cost for item in arg)
+            key = arg[0].item.content_hash
+            held = replica_id.unique_id in self._held.holders(key, (replica_id.unique_id,))
+            cost = 0 if held else sum(item.cost for item in arg)  # a hit or a dedupe: no queued work
+            self._held.record(key, replica_id.unique_id)
         else:
             return
         self._in_flight.setdefault(pending_request.metadata.internal_request_id, []).append((replica_id.unique_id, cost))
         self._loads[replica_id.unique_id] += cost
+
+    def _llm_work(self, request: PendingRequest, cached_blocks: int) -> int:
+        """Tokens an LLM replica still has to run for `request`: its prompt less the blocks it
+        likely holds cached, plus the most it decodes (a request holds a decode slot for all of
+        them, so prompt tokens alone would count a long answer as no load)."""
+        prompt = len(request.prompt_token_ids)
+        return prompt - min(cached_blocks * self._block_size, prompt) + request.sampling.max_tokens
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         calls = self._in_flight.get(internal_request_id, [])

@@ -62,7 +62,7 @@ class RouterMetrics(RequestListener):
 class AffinityMetrics:
     def __init__(self):
         self.routed = Counter("mmserve_router_affinity_routed", "Encoder items and LLM requests routed, by outcome "
-                              "(owner / overflow; prefix_hit / no_prefix / overloaded)", tag_keys=("target", "outcome"))
+                              "(held: to a replica it was sent to before / owner / overflow; prefix_hit / no_prefix / overloaded)", tag_keys=("target", "outcome"))
         self.prefix_tokens = Histogram("mmserve_router_prefix_tokens", "Prompt tokens the chosen LLM replica likely "
                                        "holds cached (the router's record)", boundaries=_SIZES)
 

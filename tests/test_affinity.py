@@ -9,7 +9,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deployments.affinity import BoundedLoadRing, PrefixRecord, capacity, power_of_two, prefix_hashes
+from deployments.affinity import BoundedLoadRing, HolderRecord, PrefixRecord, capacity, power_of_two, prefix_hashes
 from mmserve.media import PlaceholderRange
 
 members = st.lists(st.text("abcdefgh", min_size=1, max_size=6), min_size=1, max_size=8, unique=True)
@@ -59,6 +59,42 @@ def test_under_the_bound_a_key_goes_to_its_first_preference_and_overflow_to_the_
         skipped = preference[:preference.index(owner)]
         assert all(loads[m] + 1 > bound for m in skipped)  # only full replicas are passed over
         loads[owner] += 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.text("abcdefgh", min_size=1, max_size=6), min_size=2, max_size=8, unique=True),
+       st.lists(st.integers(0, 40), min_size=1, max_size=300), epsilons)
+def test_repeats_go_where_they_went_and_queued_work_stays_within_the_bound(replicas, stream, epsilon):
+    """Items arrive (a key repeats: 41 distinct) and the oldest in flight completes every third
+    step. A key sent before goes back to a live replica that got it, at no queued cost (a cache
+    hit or an in-flight dedupe there), so each key is encoded by one replica, once; the queued
+    work of every replica stays within the bound."""
+    ring, held, loads, in_flight, encodes = BoundedLoadRing(replicas), HolderRecord(), dict.fromkeys(replicas, 0), [], []
+    for step, k in enumerate(stream):
+        key = f"img-{k}"
+        holders = held.holders(key, replicas)
+        owner = ring.owner(key, loads, 1, epsilon, holders)
+        if holders:
+            assert owner in holders
+        else:
+            loads[owner] += 1
+            in_flight.append(owner)
+            encodes.append(key)
+            assert max(loads.values()) <= math.ceil((1 + epsilon) * sum(loads.values()) / len(replicas))
+        held.record(key, owner)
+        if step % 3 == 2 and in_flight:
+            loads[in_flight.pop(0)] -= 1
+    assert len(encodes) == len(set(encodes))  # no key encoded twice in the cluster
+
+
+def test_holders_are_live_replicas_only():
+    held = HolderRecord()
+    held.record("k", "r1")
+    held.record("k", "r2")
+    held.record("k", "r1")
+    assert held.holders("k", ["r1", "r2"]) == ("r1", "r2") and held.holders("k", ["r2", "r3"]) == ("r2",)
+    assert BoundedLoadRing(["r2", "r3"]).owner("k", {"r2": 100, "r3": 0}, 1, 0.0, held.holders("k", ["r2", "r3"])) == "r2"
+    assert held.holders("other", ["r1"]) == ()
 
 
 def test_an_item_larger_than_the_bound_goes_to_the_least_loaded():

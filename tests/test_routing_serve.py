@@ -54,7 +54,8 @@ def test_affinity_keeps_tokens_and_encodes_each_image_once_for_the_cluster(serve
     finally:
         serve.delete(APP)
     assert got == expected
-    assert routed["Encoder/owner"] == 9 and "Encoder/overflow" not in routed  # one at a time: never over the bound
+    # first sights at their owner (one at a time: never over the bound), repeats where they went
+    assert routed["Encoder/owner"] == 3 and routed["Encoder/held"] == 6 and "Encoder/overflow" not in routed
     assert routed["LLM/no_prefix"] == 1 and routed["LLM/prefix_hit"] == 11  # all share the system prompt
     assert len(stats) == 2
     assert sum(s["cache_misses"] for s in stats.values()) == 3  # each image encoded once in the cluster
