@@ -3,12 +3,13 @@
 Serve instantiates it in each caller (our Router deployment's replicas) for the Encoder and LLM
 deployments (`request_router_config`), so routing stays inside Serve's replica tracking, queue
 probing, backoff and autoscaling. It reads the key from the call's argument, which already holds
-it: an `Encoder.encode` call carries its items (content hash, cost in tokens; with affinity the
-dispatcher sends one item per call), an `LLM.generate` call our `handles.PendingRequest` (its
-`prefix_hashes`; cost: the tokens it makes the replica run, `_llm_work`). The rules are
-`deployments.affinity`'s; the loads are the tokens this router has in flight on each replica
-(routed, not completed), an item the replica already holds (`HolderRecord`) counting none.
-Anything else (a `stats` call) is routed by power-of-two choices.
+it: an `Encoder.encode` call carries its items (content hash, cost in tokens; the key is the
+first item's: the dispatcher sends an item seen before alone, cold items in size-balanced
+groups), an `LLM.generate` call our `handles.PendingRequest` (its `prefix_hashes`; cost: the
+tokens it makes the replica run, `_llm_work`). The rules are `deployments.affinity`'s; the loads
+are the tokens this router has in flight on each replica (routed, not completed), an item the
+replica already holds (`HolderRecord`) counting none. Anything else (a `stats` call) is routed
+by power-of-two choices.
 
 Serve takes the first rank a replica of which has room: the owner (or the prefix's replica)
 alone first, then the rest, so a replica whose queue is full never blocks a request.
@@ -92,10 +93,11 @@ class AffinityRequestRouter(RequestRouter):
             cost = self._llm_work(arg, self._record.longest(arg.prefix_hashes, (replica_id.unique_id,))[1])
             self._record.record(arg.prefix_hashes, replica_id.unique_id)
         elif isinstance(arg, list) and arg and isinstance(arg[0], EncodeItem):
-            key = arg[0].item.content_hash
-            held = replica_id.unique_id in self._held.holders(key, (replica_id.unique_id,))
-            cost = 0 if held else sum(item.cost for item in arg)  # a hit or a dedupe: no queued work
-            self._held.record(key, replica_id.unique_id)
+            replica = replica_id.unique_id
+            # an item the replica holds is a hit or a dedupe there: no queued work
+            cost = sum(item.cost for item in arg if not self._held.holders(item.item.content_hash, (replica,)))
+            for item in arg:
+                self._held.record(item.item.content_hash, replica)
         else:
             return
         self._in_flight.setdefault(pending_request.metadata.internal_request_id, []).append((replica_id.unique_id, cost))

@@ -18,6 +18,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 
+from cachetools import LRUCache
+
 from deployments.handles import EmbeddingHandle, LocalMedia, PinnedEmbedding, StoredEmbedding
 from mmserve.media import EncodeItem
 
@@ -57,23 +59,24 @@ def spread(sizes: Sequence[int]) -> list[list[int]]:
 class EncoderPoolDispatcher(MediaDispatcher):
     """Items to the Encoder deployment, each replica batching them with other requests' items.
 
-    With affinity routing each item is one call, which `AffinityRequestRouter` sends to the
-    owner of its content hash; without, a request's items are split into size-balanced calls so
-    that Serve spreads a large request over replicas."""
+    A request's items are split into size-balanced calls so that Serve spreads a large request
+    over replicas. With affinity routing, an item this router sent before goes alone in its own
+    call, which `AffinityRequestRouter` sends back to the replica that got it (a cache hit there);
+    the cold items keep the size-balanced spread, each call going to its first item's owner."""
 
     def __init__(self, encoder, await_embeddings: bool = False, affinity: bool = False):
         self.encoder = encoder  # DeploymentHandle of the Encoder deployment
         self.await_embeddings = await_embeddings  # wait until computed (not fetched) before handing over
         self.affinity = affinity
+        self._sent: LRUCache[str, None] = LRUCache(maxsize=1 << 16)  # content hashes sent (affinity)
 
     async def dispatch(self, media: Sequence[EncodeItem]) -> tuple[EmbeddingHandle, ...]:
+        groups = self._groups(media)
         if self.affinity:
-            # one item per call, each routed before the next is made: calls made from one request
-            # share Serve's internal request id, which a custom request router matches replicas by
-            groups = [[i] for i in range(len(media))]
-            refs = [await self.encoder.encode.remote([m])._to_object_ref() for m in media]
+            # each call routed before the next is made: calls made from one request share Serve's
+            # internal request id, which a custom request router matches replicas by
+            refs = [await self.encoder.encode.remote([media[i] for i in group])._to_object_ref() for group in groups]
         else:
-            groups = spread([m.cost for m in media])
             responses = [self.encoder.encode.remote([media[i] for i in group]) for group in groups]
             refs = [await r._to_object_ref() for r in responses]  # nested refs: the LLM need not wait for them
         if self.await_embeddings:
@@ -82,6 +85,16 @@ class EncoderPoolDispatcher(MediaDispatcher):
             await asyncio.to_thread(ray.wait, refs, num_returns=len(refs), fetch_local=False)
         where = {i: StoredEmbedding(ref, pos) for group, ref in zip(groups, refs) for pos, i in enumerate(group)}
         return tuple(where[i] for i in range(len(media)))
+
+    def _groups(self, media: Sequence[EncodeItem]) -> list[list[int]]:
+        if not self.affinity:
+            return spread([m.cost for m in media])
+        keys = [m.item.content_hash for m in media]
+        seen = [[i] for i, key in enumerate(keys) if key in self._sent]
+        cold = [i for i, key in enumerate(keys) if key not in self._sent]
+        for key in keys:
+            self._sent[key] = None
+        return seen + [[cold[j] for j in group] for group in spread([media[i].cost for i in cold])]
 
 
 class ExternalEncoderDispatcher(MediaDispatcher):
