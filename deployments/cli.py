@@ -1,4 +1,4 @@
-"""`mmserve` command line: serve, chat, encoder-server, build-tiny-model, bench."""
+"""`mmserve` command line: serve, chat, encoder-server, build-tiny-model, bench, plan."""
 
 from __future__ import annotations
 
@@ -202,9 +202,16 @@ def main(argv: list[str] | None = None) -> int:
     bench_p = sub.add_parser("bench", help="run a benchmark of bench/ (extra arguments go to it)")
     bench_p.add_argument("name", choices=BENCHMARKS)
 
+    sub.add_parser("plan", help="how many encoder and LLM replicas a workload needs, for its SLOs (a simulation; "
+                   "arguments go to mmserve.capacity)", add_help=False)
+
     ns, extra = parser.parse_known_args(argv)
     if ns.command == "bench":
         return _bench(ns, extra)
+    if ns.command == "plan":
+        from mmserve.capacity import main as plan
+
+        return plan(extra)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return ns.func(ns)

@@ -1,0 +1,454 @@
+"""Capacity planning (`mmserve plan`): how many encoder replicas per LLM replica a workload needs.
+
+A discrete-event simulation of the app, one request at a time through its stages:
+
+- the router: a fixed overhead per request;
+- the encoder pool: `num_encoders` replicas sharing one FIFO of image items (Serve's
+  power-of-two routing is close to join-the-shortest-queue), each running token-budget batches;
+  a cache hit (`Workload.repeat_share`) skips the encoder;
+- the transfer: a time per embedding token (object store or gRPC, as profiled);
+- the LLM pool: each request to the replica with the fewest requests in flight; a replica runs
+  continuous-batching steps (every running sequence decodes one token; waiting prompts prefill in
+  chunks within `max_batched_tokens`, up to `max_num_seqs` sequences);
+- colocated (no encoder pool): a request's images are encoded in the step that starts its prefill,
+  on the LLM replica, so encoding stalls that replica's decodes.
+
+Service times come from a `Profile`: fitted from bench results, or a hand-written file, labelled as
+such in every output (`Profile.source`). It is a model: replica counts are fixed (no autoscaling
+delays), admission never refuses (no 429s), and a step's time is linear in its prefill tokens and
+decoding sequences.
+
+Named apart from `mmserve.planner`, the router's per-request planner.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+import math
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+
+
+# -- the event engine ------------------------------------------------------------------------------
+class Simulator:
+    """A clock and a heap of timed callbacks, run in time order (ties in scheduling order)."""
+
+    def __init__(self):
+        self.now = 0.0
+        self._events: list = []
+        self._order = itertools.count()
+
+    def at(self, time: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (time, next(self._order), action))
+
+    def after(self, delay: float, action: Callable[[], None]) -> None:
+        self.at(self.now + delay, action)
+
+    def run(self) -> None:
+        while self._events:
+            self.now, _, action = heapq.heappop(self._events)
+            action()
+
+
+class BatchStation:
+    """`servers` identical servers sharing one FIFO queue. A free server takes the longest queue
+    prefix whose summed cost fits `max_cost` (one job at least) and holds it for
+    `service(cost, jobs)` seconds. With `max_jobs=1` and exponential service it is an M/M/c queue
+    (tests/test_capacity.py checks it against Erlang C)."""
+
+    def __init__(self, sim: Simulator, servers: int, service: Callable[[float, int], float],
+                 max_cost: float = math.inf, max_jobs: int | float = math.inf):
+        self.sim, self.service = sim, service
+        self.max_cost, self.max_jobs = max_cost, max_jobs
+        self.free = servers
+        self.queue: deque[tuple[float, Callable[[], None]]] = deque()
+        self.busy_seconds = 0.0
+
+    def submit(self, cost: float, done: Callable[[], None]) -> None:
+        self.queue.append((cost, done))
+        self._start()
+
+    def _start(self) -> None:
+        while self.free and self.queue:
+            batch, total = [self.queue.popleft()], 0.0
+            total = batch[0][0]
+            while self.queue and len(batch) < self.max_jobs and total + self.queue[0][0] <= self.max_cost:
+                total += self.queue[0][0]
+                batch.append(self.queue.popleft())
+            seconds = self.service(total, len(batch))
+            self.free -= 1
+            self.busy_seconds += seconds
+            self.sim.after(seconds, lambda batch=batch: self._finish(batch))
+
+    def _finish(self, batch) -> None:
+        self.free += 1
+        for _, done in batch:
+            done()
+        self._start()
+
+
+# -- what the simulation is told ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Profile:
+    """Service times of one replica of each kind, on one GPU type (seconds)."""
+
+    source: str  # where these figures come from: "hand-written: ..." or "fitted from ..."
+    router_s: float = 0.002  # per request, before dispatch
+    encode_batch_s: float = 0.005  # per encoder forward
+    encode_token_s: float = 2e-5  # per image token of a forward
+    max_batch_tokens: int = 16384  # the encoder pool's token budget
+    transfer_token_s: float = 1e-6  # per embedding token shipped to the LLM replica
+    step_s: float = 0.01  # per LLM step
+    prefill_token_s: float = 1e-4  # per prefill token of a step
+    decode_seq_s: float = 2e-4  # per decoding sequence of a step
+    max_batched_tokens: int = 8192  # prefill tokens per step (chunked prefill)
+    max_num_seqs: int = 64  # sequences running on one replica
+
+    def encode_seconds(self, tokens: float, items: int = 1) -> float:
+        return self.encode_batch_s + self.encode_token_s * tokens
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests arriving as a Poisson process (`burstiness` 1) or gamma (vLLM's `--burstiness`)."""
+
+    rate: float  # requests per second
+    images: tuple[int, int] = (1, 1)  # images per request, uniform in [low, high]
+    image_tokens: int = 256  # embedding tokens per image
+    text_tokens: int = 64
+    output_tokens: int = 64
+    repeat_share: float = 0.0  # images served from the encoder cache
+    burstiness: float = 1.0
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_p99_s: float
+    tpot_p99_s: float
+
+
+@dataclass
+class _Request:
+    arrival: float
+    images: int
+    prompt_tokens: int
+    output_tokens: int
+    first_token: float | None = None
+    finish: float | None = None
+    prefilled: int = 0
+    decoded: int = 0
+    encode_tokens: int = 0  # colocated: image tokens the LLM replica encodes before the prefill
+
+
+class _LLMReplica:
+    """Continuous batching: every step decodes each running sequence and prefills waiting prompts
+    in order within the step's token budget."""
+
+    def __init__(self, sim: Simulator, profile: Profile):
+        self.sim, self.profile = sim, profile
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.stepping = False
+        self.busy_seconds = 0.0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: _Request) -> None:
+        self.waiting.append(request)
+        if not self.stepping:
+            self._step()
+
+    def _step(self) -> None:
+        p = self.profile
+        decoding = [r for r in self.running if r.prefilled == r.prompt_tokens]
+        budget, chunks, encode = p.max_batched_tokens, [], 0.0
+        for request in itertools.chain([r for r in self.running if r.prefilled < r.prompt_tokens], list(self.waiting)):
+            if budget <= 0:
+                break
+            if request in self.waiting:
+                if len(self.running) >= p.max_num_seqs:
+                    break
+                self.waiting.remove(request)
+                self.running.append(request)
+            if request.prefilled == 0 and request.encode_tokens:
+                encode += p.encode_seconds(request.encode_tokens)
+            chunk = min(budget, request.prompt_tokens - request.prefilled)
+            chunks.append((request, chunk))
+            budget -= chunk
+        if not decoding and not chunks:
+            self.stepping = False
+            return
+        self.stepping = True
+        seconds = p.step_s + encode + p.prefill_token_s * (p.max_batched_tokens - budget) + p.decode_seq_s * len(decoding)
+        self.busy_seconds += seconds
+        self.sim.after(seconds, lambda: self._finish(decoding, chunks))
+
+    def _finish(self, decoding: list[_Request], chunks: list[tuple[_Request, int]]) -> None:
+        now = self.sim.now
+        for request in decoding:
+            request.decoded += 1
+        for request, chunk in chunks:
+            request.prefilled += chunk
+            if request.prefilled == request.prompt_tokens:
+                request.first_token, request.decoded = now, 1  # the prefill samples the first token
+        for request in [r for r in self.running if r.decoded >= r.output_tokens]:
+            request.finish = now
+            self.running.remove(request)
+        self._step()
+
+
+@dataclass(frozen=True)
+class Result:
+    num_encoders: int
+    num_llms: int
+    rate: float
+    throughput: float  # completed requests per second
+    ttft_p50_s: float
+    ttft_p99_s: float
+    tpot_p99_s: float
+    slo_attainment: float  # share of requests within both SLOs (1.0 without SLOs)
+    encoder_utilisation: float
+    llm_utilisation: float
+
+    @property
+    def gpus(self) -> int:
+        return self.num_encoders + self.num_llms
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank percentile (q in 0..100); nan for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: int, num_requests: int = 2000,
+             seed: int = 0, slo: SLO | None = None) -> Result:
+    """One run of `num_requests` arrivals; `num_encoders=0` is the colocated mode."""
+    rng = random.Random(seed)
+    sim = Simulator()
+    encoders = (BatchStation(sim, num_encoders, lambda tokens, items: profile.encode_seconds(tokens, items),
+                             max_cost=profile.max_batch_tokens) if num_encoders else None)
+    llms = [_LLMReplica(sim, profile) for _ in range(num_llms)]
+    requests: list[_Request] = []
+
+    def to_llm(request: _Request) -> None:
+        min(llms, key=lambda r: r.in_flight).add(request)  # ties: the first (a stable order)
+
+    def arrive(request: _Request) -> None:
+        misses = sum(rng.random() >= workload.repeat_share for _ in range(request.images))
+        if not misses:
+            sim.after(profile.router_s, lambda: to_llm(request))
+        elif encoders is None:
+            request.encode_tokens = misses * workload.image_tokens
+            sim.after(profile.router_s, lambda: to_llm(request))
+        else:
+            remaining = [misses]
+
+            def encoded() -> None:
+                remaining[0] -= 1
+                if not remaining[0]:  # every item encoded: ship them, then prefill
+                    sim.after(profile.transfer_token_s * misses * workload.image_tokens, lambda: to_llm(request))
+
+            def dispatch() -> None:
+                for _ in range(misses):
+                    encoders.submit(workload.image_tokens, encoded)
+
+            sim.after(profile.router_s, dispatch)
+
+    t = 0.0
+    for _ in range(num_requests):
+        t += rng.gammavariate(workload.burstiness, 1 / (workload.rate * workload.burstiness))
+        images = rng.randint(*workload.images)
+        request = _Request(t, images, workload.text_tokens + images * workload.image_tokens, workload.output_tokens)
+        requests.append(request)
+        sim.at(t, lambda request=request: arrive(request))
+    sim.run()
+
+    ttft = [r.first_token - r.arrival for r in requests]
+    tpot = [(r.finish - r.first_token) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0 for r in requests]
+    within = sum(1 for a, b in zip(ttft, tpot) if slo is None or (a <= slo.ttft_p99_s and b <= slo.tpot_p99_s))
+    span = max(r.finish for r in requests) - requests[0].arrival
+    return Result(
+        num_encoders, num_llms, workload.rate, throughput=len(requests) / span,
+        ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99), tpot_p99_s=percentile(tpot, 99),
+        slo_attainment=within / len(requests),
+        encoder_utilisation=encoders.busy_seconds / (num_encoders * sim.now) if encoders else 0.0,
+        llm_utilisation=sum(r.busy_seconds for r in llms) / (num_llms * sim.now),
+    )
+
+
+def meets(result: Result, slo: SLO) -> bool:
+    return result.ttft_p99_s <= slo.ttft_p99_s and result.tpot_p99_s <= slo.tpot_p99_s
+
+
+RUN_TTFT_SLOS = 10  # a goodput run lasts at least this many TTFT SLOs of arrivals
+MAX_RUN_REQUESTS = 20_000
+
+
+def goodput(profile: Profile, workload: Workload, slo: SLO, num_encoders: int, num_llms: int,
+            num_requests: int = 1000, seed: int = 0, iterations: int = 12) -> float:
+    """The highest request rate at which p99 TTFT and p99 TPOT stay within `slo` (as the vLLM EPD
+    blog's "goodput at P99 SLOs") and the app keeps up (completions >= 0.95 x the offered rate: a
+    finite run past saturation can still meet a loose TTFT SLO), by bisection; 0 when even a
+    trickle misses them."""
+    def ok(rate: float) -> bool:
+        # long enough for a queue past saturation to outgrow the TTFT SLO, and for the drain after
+        # the last arrival to weigh little in the throughput
+        arrivals = min(max(num_requests, math.ceil(rate * RUN_TTFT_SLOS * slo.ttft_p99_s)), MAX_RUN_REQUESTS)
+        result = simulate(profile, replace(workload, rate=rate), num_encoders, num_llms, arrivals, seed)
+        return meets(result, slo) and result.throughput >= 0.95 * rate
+
+    low, high = 0.0, 1.0
+    while ok(high):  # bracket: double until the SLOs break
+        low, high = high, high * 2
+        if high > 1e6:
+            return high
+    if low == 0.0 and not ok(high / 1024):
+        return 0.0
+    for _ in range(iterations):
+        mid = (low + high) / 2
+        low, high = (mid, high) if ok(mid) else (low, mid)
+    return low
+
+
+@dataclass(frozen=True)
+class Split:
+    num_encoders: int
+    num_llms: int
+    goodput: float  # requests per second within the SLOs
+
+    @property
+    def per_gpu(self) -> float:
+        return self.goodput / (self.num_encoders + self.num_llms)
+
+
+@dataclass
+class Recommendation:
+    gpus: int
+    disaggregated: Split
+    colocated: Split
+    candidates: list[Split] = field(default_factory=list)
+
+    @property
+    def margin(self) -> float:
+        """Disaggregated over colocated goodput per GPU (inf when colocated meets no SLO)."""
+        return self.disaggregated.per_gpu / self.colocated.per_gpu if self.colocated.per_gpu else math.inf
+
+    def as_dict(self) -> dict:
+        return {"gpus": self.gpus, "disaggregated": asdict(self.disaggregated), "colocated": asdict(self.colocated),
+                "margin": round(self.margin, 3) if math.isfinite(self.margin) else None,
+                "candidates": [asdict(c) for c in self.candidates]}
+
+
+def recommend(profile: Profile, workload: Workload, slo: SLO, gpus: int, unit: int = 8, num_requests: int = 1000,
+              seed: int = 0) -> Recommendation:
+    """The encoder:LLM split of `gpus` that maximises goodput per GPU, against all-colocated.
+
+    Every split of a `unit`-GPU cell is simulated (a cluster of `gpus` is gpus/unit such cells,
+    requests spread evenly over them, so goodput per GPU is the cell's); a cluster smaller than
+    one cell is simulated whole."""
+    cell = min(gpus, unit)
+    splits, colocated = _cell_goodput(profile, workload, slo, cell, num_requests, seed)
+    scale = gpus / cell
+
+    def scaled(e: int, rate: float) -> Split:
+        return Split(round(e * scale), gpus - round(e * scale), rate * scale)
+
+    candidates = [scaled(e, rate) for e, rate in splits]
+    best = max(candidates, key=lambda s: (s.per_gpu, -s.num_encoders)) if candidates else scaled(0, colocated)
+    return Recommendation(gpus, best, scaled(0, colocated), candidates)
+
+
+@functools.lru_cache(maxsize=64)
+def _cell_goodput(profile: Profile, workload: Workload, slo: SLO, cell: int, num_requests: int,
+                  seed: int) -> tuple[tuple[tuple[int, float], ...], float]:
+    """((encoders, goodput) for each disaggregated split of `cell` GPUs, colocated goodput)."""
+    splits = tuple((e, goodput(profile, workload, slo, e, cell - e, num_requests, seed)) for e in range(1, cell))
+    return splits, goodput(profile, workload, slo, 0, cell, num_requests, seed)
+
+
+# -- `mmserve plan` ----------------------------------------------------------------------------------
+def load_profile(path: str) -> Profile:
+    """A profile file (YAML or JSON: `Profile`'s fields; `source` says where its figures come from)."""
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    unknown = set(data) - set(Profile.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"{path}: unknown profile fields {sorted(unknown)}")
+    return Profile(**data)
+
+
+def plot_svg(recommendations: list[Recommendation], source: str) -> str:
+    """Goodput per GPU, disaggregated (best split) and colocated, at each cluster size: an SVG bar chart."""
+    width, height, top, bottom, left = 560, 300, 40, 50, 60
+    peak = max(max(r.disaggregated.per_gpu, r.colocated.per_gpu) for r in recommendations) or 1.0
+    slot = (width - left - 20) / len(recommendations)
+    bars = []
+    for i, rec in enumerate(recommendations):
+        for j, (split, colour) in enumerate(((rec.disaggregated, "#4c72b0"), (rec.colocated, "#dd8452"))):
+            h = (height - top - bottom) * split.per_gpu / peak
+            x = left + i * slot + 10 + j * (slot - 20) / 2
+            bars.append(f'<rect x="{x:.1f}" y="{height - bottom - h:.1f}" width="{(slot - 20) / 2 - 4:.1f}" '
+                        f'height="{h:.1f}" fill="{colour}"/><text x="{x:.1f}" y="{height - bottom - h - 4:.1f}" '
+                        f'font-size="10">{split.per_gpu:.2f}</text>')
+        label = f"{rec.gpus} GPUs ({rec.disaggregated.num_encoders}E:{rec.disaggregated.num_llms}L)"
+        bars.append(f'<text x="{left + i * slot + 10:.1f}" y="{height - bottom + 16}" font-size="11">{label}</text>')
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif">'
+            f'<text x="{left}" y="16" font-size="13">Goodput per GPU (req/s within the SLOs): '
+            f'disaggregated (blue) vs colocated (orange)</text>'
+            f'<text x="{left}" y="30" font-size="9">{source}</text>{"".join(bars)}'
+            f'<text x="{left}" y="{height - 12}" font-size="10">mmserve plan (a simulation, not a measurement)</text>'
+            '</svg>')
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="mmserve plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", default="bench/profiles/a100-qwen3-vl-4b.yaml", help="profile file (YAML/JSON)")
+    p.add_argument("--images", type=int, nargs=2, default=(1, 4), metavar=("LOW", "HIGH"), help="images per request")
+    p.add_argument("--image-tokens", type=int, default=400, help="embedding tokens per image (640^2 on Qwen3-VL: 400)")
+    p.add_argument("--text-tokens", type=int, default=64)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--repeat-share", type=float, default=0.0, help="share of images the encoder cache serves")
+    p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument("--ttft-p99", type=float, default=20.0, help="SLO, seconds")
+    p.add_argument("--tpot-p99", type=float, default=0.1, help="SLO, seconds")
+    p.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 512])
+    p.add_argument("--cell", type=int, default=8, help="GPUs simulated together (a larger cluster is cells of it)")
+    p.add_argument("--requests", type=int, default=1000, help="arrivals per simulated run, at least (a run also "
+                   f"lasts {RUN_TTFT_SLOS} TTFT SLOs)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", help="write the goodput-per-GPU chart here (SVG)")
+    ns = p.parse_args(argv)
+
+    profile = load_profile(ns.profile)
+    workload = Workload(rate=1.0, images=tuple(ns.images), image_tokens=ns.image_tokens, text_tokens=ns.text_tokens,
+                        output_tokens=ns.output_tokens, repeat_share=ns.repeat_share, burstiness=ns.burstiness)
+    slo = SLO(ns.ttft_p99, ns.tpot_p99)
+    print(f"profile: {profile.source}")
+    print(f"workload: {ns.images[0]}-{ns.images[1]} images x {ns.image_tokens} tokens, {ns.text_tokens} text tokens, "
+          f"{ns.output_tokens} out; SLOs p99 TTFT <= {ns.ttft_p99} s, p99 TPOT <= {ns.tpot_p99 * 1000:g} ms")
+    recommendations = [recommend(profile, workload, slo, gpus, ns.cell, ns.requests, ns.seed) for gpus in ns.gpus]
+    print(f"{'GPUs':>6} {'encoders':>9} {'LLMs':>6} {'goodput/s':>10} {'per GPU':>8} {'colocated/s':>12} "
+          f"{'per GPU':>8} {'margin':>7}")
+    for rec in recommendations:
+        d, c = rec.disaggregated, rec.colocated
+        print(f"{rec.gpus:>6} {d.num_encoders:>9} {d.num_llms:>6} {d.goodput:>10.2f} {d.per_gpu:>8.3f} "
+              f"{c.goodput:>12.2f} {c.per_gpu:>8.3f} {rec.margin:>7.2f}")
+    if ns.plot:
+        with open(ns.plot, "w") as f:
+            f.write(plot_svg(recommendations, profile.source))
+    print(json.dumps({"profile": profile.source, "recommendations": [r.as_dict() for r in recommendations]}))
+    return 0

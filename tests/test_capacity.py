@@ -1,0 +1,123 @@
+"""The capacity planner (`mmserve plan`, mmserve/capacity.py): its event engine against closed-form
+queueing, its determinism, and its command line."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+
+from mmserve.capacity import (
+    SLO, BatchStation, Profile, Simulator, Workload, goodput, load_profile, main, percentile, recommend, simulate,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+HAND = str(ROOT / "bench" / "profiles" / "a100-qwen3-vl-4b.yaml")
+
+
+def erlang_c_wait(arrival: float, service: float, servers: int) -> float:
+    """Mean wait in queue of an M/M/c queue (Erlang C)."""
+    load = arrival / service
+    rho = load / servers
+    tail = load ** servers / math.factorial(servers) / (1 - rho)
+    p_wait = tail / (sum(load ** k / math.factorial(k) for k in range(servers)) + tail)
+    return p_wait / (servers * service - arrival)
+
+
+@pytest.mark.parametrize("servers, arrival", [(1, 0.7), (3, 2.4)])
+def test_the_engine_reproduces_an_mmc_queue(servers, arrival):
+    rng, sim = random.Random(1), Simulator()
+    station = BatchStation(sim, servers, lambda cost, jobs: rng.expovariate(1.0), max_jobs=1)
+    waits, t = [], 0.0
+    for _ in range(60_000):
+        t += rng.expovariate(arrival)
+        sim.at(t, lambda sent=t: station.submit(1, lambda: waits.append(sim.now - sent)))
+    sim.run()
+    mean_wait = sum(waits) / len(waits) - 1.0  # time in system less the mean service time (1)
+    assert mean_wait == pytest.approx(erlang_c_wait(arrival, 1.0, servers), rel=0.08)
+    assert station.busy_seconds / (servers * sim.now) == pytest.approx(arrival / servers, rel=0.03)
+
+
+def test_a_station_batches_the_queue_prefix_within_its_budget():
+    sim, batches = Simulator(), []
+    station = BatchStation(sim, 1, lambda cost, jobs: batches.append((cost, jobs)) or 1.0, max_cost=10)
+    for cost in (4, 4, 4, 8, 1):
+        station.submit(cost, lambda: None)
+    sim.run()
+    assert batches == [(4, 1), (8, 2), (9, 2)]  # the first alone (the server was free), then prefixes within 10
+
+
+def test_percentile_is_the_nearest_rank():
+    assert percentile([3, 1, 2, 4], 50) == 2 and percentile([3, 1, 2, 4], 99) == 4 and math.isnan(percentile([], 50))
+
+
+PROFILE = Profile(source="test", encode_token_s=6e-5, max_batched_tokens=2048, max_num_seqs=128, step_s=0.006,
+                  prefill_token_s=5e-5, decode_seq_s=1.5e-4)
+WORKLOAD = Workload(rate=8.0, images=(1, 4), image_tokens=400, output_tokens=64)
+
+
+def test_a_run_is_deterministic_and_keeps_up_below_saturation():
+    a = simulate(PROFILE, WORKLOAD, 1, 3, num_requests=400, seed=3)
+    assert a == simulate(PROFILE, WORKLOAD, 1, 3, num_requests=400, seed=3)
+    assert a != simulate(PROFILE, WORKLOAD, 1, 3, num_requests=400, seed=4)
+    assert a.throughput == pytest.approx(WORKLOAD.rate, rel=0.15) and a.ttft_p50_s < a.ttft_p99_s
+    assert 0 < a.encoder_utilisation < 1
+
+
+def test_saturation_caps_throughput_and_grows_ttft():
+    slow = simulate(PROFILE, WORKLOAD, 1, 3, num_requests=400)
+    flooded = simulate(PROFILE, Workload(rate=200.0, images=(1, 4), image_tokens=400, output_tokens=64), 1, 3,
+                       num_requests=400)
+    assert flooded.throughput < 0.5 * 200.0 and flooded.ttft_p99_s > 10 * slow.ttft_p99_s
+
+
+def test_cache_hits_and_encoders_lower_ttft():
+    base = simulate(PROFILE, WORKLOAD, 1, 3, num_requests=400)
+    hits = simulate(PROFILE, Workload(**{**WORKLOAD.__dict__, "repeat_share": 0.9}), 1, 3, num_requests=400)
+    assert hits.ttft_p50_s < base.ttft_p50_s
+    assert simulate(PROFILE, WORKLOAD, 2, 3, num_requests=400).ttft_p50_s <= base.ttft_p50_s
+
+
+def test_goodput_is_the_highest_rate_within_the_slos():
+    slo = SLO(ttft_p99_s=2.0, tpot_p99_s=0.05)
+    rate = goodput(PROFILE, WORKLOAD, slo, 1, 3, num_requests=300)
+    assert rate > 0
+    at = simulate(PROFILE, Workload(**{**WORKLOAD.__dict__, "rate": rate}), 1, 3, num_requests=300)
+    past = simulate(PROFILE, Workload(**{**WORKLOAD.__dict__, "rate": rate * 1.3}), 1, 3, num_requests=300)
+    assert at.ttft_p99_s <= slo.ttft_p99_s and at.tpot_p99_s <= slo.tpot_p99_s
+    assert past.ttft_p99_s > slo.ttft_p99_s or past.tpot_p99_s > slo.tpot_p99_s or past.throughput < 0.95 * rate * 1.3
+
+
+def test_the_recommendation_does_not_move_with_the_seed():
+    slo = SLO(ttft_p99_s=1.5, tpot_p99_s=0.1)
+    encode_heavy = Workload(rate=1.0, images=(4, 4), image_tokens=1600, output_tokens=16)
+    picks = {(r.disaggregated.num_encoders, r.disaggregated.num_llms)
+             for r in (recommend(PROFILE, encode_heavy, slo, 4, num_requests=300, seed=s) for s in (0, 1, 2))}
+    assert len(picks) == 1
+    text_only = recommend(PROFILE, Workload(rate=1.0, images=(0, 0), output_tokens=16), slo, 4, num_requests=300)
+    assert text_only.colocated.per_gpu > text_only.disaggregated.per_gpu  # an encoder with nothing to do is waste
+
+
+def test_plan_prints_its_table_and_ends_with_json(tmp_path, capsys):
+    svg = tmp_path / "plan.svg"
+    assert main(["--profile", HAND, "--gpus", "4", "8", "--cell", "4", "--requests", "200", "--ttft-p99", "2",
+                 "--output-tokens", "16", "--plot", str(svg)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith("profile: hand-written")  # a hand-written profile says so in every output
+    result = json.loads(out[-1])
+    assert [r["gpus"] for r in result["recommendations"]] == [4, 8] and result["profile"].startswith("hand-written")
+    four, eight = result["recommendations"]
+    assert four["disaggregated"]["num_encoders"] + four["disaggregated"]["num_llms"] == 4
+    assert eight["disaggregated"]["goodput"] == pytest.approx(2 * four["disaggregated"]["goodput"])  # two cells
+    assert svg.read_text().startswith("<svg") and "hand-written" in svg.read_text()
+
+
+def test_a_profile_with_an_unknown_field_is_refused(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("source: x\nencode_tokens_s: 1\n")
+    with pytest.raises(ValueError, match="encode_tokens_s"):
+        load_profile(str(bad))
+    assert load_profile(HAND).source.startswith("hand-written")
