@@ -63,7 +63,7 @@ async def one_request(client, url: str, body: dict, send_at: float) -> RequestRe
     await asyncio.sleep(max(0.0, send_at - time.perf_counter()))
     sent = time.perf_counter()
     times: list[float] = []
-    stages = None
+    stages, prompt_tokens = None, 0
     try:
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
@@ -78,10 +78,12 @@ async def one_request(client, url: str, body: dict, send_at: float) -> RequestRe
                 now = time.perf_counter()
                 for choice in chunk.get("choices", []):
                     times.extend([now] * len(choice.get("token_ids") or []))
-                stages = (chunk.get("usage") or {}).get("stage_ms", stages)
+                usage = chunk.get("usage") or {}
+                stages = usage.get("stage_ms", stages)
+                prompt_tokens = usage.get("prompt_tokens", prompt_tokens)
     except Exception as e:  # noqa: BLE001 - a failed request is a data point, not a crash
         return RequestRecord(sent, time.perf_counter(), False, type(e).__name__, tuple(times))
-    return RequestRecord(sent, time.perf_counter(), bool(times), "200", tuple(times), stage_ms=stages)
+    return RequestRecord(sent, time.perf_counter(), bool(times), "200", tuple(times), prompt_tokens, stages)
 
 
 def grpc_request(spec: RequestSpec, model_name: str, images: dict[int, bytes], system_words: int = 48):

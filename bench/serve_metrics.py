@@ -31,7 +31,7 @@ class RequestRecord:
         return {"send_s": round(self.send_time - start, 4), "status": self.status,
                 "ttft_ms": round(self.ttft * 1000, 2) if self.ok and self.output_tokens else None,
                 "e2e_ms": round((self.end_time - self.send_time) * 1000, 2), "output_tokens": self.output_tokens,
-                "stage_ms": self.stage_ms}
+                "input_tokens": self.input_tokens, "stage_ms": self.stage_ms}
 
     @property
     def output_tokens(self) -> int:

@@ -1,0 +1,100 @@
+"""`mmserve plan --validate` (= `python bench/plan_validate.py`): the capacity planner against real runs.
+
+For each mode (disaggregated: 1 encoder + 1 LLM replica; colocated: 2 LLM replicas), on the bench
+checkpoint and this machine's CPUs, it runs `bench serve`'s load:
+- two fit runs: one request at a time, then `FIT_LOADED_CONCURRENCY` at a time;
+- three held-out Poisson rates (`RATE_FACTORS` x the one-at-a-time rate), the last past saturation;
+- the middle held-out rate once more, with the same requests (the noise floor).
+`mmserve.capacity.validate` fits a profile on the fit runs only, simulates the held-out rates and
+reports the relative errors. The last line is one JSON object with `max_rel_error`,
+`max_rel_error_p99_ttft`, `saturated_point_rel_error` and `real_run_spread`.
+`--record FILE` keeps the run set; `--runs FILE` validates a kept one (seconds, no Ray).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mmserve.capacity import FIT_LOADED_CONCURRENCY, print_validation, validate  # noqa: E402
+
+MODES = {"disaggregated": (1, 1), "colocated": (0, 2)}  # (encoder, LLM) replicas: two of them either way
+RATE_FACTORS = (0.5, 1.5, 4.0)
+
+
+def collect(num_prompts: int, seed: int = 0, num_cpus: float = 2.0) -> dict:
+    from bench.serve import bench_checkpoint, run_load, start_app, stop_app
+    from bench.serve_dataset import DatasetConfig, ResolutionBucket, arrival_times, generate_requests
+
+    model = bench_checkpoint(Path(tempfile.gettempdir()) / "mmserve-bench-serve-qwen2_vl-v1")
+    # one resolution (a fixed token count per image), 1-2 images, no repeats: the workload the model is told
+    dataset = DatasetConfig(buckets=(ResolutionBucket(224, 224, 1.0),), max_images=2, text_only_share=0.0,
+                            repeat_share=0.0, input_len=24, output_len=16)
+    fit_alone = generate_requests(dataset, 24, seed + 1)
+    fit_loaded = generate_requests(dataset, 32, seed + 2)
+    held_out = [generate_requests(dataset, num_prompts, seed + 10 + k) for k in range(len(RATE_FACTORS))]
+    run_set: dict = {"machine": f"{num_cpus:g} CPUs", "modes": {}}
+
+    def records(specs, label: str, url: str, **load) -> list[dict]:
+        began = time.perf_counter()
+        out = asyncio.run(run_load(url, "bench", specs, load.pop("offsets", [0.0] * len(specs)), label, **load))
+        return [{**r.as_json(began), "images": len(spec.images)} for r, spec in zip(out, specs)]
+
+    for mode, (encoders, llms) in MODES.items():
+        url, _ = start_app(model, mode == "colocated", num_cpus, "float32", replicas=(max(encoders, 1), llms))
+        try:
+            records(generate_requests(dataset, 8, seed + 3), "warm-up", url, concurrency=2)
+            runs = [{"label": "fit-unloaded", "rate": None, "concurrency": 1,
+                     "requests": records(fit_alone, f"{mode} fit 1", url, concurrency=1)},
+                    {"label": "fit-loaded", "rate": None, "concurrency": FIT_LOADED_CONCURRENCY,
+                     "requests": records(fit_loaded, f"{mode} fit {FIT_LOADED_CONCURRENCY}", url,
+                                         concurrency=FIT_LOADED_CONCURRENCY)}]
+            one_at_a_time = 1000 / (sum(r["e2e_ms"] for r in runs[0]["requests"]) / len(runs[0]["requests"]))
+            rates = [round(k * one_at_a_time, 3) for k in RATE_FACTORS]
+            for rate, specs in zip(rates, held_out):
+                offsets = arrival_times(len(specs), rate, seed)
+                runs.append({"label": "held-out", "rate": rate, "concurrency": None,
+                             "requests": records(specs, f"{mode} @{rate}/s", url, offsets=offsets)})
+            middle = 1
+            runs.append({"label": "repeat", "rate": rates[middle], "concurrency": None,
+                         "requests": records(held_out[middle], f"{mode} @{rates[middle]}/s again", url,
+                                             offsets=arrival_times(len(held_out[middle]), rates[middle], seed))})
+        finally:
+            stop_app()
+        run_set["modes"][mode] = {"encoders": encoders, "llms": llms, "runs": runs}
+    return run_set
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=Path, help="validate this kept run set instead of running the app")
+    p.add_argument("--record", type=Path, help="keep the run set here (JSON)")
+    p.add_argument("--num-prompts", type=int, default=None, help="requests per held-out rate (default 120; --quick 60)")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    ns = p.parse_args(argv)
+    began = time.perf_counter()
+    if ns.runs:
+        run_set = json.loads(ns.runs.read_text())
+    else:
+        run_set = collect(ns.num_prompts or (60 if ns.quick else 120), ns.seed)
+        if ns.record:
+            ns.record.write_text(json.dumps(run_set))
+    report = validate(run_set)
+    print_validation(report)
+    summary = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in report.items() if k != "rows"}
+    summary["seconds"] = round(time.perf_counter() - began, 1)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
