@@ -118,7 +118,7 @@ class QwenVLEncoderFace(EncoderFace):
         t, h, w = prepared.layout
         if t < 2:
             return [prepared]
-        frames, per_patch = prepared.tensors[0], self.video_processor.temporal_patch_size
+        frames, per_patch = prepared.tensors[0], self.sizes.temporal_patch_size
         groups = temporal_groups(t, prepared.cost(unit) // t, budget)
         return [self._prepared(frames[a * per_patch:b * per_patch], (b - a, h, w)) for a, b in groups]
 
