@@ -6,7 +6,10 @@
 
 All variants run in this process on the same encoder and the same burst of concurrent requests
 (one image each, sizes 224^2..1024^2 scaled to the model), with the same preprocessing workers;
-only the batching differs. The last line printed is one JSON object.
+only the batching differs. The workers only decode: the processor runs with the forward, on the
+device, so "forwards alone" includes it. `queued_bytes_per_1024_image` is what the pool's queue
+(and its `max_queued_bytes` cap) holds for one 1024x1024 image. The last line printed is one JSON
+object.
 """
 
 from __future__ import annotations
@@ -118,7 +121,9 @@ async def run_serve_batch(encoder, items, max_batch_size: int, wait_s: float, wo
 
 
 def forward_seconds(encoder, items, max_tokens: int, repeat: int = 3) -> float:
-    """Device time alone: the items prepared once, forwarded in token-budget batches (best of `repeat`)."""
+    """Device time alone: the items prepared once, forwarded in token-budget batches (best of
+    `repeat`) on one worker thread, as the pool's device thread runs them (on a busy CPU the main
+    thread's forwards were up to 10x slower and as noisy)."""
     prepared = [encoder.preprocess(i) for i in items]
     batches, tokens = [[]], 0
     for p in prepared:
@@ -127,13 +132,20 @@ def forward_seconds(encoder, items, max_tokens: int, repeat: int = 3) -> float:
             tokens = 0
         batches[-1].append(p)
         tokens += p.num_tokens
-    best = float("inf")
-    for _ in range(repeat):
+    def run() -> float:
         start = time.perf_counter()
         for batch in batches:
             encoder.forward(batch)
-        best = min(best, time.perf_counter() - start)
-    return best
+        return time.perf_counter() - start
+
+    with ThreadPoolExecutor(1) as device:
+        return min(device.submit(run).result() for _ in range(repeat))
+
+
+def queued_bytes_per_1024_image(encoder) -> int:
+    """Bytes the pool queues for one 1024x1024 image (`PreparedItem.num_bytes`)."""
+    item = encoder.plan(MediaItem(MediaKind.IMAGE, (image(1024, 1024, 1),)))
+    return encoder.preprocess(item).num_bytes
 
 
 def cpu_table(args) -> dict:
@@ -167,7 +179,10 @@ def cpu_table(args) -> dict:
     print(f"{'variant':38s} {'items/s':>9s} {'tokens/s':>10s} {'vs (a)':>7s}")
     for name, secs in rows:
         print(f"{name:38s} {len(items) / secs:9.1f} {tokens / secs:10.0f} {t_single / secs:6.2f}x")
+    queued = queued_bytes_per_1024_image(encoder)
+    print(f"{'queued bytes per 1024^2 image':38s} {queued:9d}")
     return {
+        "queued_bytes_per_1024_image": queued,
         "items": len(items), "tokens": tokens, "vit_attention": args.vit_attention,
         "single_items_per_s": len(items) / t_single,
         "count_batch_items_per_s": len(items) / t_count,
@@ -190,6 +205,7 @@ class FullSizeTower:
 
         from encoder_service.cache import EncoderIdentity
         from encoder_service.families.qwen2_vl import QwenVLEncoderFace
+        from mmserve.families.qwen2_vl import VisionPreprocessConfig
 
         self.config = Qwen2VLVisionConfig(hidden_size=3584)  # Qwen2-VL-7B's vision tower
         self.config._attn_implementation = "sdpa"
@@ -198,11 +214,14 @@ class FullSizeTower:
             from encoder_service.vit_attention import use_packed_attention
 
             use_packed_attention(self.tower)
-        self.processor = Qwen2VLImageProcessor(max_pixels=1024 * 1024 * 2)
+        max_pixels = 1024 * 1024 * 2
         self.identity = EncoderIdentity("qwen2-vl-random", "random", "default", str(dtype))
-        # the real face's forward and split, without a checkpoint directory for its processors
+        # the real face (decode in preprocess; processor, forward and split on the device), without a
+        # checkpoint directory for its processors
         self._face = QwenVLEncoderFace.__new__(QwenVLEncoderFace)
         self._face.dtype, self._face.merge = dtype, self.config.spatial_merge_size
+        self._face.image_processor = Qwen2VLImageProcessor(max_pixels=max_pixels)
+        self._face.sizes = VisionPreprocessConfig(max_pixels=max_pixels)
         self.split = self._face.split
 
     def plan(self, item: MediaItem) -> EncodeItem:
@@ -210,10 +229,7 @@ class FullSizeTower:
         return EncodeItem(item, None, prepared.num_tokens)
 
     def preprocess(self, item: EncodeItem):
-        from mmserve.media import decode_image
-
-        out = self.processor(images=[decode_image(item.item.frames[0])], return_tensors="pt")
-        return self._face._prepared(out["pixel_values"], tuple(int(x) for x in out["image_grid_thw"][0].tolist()))
+        return self._face.preprocess(item.item, item.layout)
 
     @torch.inference_mode()
     def forward(self, prepared):
@@ -232,12 +248,13 @@ class FullSizeTower:
 
 def cuda_rows(args) -> dict:
     tower = FullSizeTower(torch.bfloat16, args.vit_attention)
-    results = {}
+    results = {"queued_bytes_per_1024_image": queued_bytes_per_1024_image(tower)}
+    print(f"queued bytes per 1024^2 image: {results['queued_bytes_per_1024_image']}")
     for side in (448, 1024):
         items = [tower.plan(MediaItem(MediaKind.IMAGE, (image(side, side, 7_000 + k),))) for k in range(args.cuda_items)]
         grid = tower.preprocess(items[0]).layout
         batch = BatchConfig(max_batch_tokens=args.cuda_batch_tokens, max_batch_items=256, batch_wait_ms=args.wait_ms)
-        # the whole burst queued at once: 64 float32 1024^2 items are ~1.2 GB of pixels
+        # the whole burst queued at once: 64 uint8 1024^2 items are ~0.2 GB of pixels
         seconds, stats = asyncio.run(run_pool(tower, items, batch, args.workers, queued_bytes=8 << 30))
         torch.cuda.synchronize()
         # the device's own rate: forwards only, prepared once

@@ -274,10 +274,10 @@ class EncoderPoolArgs(_QueuedWorkScaling):
     cost_unit: Literal["tokens", "patches"] = "tokens"
     skip_ahead: bool = False
     max_skips: int = Field(default=4, ge=0, description="skip-ahead fairness: times one item may be overtaken")
-    preprocess_workers: int = Field(default=4, ge=1, description="threads decoding/resizing/patchifying media")
+    preprocess_workers: int = Field(default=4, ge=1, description="threads decoding media (the processor runs on the device)")
     cache_bytes: int = Field(default=1 << 30, ge=0, description="embedding cache bound per replica; 0 = off")
     max_queued_bytes: int = Field(
-        default=1 << 30, ge=1, description="preprocessed pixels queued per replica; over it items are refused (503)"
+        default=1 << 30, ge=1, description="decoded (uint8) pixels queued per replica; over it items are refused (503)"
     )
     target_queued_tokens_per_replica: int = Field(default=32768, ge=1)
 

@@ -5,14 +5,19 @@ any number of concurrent requests from one asyncio event loop:
 
     encode(items) -> cache hit?  -> embedding (items come with the router face's layout and cost)
                   -> in flight?  -> share that item's future (dedup)
-                  -> preprocess on the worker pool -> queue (over budget: the face splits it)
+                  -> decode on the worker pool -> queue (over budget: the face splits it)
     scheduler     -> select_batch (token budget, wait at most batch_wait_ms)
-                  -> one packed forward on the device thread -> split per item -> cache
+                  -> on the device thread: the processor (resize, normalize, patchify) and one
+                     packed forward, on the device -> split per item -> cache
 
-The forward of one batch overlaps the preprocessing of the next. An item that fails (corrupt
-media) fails only the requests that asked for it. The preprocessed pixels waiting for the device
-are bounded by `max_queued_bytes`: an item that would go over is refused with `Overloaded`
-(one item alone is always admitted, so any item can run).
+The worker pool runs the face's `preprocess`: for every family but MiniCPM-V only the decode, so
+the queue holds decoded uint8 pixels (3 bytes a pixel: ~3.1 MB for a 1024x1024 image, against
+~25.8 MB of float32 Qwen2-VL patches); see `encoder_service.families.base`. The forward of one
+batch overlaps the decoding of the next. An item that fails (corrupt media) fails only the
+requests that asked for it. The pixels waiting for the device are bounded by `max_queued_bytes`,
+counted as the items' own tensors (`PreparedItem.num_bytes`: uint8 where the face queues uint8):
+an item that would go over is refused with `Overloaded` (one item alone is always admitted, so
+any item can run).
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ class PoolConfig:
     batch: BatchConfig = BatchConfig()
     preprocess_workers: int = 4
     cache_bytes: int = 1 << 30  # 0 disables the cache
-    max_queued_bytes: int = 1 << 30  # preprocessed pixels waiting for (or in) a forward
+    max_queued_bytes: int = 1 << 30  # queued pixels (uint8 as decoded, for most faces) waiting for or in a forward
 
     def __post_init__(self):
         if self.preprocess_workers < 1:
@@ -80,7 +85,7 @@ class PoolStats(NamedTuple):
     cache_misses: int
     dedup_hits: int
     cache_bytes: int
-    queued_bytes: int = 0  # preprocessed pixels waiting for (or in) a forward
+    queued_bytes: int = 0  # queued pixels (`PreparedItem.num_bytes`) waiting for (or in) a forward
     refused_overloaded: int = 0  # items refused because the queue was full
 
 

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from encoder_service.families.base import EncoderFace, PreparedItem
+from encoder_service.families.base import EncoderFace, PreparedItem, image_uint8, run_processor
 from mmserve.families import llava as llava_router
-from mmserve.media import MediaItem, decode_image
+from mmserve.media import MediaItem
 
 # transformers 5.x in-memory layout first, then the saved one (5.x `save_pretrained` writes the
 # legacy top-level prefixes); a tower key may also carry 4.x's `vision_model.` (hub llava-*-hf).
@@ -165,7 +165,10 @@ class LlavaVisionEncoder(nn.Module):
 
 
 class LlavaEncoderFace(EncoderFace):
-    """Fixed-size images, stacked `(B, 3, H, W)` (no packing needed: every image costs the same)."""
+    """Fixed-size images, stacked `(B, 3, H, W)` (no packing needed: every image costs the same).
+
+    An image waits for the device decoded, as uint8 `(3, H, W)`; the CLIP/SigLIP processor
+    (resize, crop, rescale, normalize) runs over the whole batch on the tower's device."""
 
     def __init__(self, model_dir: str, config, dtype: torch.dtype):
         from transformers import AutoProcessor
@@ -185,14 +188,17 @@ class LlavaEncoderFace(EncoderFace):
         return self.image_processor.to_json_string()
 
     def preprocess(self, item: MediaItem, layout: object) -> PreparedItem:
-        pixels = self.image_processor(images=[decode_image(item.frames[0])], return_tensors="pt")["pixel_values"]
         n = self._module.tokens_per_image
-        return PreparedItem((pixels,), None, n, n)
+        return PreparedItem((image_uint8(item.frames[0]),), None, n, n)
+
+    def pixel_values(self, batch, device: torch.device) -> torch.Tensor:
+        """`(B, 3, S, S)` float32 as the processor makes them, on `device`."""
+        images = [p.tensors[0].to(device) for p in batch]
+        return run_processor(self.image_processor, device, images=images)["pixel_values"]
 
     def forward(self, module: nn.Module, batch) -> list[tuple[torch.Tensor, ...]]:
         device = next(module.parameters()).device
-        pixels = torch.cat([p.tensors[0] for p in batch]).to(device, self.dtype)
-        return [(rows,) for rows in module(pixels).unbind(0)]
+        return [(rows,) for rows in module(self.pixel_values(batch, device).to(self.dtype)).unbind(0)]
 
 
 ENCODER_FACE = LlavaEncoderFace

@@ -8,6 +8,12 @@ patch)` and `target_sizes` `(views, 2)` patch grids. The tower attends within a 
 whole views and a batch packs every item's views into one forward
 (`MiniCPMV4_6Model.get_image_features`: tower, then the merger per view); an item's rows are its
 views' rows in order. `downsample_mode` "4x" (no ViT merger) is honored as the config sets it.
+
+Unlike the other faces, this one still runs its processor in `preprocess` (CPU threads) and
+queues float32 views: the views and their sizes (and so the token counts and `split`'s cuts) come
+out of the processor's slicing of the whole image (its best-grid search and per-view resizes), so
+uint8 pieces of a split item would each re-run the whole item's slicing on the device, and the
+face would need a second copy of that planning when no router layout comes with the item.
 """
 
 from __future__ import annotations
@@ -108,9 +114,13 @@ class MiniCPMVEncoderFace(EncoderFace):
         pieces.append(self._prepared(pixels[..., first_column:column], sizes[start:]))
         return pieces
 
+    def pixel_values(self, batch: Sequence[PreparedItem], device: torch.device) -> torch.Tensor:
+        """The batch's views packed side by side (float32, as the processor made them), on `device`."""
+        return torch.cat([p.tensors[0] for p in batch], dim=-1).to(device)
+
     def forward(self, module: nn.Module, batch: Sequence[PreparedItem]) -> list[tuple[torch.Tensor, ...]]:
         device = next(module.parameters()).device
-        pixels = torch.cat([p.tensors[0] for p in batch], dim=-1).to(device, self.dtype)
+        pixels = self.pixel_values(batch, device).to(self.dtype)
         sizes = torch.cat([p.tensors[1] for p in batch]).to(device)
         views = module(pixels, sizes)
         out, start = [], 0

@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 from encoder_service.batching import temporal_groups
-from encoder_service.families.base import EncoderFace, PreparedItem
+from encoder_service.families.base import EncoderFace, PreparedItem, image_uint8, run_processor, video_uint8
 from encoder_service.vit_attention import use_packed_attention
 from mmserve.checkpoint import strip_prefix
-from mmserve.media import MediaItem, MediaKind, decode_image, video_frames
+from mmserve.families import qwen2_vl as router
+from mmserve.media import MediaItem, MediaKind
 
 # Legacy checkpoints (every released Qwen2-VL) name the tower `visual.*`; transformers >= 4.52
 # in-memory layout is `model.visual.*`.
@@ -19,7 +20,17 @@ VISION_PREFIXES = ("visual.", "model.visual.")
 
 
 class QwenVLEncoderFace(EncoderFace):
-    """Images and videos as flat patches, one packed varlen forward (`cu_seqlens`, no padding)."""
+    """Images and videos as flat patches, one packed varlen forward (`cu_seqlens`, no padding).
+
+    An item waits for the device as its decoded uint8 frames, `(3, H, W)` for an image and
+    `(T, 3, H, W)` for a video, with its patch grid as `layout`; `forward` runs the processors on
+    the tower's device. A video is resized to its grid's size (then processed with
+    `do_resize=False`), as its processor resizes the whole video: a streamed group or a split piece
+    of frames is sized as the whole video, not as those frames alone would be (Qwen3-VL's size
+    depends on the number of frames).
+    """
+
+    video_grid = staticmethod(router.video_grid)  # the video processor's sizing (Qwen3-VL's differs)
 
     def __init__(self, model_dir: str, config, dtype: torch.dtype):
         from transformers import AutoProcessor
@@ -30,6 +41,7 @@ class QwenVLEncoderFace(EncoderFace):
         self.image_processor = processor.image_processor
         self.video_processor = processor.video_processor
         self.merge = int(config.vision_config.spatial_merge_size)
+        self.sizes = router.read_preprocess_config(model_dir)  # the processors' sizing rules
 
     def rename(self, key: str) -> str | None:
         return strip_prefix(key, VISION_PREFIXES)
@@ -52,57 +64,72 @@ class QwenVLEncoderFace(EncoderFace):
     def preprocess_fingerprint(self) -> str:
         return self.image_processor.to_json_string() + self.video_processor.to_json_string()
 
-    def _prepared(self, pixels: torch.Tensor, grid: tuple[int, int, int]) -> PreparedItem:
+    def _prepared(self, frames: torch.Tensor, grid: tuple[int, int, int]) -> PreparedItem:
         t, h, w = grid
-        return PreparedItem((pixels,), grid, t * h * w // (self.merge * self.merge), t * h * w)
+        return PreparedItem((frames,), grid, t * h * w // (self.merge * self.merge), t * h * w)
 
     def preprocess(self, item: MediaItem, layout) -> PreparedItem:
-        """Decode (EXIF orientation applied) and run the checkpoint's image/video processor."""
+        """Decode (EXIF orientation applied) to uint8. The grid is the router's (`layout`: a
+        streamed group's carries the whole video's frame size) or, without one, the processors'
+        sizing of the decoded frames; an image's is checked against its decoded size."""
         if item.kind is MediaKind.IMAGE:
-            out = self.image_processor(images=[decode_image(item.frames[0])], return_tensors="pt")
-            pixels, grid = out["pixel_values"], out["image_grid_thw"]
-        elif item.decoded is not None and layout is not None:
-            # sized as the router planned it: a streamed video's group of frames is resized as
-            # the whole video is (the processor would size a few frames alone differently)
-            patch = self.video_processor.patch_size
-            frames = resized_frames(self.video_processor, item.decoded.pixels, layout.grid[1] * patch,
-                                    layout.grid[2] * patch)
-            out = self.video_processor(videos=[frames], do_sample_frames=False, do_resize=False, return_tensors="pt")
-            pixels, grid = out["pixel_values_videos"], out["video_grid_thw"]
+            frames = image_uint8(item.frames[0])
+            grid = router.image_grid(frames.shape[1], frames.shape[2], self.sizes)
+            if layout is not None and grid != layout.grid:  # the router sized it from the header
+                raise RuntimeError(f"decoded image's grid {grid} differs from the router's {layout.grid}")
+            return self._prepared(frames, grid)
+        frames = video_uint8(item)
+        count, _, height, width = frames.shape
+        if layout is None:
+            return self._prepared(frames, self.video_grid(count, height, width, self.sizes))
+        if layout.grid[0] != -(-count // self.sizes.temporal_patch_size):
+            raise RuntimeError(f"{count} frames for the router's grid {layout.grid}")
+        return self._prepared(frames, layout.grid)
+
+    def pixel_values(self, batch: Sequence[PreparedItem], device: torch.device) -> torch.Tensor:
+        """The batch's patches as the processors make them (float32), packed in order, on `device`."""
+        return torch.cat([self._patches(p, device) for p in batch])
+
+    def _patches(self, prepared: PreparedItem, device: torch.device) -> torch.Tensor:
+        frames, grid = prepared.tensors[0].to(device), prepared.layout
+        if frames.ndim == 3:
+            out = run_processor(self.image_processor, device, images=[frames])
+            patches, made = out["pixel_values"], out["image_grid_thw"]
         else:
-            out = self.video_processor(videos=[video_frames(item)], do_sample_frames=False, return_tensors="pt")
-            pixels, grid = out["pixel_values_videos"], out["video_grid_thw"]
-        grid = tuple(int(x) for x in grid[0].tolist())
-        if layout is not None and grid != layout.grid:  # the router sized it from the header
-            raise RuntimeError(f"processor grid {grid} differs from the router's {layout.grid}")
-        return self._prepared(pixels, grid)
+            patch = self.video_processor.patch_size
+            frames = resized_frames(self.video_processor, frames, grid[1] * patch, grid[2] * patch)
+            out = run_processor(self.video_processor, device, videos=[frames], do_resize=False,
+                                do_sample_frames=False)
+            patches, made = out["pixel_values_videos"], out["video_grid_thw"]
+        if tuple(made[0].tolist()) != grid:
+            raise RuntimeError(f"processor grid {tuple(made[0].tolist())} differs from the planned {grid}")
+        return patches
 
     def forward(self, module: nn.Module, batch: Sequence[PreparedItem]) -> list[tuple[torch.Tensor, ...]]:
-        pixels = torch.cat([p.tensors[0] for p in batch])
         device = next(module.parameters()).device
         grid_thw = torch.tensor([p.layout for p in batch], dtype=torch.long, device=device)
-        merged = module(pixels.to(device, self.dtype), grid_thw=grid_thw).pooler_output
+        merged = module(self.pixel_values(batch, device).to(self.dtype), grid_thw=grid_thw).pooler_output
         return [(out,) for out in torch.split(merged, [p.num_tokens for p in batch])]
 
     def split(self, prepared: PreparedItem, budget: int, unit: str) -> list[PreparedItem]:
-        """Groups of whole temporal patches: the ViT attends only within a temporal patch, so the
-        groups' outputs concatenated equal the whole item's (rows are temporal-patch-major)."""
+        """Groups of whole temporal patches (`temporal_patch_size` frames each, the last one padded
+        by the processor as in the whole video): the ViT attends only within a temporal patch, so
+        the groups' outputs concatenated equal the whole item's (rows are temporal-patch-major)."""
         t, h, w = prepared.layout
         if t < 2:
             return [prepared]
-        pixels = prepared.tensors[0]
+        frames, per_patch = prepared.tensors[0], self.sizes.temporal_patch_size
         groups = temporal_groups(t, prepared.cost(unit) // t, budget)
-        return [self._prepared(pixels[a * h * w:b * h * w], (b - a, h, w)) for a, b in groups]
+        return [self._prepared(frames[a * per_patch:b * per_patch], (b - a, h, w)) for a, b in groups]
 
 
-def resized_frames(processor, pixels, height: int, width: int) -> torch.Tensor:
-    """(frames, 3, height, width) uint8: `pixels` (frames, H, W, 3) resized by the processor's
-    own resize op, as its `_preprocess` resizes a whole video to the size it computed."""
+def resized_frames(processor, frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """`frames` (T, 3, H, W) uint8 resized to (T, 3, height, width) by the video processor's own
+    resize op, as its `_preprocess` resizes a whole video to the size it computed."""
     from transformers.image_utils import SizeDict
 
-    video = torch.from_numpy(pixels).permute(0, 3, 1, 2).contiguous()[None]  # (1, T, C, H, W), stacked as there
     resize = super(type(processor), processor).resize
-    return resize(image=video, size=SizeDict(height=height, width=width), resample=processor.resample)[0]
+    return resize(image=frames[None], size=SizeDict(height=height, width=width), resample=processor.resample)[0]
 
 
 ENCODER_FACE = QwenVLEncoderFace

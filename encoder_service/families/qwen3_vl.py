@@ -16,9 +16,12 @@ from torch import nn
 
 from encoder_service.families.base import PreparedItem
 from encoder_service.families.qwen2_vl import QwenVLEncoderFace
+from mmserve.families import qwen3_vl as router
 
 
 class Qwen3VLEncoderFace(QwenVLEncoderFace):
+    video_grid = staticmethod(router.video_grid)
+
     def build(self) -> nn.Module:
         from transformers.initialization import no_init_weights
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
@@ -27,10 +30,9 @@ class Qwen3VLEncoderFace(QwenVLEncoderFace):
             return Qwen3VLVisionModel._from_config(self.config.vision_config, dtype=self.dtype)
 
     def forward(self, module: nn.Module, batch: Sequence[PreparedItem]) -> list[tuple[torch.Tensor, ...]]:
-        pixels = torch.cat([p.tensors[0] for p in batch])
         device = next(module.parameters()).device
         grid_thw = torch.tensor([p.layout for p in batch], dtype=torch.long, device=device)
-        out = module(pixels.to(device, self.dtype), grid_thw=grid_thw)
+        out = module(self.pixel_values(batch, device).to(self.dtype), grid_thw=grid_thw)
         sizes = [p.num_tokens for p in batch]
         parts = [torch.split(out.pooler_output, sizes)] + [torch.split(f, sizes) for f in out.deepstack_features]
         return [tuple(part[i] for part in parts) for i in range(len(batch))]

@@ -7,6 +7,14 @@ global view is a sub-item for the token budget: `split` cuts an image into runs 
 outputs, concatenated in order, equal the whole image's. A batch stacks all its crops in one
 forward and all its global views in another (two fixed shapes).
 
+An image waits for the device decoded, as uint8 `(3, H, W)` (the crop count is the processor's
+own `get_number_of_image_patches`); the processor cuts and normalises its views on the tower's
+device. The views of an image come from resizing the whole image, so every piece of a split
+image holds (and the pool's byte cap counts) the whole uint8 image, and its views are made anew
+for each piece: only images over the token budget pay that, and uint8 is still smaller than the
+float32 views of one crop run for any image the processor does not scale down (3 bytes a source
+pixel against 12 a view pixel).
+
 Checkpoints in the hub layout (what `save_pretrained` writes: `vision_model.transformer.resblocks.*`
 with a fused `attn.in_proj_*`, `vit_large_projector.weight`) are converted on load as transformers'
 `step3p5_vision` conversion mapping does (rename, unfuse q/k/v, RoPE permutation of q/k); the
@@ -22,9 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from encoder_service.families.base import EncoderFace, PreparedItem
+from encoder_service.families.base import EncoderFace, PreparedItem, image_uint8, run_processor
 from mmserve.errors import InvalidRequest
-from mmserve.media import MediaItem, MediaKind, decode_image
+from mmserve.media import MediaItem, MediaKind
 
 _HUB_VISION_RENAMES = (
     (r"^conv1\.weight", "embeddings.patch_embedding.weight"),
@@ -116,11 +124,12 @@ class Step3VisionEncoder(nn.Module):
 
 @dataclass(frozen=True)
 class Views:
-    """A run of one image's views: `crops` local crops (of the item's, in order), then the global
-    view when `has_global`."""
+    """A run of one image's views: local crops `first..first + crops` (of the image's, in order),
+    then the global view when `has_global`."""
 
     crops: int
     has_global: bool
+    first: int = 0
 
 
 class Step3EncoderFace(EncoderFace):
@@ -145,56 +154,66 @@ class Step3EncoderFace(EncoderFace):
     def preprocess_fingerprint(self) -> str:
         return self.image_processor.to_json_string()
 
-    def _prepared(self, crops: torch.Tensor, global_view: torch.Tensor) -> PreparedItem:
-        views = Views(crops.shape[0], global_view.shape[0] > 0)
+    def _prepared(self, image: torch.Tensor, views: Views) -> PreparedItem:
         tokens = views.crops * self.crop_tokens + views.has_global * self.global_tokens
         patches = views.crops * self.crop_patches + views.has_global * self.global_patches
-        return PreparedItem((crops, global_view), views, tokens, patches)
+        return PreparedItem((image,), views, tokens, patches)
 
     def preprocess(self, item: MediaItem, layout) -> PreparedItem:
         if item.kind is not MediaKind.IMAGE:
             raise InvalidRequest(f"this model takes images only, not {item.kind.value}")
-        out = self.image_processor(images=[decode_image(item.frames[0])], return_tensors="pt")
-        global_view = out["pixel_values"]
-        crops = out.get("pixel_values_local")
-        if crops is None:
-            crops = global_view.new_zeros((0, 3, self.image_processor.patch_size, self.image_processor.patch_size))
-        if layout is not None and crops.shape[0] != layout.num_crops:  # the router planned it from the header
-            raise RuntimeError(f"processor made {crops.shape[0]} crops, the router planned {layout.num_crops}")
-        return self._prepared(crops, global_view)
+        image = image_uint8(item.frames[0])
+        crops = self.image_processor.get_number_of_image_patches(image.shape[1], image.shape[2])
+        if layout is not None and crops != layout.num_crops:  # the router planned it from the header
+            raise RuntimeError(f"processor makes {crops} crops, the router planned {layout.num_crops}")
+        return self._prepared(image, Views(crops, True))
 
     def split(self, prepared: PreparedItem, budget: int, unit: str) -> list[PreparedItem]:
         """Runs of whole views (crops in order, then the global view), each within `budget` where a
         single view fits."""
-        crops, global_view = prepared.tensors
+        image, views = prepared.tensors[0], prepared.layout
         crop_cost = self.crop_tokens if unit == "tokens" else self.crop_patches
         global_cost = self.global_tokens if unit == "tokens" else self.global_patches
-        pieces, start, used = [], 0, 0
-        for index in range(crops.shape[0]):
+        pieces, start, used = [], views.first, 0
+        end = views.first + views.crops
+        for index in range(views.first, end):
             if used and used + crop_cost > budget:
-                pieces.append(self._prepared(crops[start:index], global_view[:0]))
+                pieces.append(self._prepared(image, Views(index - start, False, start)))
                 start, used = index, 0
             used += crop_cost
-        if global_view.shape[0] and used and used + global_cost > budget:
-            pieces.append(self._prepared(crops[start:], global_view[:0]))
-            start = crops.shape[0]
-        pieces.append(self._prepared(crops[start:], global_view))
+        if views.has_global and used and used + global_cost > budget:
+            pieces.append(self._prepared(image, Views(end - start, False, start)))
+            start = end
+        pieces.append(self._prepared(image, Views(end - start, views.has_global, start)))
         return pieces
 
+    def pixel_values(self, batch: Sequence[PreparedItem], device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(crops, global views) of the batch's pieces, in order, float32 `(n, 3, S, S)` as the
+        processor makes them, on `device` (one processor call over the batch's images)."""
+        out = run_processor(self.image_processor, device, images=[p.tensors[0].to(device) for p in batch])
+        size = self.image_processor.patch_size
+        crops = [torch.empty((0, 3, size, size), device=device)]
+        image_first = 0  # index of the current image's first crop in the processor's output
+        for p, made in zip(batch, out["num_local_patches"]):
+            if p.layout.crops:
+                first = image_first + p.layout.first
+                crops.append(out["pixel_values_local"][first:first + p.layout.crops])
+            image_first += int(made)
+        global_views = out["pixel_values"][[i for i, p in enumerate(batch) if p.layout.has_global]]
+        return torch.cat(crops), global_views
+
     def forward(self, module: nn.Module, batch: Sequence[PreparedItem]) -> list[tuple[torch.Tensor, ...]]:
+        """All crops of the batch in one forward, all global views in another; an item's rows are
+        its crops' rows then its global view's."""
         device = next(module.parameters()).device
-        rows = []
-        for which in (0, 1):  # all crops of the batch in one forward, all global views in another
-            views = torch.cat([p.tensors[which] for p in batch])
-            out = module(views.to(device, self.dtype)) if views.shape[0] else None
-            counts = [p.tensors[which].shape[0] for p in batch]
-            rows.append([] if out is None else list(torch.split(out, counts)))
-            if out is None:
-                rows[-1] = [None] * len(batch)
-        result = []
-        for crops, global_rows in zip(*rows):
-            parts = [t.reshape(-1, t.shape[-1]) for t in (crops, global_rows) if t is not None and t.shape[0]]
-            result.append((torch.cat(parts),))
+        views = self.pixel_values(batch, device)
+        crop_rows, global_rows = (module(v.to(self.dtype)) if v.shape[0] else v for v in views)
+        result, crop, glob = [], 0, 0
+        for p in batch:
+            run: Views = p.layout
+            parts = [crop_rows[crop:crop + run.crops], global_rows[glob:glob + run.has_global]]
+            crop, glob = crop + run.crops, glob + run.has_global
+            result.append((torch.cat([t.reshape(-1, t.shape[-1]) for t in parts if t.shape[0]]),))
         return result
 
 

@@ -62,6 +62,13 @@ def video_resize(num_frames: int, height: int, width: int, cfg: VisionPreprocess
     return h_bar, w_bar
 
 
+def video_grid(num_frames: int, height: int, width: int, cfg: VisionPreprocessConfig) -> tuple[int, int, int]:
+    """(t, h, w) patch grid of a Qwen3-VL video: frames padded to whole temporal patches."""
+    h, w = video_resize(num_frames, height, width, cfg)
+    t = -(-num_frames // cfg.temporal_patch_size)
+    return t, h // cfg.patch_size, w // cfg.patch_size
+
+
 def group_timestamps(frame_seconds: Sequence[float], temporal_patch_size: int) -> list[float]:
     """Seconds of each temporal group (the processor's `_calculate_timestamps`: the last frame
     repeated to fill the last group, a group's time the mean of its first and last frame's)."""
@@ -101,9 +108,7 @@ class Qwen3VLRouterFace(QwenVLRouterFace):
         cfg = self.preprocess
         if item.kind is MediaKind.IMAGE:
             return QwenLayout(image_grid(height, width, cfg))
-        h, w = video_resize(item.num_frames, height, width, cfg)
-        t = -(-item.num_frames // cfg.temporal_patch_size)
-        return QwenLayout((t, h // cfg.patch_size, w // cfg.patch_size))
+        return QwenLayout(video_grid(item.num_frames, height, width, cfg))
 
     def expand(self, item: MediaItem, max_pixels: int) -> ItemExpansion:
         if item.kind is MediaKind.IMAGE:
