@@ -3,7 +3,9 @@
 For each mode (disaggregated: 1 encoder + 1 LLM replica; colocated: 2 LLM replicas), on the bench
 checkpoint and this machine's CPUs, it runs `bench serve`'s load:
 - two fit runs: one request at a time, then `FIT_LOADED_CONCURRENCY` at a time;
-- three held-out Poisson rates (`RATE_FACTORS` x the one-at-a-time rate), the last past saturation;
+- a flood, `SATURATING_CONCURRENCY` at a time: its throughput (the app's capacity on this box)
+  only places the held-out rates;
+- three held-out Poisson rates (`RATE_FACTORS` x that capacity), the last past saturation;
 - the middle held-out rate once more, with the same requests (the noise floor).
 `mmserve.capacity.validate` fits a profile on the fit runs only, simulates the held-out rates and
 reports the relative errors. The last line is one JSON object with `max_rel_error`,
@@ -24,10 +26,11 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mmserve.capacity import FIT_LOADED_CONCURRENCY, print_validation, validate  # noqa: E402
+from mmserve.capacity import FIT_LOADED_CONCURRENCY, observed, print_validation, validate  # noqa: E402
 
 MODES = {"disaggregated": (1, 1), "colocated": (0, 2)}  # (encoder, LLM) replicas: two of them either way
-RATE_FACTORS = (0.5, 1.5, 4.0)
+SATURATING_CONCURRENCY = 12
+RATE_FACTORS = (0.4, 0.8, 2.0)  # x the capacity the saturated fit run measured
 
 
 def collect(num_prompts: int, seed: int = 0, num_cpus: float = 2.0) -> dict:
@@ -40,6 +43,7 @@ def collect(num_prompts: int, seed: int = 0, num_cpus: float = 2.0) -> dict:
                             repeat_share=0.0, input_len=24, output_len=16)
     fit_alone = generate_requests(dataset, 24, seed + 1)
     fit_loaded = generate_requests(dataset, 32, seed + 2)
+    fit_flood = generate_requests(dataset, 4 * SATURATING_CONCURRENCY, seed + 4)
     held_out = [generate_requests(dataset, num_prompts, seed + 10 + k) for k in range(len(RATE_FACTORS))]
     run_set: dict = {"machine": f"{num_cpus:g} CPUs", "modes": {}}
 
@@ -57,8 +61,11 @@ def collect(num_prompts: int, seed: int = 0, num_cpus: float = 2.0) -> dict:
                     {"label": "fit-loaded", "rate": None, "concurrency": FIT_LOADED_CONCURRENCY,
                      "requests": records(fit_loaded, f"{mode} fit {FIT_LOADED_CONCURRENCY}", url,
                                          concurrency=FIT_LOADED_CONCURRENCY)}]
-            one_at_a_time = 1000 / (sum(r["e2e_ms"] for r in runs[0]["requests"]) / len(runs[0]["requests"]))
-            rates = [round(k * one_at_a_time, 3) for k in RATE_FACTORS]
+            runs.append({"label": "fit-saturated", "rate": None, "concurrency": SATURATING_CONCURRENCY,
+                         "requests": records(fit_flood, f"{mode} fit {SATURATING_CONCURRENCY}", url,
+                                             concurrency=SATURATING_CONCURRENCY)})
+            capacity = observed(runs[-1]["requests"])["throughput"]
+            rates = [round(k * capacity, 3) for k in RATE_FACTORS]
             for rate, specs in zip(rates, held_out):
                 offsets = arrival_times(len(specs), rate, seed)
                 runs.append({"label": "held-out", "rate": rate, "concurrency": None,
@@ -90,7 +97,10 @@ def main(argv: list[str] | None = None) -> int:
             ns.record.write_text(json.dumps(run_set))
     report = validate(run_set)
     print_validation(report)
-    summary = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in report.items() if k != "rows"}
+    for mode, profile in report["profiles"].items():
+        print(f"fitted {mode}: " + ", ".join(f"{k} {v:.3g}" for k, v in profile.items() if isinstance(v, float)))
+    summary = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in report.items()
+               if k not in ("rows", "profiles")}
     summary["seconds"] = round(time.perf_counter() - began, 1)
     print(json.dumps(summary))
     return 0

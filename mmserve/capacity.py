@@ -15,8 +15,9 @@ A discrete-event simulation of the app, one request at a time through its stages
 
 Service times come from a `Profile`: fitted from bench results, or a hand-written file, labelled as
 such in every output (`Profile.source`). It is a model: replica counts are fixed (no autoscaling
-delays), admission never refuses (no 429s), and a step's time is linear in its prefill tokens and
-decoding sequences.
+delays), admission never refuses (no 429s), a step's time is linear in its prefill tokens and
+decoding sequences, and each replica has its device to itself (replicas sharing a CPU box's cores
+slow each other, which the model does not see).
 
 Named apart from `mmserve.planner`, the router's per-request planner.
 """
@@ -231,14 +232,16 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: int, num_requests: int = 2000,
-             seed: int = 0, slo: SLO | None = None) -> Result:
-    """One run of `num_requests` arrivals; `num_encoders=0` is the colocated mode."""
+             seed: int = 0, slo: SLO | None = None, arrivals: list[tuple[float, int]] | None = None) -> Result:
+    """One run of `num_requests` arrivals at the workload's rate, or of the (time, images)
+    `arrivals` of a real run, replayed. `num_encoders=0` is the colocated mode."""
     rng = random.Random(seed)
     sim = Simulator()
     encoders = (BatchStation(sim, num_encoders, lambda tokens, items: profile.encode_seconds(tokens, items),
                              max_cost=profile.max_batch_tokens) if num_encoders else None)
-    llms = [_LLMReplica(sim, profile) for _ in range(num_llms)]
     requests: list[_Request] = []
+
+    llms = [_LLMReplica(sim, profile) for _ in range(num_llms)]
 
     def to_llm(request: _Request) -> None:
         min(llms, key=lambda r: r.in_flight).add(request)  # ties: the first (a stable order)
@@ -264,13 +267,15 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
 
             sim.after(profile.router_s, dispatch)
 
-    t = 0.0
-    for _ in range(num_requests):
-        t += rng.gammavariate(workload.burstiness, 1 / (workload.rate * workload.burstiness))
-        images = rng.randint(*workload.images)
-        request = _Request(t, images, workload.text_tokens + images * workload.image_tokens, workload.output_tokens)
+    if arrivals is None:
+        arrivals, t = [], 0.0
+        for _ in range(num_requests):
+            t += rng.gammavariate(workload.burstiness, 1 / (workload.rate * workload.burstiness))
+            arrivals.append((t, rng.randint(*workload.images)))
+    for at, images in arrivals:
+        request = _Request(at, images, workload.text_tokens + images * workload.image_tokens, workload.output_tokens)
         requests.append(request)
-        sim.at(t, lambda request=request: arrive(request))
+        sim.at(at, lambda request=request: arrive(request))
     sim.run()
 
     ttft = [r.first_token - r.arrival for r in requests]
@@ -378,8 +383,9 @@ def _cell_goodput(profile: Profile, workload: Workload, slo: SLO, cell: int, num
 
 # -- validation against real runs (`mmserve plan --validate`) ----------------------------------------
 # A run set (bench/plan_validate.py writes it): {"modes": {mode: {"encoders": E, "llms": L, "runs": [
-#   {"label": "fit-unloaded" | "fit-loaded" | "held-out" | "repeat", "rate": r or null,
+#   {"label": "fit-unloaded" | "fit-loaded" | "fit-saturated" | "held-out" | "repeat", "rate": r or null,
 #    "concurrency": k or null, "requests": [bench serve's per-request records + "images"]}]}}}
+# Fitting reads the first two fit runs; "fit-saturated" (the app flooded) only sets the held-out rates.
 FIT_LOADED_CONCURRENCY = 4
 
 
@@ -402,6 +408,7 @@ def fit_profile(mode: str, runs: list[dict]) -> tuple[Profile, dict]:
     alone, loaded = by_label["fit-unloaded"], by_label["fit-loaded"]
     requests = alone + loaded
     text_tokens, image_tokens = _least_squares([[1, r["images"]] for r in requests], [r["input_tokens"] for r in requests])
+    image_tokens = round(image_tokens)  # a whole number of placeholder tokens per image
 
     def ms(r: dict, stage: str) -> float:
         return r["stage_ms"].get(stage, 0.0) / 1000
@@ -431,7 +438,7 @@ def fit_profile(mode: str, runs: list[dict]) -> tuple[Profile, dict]:
         step_s=step_s, decode_seq_s=decode_seq_s, prefill_token_s=max(0.0, prefill_token_s),
         max_batched_tokens=2048, max_num_seqs=64,  # the engine's defaults (EngineArgs)
     )
-    shape = {"image_tokens": round(image_tokens), "text_tokens": round(text_tokens),
+    shape = {"image_tokens": image_tokens, "text_tokens": round(text_tokens),
              "output_tokens": round(statistics.fmean(r["output_tokens"] for r in requests))}
     return profile, shape
 
@@ -444,26 +451,23 @@ def observed(requests: list[dict]) -> dict:
     return {"throughput": len(done) / span, "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99)}
 
 
-def predicted(profile: Profile, workload: Workload, encoders: int, llms: int, num_requests: int,
-              seeds: int = 5) -> dict:
-    """The same figures from the simulation, averaged over `seeds` runs of the real run's length."""
-    results = [simulate(profile, workload, encoders, llms, num_requests, seed) for seed in range(seeds)]
-    return {"throughput": statistics.fmean(r.throughput for r in results),
-            "ttft_p50_s": statistics.fmean(r.ttft_p50_s for r in results),
-            "ttft_p99_s": statistics.fmean(r.ttft_p99_s for r in results)}
+def predicted(profile: Profile, shape: dict, requests: list[dict], encoders: int, llms: int) -> dict:
+    """The same figures from the simulation, replaying the real run's arrivals (times, images)."""
+    arrivals = sorted((r["send_s"], r["images"]) for r in requests)
+    result = simulate(profile, Workload(rate=1.0, **shape), encoders, llms, arrivals=arrivals)
+    return {"throughput": result.throughput, "ttft_p50_s": result.ttft_p50_s, "ttft_p99_s": result.ttft_p99_s}
 
 
 def validate(run_set: dict) -> dict:
     """Fit each mode on its fit runs, predict its held-out rates, and compare (relative errors)."""
-    rows, spreads, saturated_errors = [], [], []
+    rows, spreads, saturated_errors, fitted = [], [], [], {}
     for mode, entry in run_set["modes"].items():
         profile, shape = fit_profile(mode, entry["runs"])
         held_out = [run for run in entry["runs"] if run["label"] == "held-out"]
+        fitted[mode] = asdict(profile)
         for run in held_out:
-            images = sorted({r["images"] for r in run["requests"]})
-            workload = Workload(rate=run["rate"], images=(images[0], images[-1]), **shape)
             real = observed(run["requests"])
-            model = predicted(profile, workload, entry["encoders"], entry["llms"], len(run["requests"]))
+            model = predicted(profile, shape, run["requests"], entry["encoders"], entry["llms"])
             errors = {k: abs(model[k] - real[k]) / real[k] for k in real}
             saturated = real["throughput"] < 0.9 * run["rate"]
             if saturated:
@@ -475,7 +479,7 @@ def validate(run_set: dict) -> dict:
             a, b = observed(twin["requests"]), observed(run["requests"])
             spreads.append(max(abs(a[k] - b[k]) / max(a[k], b[k]) for k in a))
     return {
-        "rows": rows,
+        "rows": rows, "profiles": fitted,
         "max_rel_error": max(max(r["rel_error"]["throughput"], r["rel_error"]["ttft_p50_s"]) for r in rows),
         "max_rel_error_p99_ttft": max(r["rel_error"]["ttft_p99_s"] for r in rows),
         "saturated_point_rel_error": max(saturated_errors) if saturated_errors else None,

@@ -121,3 +121,48 @@ def test_a_profile_with_an_unknown_field_is_refused(tmp_path):
     with pytest.raises(ValueError, match="encode_tokens_s"):
         load_profile(str(bad))
     assert load_profile(HAND).source.startswith("hand-written")
+
+
+def _records(stage, n: int = 24) -> list[dict]:
+    """Requests of 1-2 images (64 tokens each) and 20-28 text tokens, their stage times from `stage`."""
+    out = []
+    for i in range(n):
+        images, text = 1 + i % 2, 20 + i % 9
+        prompt = text + 64 * images
+        stages = stage(images * 64, prompt)
+        out.append({"send_s": i * 0.5, "ttft_ms": stages["ttft_ms"], "e2e_ms": stages["ttft_ms"] + 100,
+                    "output_tokens": 17, "input_tokens": prompt, "images": images, "stage_ms": stages})
+    return out
+
+
+def test_the_fit_recovers_the_stage_times_it_was_given():
+    from mmserve.capacity import fit_profile
+
+    def alone(image_tokens, prompt):  # 10 ms + 0.5 ms a token to encode, 0.1 ms a prompt token, 3 ms a step
+        embeddings, prefill = 10 + 0.5 * image_tokens, 3 + 0.1 * prompt
+        return {"router_ms": 5, "embeddings_ms": embeddings, "prefill_queue_ms": 1, "prefill_ms": prefill,
+                "decode_ms": 16 * 3.0, "ttft_ms": 12 + embeddings + 1 + prefill}
+
+    def loaded(image_tokens, prompt):  # 4 at a time: 3 ms + 3 x 0.5 ms a step
+        return {**alone(image_tokens, prompt), "decode_ms": 16 * 4.5}
+
+    runs = [{"label": "fit-unloaded", "requests": _records(alone)}, {"label": "fit-loaded", "requests": _records(loaded)}]
+    profile, shape = fit_profile("disaggregated", runs)
+    assert shape["image_tokens"] == 64 and abs(shape["text_tokens"] - 24) <= 1 and shape["output_tokens"] == 17
+    assert profile.encode_batch_s == pytest.approx(0.010) and profile.encode_token_s == pytest.approx(0.0005)
+    assert profile.prefill_token_s == pytest.approx(0.0001) and profile.router_s == pytest.approx(0.012)
+    assert profile.decode_seq_s == pytest.approx(0.0005) and profile.step_s == pytest.approx(0.0025)
+    colocated, _ = fit_profile("colocated", runs)  # encode + prefill in one replica: one fit over both
+    assert colocated.encode_token_s == pytest.approx(0.0005) and colocated.prefill_token_s == pytest.approx(0.0001)
+
+
+def test_validate_on_a_kept_run_set_reports_every_held_out_rate(capsys):
+    from bench.plan_validate import main as validate_main
+
+    assert validate_main(["--runs", str(ROOT / "tests" / "data" / "plan_runs.json")]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(out[-1])
+    for key in ("max_rel_error", "max_rel_error_p99_ttft", "saturated_point_rel_error", "real_run_spread"):
+        assert isinstance(summary[key], float) and summary[key] >= 0
+    rows = [line.split() for line in out if line.startswith(("disaggregated", "colocated"))]
+    assert len(rows) == 6 and {r[2] for r in rows} >= {"yes"}  # 3 rates x 2 modes, one of them saturated
