@@ -31,7 +31,9 @@ SMALLEST = {
 ELSEWHERE = {"serve.py": "tests/test_bench_serve.py", "soak.py": "minutes long: run by hand",
              "ingress.py": "minutes (a server per mode): tests/test_ingress_modes.py launches the modes",
              "transfer.py": "tests/test_gpu_report.py (the report's serve part runs its smallest run)",
-             "gpu_report.py": "tests/test_gpu_report.py (its runs append to a results file)"}
+             "gpu_report.py": "tests/test_gpu_report.py (its runs append to a results file)",
+             "plan_validate.py": "tests/test_capacity.py validates a kept run set (--runs); collecting one "
+                                 "takes minutes of real runs"}
 
 
 def _run(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess:

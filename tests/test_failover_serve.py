@@ -111,25 +111,32 @@ def _ongoing(replica) -> int:
 
 
 def _kill_llm_mid_stream(app: str, replicas: int):
-    """Kills one LLM replica once every stream has sent >= 2 tokens and has >= 8 left; returns the
-    number of requests it held, or None when the window was missed."""
+    """Kills the LLM replica holding the most streams once every stream has sent >= 2 tokens and
+    has >= 8 left; returns the number of requests it held, or None when the window was missed.
+
+    Affinity routing may put every stream on one replica, and a replica killed by an earlier
+    attempt may still be listed (restarting) beside its replacement: the replicas are read again
+    until the ones listed hold every stream, so the victim is one that Serve routes to."""
     import ray
 
     def watch(outputs: list[list[int]]) -> int | None:
-        deadline = time.monotonic() + 60  # a replica killed by an earlier attempt may still be coming back
-        while len(found := _replicas(app, "LLM")) != replicas and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert len(found) == replicas, found
-        victim = found[0]
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             counts = [len(o) for o in outputs]
             if any(c > MAX_TOKENS - 8 for c in counts):
                 return None  # missed the window
             if all(c >= 2 for c in counts):
-                held = _ongoing(victim)
-                ray.kill(victim, no_restart=False)
-                return held
+                found = _replicas(app, "LLM")
+                held = {}
+                for replica in found:
+                    try:
+                        held[replica] = _ongoing(replica)
+                    except Exception:  # a replica killed by an earlier attempt, gone meanwhile
+                        pass
+                if len(held) == replicas and sum(held.values()) == len(outputs):
+                    victim = max(held, key=held.get)
+                    ray.kill(victim, no_restart=False)
+                    return held[victim]
             time.sleep(0.002)
         return None
 
