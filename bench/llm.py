@@ -4,6 +4,7 @@
     python bench/llm.py --device cuda        # full-size Qwen2-VL-2B LM config (random weights)
     python bench/llm.py --hybrid-prefix      # hybrid LM: TTFT with state snapshots on vs off
     python bench/llm.py --hybrid-prefix --quick    # the same, smaller prompt (seconds)
+    python bench/llm.py --breakdown          # per-step time by phase, overlap off and on (bench/llm_breakdown.py)
 
 (a) `generate` serves the requests one at a time (what a replica without batching does);
 (b) the engine gets all of them at once. The last line printed is one JSON object.
@@ -244,6 +245,23 @@ def decode_ms_per_step(engine: LLMEngine, batch: int, context: int, tokens: int,
     return 1000 * sum(gaps) / max(len(gaps), 1)
 
 
+def bench_breakdown(args) -> None:
+    from bench import llm_breakdown
+
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    model_dir = Path(args.model) if args.model else random_checkpoint(
+        "small" if args.device == "cpu" else "2b", dtype, args.device)
+    lm = LanguageModel(model_dir, dtype=str(dtype).removeprefix("torch."), device=args.device)
+    rows = llm_breakdown.run(lm, args.prompt_len, args.steps)
+    llm_breakdown.print_table(rows)
+    result = {"device": args.device, "model": model_dir.name, "prompt_len": args.prompt_len, "steps": args.steps,
+              **llm_breakdown.summary(rows)}
+    if not args.model:
+        shutil.rmtree(model_dir, ignore_errors=True)
+    print(json.dumps(result))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -259,9 +277,15 @@ def main() -> None:
                     help="hybrid LM: TTFT of a request sharing a system prompt + image, state snapshots on vs off")
     ap.add_argument("--quick", action="store_true", help="--hybrid-prefix with a 256 + 64 + 16-token prompt")
     ap.add_argument("--repeats", type=int, default=3, help="--hybrid-prefix: request pairs per setting (median)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="per-step time by phase (decode at batch 1, 8, 64 and a mixed step), overlap off and on")
+    ap.add_argument("--steps", type=int, default=32, help="--breakdown: steps measured per case")
     args = ap.parse_args()
     if args.hybrid_prefix:
         bench_hybrid_prefix(args.quick, args.repeats)
+        return
+    if args.breakdown:
+        bench_breakdown(args)
         return
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16

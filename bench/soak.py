@@ -24,7 +24,6 @@ import json
 import os
 import random
 import socket
-import statistics
 import sys
 import tempfile
 import threading

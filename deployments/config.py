@@ -318,6 +318,10 @@ class EngineArgs(_Args):
     attention_backend: Literal["auto", "sdpa", "triton"] = Field(
         default="auto", description="auto: the Triton paged kernel on CUDA, SDPA on CPU (checked at replica start)"
     )
+    async_scheduling: bool | None = Field(
+        default=None, description="overlap engine steps (the host prepares step N+1 while the device runs step N; "
+        "stop ids and EOS apply a step late, the extra token is discarded); default: on CUDA only",
+    )
     max_waiting_tokens: int = Field(
         default=32768, ge=1, description="prompt tokens per LLM replica admitted but not prefilled yet; a "
         "request over it gets 429 + Retry-After / RESOURCE_EXHAUSTED (one request is always admitted)",
@@ -343,6 +347,7 @@ class EngineArgs(_Args):
             enable_prefix_caching=self.enable_prefix_caching,
             state_snapshot_share=self.state_snapshot_share,
             attention_backend=self.attention_backend,
+            async_scheduling=self.async_scheduling,
         )
 
 

@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from encoder_service.result_store import ResultStore
 from mmserve.embedding_wire import DEFAULT_CHUNK_BYTES, header_of, to_chunks
+from mmserve.embeddings import ItemEmbedding
 from mmserve.errors import InvalidRequest, Overloaded
 from mmserve.media import DecodedVideo, MediaItem, MediaKind
 from protos.mmserve.v1 import encoder_pb2, encoder_pb2_grpc

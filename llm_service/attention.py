@@ -39,7 +39,9 @@ class AttentionBatch:
     (None: full attention); `kv_layers` the pool index of each decoder layer's K/V when the pool
     covers only some layers (hybrid models: not the linear-attention ones), empty when it is the
     layer index itself. `gather_slots` / `masks` are the SDPA path's flat slots of every
-    sequence's context and, per window, the `(T, sum(context_lens))` allowed pairs.
+    sequence's context and, per window, the `(T, sum(context_lens))` allowed pairs; for a decode
+    step (one query per sequence) `decode_slots` `(B, S)` are instead each sequence's context
+    slots padded to the longest, and `masks` per window `(B, 1, 1, S)`.
     """
 
     kv_pool: torch.Tensor
@@ -54,6 +56,7 @@ class AttentionBatch:
     kv_layers: tuple[int | None, ...] = ()
     gather_slots: torch.Tensor | None = None
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    decode_slots: torch.Tensor | None = None
 
 
 def layer_windows(text_config, num_layers: int) -> tuple[int | None, ...]:
@@ -83,6 +86,22 @@ def sdpa_metadata(q_lens: list[int], context_lens: list[int], slot_tables: list[
     return gather, masks
 
 
+def sdpa_decode_metadata(block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
+                         block_size: int, windows=(None,)) -> tuple[torch.Tensor, dict[int | None, torch.Tensor]]:
+    """A decode step's context slots `(B, S)` (S = `max_context_len`, rows past a sequence's
+    context padded) from its block tables, and per window the `(B, 1, 1, S)` keys each query sees."""
+    blocks = -(-max_context_len // block_size)
+    offsets = torch.arange(block_size, device=block_tables.device)
+    slots = (block_tables[:, :blocks].long().unsqueeze(-1) * block_size + offsets).flatten(1)[:, :max_context_len]
+    key = torch.arange(max_context_len, device=block_tables.device)
+    last = (context_lens.long() - 1).unsqueeze(1)  # the query's own position
+    masks = {}
+    for w in set(windows):
+        mask = key <= last if w is None else (key <= last) & (key > last - w)
+        masks[w] = mask[:, None, None, :]
+    return slots, masks
+
+
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """`transformers` attention function: `query` `(1, H, T, D)`, `key`/`value` `(1, Hkv, T, D)`
     (new tokens only, rotary applied); the step's `AttentionBatch` arrives as the `paged_batch`
@@ -107,9 +126,21 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 
         out = triton_paged(q.contiguous(), k_cache, v_cache, batch.cu_seqlens_q, batch.context_lens,
                            batch.block_tables, batch.max_query_len, scaling, window)
+    elif batch.decode_slots is not None:
+        out = _sdpa_decode(q, k_cache, v_cache, batch.decode_slots, scaling, batch.masks[window])
     else:
         out = _sdpa(q, k_cache, v_cache, batch, scaling, batch.masks[window])
     return out.unsqueeze(0), None
+
+
+def _sdpa_decode(q, k_cache, v_cache, slots, scaling, mask):
+    """One query per sequence `(B, H, D)` over its own context, gathered `(B, S)` from the pool."""
+    kvh, d = k_cache.shape[-2], k_cache.shape[-1]
+    k = k_cache.view(-1, kvh, d)[slots].transpose(1, 2)  # (B, Hkv, S, D)
+    v = v_cache.view(-1, kvh, d)[slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scaling,
+                                         enable_gqa=q.shape[1] != kvh)
+    return out[:, :, 0]  # (B, H, D)
 
 
 def _sdpa(q, k_cache, v_cache, batch: AttentionBatch, scaling, mask):

@@ -27,6 +27,9 @@ class EngineConfig:
     prefixes (identical images included, by content hash) across requests. `attention_backend`:
     `auto` (Triton paged kernel on CUDA, SDPA on CPU), `sdpa` or `triton` (on CPU only under
     `TRITON_INTERPRET=1`); checked when the model runner starts, see `llm_service.attention`.
+    `async_scheduling` overlaps steps (the host prepares step N+1 while the device runs step N,
+    and reads the sampled ids a step late; see `llm_service.engine`); None: on for CUDA, where
+    the device runs behind the host, off elsewhere (a CPU runs each op as it is launched).
     """
 
     block_size: int = 16
@@ -45,6 +48,7 @@ class EngineConfig:
     max_logprobs: int = 20
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -7,6 +7,15 @@ requests give their KV blocks (and state slots, for models with linear-attention
 at once. Events leave through each request's callback. With prefix caching, models with
 linear-attention layers also keep state snapshots at prompt block boundaries
 (`llm_service.state_snapshots`): the step's sequences that stopped at one are copied there.
+
+With `async_scheduling` (on CUDA by default) steps overlap: the sampled ids stay on the device
+and feed the next step's inputs (`BatchState`), one non-blocking copy brings them to pinned host
+memory, and the host reads them one step late: it schedules, prepares and launches step N+1
+before it postprocesses step N. Stop ids, EOS and `max_tokens` are therefore applied a step
+late (`max_tokens` is known ahead: a sequence with all its tokens sampled is not scheduled
+again); a sequence that finished at step N and was already in step N+1 has that token discarded,
+never sent. Everything the device does stays in stream order, so blocks, slots and rows freed
+while a step that used them is in flight are only reused by work queued after it.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import torch
 from llm_service.config import EngineConfig
 from llm_service.model import LanguageModel
 from llm_service.model_runner import ModelRunner
-from llm_service.sampling import SampleInput, new_generator, sample
+from llm_service.sampling import DeviceSample, SamplingRows, new_generator, sample_rows
 from llm_service.scheduler import Scheduler
 from llm_service.sequence import LLMRequest, Sequence, Status, TokenEvent
 from mmserve.errors import EngineError, InvalidRequest, Overloaded
@@ -49,6 +58,37 @@ class EngineStats(NamedTuple):
     num_waiting_media: int = 0  # sequences held that cannot run until more of their media rows are in
 
 
+class StepTimes(NamedTuple):
+    """Where one `step()` call's host time went, in seconds (`LLMEngine.step_log`): scheduling
+    (admission included), preparing the inputs, launching the forward (on the CPU: running it),
+    launching the sampler, waiting for the sampled ids read here, postprocessing them (stop
+    checks, events); `device`: CUDA-event time from the forward's launch to the sampler's end
+    of the step read here (None off CUDA). With overlap the step launched and the step read
+    are consecutive ones."""
+
+    schedule: float
+    prepare: float
+    launch: float
+    sample: float
+    readback: float
+    postprocess: float
+    device: float | None
+    num_seqs: int
+    num_tokens: int
+    decode_only: bool
+
+
+class _Launched(NamedTuple):
+    """A step whose sampled ids are on their way to the host."""
+
+    seqs: list[Sequence]  # the sequences that sampled, in row order
+    rows: SamplingRows
+    tokens: torch.Tensor  # host tensors, filled by non-blocking copies
+    logprobs: DeviceSample | None
+    done: torch.cuda.Event | None  # recorded after the copies (None off CUDA)
+    began: torch.cuda.Event | None  # before the forward (step timing only)
+
+
 class LLMEngine:
     """Serves any number of concurrent requests from one model replica (thread-safe API)."""
 
@@ -59,7 +99,7 @@ class LLMEngine:
         self.snapshots = self.runner.new_snapshot_manager()  # None unless state layers + prefix caching
         self.blocks = self.runner.new_block_manager(self.snapshots.drop if self.snapshots else None)
         self.slots = self.runner.new_slot_manager()  # None unless the LM face declares state layers
-        self.scheduler = Scheduler(self.config, self.blocks, self.slots, self.snapshots)
+        self.scheduler = Scheduler(self.config, self.blocks, self.slots, self.snapshots, self.runner.batch.release)
         self._new: list[Sequence] = []
         self._aborted: set[str] = set()
         self._by_id: dict[str, Sequence] = {}
@@ -68,11 +108,14 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._stopped = False
         self._in_step: list[Sequence] = []  # the sequences of the step being run
+        self._launched: _Launched | None = None  # overlap: the step launched, not read yet
+        cfg_async = self.config.async_scheduling
+        self.overlap = self.model.device.type == "cuda" if cfg_async is None else cfg_async
+        self.step_log: list[StepTimes] | None = None  # set to a list to record `StepTimes`
         self.last_progress = time.monotonic()  # a step started or finished, or work arrived while idle
         self._idle = True  # waiting for work (or only for media rows): no step is owed
         self.num_steps = 0
         self.num_generated = 0
-        self.step_times: list[float] = []
 
     # -- public API (any thread) -------------------------------------------------------------
     def add_request(self, request: LLMRequest, emit: Callable[[TokenEvent], None], ready: int | None = None) -> None:
@@ -152,8 +195,9 @@ class LLMEngine:
         while True:
             with self._cv:
                 # idle: nothing to run, or only requests whose media rows are still on their way
-                self._idle = not (self._new or self._aborted or self.scheduler.has_work())
-                self._cv.wait_for(lambda: self._stopped or self._new or self._aborted or self.scheduler.has_work())
+                self._idle = not (self._new or self._aborted or self.scheduler.has_work() or self._launched)
+                self._cv.wait_for(lambda: self._stopped or self._new or self._aborted or self.scheduler.has_work()
+                                  or self._launched is not None)
                 self._idle = False
                 if self._stopped:
                     return
@@ -167,12 +211,18 @@ class LLMEngine:
                     event = TokenEvent(None, "error", EngineError(f"generation failed: {type(e).__name__}: {e}"))
                 # failed before a batch was chosen (admission, scheduling): nothing tells which
                 # sequences the state is still good for, so all fail
-                for seq in self._in_step or list(self._by_id.values()):
+                failed = self._in_step or list(self._by_id.values())
+                if self._launched is not None:  # the step in flight is lost with it
+                    failed = [*failed, *self._launched.seqs]
+                    self._launched = None
+                for seq in failed:
                     self._finish(seq, event)
                 self._in_step = []
 
     def step(self) -> None:
-        """Admit and abort, then schedule -> one forward -> sample -> emit."""
+        """Admit and abort, then schedule -> one forward -> sample; postprocess the sampled ids
+        (with overlap, those of the step launched before this one)."""
+        t0 = time.perf_counter()
         self.last_progress = time.monotonic()
         self._in_step = []
         self._admit()
@@ -185,26 +235,86 @@ class LLMEngine:
         for seq in out.preempted:  # alone in the pool and still too long: it can never run again
             if self.blocks.blocks_for(seq.num_tokens) > self.blocks.num_blocks:
                 self._finish(seq, TokenEvent(None, "length"))
-        if not out.scheduled:
-            return
-        start = time.perf_counter()
-        logits, rows = self.runner.execute(out.scheduled)
-        for item in out.scheduled:
+        t1 = t2 = t3 = t4 = time.perf_counter()
+        launched = None
+        if out.scheduled:
+            launched, (t2, t3, t4) = self._launch(out.scheduled)
+        if self.overlap:
+            previous, self._launched = self._launched, launched
+        else:
+            previous = launched
+        t5 = t6 = t4
+        if previous is not None:
+            t5 = self._read(previous)
+            t6 = time.perf_counter()
+        if out.scheduled:
+            self.num_steps += 1
+        self._in_step = []
+        self.last_progress = time.monotonic()
+        if self.step_log is not None and (out.scheduled or previous is not None):
+            device = None
+            if previous is not None and previous.began is not None:
+                device = previous.began.elapsed_time(previous.done) / 1000
+            decode_only = bool(out.scheduled) and all(s.num_tokens == 1 for s in out.scheduled)
+            self.step_log.append(StepTimes(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, device,
+                                           len(out.scheduled), out.num_tokens, decode_only))
+
+    def _launch(self, scheduled) -> tuple[_Launched | None, tuple[float, float, float]]:
+        """Prepare, run and sample one step; the sampled ids stay on the device (and in the rows'
+        state) and start their copy to the host. Returns it and when preparing, launching and
+        sampling ended."""
+        cuda = self.model.device.type == "cuda"
+        step = self.runner.prepare(scheduled)
+        t2 = time.perf_counter()
+        began = None
+        if cuda and self.step_log is not None:
+            began = torch.cuda.Event(enable_timing=True)
+            began.record()
+        logits = self.runner.run(step)
+        t3 = time.perf_counter()
+        for item in scheduled:
             self._register_full_blocks(item.seq, item.seq.num_computed, item.seq.num_computed + item.num_tokens)
             item.seq.num_computed += item.num_tokens
             item.seq.resume_snapshot = None  # restored by this forward
-        self.runner.save_snapshots(self.scheduler.take_snapshots(out.scheduled))
-        if rows:
-            seqs = [out.scheduled[i].seq for i in rows]
-            inputs = [SampleInput(s.request.sampling, s.generator, s.request.prompt_token_ids, s.generated) for s in seqs]
-            result = sample(logits, inputs, self.config.max_logprobs)
-            for j, seq in enumerate(seqs):
-                self._postprocess(seq, result.token_ids[j], result.logprobs[j], result.top_logprobs[j])
-        self.num_steps += 1
-        self._in_step = []
-        self.last_progress = time.monotonic()
-        self.step_times.append(time.perf_counter() - start)
-        del self.step_times[:-1000]
+        self.runner.save_snapshots(self.scheduler.take_snapshots(scheduled))
+        launched = None
+        if step.sample_rows:
+            seqs = [scheduled[i].seq for i in step.sample_rows]
+            batch = self.runner.batch
+            with torch.inference_mode():
+                # a decode samples every row, in order: its staged rows are the index
+                index = step.decode_index[:len(seqs)] if step.decode_index is not None else batch.index(seqs)
+                dtype = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
+                rows = batch.sampling_rows(seqs, index, dtype)
+                result = sample_rows(logits, rows, self.config.max_logprobs)
+                batch.record(index, result.token_ids)
+                tokens = torch.empty(len(seqs), dtype=torch.long, pin_memory=cuda)
+                tokens.copy_(result.token_ids, non_blocking=True)
+                logprobs = None
+                if result.logprobs is not None:
+                    logprobs = DeviceSample(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda).copy_(t, non_blocking=True)
+                                              for t in result))
+            done = None
+            if cuda:
+                done = torch.cuda.Event(enable_timing=began is not None)
+                done.record()
+            for seq in seqs:
+                seq.num_unread += 1
+            launched = _Launched(seqs, rows, tokens, logprobs, done, began)
+        return launched, (t2, t3, time.perf_counter())
+
+    def _read(self, launched: _Launched) -> float:
+        """Wait for a launched step's sampled ids and postprocess them; returns when they came."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        arrived = time.perf_counter()
+        result = (launched.logprobs or DeviceSample(launched.tokens)).to_host(launched.rows)
+        for j, seq in enumerate(launched.seqs):
+            seq.num_unread -= 1
+            if seq.status is Status.FINISHED:  # finished (or aborted) after this step was launched
+                continue
+            self._postprocess(seq, result.token_ids[j], result.logprobs[j], result.top_logprobs[j])
+        return arrived
 
     def _register_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Offer the prompt blocks this step completed to later requests (prefix caching)."""
@@ -252,7 +362,7 @@ class LLMEngine:
             return
         seq.tokens.append(token)
         self.num_generated += 1
-        if seq.num_generated >= p.max_tokens:
+        if len(seq.tokens) - seq.num_prompt_tokens >= p.max_tokens:
             self._finish(seq, TokenEvent(token, "length", None, logprob, top))
         else:
             seq.send(TokenEvent(token, None, None, logprob, top))

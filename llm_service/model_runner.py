@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 
 from llm_service import attention
 from llm_service.attention import AttentionBatch
+from llm_service.batch_state import BatchState
 from llm_service.block_manager import BlockManager
 from llm_service.config import EngineConfig
 from llm_service.kv_cache import allocate_pool, bytes_per_block, pool_sizes
@@ -20,17 +22,30 @@ from llm_service.state_snapshots import SnapshotManager
 logger = logging.getLogger(__name__)
 
 
+class StepInputs(NamedTuple):
+    """One step ready to launch: `sample_rows` index `scheduled` (the sequences that sample);
+    a decode from the rows' device state (`decode_index`, padded to `graph_batch` when a
+    captured graph replays it) or the packed inputs of an eager forward (`ModelRunner._pack`)."""
+
+    scheduled: tuple[ScheduledSeq, ...]
+    sample_rows: list[int]
+    graph_batch: int | None
+    packed: tuple | None = None
+    decode_index: torch.Tensor | None = None  # a decode from the rows' device state: their rows
+    max_context: int = 0  # its longest context (SDPA's key length)
+
+
 class ModelRunner:
     """Owns the tensors: the model, the KV pool, the state pool, the per-step inputs (and CUDA graphs).
 
-    `execute` packs the scheduled chunks into one `(1, T, hidden)` sequence with per-token
-    positions from each request's plan (shaped for the decoder by the family's LM face), runs the
-    `transformers` decoder once with an `AttentionBatch` as its mask (see `llm_service.attention`)
+    `prepare` packs the scheduled chunks into one `(1, T, hidden)` sequence with per-token
+    positions from each request's plan (shaped for the decoder by the family's LM face); `run`
+    runs the `transformers` decoder once with an `AttentionBatch` as its mask (see `llm_service.attention`)
     and, for a model with linear-attention layers, a `StateBatch` over the sequences' state slots
     (see `llm_service.state_cache`), and returns the logits of the last token of each sequence that
     has caught up with its tokens (the ones that sample this step). `config` is the engine config
     as this model runs it (`state_cache.resolve_config`). With prefix caching, the state pool
-    also holds the state snapshots: restored into slots by `execute`, saved by `save_snapshots`.
+    also holds the state snapshots: restored into slots by `prepare`, saved by `save_snapshots`.
     """
 
     def __init__(self, model: LanguageModel, config: EngineConfig):
@@ -64,6 +79,13 @@ class ModelRunner:
         self.position_rows = model.face.text_positions().positions(0, 1).shape[0]  # the family's, for graph buffers
         logger.info("attention backend %s, block size %d, sliding windows %s", self.backend, config.block_size,
                     sorted({w for w in self.windows if w}) or "none")
+        width = -(-model.max_model_len // config.block_size)
+        self.batch = BatchState(config.max_num_seqs, model.vocab_size, self.device, width, self.position_rows,
+                                config.block_size, self.scratch_block)
+        # decode steps from the rows' device state (not with recurrent state, whose slots the
+        # packed path handles): the graphs' path too
+        self.device_decode = self.states is None
+        self.arange = torch.arange(config.max_num_seqs + 1, dtype=torch.int32, device=self.device)
         self.num_forwards = 0
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs and self.backend == "triton":
@@ -95,16 +117,63 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     @torch.inference_mode()
-    def execute(self, scheduled: tuple[ScheduledSeq, ...]) -> tuple[torch.Tensor, list[int]]:
-        """Logits `(N, vocab)` and the indices into `scheduled` of the N sequences that sample."""
+    def prepare(self, scheduled: tuple[ScheduledSeq, ...]) -> StepInputs:
+        """The step's inputs on the device (rows taken for sequences new to the batch)."""
+        for s in scheduled:
+            if s.seq.batch_row is None:
+                self.batch.admit(s.seq)
         sample_rows = [i for i, s in enumerate(scheduled) if s.seq.num_computed + s.num_tokens == s.seq.num_tokens]
-        if self.graphs is not None and all(s.num_tokens == 1 for s in scheduled) and self.graphs.fits(scheduled):
-            logits = self.graphs.run(scheduled)
+        if self.device_decode and self._decodes_only(scheduled):
+            seqs = [s.seq for s in scheduled]
+            padded = self.graphs.padded_size(len(seqs)) if self.graphs is not None else None
+            return StepInputs(scheduled, sample_rows, padded, decode_index=self.batch.stage_decode(seqs, padded),
+                              max_context=max(s.num_computed for s in seqs) + 1)
+        return StepInputs(scheduled, sample_rows, None, self._pack(scheduled, sample_rows))
+
+    def _decodes_only(self, scheduled: tuple[ScheduledSeq, ...]) -> bool:
+        """Every sequence decodes one token past its prompt (its row's device state is current:
+        a packed step wrote it back), within the rows' block tables."""
+        width = self.batch.block_tables.shape[1]
+        return all(n == 1 and s.num_computed >= s.num_prompt_tokens and len(s.block_table) <= width
+                   for s, n in scheduled)
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs) -> torch.Tensor:
+        """Launch the step's forward (a graph replay for a staged decode): logits `(N, vocab)` of
+        its sampling rows."""
+        if step.decode_index is not None:
+            b = len(step.scheduled)
+            if step.graph_batch is not None:
+                logits = self.graphs.replay(step.graph_batch, b, step.decode_index)
+            else:
+                logits = self.decode_forward(step.decode_index, step.max_context)
+            self.batch.advance(step.decode_index[:b])
         else:
-            embeds, positions, batch, last, extra = self.prepare(scheduled)
-            logits = self.forward(embeds, positions, batch, last[sample_rows], **extra)
+            ids, positions, batch, rows, media, extra = step.packed
+            embeds = self.model.modules.decoder.embed_tokens(ids)
+            extra = {**extra, **self.model.face.inject(embeds, media)}
+            logits = self.forward(embeds, positions, batch, rows, **extra)
+            if self.device_decode:
+                self.batch.write_back(step.scheduled)
         self.num_forwards += 1
-        return logits, sample_rows
+        return logits
+
+    def decode_forward(self, index: torch.Tensor, max_context: int | None = None) -> torch.Tensor:
+        """Logits of one decode step of rows `index` (padding rows included), its inputs gathered
+        from the rows' device state: what a decode graph captures (the Triton kernel); SDPA
+        needs the longest context of the step, `max_context`."""
+        ids, positions, slots, context_lens, tables = self.batch.decode_inputs(index)
+        b = index.shape[0]
+        batch = AttentionBatch(
+            kv_pool=self.kv_pool, slot_mapping=slots, cu_seqlens_q=self.arange[:b + 1], context_lens=context_lens,
+            block_tables=tables, max_query_len=1, max_context_len=max_context or self.model.max_model_len,
+            backend=self.backend, windows=self.windows,
+        )
+        if self.backend == "sdpa":
+            batch.decode_slots, batch.masks = attention.sdpa_decode_metadata(
+                tables, context_lens, max_context, self.config.block_size, self.windows or (None,))
+        embeds = self.model.modules.decoder.embed_tokens(ids)
+        return self.forward(embeds, positions, batch, self.arange[:b])
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 rows: torch.Tensor, **extra) -> torch.Tensor:
@@ -119,15 +188,37 @@ class ModelRunner:
         )
         return self.model.modules.lm_head(out.last_hidden_state[0, rows])
 
-    def prepare(self, scheduled: tuple[ScheduledSeq, ...]):
-        bs = self.config.block_size
+    def token_ids(self, scheduled: tuple[ScheduledSeq, ...]) -> torch.Tensor:
+        """The packed input ids on the device: from the host where it has them, from the rows'
+        last sampled token for an unread one (a decode right after the step that sampled it)."""
         ids: list[int] = []
+        unread_at, unread_rows = [], []
+        for seq, n in scheduled:
+            start, end = seq.num_computed, seq.num_computed + n
+            known = len(seq.tokens)
+            ids += seq.tokens[start:min(end, known)]
+            if end > known:
+                if end - max(start, known) != 1 or seq.batch_row is None:
+                    raise RuntimeError(f"sequence {seq.request_id} runs {end - known} tokens the host has not read")
+                unread_at.append(len(ids))
+                unread_rows.append(seq.batch_row)
+                ids.append(0)
+        out = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if unread_at:
+            out[self._index(unread_at)] = self.batch.last_token[self._index(unread_rows)]
+        return out
+
+    def _pack(self, scheduled: tuple[ScheduledSeq, ...], sample_rows: list[int]):
+        """(ids, positions, `AttentionBatch`, sampling rows, media, decoder keyword arguments) of
+        the scheduled chunks packed into one sequence."""
+        bs = self.config.block_size
+        num_ids = 0
         positions, slots, media = [], [], []
         q_lens, ctx_lens, slot_tables = [], [], []
         for seq, n in scheduled:
             start, end = seq.num_computed, seq.num_computed + n
-            media += [(index + len(ids), parts) for index, parts in seq.chunk_media(start, end)]
-            ids += seq.tokens[start:end]
+            media += [(index + num_ids, parts) for index, parts in seq.chunk_media(start, end)]
+            num_ids += n
             positions.append(seq.positions(start, end))
             table = torch.tensor(seq.block_table, dtype=torch.long)
             ctx_slots = (table[:, None] * bs + torch.arange(bs)).flatten()[:end]
@@ -136,8 +227,7 @@ class ModelRunner:
             q_lens.append(n)
             ctx_lens.append(end)
         dev = self.device
-        embeds = self.model.modules.decoder.embed_tokens(torch.tensor(ids, dtype=torch.long, device=dev))
-        extra = self.model.face.inject(embeds, media)
+        extra = {}
         max_blocks = max(len(s.seq.block_table) for s in scheduled)
         tables = torch.full((len(scheduled), max_blocks), self.scratch_block, dtype=torch.int32)
         for i, s in enumerate(scheduled):
@@ -159,8 +249,8 @@ class ModelRunner:
             extra["state_batch"] = self._state_batch(scheduled)
         if self.backend == "sdpa":
             batch.gather_slots, batch.masks = attention.sdpa_metadata(q_lens, ctx_lens, slot_tables, dev, self.windows)
-        last = (cu_q[1:] - 1).to(torch.long).to(dev)
-        return embeds, torch.cat(positions, dim=1).to(dev), batch, last, extra
+        rows = (cu_q[1:] - 1).to(torch.long)[sample_rows].to(dev)
+        return self.token_ids(scheduled), torch.cat(positions, dim=1).to(dev), batch, rows, media, extra
 
     def _state_batch(self, scheduled: tuple[ScheduledSeq, ...]) -> StateBatch:
         """The step's state slots; those of sequences starting from their first token are zeroed,

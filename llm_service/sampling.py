@@ -63,8 +63,71 @@ class SampleResult(NamedTuple):
     top_logprobs: list[tuple[tuple[int, float], ...] | None]
 
 
-def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+class SamplingRows(NamedTuple):
+    """One step's sampling rows on the logits' device: each row's settings as `(N, 1)` columns
+    (`top_k` `(N,)`, 0: off; all None when every row is greedy without penalties: nothing reads
+    them), and where a row has penalties, its output-token counts `(N, vocab)` and which tokens
+    its prompt or output holds `(N, vocab)` bool. `params` and `generators` stay on the host: they
+    decide which paths run, never a value read back from the device."""
+
+    params: tuple[SamplingParams, ...]
+    generators: tuple[torch.Generator | None, ...]
+    temperature: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    repetition_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None
+    seen: torch.Tensor | None = None
+
+
+class DeviceSample(NamedTuple):
+    """What `sample_rows` picked, still on the device (nothing read back): token ids `(N,)`, and
+    when a row asked for logprobs, the chosen token's `(N,)` and the top `(N, k)` ids and values
+    (rows that did not ask hold values too; the host keeps what each asked for)."""
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_values: torch.Tensor | None = None
+
+    def to_host(self, rows: SamplingRows) -> SampleResult:
+        """The result on the host (a synchronisation)."""
+        params = rows.params
+        logprobs: list[float | None] = [None] * len(params)
+        tops: list[tuple[tuple[int, float], ...] | None] = [None] * len(params)
+        if self.logprobs is not None:
+            chosen, top_i, top_v = self.logprobs.tolist(), self.top_ids.tolist(), self.top_values.tolist()
+            for i, p in enumerate(params):
+                if p.logprobs is not None:
+                    logprobs[i] = chosen[i]
+                    tops[i] = tuple(zip(top_i[i][:p.logprobs], top_v[i][:p.logprobs]))
+        return SampleResult(self.token_ids.tolist(), logprobs, tops)
+
+
+def settings_columns(params: Sequence[SamplingParams]) -> list[list[float]]:
+    """Each row's numeric settings, in `SamplingRows`' column order (temperature .. presence)."""
+    return [[p.temperature, p.top_p, float(p.top_k), p.min_p, p.repetition_penalty, p.frequency_penalty,
+             p.presence_penalty] for p in params]
+
+
+def needs_settings(params: Sequence[SamplingParams]) -> bool:
+    """Whether sampling these rows reads their settings (some row samples or has penalties)."""
+    return any(not p.greedy or p.has_penalties for p in params)
+
+
+def sampling_rows(params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+                  settings: torch.Tensor | None, output_counts: torch.Tensor | None = None,
+                  seen: torch.Tensor | None = None) -> SamplingRows:
+    """`SamplingRows` over `settings` `(N, 7)` (`settings_columns` order, the logits' dtype;
+    None: greedy rows without penalties)."""
+    if settings is None:
+        return SamplingRows(tuple(params), tuple(generators))
+    col = settings.unsqueeze(-1)
+    return SamplingRows(tuple(params), tuple(generators), col[:, 0], col[:, 1], col[:, 2, 0].long(), col[:, 3],
+                        col[:, 4], col[:, 5], col[:, 6], output_counts, seen)
 
 
 def _counts(rows: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -76,73 +139,94 @@ def _counts(rows: list[Sequence[int]], vocab: int, device: torch.device) -> torc
     return counts
 
 
-def apply_penalties(logits: torch.Tensor, inputs: Sequence[SampleInput]) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    out = _counts([x.output_ids for x in inputs], vocab, logits.device)
-    seen = (_counts([x.prompt_ids for x in inputs], vocab, logits.device) + out) > 0
-    rep = _column([x.params.repetition_penalty for x in inputs], logits).expand_as(logits)
+def rows_from_lists(logits: torch.Tensor, inputs: Sequence[SampleInput]) -> SamplingRows:
+    """`SamplingRows` from host lists (prompt and output ids counted here, every call)."""
+    dtype = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
+    settings = torch.tensor(settings_columns([x.params for x in inputs]), dtype=dtype, device=logits.device)
+    counts = seen = None
+    if any(x.params.has_penalties for x in inputs):
+        vocab = logits.shape[-1]
+        counts = _counts([x.output_ids for x in inputs], vocab, logits.device)
+        seen = (_counts([x.prompt_ids for x in inputs], vocab, logits.device) + counts) > 0
+    return sampling_rows([x.params for x in inputs], [x.generator for x in inputs], settings, counts, seen)
+
+
+def apply_penalties(logits: torch.Tensor, rows: SamplingRows | Sequence[SampleInput]) -> torch.Tensor:
+    if not isinstance(rows, SamplingRows):
+        rows = rows_from_lists(logits, rows)
+    out, seen = rows.output_counts, rows.seen
+    rep = rows.repetition_penalty.to(logits.dtype).expand_as(logits)
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - _column([x.params.frequency_penalty for x in inputs], logits) * out
-    return logits - _column([x.params.presence_penalty for x in inputs], logits) * (out > 0)
+    logits = logits - rows.frequency_penalty.to(logits.dtype) * out
+    return logits - rows.presence_penalty.to(logits.dtype) * (out > 0)
 
 
-def filter_logits(logits: torch.Tensor, inputs: Sequence[SampleInput]) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, rows: SamplingRows | Sequence[SampleInput]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks (-inf), row by row in one batch."""
-    params = [x.params for x in inputs]
-    logits = logits / _column([max(p.temperature, 1e-6) for p in params], logits)
+    if not isinstance(rows, SamplingRows):
+        rows = rows_from_lists(logits, rows)
+    params = rows.params
+    logits = logits / rows.temperature.to(logits.dtype).clamp_min(1e-6)
     vocab = logits.shape[-1]
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         rank = torch.arange(vocab, device=logits.device)
-        k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+        k = torch.where(rows.top_k > 0, rows.top_k, vocab)
         sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
         probs = torch.softmax(sorted_logits, dim=-1)
-        top_p = _column([p.top_p for p in params], probs)
         # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        sorted_logits = sorted_logits.masked_fill(torch.cumsum(probs, -1) - probs >= top_p, float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(torch.cumsum(probs, -1) - probs >= rows.top_p.to(probs.dtype),
+                                                  float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     if any(p.min_p > 0 for p in params):
         probs = torch.softmax(logits, dim=-1)
-        floor = _column([p.min_p for p in params], probs) * probs.max(dim=-1, keepdim=True).values
+        floor = rows.min_p.to(probs.dtype) * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 
 
-def sample(logits: torch.Tensor, inputs: Sequence[SampleInput], max_logprobs: int = 20) -> SampleResult:
-    """Next token of every row of `logits` `(N, vocab)`; row i follows `inputs[i]`.
+def _subset(rows: SamplingRows, index: list[int]) -> SamplingRows:
+    at = torch.tensor(index, device=rows.temperature.device)
+    pick = [tuple(rows.params[i] for i in index), tuple(rows.generators[i] for i in index)]
+    return SamplingRows(*pick, *(None if t is None else t[at] for t in rows[2:]))  # type: ignore[arg-type]
+
+
+def sample_rows(logits: torch.Tensor, rows: SamplingRows, max_logprobs: int = 20) -> DeviceSample:
+    """Next token of every row of `logits` `(N, vocab)`, on the device, with no synchronisation.
 
     Random rows draw by the exponential race (`argmax(probs / q)`, `q ~ Exp(1)`), each seeded
     row from its own generator, so its tokens do not depend on the rest of the batch.
     """
+    params = rows.params
     raw = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     logits = raw
-    if any(x.params.has_penalties for x in inputs):
-        logits = apply_penalties(logits, inputs)
+    if any(p.has_penalties for p in params):
+        logits = apply_penalties(logits, rows)
     tokens = logits.argmax(dim=-1)
-    random_rows = [i for i, x in enumerate(inputs) if not x.params.greedy]
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
-        rows = torch.tensor(random_rows, device=logits.device)
-        probs = torch.softmax(filter_logits(logits[rows], [inputs[i] for i in random_rows]), dim=-1)
+        subset = _subset(rows, random_rows)
+        at = torch.tensor(random_rows, device=logits.device)
+        probs = torch.softmax(filter_logits(logits[at], subset), dim=-1)
         q = torch.empty_like(probs)
-        shared = [j for j, i in enumerate(random_rows) if inputs[i].generator is None]
+        shared = [j for j, g in enumerate(subset.generators) if g is None]
         if shared:
             q[shared] = torch.empty_like(q[shared]).exponential_()
-        for j, i in enumerate(random_rows):
-            if inputs[i].generator is not None:
-                q[j].exponential_(generator=inputs[i].generator)
-        tokens[rows] = (probs / q).argmax(dim=-1)
-    token_list = tokens.tolist()
-    logprobs: list[float | None] = [None] * len(inputs)
-    tops: list[tuple[tuple[int, float], ...] | None] = [None] * len(inputs)
-    wanted = [i for i, x in enumerate(inputs) if x.params.logprobs is not None]
-    if wanted:
-        rows = torch.tensor(wanted, device=raw.device)
-        lp = torch.log_softmax(raw[rows].double(), dim=-1)
-        chosen = lp.gather(1, tokens[rows].unsqueeze(1)).squeeze(1).tolist()
-        n = min(max(inputs[i].params.logprobs for i in wanted), max_logprobs, lp.shape[-1])
-        top_v, top_i = lp.topk(n, dim=-1) if n > 0 else (lp[:, :0], lp[:, :0].long())
-        for j, i in enumerate(wanted):
-            k = min(inputs[i].params.logprobs, n)
-            logprobs[i] = chosen[j]
-            tops[i] = tuple(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist()))
-    return SampleResult(token_list, logprobs, tops)
+        for j, g in enumerate(subset.generators):
+            if g is not None:
+                q[j].exponential_(generator=g)
+        tokens[at] = (probs / q).argmax(dim=-1)
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    if not wanted:
+        return DeviceSample(tokens)
+    lp = torch.log_softmax(raw.double(), dim=-1)
+    chosen = lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    n = min(max(wanted), max_logprobs, lp.shape[-1])
+    top_v, top_i = lp.topk(n, dim=-1) if n > 0 else (lp[:, :0], lp[:, :0].long())
+    return DeviceSample(tokens, chosen, top_i, top_v)
+
+
+def sample(logits: torch.Tensor, inputs: Sequence[SampleInput], max_logprobs: int = 20) -> SampleResult:
+    """`sample_rows` over host lists (each row follows `inputs[i]`), read back to the host."""
+    rows = rows_from_lists(logits, inputs)
+    return sample_rows(logits, rows, max_logprobs).to_host(rows)

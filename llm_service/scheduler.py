@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -114,8 +115,9 @@ class Scheduler:
     """
 
     def __init__(self, config: EngineConfig, blocks: BlockManager, slots: StateSlotManager | None = None,
-                 snapshots: SnapshotManager | None = None):
+                 snapshots: SnapshotManager | None = None, release: Callable[[Sequence], None] | None = None):
         self.config = config
+        self.release = release  # told when a sequence stops running (the runner's batch row goes back)
         self.blocks = blocks
         self.slots = slots
         self.snapshots = snapshots if config.enable_prefix_caching else None
@@ -191,6 +193,8 @@ class Scheduler:
         return [(slot, row) for row, slot in copies.items()]
 
     def _free(self, seq: Sequence) -> None:
+        if self.release is not None:
+            self.release(seq)
         self.blocks.free(seq.block_table)
         seq.resume_snapshot = None
         if seq.state_slot is not None:

@@ -77,6 +77,11 @@ class Sequence:
     the blocks and the slot and sets `num_computed` to 0: the sequence is recomputed from its
     tokens (media embeddings kept) when it runs again. `resume_snapshot` is the state snapshot
     row a sequence admitted from a cached prefix starts its slot from (until its first step).
+
+    With overlapped steps the host learns a sampled token one step late: `num_unread` tokens
+    (0 or 1 when a step is scheduled) were sampled on the device and are not in `tokens` yet;
+    they count in `num_tokens` (the scheduler runs them: their ids come from the sequence's
+    `batch_row` on the device), never in `tokens`.
     """
 
     request: LLMRequest
@@ -90,6 +95,8 @@ class Sequence:
     resume_snapshot: int | None = None
     status: Status = Status.WAITING
     num_preemptions: int = 0
+    num_unread: int = 0
+    batch_row: int | None = None  # its row of the runner's `BatchState`, held while running
     _block_hashes: list[int] | None = None
     _embed_slots: list[list[int]] | None = None
     _snapshot_points: tuple[int, ...] | None = None
@@ -121,20 +128,27 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tokens)
+        """Prompt + generated tokens, the unread ones included."""
+        return len(self.tokens) + self.num_unread
 
     @property
     def num_generated(self) -> int:
-        return len(self.tokens) - self.num_prompt_tokens
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def generated(self) -> list[int]:
+        """The generated tokens the host has read."""
         return self.tokens[self.num_prompt_tokens:]
 
     @property
     def ready_end(self) -> int:
-        """How far the tokens can be computed now: all of them, or up to `ready`."""
-        return self.num_tokens if self.ready is None else min(self.ready, self.num_tokens)
+        """How far the tokens can be computed now: all of them, or up to `ready`; with every
+        token it may generate sampled (some still unread), not the last one (nothing samples
+        after it)."""
+        end = self.num_tokens if self.ready is None else min(self.ready, self.num_tokens)
+        if self.num_unread and self.num_generated >= self.request.sampling.max_tokens:
+            end = min(end, self.num_tokens - 1)
+        return end
 
     @property
     def runnable(self) -> bool:
@@ -144,7 +158,7 @@ class Sequence:
     @property
     def num_pending(self) -> int:
         """Tokens whose K/V are not in the pool yet (1 for a decode)."""
-        return len(self.tokens) - self.num_computed
+        return self.num_tokens - self.num_computed
 
     def positions(self, start: int, end: int) -> torch.Tensor:
         """Positions `(rows, end - start)` of tokens `start..end`, from the request's plan."""

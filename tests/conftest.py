@@ -40,6 +40,15 @@ def llava_models(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def minicpmv_dir(tmp_path_factory) -> str:
+    """The tiny MiniCPM-V 4.6 checkpoint (hybrid Gated-DeltaNet LM, slices, structure tokens)."""
+    from mmserve.tiny import ensure_tiny_model
+
+    root = os.environ.get("MMSERVE_TEST_MODELS") or str(tmp_path_factory.mktemp("models"))
+    return str(ensure_tiny_model("minicpmv4_6", os.path.join(root, "minicpmv4_6")))
+
+
+@pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory) -> str:
     """The tiny Qwen3-VL checkpoint (DeepStack, interleaved M-RoPE, video timestamps)."""
     from mmserve.tiny import ensure_tiny_model

@@ -92,12 +92,13 @@ def load_video_file(model_dir: str, data: bytes):
     return frames, metadata
 
 
-def reference_generate(model_dir: str, messages: list[dict], max_new_tokens: int) -> list[int]:
-    """Greedy tokens of the monolithic model, without the trailing EOS token."""
+def reference_generate(model_dir: str, messages: list[dict], max_new_tokens: int, **generate) -> list[int]:
+    """Greedy tokens of the monolithic model, without the trailing EOS token (`generate`: more
+    arguments of `generate`, e.g. a repetition penalty)."""
     _, model = load_reference(model_dir)
     inputs = reference_inputs(model_dir, messages)
     with torch.inference_mode():
-        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, **generate)
     tokens = out[0, inputs["input_ids"].shape[1]:].tolist()
     eos = model.generation_config.eos_token_id
     eos = {eos} if isinstance(eos, int) else set(eos or [])

@@ -61,6 +61,18 @@ def test_smallest_run_ends_with_its_json_line(script, args):
     assert isinstance(result, dict) and result
 
 
+def test_breakdown_reports_every_phase_for_each_case_both_ways():
+    """`llm.py --breakdown` (seconds with 4 steps): a row per case and overlap mode, host time below the step."""
+    out = _run("llm.py", "--breakdown", "--steps", "4", "--prompt-len", "8", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for case in ("decode_b1", "decode_b8", "decode_b64", "mixed_b8"):
+        for mode in ("off", "on"):
+            assert 0 < result[f"{case}_{mode}_host_us"] < result[f"{case}_{mode}_step_us"]
+            assert result[f"{case}_{mode}_ops"] > 0
+    assert "schedule" in out.stdout and "postprocess" in out.stdout
+
+
 def test_hybrid_prefix_quick_run_resumes_the_second_request():
     """`llm.py --hybrid-prefix --quick` (seconds): the second request resumes after the image."""
     out = _run("llm.py", "--hybrid-prefix", "--quick", "--repeats", "1", timeout=300)

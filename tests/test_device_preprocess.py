@@ -17,7 +17,6 @@ from encoder_service.families.base import image_uint8
 from mmserve.media import MediaItem, MediaKind, decode_image
 from tests.media_factory import image_bytes, video_frames
 from tests.test_encoder_equivalence import encoder
-from tests.test_minicpmv import minicpmv_dir  # noqa: F401  (fixture)
 from tests.test_step3p7 import step3_dir  # noqa: F401  (fixture)
 
 CPU = torch.device("cpu")

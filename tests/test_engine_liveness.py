@@ -25,15 +25,15 @@ def _text_request(model_dir: str, request_id: str, max_tokens: int = 4):
 def test_a_failed_step_fails_only_its_sequences(tiny_models):
     model_dir = tiny_models["qwen2_vl"]
     engine = make_engine(model_dir, max_num_seqs=1)  # one sequence per step: "b" waits while "a" runs
-    execute, calls = engine.runner.execute, []
+    run, calls = engine.runner.run, []
 
-    def failing_once(scheduled):
-        calls.append([item.seq.request_id for item in scheduled])
+    def failing_once(step):
+        calls.append([item.seq.request_id for item in step.scheduled])
         if len(calls) == 1:
             raise RuntimeError("injected step failure")
-        return execute(scheduled)
+        return run(step)
 
-    engine.runner.execute = failing_once
+    engine.runner.run = failing_once
     collector = Collector()
     collector.add(engine, _text_request(model_dir, "a"))
     collector.add(engine, _text_request(model_dir, "b"))
@@ -55,13 +55,13 @@ def test_health_reports_a_stalled_engine_and_a_dead_thread(tiny_models):
     model_dir = tiny_models["qwen2_vl"]
     engine = make_engine(model_dir)
     release = threading.Event()
-    execute = engine.runner.execute
+    run = engine.runner.run
 
-    def stuck(scheduled):
+    def stuck(step):
         release.wait(30)
-        return execute(scheduled)
+        return run(step)
 
-    engine.runner.execute = stuck
+    engine.runner.run = stuck
     engine.start()
     assert engine.health(stall_timeout_s=0.2) is None  # idle: no work, no stall
     time.sleep(0.3)

@@ -147,9 +147,9 @@ def test_cuda_bf16_engine_runs_the_triton_kernel_and_decode_graphs(tiny_models, 
     assert engine.runner.backend == "triton"
     assert engine.runner.graphs is not None and sorted(engine.runner.graphs._graphs) == [1, 2, 4, 8]
     kernel_calls, replays = [], []
-    original_kernel, original_run = kernel.paged_attention, DecodeGraphs.run
+    original_kernel, original_replay = kernel.paged_attention, DecodeGraphs.replay
     monkeypatch.setattr(kernel, "paged_attention", lambda *a, **k: kernel_calls.append(1) or original_kernel(*a, **k))
-    monkeypatch.setattr(DecodeGraphs, "run", lambda self, s: replays.append(len(s)) or original_run(self, s))
+    monkeypatch.setattr(DecodeGraphs, "replay", lambda self, p, b, i: replays.append(b) or original_replay(self, p, b, i))
     collector = Collector()
     for i in range(6):
         name, messages = mixed_cases()[i]
@@ -178,14 +178,20 @@ def test_cuda_graph_decode_equals_eager_decode_in_float32(tiny_models):
 
 
 @pytest.mark.kernel
-def test_decode_graph_inputs_staged_in_one_buffer_give_the_eager_logits(tiny_models, monkeypatch):
-    """What a captured graph computes, run eagerly on CPU: the static buffer filled by `_fill`
-    (padding rows included) gives the logits of the eager decode step."""
+def test_a_decode_graph_step_reads_only_long_lived_tensors_and_gives_the_packed_logits(tiny_models):
+    """What a captured graph computes, run eagerly on CPU: the decode of the rows' device state
+    (padding rows included) gives the logits of the same step packed from the host, and every
+    tensor it reads that it did not make is long-lived (the static index, the rows' state, the
+    pool, the weights): a temporary made outside the captured region would be freed after
+    capture and its memory reused, and replays would read garbage."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     from llm_service.cuda_graphs import DecodeGraphs
 
     model_dir = tiny_models["qwen2_vl"]
     engine = LLMEngine(fp32_model(model_dir), EngineConfig(attention_backend="triton", max_graph_batch_size=8,
-                                                           **CONFIG))  # graphs built by hand below
+                                                           **CONFIG))
+    runner = engine.runner
     collector = Collector()
     for i in range(3):
         collector.add(engine, plan_request(model_dir, mixed_cases()[12 + i][1], f"r{i}", 20))
@@ -194,20 +200,36 @@ def test_decode_graph_inputs_staged_in_one_buffer_give_the_eager_logits(tiny_mod
         engine.step()
     scheduled = engine.scheduler.schedule().scheduled
     assert len(scheduled) == 3 and all(s.num_tokens == 1 for s in scheduled)
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # CPU-only box
-    graphs = DecodeGraphs(engine.runner)
-    assert graphs.fits(scheduled)
-    graphs._fill(scheduled)
-    graphs.device_buffer.copy_(graphs.host)
-    step = graphs.step_fn(4)
-    # every tensor a captured graph reads lives as long as the graphs (a temporary would be freed
-    # after capture and its memory reused: replays then read garbage)
-    owned = {graphs.device_buffer.untyped_storage().data_ptr(), graphs.arange.untyped_storage().data_ptr()}
-    inputs = [c.cell_contents for c in step.__closure__ if isinstance(c.cell_contents, torch.Tensor)]
-    assert len(inputs) >= 6 and all(t.untyped_storage().data_ptr() in owned for t in inputs)
-    staged = step()[:3]  # padded to the graph size 4
-    embeds, positions, batch, last, extra = engine.runner.prepare(scheduled)
-    eager = engine.runner.forward(embeds, positions, batch, last, **extra)
+    graphs = DecodeGraphs.capture(runner, capture=False)
+    index = runner.batch.stage_decode([s.seq for s in scheduled], graphs.padded_size(3))
+    assert index.tolist()[3:] == [runner.batch.pad_row]  # padded to the graph size 4
+    graphs.index[:4].copy_(index)
+    step = graphs._graphs[4][1]
+
+    long_lived = {t.untyped_storage().data_ptr() for t in (
+        graphs.index, runner.kv_pool, runner.arange, *(v for v in vars(runner.batch).values() if isinstance(v, torch.Tensor)),
+        *runner.model.modules.parameters(), *runner.model.modules.buffers())}
+    made, foreign = set(), []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and t.numel() and (p := t.untyped_storage().data_ptr()) not in made \
+                        and p not in long_lived:
+                    foreign.append(func)
+            out = func(*args, **(kwargs or {}))
+            made.update(t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves(out)
+                        if isinstance(t, torch.Tensor))
+            return out
+
+    kv_before = runner.kv_pool.clone()
+    with torch.inference_mode(), Reads():
+        staged = step()[:3]
+    assert not foreign, foreign
+    runner.kv_pool.copy_(kv_before)  # the packed step writes the same K/V again
+    ids, positions, batch, rows, media, extra = runner._pack(scheduled, [0, 1, 2])
+    with torch.inference_mode():
+        eager = runner.forward(runner.model.modules.decoder.embed_tokens(ids), positions, batch, rows, **extra)
     torch.testing.assert_close(staged, eager, rtol=1e-5, atol=1e-5)
 
 

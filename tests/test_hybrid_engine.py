@@ -16,7 +16,6 @@ import torch
 
 from tests.engine_support import Collector, make_engine, mixed_cases, plan_request, reference_tokens, run_until_done
 from tests.reference import load_reference, reference_generate
-from tests.test_minicpmv import minicpmv_dir  # noqa: F401  (fixture)
 
 DEEP_TEXT = dict(num_hidden_layers=8, hidden_size=48, intermediate_size=96, linear_num_key_heads=2,
                  linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=16, linear_conv_kernel_dim=3,
@@ -104,7 +103,7 @@ def test_deep_lm_preempted_by_a_tiny_pool_equals_monolithic(deep_dir):
     _assert_all_freed(engine)
 
 
-def test_minicpmv_concurrent_mixed_requests_equal_monolithic(minicpmv_dir):  # noqa: F811
+def test_minicpmv_concurrent_mixed_requests_equal_monolithic(minicpmv_dir):
     """17 concurrent requests (text, images with slices, videos; the 3.5k-token prompt is in the
     runtime tests), chunked prefill forced by a budget of 48 tokens."""
     cases = [(i, n, m) for i, (n, m) in enumerate(mixed_cases()) if n != "long_prompt"]
@@ -116,7 +115,7 @@ def test_minicpmv_concurrent_mixed_requests_equal_monolithic(minicpmv_dir):  # n
     _assert_all_freed(engine)
 
 
-def test_minicpmv_preemption_on_a_tiny_pool_equals_monolithic(minicpmv_dir):  # noqa: F811
+def test_minicpmv_preemption_on_a_tiny_pool_equals_monolithic(minicpmv_dir):
     picks = [0, 1, 2, 3, 4, 8, 9, 12, 16]
     engine = make_engine(minicpmv_dir, num_kv_blocks=10, block_size=16, num_state_slots=3, max_num_batched_tokens=64)
     collector, _ = _run(engine, minicpmv_dir, [(mixed_cases()[i][0], mixed_cases()[i][1], 12) for i in picks])
@@ -127,7 +126,7 @@ def test_minicpmv_preemption_on_a_tiny_pool_equals_monolithic(minicpmv_dir):  # 
     _assert_all_freed(engine)
 
 
-def test_abort_frees_slots_and_blocks_at_once(minicpmv_dir):  # noqa: F811
+def test_abort_frees_slots_and_blocks_at_once(minicpmv_dir):
     engine = make_engine(minicpmv_dir, max_num_batched_tokens=32, num_state_slots=4)
     collector = Collector()
     for i in range(6):
@@ -151,7 +150,7 @@ def test_abort_frees_slots_and_blocks_at_once(minicpmv_dir):  # noqa: F811
     _assert_all_freed(engine)
 
 
-def test_startup_sizes_slots_and_snapshots_from_the_budget(minicpmv_dir, caplog):  # noqa: F811
+def test_startup_sizes_slots_and_snapshots_from_the_budget(minicpmv_dir, caplog):
     from llm_service.state_cache import slot_bytes
 
     budget = 4 * 2**20
@@ -176,7 +175,7 @@ def test_startup_sizes_slots_and_snapshots_from_the_budget(minicpmv_dir, caplog)
     assert "prefix caching is off" not in log
 
 
-def test_no_snapshot_budget_turns_prefix_caching_off(minicpmv_dir, caplog):  # noqa: F811
+def test_no_snapshot_budget_turns_prefix_caching_off(minicpmv_dir, caplog):
     with caplog.at_level(logging.INFO):
         engine = make_engine(minicpmv_dir, kv_cache_bytes=4 * 2**20, state_snapshot_share=0.0)
     assert not engine.config.enable_prefix_caching and engine.snapshots is None
@@ -189,7 +188,7 @@ def test_pure_attention_models_get_no_slots(tiny_models):
 
 
 @pytest.mark.kernel
-def test_triton_backend_reads_the_attention_layers_kv_and_equals_sdpa(minicpmv_dir):  # noqa: F811
+def test_triton_backend_reads_the_attention_layers_kv_and_equals_sdpa(minicpmv_dir):
     """The CUDA default backend (Triton paged kernel, interpreted on CPU) on a hybrid model: one
     kernel call per full-attention layer per step, same greedy tokens as SDPA (float32)."""
     import mmserve.triton_attention as kernel

@@ -12,7 +12,6 @@ from tests.engine_support import Collector, make_engine, plan_request, run_until
 from tests.media_factory import image_bytes
 from tests.reference import reference_generate
 from tests.test_hybrid_engine import deep_dir  # noqa: F401  (fixture)
-from tests.test_minicpmv import minicpmv_dir  # noqa: F401  (fixture)
 
 BLOCK = 8
 MAX_TOKENS = 6
@@ -90,7 +89,7 @@ def test_concurrent_requests_on_a_tiny_pool_evict_snapshots_with_their_blocks(de
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
 
 
-def test_snapshots_off_computes_every_prompt_in_full(minicpmv_dir):  # noqa: F811
+def test_snapshots_off_computes_every_prompt_in_full(minicpmv_dir):
     engine = make_engine(minicpmv_dir, block_size=BLOCK, state_snapshot_share=0.0)
     messages = _messages(SYSTEM, 1, "What is in this picture?")
     for name in ("a", "b"):

@@ -3,8 +3,6 @@ with slices, several images numbered by `<image_id>`, videos of pre-extracted fr
 == the in-tree model's features, the LM loaded with its linear-attention layers as state layers
 (served end to end: tests/test_hybrid_engine.py, tests/test_minicpmv_serve.py)."""
 
-import os
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -15,14 +13,6 @@ from mmserve.media import MediaItem, MediaKind
 from tests.cases import LONG_TEXT
 from tests.media_factory import image_bytes, video_frames
 from tests.reference import _pil, load_reference
-
-
-@pytest.fixture(scope="session")
-def minicpmv_dir(tmp_path_factory) -> str:
-    from mmserve.tiny import ensure_tiny_model
-
-    root = os.environ.get("MMSERVE_TEST_MODELS") or str(tmp_path_factory.mktemp("models"))
-    return str(ensure_tiny_model("minicpmv4_6", os.path.join(root, "minicpmv4_6")))
 
 
 def _processor_ids(model_dir, images=(), video=None) -> list[int]:

@@ -9,7 +9,7 @@ from tests.cases import openai_chat
 from tests.reference import reference_generate
 from tests.serve_fixtures import _app_args
 from tests.test_grpc_serve import proto_messages
-from tests.test_minicpmv import CASES, MAX_TOKENS, minicpmv_dir  # noqa: F401  (fixture)
+from tests.test_minicpmv import CASES, MAX_TOKENS
 
 APPS = {"minicpmv4_6": {}, "minicpmv4_6_grpc": {"transport": "grpc", "video_decode": {"stream": False}}}
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.serve
 
 
 @pytest.fixture(scope="module")
-def minicpmv_apps(serve_ports, minicpmv_dir):  # noqa: F811
+def minicpmv_apps(serve_ports, minicpmv_dir):
     """{name: base URL}: one app per embedding transport on the session's Serve instance."""
     from ray import serve
 
@@ -37,7 +37,7 @@ def _chat(url, name, messages, stream):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_http_both_transports_equal_monolithic(minicpmv_apps, minicpmv_dir, case):  # noqa: F811
+def test_http_both_transports_equal_monolithic(minicpmv_apps, minicpmv_dir, case):
     messages = CASES[case]()
     expected = reference_generate(minicpmv_dir, messages, MAX_TOKENS)
     text, tokens = _chat(minicpmv_apps["minicpmv4_6"], "minicpmv4_6", messages, stream=False)
@@ -47,7 +47,7 @@ def test_http_both_transports_equal_monolithic(minicpmv_apps, minicpmv_dir, case
         assert _chat(minicpmv_apps["minicpmv4_6_grpc"], "minicpmv4_6_grpc", messages, stream=False) == (text, tokens)
 
 
-def test_grpc_api_equals_monolithic(minicpmv_apps, minicpmv_dir, serve_ports):  # noqa: F811
+def test_grpc_api_equals_monolithic(minicpmv_apps, minicpmv_dir, serve_ports):
     messages = CASES["one_image"]()  # the gRPC API carries a message's media before its text, as here
     expected = reference_generate(minicpmv_dir, messages, MAX_TOKENS)
     with VLMClient(f"127.0.0.1:{serve_ports[1]}", application="minicpmv4_6_grpc") as c:
@@ -58,7 +58,7 @@ def test_grpc_api_equals_monolithic(minicpmv_apps, minicpmv_dir, serve_ports):  
     assert "".join(r.text for r in streamed) == unary.text
 
 
-def test_video_url_equals_monolithic_on_both_transports(minicpmv_apps, minicpmv_dir):  # noqa: F811
+def test_video_url_equals_monolithic_on_both_transports(minicpmv_apps, minicpmv_dir):
     """A video file, sampled on the server by MiniCPM-V's own rule (1 frame a second): streamed
     through the pipeline (object store app) and not (gRPC app), the same tokens."""
     pytest.importorskip("av")

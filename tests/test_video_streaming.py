@@ -13,7 +13,6 @@ from mmserve.media import MediaItem, MediaKind
 from mmserve.video import FrameSampler, VideoLimits
 from mmserve.video_worker import VideoDecodePool
 from tests.media_factory import video_file
-from tests.test_minicpmv import minicpmv_dir  # noqa: F401  (fixture)
 from tests.test_video_url import video_models  # noqa: F401  (fixture)
 
 pytest.importorskip("av")

@@ -19,13 +19,12 @@ from mmserve.video import FrameSampler, VideoLimits
 from mmserve.video_worker import DecodeWorker, VideoDecodePool
 from tests.media_factory import audio_only_file, image_bytes, mkv_declaring, video_file
 from tests.reference import load_reference, load_video_file
-from tests.test_minicpmv import minicpmv_dir  # noqa: F401  (fixture)
 
 pytest.importorskip("av")  # the `video` extra: scripts/setup installs it
 
 
 @pytest.fixture(scope="module")
-def video_models(tiny_models, qwen3_dir, minicpmv_dir) -> dict[str, str]:  # noqa: F811
+def video_models(tiny_models, qwen3_dir, minicpmv_dir) -> dict[str, str]:
     return {**tiny_models, "qwen3_vl": qwen3_dir, "minicpmv4_6": minicpmv_dir}
 
 
