@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from llm_service.transfer import to_device
+
 logger = logging.getLogger(__name__)
 ATTN_IMPLEMENTATION = "mmserve_paged"
 BACKENDS = ("auto", "sdpa", "triton")
@@ -69,7 +71,7 @@ def layer_windows(text_config, num_layers: int) -> tuple[int | None, ...]:
 def sdpa_metadata(q_lens: list[int], context_lens: list[int], slot_tables: list[torch.Tensor],
                   device: torch.device, windows=(None,)) -> tuple[torch.Tensor, dict[int | None, torch.Tensor]]:
     """Flat pool slots of every sequence's context, and the block-diagonal causal mask per window."""
-    gather = torch.cat(slot_tables).to(device)
+    gather = to_device(torch.cat(slot_tables), device)
     total_q, total_k = sum(q_lens), sum(context_lens)
     q_seq = torch.repeat_interleave(torch.arange(len(q_lens)), torch.tensor(q_lens))
     k_seq = torch.repeat_interleave(torch.arange(len(context_lens)), torch.tensor(context_lens))
@@ -82,7 +84,7 @@ def sdpa_metadata(q_lens: list[int], context_lens: list[int], slot_tables: list[
     masks = {}
     for w in set(windows):
         mask = causal if w is None else causal & (k_pos[None, :] > q_pos[:, None] - w)
-        masks[w] = mask.to(device)
+        masks[w] = to_device(mask, device)
     return gather, masks
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from llm_service.sampling import SamplingRows, needs_settings, sampling_rows, settings_columns
+from llm_service.transfer import ints, to_device
 
 
 class BatchState:
@@ -69,21 +70,21 @@ class BatchState:
         row = seq.batch_row = self._free.pop()
         self._written[row] = 0
         params = seq.request.sampling
-        self.settings[row] = torch.tensor(settings_columns([params])[0], dtype=torch.float64)
+        self.settings[row] = to_device(torch.tensor(settings_columns([params])[0], dtype=torch.float64), self.device)
         if params.has_penalties and self.output_counts is None:
             self.output_counts = torch.zeros(self.num_rows, self.vocab, dtype=torch.int32, device=self.device)
             self.seen = torch.zeros(self.num_rows, self.vocab, dtype=torch.bool, device=self.device)
         if self.output_counts is not None:
             self.output_counts[row] = 0
             self.seen[row] = False
-            prompt = torch.tensor(seq.request.prompt_token_ids, dtype=torch.long, device=self.device)
+            prompt = ints(seq.request.prompt_token_ids, self.device)
             self.seen[row, prompt] = True
             if generated := seq.generated:
-                out = torch.tensor(generated, dtype=torch.long, device=self.device)
+                out = ints(generated, self.device)
                 self.output_counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
                 self.seen[row, out] = True
         if seq.tokens:
-            self.last_token[row] = seq.tokens[-1]
+            self.last_token[row] = seq.tokens[-1]  # a scalar fill: no copy
 
     def release(self, seq) -> None:
         """Give `seq`'s row back (none held: nothing to do)."""
@@ -92,7 +93,7 @@ class BatchState:
             seq.batch_row = None
 
     def index(self, seqs) -> torch.Tensor:
-        return torch.tensor([s.batch_row for s in seqs], dtype=torch.long, device=self.device)
+        return ints([s.batch_row for s in seqs], self.device)
 
     def sampling_rows(self, seqs, index: torch.Tensor, dtype: torch.dtype) -> SamplingRows:
         """The settings (and penalty tensors) of `seqs`, whose rows are `index`, gathered on the device."""
@@ -122,7 +123,7 @@ class BatchState:
         index = [s.batch_row for s in seqs]
         index += [self.pad_row] * ((padded or len(index)) - len(index))
         entries = self._table_entries(seqs)
-        staged = torch.tensor(index + entries, dtype=torch.long).to(self.device, non_blocking=True)
+        staged = ints(index + entries, self.device)
         if entries:
             n = len(entries) // 3
             at = staged[len(index):].view(3, n)
@@ -154,7 +155,7 @@ class BatchState:
             counts.append(k)
             positions += seq.positions(k, k + 1)[:, 0].tolist()
         entries = self._table_entries([s.seq for s in scheduled])
-        staged = torch.tensor(rows + counts + positions + entries, dtype=torch.long).to(self.device, non_blocking=True)
+        staged = ints(rows + counts + positions + entries, self.device)
         n = len(rows)
         at = staged[:n]
         self.computed[at] = staged[n:2 * n].to(torch.int32)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from llm_service.state_cache import StateBatch
+from llm_service.transfer import ints, to_device
 
 CHUNK_SIZE = 64  # transformers' chunk_size: the same padding gives the same float32 rounding
 
@@ -54,7 +55,7 @@ def _conv_layout(batch: StateBatch, width: int, device: torch.device) -> _ConvLa
             tokens.append(torch.arange(col + width, col + width + n))
             tail.append(torch.arange(col + n, col + n + width))
             col += width + n
-        cat = lambda ts: torch.cat(ts).to(device)  # noqa: E731
+        cat = lambda ts: to_device(torch.cat(ts), device)  # noqa: E731
         batch.layouts[key] = _ConvLayout(col, cat(state), cat(tokens), cat(tail))
     return batch.layouts[key]
 
@@ -69,8 +70,8 @@ def _rule_layout(batch: StateBatch, device: torch.device) -> _RuleLayout:
         span = num_chunks * CHUNK_SIZE
         rows = [torch.arange(cu[i], cu[i + 1]) for i in chunked]
         index = [k * span + torch.arange(batch.q_lens[i]) for k, i in enumerate(chunked)]
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-        cat = lambda ts: torch.cat(ts).to(device) if ts else as_tensor([])  # noqa: E731
+        as_tensor = lambda xs: ints(xs, device)  # noqa: E731
+        cat = lambda ts: to_device(torch.cat(ts), device) if ts else as_tensor([])  # noqa: E731
         batch.layouts[key] = _RuleLayout(as_tensor([cu[i] for i in decode]), as_tensor(decode), cat(rows),
                                          as_tensor(chunked), cat(index), num_chunks)
     return batch.layouts[key]

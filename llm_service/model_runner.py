@@ -18,6 +18,7 @@ from llm_service.scheduler import ScheduledSeq
 from llm_service.state_cache import StateBatch, StatePool, resolve_config, slot_bytes
 from llm_service.state_slots import StateSlotManager
 from llm_service.state_snapshots import SnapshotManager
+from llm_service.transfer import ints, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class ModelRunner:
             self.states.copy(self._index(src), self._index(dst))
 
     def _index(self, ids) -> torch.Tensor:
-        return torch.tensor(ids, dtype=torch.long, device=self.device)
+        return ints(list(ids), self.device)
 
     @torch.inference_mode()
     def prepare(self, scheduled: tuple[ScheduledSeq, ...]) -> StepInputs:
@@ -203,7 +204,7 @@ class ModelRunner:
                 unread_at.append(len(ids))
                 unread_rows.append(seq.batch_row)
                 ids.append(0)
-        out = torch.tensor(ids, dtype=torch.long, device=self.device)
+        out = ints(ids, self.device)
         if unread_at:
             out[self._index(unread_at)] = self.batch.last_token[self._index(unread_rows)]
         return out
@@ -235,10 +236,10 @@ class ModelRunner:
         cu_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         batch = AttentionBatch(
             kv_pool=self.kv_pool,
-            slot_mapping=torch.cat(slots).to(dev),
-            cu_seqlens_q=cu_q.to(dev),
-            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
-            block_tables=tables.to(dev),
+            slot_mapping=to_device(torch.cat(slots), dev),
+            cu_seqlens_q=to_device(cu_q, dev),
+            context_lens=ints(ctx_lens, dev, torch.int32),
+            block_tables=to_device(tables, dev),
             max_query_len=max(q_lens),
             max_context_len=max(ctx_lens),
             backend=self.backend,
@@ -249,8 +250,8 @@ class ModelRunner:
             extra["state_batch"] = self._state_batch(scheduled)
         if self.backend == "sdpa":
             batch.gather_slots, batch.masks = attention.sdpa_metadata(q_lens, ctx_lens, slot_tables, dev, self.windows)
-        rows = (cu_q[1:] - 1).to(torch.long)[sample_rows].to(dev)
-        return self.token_ids(scheduled), torch.cat(positions, dim=1).to(dev), batch, rows, media, extra
+        rows = to_device((cu_q[1:] - 1).to(torch.long)[sample_rows], dev)
+        return self.token_ids(scheduled), to_device(torch.cat(positions, dim=1), dev), batch, rows, media, extra
 
     def _state_batch(self, scheduled: tuple[ScheduledSeq, ...]) -> StateBatch:
         """The step's state slots; those of sequences starting from their first token are zeroed,

@@ -8,6 +8,8 @@ from typing import NamedTuple
 
 import torch
 
+from llm_service.transfer import ints, to_device
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -142,7 +144,7 @@ def _counts(rows: list[Sequence[int]], vocab: int, device: torch.device) -> torc
 def rows_from_lists(logits: torch.Tensor, inputs: Sequence[SampleInput]) -> SamplingRows:
     """`SamplingRows` from host lists (prompt and output ids counted here, every call)."""
     dtype = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
-    settings = torch.tensor(settings_columns([x.params for x in inputs]), dtype=dtype, device=logits.device)
+    settings = to_device(torch.tensor(settings_columns([x.params for x in inputs]), dtype=dtype), logits.device)
     counts = seen = None
     if any(x.params.has_penalties for x in inputs):
         vocab = logits.shape[-1]
@@ -186,7 +188,7 @@ def filter_logits(logits: torch.Tensor, rows: SamplingRows | Sequence[SampleInpu
 
 
 def _subset(rows: SamplingRows, index: list[int]) -> SamplingRows:
-    at = torch.tensor(index, device=rows.temperature.device)
+    at = ints(index, rows.temperature.device)
     pick = [tuple(rows.params[i] for i in index), tuple(rows.generators[i] for i in index)]
     return SamplingRows(*pick, *(None if t is None else t[at] for t in rows[2:]))  # type: ignore[arg-type]
 
@@ -206,12 +208,13 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, max_logprobs: int = 20
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         subset = _subset(rows, random_rows)
-        at = torch.tensor(random_rows, device=logits.device)
+        at = ints(random_rows, logits.device)
         probs = torch.softmax(filter_logits(logits[at], subset), dim=-1)
         q = torch.empty_like(probs)
         shared = [j for j, g in enumerate(subset.generators) if g is None]
         if shared:
-            q[shared] = torch.empty_like(q[shared]).exponential_()
+            at_shared = ints(shared, q.device)
+            q[at_shared] = torch.empty_like(q[at_shared]).exponential_()
         for j, g in enumerate(subset.generators):
             if g is not None:
                 q[j].exponential_(generator=g)

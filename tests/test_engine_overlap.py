@@ -245,3 +245,44 @@ def test_cuda_overlap_with_captured_graphs_equals_sequential_steps_in_float32(ti
         results.append({n: (collector.tokens(n), collector.finish_reason(n)) for n in collector.events})
         _assert_freed(engine)
     assert results[0] == results[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_overlapped_steps_launch_without_waiting_for_the_device(tiny_models, monkeypatch):
+    """Steady decode with overlap on (graphs, greedy, penalties, seeded sampling): scheduling,
+    staging, the graph replay, sampling and the copies never synchronise with the device (CUDA's
+    sync debug mode raises if they do); only the read of the step before waits, by its event."""
+    from llm_service.config import EngineConfig
+    from llm_service.engine import LLMEngine
+    from llm_service.model import LanguageModel
+
+    model_dir = tiny_models["qwen2_vl"]
+    engine = LLMEngine(LanguageModel(model_dir, dtype="float32", device="cuda"),
+                       EngineConfig(num_kv_blocks=256, max_graph_batch_size=8, async_scheduling=True))
+    sampling = [{}, {"repetition_penalty": 1.3}, {"temperature": 0.8, "top_p": 0.9, "seed": 5}]
+    collector = Collector()
+    for i in range(3):
+        collector.add(engine, plan_request(model_dir, mixed_cases()[6 + i][1], f"r{i}", 40, ignore_eos=True,
+                                           **sampling[i]))
+    while not all(s.num_computed >= s.num_prompt_tokens for s in engine.scheduler.running) or \
+            len(engine.scheduler.running) < 3:
+        engine.step()
+    read = engine._read
+
+    def read_allowed_to_wait(launched):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return read(launched)
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+
+    monkeypatch.setattr(engine, "_read", read_allowed_to_wait)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(8):
+            engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    run_until_done(engine, collector)
+    assert all(len(collector.tokens(f"r{i}")) == 40 for i in range(3))

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from llm_service.state_cache import StateSpec
+from llm_service.transfer import to_device
 from mmserve.positions import PositionPlan
 
 
@@ -60,7 +61,7 @@ class LMFace(ABC):
         indices; return the extra keyword arguments of this forward's decoder call (families with
         per-layer features, e.g. Qwen3-VL DeepStack, pass their further parts there)."""
         for index, parts in media:
-            embeds[index.to(embeds.device)] = parts[0].to(embeds.device, embeds.dtype)
+            embeds[to_device(index, embeds.device)] = to_device(parts[0], embeds.device).to(embeds.dtype)
         return {}
 
     def state_layers(self) -> tuple[StateSpec, ...]:

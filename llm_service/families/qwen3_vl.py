@@ -13,6 +13,7 @@ import torch
 
 from llm_service.families.base import LanguageModelModules
 from llm_service.families.qwen2_vl import QwenVLLMFace
+from llm_service.transfer import to_device
 
 
 class Qwen3VLLMFace(QwenVLLMFace):
@@ -32,11 +33,11 @@ class Qwen3VLLMFace(QwenVLLMFace):
         if not media or len(media[0][1]) < 2:
             return {}
         dev = embeds.device
-        index = torch.cat([i for i, _ in media]).to(dev)
+        index = to_device(torch.cat([i for i, _ in media]), dev)
         order = torch.argsort(index)  # the decoder reads the features in mask (position) order
         mask = torch.zeros(embeds.shape[0], dtype=torch.bool, device=dev)
         mask[index] = True
-        layers = [torch.cat([parts[k] for _, parts in media]).to(dev, embeds.dtype)[order]
+        layers = [to_device(torch.cat([parts[k] for _, parts in media]), dev).to(embeds.dtype)[order]
                   for k in range(1, len(media[0][1]))]
         return {"visual_pos_masks": mask.unsqueeze(0), "deepstack_visual_embeds": layers}
 
