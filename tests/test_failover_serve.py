@@ -20,7 +20,7 @@ from tests.serve_fixtures import _app_args
 pytestmark = pytest.mark.serve
 APP = "failover"
 SINGLE = "failover1"
-MAX_TOKENS = 48
+MAX_TOKENS = 160  # streams long enough that the slowest has begun before the fastest ends (decode is fast)
 
 
 NO_CACHE = {"cache_bytes": 0}
