@@ -65,6 +65,9 @@ FIGURES = (
     Figure("decode_8k_b4_ms", "ms/step", "engine"),
     Figure("decode_8k_b4_bound_ms", "ms/step", "engine"),
     Figure("decode_8k_b4_ratio_to_bound", "x the bound", "engine"),
+    Figure("decode_b1_host_us", "us per step outside the forward (default overlap mode)", "engine"),
+    Figure("decode_b64_host_us", "us per step outside the forward (default overlap mode)", "engine"),
+    Figure("decode_b1_ops_per_step", "kernels per step (CUDA; top-level aten ops on CPU)", "engine"),
     Figure("vit_forward_448_images_per_s", "images/s", "encoder"),
     Figure("vit_forward_1024_images_per_s", "images/s", "encoder"),
     Figure("vit_mfu_448", "fraction of the dense bf16 peak", "encoder"),
@@ -88,6 +91,7 @@ UNITS = {f.name: f.unit for f in FIGURES}
 CPU_ARGS = {
     "llm": ["--prompt-len", "8", "--max-tokens", "4", "--concurrency", "1", "--decode-tokens", "16",
             "--long-context", "0"],
+    "breakdown": ["--steps", "4", "--prompt-len", "8"],
     "encoder": ["--items", "4"],
     "serve": ["--compare", "colocated", "--quick", "--num-prompts", "8", "--unloaded-requests", "2",
               "--request-rate", "1"],
@@ -95,6 +99,7 @@ CPU_ARGS = {
 }
 CUDA_ARGS = {
     "llm": ["--long-context", "8192", "--long-batch", "4"],
+    "breakdown": ["--steps", "64"],
     "encoder": ["--workers", "8"],
     "serve": ["--compare", "colocated", "--dtype", "bfloat16", "--num-cpus", "8", "--num-prompts", "100",
               "--input-len", "128", "--output-len", "64"],
@@ -171,8 +176,18 @@ def engine_figures(r: dict, peak: Peaks) -> dict:
             "decode_8k_b4_ratio_to_bound": ratio(long, long_bound)}
 
 
+def breakdown_figures(r: dict) -> dict:
+    """bench/llm.py --breakdown's result -> host time and ops per decode step, in the mode the
+    engine runs by default on that device (steps overlapped on CUDA)."""
+    mode = "on" if r["device"] == "cuda" else "off"
+    return {"decode_b1_host_us": r[f"decode_b1_{mode}_host_us"], "decode_b64_host_us": r[f"decode_b64_{mode}_host_us"],
+            "decode_b1_ops_per_step": r[f"decode_b1_{mode}_ops"]}
+
+
 def engine_part(ns, peak: Peaks) -> dict:
-    return engine_figures(bench_json("llm.py", ["--device", ns.device, *ns.sizes["llm"]], ns.timeout), peak)
+    figures = engine_figures(bench_json("llm.py", ["--device", ns.device, *ns.sizes["llm"]], ns.timeout), peak)
+    breakdown = bench_json("llm.py", ["--device", ns.device, "--breakdown", *ns.sizes["breakdown"]], ns.timeout)
+    return {**figures, **breakdown_figures(breakdown)}
 
 
 def encoder_figures(r: dict, peak: Peaks) -> dict:
@@ -297,6 +312,9 @@ COLUMNS = (
                     cell(r, "decode_b64_tok_s", "{:.0f} tok/s")) if c != "–") or "–"),
     ("decode 8k b4 ms/step (x bound)", lambda r: cell(r, "decode_8k_b4_ms", "{:.2f}", "decode_8k_b4_ratio_to_bound",
                                                       "{:.2f}x")),
+    ("decode host us/step b1 / b64, ops b1", lambda r: ", ".join(
+        c for c in (_pair(r, "decode_b1_host_us", "decode_b64_host_us", "{:.0f}"),
+                    cell(r, "decode_b1_ops_per_step", "{:.0f} ops")) if c != "–") or "–"),
     ("ViT 448² img/s (MFU)", lambda r: cell(r, "vit_forward_448_images_per_s", "{:.0f}", "vit_mfu_448", "{:.1%}")),
     ("ViT 1024² img/s (MFU)", lambda r: cell(r, "vit_forward_1024_images_per_s", "{:.1f}", "vit_mfu_1024", "{:.1%}")),
     ("pool 448² img/s (of forward)", lambda r: cell(r, "encoder_pool_448_images_per_s", "{:.0f}",
@@ -322,6 +340,8 @@ run. Brackets: the figure against its physical limit, from the device's peaks (`
 - decode: steady ms per step (batch 1: per token) against the step's bound, the weights read once plus
   every sequence's KV at peak memory bandwidth (`x bound`: 1.0 is the limit; `of bound`: the bound's
   speed reached); 8k b4 = batch 4 over 8,192-token contexts. Qwen2-VL-2B's LM, random bf16 weights.
+  Host us/step: the engine's own work around the forward per decode step (`bench/llm.py --breakdown`,
+  steps overlapped as on CUDA by default), and kernels per step at batch 1.
 - ViT: forward alone, the full-size Qwen2-VL vision tower (random bf16), MFU against the dense bf16
   peak; pool: the encoder pool end to end (preprocessing included) over the forward alone; budget: the
   token-budget batcher over one image per forward.
