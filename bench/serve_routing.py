@@ -6,9 +6,11 @@ system prompts; two rates below saturation and one above. Workload B: 90% of the
 hot image (the llm-d failure case, which the load bound must prevent). SLOs and rates come from an
 unloaded run of the default app on workload A. Cluster-wide embedding hits (cache + in-flight
 dedupe, summed over the encoder replicas) are set against the single-replica ideal: every image
-item but the first sight of each distinct image. The last line is one JSON object with
-`hit_ratio_vs_ideal`, `ttft_p50_ratio_default_over_affinity` (moderate rate, A),
-`goodput_ratio_min` (affinity over default, the lowest over A's rates) and
+item but the first sight of each distinct image. Each rate runs `REPEATS` times, on fresh request
+sets, the rates interleaved; every figure of a rate is the median over its repeats (one run of 80
+requests past saturation moved goodput by 25% between two runs of the same policy). The last line
+is one JSON object with `hit_ratio_vs_ideal`, `ttft_p50_ratio_default_over_affinity` (moderate
+rate, A), `goodput_ratio_min` (affinity over default, the lowest over A's rates) and
 `hot_key_goodput_ratio` (B, the lowest over its rates).
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 import time
 
 from bench.serve import QUICK_BUCKETS, run_load, start_app, stop_app, table
@@ -29,6 +32,12 @@ WORKLOADS = {
 POLICIES = ("default", "affinity")  # default first: its unloaded run sets the SLOs and rates
 RATE_FACTORS = (0.5, 1.0, 2.5)  # x one request at a time: two below saturation, one above
 REPLICAS = (2, 2)
+REPEATS = 3
+
+
+def median_metrics(runs: list[dict]) -> dict:
+    """Each numeric figure's median over `runs` (the first run's for the rest)."""
+    return {k: statistics.median(r[k] for r in runs) if isinstance(v, (int, float)) else v for k, v in runs[0].items()}
 
 
 def ideal_hits(specs: list[RequestSpec]) -> tuple[int, int]:
@@ -57,7 +66,8 @@ def run(args, model: str) -> dict:
         dataset = DatasetConfig(buckets=QUICK_BUCKETS, max_images=args.max_images, text_only_share=args.text_only_share,
                                 input_len=args.input_len, output_len=args.output_len, **knobs)
         warm = generate_requests(dataset, 8, args.seed + 2)
-        per_rate = [generate_requests(dataset, num_prompts, args.seed + 10 + k) for k in range(len(RATE_FACTORS))]
+        per_rate = [[generate_requests(dataset, num_prompts, args.seed + 10 + k + 100 * r) for r in range(REPEATS)]
+                    for k in range(len(RATE_FACTORS))]
         for policy in POLICIES:
             url, _ = start_app(model, False, args.num_cpus, args.dtype, replicas=REPLICAS, routing=policy)
             seen = list(warm)
@@ -72,11 +82,17 @@ def run(args, model: str) -> dict:
                         slo = SLO(ttft_ms=round(3 * base["median_ttft_ms"], 1), tpot_ms=round(3 * base["median_tpot_ms"], 1))
                     rates = [round(k * 1000 / base["mean_e2el_ms"], 3) for k in RATE_FACTORS]
                     print(f"SLOs: {' '.join(f'{k}:{v:g}ms' for k, v in slo.as_dict().items())}; request rates {rates}/s")
-                for rate, specs in zip(rates, per_rate):
-                    offsets = arrival_times(len(specs), rate, args.seed, args.burstiness)
-                    records = asyncio.run(run_load(url, args.model_name, specs, offsets, f"{workload} {policy} @{rate}/s"))
-                    results[f"{workload}:{policy}@{rate:g}"] = compute_metrics(records, slo)
-                    seen += specs
+                repeats: dict[float, list[dict]] = {rate: [] for rate in rates}
+                for r in range(REPEATS):  # rates interleaved, so slow drift hits every rate alike
+                    for rate, sets in zip(rates, per_rate):
+                        specs = sets[r]
+                        offsets = arrival_times(len(specs), rate, args.seed + r, args.burstiness)
+                        records = asyncio.run(run_load(url, args.model_name, specs, offsets,
+                                                       f"{workload} {policy} @{rate}/s ({r + 1}/{REPEATS})"))
+                        repeats[rate].append(compute_metrics(records, slo))
+                        seen += specs
+                for rate in rates:
+                    results[f"{workload}:{policy}@{rate:g}"] = median_metrics(repeats[rate])
                 items, ideal = ideal_hits(seen)
                 routed = serve.get_deployment_handle("Router", app_name="bench").routing_stats.remote().result()
                 runs[(workload, policy)] = {"hits": cluster_hits(), "ideal_hits": ideal, "items": items, "routed": routed}
@@ -84,8 +100,8 @@ def run(args, model: str) -> dict:
                 stop_app()
     print(table(results))
     summary = _summary(results, runs, rates)
-    summary.update(slo=slo.as_dict(), request_rates=rates, num_prompts=num_prompts, num_cpus=args.num_cpus,
-                   seconds=round(time.perf_counter() - began, 1))
+    summary.update(slo=slo.as_dict(), request_rates=rates, num_prompts=num_prompts, repeats=REPEATS,
+                   num_cpus=args.num_cpus, seconds=round(time.perf_counter() - began, 1))
     if args.result_json:
         args.result_json.write_text(json.dumps({"summary": summary, "results": results}, indent=2))
     print(json.dumps(summary))
