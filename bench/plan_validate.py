@@ -6,8 +6,9 @@ checkpoint and this machine's CPUs, it runs `bench serve`'s load:
 - a flood, `SATURATING_CONCURRENCY` at a time: its throughput (the app's capacity on this box)
   only places the held-out rates;
 - three held-out Poisson rates (`RATE_FACTORS` x that capacity), the last past saturation;
-- the middle held-out rate once more, with the same requests (the noise floor).
-`mmserve.capacity.validate` fits a profile on the fit runs only, simulates the held-out rates and
+- the middle held-out rate once more, with fresh requests of the same shape and the same arrival
+  times (the noise floor; the same requests again would hit the embedding and prefix caches).
+`mmserve.capacity_fit.validate` fits a profile on the fit runs only, simulates the held-out rates and
 reports the relative errors. The last line is one JSON object with `max_rel_error`,
 `max_rel_error_p99_ttft`, `saturated_point_rel_error` and `real_run_spread`.
 `--record FILE` keeps the run set; `--runs FILE` validates a kept one (seconds, no Ray).
@@ -26,7 +27,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mmserve.capacity import FIT_LOADED_CONCURRENCY, observed, print_validation, validate  # noqa: E402
+from mmserve.capacity_fit import FIT_LOADED_CONCURRENCY, observed, print_validation, validate  # noqa: E402
 
 MODES = {"disaggregated": (1, 1), "colocated": (0, 2)}  # (encoder, LLM) replicas: two of them either way
 SATURATING_CONCURRENCY = 12
@@ -45,6 +46,7 @@ def collect(num_prompts: int, seed: int = 0, num_cpus: float = 2.0) -> dict:
     fit_loaded = generate_requests(dataset, 32, seed + 2)
     fit_flood = generate_requests(dataset, 4 * SATURATING_CONCURRENCY, seed + 4)
     held_out = [generate_requests(dataset, num_prompts, seed + 10 + k) for k in range(len(RATE_FACTORS))]
+    twin = generate_requests(dataset, num_prompts, seed + 20)  # the repeat: as the middle rate's, other images
     run_set: dict = {"machine": f"{num_cpus:g} CPUs", "modes": {}}
 
     def records(specs, label: str, url: str, **load) -> list[dict]:
@@ -72,8 +74,8 @@ def collect(num_prompts: int, seed: int = 0, num_cpus: float = 2.0) -> dict:
                              "requests": records(specs, f"{mode} @{rate}/s", url, offsets=offsets)})
             middle = 1
             runs.append({"label": "repeat", "rate": rates[middle], "concurrency": None,
-                         "requests": records(held_out[middle], f"{mode} @{rates[middle]}/s again", url,
-                                             offsets=arrival_times(len(held_out[middle]), rates[middle], seed))})
+                         "requests": records(twin, f"{mode} @{rates[middle]}/s again", url,
+                                             offsets=arrival_times(len(twin), rates[middle], seed))})
         finally:
             stop_app()
         run_set["modes"][mode] = {"encoders": encoders, "llms": llms, "runs": runs}

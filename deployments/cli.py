@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "bench":
         return _bench(ns, extra)
     if ns.command == "plan":
-        from mmserve.capacity import main as plan
+        from mmserve.capacity_cli import main as plan
 
         return plan(extra)
     if extra:

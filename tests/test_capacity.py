@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from mmserve.capacity import (
-    SLO, BatchStation, Profile, Simulator, Workload, goodput, load_profile, main, percentile, recommend, simulate,
+    SLO, BatchStation, Profile, Simulator, Workload, goodput, load_profile, percentile, recommend, simulate,
 )
+from mmserve.capacity_cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 HAND = str(ROOT / "bench" / "profiles" / "a100-qwen3-vl-4b.yaml")
@@ -136,7 +137,7 @@ def _records(stage, n: int = 24) -> list[dict]:
 
 
 def test_the_fit_recovers_the_stage_times_it_was_given():
-    from mmserve.capacity import fit_profile
+    from mmserve.capacity_fit import fit_profile
 
     def alone(image_tokens, prompt):  # 10 ms + 0.5 ms a token to encode, 0.1 ms a prompt token, 3 ms a step
         embeddings, prefill = 10 + 0.5 * image_tokens, 3 + 0.1 * prompt
