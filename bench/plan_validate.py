@@ -47,7 +47,11 @@ def collect(num_prompts: int, seed: int = 0, num_cpus: float = 2.0) -> dict:
     fit_flood = generate_requests(dataset, 4 * SATURATING_CONCURRENCY, seed + 4)
     held_out = [generate_requests(dataset, num_prompts, seed + 10 + k) for k in range(len(RATE_FACTORS))]
     twin = generate_requests(dataset, num_prompts, seed + 20)  # the repeat: as the middle rate's, other images
-    run_set: dict = {"machine": f"{num_cpus:g} CPUs", "modes": {}}
+    from deployments.config import AppArgs
+
+    # one Router replica: its admission bound is the app's (the model refuses past it, as the app does)
+    pending = AppArgs.model_fields["max_pending_requests"].default
+    run_set: dict = {"machine": f"{num_cpus:g} CPUs", "max_pending_requests": pending, "modes": {}}
 
     def records(specs, label: str, url: str, **load) -> list[dict]:
         began = time.perf_counter()

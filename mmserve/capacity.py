@@ -15,9 +15,11 @@ A discrete-event simulation of the app, one request at a time through its stages
 
 Service times come from a `Profile`: fitted from bench results, or a hand-written file, labelled as
 such in every output (`Profile.source`). It is a model: replica counts are fixed (no autoscaling
-delays), admission never refuses (no 429s), a step's time is linear in its prefill tokens and
-decoding sequences, and each replica has its device to itself (replicas sharing a CPU box's cores
-slow each other, which the model does not see).
+delays), admission refuses nothing unless the profile bounds the requests waiting for their first
+token (`max_pending_requests`, the router's 429 rule), a step's time is linear in its prefill tokens and
+decoding sequences, and each replica has its device to itself, unless the profile says that the
+replicas share one box (`Profile.shared_capacity`: every encoder forward and LLM step then runs on
+one processor-sharing resource, `SharedCores`, as on the CPU box `--validate` runs on).
 
 Named apart from `mmserve.planner`, the router's per-request planner.
 """
@@ -55,15 +57,65 @@ class Simulator:
             action()
 
 
+class SharedCores:
+    """Processor sharing: the forwards and steps of every replica on one box progress at rate
+    `min(1, capacity / jobs running)`, where a job alone runs at the speed it was measured at and
+    `capacity` jobs run at full speed at once."""
+
+    def __init__(self, sim: Simulator, capacity: float):
+        self.sim, self.capacity = sim, capacity
+        self._jobs: dict[int, list] = {}  # id -> [work left (seconds at full speed), done]
+        self._ids = itertools.count()
+        self._last = 0.0
+        self._version = 0  # a completion scheduled before the last change is stale
+
+    def _rate(self) -> float:
+        return min(1.0, self.capacity / len(self._jobs)) if self._jobs else 1.0
+
+    def _advance(self) -> None:
+        elapsed, rate = self.sim.now - self._last, self._rate()
+        for job in self._jobs.values():
+            job[0] -= elapsed * rate
+        self._last = self.sim.now
+
+    def run(self, seconds: float, done: Callable[[], None]) -> None:
+        """`done()` once `seconds` of full-speed work have been served."""
+        self._advance()
+        self._jobs[next(self._ids)] = [seconds, done]
+        self._schedule()
+
+    def _schedule(self) -> None:
+        self._version += 1
+        if self._jobs:
+            version, left = self._version, min(job[0] for job in self._jobs.values())
+            self.sim.after(max(left, 0.0) / self._rate(), lambda: self._complete(version))
+
+    def _complete(self, version: int) -> None:
+        if version != self._version:
+            return
+        self._advance()
+        finished = [key for key, job in self._jobs.items() if job[0] <= 1e-12]
+        callbacks = [self._jobs.pop(key)[1] for key in finished]
+        self._schedule()
+        for done in callbacks:
+            done()
+
+
+def _serving(sim: Simulator, cores: SharedCores | None) -> Callable[[float, Callable[[], None]], None]:
+    """How a replica spends `seconds` of service: on its own device, or on the box's shared cores."""
+    return cores.run if cores is not None else sim.after
+
+
 class BatchStation:
     """`servers` identical servers sharing one FIFO queue. A free server takes the longest queue
     prefix whose summed cost fits `max_cost` (one job at least) and holds it for
-    `service(cost, jobs)` seconds. With `max_jobs=1` and exponential service it is an M/M/c queue
-    (tests/test_capacity.py checks it against Erlang C)."""
+    `service(cost, jobs)` seconds (of `cores`, when the servers share a box). With `max_jobs=1`
+    and exponential service it is an M/M/c queue (tests/test_capacity.py checks it against Erlang C)."""
 
     def __init__(self, sim: Simulator, servers: int, service: Callable[[float, int], float],
-                 max_cost: float = math.inf, max_jobs: int | float = math.inf):
+                 max_cost: float = math.inf, max_jobs: int | float = math.inf, cores: SharedCores | None = None):
         self.sim, self.service = sim, service
+        self._serve = _serving(sim, cores)
         self.max_cost, self.max_jobs = max_cost, max_jobs
         self.free = servers
         self.queue: deque[tuple[float, Callable[[], None]]] = deque()
@@ -83,7 +135,7 @@ class BatchStation:
             seconds = self.service(total, len(batch))
             self.free -= 1
             self.busy_seconds += seconds
-            self.sim.after(seconds, lambda batch=batch: self._finish(batch))
+            self._serve(seconds, lambda batch=batch: self._finish(batch))
 
     def _finish(self, batch) -> None:
         self.free += 1
@@ -108,6 +160,12 @@ class Profile:
     decode_seq_s: float = 2e-4  # per decoding sequence of a step
     max_batched_tokens: int = 8192  # prefill tokens per step (chunked prefill)
     max_num_seqs: int = 64  # sequences running on one replica
+    # None: each replica has its device; else the replicas share one box that runs this many of
+    # their forwards / steps at full speed at once (fitted on a flood of the app on that box)
+    shared_capacity: float | None = None
+    # the router's admission: a request arriving while this many wait for their first token is
+    # refused at once (429); None: every request is admitted
+    max_pending_requests: int | None = None
 
     def encode_seconds(self, tokens: float, items: int = 1) -> float:
         return self.encode_batch_s + self.encode_token_s * tokens
@@ -143,14 +201,17 @@ class _Request:
     prefilled: int = 0
     decoded: int = 0
     encode_tokens: int = 0  # colocated: image tokens the LLM replica encodes before the prefill
+    index: int = 0
+    refused: bool = False
 
 
 class _LLMReplica:
     """Continuous batching: every step decodes each running sequence and prefills waiting prompts
     in order within the step's token budget."""
 
-    def __init__(self, sim: Simulator, profile: Profile):
+    def __init__(self, sim: Simulator, profile: Profile, cores: SharedCores | None = None):
         self.sim, self.profile = sim, profile
+        self._serve = _serving(sim, cores)
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.stepping = False
@@ -188,7 +249,7 @@ class _LLMReplica:
         self.stepping = True
         seconds = p.step_s + encode + p.prefill_token_s * (p.max_batched_tokens - budget) + p.decode_seq_s * len(decoding)
         self.busy_seconds += seconds
-        self.sim.after(seconds, lambda: self._finish(decoding, chunks))
+        self._serve(seconds, lambda: self._finish(decoding, chunks))
 
     def _finish(self, decoding: list[_Request], chunks: list[tuple[_Request, int]]) -> None:
         now = self.sim.now
@@ -216,6 +277,7 @@ class Result:
     slo_attainment: float  # share of requests within both SLOs (1.0 without SLOs)
     encoder_utilisation: float
     llm_utilisation: float
+    refused_share: float = 0.0  # requests refused at admission (429s), of all that arrived
 
     @property
     def gpus(self) -> int:
@@ -236,16 +298,24 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
     `arrivals` of a real run, replayed. `num_encoders=0` is the colocated mode."""
     rng = random.Random(seed)
     sim = Simulator()
+    pending: set[int] = set()  # admitted requests without a first token (by index), for admission
+    cores = SharedCores(sim, profile.shared_capacity) if profile.shared_capacity else None
     encoders = (BatchStation(sim, num_encoders, lambda tokens, items: profile.encode_seconds(tokens, items),
-                             max_cost=profile.max_batch_tokens) if num_encoders else None)
+                             max_cost=profile.max_batch_tokens, cores=cores) if num_encoders else None)
     requests: list[_Request] = []
 
-    llms = [_LLMReplica(sim, profile) for _ in range(num_llms)]
+    llms = [_LLMReplica(sim, profile, cores) for _ in range(num_llms)]
 
     def to_llm(request: _Request) -> None:
         min(llms, key=lambda r: r.in_flight).add(request)  # ties: the first (a stable order)
 
     def arrive(request: _Request) -> None:
+        if profile.max_pending_requests is not None:
+            pending.difference_update([i for i in pending if requests[i].first_token is not None])
+            if len(pending) >= profile.max_pending_requests:
+                request.refused = True
+                return
+            pending.add(request.index)
         misses = sum(rng.random() >= workload.repeat_share for _ in range(request.images))
         if not misses:
             sim.after(profile.router_s, lambda: to_llm(request))
@@ -272,19 +342,21 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
             t += rng.gammavariate(workload.burstiness, 1 / (workload.rate * workload.burstiness))
             arrivals.append((t, rng.randint(*workload.images)))
     for at, images in arrivals:
-        request = _Request(at, images, workload.text_tokens + images * workload.image_tokens, workload.output_tokens)
+        request = _Request(at, images, workload.text_tokens + images * workload.image_tokens, workload.output_tokens,
+                           index=len(requests))
         requests.append(request)
         sim.at(at, lambda request=request: arrive(request))
     sim.run()
 
-    ttft = [r.first_token - r.arrival for r in requests]
-    tpot = [(r.finish - r.first_token) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0 for r in requests]
+    served = [r for r in requests if not r.refused]
+    ttft = [r.first_token - r.arrival for r in served]
+    tpot = [(r.finish - r.first_token) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0 for r in served]
     within = sum(1 for a, b in zip(ttft, tpot) if slo is None or (a <= slo.ttft_p99_s and b <= slo.tpot_p99_s))
-    span = max(r.finish for r in requests) - requests[0].arrival
+    span = max(r.finish for r in served) - requests[0].arrival
     return Result(
-        num_encoders, num_llms, workload.rate, throughput=len(requests) / span,
+        num_encoders, num_llms, workload.rate, throughput=len(served) / span,
         ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99), tpot_p99_s=percentile(tpot, 99),
-        slo_attainment=within / len(requests),
+        slo_attainment=within / len(requests), refused_share=1 - len(served) / len(requests),
         encoder_utilisation=encoders.busy_seconds / (num_encoders * sim.now) if encoders else 0.0,
         llm_utilisation=sum(r.busy_seconds for r in llms) / (num_llms * sim.now),
     )

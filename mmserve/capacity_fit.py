@@ -1,16 +1,19 @@
 """The capacity planner against real runs (`mmserve plan --validate`): a profile fitted on runs of
 the app on this machine, the held-out runs it predicts, and the relative errors.
 
-A run set (bench/plan_validate.py writes it): {"modes": {mode: {"encoders": E, "llms": L, "runs": [
+A run set (bench/plan_validate.py writes it): {"max_pending_requests": the app's admission bound
+(its router's `max_pending_requests` x router replicas), "modes": {mode: {"encoders": E, "llms": L, "runs": [
   {"label": "fit-unloaded" | "fit-loaded" | "fit-saturated" | "held-out" | "repeat", "rate": r or null,
    "concurrency": k or null, "requests": [bench serve's per-request records + "images"]}]}}}
-Fitting reads the first two fit runs; "fit-saturated" (the app flooded) only sets the held-out rates.
+Stage times are fitted on the first two fit runs; "fit-saturated" (the app flooded) gives how much
+of the box the replicas share (`fit_shared_capacity`) and places the held-out rates. Held-out runs
+are never fitted on.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from mmserve.capacity import Profile, Workload, percentile, simulate
 
@@ -28,10 +31,13 @@ def _ok(requests: list[dict]) -> list[dict]:
     return [r for r in requests if r.get("ttft_ms") is not None and r.get("stage_ms")]
 
 
-def fit_profile(mode: str, runs: list[dict]) -> tuple[Profile, dict]:
+def fit_profile(mode: str, runs: list[dict], encoders: int = 1, llms: int = 1,
+                max_pending_requests: int | None = None) -> tuple[Profile, dict]:
     """A profile fitted on a mode's fit runs: one request at a time (stage times without queueing)
-    and `FIT_LOADED_CONCURRENCY` at a time (how a step grows with its sequences). Returns it with
-    the workload's shape (image tokens, mean text and output tokens) read off the same requests."""
+    and `FIT_LOADED_CONCURRENCY` at a time (how a step grows with its sequences); with a flood of
+    the app's `encoders` + `llms` replicas ("fit-saturated"), how much of the box they share; the
+    app's admission bound (`max_pending_requests`, not fitted: its setting). Returns it with the workload's shape (image tokens, mean text and output tokens) read off the
+    same requests."""
     by_label = {run["label"]: _ok(run["requests"]) for run in runs}
     alone, loaded = by_label["fit-unloaded"], by_label["fit-loaded"]
     requests = alone + loaded
@@ -65,10 +71,38 @@ def fit_profile(mode: str, runs: list[dict]) -> tuple[Profile, dict]:
         transfer_token_s=0.0,  # inside the fitted encode time
         step_s=step_s, decode_seq_s=decode_seq_s, prefill_token_s=max(0.0, prefill_token_s),
         max_batched_tokens=2048, max_num_seqs=64,  # the engine's defaults (EngineArgs)
+        max_pending_requests=max_pending_requests,
     )
     shape = {"image_tokens": image_tokens, "text_tokens": round(text_tokens),
              "output_tokens": round(statistics.fmean(r["output_tokens"] for r in requests))}
+    if flood := by_label.get("fit-saturated"):
+        profile = replace(profile, shared_capacity=fit_shared_capacity(profile, shape, flood, encoders, llms))
     return profile, shape
+
+
+def fit_shared_capacity(profile: Profile, shape: dict, flood: list[dict], encoders: int, llms: int,
+                        iterations: int = 20) -> float | None:
+    """The smallest shared capacity, between 1 (one job at a time at full speed: a job alone runs
+    at its measured speed) and the replica count (no sharing), with which the model keeps up with
+    a real flood's sends, replayed: that flood was paced by the real app's completions, so a model
+    slower than the app falls behind it and a faster one just keeps up. None when the replicas
+    keep up only unshared, or fall behind even so (what slows the app is not the sharing)."""
+    real = observed(flood)["throughput"]
+    replicas = float(encoders + llms)
+
+    def keeps_up(capacity: float | None) -> bool:
+        model = predicted(replace(profile, shared_capacity=capacity), shape, flood, encoders, llms)
+        return model["throughput"] >= 0.99 * real
+
+    if replicas <= 1 or not keeps_up(None):
+        return None
+    if keeps_up(1.0):
+        return 1.0
+    low, high = 1.0, replicas
+    for _ in range(iterations):
+        mid = (low + high) / 2
+        low, high = (low, mid) if keeps_up(mid) else (mid, high)
+    return round(high, 3) if high < replicas else None
 
 
 def observed(requests: list[dict]) -> dict:
@@ -80,7 +114,8 @@ def observed(requests: list[dict]) -> dict:
 
 
 def predicted(profile: Profile, shape: dict, requests: list[dict], encoders: int, llms: int) -> dict:
-    """The same figures from the simulation, replaying the real run's arrivals (times, images)."""
+    """The same figures from the simulation, replaying the real run's arrivals (times, images);
+    like the real ones, of the requests served (the profile's admission refuses the rest)."""
     arrivals = sorted((r["send_s"], r["images"]) for r in requests)
     result = simulate(profile, Workload(rate=1.0, **shape), encoders, llms, arrivals=arrivals)
     return {"throughput": result.throughput, "ttft_p50_s": result.ttft_p50_s, "ttft_p99_s": result.ttft_p99_s}
@@ -90,7 +125,8 @@ def validate(run_set: dict) -> dict:
     """Fit each mode on its fit runs, predict its held-out rates, and compare (relative errors)."""
     rows, spreads, saturated_errors, fitted = [], [], [], {}
     for mode, entry in run_set["modes"].items():
-        profile, shape = fit_profile(mode, entry["runs"])
+        profile, shape = fit_profile(mode, entry["runs"], entry["encoders"], entry["llms"],
+                                     run_set.get("max_pending_requests"))
         held_out = [run for run in entry["runs"] if run["label"] == "held-out"]
         fitted[mode] = asdict(profile)
         for run in held_out:

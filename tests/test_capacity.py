@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from mmserve.capacity import (
-    SLO, BatchStation, Profile, Simulator, Workload, goodput, load_profile, percentile, recommend, simulate,
+    SLO, BatchStation, Profile, SharedCores, Simulator, Workload, goodput, load_profile, percentile, recommend,
+    simulate,
 )
 from mmserve.capacity_cli import main
 
@@ -49,6 +51,30 @@ def test_a_station_batches_the_queue_prefix_within_its_budget():
         station.submit(cost, lambda: None)
     sim.run()
     assert batches == [(4, 1), (8, 2), (9, 2)]  # the first alone (the server was free), then prefixes within 10
+
+
+def test_shared_cores_run_a_job_alone_at_full_speed_and_share_past_their_capacity():
+    for capacity, jobs, ends in ((1.0, 1, [2.0]), (1.0, 2, [4.0, 4.0]), (2.0, 2, [2.0, 2.0]), (1.5, 3, [4.0] * 3)):
+        sim, done = Simulator(), []
+        cores = SharedCores(sim, capacity)
+        for _ in range(jobs):
+            cores.run(2.0, lambda: done.append(sim.now))
+        sim.run()
+        assert done == pytest.approx(ends), (capacity, jobs)
+    sim, done = Simulator(), {}
+    cores = SharedCores(sim, 1.0)
+    cores.run(2.0, lambda: done.setdefault("long", sim.now))
+    sim.at(1.0, lambda: cores.run(0.5, lambda: done.setdefault("short", sim.now)))  # halves the long one's speed
+    sim.run()
+    assert done == pytest.approx({"short": 2.0, "long": 2.5})
+
+
+def test_admission_refuses_past_the_pending_bound_and_bounds_ttft():
+    burst = [(0.0, 2)] * 60
+    free = simulate(PROFILE, WORKLOAD, 1, 1, arrivals=burst)
+    bounded = simulate(replace(PROFILE, max_pending_requests=8), WORKLOAD, 1, 1, arrivals=burst)
+    assert free.refused_share == 0 and bounded.refused_share == pytest.approx(52 / 60)
+    assert bounded.ttft_p99_s < free.ttft_p99_s
 
 
 def test_percentile_is_the_nearest_rank():
