@@ -30,7 +30,7 @@ class BatchState:
     Attributes:
         num_rows: rows (the engine's `max_num_seqs`: a sequence holds one while running); one more
             row, `pad_row`, is what padding rows of a decode graph read (its table: the scratch block).
-        last_token: `(num_rows,)` int64, each row's last sampled token.
+        last_token: `(num_rows + 1,)` int64, each row's last sampled token.
         block_tables: `(num_rows + 1, width)` int32, each row's KV block ids (`width` blocks: the
             longest context); `computed` `(num_rows + 1,)` int32 its tokens with K/V in the pool;
             `next_positions` `(num_rows + 1, position rows)` int64 the positions of its next token.

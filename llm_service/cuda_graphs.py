@@ -33,10 +33,9 @@ class DecodeGraphs:
     of the step (`n` = largest size). Everything else a graph reads is the runner's own long-lived
     state (the rows, the KV pool, the weights) or memory of the graphs' pool."""
 
-    def __init__(self, runner, capture: bool = True):
+    def __init__(self, runner):
         cfg = runner.config
         self.runner = runner
-        self.capture_graphs = capture
         self.sizes = graph_batch_sizes(min(cfg.max_graph_batch_size, cfg.max_num_seqs))
         self.index = torch.full((self.sizes[-1],), runner.batch.pad_row, dtype=torch.long, device=runner.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, object]] = {}
@@ -47,7 +46,7 @@ class DecodeGraphs:
         `capture=False`: the step of each size kept uncaptured, run eagerly (tests, any device)."""
         start = time.perf_counter()
         if not capture:
-            graphs = cls(runner, capture=False)
+            graphs = cls(runner)
             graphs._graphs = {b: (None, graphs.step_fn(b)) for b in graphs.sizes}
             return graphs
         try:
