@@ -11,10 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mmserve.capacity import (
-    SLO, BatchStation, Profile, SharedCores, Simulator, Workload, goodput, load_profile, percentile, recommend,
-    simulate,
-)
+from mmserve.capacity import SLO, Profile, Workload, goodput, load_profile, percentile, recommend, simulate
+from mmserve.capacity_events import BatchStation, SharedCores, Simulator
 from mmserve.capacity_cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
