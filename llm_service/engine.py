@@ -33,7 +33,7 @@ import torch
 from llm_service.config import EngineConfig
 from llm_service.model import LanguageModel
 from llm_service.model_runner import ModelRunner
-from llm_service.sampling import DeviceSample, SamplingRows, new_generator, sample_rows
+from llm_service.sampling import DeviceSample, SamplingRows, new_generator, sample_rows, settings_dtype
 from llm_service.scheduler import Scheduler
 from llm_service.sequence import LLMRequest, Sequence, Status, TokenEvent
 from mmserve.errors import EngineError, InvalidRequest, Overloaded
@@ -284,8 +284,7 @@ class LLMEngine:
             with torch.inference_mode():
                 # a decode samples every row, in order: its staged rows are the index
                 index = step.decode_index[:len(seqs)] if step.decode_index is not None else batch.index(seqs)
-                dtype = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
-                rows = batch.sampling_rows(seqs, index, dtype)
+                rows = batch.sampling_rows(seqs, index, settings_dtype(logits))
                 result = sample_rows(logits, rows, self.config.max_logprobs)
                 batch.record(index, result.token_ids)
                 tokens = torch.empty(len(seqs), dtype=torch.long, pin_memory=cuda)

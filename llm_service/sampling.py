@@ -141,9 +141,14 @@ def _counts(rows: list[Sequence[int]], vocab: int, device: torch.device) -> torc
     return counts
 
 
+def settings_dtype(logits: torch.Tensor) -> torch.dtype:
+    """The dtype the sampler reads settings in: the logits', widened from half precision."""
+    return logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
+
+
 def rows_from_lists(logits: torch.Tensor, inputs: Sequence[SampleInput]) -> SamplingRows:
     """`SamplingRows` from host lists (prompt and output ids counted here, every call)."""
-    dtype = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
+    dtype = settings_dtype(logits)
     settings = to_device(torch.tensor(settings_columns([x.params for x in inputs]), dtype=dtype), logits.device)
     counts = seen = None
     if any(x.params.has_penalties for x in inputs):
