@@ -31,6 +31,8 @@ from mmserve.capacity_fit import FIT_LOADED_CONCURRENCY, observed, print_validat
 
 MODES = {"disaggregated": (1, 1), "colocated": (0, 2)}  # (encoder, LLM) replicas: two of them either way
 SATURATING_CONCURRENCY = 12
+# requests per fit run (alone, loaded, flood): the profile's noise is the fit runs' noise
+FIT_REQUESTS = {"fit-unloaded": 64, "fit-loaded": 96, "fit-saturated": 96}
 RATE_FACTORS = (0.4, 0.8, 2.0)  # x the capacity the saturated fit run measured
 
 
@@ -42,9 +44,8 @@ def collect(num_prompts: int, seed: int = 0, num_cpus: float = 2.0) -> dict:
     # one resolution (a fixed token count per image), 1-2 images, no repeats: the workload the model is told
     dataset = DatasetConfig(buckets=(ResolutionBucket(224, 224, 1.0),), max_images=2, text_only_share=0.0,
                             repeat_share=0.0, input_len=24, output_len=16)
-    fit_alone = generate_requests(dataset, 24, seed + 1)
-    fit_loaded = generate_requests(dataset, 32, seed + 2)
-    fit_flood = generate_requests(dataset, 4 * SATURATING_CONCURRENCY, seed + 4)
+    fit_alone, fit_loaded, fit_flood = (generate_requests(dataset, FIT_REQUESTS[label], seed + k)
+                                        for label, k in (("fit-unloaded", 1), ("fit-loaded", 2), ("fit-saturated", 4)))
     held_out = [generate_requests(dataset, num_prompts, seed + 10 + k) for k in range(len(RATE_FACTORS))]
     twin = generate_requests(dataset, num_prompts, seed + 20)  # the repeat: as the middle rate's, other images
     from deployments.config import AppArgs
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=Path, help="validate this kept run set instead of running the app")
     p.add_argument("--record", type=Path, help="keep the run set here (JSON)")
-    p.add_argument("--num-prompts", type=int, default=None, help="requests per held-out rate (default 120; --quick 60)")
+    p.add_argument("--num-prompts", type=int, default=None, help="requests per held-out rate (default 200; --quick 60)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     ns = p.parse_args(argv)
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.runs:
         run_set = json.loads(ns.runs.read_text())
     else:
-        run_set = collect(ns.num_prompts or (60 if ns.quick else 120), ns.seed)
+        run_set = collect(ns.num_prompts or (60 if ns.quick else 200), ns.seed)
         if ns.record:
             ns.record.write_text(json.dumps(run_set))
     report = validate(run_set)

@@ -10,8 +10,10 @@ A discrete-event simulation of the app, one request at a time through its stages
 - the LLM pool: each request to the replica with the fewest requests in flight; a replica runs
   continuous-batching steps (every running sequence decodes one token; waiting prompts prefill in
   chunks within `max_batched_tokens`, up to `max_num_seqs` sequences);
-- colocated (no encoder pool): a request's images are encoded in the step that starts its prefill,
-  on the LLM replica, so encoding stalls that replica's decodes.
+- colocated (no encoder pool): each LLM replica encodes its requests' images itself, in
+  token-budget batches that share the replica's device with its steps (processor sharing: the
+  colocated replica's `EncoderPool` thread and its engine interleave on one GPU), so a busy
+  encoder slows that replica's decodes and the reverse.
 
 Service times come from a `Profile`: fitted from bench results, or a hand-written file, labelled as
 such in every output (`Profile.source`). It is a model: replica counts are fixed (no autoscaling
@@ -92,7 +94,6 @@ class _Request:
     finish: float | None = None
     prefilled: int = 0
     decoded: int = 0
-    encode_tokens: int = 0  # colocated: image tokens the LLM replica encodes before the prefill
     index: int = 0
     refused: bool = False
 
@@ -101,17 +102,20 @@ class _LLMReplica:
     """Continuous batching: every step decodes each running sequence and prefills waiting prompts
     in order within the step's token budget."""
 
-    def __init__(self, sim: Simulator, profile: Profile, cores: SharedCores | None = None):
+    def __init__(self, sim: Simulator, profile: Profile, cores: SharedCores | None = None,
+                 encoder: BatchStation | None = None):
         self.sim, self.profile = sim, profile
         self._serve = serving(sim, cores)
         self.waiting: deque[_Request] = deque()
         self.running: list[_Request] = []
+        self.encoder = encoder  # colocated: the replica's own
+        self.encoding = 0  # colocated: requests whose images it is encoding
         self.stepping = False
         self.busy_seconds = 0.0
 
     @property
     def in_flight(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + self.encoding
 
     def add(self, request: _Request) -> None:
         self.waiting.append(request)
@@ -121,7 +125,7 @@ class _LLMReplica:
     def _step(self) -> None:
         p = self.profile
         decoding = [r for r in self.running if r.prefilled == r.prompt_tokens]
-        budget, chunks, encode = p.max_batched_tokens, [], 0.0
+        budget, chunks = p.max_batched_tokens, []
         for request in itertools.chain([r for r in self.running if r.prefilled < r.prompt_tokens], list(self.waiting)):
             if budget <= 0:
                 break
@@ -130,8 +134,6 @@ class _LLMReplica:
                     break
                 self.waiting.remove(request)
                 self.running.append(request)
-            if request.prefilled == 0 and request.encode_tokens:
-                encode += p.encode_seconds(request.encode_tokens)
             chunk = min(budget, request.prompt_tokens - request.prefilled)
             chunks.append((request, chunk))
             budget -= chunk
@@ -139,7 +141,7 @@ class _LLMReplica:
             self.stepping = False
             return
         self.stepping = True
-        seconds = p.step_s + encode + p.prefill_token_s * (p.max_batched_tokens - budget) + p.decode_seq_s * len(decoding)
+        seconds = p.step_s + p.prefill_token_s * (p.max_batched_tokens - budget) + p.decode_seq_s * len(decoding)
         self.busy_seconds += seconds
         self._serve(seconds, lambda: self._finish(decoding, chunks))
 
@@ -192,14 +194,40 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
     sim = Simulator()
     pending: set[int] = set()  # admitted requests without a first token (by index), for admission
     cores = SharedCores(sim, profile.shared_capacity) if profile.shared_capacity else None
-    encoders = (BatchStation(sim, num_encoders, lambda tokens, items: profile.encode_seconds(tokens, items),
-                             max_cost=profile.max_batch_tokens, cores=cores) if num_encoders else None)
     requests: list[_Request] = []
+    route = serving(sim, cores)  # on a shared box the router's work takes its cores too
 
-    llms = [_LLMReplica(sim, profile, cores) for _ in range(num_llms)]
+    def encoder_station(servers: int, device: SharedCores | None) -> BatchStation:
+        return BatchStation(sim, servers, lambda tokens, items: profile.encode_seconds(tokens, items),
+                            max_cost=profile.max_batch_tokens, cores=device)
+
+    encoders = encoder_station(num_encoders, cores) if num_encoders else None
+    llms = []
+    for _ in range(num_llms):
+        if encoders:
+            llms.append(_LLMReplica(sim, profile, cores))
+        else:  # colocated: the replica's own encoder shares its device (the box's cores, or its GPU)
+            device = cores or SharedCores(sim, 1.0)
+            llms.append(_LLMReplica(sim, profile, device, encoder=encoder_station(1, device)))
+
+    def least_loaded() -> _LLMReplica:
+        return min(llms, key=lambda r: r.in_flight)  # ties: the first (a stable order)
 
     def to_llm(request: _Request) -> None:
-        min(llms, key=lambda r: r.in_flight).add(request)  # ties: the first (a stable order)
+        least_loaded().add(request)
+
+    def encode_locally(request: _Request, misses: int) -> None:
+        llm, remaining = least_loaded(), [misses]
+        llm.encoding += 1
+
+        def encoded() -> None:
+            remaining[0] -= 1
+            if not remaining[0]:
+                llm.encoding -= 1
+                llm.add(request)
+
+        for _ in range(misses):
+            llm.encoder.submit(workload.image_tokens, encoded)
 
     def arrive(request: _Request) -> None:
         if profile.max_pending_requests is not None:
@@ -210,10 +238,9 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
             pending.add(request.index)
         misses = sum(rng.random() >= workload.repeat_share for _ in range(request.images))
         if not misses:
-            sim.after(profile.router_s, lambda: to_llm(request))
+            route(profile.router_s, lambda: to_llm(request))
         elif encoders is None:
-            request.encode_tokens = misses * workload.image_tokens
-            sim.after(profile.router_s, lambda: to_llm(request))
+            route(profile.router_s, lambda: encode_locally(request, misses))
         else:
             remaining = [misses]
 
@@ -226,7 +253,7 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
                 for _ in range(misses):
                     encoders.submit(workload.image_tokens, encoded)
 
-            sim.after(profile.router_s, dispatch)
+            route(profile.router_s, dispatch)
 
     if arrivals is None:
         arrivals, t = [], 0.0

@@ -52,15 +52,9 @@ def fit_profile(mode: str, runs: list[dict], encoders: int = 1, llms: int = 1,
 
     decode_seq_s = max(0.0, (tpot(loaded) - tpot(alone)) / (FIT_LOADED_CONCURRENCY - 1))
     step_s = max(0.0, tpot(alone) - decode_seq_s)
-    colocated = mode == "colocated"
-    if colocated:  # the replica encodes, then prefills: one fit over both token counts
-        fit = _least_squares([[1, r["input_tokens"], r["images"] * image_tokens] for r in alone],
-                             [ms(r, "embeddings_ms") + ms(r, "prefill_ms") for r in alone])
-        encode_batch_s, encode_token_s, prefill_token_s = 0.0, fit[2], fit[1]
-    else:
-        encode_batch_s, encode_token_s = _least_squares([[1, r["images"] * image_tokens] for r in alone],
-                                                        [ms(r, "embeddings_ms") for r in alone])
-        prefill_token_s = _least_squares([[1, r["input_tokens"]] for r in alone], [ms(r, "prefill_ms") for r in alone])[1]
+    encode_batch_s, encode_token_s = _least_squares([[1, r["images"] * image_tokens] for r in alone],
+                                                    [ms(r, "embeddings_ms") for r in alone])
+    prefill_token_s = _least_squares([[1, r["input_tokens"]] for r in alone], [ms(r, "prefill_ms") for r in alone])[1]
     # what the stages do not explain (the router, the proxy, the client): a fixed time per request
     overhead = [r["ttft_ms"] / 1000 - ms(r, "embeddings_ms") - ms(r, "prefill_queue_ms") - ms(r, "prefill_ms")
                 for r in alone]

@@ -75,6 +75,26 @@ def test_admission_refuses_past_the_pending_bound_and_bounds_ttft():
     assert bounded.ttft_p99_s < free.ttft_p99_s
 
 
+def test_a_colocated_replica_encodes_beside_its_steps_on_one_device():
+    # A: encoded alone (1 s), prefilled (0.1 s), first token at 1.1; B arrives then: its 1 s encode
+    # shares the device with A's ten 0.1 s decode steps, so both run at half speed for 2 s
+    profile = Profile(source="test", router_s=0.0, encode_batch_s=1.0, encode_token_s=0.0, step_s=0.1,
+                      prefill_token_s=0.0, decode_seq_s=0.0)
+    workload = Workload(rate=1.0, image_tokens=10, text_tokens=5, output_tokens=11)
+    result = simulate(profile, workload, 0, 1, arrivals=[(0.0, 1), (1.1, 1)])
+    assert result.ttft_p50_s == pytest.approx(1.1) and result.ttft_p99_s == pytest.approx(2.1)  # B: 2 s + its prefill
+    assert result.tpot_p99_s == pytest.approx(0.2)  # A's steps, at half speed while B encodes
+
+
+def test_on_a_shared_box_the_router_takes_the_cores_too():
+    profile = Profile(source="test", router_s=1.0, encode_batch_s=0.0, encode_token_s=0.0, step_s=0.1,
+                      prefill_token_s=0.0, decode_seq_s=0.0, shared_capacity=1.0)
+    workload = Workload(rate=1.0, images=(0, 0), text_tokens=5, output_tokens=11)
+    # A routed alone (1 s), first token at 1.1; B's routing (from 1.1) halves A's decode steps
+    result = simulate(profile, workload, 1, 1, arrivals=[(0.0, 0), (1.1, 0)])
+    assert result.ttft_p50_s == pytest.approx(1.1) and result.tpot_p99_s == pytest.approx(0.2)
+
+
 def test_percentile_is_the_nearest_rank():
     assert percentile([3, 1, 2, 4], 50) == 2 and percentile([3, 1, 2, 4], 99) == 4 and math.isnan(percentile([], 50))
 
@@ -177,7 +197,7 @@ def test_the_fit_recovers_the_stage_times_it_was_given():
     assert profile.encode_batch_s == pytest.approx(0.010) and profile.encode_token_s == pytest.approx(0.0005)
     assert profile.prefill_token_s == pytest.approx(0.0001) and profile.router_s == pytest.approx(0.012)
     assert profile.decode_seq_s == pytest.approx(0.0005) and profile.step_s == pytest.approx(0.0025)
-    colocated, _ = fit_profile("colocated", runs)  # encode + prefill in one replica: one fit over both
+    colocated, _ = fit_profile("colocated", runs)  # the replica's own encoder: the same stage fits
     assert colocated.encode_token_s == pytest.approx(0.0005) and colocated.prefill_token_s == pytest.approx(0.0001)
 
 
