@@ -10,6 +10,8 @@ went away mid-video: the request gets a 400 naming what happened, the next reque
 
 The protocol is length-prefixed pickles over the worker's stdin/stdout (the worker's own stdout
 goes to stderr, so nothing FFmpeg prints can corrupt it). Pickles come only from our own child.
+Frames travel out of band (pickle protocol 5): their bytes are written straight from the decoded
+array and read straight into the receiving one, never copied into a pickle.
 """
 
 from __future__ import annotations
@@ -36,25 +38,46 @@ from mmserve.video import (
 )
 
 logger = logging.getLogger("ray.serve")
-_HEADER = struct.Struct("<Q")
+# a whole video crosses the pipe in groups of this many frames, so the worker decodes on while the
+# parent reads (one 166 MB message would leave each side waiting on the other)
+TRANSFER_GROUP_FRAMES = 8
+_SIZE = struct.Struct("<Q")
 
 
 def _send(stream, message) -> None:
-    body = pickle.dumps(message, protocol=5)
-    stream.write(_HEADER.pack(len(body)))
+    """[pickle size, buffer count, buffer sizes] [pickle] [buffers]."""
+    buffers: list[pickle.PickleBuffer] = []
+    body = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
+    views = [b.raw() for b in buffers]
+    stream.write(struct.pack(f"<QQ{len(views)}Q", len(body), len(views), *(v.nbytes for v in views)))
     stream.write(body)
+    for view in views:
+        stream.write(view)
     stream.flush()
 
 
+def _read_into(stream, view: memoryview) -> None:
+    done = 0
+    while done < len(view):
+        n = stream.readinto(view[done:])
+        if not n:
+            raise EOFError("worker pipe closed mid-message")
+        done += n
+
+
 def _receive(stream):
-    header = stream.read(_HEADER.size)
-    if len(header) < _HEADER.size:
+    header = stream.read(2 * _SIZE.size)
+    if len(header) < 2 * _SIZE.size:
         raise EOFError("worker pipe closed")
-    (size,) = _HEADER.unpack(header)
-    body = stream.read(size)
-    if len(body) < size:
-        raise EOFError("worker pipe closed mid-message")
-    return pickle.loads(body)
+    size, count = struct.unpack("<QQ", header)
+    sizes = struct.unpack(f"<{count}Q", stream.read(count * _SIZE.size)) if count else ()
+    body = bytearray(size)
+    _read_into(stream, memoryview(body))
+    buffers = []
+    for n in sizes:
+        buffers.append(np.empty(n, dtype=np.uint8))  # a frame array's own memory: read into it once
+        _read_into(stream, memoryview(buffers[-1]))
+    return pickle.loads(body, buffers=buffers)
 
 
 # -- the worker process ---------------------------------------------------------------------------
@@ -200,8 +223,8 @@ class VideoDecodePool:
 
     async def decode(self, data: bytes, request_id: str = "-") -> DecodedVideo:
         async with self._session(data, request_id) as (worker, header, deadline):
-            [pixels] = [group async for group in self._frames(worker, 0, deadline)]
-            return header.with_pixels(pixels)
+            groups = [group async for group in self._frames(worker, TRANSFER_GROUP_FRAMES, deadline)]
+            return header.with_pixels(groups[0] if len(groups) == 1 else np.concatenate(groups))
 
     async def frames(self, data: bytes, request_id: str = "-", group_size: int = 1) -> AsyncIterator[np.ndarray]:
         """The sampled frames in groups of `group_size` (the last may be shorter), each as soon as
@@ -263,14 +286,22 @@ class VideoDecodePool:
         return DecodedVideo(shape, probe.fps, probe.total_num_frames, tuple(indices), video_content_hash(data, indices))
 
     async def _frames(self, worker: DecodeWorker, group_size: int, deadline: float) -> AsyncIterator[np.ndarray]:
+        """The worker's groups; the next one is read while the caller holds this one, so the
+        worker decodes on instead of waiting on a full pipe."""
         message = ("decode", worker.pending, group_size)
         worker.pending = None
-        while True:
-            status, value = await self._call(worker, message, deadline, "frames")
-            message = None
-            if status == "ok":
-                return
-            yield value
+        reply = asyncio.ensure_future(self._call(worker, message, deadline, "frames"))
+        try:
+            while True:
+                status, value = await reply
+                if status == "ok":
+                    return
+                reply = asyncio.ensure_future(self._call(worker, None, deadline, "frames"))
+                yield value
+        finally:  # left early: the session kills the worker, which ends a read still running
+            reply.cancel()
+            if reply.done() and not reply.cancelled():
+                reply.exception()  # retrieved: a read the worker's kill ended is no error to log
 
     async def _call(self, worker: DecodeWorker, message, deadline: float, *more: str):
         """The worker's reply's value ("ok"); with `more`, (status, value) of a reply of those statuses too."""
