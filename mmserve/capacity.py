@@ -9,7 +9,8 @@ A discrete-event simulation of the app, one request at a time through its stages
 - the transfer: a time per embedding token (object store or gRPC, as profiled);
 - the LLM pool: each request to the replica with the fewest requests in flight; a replica runs
   continuous-batching steps (every running sequence decodes one token; waiting prompts prefill in
-  chunks within `max_batched_tokens`, up to `max_num_seqs` sequences);
+  chunks within `max_batched_tokens`, up to `max_num_seqs` sequences, while the KV cache
+  (`kv_tokens`) has room; past it the youngest sequence is preempted and recomputed later);
 - colocated (no encoder pool): each LLM replica encodes its requests' images itself, in
   token-budget batches that share the replica's device with its steps (processor sharing: the
   colocated replica's `EncoderPool` thread and its engine interleave on one GPU), so a busy
@@ -54,6 +55,10 @@ class Profile:
     decode_seq_s: float = 2e-4  # per decoding sequence of a step
     max_batched_tokens: int = 8192  # prefill tokens per step (chunked prefill)
     max_num_seqs: int = 64  # sequences running on one replica
+    # the KV cache of one LLM replica, in tokens (None: never the limit). Prompts are admitted only
+    # while it holds their chunks; when running sequences outgrow it, the youngest is preempted and
+    # later recomputed (its prompt and the tokens it had), as the engine's scheduler does
+    kv_tokens: int | None = None
     # None: each replica has its device; else the replicas share one box that runs this many of
     # their forwards / steps at full speed at once (fitted on a flood of the app on that box)
     shared_capacity: float | None = None
@@ -92,15 +97,25 @@ class _Request:
     output_tokens: int
     first_token: float | None = None
     finish: float | None = None
-    prefilled: int = 0
+    prefilled: int = 0  # tokens of `context` computed
     decoded: int = 0
     index: int = 0
     refused: bool = False
+    context: int = 0  # tokens to prefill: the prompt, or after a preemption the prompt and its output so far
+    kv: int = 0  # tokens it holds in its replica's KV cache
+    preemptions: int = 0
+
+    def __post_init__(self):
+        self.context = self.prompt_tokens
+
+    def preempt(self) -> None:
+        self.context, self.prefilled, self.kv = self.prompt_tokens + self.decoded, 0, 0
+        self.preemptions += 1
 
 
 class _LLMReplica:
     """Continuous batching: every step decodes each running sequence and prefills waiting prompts
-    in order within the step's token budget."""
+    in order within the step's token budget and the KV cache's room."""
 
     def __init__(self, sim: Simulator, profile: Profile, cores: SharedCores | None = None,
                  encoder: BatchStation | None = None):
@@ -124,19 +139,28 @@ class _LLMReplica:
 
     def _step(self) -> None:
         p = self.profile
-        decoding = [r for r in self.running if r.prefilled == r.prompt_tokens]
+        room = math.inf if p.kv_tokens is None else p.kv_tokens - sum(r.kv for r in self.running)
+        decoding = [r for r in self.running if r.prefilled == r.context]
+        while len(decoding) > room:  # each decode takes one more token: preempt the youngest
+            victim = self.running.pop()
+            room += victim.kv
+            if victim in decoding:
+                decoding.remove(victim)
+            victim.preempt()
+            self.waiting.appendleft(victim)
+        room -= len(decoding)
         budget, chunks = p.max_batched_tokens, []
-        for request in itertools.chain([r for r in self.running if r.prefilled < r.prompt_tokens], list(self.waiting)):
-            if budget <= 0:
+        for request in itertools.chain([r for r in self.running if r.prefilled < r.context], list(self.waiting)):
+            chunk = min(budget, request.context - request.prefilled, room)
+            if chunk <= 0:
                 break
             if request in self.waiting:
                 if len(self.running) >= p.max_num_seqs:
                     break
                 self.waiting.remove(request)
                 self.running.append(request)
-            chunk = min(budget, request.prompt_tokens - request.prefilled)
             chunks.append((request, chunk))
-            budget -= chunk
+            budget, room = budget - chunk, room - chunk
         if not decoding and not chunks:
             self.stepping = False
             return
@@ -149,10 +173,14 @@ class _LLMReplica:
         now = self.sim.now
         for request in decoding:
             request.decoded += 1
+            request.kv += 1
         for request, chunk in chunks:
             request.prefilled += chunk
-            if request.prefilled == request.prompt_tokens:
-                request.first_token, request.decoded = now, 1  # the prefill samples the first token
+            request.kv += chunk
+            if request.prefilled == request.context:  # the prefill samples a token: the first, or the next
+                request.decoded += 1
+                if request.first_token is None:
+                    request.first_token = now
         for request in [r for r in self.running if r.decoded >= r.output_tokens]:
             request.finish = now
             self.running.remove(request)
@@ -172,6 +200,7 @@ class Result:
     encoder_utilisation: float
     llm_utilisation: float
     refused_share: float = 0.0  # requests refused at admission (429s), of all that arrived
+    preemptions: int = 0  # sequences preempted for KV room (recomputed later)
 
     @property
     def gpus(self) -> int:
@@ -230,6 +259,9 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
             llm.encoder.submit(workload.image_tokens, encoded)
 
     def arrive(request: _Request) -> None:
+        if profile.kv_tokens is not None and request.prompt_tokens + request.output_tokens > profile.kv_tokens:
+            request.refused = True  # it could never run: the app refuses it too (400)
+            return
         if profile.max_pending_requests is not None:
             pending.difference_update([i for i in pending if requests[i].first_token is not None])
             if len(pending) >= profile.max_pending_requests:
@@ -271,13 +303,15 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
     ttft = [r.first_token - r.arrival for r in served]
     tpot = [(r.finish - r.first_token) / (r.output_tokens - 1) if r.output_tokens > 1 else 0.0 for r in served]
     within = sum(1 for a, b in zip(ttft, tpot) if slo is None or (a <= slo.ttft_p99_s and b <= slo.tpot_p99_s))
-    span = max(r.finish for r in served) - requests[0].arrival
+    span = max((r.finish for r in served), default=requests[0].arrival) - requests[0].arrival
+    elapsed = max(sim.now, 1e-12)  # every request refused: nothing ran
     return Result(
-        num_encoders, num_llms, workload.rate, throughput=len(served) / span,
+        num_encoders, num_llms, workload.rate, throughput=len(served) / span if served else 0.0,
         ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99), tpot_p99_s=percentile(tpot, 99),
         slo_attainment=within / len(requests), refused_share=1 - len(served) / len(requests),
-        encoder_utilisation=encoders.busy_seconds / (num_encoders * sim.now) if encoders else 0.0,
-        llm_utilisation=sum(r.busy_seconds for r in llms) / (num_llms * sim.now),
+        encoder_utilisation=encoders.busy_seconds / (num_encoders * elapsed) if encoders else 0.0,
+        llm_utilisation=sum(r.busy_seconds for r in llms) / (num_llms * elapsed),
+        preemptions=sum(r.preemptions for r in requests),
     )
 
 

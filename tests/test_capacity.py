@@ -95,6 +95,20 @@ def test_on_a_shared_box_the_router_takes_the_cores_too():
     assert result.ttft_p50_s == pytest.approx(1.1) and result.tpot_p99_s == pytest.approx(0.2)
 
 
+def test_a_full_kv_cache_preempts_the_youngest_and_every_request_still_finishes():
+    profile = Profile(source="test", router_s=0.0, step_s=0.1, prefill_token_s=0.0, decode_seq_s=0.0, kv_tokens=20)
+    workload = Workload(rate=1.0, images=(0, 0), text_tokens=10, output_tokens=5)
+    # A prefills alone (first token at 0.1); B's prompt fits beside A's, but A's decodes then need
+    # its room: B is preempted whenever it got some, and prefills whole once A is done (0.5)
+    result = simulate(profile, workload, 1, 1, arrivals=[(0.0, 0), (0.0, 0)])
+    unbounded = simulate(replace(profile, kv_tokens=None), workload, 1, 1, arrivals=[(0.0, 0), (0.0, 0)])
+    assert result.ttft_p50_s == pytest.approx(0.1) and result.ttft_p99_s == pytest.approx(0.6)
+    assert result.refused_share == 0.0 and result.preemptions >= 1
+    assert unbounded.ttft_p99_s == pytest.approx(0.2) and unbounded.preemptions == 0
+    too_long = simulate(replace(profile, kv_tokens=14), workload, 1, 1, arrivals=[(0.0, 0), (0.5, 0)])
+    assert too_long.refused_share == 1.0 and too_long.throughput == 0.0  # 10 + 5 tokens never fit in 14
+
+
 def test_percentile_is_the_nearest_rank():
     assert percentile([3, 1, 2, 4], 50) == 2 and percentile([3, 1, 2, 4], 99) == 4 and math.isnan(percentile([], 50))
 
