@@ -17,8 +17,8 @@ A discrete-event simulation of the app, one request at a time through its stages
   encoder slows that replica's decodes and the reverse.
 
 Service times come from a `Profile`: fitted from bench results, or a hand-written file, labelled as
-such in every output (`Profile.source`). It is a model: replica counts are fixed (no autoscaling
-delays), admission refuses nothing unless the profile bounds the requests waiting for their first
+such in every output (`Profile.source`). It is a model: replica counts are fixed unless a pool is
+given its `Autoscaling` (Serve's loop, with its delays and the replicas' start time), admission refuses nothing unless the profile bounds the requests waiting for their first
 token (`max_pending_requests`, the router's 429 rule), a step's time is linear in its prefill tokens and
 decoding sequences, and each replica has its device to itself, unless the profile says that the
 replicas share one box (`Profile.shared_capacity`: every encoder forward and LLM step then runs on
@@ -36,7 +36,7 @@ import random
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 
-from mmserve.capacity_events import BatchStation, SharedCores, Simulator, serving
+from mmserve.capacity_events import Autoscaler, BatchStation, SharedCores, Simulator, serving
 
 
 # -- what the simulation is told ---------------------------------------------------------------------
@@ -84,6 +84,28 @@ class Workload:
 
 
 @dataclass(frozen=True)
+class Autoscaling:
+    """A pool's autoscaling as the app configures Serve's: the encoder pool on image tokens queued
+    per replica (`encoder_pool.target_queued_tokens_per_replica`), the LLM pool on requests in
+    flight per replica (`target_ongoing_requests`). The policy reads the load every `interval_s`;
+    Serve acts on an ask that held for its delay; a replica serves `start_s` after it is asked for
+    (placement, loading its weights, warm-up)."""
+
+    min_replicas: int
+    max_replicas: int
+    target_per_replica: float
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    start_s: float = 60.0
+    interval_s: float = 1.0
+
+    def __post_init__(self):
+        if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1 or self.target_per_replica <= 0:
+            raise ValueError(f"autoscaling needs 0 <= min_replicas <= max_replicas, max_replicas >= 1 and a "
+                             f"positive target per replica: {self}")
+
+
+@dataclass(frozen=True)
 class SLO:
     ttft_p99_s: float
     tpot_p99_s: float
@@ -125,6 +147,7 @@ class _LLMReplica:
         self.running: list[_Request] = []
         self.encoder = encoder  # colocated: the replica's own
         self.encoding = 0  # colocated: requests whose images it is encoding
+        self.draining = False  # scaled down: finishes what it holds, takes nothing new
         self.stepping = False
         self.busy_seconds = 0.0
 
@@ -201,6 +224,11 @@ class Result:
     llm_utilisation: float
     refused_share: float = 0.0  # requests refused at admission (429s), of all that arrived
     preemptions: int = 0  # sequences preempted for KV room (recomputed later)
+    # replicas over the run, time-averaged and at most (the fixed counts without autoscaling)
+    mean_encoders: float = 0.0
+    mean_llms: float = 0.0
+    peak_encoders: int = 0
+    peak_llms: int = 0
 
     @property
     def gpus(self) -> int:
@@ -216,9 +244,11 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: int, num_requests: int = 2000,
-             seed: int = 0, slo: SLO | None = None, arrivals: list[tuple[float, int]] | None = None) -> Result:
+             seed: int = 0, slo: SLO | None = None, arrivals: list[tuple[float, int]] | None = None,
+             encoder_scaling: Autoscaling | None = None, llm_scaling: Autoscaling | None = None) -> Result:
     """One run of `num_requests` arrivals at the workload's rate, or of the (time, images)
-    `arrivals` of a real run, replayed. `num_encoders=0` is the colocated mode."""
+    `arrivals` of a real run, replayed. `num_encoders=0` is the colocated mode. With
+    `encoder_scaling` / `llm_scaling` the pools start at those counts and autoscale."""
     rng = random.Random(seed)
     sim = Simulator()
     pending: set[int] = set()  # admitted requests without a first token (by index), for admission
@@ -231,16 +261,39 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
                             max_cost=profile.max_batch_tokens, cores=device)
 
     encoders = encoder_station(num_encoders, cores) if num_encoders else None
-    llms = []
-    for _ in range(num_llms):
+
+    def new_llm() -> _LLMReplica:
         if encoders:
-            llms.append(_LLMReplica(sim, profile, cores))
-        else:  # colocated: the replica's own encoder shares its device (the box's cores, or its GPU)
-            device = cores or SharedCores(sim, 1.0)
-            llms.append(_LLMReplica(sim, profile, device, encoder=encoder_station(1, device)))
+            return _LLMReplica(sim, profile, cores)
+        device = cores or SharedCores(sim, 1.0)  # colocated: its own encoder shares its device
+        return _LLMReplica(sim, profile, device, encoder=encoder_station(1, device))
+
+    llms = [new_llm() for _ in range(num_llms)]
 
     def least_loaded() -> _LLMReplica:
-        return min(llms, key=lambda r: r.in_flight)  # ties: the first (a stable order)
+        return min((r for r in llms if not r.draining), key=lambda r: r.in_flight)  # ties: the first
+
+    def drain_llm() -> None:
+        least_loaded().draining = True
+
+    open_from = [0]  # requests before this index are finished or refused
+
+    def active() -> bool:
+        while open_from[0] < len(requests) and (requests[open_from[0]].finish is not None
+                                                or requests[open_from[0]].refused):
+            open_from[0] += 1
+        return open_from[0] < len(requests)
+
+    scalers = {}
+    if encoders and encoder_scaling:
+        scalers["encoders"] = Autoscaler(sim, encoder_scaling, num_encoders, lambda: encoders.queued,
+                                         encoders.add_server, encoders.retire_server, active)
+    if llm_scaling:
+        if llm_scaling.min_replicas < 1:
+            raise ValueError("the LLM pool autoscales from one replica at least")
+        scalers["llms"] = Autoscaler(sim, llm_scaling, num_llms,
+                                     lambda: sum(r.in_flight for r in llms if not r.draining),
+                                     lambda: llms.append(new_llm()), drain_llm, active)
 
     def to_llm(request: _Request) -> None:
         least_loaded().add(request)
@@ -305,13 +358,20 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
     within = sum(1 for a, b in zip(ttft, tpot) if slo is None or (a <= slo.ttft_p99_s and b <= slo.tpot_p99_s))
     span = max((r.finish for r in served), default=requests[0].arrival) - requests[0].arrival
     elapsed = max(sim.now, 1e-12)  # every request refused: nothing ran
+
+    def replicas(pool: str, fixed: int) -> tuple[float, int]:
+        scaler = scalers.get(pool)
+        return (scaler.mean_replicas(elapsed), scaler.peak) if scaler else (float(fixed), fixed)
+
+    (mean_encoders, peak_encoders), (mean_llms, peak_llms) = replicas("encoders", num_encoders), replicas("llms", num_llms)
     return Result(
         num_encoders, num_llms, workload.rate, throughput=len(served) / span if served else 0.0,
         ttft_p50_s=percentile(ttft, 50), ttft_p99_s=percentile(ttft, 99), tpot_p99_s=percentile(tpot, 99),
         slo_attainment=within / len(requests), refused_share=1 - len(served) / len(requests),
-        encoder_utilisation=encoders.busy_seconds / (num_encoders * elapsed) if encoders else 0.0,
-        llm_utilisation=sum(r.busy_seconds for r in llms) / (num_llms * elapsed),
-        preemptions=sum(r.preemptions for r in requests),
+        encoder_utilisation=encoders.busy_seconds / (mean_encoders * elapsed) if encoders else 0.0,
+        llm_utilisation=sum(r.busy_seconds for r in llms) / (mean_llms * elapsed),
+        preemptions=sum(r.preemptions for r in requests), mean_encoders=mean_encoders, mean_llms=mean_llms,
+        peak_encoders=peak_encoders, peak_llms=peak_llms,
     )
 
 

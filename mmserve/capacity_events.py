@@ -1,6 +1,6 @@
 """The capacity planner's event engine (`mmserve.capacity` simulates the app with it): a clock of
-timed callbacks, batching stations of identical servers, and processor sharing for replicas that
-share one box's cores."""
+timed callbacks, batching stations of identical servers, processor sharing for replicas that
+share one box's cores, and Serve's autoscaling loop with its delays."""
 
 from __future__ import annotations
 
@@ -94,6 +94,27 @@ class BatchStation:
         self.free = servers
         self.queue: deque[tuple[float, Callable[[], None]]] = deque()
         self.busy_seconds = 0.0
+        self.in_service = 0.0  # summed cost of the batches being served
+        self._retiring = 0  # servers to take away as they finish their batch
+
+    @property
+    def queued(self) -> float:
+        """Cost waiting or in service (what the encoder pool's autoscaling policy reads)."""
+        return self.in_service + sum(cost for cost, _ in self.queue)
+
+    def add_server(self) -> None:
+        if self._retiring:
+            self._retiring -= 1
+        else:
+            self.free += 1
+        self._start()
+
+    def retire_server(self) -> None:
+        """One server fewer: an idle one now, else the next to finish its batch."""
+        if self.free:
+            self.free -= 1
+        else:
+            self._retiring += 1
 
     def submit(self, cost: float, done: Callable[[], None]) -> None:
         self.queue.append((cost, done))
@@ -109,10 +130,61 @@ class BatchStation:
             seconds = self.service(total, len(batch))
             self.free -= 1
             self.busy_seconds += seconds
-            self._serve(seconds, lambda batch=batch: self._finish(batch))
+            self.in_service += total
+            self._serve(seconds, lambda batch=batch, total=total: self._finish(batch, total))
 
-    def _finish(self, batch) -> None:
-        self.free += 1
+    def _finish(self, batch, total: float) -> None:
+        self.in_service -= total
+        if self._retiring:
+            self._retiring -= 1
+        else:
+            self.free += 1
         for _, done in batch:
             done()
         self._start()
+
+
+class Autoscaler:
+    """Serve's autoscaling loop over one pool: every `interval_s` the policy asks for
+    ceil(load / target per replica) replicas within [min, max]; an ask above (below) the current
+    count is acted on once it has held for `upscale_delay_s` (`downscale_delay_s`); an added
+    replica serves `start_s` later (`grow` is called then), a removed one at once (`shrink`)."""
+
+    def __init__(self, sim: Simulator, scaling, replicas: int, load: Callable[[], float],
+                 grow: Callable[[], None], shrink: Callable[[], None], active: Callable[[], bool]):
+        self.sim, self.scaling = sim, scaling
+        self.replicas = replicas  # serving or starting
+        self.load, self.grow, self.shrink, self.active = load, grow, shrink, active
+        self._since: float | None = None  # when the current ask (up or down) began
+        self._direction = 0
+        self.replica_seconds, self._last = 0.0, 0.0
+        self.peak = replicas
+        sim.after(scaling.interval_s, self._tick)
+
+    def _count(self, delta: int) -> None:
+        now = self.sim.now
+        self.replica_seconds += self.replicas * (now - self._last)
+        self._last, self.replicas = now, self.replicas + delta
+        self.peak = max(self.peak, self.replicas)
+
+    def _tick(self) -> None:
+        s, now = self.scaling, self.sim.now
+        desired = max(s.min_replicas, min(s.max_replicas, math.ceil(self.load() / s.target_per_replica)))
+        direction = (desired > self.replicas) - (desired < self.replicas)
+        if direction != self._direction:
+            self._direction, self._since = direction, now
+        delay = s.upscale_delay_s if direction > 0 else s.downscale_delay_s
+        if direction and now - self._since >= delay:
+            for _ in range(abs(desired - self.replicas)):
+                self._count(direction)
+                if direction > 0:
+                    self.sim.after(s.start_s, self.grow)
+                else:
+                    self.shrink()
+            self._direction, self._since = 0, None
+        if self.active():
+            self.sim.after(s.interval_s, self._tick)
+
+    def mean_replicas(self, end: float) -> float:
+        seconds = self.replica_seconds + self.replicas * (end - self._last)
+        return seconds / end if end > 0 else float(self.replicas)

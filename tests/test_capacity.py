@@ -109,6 +109,46 @@ def test_a_full_kv_cache_preempts_the_youngest_and_every_request_still_finishes(
     assert too_long.refused_share == 1.0 and too_long.throughput == 0.0  # 10 + 5 tokens never fit in 14
 
 
+def _burst_then_quiet() -> list[tuple[float, int]]:
+    burst = [(k / 15, 1) for k in range(15 * 40)]  # 15 images/s for 40 s: one encoder does 10/s
+    return burst + [(40 + k, 1) for k in range(60)]  # then one a second for a minute
+
+
+def test_the_encoder_pool_autoscales_after_its_delays_and_start_time():
+    from mmserve.capacity import Autoscaling
+
+    profile = Profile(source="test", router_s=0.0, encode_batch_s=0.1, encode_token_s=0.0, max_batch_tokens=1,
+                      transfer_token_s=0.0, step_s=0.001, prefill_token_s=0.0, decode_seq_s=0.0)
+    workload = Workload(rate=1.0, image_tokens=1, text_tokens=4, output_tokens=2)
+
+    def run(**scaling):
+        spec = Autoscaling(**{**dict(min_replicas=1, max_replicas=4, target_per_replica=2.0, upscale_delay_s=5.0,
+                                     downscale_delay_s=10.0, start_s=10.0), **scaling})
+        return simulate(profile, workload, 1, 1, arrivals=_burst_then_quiet(), encoder_scaling=spec)
+
+    fixed = simulate(profile, workload, 1, 1, arrivals=_burst_then_quiet())
+    scaled, slow, no_downscale = run(), run(start_s=30.0), run(downscale_delay_s=1000.0)
+    assert fixed.peak_encoders == 1 and scaled.peak_encoders > 1
+    assert 1.0 < scaled.mean_encoders < scaled.peak_encoders
+    assert scaled.ttft_p99_s < slow.ttft_p99_s < fixed.ttft_p99_s  # later replicas: a longer queue
+    assert scaled.mean_encoders < no_downscale.mean_encoders  # the quiet minute gives replicas back
+    with pytest.raises(ValueError, match="min_replicas"):
+        Autoscaling(min_replicas=3, max_replicas=2, target_per_replica=1.0)
+
+
+def test_the_llm_pool_autoscales_on_requests_in_flight():
+    from mmserve.capacity import Autoscaling
+
+    profile = Profile(source="test", router_s=0.0, step_s=0.05, prefill_token_s=0.0, decode_seq_s=0.0,
+                      max_num_seqs=2)
+    workload = Workload(rate=1.0, images=(0, 0), text_tokens=4, output_tokens=4)
+    spec = Autoscaling(min_replicas=1, max_replicas=3, target_per_replica=2.0, upscale_delay_s=2.0, start_s=5.0)
+    arrivals = [(k / 15, 0) for k in range(15 * 30)]  # 15/s; one replica does 2 sequences / 0.2 s = 10/s
+    fixed = simulate(profile, workload, 1, 1, arrivals=arrivals)
+    scaled = simulate(profile, workload, 1, 1, arrivals=arrivals, llm_scaling=spec)
+    assert scaled.peak_llms > 1 and scaled.ttft_p99_s < fixed.ttft_p99_s and scaled.throughput > fixed.throughput
+
+
 def test_percentile_is_the_nearest_rank():
     assert percentile([3, 1, 2, 4], 50) == 2 and percentile([3, 1, 2, 4], 99) == 4 and math.isnan(percentile([], 50))
 
