@@ -32,7 +32,7 @@ from mmserve.capacity_fit import FIT_LOADED_CONCURRENCY, observed, print_validat
 MODES = {"disaggregated": (1, 1), "colocated": (0, 2)}  # (encoder, LLM) replicas: two of them either way
 SATURATING_CONCURRENCY = 12
 # requests per fit run (alone, loaded, flood): the profile's noise is the fit runs' noise
-FIT_REQUESTS = {"fit-unloaded": 64, "fit-loaded": 96, "fit-saturated": 96}
+FIT_REQUESTS = {"fit-unloaded": 64, "fit-loaded": 96, "fit-saturated": 192}
 RATE_FACTORS = (0.4, 0.8, 2.0)  # x the capacity the saturated fit run measured
 
 
