@@ -4,7 +4,8 @@ runs bench/plan_validate.py from a source checkout), and its goodput-per-GPU cha
 from __future__ import annotations
 
 from mmserve import capacity
-from mmserve.capacity import RUN_TTFT_SLOS, SLO, Recommendation, Workload, load_profile, recommend
+from mmserve.capacity import SLO, Workload, load_profile
+from mmserve.capacity_goodput import RUN_TTFT_SLOS, Recommendation, recommend
 
 
 def plot_svg(recommendations: list[Recommendation], source: str) -> str:

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from mmserve.capacity import SLO, Profile, Workload, goodput, load_profile, percentile, recommend, simulate
+from mmserve.capacity import SLO, Autoscaling, Profile, Workload, load_profile, percentile, simulate
 from mmserve.capacity_events import BatchStation, SharedCores, Simulator
+from mmserve.capacity_goodput import goodput, recommend
 from mmserve.capacity_cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,8 +116,6 @@ def _burst_then_quiet() -> list[tuple[float, int]]:
 
 
 def test_the_encoder_pool_autoscales_after_its_delays_and_start_time():
-    from mmserve.capacity import Autoscaling
-
     profile = Profile(source="test", router_s=0.0, encode_batch_s=0.1, encode_token_s=0.0, max_batch_tokens=1,
                       transfer_token_s=0.0, step_s=0.001, prefill_token_s=0.0, decode_seq_s=0.0)
     workload = Workload(rate=1.0, image_tokens=1, text_tokens=4, output_tokens=2)
@@ -137,7 +136,6 @@ def test_the_encoder_pool_autoscales_after_its_delays_and_start_time():
 
 
 def test_the_llm_pool_autoscales_on_requests_in_flight():
-    from mmserve.capacity import Autoscaling
 
     profile = Profile(source="test", router_s=0.0, step_s=0.05, prefill_token_s=0.0, decode_seq_s=0.0,
                       max_num_seqs=2)
