@@ -24,6 +24,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -222,6 +223,7 @@ class FullSizeTower:
         self._face.dtype, self._face.merge = dtype, self.config.spatial_merge_size
         self._face.image_processor = Qwen2VLImageProcessor(max_pixels=max_pixels)
         self._face.sizes = VisionPreprocessConfig(max_pixels=max_pixels)
+        self._face.config, self._face.graphs = SimpleNamespace(model_type="qwen2_vl"), None
         self.split = self._face.split
 
     def plan(self, item: MediaItem) -> EncodeItem:
@@ -284,6 +286,39 @@ def cuda_rows(args) -> dict:
     return results
 
 
+def graph_rows(tower: FullSizeTower, args) -> dict:
+    """Encoder CUDA graphs against the eager tower, forwards alone, per budget they land in."""
+    what = tower._face.capture_graphs(tower.tower, args.cuda_batch_tokens, "tokens")
+    graphs, results = tower._face.graphs, {}
+    print(f"encoder graphs: {what}")
+    if graphs is None:
+        return results
+
+    def ms(prepared, use: bool) -> float:
+        tower._face.graphs = graphs if use else None
+        tower.forward(prepared)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(5):
+            tower.forward(prepared)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / 5 * 1000
+
+    print(f"{'side':>5} {'items':>6} {'budget':>7} {'eager ms':>9} {'graph ms':>9} {'speedup':>8}")
+    for side in (448, 1024):
+        for count in (1, 4, 16):
+            prepared = [tower.preprocess(tower.plan(MediaItem(MediaKind.IMAGE, (image(side, side, 9_000 + k),))))
+                        for k in range(count)]
+            layout = graphs.layout([p.layout for p in prepared])
+            if layout is None:
+                continue
+            eager, graphed = ms(prepared, False), ms(prepared, True)
+            results[f"cuda_graphs_{side}_x{count}_speedup"] = eager / graphed
+            print(f"{side:>5} {count:>6} {layout.budget:>7} {eager:>9.2f} {graphed:>9.2f} {eager / graphed:>7.2f}x")
+    tower._face.graphs = None
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint for the CPU table (default: tiny Qwen2-VL)")
@@ -299,11 +334,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="packed: one attention call per layer per batch; loop: one per item (transformers)")
     p.add_argument("--cuda-items", type=int, default=64)
     p.add_argument("--cuda-batch-tokens", type=int, default=16384)
+    p.add_argument("--graphs", action="store_true", help="with --device cuda: encoder CUDA graphs vs eager per budget")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)")
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     # CUDA: the full-size tower alone (the GPU machine has no Ray for the CPU table's @serve.batch row)
     result = cuda_rows(args) if args.device == "cuda" else cpu_table(args)
+    if args.device == "cuda" and args.graphs:
+        result |= graph_rows(FullSizeTower(torch.bfloat16, args.vit_attention), args)
     print(json.dumps(result))
     return 0
 

@@ -280,6 +280,8 @@ class EncoderPoolArgs(_QueuedWorkScaling):
         default=1 << 30, ge=1, description="decoded (uint8) pixels queued per replica; over it items are refused (503)"
     )
     target_queued_tokens_per_replica: int = Field(default=32768, ge=1)
+    cuda_graphs: bool = Field(default=False, description="capture the ViT per token budget up to max_batch_tokens "
+                              "(Qwen2-VL / Qwen2.5-VL, CUDA; encoder_service.vit_graphs); off until measured on a GPU")
 
     def resolve(self):
         from encoder_service.batching import BatchConfig

@@ -39,8 +39,11 @@ class EncoderDeployment:
         self.device_share = device_share
         hold_to_share(device, device_share)  # past its part of the GPU a forward fails here (503)
         self.encoder = VisionEncoder(model_dir, dtype=dtype, device=device)
+        pool = pool or EncoderPoolArgs()
+        if pool.cuda_graphs and torch.device(device).type == "cuda":
+            self.encoder.capture_graphs(pool.max_batch_tokens, pool.cost_unit)
         self.metrics = EncoderMetrics()
-        self.pool = EncoderPool(self.encoder, (pool or EncoderPoolArgs()).resolve(), PoolMetrics(self.metrics))
+        self.pool = EncoderPool(self.encoder, pool.resolve(), PoolMetrics(self.metrics))
         self.publisher = None
         if transport == "grpc":  # results stay here, pinned, until the LLM replica pulls them
             from deployments.transport import GrpcPublisher

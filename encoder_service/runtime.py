@@ -88,6 +88,14 @@ class VisionEncoder:
     def split(self, prepared: PreparedItem, budget: int, unit: str) -> list[PreparedItem]:
         return self.face.split(prepared, budget, unit)
 
+    def capture_graphs(self, max_cost: int, unit: str, capture: bool = True) -> str:
+        """CUDA graphs of the tower per budget up to the pool's `max_cost` where the face has them
+        (`capture=False`: the same padded forwards, uncaptured); returns and logs what happened."""
+        with self._lock:
+            what = self.face.capture_graphs(self.tower, max_cost, unit, capture)
+        logger.info("encoder graphs of %s: %s", self.model_dir.name, what)
+        return what
+
     @torch.inference_mode()
     def forward(self, prepared: Sequence[PreparedItem]) -> list[tuple[torch.Tensor, ...]]:
         """One forward over `prepared`; each item's output parts, on CPU."""

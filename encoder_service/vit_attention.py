@@ -59,6 +59,7 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tor
     one call over segments padded to the longest measured 2x slower than this on mixed sizes.
     """
     total, heads, dim = q.shape
+    lengths = lengths[lengths > 0]  # a padded batch's unused segments (encoder_service.vit_graphs)
     distinct = torch.unique(lengths).tolist()
     if len(distinct) == 1:  # one item, or equal windows / frames: a single call
         num, length = lengths.numel(), distinct[0]

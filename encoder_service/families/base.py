@@ -83,6 +83,11 @@ class EncoderFace(ABC):
         `[prepared]` where the family cannot split (the item then runs alone)."""
         return [prepared]
 
+    def capture_graphs(self, tower: nn.Module, max_cost: int, unit: str, capture: bool = True) -> str:
+        """Capture the tower's forward per budget up to the pool's `max_cost` (`unit`s), for
+        `forward` to replay; returns what happened (graphs or why none)."""
+        return f"no CUDA graphs for {type(self).__name__}"
+
     @abstractmethod
     def preprocess_fingerprint(self) -> str:
         """The preprocessing settings (part of the cache identity of every output)."""

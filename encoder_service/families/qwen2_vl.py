@@ -42,6 +42,7 @@ class QwenVLEncoderFace(EncoderFace):
         self.video_processor = processor.video_processor
         self.merge = int(config.vision_config.spatial_merge_size)
         self.sizes = router.read_preprocess_config(model_dir)  # the processors' sizing rules
+        self.graphs = None  # encoder_service.vit_graphs.TowerGraphs, once captured
 
     def rename(self, key: str) -> str | None:
         return strip_prefix(key, VISION_PREFIXES)
@@ -107,9 +108,31 @@ class QwenVLEncoderFace(EncoderFace):
 
     def forward(self, module: nn.Module, batch: Sequence[PreparedItem]) -> list[tuple[torch.Tensor, ...]]:
         device = next(module.parameters()).device
-        grid_thw = torch.tensor([p.layout for p in batch], dtype=torch.long, device=device)
-        merged = module(self.pixel_values(batch, device).to(self.dtype), grid_thw=grid_thw).pooler_output
+        pixels = self.pixel_values(batch, device).to(self.dtype)
+        merged = self.graphs.run(pixels, [p.layout for p in batch]) if self.graphs is not None else None
+        if merged is None:  # eager: no graphs, or none holds this batch
+            grid_thw = torch.tensor([p.layout for p in batch], dtype=torch.long, device=device)
+            merged = module(pixels, grid_thw=grid_thw).pooler_output
         return [(out,) for out in torch.split(merged, [p.num_tokens for p in batch])]
+
+    def capture_graphs(self, tower: nn.Module, max_cost: int, unit: str, capture: bool = True) -> str:
+        """Qwen2-VL and Qwen2.5-VL towers (`encoder_service.vit_graphs`); checked against the eager
+        tower on a batch of two items before use."""
+        from encoder_service.vit_graphs import TowerGraphs, budget_ladder
+
+        if self.config.model_type not in ("qwen2_vl", "qwen2_5_vl"):
+            return f"no CUDA graphs for {self.config.model_type} (its tower derives more from grid_thw)"
+        unit_patches = self.merge * self.merge
+        budgets = budget_ladder(max_cost * (1 if unit == "patches" else unit_patches), unit_patches)
+        embed = tower.patch_embed
+        in_features = embed.in_channels * embed.temporal_patch_size * embed.patch_size ** 2
+        grids = [(1, 4 * self.merge, 4 * self.merge), (2, 2 * self.merge, 3 * self.merge)]
+        device = next(tower.parameters()).device
+        generator = torch.Generator().manual_seed(0)
+        pixels = torch.randn(sum(t * h * w for t, h, w in grids), in_features, generator=generator)
+        self.graphs, what = TowerGraphs.capture(tower, budgets, in_features, (pixels.to(device, self.dtype), grids),
+                                                capture=capture)
+        return what
 
     def split(self, prepared: PreparedItem, budget: int, unit: str) -> list[PreparedItem]:
         """Groups of whole temporal patches (`temporal_patch_size` frames each, the last one padded
