@@ -159,6 +159,13 @@ class TowerGraphs:
         """(graphs, what happened): every budget captured, largest first, then `check` (pixel
         values and grids of a batch) run both ways; (None, why) when any step fails."""
         start = time.perf_counter()
+        import importlib.util
+
+        import transformers
+
+        if importlib.util.find_spec("transformers.vision_utils") is None:
+            return None, (f"transformers {transformers.__version__} takes no precomputed tower inputs "
+                          "(transformers.vision_utils); graphs need a newer one")
         try:
             graphs = cls(tower, budgets, in_features, max_segments)
             if not capture:
