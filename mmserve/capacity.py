@@ -18,11 +18,13 @@ A discrete-event simulation of the app, one request at a time through its stages
 
 Service times come from a `Profile`: fitted from bench results, or a hand-written file, labelled as
 such in every output (`Profile.source`). It is a model: replica counts are fixed unless a pool is
-given its `Autoscaling` (Serve's loop, with its delays and the replicas' start time), admission refuses nothing unless the profile bounds the requests waiting for their first
-token (`max_pending_requests`, the router's 429 rule), a step's time is linear in its prefill tokens and
-decoding sequences, and each replica has its device to itself, unless the profile says that the
-replicas share one box (`Profile.shared_capacity`: every encoder forward and LLM step then runs on
-one processor-sharing resource, `SharedCores`, as on the CPU box `--validate` runs on).
+given its `Autoscaling` (Serve's loop, with its delays and the replicas' start time); admission
+refuses nothing unless the profile bounds the requests waiting for their first token
+(`max_pending_requests`, the router's 429 rule); a step's time is linear in its prefill tokens and
+decoding sequences; each replica has its device to itself, unless the profile says that the
+replicas share one box (`Profile.shared_capacity`: every encoder forward, LLM step and the
+router's work then run on one processor-sharing resource, `SharedCores`, as on the CPU box
+`--validate` runs on).
 
 Named apart from `mmserve.planner`, the router's per-request planner.
 """
