@@ -60,6 +60,7 @@ class LLMDeployment:
         self.metrics = LLMMetrics()
         self._stats_task: asyncio.Task | None = None
         self.encoder, self.video = encoder, video  # handles: this replica streams videos through them
+        self.video_groups_reencoded = 0  # streamed frame groups whose encoder replica was lost
         self.fetcher = None
         if transport == "grpc":  # encoder results arrive as refs to pull from the encoder replica
             from deployments.transport import GrpcFetcher
@@ -91,8 +92,11 @@ class LLMDeployment:
             raise RuntimeError(reason)
 
     def stats(self) -> dict:
-        """The engine's counters (queues, KV blocks, preemptions, tokens): for tests and debugging."""
-        return self.engine.stats()._asdict()
+        """The engine's counters (queues, KV blocks, preemptions, tokens), the streamed video frame
+        groups encoded again after their encoder replica was lost, and which replica answered: for
+        tests and debugging."""
+        return {**self.engine.stats()._asdict(), "video_groups_reencoded": self.video_groups_reencoded,
+                "replica": serve.get_replica_context().replica_id.unique_id}
 
     def memory(self) -> dict:
         """This replica's device memory (`mmserve.checkpoint.device_memory`), its share of the
@@ -167,6 +171,7 @@ class LLMDeployment:
         stream, firsts = None, {}
         if streamed:  # prefill behind the decoder: admitted once each video's first group is in
             stream = VideoStream(pending.request_id, pending.ranges, streamed, self._frames, self._encode_group)
+            stream.on_reencode = self._count_reencode
             starting = asyncio.ensure_future(stream.start())  # decoding while the other items resolve
         try:
             resolved = iter(await self._embeddings(pending, others) if others else [])
@@ -230,6 +235,9 @@ class LLMDeployment:
             if not finished:  # the caller went away (client disconnect, stop string): free the request
                 logger.info("aborting request %s", pending.request_id)
                 self.engine.abort(pending.request_id)
+
+    def _count_reencode(self) -> None:
+        self.video_groups_reencoded += 1
 
     def _stream_ended(self, task: asyncio.Task, request_id: str, events: asyncio.Queue) -> None:
         """A streamed video failed: the engine request is aborted and the stream ends with its error."""

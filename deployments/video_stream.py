@@ -8,7 +8,8 @@ has not arrived, in prompt order. The LLM replica admits the request to the engi
 and moves it (`LLMEngine.extend`) as groups arrive, so prefill runs behind the decoder.
 
 A group whose encoder replica is lost (`EmbeddingsLost`) is encoded again, up to
-`ENCODE_TRIES` times in all. A failure anywhere else (a decode error at a later frame, a group the
+`ENCODE_TRIES` times in all; past that the stream fails with `EmbeddingsLost` naming the request's
+item, and the router's failover sends the request again (the video is streamed again). A failure anywhere else (a decode error at a later frame, a group the
 encoder refuses) ends the stream with that error; the caller aborts the engine
 request, so nothing stays held.
 """
@@ -47,6 +48,7 @@ class VideoStream:
         self._first = {i: asyncio.get_running_loop().create_future() for i in self.videos}
         self._task: asyncio.Task | None = None
         self.on_progress: Callable[[int | None], None] = lambda ready: None
+        self.on_reencode: Callable[[], None] = lambda: None  # a group's encoder replica was lost
         self.groups_in = 0  # groups whose rows are in (all items)
 
     async def start(self) -> dict[int, ItemEmbedding]:
@@ -54,10 +56,12 @@ class VideoStream:
         is in. Raises the stream's failure if it comes first."""
         self._task = asyncio.ensure_future(self._run())
         waiting = asyncio.ensure_future(asyncio.gather(*self._first.values()))
+        waiting.add_done_callback(lambda f: f.cancelled() or f.exception())  # a cancelled wait is no error
         await asyncio.wait([self._task, waiting], return_when=asyncio.FIRST_COMPLETED)
-        if not waiting.done():
+        if self._task.done():  # all in, or failed (first groups in or not), or cancelled
             waiting.cancel()
-            self._task.result()  # raises its failure
+            if self._task.cancelled() or self._task.exception() is not None:
+                self._task.result()  # raises
         return dict(self.embeddings)
 
     @property
@@ -109,10 +113,12 @@ class VideoStream:
                 embedding = await self._encode(item)
                 break
             except EmbeddingsLost:  # its encoder replica died: encode the group again, as the router would
-                if attempt == ENCODE_TRIES - 1:
-                    raise
+                if attempt == ENCODE_TRIES - 1:  # the router streams the whole video again
+                    raise EmbeddingsLost((index,), f"the encoders of video frame group {k} were lost "
+                                                   f"{ENCODE_TRIES} times") from None
                 logger.warning("request %s: the encoder of video frame group %d was lost; encoding it again",
                                self.request_id, k)
+                self.on_reencode()
         if embedding.num_rows != item.cost:
             raise RuntimeError(f"group {k} of a video encoded to {embedding.num_rows} rows, planned {item.cost}")
         first = self._first[index]
@@ -121,8 +127,8 @@ class VideoStream:
             parts = tuple(torch.empty((total, *p.shape[1:]), dtype=p.dtype) for p in embedding.parts)
             self.embeddings[index] = ItemEmbedding(parts, f"streamed:{embedding.key}")
             first.set_result(None)
-        else:
-            await first
+        else:  # shielded: this group cancelled (the stream failed) must not cancel the others' wait
+            await asyncio.shield(first)
         for buffer, part in zip(self.embeddings[index].parts, embedding.parts, strict=True):
             buffer[row:row + item.cost] = part
         self._filled[index][k] = True

@@ -249,3 +249,42 @@ def test_a_group_whose_encoder_is_lost_is_encoded_again(tiny_models):
         pool.close()
     assert len(lost) == 1 and s.tokens("r") == s.tokens("whole")
     assert s.engine.blocks.num_used_blocks == 0
+
+
+def test_a_first_group_lost_every_time_fails_the_stream_with_its_item(tiny_models):
+    """Group 0's encoders all die while group 1 is in and waits for group 0's buffer: the stream
+    fails with `EmbeddingsLost` naming the request's item (the router then streams the video again),
+    after ENCODE_TRIES tries; it does not hand out embeddings without that item."""
+    from deployments.video_stream import ENCODE_TRIES
+    from mmserve.errors import EmbeddingsLost
+
+    model_dir = tiny_models["qwen2_vl"]
+    data = video_file(3.4, 10, 56, 84, seed=35)
+    pool = VideoDecodePool(FrameSampler(model_dir), VideoLimits(), workers=1)
+    tries, reencodes, later = [], [], []
+
+    async def scenario():
+        s = Streamed(model_dir, data, await pool.probe(data, "plan"), pool)
+        encode = s.encode
+
+        async def lost_first(item):
+            if item.item.decoded.content_hash.endswith("#0"):
+                tries.append(item)
+                await asyncio.sleep(0.3)  # the later groups are in meanwhile
+                raise EmbeddingsLost((7,))  # as `resolve` names it: its own position, not the request's
+            later.append(await encode(item))
+            return later[-1]
+
+        s.encode = lost_first
+        stream = s.start("r")
+        stream.on_reencode = lambda: reencodes.append(1)
+        with pytest.raises(EmbeddingsLost) as lost:
+            await stream.start()
+        return stream, lost.value
+
+    try:
+        stream, error = asyncio.run(scenario())
+    finally:
+        pool.close()
+    assert len(tries) == ENCODE_TRIES and len(reencodes) == ENCODE_TRIES - 1
+    assert error.items == (0,) and later and stream.groups_in == 0  # later groups encoded, waiting for group 0's
