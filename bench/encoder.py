@@ -248,6 +248,17 @@ class FullSizeTower:
         return c.depth * per_block + merger
 
 
+def cuda_forward_s(tower, prepared, repeat: int) -> float:
+    """Seconds of one forward over `prepared` on the GPU (after a warm-up, mean of `repeat`)."""
+    tower.forward(prepared)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        tower.forward(prepared)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeat
+
+
 def cuda_rows(args) -> dict:
     tower = FullSizeTower(torch.bfloat16, args.vit_attention)
     results = {"queued_bytes_per_1024_image": queued_bytes_per_1024_image(tower)}
@@ -261,13 +272,7 @@ def cuda_rows(args) -> dict:
         torch.cuda.synchronize()
         # the device's own rate: forwards only, prepared once
         prepared = [tower.preprocess(i) for i in items[:16]]
-        tower.forward(prepared)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(3):
-            tower.forward(prepared)
-        torch.cuda.synchronize()
-        forward_s = (time.perf_counter() - start) / (3 * len(prepared))
+        forward_s = cuda_forward_s(tower, prepared, repeat=3) / len(prepared)
         tflops = tower.flops(grid) / forward_s / 1e12
         mfu = tflops / args.peak_tflops
         results[f"cuda_{side}_images_per_s"] = len(items) / seconds
@@ -296,13 +301,7 @@ def graph_rows(tower: FullSizeTower, args) -> dict:
 
     def ms(prepared, use: bool) -> float:
         tower._face.graphs = graphs if use else None
-        tower.forward(prepared)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(5):
-            tower.forward(prepared)
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / 5 * 1000
+        return cuda_forward_s(tower, prepared, repeat=5) * 1000
 
     print(f"{'side':>5} {'items':>6} {'budget':>7} {'eager ms':>9} {'graph ms':>9} {'speedup':>8}")
     for side in (448, 1024):
