@@ -9,6 +9,7 @@ replica carries its media, which that replica encodes again.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -156,12 +157,19 @@ class LLMDeployment:
         finally:
             groups.cancel()  # stopped early (a failure, the client gone): the decoder stops too
 
-    async def _encode_group(self, item: EncodeItem) -> ItemEmbedding:
+    async def _encode_group(self, item: EncodeItem, routing: asyncio.Lock) -> ItemEmbedding:
         """One frame group of a streamed video, encoded here (colocated) or by the Encoder
-        deployment (`EmbeddingsLost` when its replica died: the stream encodes it again)."""
+        deployment (`EmbeddingsLost` when its replica died: the stream encodes it again).
+
+        A request's groups are routed one at a time under its `routing` lock, then encode
+        concurrently: calls made from one request share Serve's internal request id, which a
+        custom request router (`deployments.affinity_router`) matches replicas by; concurrent
+        siblings would never match and wait forever (as the dispatcher's calls, one at a time)."""
         if self.pool is not None:
             return (await self._encode_locally([item]))[0]
-        [embedding] = await resolve([StoredEmbedding(self.encoder.encode.remote([item]), 0)], self.fetcher)
+        async with routing:
+            ref = await self.encoder.encode.remote([item])._to_object_ref()
+        [embedding] = await resolve([StoredEmbedding(ref, 0)], self.fetcher)
         return embedding
 
     async def _generate(self, pending: PendingRequest) -> AsyncIterator[TokenEvent]:
@@ -170,7 +178,8 @@ class LLMDeployment:
         others = [h for h in pending.embeddings if not isinstance(h, StreamedVideo)]
         stream, firsts = None, {}
         if streamed:  # prefill behind the decoder: admitted once each video's first group is in
-            stream = VideoStream(pending.request_id, pending.ranges, streamed, self._frames, self._encode_group)
+            stream = VideoStream(pending.request_id, pending.ranges, streamed, self._frames,
+                                 functools.partial(self._encode_group, routing=asyncio.Lock()))
             stream.on_reencode = self._count_reencode
             starting = asyncio.ensure_future(stream.start())  # decoding while the other items resolve
         try:
