@@ -80,3 +80,22 @@ def test_hybrid_prefix_quick_run_resumes_the_second_request():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["cached_tokens_second_on"] == result["system_tokens"] + result["image_tokens"]
     assert result["hybrid_prefix_ttft_speedup"] > 0 and result["snapshot_mb"] > 0
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat (Linux)")
+def test_video_bench_counts_the_cpu_seconds_a_busy_thread_spends():
+    """The video bench's CPU floor (serve_video.cpu_busy_s): busy work shows up, an idle wait does not."""
+    import time
+
+    from bench.serve_video import cpu_busy_s
+
+    before = cpu_busy_s()
+    end = time.perf_counter() + 0.3
+    while time.perf_counter() < end:
+        pass
+    spun = cpu_busy_s() - before
+    before = cpu_busy_s()
+    time.sleep(0.3)
+    slept = cpu_busy_s() - before
+    assert spun >= 0.25, spun
+    assert slept < spun, (slept, spun)
