@@ -13,7 +13,6 @@ order, which the router passes on to the LLM replica. Encoding the items of a lo
 from __future__ import annotations
 
 import asyncio
-import heapq
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,39 +20,14 @@ from pathlib import Path
 from cachetools import LRUCache
 
 from deployments.handles import EmbeddingHandle, LocalMedia, PinnedEmbedding, StoredEmbedding
+from mmserve.encode_calls import spread
 from mmserve.media import EncodeItem
-
-# One request's items are spread over several encoder calls (so over replicas) only when each
-# call still gets at least SPREAD_MIN_GROUP_TOKENS; a small request stays one call (one RPC).
-SPREAD_MIN_GROUP_TOKENS = 2048
-SPREAD_MAX_GROUPS = 8
 
 
 class MediaDispatcher(ABC):
     @abstractmethod
     async def dispatch(self, media: Sequence[EncodeItem]) -> tuple[EmbeddingHandle, ...]:
         """Send every item to be encoded, waiting for none; one handle per item, in order."""
-
-
-def balanced_groups(sizes: Sequence[int], num_groups: int) -> list[list[int]]:
-    """Item indices in `num_groups` groups of near-equal summed size (none empty).
-
-    Largest item first onto the least-loaded group (vLLM's `get_load_balance_assignment`);
-    indices ascend within a group. Fewer groups when there are fewer items.
-    """
-    num_groups = max(1, min(num_groups, len(sizes)))
-    heap = [(0, g) for g in range(num_groups)]
-    groups: list[list[int]] = [[] for _ in range(num_groups)]
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        load, g = heapq.heappop(heap)
-        groups[g].append(i)
-        heapq.heappush(heap, (load + sizes[i], g))
-    return [sorted(g) for g in groups if g]
-
-
-def spread(sizes: Sequence[int]) -> list[list[int]]:
-    """How the router splits one request's items (token counts `sizes`) into encoder calls."""
-    return balanced_groups(sizes, min(SPREAD_MAX_GROUPS, max(1, sum(sizes) // SPREAD_MIN_GROUP_TOKENS)))
 
 
 class EncoderPoolDispatcher(MediaDispatcher):

@@ -3,10 +3,11 @@
 A discrete-event simulation of the app, one request at a time through its stages:
 
 - the router: a fixed overhead per request;
-- the encoder pool: `num_encoders` replicas sharing one FIFO of image items (Serve's
-  power-of-two routing is close to join-the-shortest-queue), each running token-budget batches;
-  a cache hit (`Workload.repeat_share`) skips the encoder;
-- the transfer: a time per embedding token (object store or gRPC, as profiled);
+- the encoder pool: `num_encoders` replicas, each batching its own queue of items by token
+  budget. A request's items become calls by size (`mmserve.encode_calls.spread`, the router's
+  rule), each call to the replica with fewer calls in flight of two picked at random (Serve's
+  power of two choices). A cache hit (`Workload.repeat_share`) skips the encoder;
+- the transfer: a time per embedding byte, for the object store or for gRPC (`transport`);
 - the LLM pool: each request to the replica with the fewest requests in flight; a replica runs
   continuous-batching steps (every running sequence decodes one token; waiting prompts prefill in
   chunks within `max_batched_tokens`, up to `max_num_seqs` sequences, while the KV cache
@@ -35,9 +36,13 @@ import itertools
 import math
 import random
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from mmserve.capacity_events import Autoscaler, BatchStation, SharedCores, Simulator, serving
+from mmserve.encode_calls import spread
+
+TRANSPORTS = ("object_store", "grpc")
 
 
 # -- what the simulation is told ---------------------------------------------------------------------
@@ -50,7 +55,11 @@ class Profile:
     encode_batch_s: float = 0.005  # per encoder forward
     encode_token_s: float = 2e-5  # per image token of a forward
     max_batch_tokens: int = 16384  # the encoder pool's token budget
-    transfer_token_s: float = 1e-6  # per embedding token shipped to the LLM replica
+    # the transfer of embeddings to the LLM replica: bytes per embedding token (the LM's hidden
+    # size x dtype bytes, DeepStack parts included) and seconds per byte on each transport
+    embedding_token_bytes: int = 0
+    object_store_byte_s: float = 0.0
+    grpc_byte_s: float = 0.0
     step_s: float = 0.01  # per LLM step
     prefill_token_s: float = 1e-4  # per prefill token of a step
     decode_seq_s: float = 2e-4  # per decoding sequence of a step
@@ -70,6 +79,12 @@ class Profile:
     def encode_seconds(self, tokens: float, items: int = 1) -> float:
         return self.encode_batch_s + self.encode_token_s * tokens
 
+    def transfer_seconds(self, tokens: int, transport: str = "object_store") -> float:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, not {transport!r}")
+        per_byte = self.object_store_byte_s if transport == "object_store" else self.grpc_byte_s
+        return per_byte * self.embedding_token_bytes * tokens
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -77,11 +92,41 @@ class Workload:
 
     rate: float  # requests per second
     images: tuple[int, int] = (1, 1)  # images per request, uniform in [low, high]
-    image_tokens: int = 256  # embedding tokens per image
+    image_tokens: int = 256  # embedding tokens per image (without `image_mix`)
+    # the resolutions' mix: (embedding tokens per image, share of images); each image draws one
+    image_mix: tuple[tuple[int, float], ...] = ()
     text_tokens: int = 64
     output_tokens: int = 64
+    # text and output lengths uniform in [L x (1 - r), L x (1 + r)] (vLLM's --random-range-ratio)
+    length_range_ratio: float = 0.0
     repeat_share: float = 0.0  # images served from the encoder cache
     burstiness: float = 1.0
+
+    def __post_init__(self):
+        if any(tokens < 1 or share < 0 for tokens, share in self.image_mix) or (
+                self.image_mix and not sum(share for _, share in self.image_mix) > 0):
+            raise ValueError(f"image_mix needs positive token counts and shares summing above 0: {self.image_mix}")
+        if not 0 <= self.length_range_ratio < 1:
+            raise ValueError(f"length_range_ratio must be in [0, 1): {self.length_range_ratio}")
+
+    def image_sizes(self, images: int, rng: random.Random) -> tuple[int, ...]:
+        """Embedding tokens of each of a request's `images` (drawn from `image_mix`, if any)."""
+        if not self.image_mix:
+            return (self.image_tokens,) * images
+        sizes, shares = zip(*self.image_mix)
+        return tuple(rng.choices(sizes, shares, k=images))
+
+    def length(self, mean: int, rng: random.Random) -> int:
+        if not self.length_range_ratio:
+            return mean
+        spread_ = round(mean * self.length_range_ratio)
+        return max(1, rng.randint(mean - spread_, mean + spread_))
+
+    @property
+    def mean_image_tokens(self) -> float:
+        if not self.image_mix:
+            return float(self.image_tokens)
+        return sum(t * s for t, s in self.image_mix) / sum(s for _, s in self.image_mix)
 
 
 @dataclass(frozen=True)
@@ -115,7 +160,7 @@ class SLO:
 @dataclass
 class _Request:
     arrival: float
-    images: int
+    image_sizes: tuple[int, ...]  # embedding tokens of each image
     prompt_tokens: int
     output_tokens: int
     first_token: float | None = None
@@ -211,6 +256,65 @@ class _LLMReplica:
         self._step()
 
 
+class _EncoderPool:
+    """The Encoder deployment: each replica batches its own queue of items by token budget. A
+    request's items become calls by size (`spread`, the router's rule); each call goes to the
+    replica with fewer calls in flight of two picked at random (Serve's power of two choices)."""
+
+    def __init__(self, sim: Simulator, profile: Profile, replicas: int, cores: SharedCores | None,
+                 rng: random.Random):
+        self.sim, self.profile, self.cores, self.rng = sim, profile, cores, rng
+        self.live: list[BatchStation] = []  # replicas taking calls
+        self.every: list[BatchStation] = []  # and those scaled down, finishing their queues
+        self.calls: dict[int, int] = {}  # replica (id) -> calls in flight
+        for _ in range(replicas):
+            self.add_server()
+
+    def add_server(self) -> None:
+        replica = BatchStation(self.sim, 1, self.profile.encode_seconds, max_cost=self.profile.max_batch_tokens,
+                               cores=self.cores)
+        self.live.append(replica)
+        self.every.append(replica)
+        self.calls[id(replica)] = 0
+
+    def retire_server(self) -> None:
+        """The replica with the least queued work takes no more calls (it finishes its queue)."""
+        self.live.remove(min(self.live, key=lambda r: r.queued))
+
+    @property
+    def queued(self) -> float:
+        return sum(r.queued for r in self.every)
+
+    @property
+    def busy_seconds(self) -> float:
+        return sum(r.busy_seconds for r in self.every)
+
+    def _pick(self) -> BatchStation:
+        if len(self.live) == 1:
+            return self.live[0]
+        a, b = self.rng.sample(self.live, 2)
+        return b if self.calls[id(b)] < self.calls[id(a)] else a
+
+    def submit(self, sizes: tuple[int, ...], done: Callable[[], None]) -> None:
+        """Encode items of these token counts; `done()` once every call is back."""
+        groups = spread(sizes)
+        calls_left = [len(groups)]
+        for group in groups:
+            replica, items_left = self._pick(), [len(group)]
+            self.calls[id(replica)] += 1
+
+            def item_done(replica=replica, items_left=items_left) -> None:
+                items_left[0] -= 1
+                if not items_left[0]:
+                    self.calls[id(replica)] -= 1
+                    calls_left[0] -= 1
+                    if not calls_left[0]:
+                        done()
+
+            for i in group:
+                replica.submit(sizes[i], item_done)
+
+
 @dataclass(frozen=True)
 class Result:
     num_encoders: int
@@ -246,10 +350,13 @@ def percentile(values: list[float], q: float) -> float:
 
 def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: int, num_requests: int = 2000,
              seed: int = 0, slo: SLO | None = None, arrivals: list[tuple[float, int]] | None = None,
-             encoder_scaling: Autoscaling | None = None, llm_scaling: Autoscaling | None = None) -> Result:
+             encoder_scaling: Autoscaling | None = None, llm_scaling: Autoscaling | None = None,
+             transport: str = "object_store") -> Result:
     """One run of `num_requests` arrivals at the workload's rate, or of the (time, images)
-    `arrivals` of a real run, replayed. `num_encoders=0` is the colocated mode. With
-    `encoder_scaling` / `llm_scaling` the pools start at those counts and autoscale."""
+    `arrivals` of a real run, replayed. `num_encoders=0` is the colocated mode; embeddings reach
+    the LLM replicas over `transport` ("object_store" or "grpc"). With `encoder_scaling` /
+    `llm_scaling` the pools start at those counts and autoscale."""
+    profile.transfer_seconds(0, transport)  # a transport it knows
     rng = random.Random(seed)
     sim = Simulator()
     pending: set[int] = set()  # admitted requests without a first token (by index), for admission
@@ -257,17 +364,14 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
     requests: list[_Request] = []
     route = serving(sim, cores)  # on a shared box the router's work takes its cores too
 
-    def encoder_station(servers: int, device: SharedCores | None) -> BatchStation:
-        return BatchStation(sim, servers, lambda tokens, items: profile.encode_seconds(tokens, items),
-                            max_cost=profile.max_batch_tokens, cores=device)
-
-    encoders = encoder_station(num_encoders, cores) if num_encoders else None
+    encoders = _EncoderPool(sim, profile, num_encoders, cores, rng) if num_encoders else None
 
     def new_llm() -> _LLMReplica:
         if encoders:
             return _LLMReplica(sim, profile, cores)
         device = cores or SharedCores(sim, 1.0)  # colocated: its own encoder shares its device
-        return _LLMReplica(sim, profile, device, encoder=encoder_station(1, device))
+        encoder = BatchStation(sim, 1, profile.encode_seconds, max_cost=profile.max_batch_tokens, cores=device)
+        return _LLMReplica(sim, profile, device, encoder=encoder)
 
     llms = [new_llm() for _ in range(num_llms)]
 
@@ -287,6 +391,8 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
 
     scalers = {}
     if encoders and encoder_scaling:
+        if encoder_scaling.min_replicas < 1:
+            raise ValueError("the encoder pool autoscales from one replica at least")
         scalers["encoders"] = Autoscaler(sim, encoder_scaling, num_encoders, lambda: encoders.queued,
                                          encoders.add_server, encoders.retire_server, active)
     if llm_scaling:
@@ -299,8 +405,8 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
     def to_llm(request: _Request) -> None:
         least_loaded().add(request)
 
-    def encode_locally(request: _Request, misses: int) -> None:
-        llm, remaining = least_loaded(), [misses]
+    def encode_locally(request: _Request, misses: tuple[int, ...]) -> None:
+        llm, remaining = least_loaded(), [len(misses)]
         llm.encoding += 1
 
         def encoded() -> None:
@@ -309,8 +415,8 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
                 llm.encoding -= 1
                 llm.add(request)
 
-        for _ in range(misses):
-            llm.encoder.submit(workload.image_tokens, encoded)
+        for tokens in misses:
+            llm.encoder.submit(tokens, encoded)
 
     def arrive(request: _Request) -> None:
         if profile.kv_tokens is not None and request.prompt_tokens + request.output_tokens > profile.kv_tokens:
@@ -322,24 +428,16 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
                 request.refused = True
                 return
             pending.add(request.index)
-        misses = sum(rng.random() >= workload.repeat_share for _ in range(request.images))
+        misses = tuple(tokens for tokens in request.image_sizes if rng.random() >= workload.repeat_share)
         if not misses:
             route(profile.router_s, lambda: to_llm(request))
         elif encoders is None:
             route(profile.router_s, lambda: encode_locally(request, misses))
         else:
-            remaining = [misses]
+            def encoded() -> None:  # every call back: ship the embeddings, then prefill
+                sim.after(profile.transfer_seconds(sum(misses), transport), lambda: to_llm(request))
 
-            def encoded() -> None:
-                remaining[0] -= 1
-                if not remaining[0]:  # every item encoded: ship them, then prefill
-                    sim.after(profile.transfer_token_s * misses * workload.image_tokens, lambda: to_llm(request))
-
-            def dispatch() -> None:
-                for _ in range(misses):
-                    encoders.submit(workload.image_tokens, encoded)
-
-            route(profile.router_s, dispatch)
+            route(profile.router_s, lambda: encoders.submit(misses, encoded))
 
     if arrivals is None:
         arrivals, t = [], 0.0
@@ -347,8 +445,9 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
             t += rng.gammavariate(workload.burstiness, 1 / (workload.rate * workload.burstiness))
             arrivals.append((t, rng.randint(*workload.images)))
     for at, images in arrivals:
-        request = _Request(at, images, workload.text_tokens + images * workload.image_tokens, workload.output_tokens,
-                           index=len(requests))
+        sizes = workload.image_sizes(images, rng)
+        request = _Request(at, sizes, workload.length(workload.text_tokens, rng) + sum(sizes),
+                           workload.length(workload.output_tokens, rng), index=len(requests))
         requests.append(request)
         sim.at(at, lambda request=request: arrive(request))
     sim.run()
@@ -387,3 +486,24 @@ def load_profile(path: str) -> Profile:
     if unknown:
         raise ValueError(f"{path}: unknown profile fields {sorted(unknown)}")
     return Profile(**data)
+
+
+def with_transfer_rates(profile: Profile, path: str) -> Profile:
+    """The profile with both transports' per-byte times measured by `python bench/transfer.py`
+    (its last line: `object_store_mb_s_20mb`, `grpc_mb_s_20mb`, the 20 MB rows); its source says so."""
+    import json
+
+    with open(path) as f:
+        lines = [line for line in f.read().splitlines() if line.strip()]
+    try:
+        summary = json.loads(lines[-1])
+        rates = {t: float(summary[f"{t}_mb_s_20mb"]) for t in TRANSPORTS}
+    except (IndexError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not bench/transfer.py's output (its last line, a JSON object with "
+                         f"object_store_mb_s_20mb and grpc_mb_s_20mb): {e!r}") from None
+    if min(rates.values()) <= 0:
+        raise ValueError(f"{path}: transfer rates must be positive: {rates}")
+    return replace(profile, object_store_byte_s=1 / (rates["object_store"] * 1e6),
+                   grpc_byte_s=1 / (rates["grpc"] * 1e6),
+                   source=f"{profile.source}; transfer measured by bench/transfer.py ({path}: "
+                          f"{rates['object_store']:.0f} MB/s object store, {rates['grpc']:.0f} MB/s gRPC)")

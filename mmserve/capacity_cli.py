@@ -4,8 +4,19 @@ runs bench/plan_validate.py from a source checkout), and its goodput-per-GPU cha
 from __future__ import annotations
 
 from mmserve import capacity
-from mmserve.capacity import SLO, Workload, load_profile
+from mmserve.capacity import SLO, TRANSPORTS, Workload, load_profile, with_transfer_rates
 from mmserve.capacity_goodput import RUN_TTFT_SLOS, Recommendation, recommend
+
+
+def image_tokens_arg(values: list[str]) -> dict:
+    """`--image-tokens 400` (every image) or `--image-tokens 256:0.7 1296:0.3` (a mix: tokens:share)."""
+    if len(values) == 1 and ":" not in values[0]:
+        return {"image_tokens": int(values[0])}
+    mix = []
+    for value in values:
+        tokens, _, share = value.partition(":")
+        mix.append((int(tokens), float(share or 1)))
+    return {"image_tokens": round(sum(t * s for t, s in mix) / sum(s for _, s in mix)), "image_mix": tuple(mix)}
 
 
 def plot_svg(recommendations: list[Recommendation], source: str) -> str:
@@ -52,9 +63,15 @@ def main(argv: list[str] | None = None) -> int:
                                        "runs of the app on this machine (bench/plan_validate.py)")
     p.add_argument("--profile", default="bench/profiles/a100-qwen3-vl-4b.yaml", help="profile file (YAML/JSON)")
     p.add_argument("--images", type=int, nargs=2, default=(1, 4), metavar=("LOW", "HIGH"), help="images per request")
-    p.add_argument("--image-tokens", type=int, default=400, help="embedding tokens per image (640^2 on Qwen3-VL: 400)")
+    p.add_argument("--image-tokens", nargs="+", default=["400"], metavar="TOKENS[:SHARE]",
+                   help="embedding tokens per image (640^2 on Qwen3-VL: 400), or a mix of resolutions as "
+                        "tokens:share pairs (256:0.7 1296:0.3)")
     p.add_argument("--text-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--length-range-ratio", type=float, default=0.0,
+                   help="text and output lengths uniform in L x [1 - r, 1 + r] (vLLM's --random-range-ratio)")
+    p.add_argument("--transport", choices=TRANSPORTS, default="object_store", help="how embeddings reach the LLMs")
+    p.add_argument("--transfer-json", help="bench/transfer.py's output: both transports' measured rates")
     p.add_argument("--repeat-share", type=float, default=0.0, help="share of images the encoder cache serves")
     p.add_argument("--burstiness", type=float, default=1.0)
     p.add_argument("--ttft-p99", type=float, default=20.0, help="SLO, seconds")
@@ -68,13 +85,23 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
 
     profile = load_profile(ns.profile)
-    workload = Workload(rate=1.0, images=tuple(ns.images), image_tokens=ns.image_tokens, text_tokens=ns.text_tokens,
-                        output_tokens=ns.output_tokens, repeat_share=ns.repeat_share, burstiness=ns.burstiness)
+    if ns.transfer_json:
+        profile = with_transfer_rates(profile, ns.transfer_json)
+    try:
+        workload = Workload(rate=1.0, images=tuple(ns.images), text_tokens=ns.text_tokens,
+                            output_tokens=ns.output_tokens, length_range_ratio=ns.length_range_ratio,
+                            repeat_share=ns.repeat_share, burstiness=ns.burstiness, **image_tokens_arg(ns.image_tokens))
+    except ValueError as e:
+        p.error(str(e))
     slo = SLO(ns.ttft_p99, ns.tpot_p99)
     print(f"profile: {profile.source}")
-    print(f"workload: {ns.images[0]}-{ns.images[1]} images x {ns.image_tokens} tokens, {ns.text_tokens} text tokens, "
-          f"{ns.output_tokens} out; SLOs p99 TTFT <= {ns.ttft_p99} s, p99 TPOT <= {ns.tpot_p99 * 1000:g} ms")
-    recommendations = [recommend(profile, workload, slo, gpus, ns.cell, ns.requests, ns.seed) for gpus in ns.gpus]
+    images = " + ".join(f"{t}:{s:g}" for t, s in workload.image_mix) or str(workload.image_tokens)
+    ranged = f" (x [1 -/+ {ns.length_range_ratio:g}])" if ns.length_range_ratio else ""
+    print(f"workload: {ns.images[0]}-{ns.images[1]} images x {images} tokens, {ns.text_tokens} text tokens, "
+          f"{ns.output_tokens} out{ranged}, embeddings over {ns.transport}; SLOs p99 TTFT <= {ns.ttft_p99} s, "
+          f"p99 TPOT <= {ns.tpot_p99 * 1000:g} ms")
+    recommendations = [recommend(profile, workload, slo, gpus, ns.cell, ns.requests, ns.seed, ns.transport)
+                       for gpus in ns.gpus]
     print(f"{'GPUs':>6} {'encoders':>9} {'LLMs':>6} {'goodput/s':>10} {'per GPU':>8} {'colocated/s':>12} "
           f"{'per GPU':>8} {'margin':>7}")
     for rec in recommendations:

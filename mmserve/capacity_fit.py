@@ -61,8 +61,7 @@ def fit_profile(mode: str, runs: list[dict], encoders: int = 1, llms: int = 1,
     profile = Profile(
         source=f"fitted on this machine's {mode} fit runs",
         router_s=max(0.0, percentile(overhead, 50)),
-        encode_batch_s=max(0.0, encode_batch_s), encode_token_s=max(0.0, encode_token_s),
-        transfer_token_s=0.0,  # inside the fitted encode time
+        encode_batch_s=max(0.0, encode_batch_s), encode_token_s=max(0.0, encode_token_s),  # the transfer inside
         step_s=step_s, decode_seq_s=decode_seq_s, prefill_token_s=max(0.0, prefill_token_s),
         max_batched_tokens=2048, max_num_seqs=64,  # the engine's defaults (EngineArgs)
         max_pending_requests=max_pending_requests,

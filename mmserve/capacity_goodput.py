@@ -19,7 +19,7 @@ MAX_RUN_REQUESTS = 20_000
 
 
 def goodput(profile: Profile, workload: Workload, slo: SLO, num_encoders: int, num_llms: int,
-            num_requests: int = 1000, seed: int = 0, iterations: int = 12) -> float:
+            num_requests: int = 1000, seed: int = 0, iterations: int = 12, transport: str = "object_store") -> float:
     """The highest request rate at which p99 TTFT and p99 TPOT stay within `slo` (as the vLLM EPD
     blog's "goodput at P99 SLOs") and the app keeps up (completions >= 0.95 x the offered rate: a
     finite run past saturation can still meet a loose TTFT SLO), by bisection; 0 when even a
@@ -28,7 +28,8 @@ def goodput(profile: Profile, workload: Workload, slo: SLO, num_encoders: int, n
         # long enough for a queue past saturation to outgrow the TTFT SLO, and for the drain after
         # the last arrival to weigh little in the throughput
         arrivals = min(max(num_requests, math.ceil(rate * RUN_TTFT_SLOS * slo.ttft_p99_s)), MAX_RUN_REQUESTS)
-        result = simulate(profile, replace(workload, rate=rate), num_encoders, num_llms, arrivals, seed)
+        result = simulate(profile, replace(workload, rate=rate), num_encoders, num_llms, arrivals, seed,
+                          transport=transport)
         return meets(result, slo) and result.throughput >= 0.95 * rate
 
     low, high = 0.0, 1.0
@@ -74,14 +75,14 @@ class Recommendation:
 
 
 def recommend(profile: Profile, workload: Workload, slo: SLO, gpus: int, unit: int = 8, num_requests: int = 1000,
-              seed: int = 0) -> Recommendation:
+              seed: int = 0, transport: str = "object_store") -> Recommendation:
     """The encoder:LLM split of `gpus` that maximises goodput per GPU, against all-colocated.
 
     Every split of a `unit`-GPU cell is simulated (a cluster of `gpus` is gpus/unit such cells,
     requests spread evenly over them, so goodput per GPU is the cell's); a cluster smaller than
     one cell is simulated whole."""
     cell = min(gpus, unit)
-    splits, colocated = _cell_goodput(profile, workload, slo, cell, num_requests, seed)
+    splits, colocated = _cell_goodput(profile, workload, slo, cell, num_requests, seed, transport)
     scale = gpus / cell
 
     def scaled(e: int, rate: float) -> Split:
@@ -94,7 +95,8 @@ def recommend(profile: Profile, workload: Workload, slo: SLO, gpus: int, unit: i
 
 @functools.lru_cache(maxsize=64)
 def _cell_goodput(profile: Profile, workload: Workload, slo: SLO, cell: int, num_requests: int,
-                  seed: int) -> tuple[tuple[tuple[int, float], ...], float]:
+                  seed: int, transport: str) -> tuple[tuple[tuple[int, float], ...], float]:
     """((encoders, goodput) for each disaggregated split of `cell` GPUs, colocated goodput)."""
-    splits = tuple((e, goodput(profile, workload, slo, e, cell - e, num_requests, seed)) for e in range(1, cell))
+    splits = tuple((e, goodput(profile, workload, slo, e, cell - e, num_requests, seed, transport=transport))
+                   for e in range(1, cell))
     return splits, goodput(profile, workload, slo, 0, cell, num_requests, seed)

@@ -141,7 +141,8 @@ def test_power_of_two_takes_the_less_loaded_of_two():
 def test_affinity_dispatch_keeps_the_size_balanced_spread_for_cold_items_only():
     """Cold items are grouped as without affinity (a small request: one call); an item this router
     sent before goes alone, so the request router can send it back to the replica holding it."""
-    from deployments.dispatch import SPREAD_MIN_GROUP_TOKENS, EncoderPoolDispatcher, spread
+    from deployments.dispatch import EncoderPoolDispatcher
+    from mmserve.encode_calls import SPREAD_MIN_GROUP_TOKENS, spread
     from tests.encoder_fakes import fake_item
 
     dispatcher = EncoderPoolDispatcher(encoder=None, affinity=True)

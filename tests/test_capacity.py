@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from mmserve.capacity import SLO, Autoscaling, Profile, Workload, load_profile, percentile, simulate
+from mmserve.capacity import (
+    SLO, Autoscaling, Profile, Workload, load_profile, percentile, simulate, with_transfer_rates,
+)
 from mmserve.capacity_events import BatchStation, SharedCores, Simulator
 from mmserve.capacity_goodput import goodput, recommend
 from mmserve.capacity_cli import main
@@ -117,7 +119,7 @@ def _burst_then_quiet() -> list[tuple[float, int]]:
 
 def test_the_encoder_pool_autoscales_after_its_delays_and_start_time():
     profile = Profile(source="test", router_s=0.0, encode_batch_s=0.1, encode_token_s=0.0, max_batch_tokens=1,
-                      transfer_token_s=0.0, step_s=0.001, prefill_token_s=0.0, decode_seq_s=0.0)
+                      step_s=0.001, prefill_token_s=0.0, decode_seq_s=0.0)
     workload = Workload(rate=1.0, image_tokens=1, text_tokens=4, output_tokens=2)
 
     def run(**scaling):
@@ -145,6 +147,73 @@ def test_the_llm_pool_autoscales_on_requests_in_flight():
     fixed = simulate(profile, workload, 1, 1, arrivals=arrivals)
     scaled = simulate(profile, workload, 1, 1, arrivals=arrivals, llm_scaling=spec)
     assert scaled.peak_llms > 1 and scaled.ttft_p99_s < fixed.ttft_p99_s and scaled.throughput > fixed.throughput
+
+
+def _only_encoding(**fields) -> Profile:
+    """A profile whose only costs are the ones given (seconds)."""
+    return Profile(**{**dict(source="test", router_s=0.0, encode_batch_s=0.0, encode_token_s=0.0, step_s=0.0,
+                             prefill_token_s=0.0, decode_seq_s=0.0, max_batch_tokens=1 << 20), **fields})
+
+
+def test_a_large_request_is_spread_over_the_encoders_and_a_small_one_stays_one_call():
+    profile = _only_encoding(encode_token_s=1e-3)  # TTFT is the encode: 1 ms an image token
+
+    def ttft(tokens: int, encoders: int) -> float:
+        workload = Workload(rate=1.0, images=(4, 4), image_tokens=tokens, text_tokens=1, output_tokens=1)
+        return simulate(profile, workload, encoders, 1, arrivals=[(0.0, 4)]).ttft_p50_s
+
+    assert ttft(64, 1) == ttft(64, 4) == pytest.approx(0.256)  # 4 x 64 tokens: one call, one replica
+    # 4 x 2048 tokens: four calls; power of two choices puts no more than two on one of four replicas
+    assert ttft(2048, 1) == pytest.approx(8.192)
+    assert 2.048 - 1e-9 <= ttft(2048, 4) <= 4.096 + 1e-9
+
+
+def test_embeddings_cross_the_chosen_transport_at_its_rate_per_byte(tmp_path):
+    profile = _only_encoding(step_s=0.01, embedding_token_bytes=1000, object_store_byte_s=1e-6, grpc_byte_s=3e-6)
+    workload = Workload(rate=1.0, images=(2, 2), image_tokens=50, text_tokens=1, output_tokens=1)
+
+    def ttft(transport: str, encoders: int = 1, p: Profile = profile) -> float:
+        return simulate(p, workload, encoders, 1, arrivals=[(0.0, 2)], transport=transport).ttft_p50_s
+
+    # 2 x 50 tokens x 1000 bytes = 0.1 MB: 0.1 s by the object store, 0.3 s by gRPC, then a 10 ms step
+    assert ttft("object_store") == pytest.approx(0.11) and ttft("grpc") == pytest.approx(0.31)
+    assert ttft("grpc", encoders=0) == pytest.approx(0.01)  # colocated: nothing crosses
+    with pytest.raises(ValueError, match="transport"):
+        ttft("rdma")
+    measured = tmp_path / "transfer.out"
+    measured.write_text('a table\n{"object_store_mb_s_20mb": 500.0, "grpc_mb_s_20mb": 250.0}\n')
+    rated = with_transfer_rates(profile, str(measured))
+    assert (rated.object_store_byte_s, rated.grpc_byte_s) == pytest.approx((2e-9, 4e-9))
+    assert str(measured) in rated.source and rated.source.startswith(profile.source)
+    assert ttft("grpc", p=rated) == pytest.approx(0.01 + 100 * 1000 * 4e-9)
+    measured.write_text("no summary here\n")
+    with pytest.raises(ValueError, match="bench/transfer.py"):
+        with_transfer_rates(profile, str(measured))
+
+
+def test_a_resolution_mix_gives_each_image_its_own_size():
+    profile = _only_encoding(encode_token_s=1e-3)
+    workload = Workload(rate=1.0, image_mix=((100, 0.8), (1000, 0.2)), text_tokens=1, output_tokens=1)
+    alone = [(10.0 * k, 1) for k in range(200)]  # far apart: each TTFT is its own image's encode
+    result = simulate(profile, workload, 1, 1, arrivals=alone)
+    assert result.ttft_p50_s == pytest.approx(0.1) and result.ttft_p99_s == pytest.approx(1.0)
+    assert workload.mean_image_tokens == pytest.approx(280)
+    with pytest.raises(ValueError, match="image_mix"):
+        Workload(rate=1.0, image_mix=((0, 1.0),))
+
+
+def test_lengths_spread_by_the_range_ratio():
+    profile = _only_encoding(prefill_token_s=1e-3)  # TTFT is the prompt's prefill: 1 ms a token
+    workload = Workload(rate=1.0, images=(0, 0), text_tokens=100, output_tokens=1, length_range_ratio=0.5)
+    alone = [(10.0 * k, 0) for k in range(200)]
+    spread_out = simulate(profile, workload, 1, 1, arrivals=alone)
+    fixed = simulate(profile, replace(workload, length_range_ratio=0.0), 1, 1, arrivals=alone)
+    assert fixed.ttft_p50_s == pytest.approx(0.1) and fixed.ttft_p99_s == pytest.approx(0.1)
+    assert 0.09 <= spread_out.ttft_p50_s <= 0.11 and 0.14 <= spread_out.ttft_p99_s <= 0.15 + 1e-9
+    draws = [workload.length(100, random.Random(k)) for k in range(300)]
+    assert min(draws) >= 50 and max(draws) <= 150 and len(set(draws)) > 30
+    with pytest.raises(ValueError, match="length_range_ratio"):
+        Workload(rate=1.0, length_range_ratio=1.0)
 
 
 def test_percentile_is_the_nearest_rank():
@@ -210,6 +279,19 @@ def test_plan_prints_its_table_and_ends_with_json(tmp_path, capsys):
     assert four["disaggregated"]["num_encoders"] + four["disaggregated"]["num_llms"] == 4
     assert eight["disaggregated"]["goodput"] == pytest.approx(2 * four["disaggregated"]["goodput"])  # two cells
     assert svg.read_text().startswith("<svg") and "hand-written" in svg.read_text()
+
+
+def test_plan_takes_a_resolution_mix_ranged_lengths_and_measured_transfer_rates(tmp_path, capsys):
+    measured = tmp_path / "transfer.out"
+    measured.write_text('{"object_store_mb_s_20mb": 800.0, "grpc_mb_s_20mb": 400.0}\n')
+    assert main(["--profile", HAND, "--gpus", "4", "--requests", "200", "--ttft-p99", "2", "--output-tokens", "16",
+                 "--image-tokens", "256:0.7", "1296:0.3", "--length-range-ratio", "0.25", "--transport", "grpc",
+                 "--transfer-json", str(measured)]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "bench/transfer.py" in out[0] and "256:0.7 + 1296:0.3" in out[1] and "over grpc" in out[1]
+    assert json.loads(out[-1])["recommendations"][0]["disaggregated"]["goodput"] > 0
+    with pytest.raises(SystemExit):
+        main(["--profile", HAND, "--image-tokens", "256:-1"])
 
 
 def test_a_profile_with_an_unknown_field_is_refused(tmp_path):

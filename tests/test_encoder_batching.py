@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deployments.dispatch import balanced_groups, spread
+from mmserve.encode_calls import balanced_groups, spread
 from encoder_service.batching import BatchConfig, overtaken, select_batch, temporal_groups
 from encoder_service.cache import EmbeddingCache, tensor_bytes
 
