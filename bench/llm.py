@@ -2,6 +2,7 @@
 
     python bench/llm.py                      # CPU, a small random Qwen2-VL LM, a few minutes
     python bench/llm.py --device cuda        # full-size Qwen2-VL-2B LM config (random weights)
+    python bench/llm.py --device cuda --no-split-kv   # the same without split-K decode (compare the 8k row)
     python bench/llm.py --hybrid-prefix      # hybrid LM: TTFT with state snapshots on vs off
     python bench/llm.py --hybrid-prefix --quick    # the same, smaller prompt (seconds)
     python bench/llm.py --breakdown          # per-step time by phase, overlap off and on (bench/llm_breakdown.py)
@@ -273,6 +274,8 @@ def main() -> None:
     ap.add_argument("--long-context", type=int, default=None,
                     help="prompt tokens of the long-context decode (default: 8192 on CUDA, 0 = skip, on CPU)")
     ap.add_argument("--long-batch", type=int, default=4)
+    ap.add_argument("--no-split-kv", action="store_true",
+                    help="decode without split-K attention (flash-decoding), to compare: run once with, once without")
     ap.add_argument("--hybrid-prefix", action="store_true",
                     help="hybrid LM: TTFT of a request sharing a system prompt + image, state snapshots on vs off")
     ap.add_argument("--quick", action="store_true", help="--hybrid-prefix with a 256 + 64 + 16-token prompt")
@@ -295,7 +298,8 @@ def main() -> None:
 
     ref = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
     lm = LanguageModel(model_dir, dtype=str(dtype).removeprefix("torch."), device=args.device)
-    engine = LLMEngine(lm, EngineConfig(max_num_seqs=64, max_num_batched_tokens=4096))
+    engine = LLMEngine(lm, EngineConfig(max_num_seqs=64, max_num_batched_tokens=4096,
+                                        split_kv_decode=not args.no_split_kv))
     engine.start()
     vocab = lm.vocab_size
     result: dict[str, float | str] = {"device": args.device, "model": model_dir.name}
@@ -322,6 +326,7 @@ def main() -> None:
         "decode_ms_per_step_long": round(decode_ms_per_step(engine, args.long_batch, long_context, n, vocab), 3)
         if long_context else None,
         "attention_backend": runner.backend, "cuda_graphs": runner.graphs is not None,
+        "split_kv_decode": not args.no_split_kv,
     })
     long = f"; batch {args.long_batch} over {long_context} tokens {result['decode_ms_per_step_long']} ms/step"
     print(f"steady decode: batch 1 {result['decode_ms_per_token_b1']} ms/token, batch 64 "

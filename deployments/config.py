@@ -324,6 +324,10 @@ class EngineArgs(_Args):
         default=None, description="overlap engine steps (the host prepares step N+1 while the device runs step N; "
         "stop ids and EOS apply a step late, the extra token is discarded); default: on CUDA only",
     )
+    split_kv_decode: bool = Field(
+        default=True, description="Triton backend: split a decode step's keys over more programs when its "
+        "sequences x KV heads cannot fill the GPU (flash-decoding)",
+    )
     max_waiting_tokens: int = Field(
         default=32768, ge=1, description="prompt tokens per LLM replica admitted but not prefilled yet; a "
         "request over it gets 429 + Retry-After / RESOURCE_EXHAUSTED (one request is always admitted)",
@@ -350,6 +354,7 @@ class EngineArgs(_Args):
             state_snapshot_share=self.state_snapshot_share,
             attention_backend=self.attention_backend,
             async_scheduling=self.async_scheduling,
+            split_kv_decode=self.split_kv_decode,
         )
 
 

@@ -30,6 +30,9 @@ class EngineConfig:
     `async_scheduling` overlaps steps (the host prepares step N+1 while the device runs step N,
     and reads the sampled ids a step late; see `llm_service.engine`); None: on for CUDA, where
     the device runs behind the host, off elsewhere (a CPU runs each op as it is launched).
+    `split_kv_decode`: the Triton kernel splits a decode step's keys into slices when its
+    sequences x KV heads are too few programs to fill the device (flash-decoding;
+    `mmserve.triton_attention.decode_splits`).
     """
 
     block_size: int = 16
@@ -49,6 +52,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     async_scheduling: bool | None = None
+    split_kv_decode: bool = True
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

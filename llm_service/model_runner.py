@@ -168,7 +168,7 @@ class ModelRunner:
         batch = AttentionBatch(
             kv_pool=self.kv_pool, slot_mapping=slots, cu_seqlens_q=self.arange[:b + 1], context_lens=context_lens,
             block_tables=tables, max_query_len=1, max_context_len=max_context or self.model.max_model_len,
-            backend=self.backend, windows=self.windows,
+            backend=self.backend, split_kv=self.config.split_kv_decode, windows=self.windows,
         )
         if self.backend == "sdpa":
             batch.decode_slots, batch.masks = attention.sdpa_decode_metadata(
@@ -243,6 +243,7 @@ class ModelRunner:
             max_query_len=max(q_lens),
             max_context_len=max(ctx_lens),
             backend=self.backend,
+            split_kv=self.config.split_kv_decode,
             windows=self.windows,
             kv_layers=self.kv_layers,
         )

@@ -13,12 +13,19 @@ Query `i` of a sequence with `q_len` new tokens and `kv_len` keys sits at positi
 keys `<=` that position; sliding window `w`: also `> position - w` (transformers' convention).
 Online softmax in float32; `tl.dot` at IEEE precision for float32 inputs (no TF32).
 
+Split-K decode (flash-decoding): a decode step of few sequences is few programs (Qwen2-VL-2B has
+2 KV heads: batch 1 is 2 programs on an H100's 132 SMs), each walking the whole context. With
+`splits > 1` (one query per sequence) the third grid axis is the split: each program attends over
+its slice of the keys and writes its normalised partial output and log-sum-exp, and a second
+kernel (`_combine_kernel`) merges the slices. `decode_splits` picks the count.
+
 Only Triton APIs present in 3.6 are used (the GPU image); CI runs the same kernel on CPU
 tensors with `TRITON_INTERPRET=1` set before `triton` is imported. See docs/attention.md.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -47,18 +54,42 @@ def unsupported_reason(device: torch.device, dtype: torch.dtype, head_dim: int) 
     return f"the Triton attention kernel does not run on {device.type}"
 
 
+MAX_SPLITS = 16  # key slices of a split-K decode, at most
+MIN_SPLIT_KEYS = 256  # keys per slice, at least
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, device: torch.device) -> int:
+    """Key slices for a decode step: enough programs to fill the GPU's SMs twice over, none with
+    fewer than `MIN_SPLIT_KEYS` keys of the longest context (1: no split). A decode graph is
+    captured at the model's longest context; its slices past a sequence's keys end at once."""
+    sms = _multiprocessors(device.index or 0) if device.type == "cuda" else 8  # the interpreter: a few
+    programs = max(1, num_seqs * num_kv_heads)
+    return max(1, min(MAX_SPLITS, 2 * sms // programs, max_context_len // MIN_SPLIT_KEYS))
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 @triton.jit
 def _attention_kernel(
-    Q, K, V, O, cu_seqlens_q, kv_lens, block_tables, kv_starts,
+    Q, K, V, O, cu_seqlens_q, kv_lens, block_tables, kv_starts, Part, Lse,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
+    stride_pt, stride_ph, stride_lt, stride_lh,
     scale, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr,
-    SLIDING: tl.constexpr, PRECISION: tl.constexpr,
+    SLIDING: tl.constexpr, PRECISION: tl.constexpr, SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    tile = tl.program_id(2)
+    if SPLITS > 1:  # one row tile; the third axis is the key slice
+        tile = 0
+        split = tl.program_id(2)
+    else:
+        tile = tl.program_id(2)
+        split = 0
     q_start = tl.load(cu_seqlens_q + seq)
     q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
     kv_len = tl.load(kv_lens + seq)
@@ -84,6 +115,10 @@ def _attention_kernel(
         first_pos = kv_len - q_len + row0 // GROUP
         lo = tl.maximum(first_pos - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
+    if SPLITS > 1:  # this program's slice: whole key tiles
+        chunk = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
+        lo = lo + split * chunk
+        hi = tl.minimum(hi, lo + chunk)
     if not PAGED:
         kv_start = tl.load(kv_starts + seq)
 
@@ -111,17 +146,47 @@ def _attention_kernel(
         qk = tl.where(allowed, qk, -1.0e30)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
+        p = tl.where(allowed, tl.exp(qk - m_new[:, None]), 0.0)  # a row with no key yet adds nothing
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    out = acc / l_i[:, None]
-    o_ptrs = O + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if SPLITS > 1:  # the slice's normalised output and log-sum-exp (-inf: no key in this slice)
+        seen = l_i > 0
+        l_safe = tl.where(seen, l_i, 1.0)
+        part = acc / l_safe[:, None]
+        p_ptrs = Part + (q_start + tok)[:, None] * stride_pt + head[:, None] * stride_ph + split * HEAD_DIM \
+            + offs_d[None, :]
+        tl.store(p_ptrs, part, mask=row_ok[:, None] & d_ok[None, :])
+        lse = tl.where(seen, m_i + tl.log(l_safe), float("-inf"))
+        tl.store(Lse + (q_start + tok) * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+    else:
+        out = acc / l_i[:, None]
+        o_ptrs = O + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    Part, Lse, O, stride_pt, stride_ph, stride_lt, stride_lh, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One (query token, head): its key slices' outputs weighted by exp(their log-sum-exp)."""
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    lse = tl.load(Lse + tok * stride_lt + head * stride_lh + offs_s, mask=s_ok, other=float("-inf"))
+    weight = tl.exp(lse - tl.max(lse, 0))  # a slice with no key: exp(-inf) = 0
+    part = tl.load(Part + tok * stride_pt + head * stride_ph + offs_s[:, None] * HEAD_DIM + offs_d[None, :],
+                   mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(O + tok * stride_ot + head * stride_oh + offs_d, out.to(O.dtype.element_ty), mask=d_ok)
 
 
 def _launch(q, k, v, cu_seqlens_q, kv_lens, max_query_len, scale, *, block_tables=None, page_size=1,
-            kv_starts=None, causal: bool, window: int | None) -> torch.Tensor:
+            kv_starts=None, causal: bool, window: int | None, splits: int = 1) -> torch.Tensor:
     total, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[-2]
     if num_heads % num_kv_heads:
@@ -133,35 +198,52 @@ def _launch(q, k, v, cu_seqlens_q, kv_lens, max_query_len, scale, *, block_table
     rows = max_query_len * group
     block_m = 16 if rows <= 16 else 64
     block_n = 32 if q.dtype == torch.float32 else 64
+    if splits > 1 and rows > block_m:
+        raise ValueError(f"split-K attention takes one row tile ({rows} rows of queries x heads per KV head)")
     paged = block_tables is not None
     dummy = cu_seqlens_q
-    grid = (cu_seqlens_q.numel() - 1, num_kv_heads, triton.cdiv(rows, block_m))
+    part = lse = out
+    if splits > 1:
+        part = torch.empty(total, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(total, num_heads, splits, dtype=torch.float32, device=q.device)
+    grid = (cu_seqlens_q.numel() - 1, num_kv_heads, splits if splits > 1 else triton.cdiv(rows, block_m))
+    block_d = max(16, triton.next_power_of_2(head_dim))
     _attention_kernel[grid](
         q, k, v, out, cu_seqlens_q, kv_lens, block_tables if paged else dummy, dummy if paged else kv_starts,
+        part, lse,
         q.stride(0), q.stride(1), k.stride(-3), k.stride(-2), v.stride(-3), v.stride(-2),
         out.stride(0), out.stride(1), block_tables.stride(0) if paged else 0,
+        part.stride(0), part.stride(1), lse.stride(0), lse.stride(1),
         float(scale), int(window or 0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=block_m,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
         BLOCK_N=block_n, PAGE_SIZE=page_size, PAGED=paged, CAUSAL=causal, SLIDING=bool(window),
-        PRECISION="ieee", num_warps=4, num_stages=2,
+        PRECISION="ieee", SPLITS=splits, num_warps=4, num_stages=2,
     )
+    if splits > 1:
+        _combine_kernel[(total, num_heads)](
+            part, lse, out, part.stride(0), part.stride(1), lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SPLITS=splits, BLOCK_S=max(2, triton.next_power_of_2(splits)),
+            num_warps=4,
+        )
     return out
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     kv_lens: torch.Tensor, block_tables: torch.Tensor, max_query_len: int, scale: float,
-                    window: int | None = None) -> torch.Tensor:
+                    window: int | None = None, splits: int = 1) -> torch.Tensor:
     """Causal attention of packed queries over paged K/V.
 
     `q` `(T, H, D)` packed by `cu_seqlens_q` `(B + 1,)` int32; `k_cache`/`v_cache`
     `(blocks, page_size, Hkv, D)`; `kv_lens` `(B,)` int32 keys per sequence (new ones included,
     already written to the pool); `block_tables` `(B, max_blocks)` int32. Returns `(T, H, D)`.
+    `splits > 1`: split-K over that many key slices (decode: one query per sequence; see
+    `decode_splits`).
     """
     page_size = k_cache.shape[1]
     k = k_cache.view(-1, *k_cache.shape[2:])
     v = v_cache.view(-1, *v_cache.shape[2:])
     return _launch(q, k, v, cu_seqlens_q, kv_lens, max_query_len, scale, block_tables=block_tables,
-                   page_size=page_size, causal=True, window=window)
+                   page_size=page_size, causal=True, window=window, splits=splits)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

@@ -104,6 +104,37 @@ def test_sliding_window_decode_and_chunk_skip_old_blocks(window):
     torch.testing.assert_close(out.double(), expected, **TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("splits", [2, 3, 16])
+@pytest.mark.parametrize("seed", range(3))
+def test_split_k_decode_matches_reference(splits, seed):
+    """Decode (one query per sequence) over key slices, merged by log-sum-exp: slices past a
+    short context hold no key, a sliding window leaves early slices empty."""
+    from mmserve.triton_attention import paged_attention
+
+    q, pool_k, pool_v, tables, ctx, _, keys, values, window = random_paged_case(seed * 5 + splits, 16)
+    q_lens = [1] * len(ctx)
+    q = q[:len(ctx)].contiguous()
+    for window in (window, None, 3):
+        cu = torch.arange(len(ctx) + 1, dtype=torch.int32)
+        dev = dict(device=DEVICE)
+        out = paged_attention(q.to(**dev), pool_k.to(**dev), pool_v.to(**dev), cu.to(**dev),
+                              torch.tensor(ctx, dtype=torch.int32, **dev), tables.to(**dev), 1, q.shape[-1] ** -0.5,
+                              window, splits=splits).cpu()
+        expected = reference(q, keys, values, q_lens, q.shape[-1] ** -0.5, window)
+        torch.testing.assert_close(out.double(), expected, **TOLERANCE[torch.float32])
+
+
+def test_decode_splits_fill_the_device_only_for_long_contexts():
+    from mmserve.triton_attention import MAX_SPLITS, MIN_SPLIT_KEYS, decode_splits
+
+    cpu = torch.device("cpu")  # 8 "SMs" in the interpreter
+    assert decode_splits(1, 2, 100, cpu) == 1  # short context: never split
+    assert decode_splits(1, 2, 4 * MIN_SPLIT_KEYS, cpu) == 4  # as many slices as the context allows
+    assert decode_splits(1, 2, 64 * MIN_SPLIT_KEYS, cpu) == 8  # 2 programs x 8 slices = 2 x 8 SMs
+    assert decode_splits(1, 1, 64 * MIN_SPLIT_KEYS, cpu) == MAX_SPLITS
+    assert decode_splits(64, 8, 64 * MIN_SPLIT_KEYS, cpu) == 1  # a full batch fills the device alone
+
+
 @pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
 def test_paged_kernel_half_precision(dtype):
     q, pool_k, pool_v, tables, ctx, q_lens, keys, values, window = random_paged_case(5, 16, dtype)
@@ -126,28 +157,37 @@ def test_varlen_kernel_is_bidirectional_within_segments(head_dim):
 
 
 def compile_for_sm90() -> list[str]:
-    """Compile the kernel's main variants to a Hopper cubin (ptxas ships with Triton; no GPU needed)."""
+    """Compile the kernels' main variants to a Hopper cubin (ptxas ships with Triton; no GPU needed)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from mmserve.triton_attention import _attention_kernel as kernel
+    from mmserve.triton_attention import _attention_kernel, _combine_kernel
 
-    pointers = {"Q", "K", "V", "O"}
-    indices = {"cu_seqlens_q", "kv_lens", "block_tables", "kv_starts"}
-    compiled = []
-    variants = [("bf16", True, False, 6, 128, 16), ("bf16", True, True, 6, 128, 64),
-                ("fp32", True, False, 2, 16, 16), ("bf16", False, False, 1, 80, 64)]
-    for dtype, paged, sliding, group, head_dim, block_m in variants:
-        constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-                         BLOCK_M=block_m, BLOCK_N=32 if dtype == "fp32" else 64, PAGE_SIZE=16, PAGED=paged,
-                         CAUSAL=paged, SLIDING=sliding, PRECISION="ieee")
-        signature = {name: "constexpr" if name in constants else f"*{dtype}" if name in pointers else
-                     "*i32" if name in indices else "fp32" if name == "scale" else "i32" for name in kernel.arg_names}
+    def compile_one(kernel, constants: dict, pointers: dict) -> int:
+        signature = {name: "constexpr" if name in constants else pointers.get(name) or
+                     ("*i32" if name in {"cu_seqlens_q", "kv_lens", "block_tables", "kv_starts"} else
+                      "fp32" if name == "scale" else "i32") for name in kernel.arg_names}
         source = ASTSource(fn=kernel, signature=signature,
                            constexprs={(kernel.arg_names.index(n),): v for n, v in constants.items()})
         out = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
-        compiled.append(f"{dtype} paged={paged} sliding={sliding}: {len(out.asm['cubin'])} bytes")
+        return len(out.asm["cubin"])
+
+    compiled = []
+    variants = [("bf16", True, False, 6, 128, 16, 1), ("bf16", True, True, 6, 128, 64, 1),
+                ("fp32", True, False, 2, 16, 16, 1), ("bf16", False, False, 1, 80, 64, 1),
+                ("bf16", True, False, 6, 128, 16, 8)]
+    for dtype, paged, sliding, group, head_dim, block_m, splits in variants:
+        constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+                         BLOCK_M=block_m, BLOCK_N=32 if dtype == "fp32" else 64, PAGE_SIZE=16, PAGED=paged,
+                         CAUSAL=paged, SLIDING=sliding, PRECISION="ieee", SPLITS=splits)
+        pointers = {**{n: f"*{dtype}" for n in ("Q", "K", "V", "O")},
+                    **{n: "*fp32" if splits > 1 else f"*{dtype}" for n in ("Part", "Lse")}}
+        size = compile_one(_attention_kernel, constants, pointers)
+        compiled.append(f"{dtype} paged={paged} sliding={sliding} splits={splits}: {size} bytes")
+    size = compile_one(_combine_kernel, dict(HEAD_DIM=128, BLOCK_D=128, SPLITS=8, BLOCK_S=8),
+                       {"Part": "*fp32", "Lse": "*fp32", "O": "*bf16"})
+    compiled.append(f"combine bf16 splits=8: {size} bytes")
     return compiled
 
 
@@ -164,4 +204,4 @@ def test_kernel_compiles_for_hopper_without_a_gpu():
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                             cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("bytes") == 4
+    assert result.stdout.count("bytes") == 6

@@ -78,6 +78,28 @@ def test_triton_backend_equals_sdpa_with_chunked_prefill_and_prefix_hits(tiny_mo
 
 
 @pytest.mark.kernel
+def test_split_k_decode_equals_sdpa(tiny_models, monkeypatch):
+    """Decode steps over key slices (flash-decoding, forced on at these short contexts) give the
+    SDPA backend's greedy tokens; prefill steps stay unsplit."""
+    import mmserve.triton_attention as kernel
+
+    model_dir = tiny_models["qwen2_vl"]
+    model = fp32_model(model_dir)
+    expected, _, _ = _greedy_tokens(model, model_dir, "sdpa")
+    monkeypatch.setattr(kernel, "MIN_SPLIT_KEYS", 8)
+    splits, original = [], kernel.paged_attention
+
+    def recording(*args, **kwargs):
+        splits.append((args[6], args[9] if len(args) > 9 else kwargs.get("splits", 1)))  # (max_query_len, splits)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "paged_attention", recording)
+    got, _, _ = _greedy_tokens(model, model_dir, "triton")
+    assert got == expected
+    assert any(n > 1 for q, n in splits if q == 1) and all(n == 1 for q, n in splits if q > 1)
+
+
+@pytest.mark.kernel
 def test_triton_backend_equals_sdpa_with_a_sliding_window_layer(tiny_models):
     model_dir = tiny_models["qwen2_vl"]
     model = fp32_model(model_dir)
