@@ -22,12 +22,15 @@ tests check the padding with it, and the tests marked `gpu` the graphs.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from mmserve.cuda_graph_ladder import capture_ladder
 
 logger = logging.getLogger(__name__)
 
@@ -171,29 +174,13 @@ class TowerGraphs:
             if not capture:
                 graphs._graphs = {b: (None, None) for b in graphs.budgets}
                 return graphs, "uncaptured (eager padded forwards)"
-            pool = None
-            with torch.inference_mode():
-                for b in reversed(graphs.budgets):
-                    graphs._graphs[b] = graphs._capture_one(b, pool)
-                    pool = graphs._graphs[b][0].pool()
-            torch.cuda.synchronize(graphs.device)
+            graphs._graphs = capture_ladder(graphs.budgets, lambda b: functools.partial(graphs._forward, b),
+                                            graphs.device, warmups=2)
             if check is not None and (why := graphs._differs(*check)):
                 return None, why
         except Exception as e:  # the encoder stays up, eager
             return None, f"capture failed: {type(e).__name__}: {e}"
         return graphs, f"{len(graphs.budgets)} budgets {graphs.budgets} captured in {time.perf_counter() - start:.1f} s"
-
-    def _capture_one(self, budget: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up off the capture stream, as torch asks
-            for _ in range(2):
-                self._forward(budget)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = self._forward(budget)
-        return graph, out
 
     def _differs(self, pixel_values: torch.Tensor, grids: list) -> str | None:
         """Why the graphs cannot be trusted on this batch (None: they agree with the eager tower)."""

@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from mmserve.cuda_graph_ladder import capture_ladder
+
 logger = logging.getLogger(__name__)
 
 
@@ -51,12 +53,7 @@ class DecodeGraphs:
             return graphs
         try:
             graphs = cls(runner)
-            pool = None
-            with torch.inference_mode():
-                for b in reversed(graphs.sizes):
-                    graphs._graphs[b] = graphs._capture_one(b, pool)
-                    pool = graphs._graphs[b][0].pool()
-            torch.cuda.synchronize(runner.device)
+            graphs._graphs = capture_ladder(graphs.sizes, graphs.step_fn, runner.device)
         except Exception as e:  # the replica stays up and decodes eagerly
             logger.warning("CUDA graph capture failed, decode runs without graphs: %s: %s", type(e).__name__, e)
             return None
@@ -72,19 +69,6 @@ class DecodeGraphs:
             return runner.decode_forward(index[:b])
 
         return step
-
-    def _capture_one(self, b: int, pool):
-        step = self.step_fn(b)
-        device = self.runner.device
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            step()  # warm-up outside the graph: Triton compiles, the allocator settles
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            logits = step()
-        return graph, logits
 
     def padded_size(self, b: int) -> int | None:
         """The captured size that runs a decode of `b` rows (None: more rows than any graph)."""

@@ -141,15 +141,16 @@ def test_layer_windows_follow_layer_types():
 
 
 def test_failed_graph_capture_disables_graphs_and_says_why(tiny_models, monkeypatch, caplog):
+    from llm_service import cuda_graphs
     from llm_service.cuda_graphs import DecodeGraphs, graph_batch_sizes
 
     assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
     engine = make_engine(tiny_models["qwen2_vl"], num_kv_blocks=32)
 
-    def broken(self, b, pool):
+    def broken(sizes, step_of, device, warmups=1):
         raise RuntimeError("capture not permitted")
 
-    monkeypatch.setattr(DecodeGraphs, "_capture_one", broken)
+    monkeypatch.setattr(cuda_graphs, "capture_ladder", broken)
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)  # CPU-only box
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     with caplog.at_level("WARNING"):
