@@ -42,10 +42,12 @@ def triton_tile(q, k, v, cu, seg, scale, bm, bn, warps, stages):
     lens = (cu[1:] - cu[:-1]).contiguous()
     grid = (cu.numel() - 1, k.shape[-2], triton.cdiv(seg, bm))
     kernel._attention_kernel[grid](
-        q, k, v, out, cu, lens, cu, cu[:-1].contiguous(), q.stride(0), q.stride(1), k.stride(-3), k.stride(-2),
-        v.stride(-3), v.stride(-2), out.stride(0), out.stride(1), 0, float(scale), 0,
+        q, k, v, out, cu, lens, cu, cu[:-1].contiguous(), out, out,  # no split-K: Part, Lse unused
+        q.stride(0), q.stride(1), k.stride(-3), k.stride(-2),
+        v.stride(-3), v.stride(-2), out.stride(0), out.stride(1), 0, 0, 0, 0, 0, float(scale), 0,
         GROUP=1, HEAD_DIM=q.shape[-1], BLOCK_D=max(16, triton.next_power_of_2(q.shape[-1])), BLOCK_M=bm, BLOCK_N=bn,
-        PAGE_SIZE=1, PAGED=False, CAUSAL=False, SLIDING=False, PRECISION="ieee", num_warps=warps, num_stages=stages)
+        PAGE_SIZE=1, PAGED=False, CAUSAL=False, SLIDING=False, PRECISION="ieee", SPLITS=1, num_warps=warps,
+        num_stages=stages)
     return out
 
 
