@@ -8,8 +8,10 @@ All variants run in this process on the same encoder and the same burst of concu
 (one image each, sizes 224^2..1024^2 scaled to the model), with the same preprocessing workers;
 only the batching differs. The workers only decode: the processor runs with the forward, on the
 device, so "forwards alone" includes it. `queued_bytes_per_1024_image` is what the pool's queue
-(and its `max_queued_bytes` cap) holds for one 1024x1024 image. The last line printed is one JSON
-object.
+(and its `max_queued_bytes` cap) holds for one 1024x1024 image. On CUDA each MFU is printed
+beside its ceiling: the forward if its matmuls ran at the rate measured for the tower's GEMM
+shapes and its attention at the rate measured for the attention it calls, and nothing else took
+time (`ceiling`), with the forward's fraction of it. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -239,24 +241,65 @@ class FullSizeTower:
 
     def flops(self, grid: tuple[int, int, int]) -> float:
         """Forward FLOPs of one item: 24 d^2 per patch per block (qkv, proj, 4x MLP) + 4 n d attention."""
-        c = self.config
-        patches = grid[0] * grid[1] * grid[2]
-        seq = grid[1] * grid[2]
-        per_block = 24 * c.embed_dim ** 2 * patches + 4 * patches * seq * c.embed_dim
-        merged = patches // 4
-        merger = 2 * merged * (4 * c.embed_dim) * (4 * c.embed_dim) + 2 * merged * 4 * c.embed_dim * c.hidden_size
-        return c.depth * per_block + merger
+        return sum(flops_by_kind(self.config, grid))
+
+
+def flops_by_kind(config, grid: tuple[int, int, int]) -> tuple[float, float]:
+    """(matmul, attention) FLOPs of one item's forward through a Qwen2-VL vision tower."""
+    c = config
+    patches = grid[0] * grid[1] * grid[2]
+    seq = grid[1] * grid[2]
+    merged = patches // 4
+    merger = 2 * merged * (4 * c.embed_dim) * (4 * c.embed_dim) + 2 * merged * 4 * c.embed_dim * c.hidden_size
+    return c.depth * 24 * c.embed_dim ** 2 * patches + merger, c.depth * 4 * patches * seq * c.embed_dim
+
+
+def ceiling(config, grid: tuple[int, int, int], items: int, dtype: torch.dtype,
+            device: torch.device) -> tuple[float, float, float]:
+    """What the measured parts allow: (images/s, matmul TFLOP/s, attention TFLOP/s). The rates are
+    measured here, for the forward of `items` such images at once: the tower's four GEMM shapes,
+    and the attention function the tower calls over `items` segments. The ceiling is that forward
+    if its matmuls and attention ran at those rates and nothing else (norms, rotary, the merger's
+    elementwise work, launches) took any time."""
+    from encoder_service.vit_attention import packed_attention
+
+    c, seq = config, grid[1] * grid[2]
+    patches, d, heads = items * grid[0] * seq, c.embed_dim, c.num_heads
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=dtype)
+
+    x, wide = rand(patches, d), rand(patches, 4 * d)
+    weights = [(x, rand(3 * d, d)), (x, rand(d, d)), (x, rand(4 * d, d)), (wide, rand(d, 4 * d))]
+    matmul_s = device_seconds(lambda: [torch.nn.functional.linear(a, w) for a, w in weights], device)
+    matmul_rate = 24 * patches * d * d / matmul_s
+    q, k, v = (rand(1, heads, patches, d // heads) for _ in range(3))
+    cu = torch.arange(0, patches + 1, seq, dtype=torch.int32, device=device)
+    attention_s = device_seconds(lambda: packed_attention(None, q, k, v, cu_seq_lens_q=cu, max_length_q=seq), device)
+    attention_rate = 4 * patches * seq * d / attention_s
+    matmul, attention = flops_by_kind(config, grid)
+    return 1 / (matmul / matmul_rate + attention / attention_rate), matmul_rate / 1e12, attention_rate / 1e12
+
+
+def device_seconds(fn, device: torch.device | str = "cuda", repeat: int = 10) -> float:
+    """Seconds of one call of `fn` on `device` (after a warm-up, mean of `repeat`)."""
+    def sync():
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+
+    fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / repeat
 
 
 def cuda_forward_s(tower, prepared, repeat: int) -> float:
     """Seconds of one forward over `prepared` on the GPU (after a warm-up, mean of `repeat`)."""
-    tower.forward(prepared)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeat):
-        tower.forward(prepared)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeat
+    return device_seconds(lambda: tower.forward(prepared), "cuda", repeat)
 
 
 def cuda_rows(args) -> dict:
@@ -279,8 +322,16 @@ def cuda_rows(args) -> dict:
         results[f"cuda_{side}_forward_images_per_s"] = 1 / forward_s
         results[f"cuda_{side}_forward_tflops"] = tflops
         results[f"cuda_{side}_mfu"] = mfu
+        best, matmul_tflops, attention_tflops = ceiling(tower.config, grid, len(prepared), torch.bfloat16,
+                                                        torch.device("cuda"))
+        results.update({f"cuda_{side}_ceiling_images_per_s": best, f"cuda_{side}_frac_of_ceiling": 1 / forward_s / best,
+                        f"cuda_{side}_ceiling_mfu": best * tower.flops(grid) / 1e12 / args.peak_tflops,
+                        f"cuda_{side}_matmul_tflops": matmul_tflops, f"cuda_{side}_attention_tflops": attention_tflops})
         print(f"cuda {side}^2 (grid {grid}): pool {len(items) / seconds:.1f} images/s end to end "
-              f"({stats.forwards} forwards), forward alone {1 / forward_s:.1f} images/s, MFU {mfu:.1%}")
+              f"({stats.forwards} forwards), forward alone {1 / forward_s:.1f} images/s, MFU {mfu:.1%}; "
+              f"ceiling {best:.1f} images/s (MFU {results[f'cuda_{side}_ceiling_mfu']:.1%}: matmuls at "
+              f"{matmul_tflops:.0f}, attention at {attention_tflops:.0f} TFLOP/s as measured), "
+              f"forward at {results[f'cuda_{side}_frac_of_ceiling']:.0%} of it")
         if side == 448:  # what the token budget buys over one item per forward, same pool otherwise
             single = BatchConfig(max_batch_tokens=args.cuda_batch_tokens, max_batch_items=1, batch_wait_ms=0)
             single_s, _ = asyncio.run(run_pool(tower, items, single, args.workers, queued_bytes=8 << 30))

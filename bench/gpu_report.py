@@ -72,6 +72,10 @@ FIGURES = (
     Figure("vit_forward_1024_images_per_s", "images/s", "encoder"),
     Figure("vit_mfu_448", "fraction of the dense bf16 peak", "encoder"),
     Figure("vit_mfu_1024", "fraction of the dense bf16 peak", "encoder"),
+    Figure("vit_ceiling_mfu_448", "fraction of the dense bf16 peak, at the measured matmul and attention rates", "encoder"),
+    Figure("vit_ceiling_mfu_1024", "fraction of the dense bf16 peak, at the measured matmul and attention rates", "encoder"),
+    Figure("vit_frac_of_ceiling_448", "forward speed over the ceiling's", "encoder"),
+    Figure("vit_frac_of_ceiling_1024", "forward speed over the ceiling's", "encoder"),
     Figure("encoder_pool_448_images_per_s", "images/s", "encoder"),
     Figure("encoder_pool_1024_images_per_s", "images/s", "encoder"),
     Figure("encoder_pool_over_forward_448", "ratio", "encoder"),
@@ -200,6 +204,9 @@ def encoder_figures(r: dict, peak: Peaks) -> dict:
         out[f"vit_forward_{side}_images_per_s"] = round(r[f"cuda_{side}_forward_images_per_s"], 2)
         out[f"vit_mfu_{side}"] = ratio(r[f"cuda_{side}_forward_tflops"], peak.bf16_tflops)
         out[f"encoder_pool_{side}_images_per_s"] = round(r[f"cuda_{side}_images_per_s"], 2)
+        if f"cuda_{side}_frac_of_ceiling" in r:  # bench/encoder.py from 2026-11-25 on
+            out[f"vit_ceiling_mfu_{side}"] = round(r[f"cuda_{side}_ceiling_mfu"], 4)
+            out[f"vit_frac_of_ceiling_{side}"] = round(r[f"cuda_{side}_frac_of_ceiling"], 3)
     return out
 
 

@@ -99,3 +99,19 @@ def test_video_bench_counts_the_cpu_seconds_a_busy_thread_spends():
     slept = cpu_busy_s() - before
     assert spun >= 0.25, spun
     assert slept < spun, (slept, spun)
+
+
+def test_encoder_bench_ceiling_is_the_forward_at_the_measured_matmul_and_attention_rates():
+    """bench/encoder.py's ceiling (the GPU rows print it beside each MFU), here on a small tower on CPU."""
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+
+    from bench.encoder import ceiling, flops_by_kind
+
+    config = Qwen2VLVisionConfig(depth=2, embed_dim=64, num_heads=4, hidden_size=96)
+    grid = (1, 16, 16)
+    images_per_s, matmul_tflops, attention_tflops = ceiling(config, grid, 3, torch.float32, torch.device("cpu"))
+    matmul, attention = flops_by_kind(config, grid)
+    assert matmul == 2 * 24 * 64 ** 2 * 256 + 2 * 64 * 256 * 256 + 2 * 64 * 256 * 96  # blocks + merger
+    assert attention == 2 * 4 * 256 * 256 * 64
+    assert matmul_tflops > 0 and attention_tflops > 0
+    assert images_per_s == pytest.approx(1e12 / (matmul / matmul_tflops + attention / attention_tflops))
