@@ -3,6 +3,7 @@
     python bench/llm.py                      # CPU, a small random Qwen2-VL LM, a few minutes
     python bench/llm.py --device cuda        # full-size Qwen2-VL-2B LM config (random weights)
     python bench/llm.py --device cuda --no-split-kv   # the same without split-K decode (compare the 8k row)
+    python bench/llm.py --device cuda --breakdown [--no-fused-ops]   # kernels per step with / without fusion
     python bench/llm.py --hybrid-prefix      # hybrid LM: TTFT with state snapshots on vs off
     python bench/llm.py --hybrid-prefix --quick    # the same, smaller prompt (seconds)
     python bench/llm.py --breakdown          # per-step time by phase, overlap off and on (bench/llm_breakdown.py)
@@ -254,9 +255,11 @@ def bench_breakdown(args) -> None:
     model_dir = Path(args.model) if args.model else random_checkpoint(
         "small" if args.device == "cpu" else "2b", dtype, args.device)
     lm = LanguageModel(model_dir, dtype=str(dtype).removeprefix("torch."), device=args.device)
-    rows = llm_breakdown.run(lm, args.prompt_len, args.steps)
+    rows = llm_breakdown.run(lm, args.prompt_len, args.steps, split_kv_decode=not args.no_split_kv,
+                             fused_ops=not args.no_fused_ops)
     llm_breakdown.print_table(rows)
     result = {"device": args.device, "model": model_dir.name, "prompt_len": args.prompt_len, "steps": args.steps,
+              "fused_ops": not args.no_fused_ops, "split_kv_decode": not args.no_split_kv,
               **llm_breakdown.summary(rows)}
     if not args.model:
         shutil.rmtree(model_dir, ignore_errors=True)
@@ -276,6 +279,8 @@ def main() -> None:
     ap.add_argument("--long-batch", type=int, default=4)
     ap.add_argument("--no-split-kv", action="store_true",
                     help="decode without split-K attention (flash-decoding), to compare: run once with, once without")
+    ap.add_argument("--no-fused-ops", action="store_true",
+                    help="CUDA: the decoder's RMSNorms and MLPs unfused (kernels per step before fusion)")
     ap.add_argument("--hybrid-prefix", action="store_true",
                     help="hybrid LM: TTFT of a request sharing a system prompt + image, state snapshots on vs off")
     ap.add_argument("--quick", action="store_true", help="--hybrid-prefix with a 256 + 64 + 16-token prompt")
@@ -299,7 +304,7 @@ def main() -> None:
     ref = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
     lm = LanguageModel(model_dir, dtype=str(dtype).removeprefix("torch."), device=args.device)
     engine = LLMEngine(lm, EngineConfig(max_num_seqs=64, max_num_batched_tokens=4096,
-                                        split_kv_decode=not args.no_split_kv))
+                                        split_kv_decode=not args.no_split_kv, fused_ops=not args.no_fused_ops))
     engine.start()
     vocab = lm.vocab_size
     result: dict[str, float | str] = {"device": args.device, "model": model_dir.name}
@@ -326,7 +331,7 @@ def main() -> None:
         "decode_ms_per_step_long": round(decode_ms_per_step(engine, args.long_batch, long_context, n, vocab), 3)
         if long_context else None,
         "attention_backend": runner.backend, "cuda_graphs": runner.graphs is not None,
-        "split_kv_decode": not args.no_split_kv,
+        "split_kv_decode": not args.no_split_kv, "fused_ops": bool(runner.fused_ops),
     })
     long = f"; batch {args.long_batch} over {long_context} tokens {result['decode_ms_per_step_long']} ms/step"
     print(f"steady decode: batch 1 {result['decode_ms_per_token_b1']} ms/token, batch 64 "

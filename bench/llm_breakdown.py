@@ -89,12 +89,13 @@ def _count_ops(events, cuda: bool) -> int:
                and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
 
 
-def run(lm, context: int, steps: int, batches=(1, 8, 64)) -> dict:
-    """Every breakdown row, overlap off and on; returns {"<case> <off|on>": row}."""
+def run(lm, context: int, steps: int, batches=(1, 8, 64), **config) -> dict:
+    """Every breakdown row, overlap off and on (`config`: more `EngineConfig` settings); returns
+    {"<case> <off|on>": row}."""
     rows = {}
     for overlap in (False, True):
         engine = LLMEngine(lm, EngineConfig(max_num_seqs=max(batches) + 1, max_num_batched_tokens=4096,
-                                            async_scheduling=overlap))
+                                            async_scheduling=overlap, **config))
         for batch, mixed in [(b, False) for b in batches] + [(8, True)]:
             case = f"{'mixed' if mixed else 'decode'} b{batch} {'on' if overlap else 'off'}"
             rows[case] = measure(engine, batch, context, steps, mixed)

@@ -328,6 +328,9 @@ class EngineArgs(_Args):
         default=True, description="Triton backend: split a decode step's keys over more programs when its "
         "sequences x KV heads cannot fill the GPU (flash-decoding)",
     )
+    fused_ops: bool = Field(
+        default=True, description="CUDA, Triton backend: the decoder's RMSNorms and SiLU MLPs in fused kernels",
+    )
     max_waiting_tokens: int = Field(
         default=32768, ge=1, description="prompt tokens per LLM replica admitted but not prefilled yet; a "
         "request over it gets 429 + Retry-After / RESOURCE_EXHAUSTED (one request is always admitted)",
@@ -355,6 +358,7 @@ class EngineArgs(_Args):
             attention_backend=self.attention_backend,
             async_scheduling=self.async_scheduling,
             split_kv_decode=self.split_kv_decode,
+            fused_ops=self.fused_ops,
         )
 
 

@@ -32,7 +32,8 @@ class EngineConfig:
     the device runs behind the host, off elsewhere (a CPU runs each op as it is launched).
     `split_kv_decode`: the Triton kernel splits a decode step's keys into slices when its
     sequences x KV heads are too few programs to fill the device (flash-decoding;
-    `mmserve.triton_attention.decode_splits`).
+    `mmserve.triton_attention.decode_splits`). `fused_ops`: on CUDA with the Triton backend, the
+    decoder's RMSNorms and SiLU MLPs run fused (`llm_service.fused_ops`).
     """
 
     block_size: int = 16
@@ -53,6 +54,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     async_scheduling: bool | None = None
     split_kv_decode: bool = True
+    fused_ops: bool = True
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

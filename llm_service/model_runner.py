@@ -88,6 +88,12 @@ class ModelRunner:
         self.device_decode = self.states is None
         self.arange = torch.arange(config.max_num_seqs + 1, dtype=torch.int32, device=self.device)
         self.num_forwards = 0
+        # the decoder's RMSNorms and SiLU MLPs in fewer kernels, before any graph captures them
+        self.fused_ops = {}
+        if self.device.type == "cuda" and config.fused_ops and self.backend == "triton":
+            from llm_service.fused_ops import fuse_decoder
+
+            self.fused_ops = fuse_decoder(decoder)
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs and self.backend == "triton":
             from llm_service.cuda_graphs import DecodeGraphs

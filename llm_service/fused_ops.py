@@ -1,0 +1,152 @@
+"""The decoder's elementwise work in fewer kernels, on the Triton backend (`fuse_decoder`).
+
+`transformers` writes RMSNorm as about seven kernels (to float32, square, mean, add eps, rsqrt,
+scale, back to the input dtype, times the weight) and the SiLU MLP as three GEMMs, a SiLU and a
+product. A decode step of a 28-layer model runs them 28 times, and at batch 1 each small kernel
+costs about as much as the time it computes. Here:
+
+- RMSNorm is one kernel (`rms_norm`): float32 statistics, the normalised row cast to the input
+  dtype and then times the weight, as `transformers` rounds it;
+- the MLP's gate and up projections are one GEMM over their stacked weights, followed by one
+  kernel for SiLU(gate) x up (`silu_mul`), rounded like the unfused pair.
+
+Only module classes known to compute exactly that are fused (`RMS_NORMS`, `SILU_MLPS`: not the
+`1 + weight` norms of Qwen3.5 or Step3), and each class is checked against its own forward on
+random input when it is fused: a class that disagrees keeps its forward, and the log says why.
+On CPU the kernels run only in Triton's interpreter (tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import torch
+import triton
+import triton.language as tl
+
+logger = logging.getLogger(__name__)
+
+RMS_NORMS = ("Qwen2RMSNorm", "Qwen2VLRMSNorm", "Qwen2_5_VLRMSNorm", "LlamaRMSNorm", "Qwen3VLTextRMSNorm")
+SILU_MLPS = ("Qwen2MLP", "Qwen2_5_VLMLP", "LlamaMLP", "Qwen3VLTextMLP")
+
+
+@triton.jit
+def _rms_norm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    normed = x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+    normed = normed.to(X.dtype.element_ty)  # as transformers: back to the input dtype, then the weight
+    w = tl.load(W + offs, mask=mask, other=0.0)
+    out = w.to(tl.float32) * normed.to(tl.float32)
+    tl.store(Y + row * stride_y + offs, out.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(GU, Y, stride_gu, stride_y, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    gate = tl.load(GU + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(GU + row * stride_gu + N + offs, mask=mask, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(GU.dtype.element_ty)  # SiLU, rounded as torch's
+    out = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(Y + row * stride_y + offs, out.to(Y.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * (x / rms(x)).to(x.dtype)` over the last dimension, in one kernel."""
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), n, float(eps),
+                                           BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
+    return out.view(*x.shape[:-1], n)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` of `gate_up` = [gate | up] over the last dimension, in one kernel."""
+    n = gate_up.shape[-1] // 2
+    rows = gate_up.reshape(-1, 2 * n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((rows.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(n))
+    if rows.shape[0]:
+        _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, out, rows.stride(0), out.stride(0), n,
+                                                                BLOCK=block, num_warps=4)
+    return out.view(*gate_up.shape[:-1], n)
+
+
+def _fused_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(silu_mul(torch.nn.functional.linear(x, self.gate_up_weight)))
+
+
+def _unfused_check_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """The fused MLP's math before its weights are stacked (what `_agrees` checks)."""
+    stacked = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+    return self.down_proj(silu_mul(torch.nn.functional.linear(x, stacked)))
+
+
+def _is_silu_mlp(module: torch.nn.Module) -> bool:
+    act = getattr(module, "act_fn", None)
+    return (type(module).__name__ in SILU_MLPS and all(
+        isinstance(getattr(module, name, None), torch.nn.Linear) for name in ("gate_proj", "up_proj", "down_proj"))
+        and module.gate_proj.bias is None and module.up_proj.bias is None
+        and (isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"))
+
+
+def _agrees(module: torch.nn.Module, fused, width: int) -> str | None:
+    """Why `fused` is not `module`'s own forward on random rows (None: it is, within rounding)."""
+    param = next(module.parameters())
+    x = torch.randn(3, width, generator=torch.Generator().manual_seed(0)).to(param.device, param.dtype)
+    try:
+        with torch.inference_mode():
+            want, got = module.forward(x), fused(module, x)
+    except Exception as e:  # noqa: BLE001 (a kernel that does not compile here: the module stays unfused)
+        return f"{type(e).__name__}: {e}"
+    tolerance = 1e-2 if param.dtype in (torch.float16, torch.bfloat16) else 1e-4
+    error = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6)).item()
+    return None if error <= tolerance else f"differs from its own forward by {error:.2e} (relative)"
+
+
+def fuse_decoder(decoder: torch.nn.Module) -> dict[str, int]:
+    """Fuse the RMSNorms and SiLU MLPs of `decoder` in place (once: fused modules are left as
+    they are); {class name: modules fused}."""
+    if next(decoder.parameters()).dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return {}  # the kernels compute in float32: a float64 model (CPU tests) stays as written
+    norms = [m for m in decoder.modules() if type(m).__name__ in RMS_NORMS and not getattr(m, "fused", False)
+             and isinstance(getattr(m, "weight", None), torch.Tensor) and hasattr(m, "variance_epsilon")]
+    mlps = [m for m in decoder.modules() if _is_silu_mlp(m)]
+    fused: dict[str, int] = {}
+    refused: set[str] = set()
+    for module in norms + mlps:
+        name, is_mlp = type(module).__name__, hasattr(module, "gate_proj")
+        if name in refused:
+            continue
+        if name not in fused:  # the first of its class: checked against its own forward
+            check, width = ((_unfused_check_forward, module.gate_proj.in_features) if is_mlp else
+                            (_fused_norm_forward, module.weight.shape[-1]))
+            if why := _agrees(module, check, width):
+                logger.warning("not fusing %s: %s", name, why)
+                refused.add(name)
+                continue
+        if is_mlp:  # the stacked weight replaces the two (no second copy of them kept)
+            stacked = torch.cat([module.gate_proj.weight, module.up_proj.weight])
+            module.register_parameter("gate_up_weight", torch.nn.Parameter(stacked, requires_grad=False))
+            del module.gate_proj, module.up_proj
+        module.forward = types.MethodType(_fused_mlp_forward if is_mlp else _fused_norm_forward, module)
+        module.fused = True
+        fused[name] = fused.get(name, 0) + 1
+    if fused:
+        logger.info("fused decoder ops: %s", ", ".join(f"{n} x{k}" for n, k in sorted(fused.items())))
+    return fused
