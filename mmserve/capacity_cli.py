@@ -4,7 +4,7 @@ runs bench/plan_validate.py from a source checkout), and its goodput-per-GPU cha
 from __future__ import annotations
 
 from mmserve import capacity
-from mmserve.capacity import SLO, TRANSPORTS, Workload, load_profile, with_transfer_rates
+from mmserve.capacity_inputs import SLO, TRANSPORTS, Workload, load_profile, with_transfer_rates
 from mmserve.capacity_goodput import RUN_TTFT_SLOS, Recommendation, recommend
 
 

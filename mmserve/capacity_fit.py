@@ -15,7 +15,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, replace
 
-from mmserve.capacity import Profile, Workload, percentile, simulate
+from mmserve.capacity import percentile, simulate
+from mmserve.capacity_inputs import Profile, Workload
 
 FIT_LOADED_CONCURRENCY = 4
 

@@ -7,7 +7,8 @@ import functools
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from mmserve.capacity import SLO, Profile, Result, Workload, simulate
+from mmserve.capacity import Result, simulate
+from mmserve.capacity_inputs import SLO, Profile, Workload
 
 
 def meets(result: Result, slo: SLO) -> bool:

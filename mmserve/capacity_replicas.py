@@ -10,13 +10,10 @@ import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from mmserve.capacity_events import BatchStation, SharedCores, Simulator, serving
+from mmserve.capacity_inputs import Profile
 from mmserve.encode_calls import spread
-
-if TYPE_CHECKING:
-    from mmserve.capacity import Profile
 
 
 @dataclass

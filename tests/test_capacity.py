@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mmserve.capacity import (
-    SLO, Autoscaling, Profile, Workload, load_profile, percentile, simulate, with_transfer_rates,
-)
+from mmserve.capacity import percentile, simulate
+from mmserve.capacity_inputs import SLO, Autoscaling, Profile, Workload, load_profile, with_transfer_rates
 from mmserve.capacity_events import BatchStation, SharedCores, Simulator
 from mmserve.capacity_goodput import goodput, recommend
 from mmserve.capacity_cli import main
