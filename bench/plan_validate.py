@@ -4,13 +4,17 @@ For each mode (disaggregated: 1 encoder + 1 LLM replica; colocated: 2 LLM replic
 checkpoint and this machine's CPUs, it runs `bench serve`'s load:
 - two fit runs: one request at a time, then `FIT_LOADED_CONCURRENCY` at a time;
 - a flood, `SATURATING_CONCURRENCY` at a time: its throughput (the app's capacity on this box)
-  only places the held-out rates;
+  places the held-out rates, and the model's shared capacity is fitted on it;
+- Poisson arrivals at `REFUSING_FACTOR` x that capacity, most refused at the admission bound:
+  what a 429 costs the box;
 - three held-out Poisson rates (`RATE_FACTORS` x that capacity), the last past saturation;
 - the middle held-out rate once more, with fresh requests of the same shape and the same arrival
-  times (the noise floor; the same requests again would hit the embedding and prefix caches).
+  times (the noise floor; the same requests again would hit the embedding and prefix caches);
+- the flood once more, with fresh requests (`capacity_drift`: how far the box's own speed moved
+  across the held-out runs; the fitted capacity is the mean of the two floods').
 `mmserve.capacity_fit.validate` fits a profile on the fit runs only, simulates the held-out rates and
 reports the relative errors. The last line is one JSON object with `max_rel_error`,
-`max_rel_error_p99_ttft`, `saturated_point_rel_error` and `real_run_spread`.
+`max_rel_error_p99_ttft`, `saturated_point_rel_error`, `real_run_spread` and `capacity_drift`.
 `--record FILE` keeps the run set; `--runs FILE` validates a kept one (seconds, no Ray).
 """
 
@@ -31,8 +35,9 @@ from mmserve.capacity_fit import FIT_LOADED_CONCURRENCY, observed, print_validat
 
 MODES = {"disaggregated": (1, 1), "colocated": (0, 2)}  # (encoder, LLM) replicas: two of them either way
 SATURATING_CONCURRENCY = 12
-# requests per fit run (alone, loaded, flood): the profile's noise is the fit runs' noise
-FIT_REQUESTS = {"fit-unloaded": 64, "fit-loaded": 96, "fit-saturated": 192}
+REFUSING_FACTOR = 3.0  # x the flood's capacity, Poisson: most requests refused (429) at the admission bound
+# requests per fit run (alone, loaded, flood, flood past admission): the profile's noise is the fit runs'
+FIT_REQUESTS = {"fit-unloaded": 64, "fit-loaded": 96, "fit-saturated": 192, "fit-refused": 320}
 RATE_FACTORS = (0.4, 0.8, 2.0)  # x the capacity the saturated fit run measured
 
 
@@ -44,8 +49,10 @@ def collect(num_prompts: int, seed: int = 0, num_cpus: float = 2.0) -> dict:
     # one resolution (a fixed token count per image), 1-2 images, no repeats: the workload the model is told
     dataset = DatasetConfig(buckets=(ResolutionBucket(224, 224, 1.0),), max_images=2, text_only_share=0.0,
                             repeat_share=0.0, input_len=24, output_len=16)
-    fit_alone, fit_loaded, fit_flood = (generate_requests(dataset, FIT_REQUESTS[label], seed + k)
-                                        for label, k in (("fit-unloaded", 1), ("fit-loaded", 2), ("fit-saturated", 4)))
+    fit_alone, fit_loaded, fit_flood, flood_after, fit_refused = (
+        generate_requests(dataset, FIT_REQUESTS[label], seed + k)
+        for label, k in (("fit-unloaded", 1), ("fit-loaded", 2), ("fit-saturated", 4), ("fit-saturated", 5),
+                         ("fit-refused", 6)))
     held_out = [generate_requests(dataset, num_prompts, seed + 10 + k) for k in range(len(RATE_FACTORS))]
     twin = generate_requests(dataset, num_prompts, seed + 20)  # the repeat: as the middle rate's, other images
     from deployments.config import AppArgs
@@ -72,6 +79,10 @@ def collect(num_prompts: int, seed: int = 0, num_cpus: float = 2.0) -> dict:
                          "requests": records(fit_flood, f"{mode} fit {SATURATING_CONCURRENCY}", url,
                                              concurrency=SATURATING_CONCURRENCY)})
             capacity = observed(runs[-1]["requests"])["throughput"]
+            refusing = round(REFUSING_FACTOR * capacity, 3)
+            runs.append({"label": "fit-refused", "rate": refusing, "concurrency": None,
+                         "requests": records(fit_refused, f"{mode} fit @{refusing}/s", url,
+                                             offsets=arrival_times(len(fit_refused), refusing, seed + 7))})
             rates = [round(k * capacity, 3) for k in RATE_FACTORS]
             for rate, specs in zip(rates, held_out):
                 offsets = arrival_times(len(specs), rate, seed)
@@ -81,6 +92,9 @@ def collect(num_prompts: int, seed: int = 0, num_cpus: float = 2.0) -> dict:
             runs.append({"label": "repeat", "rate": rates[middle], "concurrency": None,
                          "requests": records(twin, f"{mode} @{rates[middle]}/s again", url,
                                              offsets=arrival_times(len(twin), rates[middle], seed))})
+            runs.append({"label": "fit-saturated-after", "rate": None, "concurrency": SATURATING_CONCURRENCY,
+                         "requests": records(flood_after, f"{mode} fit {SATURATING_CONCURRENCY} again", url,
+                                             concurrency=SATURATING_CONCURRENCY)})
         finally:
             stop_app()
         run_set["modes"][mode] = {"encoders": encoders, "llms": llms, "runs": runs}

@@ -152,6 +152,8 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
             pending.difference_update([i for i in pending if requests[i].first_token is not None])
             if len(pending) >= profile.max_pending_requests:
                 request.refused = True
+                if profile.refuse_s:
+                    route(profile.refuse_s, lambda: None)
                 return
             pending.add(request.index)
         misses = tuple(tokens for tokens in request.image_sizes if rng.random() >= workload.repeat_share)

@@ -3,11 +3,15 @@ the app on this machine, the held-out runs it predicts, and the relative errors.
 
 A run set (bench/plan_validate.py writes it): {"max_pending_requests": the app's admission bound
 (its router's `max_pending_requests` x router replicas), "modes": {mode: {"encoders": E, "llms": L, "runs": [
-  {"label": "fit-unloaded" | "fit-loaded" | "fit-saturated" | "held-out" | "repeat", "rate": r or null,
-   "concurrency": k or null, "requests": [bench serve's per-request records + "images"]}]}}}
+  {"label": "fit-unloaded" | "fit-loaded" | "fit-saturated" | "fit-refused" | "held-out" | "repeat" |
+             "fit-saturated-after",
+   "rate": r or null, "concurrency": k or null, "requests": [bench serve's per-request records + "images"]}]}}}
 Stage times are fitted on the first two fit runs; "fit-saturated" (the app flooded) gives how much
-of the box the replicas share (`fit_shared_capacity`) and places the held-out rates. Held-out runs
-are never fitted on.
+of the box the replicas share (`fit_shared_capacity`) and places the held-out rates. The same
+flood once more after the held-out runs ("fit-saturated-after", where recorded) measures how far
+the box's own speed moved meanwhile; the profile takes the mean of the two floods' capacities. A
+flood past the admission bound ("fit-refused", where recorded) gives what a refused request
+costs the box (`fit_refuse_cost`). Held-out runs are never fitted on.
 """
 
 from __future__ import annotations
@@ -69,8 +73,13 @@ def fit_profile(mode: str, runs: list[dict], encoders: int = 1, llms: int = 1,
     )
     shape = {"image_tokens": image_tokens, "text_tokens": round(text_tokens),
              "output_tokens": round(statistics.fmean(r["output_tokens"] for r in requests))}
-    if flood := by_label.get("fit-saturated"):
-        profile = replace(profile, shared_capacity=fit_shared_capacity(profile, shape, flood, encoders, llms))
+    floods = [by_label[label] for label in ("fit-saturated", "fit-saturated-after") if label in by_label]
+    capacities = [c for c in (fit_shared_capacity(profile, shape, f, encoders, llms) for f in floods) if c]
+    if capacities:
+        profile = replace(profile, shared_capacity=round(statistics.fmean(capacities), 3))
+    refused = next((run["requests"] for run in runs if run["label"] == "fit-refused"), None)
+    if refused and max_pending_requests is not None:
+        profile = replace(profile, refuse_s=fit_refuse_cost(profile, shape, refused, encoders, llms))
     return profile, shape
 
 
@@ -99,6 +108,27 @@ def fit_shared_capacity(profile: Profile, shape: dict, flood: list[dict], encode
     return round(high, 3) if high < replicas else None
 
 
+def fit_refuse_cost(profile: Profile, shape: dict, run: list[dict], encoders: int, llms: int,
+                    iterations: int = 20) -> float:
+    """The work a refused request costs, such that the model, replaying a flood past the
+    admission bound (its refused requests' sends included), serves no more per second than the
+    app did; 0 when it does not even so (refusals cost nothing the model can see)."""
+    real = observed(run)["throughput"]
+
+    def too_fast(cost: float) -> bool:
+        return predicted(replace(profile, refuse_s=cost), shape, run, encoders, llms)["throughput"] > 1.01 * real
+
+    low, high = 0.0, max(profile.router_s, 1e-3)
+    if not too_fast(low):
+        return 0.0
+    if too_fast(high):
+        return round(high, 5)
+    for _ in range(iterations):
+        mid = (low + high) / 2
+        low, high = (mid, high) if too_fast(mid) else (low, mid)
+    return round(high, 5)
+
+
 def observed(requests: list[dict]) -> dict:
     """Throughput (completed per second, first send to last end), p50 and p99 TTFT of a real run."""
     done = [r for r in requests if r.get("ttft_ms") is not None]
@@ -117,7 +147,7 @@ def predicted(profile: Profile, shape: dict, requests: list[dict], encoders: int
 
 def validate(run_set: dict) -> dict:
     """Fit each mode on its fit runs, predict its held-out rates, and compare (relative errors)."""
-    rows, spreads, saturated_errors, fitted = [], [], [], {}
+    rows, spreads, saturated_errors, fitted, drifts = [], [], [], {}, []
     for mode, entry in run_set["modes"].items():
         profile, shape = fit_profile(mode, entry["runs"], entry["encoders"], entry["llms"],
                                      run_set.get("max_pending_requests"))
@@ -132,6 +162,10 @@ def validate(run_set: dict) -> dict:
                 saturated_errors.append(errors["throughput"])
             rows.append({"mode": mode, "rate": run["rate"], "saturated": saturated, "real": real, "model": model,
                          "rel_error": errors})
+        floods = {r["label"]: observed(r["requests"])["throughput"] for r in entry["runs"]
+                  if r["label"] in ("fit-saturated", "fit-saturated-after")}
+        if len(floods) == 2:
+            drifts.append(abs(floods["fit-saturated"] - floods["fit-saturated-after"]) / max(floods.values()))
         for run in (r for r in entry["runs"] if r["label"] == "repeat"):
             twin = next(h for h in held_out if h["rate"] == run["rate"])
             a, b = observed(twin["requests"]), observed(run["requests"])
@@ -142,6 +176,8 @@ def validate(run_set: dict) -> dict:
         "max_rel_error_p99_ttft": max(r["rel_error"]["ttft_p99_s"] for r in rows),
         "saturated_point_rel_error": max(saturated_errors) if saturated_errors else None,
         "real_run_spread": max(spreads) if spreads else None,
+        # the flood's throughput before and after the held-out runs: how far the box itself moved
+        "capacity_drift": max(drifts) if drifts else None,
     }
 
 

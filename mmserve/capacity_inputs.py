@@ -40,6 +40,9 @@ class Profile:
     # the router's admission: a request arriving while this many wait for their first token is
     # refused at once (429); None: every request is admitted
     max_pending_requests: int | None = None
+    # the work a refused request still costs (the proxy and the router answering its 429), on the
+    # replicas' shared cores where they share a box, else a delay that holds nothing
+    refuse_s: float = 0.0
 
     def encode_seconds(self, tokens: float, items: int = 1) -> float:
         return self.encode_batch_s + self.encode_token_s * tokens

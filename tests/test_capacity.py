@@ -77,6 +77,37 @@ def test_admission_refuses_past_the_pending_bound_and_bounds_ttft():
     assert bounded.ttft_p99_s < free.ttft_p99_s
 
 
+def test_a_refused_request_costs_the_shared_box_its_refusal_work():
+    # A's prefill step is 1 s of the box; B, refused at 0.1 s (A waits for its first token), costs
+    # 0.5 s of the box: both at half speed until B's refusal is done (1.1 s), A alone after (1.5 s)
+    profile = Profile(source="test", router_s=0.0, step_s=1.0, prefill_token_s=0.0, decode_seq_s=0.0,
+                      shared_capacity=1.0, max_pending_requests=1, refuse_s=0.5)
+    workload = Workload(rate=1.0, images=(0, 0), text_tokens=1, output_tokens=1)
+    result = simulate(profile, workload, 1, 1, arrivals=[(0.0, 0), (0.1, 0)])
+    free = simulate(replace(profile, refuse_s=0.0), workload, 1, 1, arrivals=[(0.0, 0), (0.1, 0)])
+    assert result.refused_share == free.refused_share == 0.5
+    assert result.ttft_p50_s == pytest.approx(1.5) and free.ttft_p50_s == pytest.approx(1.0)
+
+
+def test_the_refusal_cost_is_fitted_on_a_run_past_the_admission_bound():
+    from mmserve.capacity_fit import fit_refuse_cost, predicted
+
+    profile = Profile(source="test", router_s=0.01, step_s=0.02, prefill_token_s=0.0, decode_seq_s=0.0,
+                      shared_capacity=1.0, max_pending_requests=2)
+    shape = {"image_tokens": 1, "text_tokens": 1, "output_tokens": 1}
+    arrivals = [{"send_s": k * 0.005, "images": 0} for k in range(400)]  # 200/s against ~30/s served
+
+    def run_of(cost: float) -> list[dict]:  # a "real" run: the model itself with a known cost
+        result = predicted(replace(profile, refuse_s=cost), shape, arrivals, 1, 1)
+        span = len(arrivals) * 0.005
+        served = round(result["throughput"] * span)
+        return [{**a, "ttft_ms": 1.0 if k < served else None, "e2e_ms": (span - a["send_s"]) * 1000 if k < served
+                 else 0.0} for k, a in enumerate(arrivals)]
+
+    assert fit_refuse_cost(profile, shape, run_of(0.0), 1, 1) == 0.0
+    assert fit_refuse_cost(profile, shape, run_of(0.004), 1, 1) == pytest.approx(0.004, rel=0.25)
+
+
 def test_a_colocated_replica_encodes_beside_its_steps_on_one_device():
     # A: encoded alone (1 s), prefilled (0.1 s), first token at 1.1; B arrives then: its 1 s encode
     # shares the device with A's ten 0.1 s decode steps, so both run at half speed for 2 s
