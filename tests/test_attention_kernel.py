@@ -159,20 +159,11 @@ def test_varlen_kernel_is_bidirectional_within_segments(head_dim):
 def compile_for_sm90() -> list[str]:
     """Compile the kernels' main variants to a Hopper cubin (ptxas ships with Triton; no GPU needed)."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from mmserve.triton_attention import _attention_kernel, _combine_kernel
+    from tests.sm90 import compile_sm90
 
-    def compile_one(kernel, constants: dict, pointers: dict) -> int:
-        signature = {name: "constexpr" if name in constants else pointers.get(name) or
-                     ("*i32" if name in {"cu_seqlens_q", "kv_lens", "block_tables", "kv_starts"} else
-                      "fp32" if name == "scale" else "i32") for name in kernel.arg_names}
-        source = ASTSource(fn=kernel, signature=signature,
-                           constexprs={(kernel.arg_names.index(n),): v for n, v in constants.items()})
-        out = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
-        return len(out.asm["cubin"])
-
+    indices = {n: "*i32" for n in ("cu_seqlens_q", "kv_lens", "block_tables", "kv_starts")}
     compiled = []
     variants = [("bf16", True, False, 6, 128, 16, 1), ("bf16", True, True, 6, 128, 64, 1),
                 ("fp32", True, False, 2, 16, 16, 1), ("bf16", False, False, 1, 80, 64, 1),
@@ -181,12 +172,12 @@ def compile_for_sm90() -> list[str]:
         constants = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
                          BLOCK_M=block_m, BLOCK_N=32 if dtype == "fp32" else 64, PAGE_SIZE=16, PAGED=paged,
                          CAUSAL=paged, SLIDING=sliding, PRECISION="ieee", SPLITS=splits)
-        pointers = {**{n: f"*{dtype}" for n in ("Q", "K", "V", "O")},
+        pointers = {**indices, **{n: f"*{dtype}" for n in ("Q", "K", "V", "O")},
                     **{n: "*fp32" if splits > 1 else f"*{dtype}" for n in ("Part", "Lse")}}
-        size = compile_one(_attention_kernel, constants, pointers)
+        size = compile_sm90(_attention_kernel, constants, pointers, {"scale": "fp32"}, num_stages=2)
         compiled.append(f"{dtype} paged={paged} sliding={sliding} splits={splits}: {size} bytes")
-    size = compile_one(_combine_kernel, dict(HEAD_DIM=128, BLOCK_D=128, SPLITS=8, BLOCK_S=8),
-                       {"Part": "*fp32", "Lse": "*fp32", "O": "*bf16"})
+    size = compile_sm90(_combine_kernel, dict(HEAD_DIM=128, BLOCK_D=128, SPLITS=8, BLOCK_S=8),
+                        {"Part": "*fp32", "Lse": "*fp32", "O": "*bf16"})
     compiled.append(f"combine bf16 splits=8: {size} bytes")
     return compiled
 
@@ -194,14 +185,6 @@ def compile_for_sm90() -> list[str]:
 @pytest.mark.skipif(DEVICE == "cuda", reason="compiled and run for real on CUDA")
 def test_kernel_compiles_for_hopper_without_a_gpu():
     """The interpreter does not type-check like the compiler: compile the real thing too."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.sm90 import run_without_interpreter
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "from tests.test_attention_kernel import compile_for_sm90; print(*compile_for_sm90(), sep='\\n')"
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                            cwd=Path(__file__).resolve().parents[1])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("bytes") == 6
+    assert run_without_interpreter("tests.test_attention_kernel", "compile_for_sm90").count("bytes") == 6

@@ -88,35 +88,16 @@ def test_a_norm_with_other_math_is_left_alone(caplog):
 
 def compile_for_sm90() -> list[str]:
     """The fused kernels compiled to Hopper cubins (ptxas ships with Triton; no GPU needed)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from llm_service.fused_ops import _rms_norm_kernel, _silu_mul_kernel
+    from tests.sm90 import compile_sm90
 
-    out = []
-    for kernel, constants, pointers in (
-            (_rms_norm_kernel, {"BLOCK": 2048}, {"X": "*bf16", "W": "*bf16", "Y": "*bf16"}),
-            (_silu_mul_kernel, {"BLOCK": 1024}, {"GU": "*bf16", "Y": "*bf16"})):
-        signature = {name: "constexpr" if name in constants else pointers.get(name) or
-                     ("fp32" if name == "eps" else "i32") for name in kernel.arg_names}
-        source = ASTSource(fn=kernel, signature=signature,
-                           constexprs={(kernel.arg_names.index(n),): v for n, v in constants.items()})
-        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-        out.append(f"{kernel.fn.__name__}: {len(compiled.asm['cubin'])} bytes")
-    return out
+    norm = compile_sm90(_rms_norm_kernel, {"BLOCK": 2048}, {"X": "*bf16", "W": "*bf16", "Y": "*bf16"}, {"eps": "fp32"})
+    silu = compile_sm90(_silu_mul_kernel, {"BLOCK": 1024}, {"GU": "*bf16", "Y": "*bf16"})
+    return [f"rms_norm: {norm} bytes", f"silu_mul: {silu} bytes"]
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="compiled and run for real on CUDA")
 def test_fused_kernels_compile_for_hopper_without_a_gpu():
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.sm90 import run_without_interpreter
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "from tests.test_fused_ops import compile_for_sm90; print(*compile_for_sm90(), sep='\\n')"
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                            cwd=Path(__file__).resolve().parents[1])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("bytes") == 2
+    assert run_without_interpreter("tests.test_fused_ops", "compile_for_sm90").count("bytes") == 2
