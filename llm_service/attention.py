@@ -54,7 +54,7 @@ class AttentionBatch:
     max_query_len: int
     max_context_len: int
     backend: str  # "sdpa" | "triton"
-    split_kv: bool = False  # triton, one query per sequence: split the keys when the device is underfilled
+    kv_splits: int = 1  # triton, one query per sequence: key slices (split-K decode; `decode_splits`)
     windows: tuple[int | None, ...] = ()
     kv_layers: tuple[int | None, ...] = ()
     gather_slots: torch.Tensor | None = None
@@ -125,14 +125,10 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if scaling is None:
         scaling = head_dim ** -0.5
     if batch.backend == "triton":
-        from mmserve.triton_attention import decode_splits
         from mmserve.triton_attention import paged_attention as triton_paged
 
-        splits = 1
-        if batch.split_kv and batch.max_query_len == 1:
-            splits = decode_splits(q.shape[0], num_kv_heads, batch.max_context_len, q.device)
         out = triton_paged(q.contiguous(), k_cache, v_cache, batch.cu_seqlens_q, batch.context_lens,
-                           batch.block_tables, batch.max_query_len, scaling, window, splits)
+                           batch.block_tables, batch.max_query_len, scaling, window, batch.kv_splits)
     elif batch.decode_slots is not None:
         out = _sdpa_decode(q, k_cache, v_cache, batch.decode_slots, scaling, batch.masks[window])
     else:

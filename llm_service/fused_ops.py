@@ -91,7 +91,7 @@ def _fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(silu_mul(torch.nn.functional.linear(x, self.gate_up_weight)))
 
 
-def _unfused_check_forward(self, x: torch.Tensor) -> torch.Tensor:
+def _fused_mlp_check(self, x: torch.Tensor) -> torch.Tensor:
     """The fused MLP's math before its weights are stacked (what `_agrees` checks)."""
     stacked = torch.cat([self.gate_proj.weight, self.up_proj.weight])
     return self.down_proj(silu_mul(torch.nn.functional.linear(x, stacked)))
@@ -134,7 +134,7 @@ def fuse_decoder(decoder: torch.nn.Module) -> dict[str, int]:
         if name in refused:
             continue
         if name not in fused:  # the first of its class: checked against its own forward
-            check, width = ((_unfused_check_forward, module.gate_proj.in_features) if is_mlp else
+            check, width = ((_fused_mlp_check, module.gate_proj.in_features) if is_mlp else
                             (_fused_norm_forward, module.weight.shape[-1]))
             if why := _agrees(module, check, width):
                 logger.warning("not fusing %s: %s", name, why)

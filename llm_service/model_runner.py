@@ -100,6 +100,15 @@ class ModelRunner:
 
             self.graphs = DecodeGraphs.capture(self)
 
+    def _kv_splits(self, num_seqs: int, max_query_len: int, max_context_len: int) -> int:
+        """Key slices of a step's attention, once per step: split-K only for all-decode steps on the
+        Triton kernel (`mmserve.triton_attention.decode_splits`)."""
+        if self.backend != "triton" or not self.config.split_kv_decode or max_query_len != 1:
+            return 1
+        from mmserve.triton_attention import decode_splits
+
+        return decode_splits(num_seqs, self.num_kv_heads, max_context_len, self.device)
+
     def new_block_manager(self, on_evict=None) -> BlockManager:
         return BlockManager(self.num_blocks, self.config.block_size, on_evict)
 
@@ -170,11 +179,12 @@ class ModelRunner:
         from the rows' device state: what a decode graph captures (the Triton kernel); SDPA
         needs the longest context of the step, `max_context`."""
         ids, positions, slots, context_lens, tables = self.batch.decode_inputs(index)
-        b = index.shape[0]
+        b, context = index.shape[0], max_context or self.model.max_model_len
         batch = AttentionBatch(
             kv_pool=self.kv_pool, slot_mapping=slots, cu_seqlens_q=self.arange[:b + 1], context_lens=context_lens,
-            block_tables=tables, max_query_len=1, max_context_len=max_context or self.model.max_model_len,
-            backend=self.backend, split_kv=self.config.split_kv_decode, windows=self.windows,
+            block_tables=tables, max_query_len=1, max_context_len=context,
+            backend=self.backend, kv_splits=self._kv_splits(b, 1, context),
+            windows=self.windows,
         )
         if self.backend == "sdpa":
             batch.decode_slots, batch.masks = attention.sdpa_decode_metadata(
@@ -249,7 +259,7 @@ class ModelRunner:
             max_query_len=max(q_lens),
             max_context_len=max(ctx_lens),
             backend=self.backend,
-            split_kv=self.config.split_kv_decode,
+            kv_splits=self._kv_splits(len(scheduled), max(q_lens), max(ctx_lens)),
             windows=self.windows,
             kv_layers=self.kv_layers,
         )
