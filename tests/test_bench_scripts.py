@@ -115,3 +115,19 @@ def test_encoder_bench_ceiling_is_the_forward_at_the_measured_matmul_and_attenti
     assert attention == 2 * 4 * 256 * 256 * 64
     assert matmul_tflops > 0 and attention_tflops > 0
     assert images_per_s == pytest.approx(1e12 / (matmul / matmul_tflops + attention / attention_tflops))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")
+def test_gpu_check_finds_the_gpu_test_files_and_refuses_without_a_gpu():
+    """scripts/gpu-check (the GPU host's runbook): with Ray importable it installs nothing, and
+    without a CUDA device it stops before running anything, saying so; its test files are every
+    file holding a gpu or kernel test."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check"), "tests"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "no CUDA device here" in done.stderr, done.stderr
+    marked = {p.name for p in (ROOT / "tests").glob("test_*.py")
+              if "pytest.mark.gpu" in p.read_text() or "pytest.mark.kernel" in p.read_text()}
+    listed = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check"), "list"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60, check=True).stdout.split()
+    assert {Path(name).name for name in listed} == marked and "test_gpu_app.py" in marked
