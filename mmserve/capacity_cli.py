@@ -4,7 +4,7 @@ runs bench/plan_validate.py from a source checkout), and its goodput-per-GPU cha
 from __future__ import annotations
 
 from mmserve import capacity
-from mmserve.capacity_inputs import SLO, TRANSPORTS, Workload, load_profile, with_transfer_rates
+from mmserve.capacity_inputs import SLO, TRANSPORTS, Workload, load_profile, with_changes, with_transfer_rates
 from mmserve.capacity_goodput import RUN_TTFT_SLOS, Recommendation, recommend
 
 
@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                                 epilog="--validate [--quick] [--record FILE | --runs FILE]: the model against real "
                                        "runs of the app on this machine (bench/plan_validate.py)")
     p.add_argument("--profile", default="bench/profiles/a100-qwen3-vl-4b.yaml", help="profile file (YAML/JSON)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="change one of the profile's figures (repeatable; the output says so): step_s=0.024")
     p.add_argument("--images", type=int, nargs=2, default=(1, 4), metavar=("LOW", "HIGH"), help="images per request")
     p.add_argument("--image-tokens", nargs="+", default=["400"], metavar="TOKENS[:SHARE]",
                    help="embedding tokens per image (640^2 on Qwen3-VL: 400), or a mix of resolutions as "
@@ -87,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     profile = load_profile(ns.profile)
     if ns.transfer_json:
         profile = with_transfer_rates(profile, ns.transfer_json)
+    try:
+        profile = with_changes(profile, ns.set)
+    except ValueError as e:
+        p.error(str(e))
     try:
         workload = Workload(rate=1.0, images=tuple(ns.images), text_tokens=ns.text_tokens,
                             output_tokens=ns.output_tokens, length_range_ratio=ns.length_range_ratio,

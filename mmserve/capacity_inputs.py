@@ -137,6 +137,28 @@ def load_profile(path: str) -> Profile:
     return Profile(**data)
 
 
+def with_changes(profile: Profile, changes: list[str]) -> Profile:
+    """The profile with `FIELD=VALUE` changes (`mmserve plan --set`: what if the encoder were twice
+    as fast?); its source lists them."""
+    values = {}
+    for change in changes:
+        name, sep, text = change.partition("=")
+        field = Profile.__dataclass_fields__.get(name)
+        if not sep or field is None or name == "source":
+            raise ValueError(f"--set {change!r}: give FIELD=VALUE, FIELD one of the profile's "
+                             f"{sorted(set(Profile.__dataclass_fields__) - {'source'})}")
+        integral = "int" in str(field.type)  # `int`, or `int | None`
+        try:
+            values[name] = None if text.lower() == "none" and "None" in str(field.type) else \
+                (int(text) if integral else float(text))
+        except ValueError:
+            raise ValueError(f"--set {change!r}: {name} takes {'a whole number' if integral else 'a number'}") from None
+    if not values:
+        return profile
+    listed = ", ".join(f"{k}={v}" for k, v in values.items())
+    return replace(profile, **values, source=f"{profile.source}; changed here: {listed}")
+
+
 def with_transfer_rates(profile: Profile, path: str) -> Profile:
     """The profile with both transports' per-byte times measured by `python bench/transfer.py`
     (its last line: `object_store_mb_s_20mb`, `grpc_mb_s_20mb`, the 20 MB rows); its source says so."""

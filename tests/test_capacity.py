@@ -324,6 +324,21 @@ def test_plan_takes_a_resolution_mix_ranged_lengths_and_measured_transfer_rates(
         main(["--profile", HAND, "--image-tokens", "256:-1"])
 
 
+def test_plan_set_changes_a_figure_and_every_output_says_so(capsys):
+    args = ["--profile", HAND, "--gpus", "4", "--requests", "200", "--ttft-p99", "2", "--output-tokens", "16"]
+    assert main(args) == 0
+    before = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main([*args, "--set", "encode_token_s=1e-3", "--set", "kv_tokens=none"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    after = json.loads(out[-1])
+    assert out[0].endswith("changed here: encode_token_s=0.001, kv_tokens=None") and "changed here" in after["profile"]
+    slower, faster = (r["recommendations"][0]["colocated"]["goodput"] for r in (after, before))
+    assert slower < faster  # a 30x slower encoder: less goodput
+    for bad in ("steps=1", "source=x", "max_num_seqs=1.5", "step_s"):
+        with pytest.raises(SystemExit):
+            main([*args, "--set", bad])
+
+
 def test_a_profile_with_an_unknown_field_is_refused(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("source: x\nencode_tokens_s: 1\n")
