@@ -15,7 +15,8 @@ A discrete-event simulation of the app, one request at a time through its stages
 - colocated (no encoder pool): each LLM replica encodes its requests' images itself, in
   token-budget batches that share the replica's device with its steps (processor sharing: the
   colocated replica's `EncoderPool` thread and its engine interleave on one GPU), so a busy
-  encoder slows that replica's decodes and the reverse.
+  encoder slows that replica's decodes and the reverse; or, with `Profile.colocated_encoder`
+  "in_step" (vLLM's engine, the ViT inside the step), one at a time, a step waiting for an encode.
 
 Service times come from a `Profile`: fitted from bench results, or a hand-written file, labelled as
 such in every output (`Profile.source`). It is a model: replica counts are fixed unless a pool is
@@ -36,9 +37,11 @@ import math
 import random
 from dataclasses import dataclass
 
-from mmserve.capacity_events import Autoscaler, BatchStation, SharedCores, Simulator, serving
+from mmserve.capacity_events import Autoscaler, BatchStation, OneAtATime, SharedCores, Simulator, serving
 from mmserve.capacity_inputs import SLO, Autoscaling, Profile, Workload
 from mmserve.capacity_replicas import EncoderPool, LLMReplica, Request
+
+COLOCATED_ENCODERS = ("beside", "in_step")  # Profile.colocated_encoder
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,8 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
     the LLM replicas over `transport` ("object_store" or "grpc"). With `encoder_scaling` /
     `llm_scaling` the pools start at those counts and autoscale."""
     profile.transfer_seconds(0, transport)  # a transport it knows
+    if profile.colocated_encoder not in COLOCATED_ENCODERS:
+        raise ValueError(f"colocated_encoder must be one of {COLOCATED_ENCODERS}, not {profile.colocated_encoder!r}")
     rng = random.Random(seed)
     sim = Simulator()
     pending: set[int] = set()  # admitted requests without a first token (by index), for admission
@@ -95,7 +100,8 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
     def new_llm() -> LLMReplica:
         if encoders:
             return LLMReplica(sim, profile, cores)
-        device = cores or SharedCores(sim, 1.0)  # colocated: its own encoder shares its device
+        # colocated: its own encoder shares its device, beside its steps or inside them
+        device = cores or (OneAtATime(sim) if profile.colocated_encoder == "in_step" else SharedCores(sim, 1.0))
         encoder = BatchStation(sim, 1, profile.encode_seconds, max_cost=profile.max_batch_tokens, cores=device)
         return LLMReplica(sim, profile, device, encoder=encoder)
 

@@ -75,7 +75,28 @@ class SharedCores:
             done()
 
 
-def serving(sim: Simulator, cores: SharedCores | None) -> Callable[[float, Callable[[], None]], None]:
+class OneAtATime:
+    """A device that runs one job at a time, in the order they come: a colocated engine that runs
+    the ViT inside its step (vLLM's), where a decode step waits for an encode and the reverse."""
+
+    def __init__(self, sim: Simulator):
+        self.sim = sim
+        self._queue: deque[tuple[float, Callable[[], None]]] = deque()
+        self._busy = False
+
+    def run(self, seconds: float, done: Callable[[], None]) -> None:
+        self._queue.append((seconds, done))
+        if not self._busy:
+            self._next()
+
+    def _next(self) -> None:
+        self._busy = bool(self._queue)
+        if self._busy:
+            seconds, done = self._queue.popleft()
+            self.sim.after(seconds, lambda: (done(), self._next()))
+
+
+def serving(sim: Simulator, cores: SharedCores | OneAtATime | None) -> Callable[[float, Callable[[], None]], None]:
     """How a replica spends `seconds` of service: on its own device, or on the box's shared cores."""
     return cores.run if cores is not None else sim.after
 
@@ -87,7 +108,8 @@ class BatchStation:
     and exponential service it is an M/M/c queue (tests/test_capacity.py checks it against Erlang C)."""
 
     def __init__(self, sim: Simulator, servers: int, service: Callable[[float, int], float],
-                 max_cost: float = math.inf, max_jobs: int | float = math.inf, cores: SharedCores | None = None):
+                 max_cost: float = math.inf, max_jobs: int | float = math.inf,
+                 cores: SharedCores | OneAtATime | None = None):
         self.sim, self.service = sim, service
         self._serve = serving(sim, cores)
         self.max_cost, self.max_jobs = max_cost, max_jobs

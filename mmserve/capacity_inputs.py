@@ -43,6 +43,10 @@ class Profile:
     # the work a refused request still costs (the proxy and the router answering its 429), on the
     # replicas' shared cores where they share a box, else a delay that holds nothing
     refuse_s: float = 0.0
+    # how a colocated replica's encoder shares its device: "beside" its steps (processor sharing:
+    # mmserve's colocated replica, an encoder thread beside the engine) or "in_step" (one at a
+    # time: vLLM's colocated engine runs the ViT inside the step, so decodes wait for it)
+    colocated_encoder: str = "beside"
 
     def encode_seconds(self, tokens: float, items: int = 1) -> float:
         return self.encode_batch_s + self.encode_token_s * tokens
@@ -148,6 +152,9 @@ def with_changes(profile: Profile, changes: list[str]) -> Profile:
             raise ValueError(f"--set {change!r}: give FIELD=VALUE, FIELD one of the profile's "
                              f"{sorted(set(Profile.__dataclass_fields__) - {'source'})}")
         integral = "int" in str(field.type)  # `int`, or `int | None`
+        if field.type == "str":
+            values[name] = text
+            continue
         try:
             values[name] = None if text.lower() == "none" and "None" in str(field.type) else \
                 (int(text) if integral else float(text))

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mmserve.capacity_events import BatchStation, SharedCores, Simulator, serving
+from mmserve.capacity_events import BatchStation, OneAtATime, SharedCores, Simulator, serving
 from mmserve.capacity_inputs import Profile
 from mmserve.encode_calls import spread
 
@@ -46,7 +46,7 @@ class LLMReplica:
     """Continuous batching: every step decodes each running sequence and prefills waiting prompts
     in order within the step's token budget and the KV cache's room."""
 
-    def __init__(self, sim: Simulator, profile: Profile, cores: SharedCores | None = None,
+    def __init__(self, sim: Simulator, profile: Profile, cores: SharedCores | OneAtATime | None = None,
                  encoder: BatchStation | None = None):
         self.sim, self.profile = sim, profile
         self._serve = serving(sim, cores)

@@ -119,6 +119,20 @@ def test_a_colocated_replica_encodes_beside_its_steps_on_one_device():
     assert result.tpot_p99_s == pytest.approx(0.2)  # A's steps, at half speed while B encodes
 
 
+def test_a_colocated_replica_encoding_inside_its_step_runs_one_at_a_time():
+    # as above, vLLM's way: A's first decode step (1.1-1.2), then B's 1 s encode alone (1.2-2.2) while
+    # A's next step waits, then that step, then A's step with B's prefill (first token at 2.4); A's
+    # ten steps end at 3.1
+    profile = Profile(source="test", router_s=0.0, encode_batch_s=1.0, encode_token_s=0.0, step_s=0.1,
+                      prefill_token_s=0.0, decode_seq_s=0.0, colocated_encoder="in_step")
+    workload = Workload(rate=1.0, image_tokens=10, text_tokens=5, output_tokens=11)
+    result = simulate(profile, workload, 0, 1, arrivals=[(0.0, 1), (1.1, 1)])
+    assert result.ttft_p50_s == pytest.approx(1.1) and result.ttft_p99_s == pytest.approx(1.3)
+    assert result.tpot_p99_s == pytest.approx(0.2)  # the same mean TPOT as beside: one 1 s wait, not ten slow steps
+    with pytest.raises(ValueError, match="colocated_encoder"):
+        simulate(replace(profile, colocated_encoder="inside"), workload, 0, 1, arrivals=[(0.0, 1)])
+
+
 def test_on_a_shared_box_the_router_takes_the_cores_too():
     profile = Profile(source="test", router_s=1.0, encode_batch_s=0.0, encode_token_s=0.0, step_s=0.1,
                       prefill_token_s=0.0, decode_seq_s=0.0, shared_capacity=1.0)
