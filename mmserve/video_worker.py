@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,7 +65,9 @@ def _read_into(stream, view: memoryview) -> None:
         done += n
 
 
-def _receive(stream):
+def _receive(stream, into: Callable[[int], np.ndarray] | None = None):
+    """The next message; its out-of-band buffers read straight into `into(size)` (a uint8 view
+    of the caller's array), or into arrays of their own."""
     header = stream.read(2 * _SIZE.size)
     if len(header) < 2 * _SIZE.size:
         raise EOFError("worker pipe closed")
@@ -75,7 +77,8 @@ def _receive(stream):
     _read_into(stream, memoryview(body))
     buffers = []
     for n in sizes:
-        buffers.append(np.empty(n, dtype=np.uint8))  # a frame array's own memory: read into it once
+        # a frame array's memory, read into once: its own, or the caller's
+        buffers.append(into(n) if into is not None else np.empty(n, dtype=np.uint8))
         _read_into(stream, memoryview(buffers[-1]))
     return pickle.loads(body, buffers=buffers)
 
@@ -144,16 +147,17 @@ class DecodeWorker:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def call(self, message, deadline: float):
-        """The worker's reply to `message` (None: send nothing, read its next reply); WorkerLost
-        when it passes `deadline` (time.monotonic) or dies."""
+    def call(self, message, deadline: float, into: Callable[[int], np.ndarray] | None = None):
+        """The worker's reply to `message` (None: send nothing, read its next reply), its frames
+        read into `into` (see `_receive`); WorkerLost when it passes `deadline` (time.monotonic)
+        or dies."""
         self._timed_out = False
         timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._kill_at_deadline)
         timer.start()
         try:
             if message is not None:
                 _send(self.proc.stdin, message)
-            return _receive(self.proc.stdout)
+            return _receive(self.proc.stdout, into)
         except (EOFError, OSError, ValueError, pickle.UnpicklingError):  # ValueError: pipes closed by kill()
             self.kill()
             code = self.proc.returncode
@@ -223,8 +227,21 @@ class VideoDecodePool:
 
     async def decode(self, data: bytes, request_id: str = "-") -> DecodedVideo:
         async with self._session(data, request_id) as (worker, header, deadline):
-            groups = [group async for group in self._frames(worker, TRANSFER_GROUP_FRAMES, deadline)]
-            return header.with_pixels(groups[0] if len(groups) == 1 else np.concatenate(groups))
+            # the groups are read straight into the video's one array (no concatenation after)
+            pixels = np.empty((*header.shape, 3), dtype=np.uint8)
+            flat, filled = pixels.reshape(-1), 0
+
+            def into(size: int) -> np.ndarray:
+                nonlocal filled
+                start, filled = filled, filled + size
+                # more than the header said: an array of its own, and refused below
+                return flat[start:filled] if filled <= flat.size else np.empty(size, dtype=np.uint8)
+
+            async for _ in self._frames(worker, TRANSFER_GROUP_FRAMES, deadline, into):
+                pass
+            if filled != flat.size:
+                raise RuntimeError(f"the decode worker sent {filled} of its video's {flat.size} pixel bytes")
+            return header.with_pixels(pixels)
 
     async def frames(self, data: bytes, request_id: str = "-", group_size: int = 1) -> AsyncIterator[np.ndarray]:
         """The sampled frames in groups of `group_size` (the last may be shorter), each as soon as
@@ -285,28 +302,30 @@ class VideoDecodePool:
         shape = (decoded_frame_count(indices), probe.height, probe.width)
         return DecodedVideo(shape, probe.fps, probe.total_num_frames, tuple(indices), video_content_hash(data, indices))
 
-    async def _frames(self, worker: DecodeWorker, group_size: int, deadline: float) -> AsyncIterator[np.ndarray]:
-        """The worker's groups; the next one is read while the caller holds this one, so the
-        worker decodes on instead of waiting on a full pipe."""
+    async def _frames(self, worker: DecodeWorker, group_size: int, deadline: float,
+                      into: Callable[[int], np.ndarray] | None = None) -> AsyncIterator[np.ndarray]:
+        """The worker's groups (read into `into`, see `_receive`); the next one is read while the
+        caller holds this one, so the worker decodes on instead of waiting on a full pipe."""
         message = ("decode", worker.pending, group_size)
         worker.pending = None
-        reply = asyncio.ensure_future(self._call(worker, message, deadline, "frames"))
+        reply = asyncio.ensure_future(self._call(worker, message, deadline, "frames", into=into))
         try:
             while True:
                 status, value = await reply
                 if status == "ok":
                     return
-                reply = asyncio.ensure_future(self._call(worker, None, deadline, "frames"))
+                reply = asyncio.ensure_future(self._call(worker, None, deadline, "frames", into=into))
                 yield value
         finally:  # left early: the session kills the worker, which ends a read still running
             reply.cancel()
             if reply.done() and not reply.cancelled():
                 reply.exception()  # retrieved: a read the worker's kill ended is no error to log
 
-    async def _call(self, worker: DecodeWorker, message, deadline: float, *more: str):
+    async def _call(self, worker: DecodeWorker, message, deadline: float, *more: str,
+                    into: Callable[[int], np.ndarray] | None = None):
         """The worker's reply's value ("ok"); with `more`, (status, value) of a reply of those statuses too."""
         try:
-            status, value = await asyncio.to_thread(worker.call, message, deadline)
+            status, value = await asyncio.to_thread(worker.call, message, deadline, into)
         except WorkerLost as e:
             self.stats.killed += 1
             if e.timed_out:

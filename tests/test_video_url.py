@@ -63,6 +63,27 @@ def test_every_container_decodes_to_the_same_sampled_frames(tiny_models):
     assert len({v.content_hash for v in [mp4, *videos.values()]}) == 4
 
 
+def test_a_whole_video_is_read_into_one_array_without_a_second_copy(tiny_models):
+    """The worker's frame groups land straight in the video's array: the decode's peak memory in
+    this process is that array, not the groups and their concatenation besides (twice it)."""
+    import tracemalloc
+
+    pool = VideoDecodePool(FrameSampler(tiny_models["qwen2_vl"]), VideoLimits(), workers=1)
+    data = video_file(16, 4, 240, 320, seed=2)  # 32 frames sampled at 2 fps, of 230 KB: 4 transfer groups
+    try:
+        decode(pool, data)  # the worker started, the sampler loaded
+        tracemalloc.start()
+        try:
+            video = decode(pool, data)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    finally:
+        pool.close()
+    assert video.pixels.shape == (32, 240, 320, 3) and video.pixels.flags.owndata
+    assert peak < 1.25 * video.pixels.nbytes, (peak, video.pixels.nbytes)
+
+
 def _processor(model_dir, frames, metadata, text_token):
     processor, _ = load_reference(model_dir)
     return processor(text=[text_token], videos=[frames], video_metadata=[metadata], do_sample_frames=False,
