@@ -151,10 +151,10 @@ def with_changes(profile: Profile, changes: list[str]) -> Profile:
         if not sep or field is None or name == "source":
             raise ValueError(f"--set {change!r}: give FIELD=VALUE, FIELD one of the profile's "
                              f"{sorted(set(Profile.__dataclass_fields__) - {'source'})}")
-        integral = "int" in str(field.type)  # `int`, or `int | None`
         if field.type == "str":
             values[name] = text
             continue
+        integral = "int" in str(field.type)  # `int`, or `int | None`
         try:
             values[name] = None if text.lower() == "none" and "None" in str(field.type) else \
                 (int(text) if integral else float(text))
