@@ -41,8 +41,6 @@ from mmserve.capacity_events import Autoscaler, BatchStation, OneAtATime, Shared
 from mmserve.capacity_inputs import SLO, Autoscaling, Profile, Workload
 from mmserve.capacity_replicas import EncoderPool, LLMReplica, Request
 
-COLOCATED_ENCODERS = ("beside", "in_step")  # Profile.colocated_encoder
-
 
 @dataclass(frozen=True)
 class Result:
@@ -86,8 +84,6 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
     the LLM replicas over `transport` ("object_store" or "grpc"). With `encoder_scaling` /
     `llm_scaling` the pools start at those counts and autoscale."""
     profile.transfer_seconds(0, transport)  # a transport it knows
-    if profile.colocated_encoder not in COLOCATED_ENCODERS:
-        raise ValueError(f"colocated_encoder must be one of {COLOCATED_ENCODERS}, not {profile.colocated_encoder!r}")
     rng = random.Random(seed)
     sim = Simulator()
     pending: set[int] = set()  # admitted requests without a first token (by index), for admission

@@ -8,6 +8,7 @@ import random
 from dataclasses import dataclass, replace
 
 TRANSPORTS = ("object_store", "grpc")
+COLOCATED_ENCODERS = ("beside", "in_step")  # Profile.colocated_encoder
 
 
 # -- what the simulation is told ---------------------------------------------------------------------
@@ -47,6 +48,10 @@ class Profile:
     # mmserve's colocated replica, an encoder thread beside the engine) or "in_step" (one at a
     # time: vLLM's colocated engine runs the ViT inside the step, so decodes wait for it)
     colocated_encoder: str = "beside"
+
+    def __post_init__(self):
+        if self.colocated_encoder not in COLOCATED_ENCODERS:
+            raise ValueError(f"colocated_encoder must be one of {COLOCATED_ENCODERS}, not {self.colocated_encoder!r}")
 
     def encode_seconds(self, tokens: float, items: int = 1) -> float:
         return self.encode_batch_s + self.encode_token_s * tokens

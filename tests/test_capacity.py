@@ -129,8 +129,8 @@ def test_a_colocated_replica_encoding_inside_its_step_runs_one_at_a_time():
     result = simulate(profile, workload, 0, 1, arrivals=[(0.0, 1), (1.1, 1)])
     assert result.ttft_p50_s == pytest.approx(1.1) and result.ttft_p99_s == pytest.approx(1.3)
     assert result.tpot_p99_s == pytest.approx(0.2)  # the same mean TPOT as beside: one 1 s wait, not ten slow steps
-    with pytest.raises(ValueError, match="colocated_encoder"):
-        simulate(replace(profile, colocated_encoder="inside"), workload, 0, 1, arrivals=[(0.0, 1)])
+    with pytest.raises(ValueError, match="colocated_encoder"):  # refused where the profile is made
+        replace(profile, colocated_encoder="inside")
 
 
 def test_on_a_shared_box_the_router_takes_the_cores_too():
