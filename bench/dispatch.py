@@ -22,8 +22,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from deployments.ingress import free_loopback_port  # noqa: E402
-from tests.media_factory import data_uri, image_bytes  # noqa: E402
+from deployments.cli.ingress_modes import free_loopback_port  # noqa: E402
+from tests.support.media_factory import data_uri, image_bytes  # noqa: E402
 
 MODES = {"pass_refs": False, "await": True}
 
@@ -55,7 +55,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.serve.app import build_app
     from mmserve.tiny import ensure_tiny_model
 
     model = ns.model or str(ensure_tiny_model())

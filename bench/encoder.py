@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 from encoder_service.batching import BatchConfig  # noqa: E402
 from encoder_service.pool import EncoderPool, PoolConfig  # noqa: E402
-from mmserve.media import EncodeItem, MediaItem, MediaKind  # noqa: E402
+from mmserve.request.media import EncodeItem, MediaItem, MediaKind  # noqa: E402
 
 REAL_SIDES = (224, 448, 672, 896, 1024)
 

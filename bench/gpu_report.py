@@ -9,7 +9,7 @@ docs/gpu-figures.md regenerated from the whole file.
 Each part runs what already measures (subprocesses; their last JSON line is read) and adds its
 figures to the run's record; every figure is in every record, null when this run did not measure
 it. On CUDA every part fits in 8 minutes on an H100:
-- tests: tests/test_gpu_app.py (the app on one GPU) -> gpu_app_tests {passed, failed, skipped}.
+- tests: tests/gpu/test_gpu_app.py (the app on one GPU) -> gpu_app_tests {passed, failed, skipped}.
 - engine: bench/llm.py (Qwen2-VL-2B's LM, random bf16) -> steady decode at batch 1, 64, and 4 over
   8k tokens, each against its bound: (weight bytes + KV bytes read per step) / peak memory bandwidth.
 - encoder: bench/encoder.py (the full-size Qwen2-VL vision tower) -> forward images/s and MFU against
@@ -91,7 +91,7 @@ FIGURES = (
 )
 UNITS = {f.name: f.unit for f in FIGURES}
 
-# CPU: the small sizes the benches' own smallest runs use (tests/test_bench_scripts.py)
+# CPU: the small sizes the benches' own smallest runs use (tests/unit/test_bench_scripts.py)
 CPU_ARGS = {
     "llm": ["--prompt-len", "8", "--max-tokens", "4", "--concurrency", "1", "--decode-tokens", "16",
             "--long-context", "0"],
@@ -152,7 +152,7 @@ def tests_part(ns, peak: Peaks) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         code, _ = run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                       f"--junitxml={junit}", "tests/test_gpu_app.py"], ns.timeout)
+                       f"--junitxml={junit}", "tests/gpu/test_gpu_app.py"], ns.timeout)
         if code not in (0, 1, 5) or not junit.exists():  # 1: some failed (a figure); 5: none collected
             raise PartFailed(f"pytest exited {code}")
         suite = ET.parse(junit).getroot()

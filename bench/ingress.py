@@ -1,5 +1,5 @@
 """Serve's ingress modes side by side: `mmserve serve --ingress proxy|direct|haproxy`, and `proxy`
-with the header cap `mmserve serve` puts in front beyond loopback (deployments/ingress.py).
+with the header cap `mmserve serve` puts in front beyond loopback (deployments/cli/ingress_modes.py).
 
 Each mode serves the embedded tiny model from its own `mmserve serve` (one after the other, same
 CPUs). Per mode: /health and a 1-token request one at a time (the ingress cost: the tiny model's
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from deployments.ingress import free_loopback_port
+from deployments.cli.ingress_modes import free_loopback_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("proxy", "direct", "haproxy", "proxy-capped")
@@ -84,7 +84,7 @@ class Server:
         env.update(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
         self.log = log_dir / f"{mode}.log"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "deployments.cli", "serve", "--ingress", ingress, "--host", host,
+            [sys.executable, "-m", "deployments.cli.main", "serve", "--ingress", ingress, "--host", host,
              "--http-port", str(self.http_port), "--grpc-port", str(free_loopback_port()), "--no-dashboard"],
             cwd=ROOT, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 

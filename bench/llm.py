@@ -45,8 +45,8 @@ from llm_service.engine import LLMEngine, LLMRequest  # noqa: E402
 from llm_service.kv_cache import bytes_per_block  # noqa: E402
 from llm_service.model import LanguageModel  # noqa: E402
 from llm_service.sampling import SamplingParams  # noqa: E402
-from mmserve.embeddings import ItemEmbedding  # noqa: E402
-from mmserve.media import PlaceholderRange  # noqa: E402
+from mmserve.request.embeddings import ItemEmbedding  # noqa: E402
+from mmserve.request.media import PlaceholderRange  # noqa: E402
 
 SIZES = {
     # CPU default: small enough for a few minutes on 2 cores, big enough that compute shows

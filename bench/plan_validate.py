@@ -12,7 +12,7 @@ checkpoint and this machine's CPUs, it runs `bench serve`'s load:
   times (the noise floor; the same requests again would hit the embedding and prefix caches);
 - the flood once more, with fresh requests (`capacity_drift`: how far the box's own speed moved
   across the held-out runs; the fitted capacity is the mean of the two floods').
-`mmserve.capacity_fit.validate` fits a profile on the fit runs only, simulates the held-out rates and
+`mmserve.capacity.fit.validate` fits a profile on the fit runs only, simulates the held-out rates and
 reports the relative errors. The last line is one JSON object with `max_rel_error`,
 `max_rel_error_p99_ttft`, `saturated_point_rel_error`, `real_run_spread` and `capacity_drift`.
 `--record FILE` keeps the run set; `--runs FILE` validates a kept one (seconds, no Ray).
@@ -31,7 +31,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mmserve.capacity_fit import FIT_LOADED_CONCURRENCY, observed, print_validation, validate  # noqa: E402
+from mmserve.capacity.fit import FIT_LOADED_CONCURRENCY, observed, print_validation, validate  # noqa: E402
 
 MODES = {"disaggregated": (1, 1), "colocated": (0, 2)}  # (encoder, LLM) replicas: two of them either way
 SATURATING_CONCURRENCY = 12
@@ -43,7 +43,7 @@ RATE_FACTORS = (0.4, 0.8, 2.0)  # x the capacity the saturated fit run measured
 
 def collect(num_prompts: int, seed: int = 0, num_cpus: float = 2.0) -> dict:
     from bench.serve import bench_checkpoint, run_load, start_app, stop_app
-    from bench.serve_dataset import DatasetConfig, ResolutionBucket, arrival_times, generate_requests
+    from mmserve.loadgen.dataset import DatasetConfig, ResolutionBucket, arrival_times, generate_requests
 
     model = bench_checkpoint(Path(tempfile.gettempdir()) / "mmserve-bench-serve-qwen2_vl-v1")
     # one resolution (a fixed token count per image), 1-2 images, no repeats: the workload the model is told
@@ -55,7 +55,7 @@ def collect(num_prompts: int, seed: int = 0, num_cpus: float = 2.0) -> dict:
                          ("fit-refused", 6)))
     held_out = [generate_requests(dataset, num_prompts, seed + 10 + k) for k in range(len(RATE_FACTORS))]
     twin = generate_requests(dataset, num_prompts, seed + 20)  # the repeat: as the middle rate's, other images
-    from deployments.config import AppArgs
+    from deployments.serve.config import AppArgs
 
     # one Router replica: its admission bound is the app's (the model refuses past it, as the app does)
     pending = AppArgs.model_fields["max_pending_requests"].default

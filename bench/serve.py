@@ -10,8 +10,8 @@
     python bench/serve.py --compare colocated --device cuda --model DIR --dtype bfloat16  # one GPU, halves
     mmserve bench serve ...                              # the same
 
-Requests are vLLM `random-mm`-shaped (bench/serve_dataset.py); metrics and JSON field names are
-vLLM's `bench serve` ones (bench/serve_metrics.py). `--compare colocated` is fair by construction:
+Requests are vLLM `random-mm`-shaped (mmserve/loadgen/dataset.py); metrics and JSON field names are
+vLLM's `bench serve` ones (mmserve/loadgen/metrics.py). `--compare colocated` is fair by construction:
 the same total --num-cpus in both modes (disaggregated: one encoder + one LLM replica with half
 each; colocated: two LLM replicas with half each), so torch threads per replica (Ray sets
 OMP_NUM_THREADS to a replica's num_cpus) are equal too, and SLOs come from an unloaded run of the
@@ -37,12 +37,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.serve_dataset import (  # noqa: E402
+from mmserve.loadgen.dataset import (  # noqa: E402
     DatasetConfig, RequestSpec, ResolutionBucket, arrival_times, generate_requests, prompt_text, synthesize_image,
     system_text,
 )
-from bench.serve_metrics import SLO, RequestRecord, compute_metrics  # noqa: E402
-from deployments.ingress import free_loopback_port  # noqa: E402
+from mmserve.loadgen.metrics import SLO, RequestRecord, compute_metrics  # noqa: E402
+from deployments.cli.ingress_modes import free_loopback_port  # noqa: E402
 
 QUICK_BUCKETS = (ResolutionBucket(112, 112, 0.3), ResolutionBucket(224, 224, 0.5), ResolutionBucket(336, 336, 0.2))
 
@@ -88,7 +88,7 @@ async def one_request(client, url: str, body: dict, send_at: float) -> RequestRe
 
 def grpc_request(spec: RequestSpec, model_name: str, images: dict[int, bytes], system_words: int = 48):
     """The same request as `request_body`, as a `mmserve.v1` GenerateRequest (greedy, ignore_eos)."""
-    from mmserve.client import request, user
+    from mmserve.rpc.vlm_client import request, user
     from protos.mmserve.v1 import vlm_pb2
 
     messages = [user(prompt_text(spec), [images[i.seed] for i in spec.images])]
@@ -207,9 +207,9 @@ def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: 
     import ray
     from ray import serve
 
-    from deployments.app import build_app
-    from deployments.config import AppArgs
-    from deployments.router import grpc_options
+    from deployments.serve.app import build_app
+    from deployments.serve.config import AppArgs
+    from deployments.serve.router import grpc_options
 
     half = num_cpus / 2
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
@@ -241,7 +241,7 @@ def vit_seconds(model: str, specs: list[RequestSpec], dtype: str, threads: int, 
     import torch
 
     from encoder_service import VisionEncoder
-    from mmserve.media import MediaItem, MediaKind
+    from mmserve.request.media import MediaItem, MediaKind
 
     torch.set_num_threads(max(1, threads))
     encoder = VisionEncoder(model, dtype=dtype, device=device)

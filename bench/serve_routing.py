@@ -22,8 +22,8 @@ import statistics
 import time
 
 from bench.serve import QUICK_BUCKETS, run_load, start_app, stop_app, table
-from bench.serve_dataset import DatasetConfig, RequestSpec, arrival_times, generate_requests
-from bench.serve_metrics import SLO, compute_metrics
+from mmserve.loadgen.dataset import DatasetConfig, RequestSpec, arrival_times, generate_requests
+from mmserve.loadgen.metrics import SLO, compute_metrics
 
 WORKLOADS = {
     "A": dict(image_pool=20, repeat_share=0.3, system_prompts=5, system_share=0.5),
@@ -49,7 +49,7 @@ def ideal_hits(specs: list[RequestSpec]) -> tuple[int, int]:
 def cluster_hits() -> int:
     from ray import serve
 
-    from deployments.encoder import encoder_stats
+    from deployments.serve.encoder import encoder_stats
 
     stats = encoder_stats(serve.get_deployment_handle("Encoder", app_name="bench"), REPLICAS[0])
     return sum(s["cache_hits"] + s["dedup_hits"] for s in stats.values())

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from bench.serve import one_request
-from deployments.ingress import free_loopback_port
+from deployments.cli.ingress_modes import free_loopback_port
 
 CLIPS = {"30s": 30, "10s": 10}  # name -> seconds, at 1280x720 and 30 fps
 WIDTH, HEIGHT, FPS = 1280, 720, 30
@@ -64,7 +64,7 @@ def start(model: str, clip_dir: Path, num_cpus: float) -> dict[str, str]:
     import ray
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.serve.app import build_app
 
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     port = free_loopback_port()

@@ -252,7 +252,7 @@ def start_app(ns: argparse.Namespace) -> str:
     import ray
     from ray import serve
 
-    from deployments.app import build_app
+    from deployments.serve.app import build_app
     from mmserve.tiny import ensure_tiny_model
 
     model = ns.model or str(ensure_tiny_model("qwen2_vl", Path(tempfile.gettempdir()) / "mmserve-soak-qwen2_vl"))

@@ -8,7 +8,7 @@ import json
 import random
 from dataclasses import dataclass
 
-from tests.media_factory import data_uri, image_bytes
+from tests.support.media_factory import data_uri, image_bytes
 
 MAX_TOKENS = 40  # long enough that a stream can be caught with >= 2 tokens sent and >= 8 left
 SIZES = [(64, 64), (120, 160), (224, 224), (300, 200), (480, 360), (640, 480)]

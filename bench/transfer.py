@@ -22,7 +22,7 @@ import time
 import ray
 import torch
 
-from deployments.ingress import free_loopback_port
+from deployments.cli.ingress_modes import free_loopback_port
 
 SIZES_MB = (0.8, 4.0, 20.0)
 HIDDEN = 2048
@@ -41,8 +41,8 @@ def _tensor(mb: float, dtype: torch.dtype, seed: int) -> torch.Tensor:
 @ray.remote(num_cpus=0)
 class Encoder:
     def __init__(self):
-        from deployments.config import GrpcArgs
-        from deployments.transport import GrpcPublisher
+        from deployments.serve.config import GrpcArgs
+        from deployments.serve.transport import GrpcPublisher
 
         self.publisher = GrpcPublisher(GrpcArgs(bind_host="127.0.0.1", token="bench"), host="127.0.0.1")
 
@@ -51,7 +51,7 @@ class Encoder:
 
     def embedding(self, shape: tuple[int, int, int], seed: int):
         """An `ItemEmbedding` of `parts` x `rows` x `hidden` random bf16 values."""
-        from mmserve.embeddings import ItemEmbedding
+        from mmserve.request.embeddings import ItemEmbedding
 
         parts, rows, hidden = shape
         gen = torch.Generator().manual_seed(seed)
@@ -59,14 +59,14 @@ class Encoder:
                              key=f"family-{shape}-{seed}")
 
     def publish_embedding(self, shape: tuple[int, int, int], seed: int):
-        from mmserve.media import EncodeItem, MediaItem, MediaKind
+        from mmserve.request.media import EncodeItem, MediaItem, MediaKind
 
         item = EncodeItem(MediaItem(MediaKind.IMAGE, (f"family-{shape}-{seed}".encode(),)), None, 0)
         return self.publisher.publish([item], [self.embedding(shape, seed)])[0]
 
     def publish(self, mb: float, dtype: str, seed: int):
-        from mmserve.embeddings import ItemEmbedding
-        from mmserve.media import EncodeItem, MediaItem, MediaKind
+        from mmserve.request.embeddings import ItemEmbedding
+        from mmserve.request.media import EncodeItem, MediaItem, MediaKind
 
         item = EncodeItem(MediaItem(MediaKind.IMAGE, (f"{mb}-{dtype}-{seed}".encode(),)), None, 0)
         embedding = ItemEmbedding((_tensor(mb, getattr(torch, dtype), seed),), key=f"{mb}-{dtype}-{seed}")
@@ -76,8 +76,8 @@ class Encoder:
 @ray.remote(num_cpus=0)
 class LLM:
     def __init__(self):
-        from deployments.config import GrpcArgs
-        from deployments.transport import GrpcFetcher
+        from deployments.serve.config import GrpcArgs
+        from deployments.serve.transport import GrpcFetcher
 
         self.fetcher = GrpcFetcher(GrpcArgs(token="bench"))
 
@@ -184,9 +184,9 @@ def bench_ingress(iters: int) -> dict:
     import httpx
     from ray import serve
 
-    from deployments.app import build_app
-    from deployments.router import grpc_options
-    from mmserve.client import VLMClient, user
+    from deployments.serve.app import build_app
+    from deployments.serve.router import grpc_options
+    from mmserve.rpc.vlm_client import VLMClient, user
 
     http_port, grpc_port = free_loopback_port(), free_loopback_port()
     serve.start(http_options={"host": "127.0.0.1", "port": http_port}, grpc_options=grpc_options(port=grpc_port))

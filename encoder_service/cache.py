@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 from cachetools import LRUCache
 
-from mmserve.embeddings import ItemEmbedding
-from mmserve.media import MediaItem
+from mmserve.request.embeddings import ItemEmbedding
+from mmserve.request.media import MediaItem
 
 
 @dataclass(frozen=True)

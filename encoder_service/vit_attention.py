@@ -11,7 +11,7 @@ segments with one small call each, in every layer.
   16 heads of 80): 4.4 ms per layer vs 8.3 ms for the Triton kernel and 77 ms for one SDPA
   call per segment (see docs/attention.md).
 - CUDA otherwise (float32, or an older torch): the Triton varlen kernel
-  (`mmserve.triton_attention.varlen_attention`), bidirectional within each segment, no padding.
+  (`mmserve.kernels.triton_attention.varlen_attention`), bidirectional within each segment, no padding.
 - CPU (or no usable Triton): `grouped_sdpa`, one batched SDPA per distinct segment length
   (a single one when all segments have one length: one item, windows, video frames).
 """
@@ -42,7 +42,7 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
         cu = cu_seq_lens_q.to(torch.int32)
         out = flash(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, max_len, max_len, scale=scaling)
     elif _use_triton(q):
-        from mmserve.triton_attention import varlen_attention
+        from mmserve.kernels.triton_attention import varlen_attention
 
         max_len = int(max_length_q) if max_length_q is not None else int(lengths.max())
         out = varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu_seq_lens_q, max_len, scaling)
@@ -101,7 +101,7 @@ def _use_triton(q: torch.Tensor) -> bool:
     if q.device.type != "cuda":
         return False
     try:
-        from mmserve.triton_attention import unsupported_reason
+        from mmserve.kernels.triton_attention import unsupported_reason
     except ImportError:
         return False
     return unsupported_reason(q.device, q.dtype, q.shape[-1]) is None

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmserve.cuda_graph_ladder import capture_ladder
+from mmserve.kernels.cuda_graph_ladder import capture_ladder
 
 logger = logging.getLogger(__name__)
 

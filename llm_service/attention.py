@@ -7,7 +7,7 @@ from the pool* through its block table, packed (varlen) over all scheduled seque
 
 Two backends, chosen and checked once at startup by `choose_backend`:
 
-- `triton` (CUDA default): `mmserve.triton_attention.paged_attention` straight on the pool at
+- `triton` (CUDA default): `mmserve.kernels.triton_attention.paged_attention` straight on the pool at
   any block size, causal over each sequence's cached prefix, GQA, per-layer sliding windows.
   On CPU only under `TRITON_INTERPRET=1` (tests). See docs/attention.md.
 - `sdpa` (CPU default): one SDPA call over the packed queries against the gathered K/V of every
@@ -125,7 +125,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if scaling is None:
         scaling = head_dim ** -0.5
     if batch.backend == "triton":
-        from mmserve.triton_attention import paged_attention as triton_paged
+        from mmserve.kernels.triton_attention import paged_attention as triton_paged
 
         out = triton_paged(q.contiguous(), k_cache, v_cache, batch.cu_seqlens_q, batch.context_lens,
                            batch.block_tables, batch.max_query_len, scaling, window, batch.kv_splits)
@@ -171,7 +171,7 @@ def choose_backend(requested: str, device: torch.device, dtype: torch.dtype, hea
                            "K/V, O(tokens x context) memory; meant for debugging")
         return backend
     try:
-        from mmserve.triton_attention import unsupported_reason
+        from mmserve.kernels.triton_attention import unsupported_reason
     except ImportError as e:
         raise ValueError(f"attention backend 'triton' needs the triton package: {e}") from e
     if reason := unsupported_reason(device, dtype, head_dim):

@@ -17,7 +17,7 @@ class EngineConfig:
     layers also keep a recurrent state per running sequence, in state slots taken from the same
     budget (`max_num_seqs` of them, as long as they fill at most half of it, at least one);
     `num_state_slots` overrides that. With prefix caching, they also keep state snapshots at
-    prompt block boundaries (`llm_service.state_snapshots`): `state_snapshot_share` of the budget
+    prompt block boundaries (`llm_service.hybrid.state_snapshots`): `state_snapshot_share` of the budget
     (0: prefix caching off for them), or `num_state_snapshots` rows (with `num_kv_blocks`: one
     per block unless given). `max_num_batched_tokens`
     is the per-step token budget; with `enable_chunked_prefill` a long prompt is prefilled
@@ -32,7 +32,7 @@ class EngineConfig:
     the device runs behind the host, off elsewhere (a CPU runs each op as it is launched).
     `split_kv_decode`: the Triton kernel splits a decode step's keys into slices when its
     sequences x KV heads are too few programs to fill the device (flash-decoding;
-    `mmserve.triton_attention.decode_splits`). `fused_ops`: on CUDA with the Triton backend, the
+    `mmserve.kernels.triton_attention.decode_splits`). `fused_ops`: on CUDA with the Triton backend, the
     decoder's RMSNorms and SiLU MLPs run fused (`llm_service.fused_ops`).
     """
 

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from mmserve.cuda_graph_ladder import capture_ladder
+from mmserve.kernels.cuda_graph_ladder import capture_ladder
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ forward, the sampler picks one token per sequence that caught up, and finished o
 requests give their KV blocks (and state slots, for models with linear-attention layers) back
 at once. Events leave through each request's callback. With prefix caching, models with
 linear-attention layers also keep state snapshots at prompt block boundaries
-(`llm_service.state_snapshots`): the step's sequences that stopped at one are copied there.
+(`llm_service.hybrid.state_snapshots`): the step's sequences that stopped at one are copied there.
 
 With `async_scheduling` (on CUDA by default) steps overlap: the sampled ids stay on the device
 and feed the next step's inputs (`BatchState`), one non-blocking copy brings them to pinned host

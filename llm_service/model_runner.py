@@ -15,9 +15,9 @@ from llm_service.config import EngineConfig
 from llm_service.kv_cache import allocate_pool, bytes_per_block, pool_sizes
 from llm_service.model import LanguageModel
 from llm_service.scheduler import ScheduledSeq
-from llm_service.state_cache import StateBatch, StatePool, resolve_config, slot_bytes
-from llm_service.state_slots import StateSlotManager
-from llm_service.state_snapshots import SnapshotManager
+from llm_service.hybrid.state_cache import StateBatch, StatePool, resolve_config, slot_bytes
+from llm_service.hybrid.state_slots import StateSlotManager
+from llm_service.hybrid.state_snapshots import SnapshotManager
 from llm_service.transfer import ints, to_device
 
 logger = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class ModelRunner:
     positions from each request's plan (shaped for the decoder by the family's LM face); `run`
     runs the `transformers` decoder once with an `AttentionBatch` as its mask (see `llm_service.attention`)
     and, for a model with linear-attention layers, a `StateBatch` over the sequences' state slots
-    (see `llm_service.state_cache`), and returns the logits of the last token of each sequence that
+    (see `llm_service.hybrid.state_cache`), and returns the logits of the last token of each sequence that
     has caught up with its tokens (the ones that sample this step). `config` is the engine config
     as this model runs it (`state_cache.resolve_config`). With prefix caching, the state pool
     also holds the state snapshots: restored into slots by `prepare`, saved by `save_snapshots`.
@@ -102,10 +102,10 @@ class ModelRunner:
 
     def _kv_splits(self, num_seqs: int, max_query_len: int, max_context_len: int) -> int:
         """Key slices of a step's attention, once per step: split-K only for all-decode steps on the
-        Triton kernel (`mmserve.triton_attention.decode_splits`)."""
+        Triton kernel (`mmserve.kernels.triton_attention.decode_splits`)."""
         if self.backend != "triton" or not self.config.split_kv_decode or max_query_len != 1:
             return 1
-        from mmserve.triton_attention import decode_splits
+        from mmserve.kernels.triton_attention import decode_splits
 
         return decode_splits(num_seqs, self.num_kv_heads, max_context_len, self.device)
 

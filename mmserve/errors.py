@@ -1,6 +1,6 @@
 """Errors that cross process boundaries with a meaning callers can act on.
 
-`deployments.failures.classify` is the one place that maps these (and everything else) to
+`deployments.core.failures.classify` is the one place that maps these (and everything else) to
 HTTP statuses and gRPC codes.
 """
 

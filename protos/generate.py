@@ -3,7 +3,7 @@
 Run from anywhere; needs grpcio-tools (the `test` extra). Files are compiled with the repository
 root as the include path, so the generated modules import each other by package path
 (`protos.mmserve.v1.vlm_pb2`) and never shadow the top-level `mmserve` package.
-`tests/test_protos.py` fails when the checked-in code drifts from the .proto files.
+`tests/unit/test_protos.py` fails when the checked-in code drifts from the .proto files.
 """
 
 from __future__ import annotations

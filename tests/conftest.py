@@ -6,7 +6,7 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels (tests marked `kernel`) run in the interpreter on CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest_plugins = ("tests.serve_fixtures",)
+pytest_plugins = ("tests.support.serve_fixtures",)
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 

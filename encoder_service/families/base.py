@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmserve.media import MediaItem, decode_image, video_frames
+from mmserve.request.media import MediaItem, decode_image, video_frames
 
 
 @dataclass(frozen=True, eq=False)

@@ -7,9 +7,9 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
-from llm_service.state_cache import StateSpec
+from llm_service.hybrid.state_cache import StateSpec
 from llm_service.transfer import to_device
-from mmserve.positions import PositionPlan
+from mmserve.request.positions import PositionPlan
 
 
 class LanguageModelModules(nn.Module):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from llm_service.families.base import LanguageModelModules, LMFace
-from mmserve.positions import LinearPositions, PositionPlan
+from mmserve.request.positions import LinearPositions, PositionPlan
 
 _DECODER_PREFIXES = ("model.language_model.", "language_model.model.")
 _LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")

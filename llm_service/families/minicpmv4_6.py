@@ -13,8 +13,8 @@ from torch import nn
 
 from llm_service.families.base import LanguageModelModules, LMFace
 from llm_service.families.qwen3_5_text import build_decoder, state_layers
-from llm_service.state_cache import StateSpec
-from mmserve.positions import LinearPositions, PositionPlan
+from llm_service.hybrid.state_cache import StateSpec
+from mmserve.request.positions import LinearPositions, PositionPlan
 
 _DECODER_PREFIX = "model.language_model."
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from llm_service.families.base import LanguageModelModules, LMFace
 from mmserve.checkpoint import strip_prefix
-from mmserve.positions import LinearPositions, PositionPlan
+from mmserve.request.positions import LinearPositions, PositionPlan
 
 # transformers >= 4.52 layout first, then the legacy one of every released checkpoint.
 _DECODER_PREFIXES = ("model.language_model.", "model.")

@@ -5,7 +5,7 @@ released models) and which are full attention. Full-attention layers keep the pa
 K/V in the block pool). Linear-attention layers keep a per-sequence state instead: their module
 becomes `PackedGatedDeltaNet`, the same module (parameters, names, checkpoint keys) with a
 forward over the packed step that reads and writes the sequences' state slots
-(`llm_service.gated_deltanet`). Faces built on this decoder declare those layers through
+(`llm_service.hybrid.gated_deltanet`). Faces built on this decoder declare those layers through
 `state_layers`, so the engine gives every running sequence a slot.
 """
 
@@ -15,8 +15,8 @@ import torch
 from transformers.activations import ACT2FN
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-from llm_service.gated_deltanet import causal_conv1d, gated_delta_rule
-from llm_service.state_cache import StateBatch, StateSpec
+from llm_service.hybrid.gated_deltanet import causal_conv1d, gated_delta_rule
+from llm_service.hybrid.state_cache import StateBatch, StateSpec
 
 LINEAR_ATTENTION = "linear_attention"
 

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from llm_service.families.base import LanguageModelModules, LMFace
-from mmserve.positions import LinearPositions, PositionPlan
+from mmserve.request.positions import LinearPositions, PositionPlan
 
 _HUB_MOE = (
     (r"\.moe\.gate\.weight$", ".mlp.gate.weight"),

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from mmserve.media import MediaItem, MediaKind, PlaceholderRange
-from mmserve.positions import PositionPlan
+from mmserve.request.media import MediaItem, MediaKind, PlaceholderRange
+from mmserve.request.positions import PositionPlan
 
 
 @dataclass(frozen=True)

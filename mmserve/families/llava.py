@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from mmserve.errors import InvalidRequest
 from mmserve.families.base import ItemExpansion, RouterFace
-from mmserve.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
-from mmserve.positions import LinearPositions, PositionPlan
+from mmserve.request.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
+from mmserve.request.positions import LinearPositions, PositionPlan
 
 IMAGE_TOKEN = "<image>"
 # Rows a tower puts before its patches (CLIP: the CLS embedding).

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmserve.families.base import ItemExpansion, RouterFace, StreamGroup
-from mmserve.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
-from mmserve.positions import LinearPositions, PositionPlan
+from mmserve.request.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
+from mmserve.request.positions import LinearPositions, PositionPlan
 
 
 def _ensure_divide(length: float, divisor: int) -> int:

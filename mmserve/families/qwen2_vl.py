@@ -17,9 +17,9 @@ import torch
 from mmserve.checkpoint import processor_settings
 from mmserve.errors import InvalidRequest
 from mmserve.families.base import ItemExpansion, RouterFace, StreamGroup
-from mmserve.media import MediaItem, MediaKind, PlaceholderRange
-from mmserve.mrope import mrope_positions, video_t_factor
-from mmserve.positions import ExplicitPositions, LinearPositions, PositionPlan
+from mmserve.request.media import MediaItem, MediaKind, PlaceholderRange
+from mmserve.request.mrope import mrope_positions, video_t_factor
+from mmserve.request.positions import ExplicitPositions, LinearPositions, PositionPlan
 
 IMAGE_TOKEN = "<|image_pad|>"
 VIDEO_TOKEN = "<|video_pad|>"

@@ -26,9 +26,9 @@ from mmserve.families.qwen2_vl import (
     image_grid,
     read_preprocess_config,
 )
-from mmserve.media import MediaItem, MediaKind, PlaceholderRange
-from mmserve.mrope import mrope_positions
-from mmserve.positions import ExplicitPositions, LinearPositions, PositionPlan
+from mmserve.request.media import MediaItem, MediaKind, PlaceholderRange
+from mmserve.request.mrope import mrope_positions
+from mmserve.request.positions import ExplicitPositions, LinearPositions, PositionPlan
 
 VISION_START = "<|vision_start|>"
 VISION_END = "<|vision_end|>"

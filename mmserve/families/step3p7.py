@@ -18,8 +18,8 @@ from pathlib import Path
 
 from mmserve.errors import InvalidRequest
 from mmserve.families.base import ItemExpansion, RouterFace
-from mmserve.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
-from mmserve.positions import LinearPositions, PositionPlan
+from mmserve.request.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
+from mmserve.request.positions import LinearPositions, PositionPlan
 
 IMAGE_TOKEN = "<im_patch>"
 STRUCTURE = ("<patch_start>", "<patch_end>", "<patch_newline>", "<im_start>", "<im_end>")

@@ -1,0 +1,161 @@
+"""The public gRPC API (`mmserve.v1.VLMService`, `grpc.health.v1`) as a thin adapter of the
+request core: protobuf to a `ChatRequest`, a `Generation` to responses, failures to status codes.
+
+Ray Serve's gRPC proxy (port 9000 by default) deserializes each request with the generated code
+and calls the method of the application's ingress deployment that has the RPC's name, passing
+the protobuf request and a `RayServegRPCContext` as `grpc_context`; `router.Router`'s methods
+of those names call `GrpcAdapter` (`router.grpc_options` registers the services). The proxy
+picks the application by the "application" metadata (optional while only one runs).
+
+Errors: the status code and details are set on `grpc_context` and an empty response (carrying
+only `request_id`) is returned, so that the trailing metadata with the request id reaches the
+client too: the proxy drops trailing metadata of a method that raises. A stream that fails
+therefore ends with one such empty response, then the error status.
+
+Message size: the proxy accepts requests up to RAY_SERVE_GRPC_MAX_MESSAGE_SIZE (env var read
+by the proxy, default 2 GiB - 1); the app then rejects requests larger than
+`limits.max_request_bytes` (64 MiB by default) with INVALID_ARGUMENT. Clients need no option
+to send large images (gRPC clients do not cap what they send).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from deployments.core.request_core import ChatRequest, RequestCore, new_request_id
+from deployments.core.generation import Generation, GenerationOptions, client_request_id
+from mmserve.errors import InvalidRequest
+from mmserve.request.media import MediaKind, MediaSource
+from mmserve.request.prompt_plan import Message
+from protos.mmserve.v1 import vlm_pb2
+
+logger = logging.getLogger("ray.serve")
+REQUEST_ID_KEY = "x-request-id"
+VLM_SERVICE = vlm_pb2.DESCRIPTOR.services_by_name["VLMService"].full_name
+
+def options(request: vlm_pb2.GenerateRequest) -> GenerationOptions:
+    """The sampling options: each `SamplingParams` field passes to the `GenerationOptions` field
+    of its name (unset optional fields: the model's default); InvalidRequest when out of range."""
+    s = request.sampling
+    given = {}
+    for field in s.DESCRIPTOR.fields:
+        if field.has_presence and not s.HasField(field.name):
+            continue
+        value = getattr(s, field.name)
+        given[field.name] = tuple(value) if field.is_repeated else value
+    return GenerationOptions(**given)
+
+
+def chat_request(request: vlm_pb2.GenerateRequest) -> ChatRequest:
+    def part(i: int, j: int, p: vlm_pb2.ContentPart) -> str | MediaSource:
+        kind = p.WhichOneof("part")
+        if kind == "text":
+            return p.text
+        if kind in ("image", "image_url"):
+            return MediaSource(MediaKind.IMAGE, (getattr(p, kind),))
+        if kind == "video":
+            return MediaSource(MediaKind.VIDEO, tuple(p.video.frames), fps=p.video.fps or 2.0)
+        if kind in ("video_file", "video_url"):
+            return MediaSource(MediaKind.VIDEO, (getattr(p, kind),), container=True)
+        raise InvalidRequest(f"messages[{i}].content[{j}]: empty content part")
+
+    messages = tuple(Message(m.role, tuple(part(i, j, p) for j, p in enumerate(m.content)))
+                     for i, m in enumerate(request.messages))
+    return ChatRequest(messages, options(request), request.model or None)
+
+
+def usage(gen: Generation) -> vlm_pb2.Usage:
+    prompt = len(gen.plan.token_ids)
+    return vlm_pb2.Usage(
+        prompt_tokens=prompt, image_tokens=gen.plan.num_media_tokens,
+        completion_tokens=gen.num_generated, total_tokens=prompt + gen.num_generated,
+    )
+
+
+async def completion(gen: Generation, request_id: str) -> vlm_pb2.GenerateResponse:
+    """The whole answer; `request_id` is the id shown to the client (its own, when it sent one)."""
+    text, tokens, finish = [], [], ""
+    async for delta in gen.deltas():
+        text.append(delta.text)
+        if delta.token_id is not None:
+            tokens.append(delta.token_id)
+        finish = delta.finish_reason or finish
+    return vlm_pb2.GenerateResponse(
+        request_id=request_id, text="".join(text), token_ids=tokens, finish_reason=finish, usage=usage(gen),
+    )
+
+
+async def stream(gen: Generation, request_id: str) -> AsyncIterator[vlm_pb2.GenerateResponse]:
+    """One response per delta; the last carries finish_reason and usage."""
+    async for delta in gen.deltas():
+        response = vlm_pb2.GenerateResponse(
+            request_id=request_id, text=delta.text,
+            token_ids=[delta.token_id] if delta.token_id is not None else [],
+            finish_reason=delta.finish_reason or "",
+        )
+        if delta.finish_reason:
+            response.usage.CopyFrom(usage(gen))
+        yield response
+
+
+@dataclasses.dataclass
+class GrpcAdapter:
+    """The RPCs' bodies; the Serve deployment's methods of the RPCs' names call these."""
+
+    core: RequestCore
+
+    async def generate(self, request: vlm_pb2.GenerateRequest, grpc_context) -> vlm_pb2.GenerateResponse:
+        request_id = new_request_id()
+        shown_id = client_request_id(request.request_id, request_id)
+        try:
+            gen = await self._start(request, request_id, grpc_context)
+            response = await completion(gen, shown_id)
+        except Exception as e:
+            return self._failed(e, request_id, shown_id, grpc_context)
+        self.core.finished(gen)
+        grpc_context.set_trailing_metadata([(REQUEST_ID_KEY, shown_id)])
+        return response
+
+    async def generate_stream(self, request: vlm_pb2.GenerateRequest,
+                              grpc_context) -> AsyncIterator[vlm_pb2.GenerateResponse]:
+        request_id = new_request_id()
+        shown_id = client_request_id(request.request_id, request_id)
+        grpc_context.set_trailing_metadata([(REQUEST_ID_KEY, shown_id)])
+        try:
+            gen = await self._start(request, request_id, grpc_context)
+            async for response in stream(gen, shown_id):
+                yield response
+        except Exception as e:
+            yield self._failed(e, request_id, shown_id, grpc_context)
+            return
+        self.core.finished(gen)
+
+    def check(self, request: health_pb2.HealthCheckRequest, grpc_context) -> health_pb2.HealthCheckResponse:
+        """grpc.health.v1: SERVING for "" and the VLM service once this replica is up, NOT_SERVING
+        while it drains before shutdown."""
+        if request.service not in ("", VLM_SERVICE):
+            grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
+            grpc_context.set_details(f"unknown service {request.service!r}")
+            return health_pb2.HealthCheckResponse()
+        serving = health_pb2.HealthCheckResponse.NOT_SERVING if self.core.draining else health_pb2.HealthCheckResponse.SERVING
+        return health_pb2.HealthCheckResponse(status=serving)
+
+    async def _start(self, request: vlm_pb2.GenerateRequest, request_id: str, grpc_context) -> Generation:
+        async def read() -> ChatRequest:
+            self.core.check_size(request.ByteSize())
+            return chat_request(request)
+
+        authorization = dict(grpc_context.invocation_metadata()).get("authorization")
+        return await self.core.generate(authorization, read, request_id)
+
+    def _failed(self, e: Exception, request_id: str, shown_id: str, grpc_context) -> vlm_pb2.GenerateResponse:
+        failure = self.core.failed(e, request_id)
+        grpc_context.set_code(failure.grpc_code)
+        grpc_context.set_details(failure.message)
+        grpc_context.set_trailing_metadata([(REQUEST_ID_KEY, shown_id)])
+        return vlm_pb2.GenerateResponse(request_id=shown_id)

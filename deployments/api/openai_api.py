@@ -1,0 +1,216 @@
+"""The OpenAI-compatible HTTP API as a thin adapter of the request core: the OpenAI wire format
+to a `ChatRequest`, a `Generation` to a completion or SSE chunks, failures to status codes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from deployments.serve.config import RETRY_AFTER_S
+from deployments.core.request_core import ChatRequest, RequestCore, new_request_id
+from deployments.core.failures import Failure
+from deployments.core.generation import OPTION_NAMES, Delta, Generation, GenerationOptions
+from deployments.api.openai_models import ChatCompletionRequest, ImageURLPart, TextPart, VideoURLPart
+from mmserve.errors import InvalidRequest
+from mmserve.request.media import MediaKind, MediaSource
+from mmserve.request.prompt_plan import Message
+
+logger = logging.getLogger("ray.serve")
+
+
+def error_response(status: int, message: str, kind: str | None = None) -> JSONResponse:
+    kind = kind or ("authentication_error" if status == 401 else "invalid_request_error" if status < 500
+                    else "server_error")
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None  # busy / overloaded / lost
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status,
+                        headers=headers)
+
+
+def failure_response(failure: Failure) -> JSONResponse:
+    return error_response(failure.http_status, failure.message)
+
+
+async def read_body(request: Request, check_size: Callable[[int], None]) -> bytes:
+    """The body of a Starlette request, refused as soon as `check_size` says it is too large."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit():
+        check_size(int(length))
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        check_size(size)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _location(loc: tuple) -> str:
+    """Where a validation error is, as "messages.0.content.1.image_url.url": without the tags
+    pydantic inserts for the tagged unions of `ChatMessage.content` and of a content part."""
+    loc = list(loc)
+    if len(loc) > 3 and loc[2] == "content" and loc[3] in ("text", "parts"):
+        del loc[3]
+        if len(loc) > 4 and isinstance(loc[3], int) and loc[4] in ("text", "image_url", "video", "video_url"):
+            del loc[4]
+    return ".".join(str(x) for x in loc)
+
+
+def parse_body(body: bytes) -> ChatCompletionRequest:
+    try:
+        request = ChatCompletionRequest.model_validate_json(body)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors()[:3]:
+            where = _location(tuple(err.get("loc", ())))
+            problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        raise InvalidRequest("invalid request: " + "; ".join(problems)) from None
+    if request.n != 1:
+        raise InvalidRequest(f"n={request.n} is not supported; only n=1")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true")
+    return request
+
+
+def options(request: ChatCompletionRequest) -> GenerationOptions:
+    """The sampling options: fields named as in `GenerationOptions` pass as they are."""
+    given = {name: getattr(request, name) for name in OPTION_NAMES if name in ChatCompletionRequest.model_fields}
+    given = {name: value for name, value in given.items() if value is not None}
+    return GenerationOptions(**{
+        **given,
+        "max_tokens": request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens,
+        "stop": (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ()),
+        "stop_token_ids": tuple(request.stop_token_ids or ()),
+        "logprobs": (request.top_logprobs or 0) if request.logprobs else None,
+    })
+
+
+def chat_request(request: ChatCompletionRequest) -> ChatRequest:
+    def part(p) -> str | MediaSource:
+        if isinstance(p, TextPart):
+            return p.text
+        if isinstance(p, ImageURLPart):
+            return MediaSource(MediaKind.IMAGE, (p.image_url.url,))
+        if isinstance(p, VideoURLPart):
+            return MediaSource(MediaKind.VIDEO, (p.video_url.url,), container=True)
+        return MediaSource(MediaKind.VIDEO, tuple(p.video), fps=p.fps)
+
+    messages = tuple(
+        Message(m.role, (m.content,) if isinstance(m.content, str) else tuple(part(p) for p in m.content))
+        for m in request.messages
+    )
+    return ChatRequest(messages, options(request), request.model)
+
+
+def _logprob_entry(gen: Generation, delta: Delta) -> dict:
+    """OpenAI's `logprobs.content[i]` for one generated token."""
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = gen.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {**entry(delta.token_id, delta.logprob),
+            "top_logprobs": [entry(t, lp) for t, lp in delta.top_logprobs or ()]}
+
+
+async def completion(gen: Generation, model: str, with_token_ids: bool) -> dict:
+    text, tokens, logprobs, finish = [], [], [], None
+    async for delta in gen.deltas():
+        text.append(delta.text)
+        if delta.token_id is not None:
+            tokens.append(delta.token_id)
+            if delta.logprob is not None:
+                logprobs.append(_logprob_entry(gen, delta))
+        finish = delta.finish_reason
+    choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "finish_reason": finish}
+    if gen.sampling.logprobs is not None:
+        choice["logprobs"] = {"content": logprobs}
+    if with_token_ids:
+        choice["token_ids"] = tokens
+    return {
+        "id": gen.request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [choice], "usage": gen.usage(),
+    }
+
+
+async def sse(gen: Generation, model: str, with_token_ids: bool, include_usage: bool,
+              on_error: Callable[[Exception], Failure]) -> AsyncIterator[str]:
+    """SSE chunks; an error after the headers went out ends the stream with an error event."""
+    base = {"id": gen.request_id, "object": "chat.completion.chunk", "created": int(time.time()), "model": model}
+
+    def event(payload: dict) -> str:
+        return "data: " + json.dumps(payload) + "\n\n"
+
+    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
+        return event({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]})
+
+    yield chunk({"role": "assistant", "content": ""})
+    try:
+        async for delta in gen.deltas():
+            extra = {}
+            if with_token_ids:
+                extra["token_ids"] = [delta.token_id] if delta.token_id is not None else []
+            if delta.logprob is not None and delta.token_id is not None:
+                extra["logprobs"] = {"content": [_logprob_entry(gen, delta)]}
+            yield chunk({"content": delta.text} if delta.text else {}, delta.finish_reason, **extra)
+        if include_usage:
+            yield event({**base, "choices": [], "usage": gen.usage()})
+    except Exception as e:
+        failure = on_error(e)
+        yield event({"error": {"message": failure.message, "code": failure.http_status}})
+    yield "data: [DONE]\n\n"
+
+
+@dataclasses.dataclass
+class OpenAIAdapter:
+    """The routes' bodies; the Serve deployment's FastAPI routes call these."""
+
+    core: RequestCore
+
+    def health(self) -> Response:
+        return Response(status_code=503 if self.core.draining else 200)  # draining: take me out of rotation
+
+    def models(self, request: Request) -> Response:
+        try:
+            self.core.authenticate(request.headers.get("authorization"))
+        except Exception as e:
+            return failure_response(self.core.failed(e, "-"))
+        return JSONResponse({"object": "list", "data": [self.core.model_card()]})
+
+    async def chat_completions(self, request: Request) -> Response:
+        # the engine and encoders key requests by our own id. The client's x-request-id (or the one
+        # Serve's proxy made up) is only logged here; the proxy echoes it in the response headers.
+        request_id = new_request_id()
+        if given := request.headers.get("x-request-id"):
+            logger.info("request %s: x-request-id %r", request_id, given[:128])
+        body: ChatCompletionRequest | None = None
+
+        async def read() -> ChatRequest:  # only once admitted: a refused request's body is never read
+            nonlocal body
+            body = parse_body(await read_body(request, self.core.check_size))
+            return chat_request(body)
+
+        name = self.core.settings.served_model_name
+        try:
+            gen = await self.core.generate(request.headers.get("authorization"), read, request_id)
+            gen.report_stages = body.return_stage_times
+            if not body.stream:
+                result = await completion(gen, name, body.return_token_ids)
+        except Exception as e:
+            return failure_response(self.core.failed(e, request_id))
+        if not body.stream:
+            self.core.finished(gen)
+            return JSONResponse(result)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = sse(gen, name, body.return_token_ids, include_usage, lambda e: self.core.failed(e, request_id))
+        return StreamingResponse(self._finished(gen, chunks), media_type="text/event-stream")
+
+    async def _finished(self, gen: Generation, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+        async for chunk in chunks:
+            yield chunk
+        self.core.finished(gen)

@@ -1,0 +1,270 @@
+"""`mmserve serve`: an embedded Ray cluster on this machine, the app deployed on it, drained on
+SIGTERM / Ctrl-C, and nothing exposed that the operator did not ask for.
+
+- Secrets never travel in argv: the API key comes from an environment variable (`--api-key-env
+  NAME`, or `MMSERVE_API_KEY` when set) that the replicas read where they run; `--api-key KEY`
+  still works, with a warning (every local user sees it in `ps`).
+- The Ray dashboard (it runs jobs, so it runs code) listens on 127.0.0.1 whatever `--host` says,
+  unless `--dashboard-host` names another address. The embedded cluster runs in Ray's
+  single-machine mode (its default on macOS and Windows): its node address is 127.0.0.1, so the
+  GCS, raylet, agents, workers and Ray's Prometheus metrics ports listen on loopback only, unless
+  `--public-metrics` (then on this machine's address, as Ray does by default on Linux).
+- Listening beyond loopback (`--host`, `--dashboard-host`, the config file's `http_options.host`)
+  is refused at startup while Ray's token authentication is off (`RAY_AUTH_MODE=disabled`).
+
+Two Serve rules stand whatever `--host` says: the gRPC proxy listens on every interface
+(`[::]:port`), and so does each replica's inter-deployment gRPC server, which Ray's token guards.
+
+`--ingress proxy|direct|haproxy` picks Serve's ingress mode (deployments/cli/ingress_modes.py). Beyond
+loopback, `proxy` gets a header cap in front of its HTTP port, `direct` is refused (the Router
+replicas' own HTTP servers bound no header), and `haproxy` starts with a warning about the ports it
+opens on every interface.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+import time
+from pathlib import Path
+
+API_KEY_ENV = "MMSERVE_API_KEY"
+SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's node address is loopback (read at import)
+
+
+class RefusedToStart(Exception):
+    """A configuration `mmserve serve` will not start with; the message says why and what to do."""
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def ray_token_auth_on() -> bool:
+    """Whether the Ray cluster `ray.init` starts here requires Ray's token: Ray (2.5x and later)
+    turns token authentication on for a new local cluster unless `RAY_AUTH_MODE` says otherwise."""
+    import importlib.util
+
+    ray_spec = importlib.util.find_spec("ray")  # (without importing Ray: see use_single_machine_mode)
+    if ray_spec is None or not (Path(ray_spec.origin).parent / "_private" / "authentication").is_dir():
+        return False  # a Ray without token authentication
+    return os.environ.get("RAY_AUTH_MODE", "token").lower() == "token"
+
+
+def token_location() -> str:
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "the RAY_AUTH_TOKEN environment variable"
+    return os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+
+
+def check_exposure(listens_on: dict[str, str]) -> None:
+    """RefusedToStart when anything would listen beyond loopback while Ray's token auth is off
+    (`listens_on`: what -> host, e.g. {"--host": "0.0.0.0"})."""
+    exposed = [f"{what} {host}" for what, host in listens_on.items() if not is_loopback(host)]
+    if exposed and not ray_token_auth_on():
+        raise RefusedToStart(
+            f"refusing to listen on {', '.join(exposed)} while Ray's token authentication is off "
+            f"(RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE')}): whoever reaches the Ray dashboard or Ray's "
+            "ports could run code as this user. Unset RAY_AUTH_MODE (or set RAY_AUTH_MODE=token) to turn it "
+            "on, or keep --host and --dashboard-host on 127.0.0.1"
+        )
+
+
+def api_key_env(ns: argparse.Namespace) -> str | None:
+    """The environment variable the replicas read the API key from (None: no key)."""
+    if ns.api_key_env:
+        if not os.environ.get(ns.api_key_env):
+            raise RefusedToStart(f"--api-key-env {ns.api_key_env}: that environment variable is not set")
+        return ns.api_key_env
+    if ns.api_key:  # only in argv: put it where the replicas read it
+        print(f"warning: --api-key is visible to every local user (ps, /proc); set {API_KEY_ENV} or use "
+              "--api-key-env NAME instead", file=sys.stderr, flush=True)
+        os.environ[API_KEY_ENV] = ns.api_key
+        return API_KEY_ENV
+    return API_KEY_ENV if os.environ.get(API_KEY_ENV) else None
+
+
+def use_single_machine_mode(ns: argparse.Namespace) -> None:
+    """Ray on loopback only (see the module docstring); before Ray is imported in this process."""
+    if not ns.public_metrics:
+        if "ray" in sys.modules:
+            raise RefusedToStart("Ray was imported before `mmserve serve` could keep it on loopback")
+        os.environ[SINGLE_MACHINE_ENV] = "0"  # the cluster's processes inherit it
+
+
+def plan_ingress(mode: str, host: str, port: int):
+    """(host, port) for Serve's http_options, and the HeaderCap to start in front of it (or None);
+    sets Serve's ingress environment (before Ray is imported). RefusedToStart for `direct` beyond
+    loopback."""
+    from deployments.cli.ingress_modes import (DIRECT_PORTS, EXPERIMENTAL, HeaderCap, environ_for, free_loopback_port,
+                                     haproxy_binary)
+
+    beyond = not is_loopback(host)
+    if mode == "direct" and beyond:
+        raise RefusedToStart(
+            f"refusing --ingress direct on {host}: the Router replicas would listen there themselves, and their "
+            "HTTP server bounds no header size (a few requests with 100 MB headers stall the app). Keep it on "
+            "127.0.0.1 behind a proxy that caps headers, or use --ingress proxy (header-capped beyond loopback) "
+            "or --ingress haproxy")
+    environ_for(mode)
+    if mode in EXPERIMENTAL:
+        print(f"ingress {mode}: experimental in Ray Serve 2.60", file=sys.stderr, flush=True)
+    if mode == "haproxy":
+        replicas = (f", and the Router replicas' direct ports ({DIRECT_PORTS}) on {host}, which bypass HAProxy's "
+                    "header cap" if beyond else "")
+        print(f"warning: --ingress haproxy listens on every interface on 8404 (HAProxy stats) and 9101 (its "
+              f"Prometheus metrics), whatever --host says{replicas}: firewall them", file=sys.stderr, flush=True)
+    if mode == "proxy" and beyond:
+        try:
+            haproxy_binary()
+        except FileNotFoundError as e:  # found now, not after the app is up
+            raise RefusedToStart(f"refusing to listen on {host} without a header cap in front of Serve's proxy: {e}. "
+                                 "Or keep --host on 127.0.0.1 behind a proxy of yours that caps headers") from None
+        upstream = free_loopback_port()
+        return "127.0.0.1", upstream, HeaderCap(host, port, upstream)
+    return host, port, None
+
+
+def ingress_line(mode: str, cap) -> str:
+    from deployments.cli.ingress_modes import DIRECT_PORTS, HEADER_CAP_BYTES
+
+    if cap is not None:
+        return f"ingress proxy, headers capped at {HEADER_CAP_BYTES // 1024} KiB in front"
+    if mode == "direct":
+        return f"ingress direct: the Router replicas listen on {DIRECT_PORTS}, from the first"
+    return f"ingress {mode}"
+
+
+def start_ray(ns: argparse.Namespace) -> None:
+    import ray
+
+    context = ray.init(num_cpus=ns.num_cpus, include_dashboard=ns.dashboard, dashboard_host=ns.dashboard_host,
+                       logging_level="WARNING")
+    if ns.dashboard and context.dashboard_url:
+        auth = f"token auth on: the token is in {token_location()}" if ray_token_auth_on() else "no token auth"
+        print(f"Ray dashboard: http://{context.dashboard_url} ({auth}; Serve tab: deployments, replicas, logs)",
+              flush=True)
+
+
+def serve_app(ns: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    check_exposure({"--host": ns.host, "--dashboard-host": ns.dashboard_host if ns.dashboard else "127.0.0.1"})
+    key_env = api_key_env(ns)
+    serve_host, serve_port, cap = plan_ingress(ns.ingress, ns.host, ns.http_port)
+    use_single_machine_mode(ns)
+    from ray import serve
+
+    from deployments.serve.app import build_app
+    from deployments.serve.config import AppArgs, DeploymentArgs
+    from deployments.serve.router import grpc_options
+
+    if ns.model is None:
+        from mmserve.tiny import default_model_dir, ensure_tiny_model
+
+        print(f"building the embedded tiny model into {default_model_dir()} (once) ...", flush=True)
+        ensure_tiny_model()
+    cpus = ns.num_cpus
+    args = AppArgs(
+        model=ns.model, dtype=ns.dtype, device=ns.device, api_key_env=key_env,
+        router=DeploymentArgs(num_cpus=0.25 * cpus),
+        encoder=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.encoder_gpus),
+        llm=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.llm_gpus),
+        video_decoder=DeploymentArgs(num_cpus=0.125 * cpus),
+    )
+    start_ray(ns)
+    serve.start(http_options={"host": serve_host, "port": serve_port}, grpc_options=grpc_options(port=ns.grpc_port))
+    serve.run(build_app(args), name="mmserve", route_prefix="/")
+    if cap is not None:
+        cap.start()
+    print(
+        f"mmserve ready in {time.perf_counter() - start:.1f}s: "
+        f"http://{ns.host}:{ns.http_port}/v1/chat/completions, gRPC mmserve.v1.VLMService on "
+        f"port {ns.grpc_port}{f' (API key from {key_env})' if key_env else ''}; {ingress_line(ns.ingress, cap)} "
+        "(Ctrl-C to stop)",
+        flush=True,
+    )
+    return serve_until_signal(["mmserve"], ns.grace_period, cap)
+
+
+def serve_config(ns: argparse.Namespace) -> int:
+    """The Serve config file `serve run` / `serve deploy` / KubeRay's serveConfigV2 take: the same
+    controller builds the apps; every app setting comes from the file."""
+    import yaml
+
+    start = time.perf_counter()
+    with open(ns.config) as f:
+        raw = yaml.safe_load(f)
+    host = (raw.get("http_options") or {}).get("host", "127.0.0.1")
+    check_exposure({"http_options.host": host, "--dashboard-host": ns.dashboard_host if ns.dashboard else "127.0.0.1"})
+    serve_host, serve_port, cap = plan_ingress(ns.ingress, host, (raw.get("http_options") or {}).get("port", 8000))
+    use_single_machine_mode(ns)
+    from ray import serve
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    config = ServeDeploySchema.model_validate(raw)
+    http = config.http_options
+    start_ray(ns)
+    options = config.model_dump(include={"proxy_location", "http_options", "grpc_options"}, exclude_unset=True)
+    options["http_options"] = {**options.get("http_options", {}), "host": serve_host, "port": serve_port}
+    serve.start(**options)
+    _get_global_client().deploy_apps(config)
+    names = [app.name for app in config.applications]
+    while True:
+        statuses = {name: serve.status().applications.get(name) for name in names}
+        failed = {n: a.message for n, a in statuses.items() if a is not None and a.status == "DEPLOY_FAILED"}
+        if failed:
+            for name, message in failed.items():
+                print(f"application {name} failed to deploy: {message}", file=sys.stderr)
+            serve.shutdown()
+            return 1
+        if all(a is not None and a.status == "RUNNING" for a in statuses.values()):
+            break
+        time.sleep(1)
+    if cap is not None:
+        cap.start()
+    print(
+        f"mmserve ready in {time.perf_counter() - start:.1f}s from {ns.config}: "
+        f"http://{http.host}:{http.port} ({', '.join(names)}; {ingress_line(ns.ingress, cap)}; Ctrl-C to stop)",
+        flush=True,
+    )
+    return serve_until_signal(names, ns.grace_period, cap)
+
+
+def serve_until_signal(app_names: list[str], grace_s: float, cap=None) -> int:
+    """Serve until SIGTERM (docker stop, Kubernetes) or Ctrl-C, then drain and stop cleanly:
+    new requests get 503 / UNAVAILABLE, requests in flight finish (up to `grace_s`), then Serve
+    and Ray shut down and the command exits 0."""
+    import signal
+
+    import ray
+    from ray import serve
+
+    from deployments.serve.drain import drain
+
+    stop = []
+
+    def interrupt(signum, _frame):
+        stop.append(signum)
+
+    # after ray.init: these replace Ray's own handlers (its SIGTERM one dumps a stack trace)
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)  # also where a parent left SIGINT ignored
+    while not stop:
+        time.sleep(0.2)
+    name = signal.Signals(stop[0]).name
+    print(f"{name}: draining (new requests get 503; up to {grace_s:g}s for requests in flight)", flush=True)
+    left = drain(app_names, grace_s)
+    if left:
+        print(f"grace period over with {left} requests in flight", flush=True)
+    print("shutting down", flush=True)
+    if cap is not None:  # after the drain: it forwarded the drain's 503s
+        cap.stop()
+    serve.shutdown()
+    ray.shutdown()
+    return 0

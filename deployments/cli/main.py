@@ -1,0 +1,221 @@
+"""`mmserve` command line: serve, chat, encoder-server, build-tiny-model, bench, plan."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from deployments.cli.local_serve import RefusedToStart, serve_app, serve_config
+
+    try:
+        return serve_config(ns) if ns.config else serve_app(ns)
+    except RefusedToStart as e:
+        print(f"mmserve serve: {e}", file=sys.stderr)
+        return 2
+
+
+def _build_tiny(ns: argparse.Namespace) -> int:
+    from mmserve.tiny import build_tiny_model
+
+    out = build_tiny_model(ns.family, ns.out, seed=ns.seed)
+    print(out)
+    return 0
+
+
+def _chat_grpc(ns: argparse.Namespace) -> int:
+    import grpc
+
+    from mmserve.rpc.vlm_client import VLMClient, user
+
+    images = []
+    for path in ns.image or []:
+        with open(path, "rb") as f:
+            images.append(f.read())
+    with VLMClient(ns.grpc, api_key=ns.api_key, application=ns.application) as client:
+        try:
+            for response in client.stream([user(ns.prompt, images)], max_tokens=ns.max_tokens):
+                print(response.text, end="", flush=True)
+        except grpc.RpcError as e:
+            print(f"\nerror {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    print()
+    return 0
+
+
+def _encoder_server(ns: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from encoder_service import VisionEncoder
+    from encoder_service.rpc.server import PooledEncoder, ServerOptions, ServerSecurity, serve_forever
+    from encoder_service.pool import EncoderPool
+
+    logging.basicConfig(level=logging.INFO)
+    encoder = VisionEncoder(ns.model, dtype=ns.dtype, device=ns.device)
+    security = ServerSecurity(ns.token, ns.tls_cert, ns.tls_key, ns.tls_client_ca)
+    options = ServerOptions(host=ns.host, port=ns.port, security=security)
+
+    async def main() -> None:
+        pool = EncoderPool(encoder)  # token-budget batching, cache and dedup across callers
+        pool.start(asyncio.get_running_loop())
+        await serve_forever(PooledEncoder(pool), options, ttl_s=ns.result_ttl_s)
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _chat(ns: argparse.Namespace) -> int:
+    if ns.grpc:
+        return _chat_grpc(ns)
+    import base64
+    import mimetypes
+    import urllib.request
+
+    content: list[dict] = []
+    for path in ns.image or []:
+        mime = mimetypes.guess_type(path)[0] or "image/png"
+        with open(path, "rb") as f:
+            uri = f"data:{mime};base64," + base64.b64encode(f.read()).decode()
+        content.append({"type": "image_url", "image_url": {"url": uri}})
+    content.append({"type": "text", "text": ns.prompt})
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": ns.max_tokens, "stream": True}
+    headers = {"Content-Type": "application/json"}
+    if ns.api_key:
+        headers["Authorization"] = f"Bearer {ns.api_key}"
+    req = urllib.request.Request(ns.url.rstrip("/") + "/v1/chat/completions", json.dumps(body).encode(), headers)
+    try:
+        with urllib.request.urlopen(req) as resp:
+            for line in resp:
+                line = line.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    print(f"\nerror: {event['error']['message']}", file=sys.stderr)
+                    return 1
+                for choice in event.get("choices", []):
+                    print(choice.get("delta", {}).get("content", ""), end="", flush=True)
+    except urllib.error.HTTPError as e:
+        print(f"error {e.code}: {e.read().decode()}", file=sys.stderr)
+        return 1
+    print()
+    return 0
+
+
+BENCHMARKS = ("encoder", "llm", "transfer", "dispatch", "serve", "soak")
+
+
+def _bench(ns: argparse.Namespace, extra: list[str]) -> int:
+    """Runs `bench/<name>.py` of this source checkout with the remaining arguments."""
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / f"{ns.name}.py"
+    if not script.is_file():
+        print(f"{script} not found: benchmarks run from a source checkout", file=sys.stderr)
+        return 1
+    sys.argv = [str(script), *extra]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mmserve.checkpoint import DTYPE_CHOICES
+    from mmserve.tiny import FAMILIES
+
+    parser = argparse.ArgumentParser(prog="mmserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve_p = sub.add_parser("serve", help="start an embedded Ray, deploy the app, serve until Ctrl-C")
+    serve_p.add_argument("--model", default=None, help="checkpoint directory (default: embedded tiny Qwen2-VL)")
+    serve_p.add_argument("--host", default="127.0.0.1")
+    serve_p.add_argument("--http-port", type=int, default=8000)
+    serve_p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    serve_p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    serve_p.add_argument("--num-cpus", type=float, default=2, help="CPUs given to the embedded Ray")
+    serve_p.add_argument("--encoder-gpus", type=float, default=0)
+    serve_p.add_argument("--llm-gpus", type=float, default=0)
+    serve_p.add_argument("--grpc-port", type=int, default=9000, help="Serve's gRPC proxy port")
+    serve_p.add_argument("--ingress", choices=("proxy", "direct", "haproxy"), default="proxy",
+                         help="Serve's ingress: its Python proxy (default; header-capped beyond loopback), the Router "
+                         "replicas listening themselves (direct, loopback only), or HAProxy; the last two are "
+                         "experimental in Serve 2.60 (deployments/cli/ingress_modes.py)")
+    serve_p.add_argument("--grace-period", type=float, default=30.0,
+                         help="on SIGTERM / Ctrl-C: seconds requests in flight may take to finish")
+    serve_p.add_argument("--api-key-env", default=None, metavar="NAME",
+                         help="require 'Authorization: Bearer KEY' (HTTP header, gRPC metadata), KEY being the "
+                         "value of environment variable NAME (default: MMSERVE_API_KEY when it is set)")
+    serve_p.add_argument("--api-key", default=None, help="the key itself: visible in ps; prefer MMSERVE_API_KEY")
+    serve_p.add_argument(
+        "--dashboard", action=argparse.BooleanOptionalAction, default=True,
+        help="start the Ray dashboard (default; port 8265) and print its URL",
+    )
+    serve_p.add_argument("--dashboard-host", default="127.0.0.1",
+                         help="where the dashboard listens (default 127.0.0.1, whatever --host says)")
+    serve_p.add_argument("--public-metrics", action="store_true",
+                         help="let Ray's ports, its Prometheus metrics among them, listen on this machine's address "
+                         "(default: loopback only)")
+    serve_p.add_argument(
+        "--config", default=None, metavar="YAML",
+        help="a Serve config file (e.g. deployments/serve_config.yaml, the one `serve run` and k8s take); "
+        "app flags (--model, --dtype, ...) are then ignored",
+    )
+    serve_p.set_defaults(func=_serve)
+
+    tiny_p = sub.add_parser("build-tiny-model", help="write a deterministic tiny checkpoint")
+    tiny_p.add_argument("--family", choices=FAMILIES, default="qwen2_vl")
+    tiny_p.add_argument("--out", required=True)
+    tiny_p.add_argument("--seed", type=int, default=0)
+    tiny_p.set_defaults(func=_build_tiny)
+
+    chat_p = sub.add_parser("chat", help="stream one answer from a running server")
+    chat_p.add_argument("prompt")
+    chat_p.add_argument("--image", action="append", help="image file (repeatable)")
+    chat_p.add_argument("--url", default="http://127.0.0.1:8000")
+    chat_p.add_argument("--max-tokens", type=int, default=64)
+    chat_p.add_argument("--api-key", default=os.environ.get("MMSERVE_API_KEY"), help="default: $MMSERVE_API_KEY")
+    chat_p.add_argument("--grpc", metavar="HOST:PORT", default=None, help="use the gRPC API at HOST:PORT instead of HTTP")
+    chat_p.add_argument("--application", default=None, help="Serve application name (gRPC, several apps)")
+    chat_p.set_defaults(func=_chat)
+
+    enc_p = sub.add_parser("encoder-server", help="serve the vision encoder alone over gRPC (no Ray)")
+    enc_p.add_argument("--model", required=True, help="checkpoint directory")
+    enc_p.add_argument("--host", default="[::]")
+    enc_p.add_argument("--port", type=int, default=9100)
+    enc_p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    enc_p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    enc_p.add_argument("--token", default=os.environ.get("MMSERVE_ENCODER_TOKEN"),
+                       help="shared token callers must send (authorization: Bearer); default: $MMSERVE_ENCODER_TOKEN")
+    enc_p.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: TLS on)")
+    enc_p.add_argument("--tls-key", default=None)
+    enc_p.add_argument("--tls-client-ca", default=None, help="PEM CA for client certificates (mutual TLS)")
+    enc_p.add_argument("--result-ttl-s", type=float, default=300.0, help="how long unfetched results stay")
+    enc_p.set_defaults(func=_encoder_server)
+
+    bench_p = sub.add_parser("bench", help="run a benchmark of bench/ (extra arguments go to it)")
+    bench_p.add_argument("name", choices=BENCHMARKS)
+
+    sub.add_parser("plan", help="how many encoder and LLM replicas a workload needs, for its SLOs (a simulation; "
+                   "arguments go to mmserve.capacity.simulate)", add_help=False)
+
+    ns, extra = parser.parse_known_args(argv)
+    if ns.command == "bench":
+        return _bench(ns, extra)
+    if ns.command == "plan":
+        from mmserve.capacity.cli import main as plan
+
+        return plan(extra)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return ns.func(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Affinity routing's rules, without Ray: one content-hash key picks the encoder replica and the
+LLM replica, never at the cost of load.
+
+- Encoder items: consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam,
+  SODA 2018). Each replica has `vnodes` points on a 64-bit ring; an item's owner is the first
+  replica clockwise from its content hash whose queued tokens, with the item added, stay within
+  ceil((1 + epsilon) x the mean). A hot image cannot pin one replica, replica churn moves only the
+  keys of the replicas that changed (plus the bound's overflow), and identical items in flight
+  meet on one replica, where its pool encodes them once.
+- LLM requests: `prefix_hashes` chains a prompt's full blocks (token ids, and the content hash of
+  each media item a block holds), and `PrefixRecord` remembers where each prefix was sent. A
+  request goes to the replica that got its longest recorded prefix, unless that replica is over
+  the same bound; then, and when nothing matches, power-of-two choices on load. The router's own
+  record, not a digest the replicas report: it is exact for what this router sent, costs no
+  extra call, and is current at once (a digest refreshed per step would lag and cost a call per
+  replica); its misses (eviction, another router's sends) cost one prefill, never correctness,
+  since these keys only choose a replica and never look up a cache.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import random
+from collections import Counter
+from collections.abc import Collection, Mapping, Sequence
+
+from cachetools import LRUCache
+
+from mmserve.request.media import PlaceholderRange
+
+
+DECISIONS: Counter = Counter()  # (deployment, outcome) -> routings in this process (`Router.routing_stats`)
+
+
+def stable_hash(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def capacity(loads: Mapping[str, float], cost: float, epsilon: float) -> float:
+    """The bound: ceil((1 + epsilon) x the mean load once `cost` is added), and never below `cost`
+    (an idle replica always takes one item: with weighted items the mean alone could refuse all)."""
+    return max(math.ceil((1 + epsilon) * (sum(loads.values()) + cost) / max(len(loads), 1)), cost)
+
+
+class BoundedLoadRing:
+    """Consistent hashing with bounded loads over `members` (replica ids)."""
+
+    def __init__(self, members: Sequence[str], vnodes: int = 64):
+        self.members = tuple(sorted(set(members)))
+        points = sorted((stable_hash(f"{m}#{v}".encode()), m) for m in self.members for v in range(vnodes))
+        self._hashes = [h for h, _ in points]
+        self._owners = [m for _, m in points]
+
+    def preference(self, key: str) -> list[str]:
+        """Every member once, in ring order from `key`'s point: its owner first."""
+        start = bisect.bisect(self._hashes, stable_hash(key.encode()))
+        seen: dict[str, None] = {}
+        for i in range(len(self._owners)):
+            seen.setdefault(self._owners[(start + i) % len(self._owners)])
+            if len(seen) == len(self.members):
+                break
+        return list(seen)
+
+    def owner(self, key: str, loads: Mapping[str, float], cost: float, epsilon: float,
+              holders: Collection[str] = ()) -> str:
+        """The first member in `key`'s preference that holds the key already (`holders`: no work
+        to add); else the first whose load + `cost` fits the bound (the least loaded member if
+        none does: an item larger than the bound alone)."""
+        preference = self.preference(key)
+        for member in preference:
+            if member in holders:
+                return member
+        loads = {m: loads.get(m, 0.0) for m in self.members}
+        bound = capacity(loads, cost, epsilon)
+        for member in preference:
+            if loads[member] + cost <= bound:
+                return member
+        return min(self.members, key=lambda m: loads[m])
+
+
+def prefix_hashes(token_ids: Sequence[int], ranges: Sequence[PlaceholderRange], media_keys: Sequence[str],
+                  block_size: int) -> tuple[int, ...]:
+    """One hash per full block of the prompt, each covering everything before it: the block's
+    token ids and the content hash of every media item overlapping it (`media_keys[i]` for
+    `ranges[i]`), so two prompts share a hash exactly where they share a prefix."""
+    hashes, previous = [], b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        end = start + block_size
+        media = [key for rng, key in zip(ranges, media_keys) if rng.offset < end and rng.offset + rng.length > start]
+        data = previous + repr((tuple(token_ids[start:end]), media)).encode()
+        previous = hashlib.blake2b(data, digest_size=8).digest()
+        hashes.append(int.from_bytes(previous, "little"))
+    return tuple(hashes)
+
+
+class PrefixRecord:
+    """Where this router sent each prompt prefix: block hash -> replica id, LRU-bounded."""
+
+    def __init__(self, max_entries: int = 1 << 18):
+        self._where: LRUCache[int, str] = LRUCache(maxsize=max_entries)
+
+    def longest(self, hashes: Sequence[int], members: Sequence[str]) -> tuple[str | None, int]:
+        """(the replica among `members` that got the longest recorded prefix, its length in
+        blocks); (None, 0) when no prefix of `hashes` was sent to any of them."""
+        live = set(members)
+        for depth in range(len(hashes), 0, -1):
+            member = self._where.get(hashes[depth - 1])
+            if member in live:
+                return member, depth
+        return None, 0
+
+    def record(self, hashes: Sequence[int], member: str) -> None:
+        for h in hashes:
+            self._where[h] = member
+
+
+class HolderRecord:
+    """Which replicas this router sent each item key to (each caches what it encodes, and dedupes
+    what is in flight): key -> replica ids, LRU-bounded. Exact for this router's sends; an
+    eviction on the replica or a failed encode costs one encode there, never correctness."""
+
+    def __init__(self, max_entries: int = 1 << 16):
+        self._held: LRUCache[str, tuple[str, ...]] = LRUCache(maxsize=max_entries)
+
+    def holders(self, key: str, members: Collection[str]) -> tuple[str, ...]:
+        return tuple(m for m in self._held.get(key, ()) if m in members)
+
+    def record(self, key: str, member: str) -> None:
+        held = self._held.get(key, ())
+        if member not in held:
+            self._held[key] = (*held, member)
+
+
+def power_of_two(members: Sequence[str], loads: Mapping[str, float], rng: random.Random) -> str:
+    """The less loaded of two members drawn at random (one when there is one)."""
+    if len(members) == 1:
+        return members[0]
+    a, b = rng.sample(list(members), 2)
+    return a if loads.get(a, 0.0) <= loads.get(b, 0.0) else b

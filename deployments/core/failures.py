@@ -1,0 +1,121 @@
+"""Why a request failed, decided once for every API: the one place errors are classified.
+
+Only the client's faults are 4xx: `InvalidRequest` (400 / INVALID_ARGUMENT), `RequestTooLarge`
+(413 / INVALID_ARGUMENT), `Unauthenticated` (401 / UNAUTHENTICATED). A full bounded resource
+(`Overloaded`, device out of memory) is 503 / RESOURCE_EXHAUSTED, a full queue (Serve's
+`max_queued_requests`, the LLM's waiting tokens: `QueueFull`) 429 + Retry-After / RESOURCE_EXHAUSTED, a backend that is gone 503 / UNAVAILABLE (a lost replica, "lost", is one the
+router fails over from first: `replica_lost`), and anything else is a bug:
+500 / INTERNAL, with only the exception's type shown to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Literal, NamedTuple
+
+import grpc
+
+from mmserve.errors import InvalidRequest, Overloaded, QueueFull, RequestTooLarge, ShuttingDown, Unauthenticated
+
+Kind = Literal["invalid", "too_large", "unauthenticated", "busy", "overloaded", "lost", "unavailable", "deadline",
+               "internal"]
+HTTP_STATUS: dict[str, int] = {
+    "invalid": 400, "too_large": 413, "unauthenticated": 401, "busy": 429, "overloaded": 503, "lost": 503,
+    "unavailable": 503, "deadline": 504, "internal": 500,
+}
+GRPC_CODE: dict[str, grpc.StatusCode] = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
+    "too_large": grpc.StatusCode.INVALID_ARGUMENT,
+    "busy": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "lost": grpc.StatusCode.UNAVAILABLE,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "internal": grpc.StatusCode.INTERNAL,
+}
+
+
+class Failure(NamedTuple):
+    """How every API reports a failed request: `kind` (see HTTP_STATUS) and a client-safe message."""
+
+    kind: Kind
+    message: str
+
+    @property
+    def http_status(self) -> int:
+        return HTTP_STATUS[self.kind]
+
+    @property
+    def grpc_code(self) -> grpc.StatusCode:
+        return GRPC_CODE[self.kind]
+
+
+def root_cause(e: BaseException) -> BaseException:
+    """The exception a replica raised, through Ray's task-error wrappers."""
+    while getattr(e, "cause", None) is not None and e.cause is not e:
+        e = e.cause
+    return e
+
+
+def _replica_lost() -> tuple[type[BaseException], ...]:
+    from ray import exceptions as ray_exceptions
+    from ray.serve import exceptions as serve_exceptions
+
+    # ActorDiedError is a RayActorError; Serve raises ReplicaUnavailableError for a replica it
+    # cannot reach
+    return (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError,
+            serve_exceptions.ReplicaUnavailableError)
+
+
+def replica_lost(e: BaseException) -> bool:
+    """True when `e` means the replica serving the request died or cannot be reached: the
+    request itself is fine and may run again on another replica."""
+    return any(isinstance(error, _replica_lost()) for error in (e, root_cause(e)))
+
+
+def _unavailable() -> tuple[type[BaseException], ...]:
+    from ray.serve import exceptions as serve_exceptions
+
+    from mmserve.rpc.encoder_client import EmbeddingNotFound
+
+    return (serve_exceptions.DeploymentUnavailableError, EmbeddingNotFound)
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    import torch
+
+    return isinstance(e, torch.OutOfMemoryError) or "OutOfMemoryError" in type(e).__name__
+
+
+def classify(e: BaseException) -> Failure:
+    from ray import exceptions as ray_exceptions
+    from ray.serve import exceptions as serve_exceptions
+
+    cause = root_cause(e)
+    if isinstance(cause, RequestTooLarge):
+        return Failure("too_large", str(cause))
+    if isinstance(cause, InvalidRequest):
+        return Failure("invalid", str(cause))
+    if isinstance(cause, Unauthenticated):
+        return Failure("unauthenticated", str(cause))
+    for error in (e, cause):
+        if isinstance(error, ShuttingDown):
+            return Failure("unavailable", f"{error}; retry shortly")
+        if isinstance(error, QueueFull):
+            return Failure("busy", f"server busy: {error}; retry later")
+        if isinstance(error, Overloaded):
+            return Failure("overloaded", f"server overloaded: {error}; retry later")
+        if _out_of_memory(error):
+            return Failure("overloaded", "server overloaded: out of device memory; retry later")
+        if isinstance(error, serve_exceptions.BackPressureError):
+            return Failure("busy", "server busy: request queue full; retry later")
+        if isinstance(error, _replica_lost()):
+            return Failure("lost", f"a backend replica was lost: {type(error).__name__}; retry later")
+        if isinstance(error, _unavailable()) or (
+            isinstance(error, grpc.aio.AioRpcError) and error.code() == grpc.StatusCode.UNAVAILABLE
+        ):  # (the second: a standalone encoder that cannot be reached)
+            return Failure("unavailable", f"a backend is unavailable: {type(error).__name__}")
+        if isinstance(error, (TimeoutError, asyncio.TimeoutError, ray_exceptions.GetTimeoutError)):
+            return Failure("deadline", "deadline exceeded")
+    return Failure("internal", f"internal error: {type(cause).__name__}")

@@ -1,0 +1,220 @@
+"""A request on its way through the app, independent of the API it came in by (HTTP or gRPC)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from llm_service.sampling import SamplingParams
+from mmserve.request.detokenize import IncrementalDetokenizer
+from mmserve.errors import InvalidRequest
+from mmserve.request.prompt_plan import RequestPlan
+
+logger = logging.getLogger("ray.serve")
+
+
+def client_request_id(given: str | None, request_id: str) -> str:
+    """The id shown to the client (response header / trailing metadata): its own request id when
+    it sent one (logged beside ours), else ours. Only our id keys the request in the engine and
+    encoders, so two clients may send the same one."""
+    given = "".join(c for c in (given or "")[:128] if c.isascii() and c.isprintable())
+    if not given:
+        return request_id
+    logger.info("request %s: client request id %r", request_id, given)
+    return given
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """What the client asked for; None means the model's default (vLLM semantics)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # most likely alternatives to return per token; None: no logprobs
+
+    def __post_init__(self):
+        check_options(self)
+
+
+# Accepted ranges (vLLM's / OpenAI's): the one check shared by HTTP and gRPC.
+INT64 = (-(2**63), 2**63 - 1)
+MAX_INT32 = 2**31 - 1
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
+
+
+def _check_range(name: str, value, low, high, *, low_open: bool = False) -> None:
+    """`value` in [low, high] ((low, high] with `low_open`); `high` None: no upper bound."""
+    if value is None:
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidRequest(f"{name} must be a finite number, got {value}")
+    if (value <= low if low_open else value < low) or (high is not None and value > high):
+        interval = f"{'(' if low_open else '['}{low}, {'inf)' if high is None else f'{high}]'}"
+        raise InvalidRequest(f"{name} must be in {interval}, got {value}")
+
+
+def check_options(opts: GenerationOptions) -> None:
+    """InvalidRequest naming the first option out of range (None means the default: fine)."""
+    _check_range("max_tokens", opts.max_tokens, 1, None)
+    _check_range("temperature", opts.temperature, 0.0, 2.0)
+    _check_range("top_p", opts.top_p, 0.0, 1.0, low_open=True)
+    _check_range("top_k", opts.top_k, -1, MAX_INT32)  # -1 and 0 disable it
+    _check_range("min_p", opts.min_p, 0.0, 1.0)
+    _check_range("repetition_penalty", opts.repetition_penalty, 0.0, None, low_open=True)
+    _check_range("frequency_penalty", opts.frequency_penalty, -2.0, 2.0)
+    _check_range("presence_penalty", opts.presence_penalty, -2.0, 2.0)
+    _check_range("seed", opts.seed, *INT64)
+    _check_range("top_logprobs", opts.logprobs, 0, MAX_LOGPROBS)
+    if len(opts.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stop has {len(opts.stop)} strings; the limit is {MAX_STOP_STRINGS}")
+    if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in opts.stop):
+        raise InvalidRequest(f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters")
+    if len(opts.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(f"stop_token_ids has {len(opts.stop_token_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")
+    for token_id in opts.stop_token_ids:
+        _check_range("stop_token_ids", token_id, 0, MAX_INT32)
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(GenerationOptions))
+
+
+def sampling_params(opts: GenerationOptions, prompt_len: int, max_model_len: int, defaults) -> SamplingParams:
+    """What the engine samples with: the client's options, the checkpoint's `GenerationConfig`
+    (`defaults`) for what it left out (vLLM's rule), `max_tokens` defaulting to the rest of the
+    context; InvalidRequest when the prompt and `max_tokens` do not fit `max_model_len`."""
+    remaining = max_model_len - prompt_len
+    if remaining <= 0 or (opts.max_tokens is not None and opts.max_tokens > remaining):
+        raise InvalidRequest(
+            f"prompt of {prompt_len} tokens + max_tokens {opts.max_tokens or 1} exceeds the model's "
+            f"context of {max_model_len} tokens"
+        )
+    sample = bool(defaults.do_sample)  # the checkpoint's sampling defaults apply only when it samples
+
+    def default(value, model_value, greedy_value):
+        if value is not None:
+            return value
+        return model_value if sample and model_value is not None else greedy_value
+
+    return SamplingParams(
+        max_tokens=opts.max_tokens or remaining,
+        temperature=float(default(opts.temperature, defaults.temperature, 0.0)),
+        top_p=float(default(opts.top_p, defaults.top_p, 1.0)),
+        top_k=max(int(default(opts.top_k, defaults.top_k, 0)), 0),
+        min_p=float(default(opts.min_p, getattr(defaults, "min_p", None), 0.0)),
+        # like transformers' generate and vLLM, the checkpoint's repetition penalty applies greedy too
+        repetition_penalty=float(opts.repetition_penalty or defaults.repetition_penalty or 1.0),
+        frequency_penalty=float(opts.frequency_penalty or 0.0),
+        presence_penalty=float(opts.presence_penalty or 0.0),
+        seed=opts.seed,
+        stop_token_ids=frozenset(opts.stop_token_ids),
+        ignore_eos=opts.ignore_eos,
+        logprobs=opts.logprobs,
+    )
+
+
+class Delta(NamedTuple):
+    text: str
+    token_id: int | None
+    finish_reason: str | None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+
+
+class Generation:
+    """A validated, dispatched request and its token stream (first event already received)."""
+
+    def __init__(self, request_id: str, plan: RequestPlan, sampling: SamplingParams, stop: tuple[str, ...],
+                 stream, first, tokenizer, resume=None, router_ms: float | None = None):
+        self.request_id = request_id
+        self.plan = plan
+        self.sampling = sampling
+        self.first_token_at = time.perf_counter()  # made when the first token is back
+        self.num_generated = 0
+        self._stop = stop
+        self._stream = stream
+        self._first = first
+        self._tokenizer = tokenizer
+        # `await resume(error, tokens sent)` -> (stream, first event) of a continuation on another
+        # LLM replica, or re-raises (`deployments.core.failover.Failover.resume`); None: no failover
+        self._resume = resume
+        # milliseconds per stage (usage.stage_ms when asked): the router's, then the LLM's
+        self.stages: dict[str, float] = {} if router_ms is None else {"router_ms": router_ms}
+        self.report_stages = False
+
+    async def _events(self) -> AsyncIterator:
+        """The LLM's events, one uninterrupted stream across failovers."""
+        sent: list[int] = []
+        event = self._first
+        while True:
+            if event is None:
+                try:
+                    event = await self._stream.__anext__()
+                except StopAsyncIteration:
+                    return
+                except Exception as e:
+                    if self._resume is None:
+                        raise
+                    self._stream.cancel()
+                    self._stream, event = await self._resume(e, tuple(sent))
+            if event.token_id is not None:
+                sent.append(event.token_id)
+            if event.finish_reason and event.stages:
+                self.stages.update(event.stages)
+            yield event
+            if event.finish_reason:
+                return
+            event = None
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Text deltas; a stop string ends the stream early and aborts the LLM request."""
+        detok = IncrementalDetokenizer(self._tokenizer, self._stop)
+        try:
+            async for event in self._events():
+                self.num_generated += event.token_id is not None
+                delta = detok.add(event.token_id) if event.token_id is not None else ""
+                if detok.stopped:
+                    yield Delta(delta, event.token_id, "stop", event.logprob, event.top_logprobs)
+                    return
+                finish = event.finish_reason
+                text = delta + detok.flush() if finish else delta
+                yield Delta(text, event.token_id, finish, event.logprob, event.top_logprobs)
+        finally:
+            self._stream.cancel()
+
+    def token_text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id])
+
+    def usage(self) -> dict:
+        prompt = len(self.plan.token_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": self.num_generated,
+            "total_tokens": prompt + self.num_generated,
+            "prompt_tokens_details": {"media_tokens": self.plan.num_media_tokens},
+            **({"stage_ms": {k: round(v, 3) for k, v in self.stages.items()}} if self.report_stages else {}),
+        }
+
+    @property
+    def time_per_output_token_ms(self) -> float | None:
+        """Mean time per token after the first (TTFT excluded); None below two tokens."""
+        if self.num_generated < 2:
+            return None
+        return (time.perf_counter() - self.first_token_at) * 1000 / (self.num_generated - 1)

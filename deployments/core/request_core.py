@@ -1,0 +1,304 @@
+"""The request core: one request's way through the app, whatever API it came in by, without Ray.
+
+`RequestCore.generate` is the whole flow: authenticate, admit, read the request (an HTTP body is
+read only once admitted), check it against every limit (this module and `MediaLimits` are the only
+places limits are checked), load its media, plan the prompt, resolve sampling, dispatch the media
+without waiting, and start the LLM stream with failover; it returns once the first token (or the
+first error) is back. The HTTP and gRPC adapters (`openai_api`, `grpc_api`) convert their wire
+format to a `ChatRequest` and a `Generation` back, and map `failures.classify` to status codes.
+The Serve deployment (`router.Router`) composes them with the two injected parts: a
+`MediaDispatcher` and an `LLMClient`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from deployments.core.affinity import prefix_hashes
+from deployments.serve.config import LimitArgs
+from deployments.core.dispatch import MediaDispatcher
+from deployments.core.failover import Failover, LLMClient
+from deployments.core.failures import Failure, classify
+from deployments.core.generation import Generation, GenerationOptions, sampling_params
+from deployments.core.llm_inputs import EmbeddingHandle, PendingRequest, StreamedVideo
+from deployments.media.fetch import MediaFetcher
+from mmserve.checkpoint import read_config
+from mmserve.errors import InvalidRequest, QueueFull, RequestTooLarge, ShuttingDown, Unauthenticated
+from mmserve.request.media import DecodedVideo, EncodeItem, MediaItem, MediaSource
+from mmserve.request.prompt_plan import Message, RequestPlanner
+
+logger = logging.getLogger("ray.serve")
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A request as every API gives it to the core: messages whose media are not loaded yet."""
+
+    messages: tuple[Message[MediaSource], ...]
+    options: GenerationOptions
+    model: str | None = None  # when set, it must name the served model
+
+
+@dataclass(frozen=True)
+class CoreSettings:
+    served_model_name: str
+    limits: LimitArgs
+    model_dir: str | None = None  # shown as the model card's root
+    api_key: str | None = None
+    llm_retries: int = 2  # resubmissions of one request after its LLM replica was lost
+    max_pending_requests: int = 16  # admitted requests without a first token yet; more: 429
+    max_fetching_requests: int = 64  # requests being read or having media fetched (no pending slot); more: 429
+    prefix_block_size: int = 16  # tokens per prompt block in `PendingRequest.prefix_hashes` (the engine's)
+    stream_video: bool = False  # video files go to the LLM replica to stream through the pipeline (`StreamedVideo`)
+    stream_group_frames: int = 8  # frames per group of a streamed video
+
+
+class VideoDecoding(Protocol):
+    """Video files to their sampled frames: the VideoDecoder deployment's client, or a
+    `mmserve.video.workers.VideoDecodePool` in-process."""
+
+    async def decode(self, data: bytes, request_id: str) -> DecodedVideo: ...
+
+    async def probe(self, data: bytes, request_id: str) -> DecodedVideo:
+        """The video's header (no pixels): what to plan a streamed video with."""
+
+
+class RequestListener:
+    """What the core reports (metrics): a request ended ("ok" or a `failures.Kind`), got its first
+    token, sent its last, was resubmitted after a lost replica, had items re-encoded. No-ops here."""
+
+    def on_outcome(self, outcome: str) -> None: ...
+    def on_started(self, gen: Generation, ttft_ms: float, num_media: int) -> None: ...
+    def on_finished(self, gen: Generation) -> None: ...
+    def on_resubmit(self, continuation: PendingRequest) -> None: ...
+    def on_reencode(self, num_items: int) -> None: ...
+
+
+class Bound:
+    """`limit` places; `take()` holds one for a `with` block. QueueFull (429) when none is free."""
+
+    def __init__(self, limit: int, what: str):
+        self.limit, self.what, self.held = limit, what, 0
+
+    def check(self) -> None:
+        if self.held >= self.limit:
+            raise QueueFull(f"{self.held} {self.what} (limit {self.limit})")
+
+    @contextlib.contextmanager
+    def take(self):
+        self.check()
+        self.held += 1
+        try:
+            yield
+        finally:
+            self.held -= 1
+
+
+def new_request_id() -> str:
+    """Our id of a request: the engine's and encoders' key (a client's own id is only shown)."""
+    return uuid.uuid4().hex
+
+
+class RequestCore:
+    def __init__(self, settings: CoreSettings, planner: RequestPlanner, max_model_len: int, generation_defaults,
+                 media: MediaDispatcher, llm: LLMClient, listener: RequestListener | None = None,
+                 draining: Callable[[], bool] = lambda: False, videos: VideoDecoding | None = None):
+        self.settings = settings
+        self.planner = planner
+        self.tokenizer = planner.tokenizer
+        self.max_model_len = max_model_len
+        self.generation_defaults = generation_defaults  # transformers GenerationConfig of the checkpoint
+        self.media = media
+        self.llm = llm
+        self.listener = listener or RequestListener()
+        self._draining = draining
+        self.videos = videos
+        self.pending = Bound(settings.max_pending_requests, "requests wait for their first token")
+        self.receiving = Bound(settings.max_fetching_requests, "requests are being received (body, media)")
+        self.created = int(time.time())
+
+    @classmethod
+    def from_checkpoint(cls, model_dir: str, settings: CoreSettings, media: MediaDispatcher, llm: LLMClient,
+                        listener: RequestListener | None = None, draining=lambda: False,
+                        videos: VideoDecoding | None = None) -> RequestCore:
+        from transformers import AutoTokenizer, GenerationConfig
+
+        planner = RequestPlanner(model_dir, AutoTokenizer.from_pretrained(model_dir), settings.limits.media_limits())
+        max_model_len = int(read_config(model_dir).get("text_config", {}).get("max_position_embeddings", 32768))
+        try:
+            defaults = GenerationConfig.from_pretrained(model_dir)
+        except OSError:
+            defaults = GenerationConfig()
+        return cls(settings, planner, max_model_len, defaults, media, llm, listener, draining, videos)
+
+    # -- the request flow ---------------------------------------------------------------------
+    async def generate(self, authorization: str | None, read: Callable[[], Awaitable[ChatRequest]],
+                       request_id: str) -> Generation:
+        """Authenticate, `read()` the request, check it and load its media, then admit, plan,
+        dispatch and start it.
+
+        Admission is two bounds. Reading the body and fetching media (a slow client or URL takes
+        as long as it takes, up to `media_fetch_timeout_s`) count against `max_fetching_requests`
+        only; `max_pending_requests`, which bounds TTFT, counts requests from planning to their
+        first token, so slow media never crowd out requests that are ready. A full router refuses
+        at once, before the body is read.
+
+        Raises the typed errors `failures.classify` maps: `Unauthenticated` before anything else,
+        `ShuttingDown` / `QueueFull` before the request is read, `InvalidRequest` for anything
+        the client got wrong, and whatever a backend raised."""
+        received = time.perf_counter()
+        self.authenticate(authorization)
+        self._check_open()
+        with self.receiving.take():
+            request = await read()
+            self._check(request)
+            messages = await self._load_media(request, request_id)
+        self._check_open()
+        with self.pending.take():
+            return await self._start(messages, request.options, request_id, received)
+
+    def authenticate(self, authorization: str | None) -> None:
+        """`authorization` is the HTTP header / gRPC metadata value: "Bearer KEY" when a key is set."""
+        key = self.settings.api_key
+        if key and not hmac.compare_digest((authorization or "").encode(), f"Bearer {key}".encode()):
+            raise Unauthenticated("invalid or missing API key (send 'Authorization: Bearer KEY')")
+
+    def check_size(self, num_bytes: int) -> None:
+        if num_bytes > (limit := self.settings.limits.max_request_bytes):
+            raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
+
+    @property
+    def draining(self) -> bool:
+        return self._draining()
+
+    def _check_open(self) -> None:
+        """503 while draining, 429 while `max_pending_requests` requests wait for their first token."""
+        if self.draining:
+            raise ShuttingDown("server is shutting down")
+        self.pending.check()
+
+    def _check(self, request: ChatRequest) -> None:
+        name = self.settings.served_model_name
+        if request.model and request.model != name:
+            raise InvalidRequest(f"model {request.model!r} is not served here; use {name!r}")
+        if not request.messages:
+            raise InvalidRequest("messages: at least one message is required")
+        for i, message in enumerate(request.messages):
+            if message.role not in ROLES:
+                raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {message.role!r}")
+        self.planner.limits.check(media_of(request.messages))  # counts, before anything is fetched
+
+    async def _load_media(self, request: ChatRequest, request_id: str) -> list[Message[MediaItem]]:
+        """The messages with every media source loaded: all URLs of the request fetched at once,
+        under one deadline and one byte budget (`media_fetch`), then every video file decoded to
+        its sampled frames (the VideoDecoder deployment), all at once."""
+        sources = media_of(request.messages)
+        urls = [f for source in sources for f in source.frames if isinstance(f, str)]
+        fetched = iter(await MediaFetcher(self.settings.limits, request_id).load_all(urls) if urls else ())
+        frames = [tuple(f if isinstance(f, bytes) else next(fetched) for f in source.frames) for source in sources]
+        files = [i for i, source in enumerate(sources) if source.container]
+        decoded, stream = {}, self.settings.stream_video and self.planner.face.streams_video
+        if files:
+            if self.videos is None:
+                raise InvalidRequest("this server does not decode video files; send a video as its frames")
+            # streamed: planned from the header; the LLM replica decodes and encodes it (the file goes along)
+            read = self.videos.probe if stream else self.videos.decode
+            decoded = dict(zip(files, await _all_or_none([read(frames[i][0], request_id) for i in files])))
+        items = iter([MediaItem(source.kind, frames[i] if stream or i not in decoded else (), fps=source.fps,
+                                decoded=decoded.get(i)) for i, source in enumerate(sources)])
+        return [Message(m.role, tuple(p if isinstance(p, str) else next(items) for p in m.parts))
+                for m in request.messages]
+
+    async def _start(self, messages: list[Message[MediaItem]], options: GenerationOptions,
+                     request_id: str, received: float) -> Generation:
+        started = time.perf_counter()
+        plan = await asyncio.to_thread(self.planner.plan, messages)
+        sampling = sampling_params(options, len(plan.token_ids), self.max_model_len, self.generation_defaults)
+        media = plan.media
+        pending = PendingRequest(
+            request_id=request_id, prompt_token_ids=tuple(plan.token_ids), sampling=sampling,
+            positions=plan.positions, ranges=tuple(plan.ranges), embeddings=await self._dispatch(media),
+            prefix_hashes=prefix_hashes(plan.token_ids, plan.ranges, [item.content_hash for item in plan.items],
+                                        self.settings.prefix_block_size),
+            snapshot_boundaries=plan.snapshot_boundaries,
+        )
+        logger.info("request %s: %d prompt tokens, %d media items (%d media tokens), max_tokens %d",
+                    request_id, len(plan.token_ids), len(plan.items), plan.num_media_tokens, sampling.max_tokens)
+
+        async def reencode(handles: tuple[EmbeddingHandle, ...], lost: tuple[int, ...]):
+            self.listener.on_reencode(len(lost))
+            new = list(handles)
+            for i, handle in zip(lost, await self._dispatch([media[i] for i in lost])):
+                new[i] = handle
+            return tuple(new)
+
+        failover = Failover(self.llm, pending, self.settings.llm_retries, self.listener.on_resubmit, reencode)
+        router_ms = (time.perf_counter() - received) * 1000  # read, fetch, plan, dispatch the media
+        stream, first = await failover.start()  # errors surface here, before any response is sent
+        gen = Generation(request_id, plan, sampling, options.stop, stream, first, self.tokenizer, failover.resume,
+                         router_ms)
+        self.listener.on_started(gen, (time.perf_counter() - started) * 1000, len(media))
+        return gen
+
+    async def _dispatch(self, media: Sequence[EncodeItem]) -> tuple[EmbeddingHandle, ...]:
+        """A handle per item: the dispatcher's, or for a streamed video its file and frame groups."""
+        def streamed_video(m: EncodeItem) -> StreamedVideo:
+            groups = self.planner.face.stream_groups(m.item, m.layout, self.settings.stream_group_frames)
+            return StreamedVideo(m.item.frames[0], m.item.decoded, tuple(groups))
+
+        streamed = {i: streamed_video(m) for i, m in enumerate(media)
+                    if m.item.decoded is not None and m.item.decoded.pixels is None}
+        rest = [m for i, m in enumerate(media) if i not in streamed]
+        handles = iter(await self.media.dispatch(rest) if rest else ())
+        return tuple(streamed[i] if i in streamed else next(handles) for i in range(len(media)))
+
+    # -- outcomes -------------------------------------------------------------------------------
+    def finished(self, gen: Generation) -> None:
+        self.listener.on_finished(gen)
+        self.listener.on_outcome("ok")
+
+    def failed(self, e: BaseException, request_id: str) -> Failure:
+        """How a failed request is answered (status and client-safe message), counted and logged."""
+        failure = classify(e)
+        self.listener.on_outcome(failure.kind)
+        if failure.kind in ("invalid", "too_large", "unauthenticated"):
+            logger.info("request %s rejected: %s", request_id, failure.message)
+        elif failure.kind == "internal":
+            logger.error("request %s failed: %r", request_id, e, exc_info=e)
+        else:
+            logger.warning("request %s failed (%s): %r", request_id, failure.kind, e)
+        return failure
+
+    def model_card(self) -> dict:
+        """`GET /v1/models`'s entry for the served model."""
+        return {"id": self.settings.served_model_name, "object": "model", "created": self.created,
+                "owned_by": "mmserve", "root": self.settings.model_dir, "max_model_len": self.max_model_len}
+
+    def check_health(self) -> None:
+        if not self.tokenizer.encode("ok"):
+            raise RuntimeError("the router's tokenizer returned no tokens")
+
+
+async def _all_or_none(calls: list[Awaitable]) -> list:
+    """The results of `calls`, run at once; the first failure cancels the others and is raised."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def media_of(messages: Sequence[Message]) -> list:
+    """The media parts of `messages`, in prompt order."""
+    return [p for m in messages for p in m.parts if not isinstance(p, str)]

@@ -1,0 +1,480 @@
+"""Application arguments: validated once here (pydantic), resolved into frozen runtime settings."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from deployments.media.allowlist import parse_allowlist_entry
+from mmserve.request.prompt_plan import MediaLimits
+from mmserve.video.container import VideoLimits
+
+
+class _Args(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# Serve's queue bound per deployment when `max_queued_requests` is left out. A request queued for
+# the router waits for a whole request to finish, so few; the LLM queues as many as it runs at
+# once; the encoder is bounded by queued bytes instead (bench/soak.py measured these)
+DEFAULT_MAX_QUEUED = {"Router": 8, "LLM": 64}
+RETRY_AFTER_S = 1
+
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class ReplicaAutoscalingArgs(_Args):
+    """Serve's default autoscaling policy: replicas follow the ongoing requests per replica."""
+
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=4, ge=1)
+    target_ongoing_requests: float | None = Field(
+        default=None, gt=0, description="per replica; default for the LLM: the engine's max_num_seqs"
+    )
+    upscale_delay_s: float = Field(default=30.0, ge=0)
+    downscale_delay_s: float = Field(default=600.0, ge=0)
+
+    @model_validator(mode="after")
+    def _check_range(self) -> "ReplicaAutoscalingArgs":
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        return self
+
+
+def _serve_has_backpressure_config() -> bool:
+    import inspect
+
+    from ray import serve
+
+    return "backpressure_config" in inspect.signature(serve.deployment).parameters
+
+
+class DeploymentArgs(_Args):
+    """One deployment's replicas and where they may run.
+
+    `label_selector`, `resources` and `accelerator_type` go to the replicas' Ray actor options:
+    on KubeRay they pin a deployment to its worker group (the group's `labels` and `resources`),
+    so encoder and LLM replicas never share, or land on, the wrong pods.
+    """
+
+    num_replicas: int = Field(default=1, ge=1)
+    num_cpus: float = Field(default=1.0, ge=0)
+    num_gpus: float = Field(default=0.0, ge=0)
+    max_ongoing_requests: int = Field(default=64, ge=1)
+    max_queued_requests: int | None = Field(
+        default=None, ge=-1, description="requests queued for a replica (per caller) before Serve answers "
+        "429 + Retry-After / RESOURCE_EXHAUSTED; -1: unbounded; default: 8 for the Router (a request queued there waits for a whole request to finish), 64 for the LLM, -1 for the Encoder",
+    )
+    label_selector: dict[str, str] = Field(default_factory=dict, description="Ray node labels a replica needs")
+    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per replica")
+    accelerator_type: str | None = Field(default=None, description="e.g. H100, A100, L4 (Ray accelerator types)")
+    autoscaling: ReplicaAutoscalingArgs | None = Field(
+        default=None, description="autoscale on ongoing requests (num_replicas is then ignored)"
+    )
+
+    @property
+    def device_share(self) -> float:
+        """The fraction of one GPU a replica owns, memory included: `num_gpus` below 1 (two replicas
+        at 0.5 share a device), else the whole device (`num_gpus` 0: none was asked for)."""
+        return self.num_gpus if 0 < self.num_gpus < 1 else 1.0
+
+    def options(self, name: str, default_target_ongoing_requests: float | None = None) -> dict:
+        actor: dict = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.label_selector:
+            actor["label_selector"] = dict(self.label_selector)
+        if self.resources:
+            actor["resources"] = dict(self.resources)
+        if self.accelerator_type:
+            actor["accelerator_type"] = self.accelerator_type
+        queued = DEFAULT_MAX_QUEUED.get(name, -1) if self.max_queued_requests is None else self.max_queued_requests
+        options = {
+            "name": name,
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": queued,
+            "ray_actor_options": actor,
+        }
+        if _serve_has_backpressure_config():  # Serve >= 2.5x; older ones answer 503 without Retry-After
+            options["backpressure_config"] = {"status_code": 429, "retry_after_s": RETRY_AFTER_S}
+        if self.autoscaling is None:
+            options["num_replicas"] = self.num_replicas
+            return options
+        scaling = self.autoscaling
+        target = scaling.target_ongoing_requests or default_target_ongoing_requests
+        options["autoscaling_config"] = {
+            "min_replicas": scaling.min_replicas,
+            "max_replicas": scaling.max_replicas,
+            **({"target_ongoing_requests": target} if target else {}),
+            "upscale_delay_s": scaling.upscale_delay_s,
+            "downscale_delay_s": scaling.downscale_delay_s,
+        }
+        return options
+
+
+class LimitArgs(_Args):
+    """Request limits and media access (see `deployments.media.fetch` for the rules)."""
+
+    max_items_per_request: int = Field(default=MediaLimits.max_items_per_request, ge=0)
+    max_frames_per_video: int = Field(default=MediaLimits.max_frames_per_video, ge=1)
+    max_pixels_per_image: int = Field(default=MediaLimits.max_pixels_per_image, ge=1)
+    max_request_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=1024, description="request body; also all media URLs of one request together"
+    )
+    allow_local_media: bool = Field(default=False, description="local paths / file: URLs, inside local_media_dir only")
+    local_media_dir: str | None = Field(default=None, description="the only directory local media may come from")
+    allow_http_media: bool = False
+    http_media_allowlist: tuple[str, ...] = Field(
+        default=(), description="where http(s) media may come from: `host` (ports 80 and 443 only) or "
+        "`host:port` / `[v6addr]:port` (that port only); a name also admits its subdomains; a host listed "
+        "exactly may also resolve to a private or loopback address",
+    )
+    media_fetch_timeout_s: float = Field(
+        default=30.0, gt=0, description="all media URLs of one request together (fetched concurrently, "
+        "redirects included); over it the request is refused (400)",
+    )
+    max_video_seconds: float = Field(default=VideoLimits.max_seconds, gt=0,
+                                     description="video_url: longest video, by its header and by its stream")
+    max_pixels_per_video_frame: int = Field(default=VideoLimits.max_pixels_per_frame, ge=1)
+    video_decode_timeout_s: float = Field(
+        default=VideoLimits.decode_timeout_s, gt=0, description="video_url: one video's decode, waiting for a "
+        "decoder included; past it the decoding worker is killed and the request refused (400)",
+    )
+
+    @field_validator("http_media_allowlist")
+    @classmethod
+    def _check_allowlist(cls, entries: tuple[str, ...]) -> tuple[str, ...]:
+        for entry in entries:
+            parse_allowlist_entry(entry)
+        return entries
+
+    @model_validator(mode="after")
+    def _check_local_media(self) -> "LimitArgs":
+        if self.allow_local_media and not self.local_media_dir:
+            raise ValueError("allow_local_media needs local_media_dir (the one directory media may be read from)")
+        return self
+
+    def media_limits(self) -> MediaLimits:
+        return MediaLimits(self.max_items_per_request, self.max_frames_per_video, self.max_pixels_per_image)
+
+    def video_limits(self) -> VideoLimits:
+        return VideoLimits(self.max_video_seconds, self.max_frames_per_video, self.max_pixels_per_video_frame,
+                           self.video_decode_timeout_s)
+
+
+class _QueuedWorkScaling(_Args):
+    """Autoscaling on the work queued per replica (`deployments.serve.autoscaling.QueuedWorkPolicy`):
+    the encoder pool's on tokens, the video decoders' on decode seconds."""
+
+    autoscale: bool = False
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=4, ge=1)
+    upscale_delay_s: float = Field(default=5.0, ge=0)
+    downscale_delay_s: float = Field(default=120.0, ge=0)
+    look_back_period_s: float = Field(default=10.0, gt=0)
+    metrics_interval_s: float = Field(default=2.0, gt=0, description="how often replicas push their queued work")
+
+    @model_validator(mode="after")
+    def _check_autoscaling(self):
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError("look_back_period_s must be greater than metrics_interval_s")
+        return self
+
+    def scaled(self, options: dict, **target) -> dict:
+        """A deployment's Serve `options` with autoscaling on queued work when `autoscale` is on
+        (`target`: `autoscaling_config`'s target per replica)."""
+        if not self.autoscale:
+            return options
+        from deployments.serve.autoscaling import autoscaling_config
+
+        options = {k: v for k, v in options.items() if k != "num_replicas"}
+        options["autoscaling_config"] = autoscaling_config(
+            min_replicas=self.min_replicas, max_replicas=self.max_replicas, upscale_delay_s=self.upscale_delay_s,
+            downscale_delay_s=self.downscale_delay_s, look_back_period_s=self.look_back_period_s,
+            metrics_interval_s=self.metrics_interval_s, **target,
+        )
+        return options
+
+
+class VideoDecodeArgs(_QueuedWorkScaling):
+    """The VideoDecoder deployment's work (`video_url`): CPU replicas, each with `workers` decoding
+    processes. With `autoscale` on, replicas follow the decode seconds queued on them
+    (`deployments.serve.autoscaling.QueuedWorkPolicy`) and `video_decoder.num_replicas` is ignored."""
+
+    workers: int = Field(default=2, ge=1, description="decoding processes per replica (one video each)")
+    stream: bool = Field(
+        default=True, description="stream video_url frames through the pipeline: each group of frames goes to "
+        "the encoder as it is decoded, and the LLM prefills behind them (off: decode, then encode, then prefill; "
+        "a standalone gRPC encoder never streams)",
+    )
+    stream_group_frames: int = Field(
+        default=8, ge=1, description="frames per group of a streamed video (at least the model's temporal patch): "
+        "larger groups cost fewer transfers and encoder calls, smaller ones let prefill follow the decoder closer",
+    )
+    target_queued_seconds_per_replica: float = Field(default=4.0, gt=0, description="decode seconds queued "
+                                                     "or running per replica")
+
+
+class GrpcArgs(_Args):
+    """Embedding transfer over gRPC (`transport: grpc`) and the internal EncoderService.
+
+    The public gRPC API's port, reflection and timeout are Serve's `grpc_options` (proxy-wide,
+    set at `serve.start` / in the Serve config), not application arguments.
+    """
+
+    bind_host: str = "[::]"
+    port: int = Field(default=0, ge=0, le=65535, description="each encoder replica's port; 0 = any free port")
+    token: str | None = Field(default=None, description="shared token every EncoderService call must carry")
+    token_env: str | None = Field(
+        default=None, pattern=ENV_NAME, description="environment variable holding `token`, read where each "
+        "replica runs (the Serve config then holds only the name)",
+    )
+    result_ttl_s: float = Field(default=300.0, gt=0, description="how long an unfetched embedding stays pinned")
+    result_store_bytes: int = Field(
+        default=2 << 30, ge=1, description="pinned embeddings per encoder; over it encodes are refused (503)"
+    )
+    chunk_bytes: int = Field(default=1 << 20, ge=1 << 16, le=3 << 20)
+    fetch_timeout_s: float = Field(default=60.0, gt=0)
+    encoder_address: str | None = Field(
+        default=None, description="host:port of a standalone `mmserve encoder-server` to use instead of an "
+        "Encoder deployment (needs transport: grpc; `token` is sent to it)",
+    )
+    tls_ca: str | None = Field(
+        default=None, description="PEM file of the CA that signed the standalone encoder's certificate: "
+        "connect to `encoder_address` over TLS",
+    )
+
+    @model_validator(mode="after")
+    def _check_token(self) -> "GrpcArgs":
+        if self.token is not None and self.token_env is not None:
+            raise ValueError("set grpc.token or grpc.token_env, not both")
+        return self
+
+    def on_node(self) -> "GrpcArgs":
+        """These arguments with `token` read from `token_env` on this node (a replica's)."""
+        if self.token_env is None:
+            return self
+        from deployments.serve.replica_env import secret
+
+        return self.model_copy(update={"token": secret(None, self.token_env, "grpc.token_env"), "token_env": None})
+
+
+class EncoderPoolArgs(_QueuedWorkScaling):
+    """The encoder pool: token-budget batching, preprocessing workers, embedding cache, autoscaling.
+
+    With `autoscale` on, the encoder deployment runs `min_replicas`..`max_replicas` replicas sized
+    by `deployments.serve.autoscaling.QueuedTokensPolicy` to ceil(queued tokens / target per replica),
+    and `encoder.num_replicas` is ignored.
+    """
+
+    max_batch_tokens: int = Field(default=16384, ge=1, description="budget of one ViT forward (cost_unit)")
+    max_batch_items: int = Field(default=64, ge=1)
+    batch_wait_ms: float = Field(default=5.0, ge=0, description="longest wait to fill a batch")
+    cost_unit: Literal["tokens", "patches"] = "tokens"
+    skip_ahead: bool = False
+    max_skips: int = Field(default=4, ge=0, description="skip-ahead fairness: times one item may be overtaken")
+    preprocess_workers: int = Field(default=4, ge=1, description="threads decoding media (the processor runs on the device)")
+    cache_bytes: int = Field(default=1 << 30, ge=0, description="embedding cache bound per replica; 0 = off")
+    max_queued_bytes: int = Field(
+        default=1 << 30, ge=1, description="decoded (uint8) pixels queued per replica; over it items are refused (503)"
+    )
+    target_queued_tokens_per_replica: int = Field(default=32768, ge=1)
+    cuda_graphs: bool = Field(default=False, description="capture the ViT per token budget up to max_batch_tokens "
+                              "(Qwen2-VL / Qwen2.5-VL, CUDA; encoder_service.vit_graphs); off until measured on a GPU")
+
+    def resolve(self):
+        from encoder_service.batching import BatchConfig
+        from encoder_service.pool import PoolConfig
+
+        batch = BatchConfig(
+            max_batch_tokens=self.max_batch_tokens, max_batch_items=self.max_batch_items,
+            batch_wait_ms=self.batch_wait_ms, cost_unit=self.cost_unit, skip_ahead=self.skip_ahead,
+            max_skips=self.max_skips,
+        )
+        return PoolConfig(batch=batch, preprocess_workers=self.preprocess_workers, cache_bytes=self.cache_bytes,
+                          max_queued_bytes=self.max_queued_bytes)
+
+
+class EngineArgs(_Args):
+    """LLM engine settings (continuous batching, paged KV cache); resolved into `EngineConfig`."""
+
+    block_size: int = Field(default=16, ge=1, description="tokens per KV block (a power of two)")
+    max_num_seqs: int = Field(default=64, ge=1, description="sequences per engine step")
+    max_num_batched_tokens: int = Field(default=2048, ge=1, description="token budget per engine step")
+    enable_chunked_prefill: bool = True
+    kv_cache_memory_mb: int | None = Field(
+        default=None, ge=1, description="KV pool size, taken as given (with the per-sequence state slots of "
+        "hybrid linear-attention models, at most half of it); default: from the device (CPU: 512 MiB)"
+    )
+    gpu_memory_utilization: float = Field(
+        default=0.9, gt=0, le=1, description="of the LLM replica's share of its GPU (llm.num_gpus below 1, else the "
+        "whole device): weights + KV pool; the rest of the share is headroom (activations, CUDA graphs)",
+    )
+    cuda_graphs: bool = True
+    enable_prefix_caching: bool = Field(default=True, description="reuse K/V of identical prompt prefixes (images by content hash)")
+    state_snapshot_share: float = Field(
+        default=0.1, ge=0, lt=0.5, description="hybrid linear-attention models: share of the KV memory budget "
+        "for recurrent-state snapshots at prompt block boundaries (system prompt, images, prompt end), which "
+        "prefix caching needs to resume them; 0 turns their prefix caching off")
+    attention_backend: Literal["auto", "sdpa", "triton"] = Field(
+        default="auto", description="auto: the Triton paged kernel on CUDA, SDPA on CPU (checked at replica start)"
+    )
+    async_scheduling: bool | None = Field(
+        default=None, description="overlap engine steps (the host prepares step N+1 while the device runs step N; "
+        "stop ids and EOS apply a step late, the extra token is discarded); default: on CUDA only",
+    )
+    split_kv_decode: bool = Field(
+        default=True, description="Triton backend: split a decode step's keys over more programs when its "
+        "sequences x KV heads cannot fill the GPU (flash-decoding)",
+    )
+    fused_ops: bool = Field(
+        default=True, description="CUDA, Triton backend: the decoder's RMSNorms and SiLU MLPs in fused kernels",
+    )
+    max_waiting_tokens: int = Field(
+        default=32768, ge=1, description="prompt tokens per LLM replica admitted but not prefilled yet; a "
+        "request over it gets 429 + Retry-After / RESOURCE_EXHAUSTED (one request is always admitted)",
+    )
+    stall_timeout_s: float = Field(
+        default=60.0, gt=0, description="an LLM replica holding work with no engine step in this long is "
+        "unhealthy (Serve replaces it; its requests fail over)",
+    )
+
+    def resolve(self, device_share: float = 1.0):
+        """The `EngineConfig` of an LLM replica owning `device_share` of its GPU."""
+        from llm_service.config import EngineConfig
+
+        return EngineConfig(
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            kv_cache_bytes=self.kv_cache_memory_mb * 2**20 if self.kv_cache_memory_mb else None,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            device_share=device_share,
+            cuda_graphs=self.cuda_graphs,
+            enable_prefix_caching=self.enable_prefix_caching,
+            state_snapshot_share=self.state_snapshot_share,
+            attention_backend=self.attention_backend,
+            async_scheduling=self.async_scheduling,
+            split_kv_decode=self.split_kv_decode,
+            fused_ops=self.fused_ops,
+        )
+
+
+def _serve_has_request_router() -> bool:
+    import inspect
+
+    from ray import serve
+
+    return "request_router_config" in inspect.signature(serve.deployment).parameters
+
+
+class RoutingArgs(_Args):
+    """How the router picks encoder and LLM replicas (`deployments.core.affinity`).
+
+    `affinity`: an item goes to the encoder replica owning its content hash, a request to the LLM
+    replica that got its longest prompt prefix, each within (1 + epsilon) x the mean load
+    (`AffinityRequestRouter`, Serve's request-router API). `default`: Serve's power-of-two
+    choices, one request's items split into size-balanced calls. Affinity is opt-in until it is
+    measured on GPUs: on 2 CPU cores (bench/serve_routing.py) it raised cluster-wide embedding
+    hits but its goodput above saturation varied from 0.46x to 1.86x of the default's.
+    """
+
+    policy: Literal["affinity", "default"] = "default"
+    epsilon: float = Field(default=0.25, ge=0, description="encoder items: no replica above (1 + epsilon) x the "
+                           "mean queued tokens")
+    prefix_epsilon: float = Field(default=0.1, ge=0, description="LLM requests: a prefix's replica is passed over "
+                                  "above (1 + prefix_epsilon) x the mean (its imbalance costs decode throughput)")
+
+    def deployment_options(self, block_size: int) -> tuple[dict, dict]:
+        """The Encoder's and the LLM's `request_router_config` options ({} for default routing, or
+        a Serve without the request-router API)."""
+        if self.policy != "affinity" or not _serve_has_request_router():
+            return {}, {}
+        router = "deployments.serve.affinity_routing:AffinityRequestRouter"
+
+        def options(epsilon: float) -> dict:
+            kwargs = {"epsilon": epsilon, "block_size": block_size}
+            return {"request_router_config": {"request_router_class": router, "request_router_kwargs": kwargs}}
+
+        return options(self.epsilon), options(self.prefix_epsilon)
+
+
+class AppArgs(_Args):
+    """Arguments of `deployments.serve.app:build_app` (the `args:` of a Serve config YAML)."""
+
+    model: str | None = Field(default=None, description="checkpoint directory; default: the embedded tiny model")
+    served_model_name: str | None = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    transport: Literal["object_store", "grpc"] = Field(
+        default="object_store", description="how embeddings reach the LLM replicas (same tensors either way)"
+    )
+    api_key: str | None = None
+    api_key_env: str | None = Field(
+        default=None, pattern=ENV_NAME, description="environment variable holding the API key, read where "
+        "each router replica runs (the Serve config then holds only the name)",
+    )
+    await_embeddings_in_router: bool = Field(
+        default=False,
+        description="wait for the encoder before calling the LLM instead of passing the pending refs "
+        "(slower: see bench/dispatch.py); errors then surface before an LLM replica is involved",
+    )
+    colocated: bool = Field(
+        default=False, description="no Encoder deployment: each LLM replica encodes its requests' media "
+        "in-process with its own encoder pool (the baseline of bench/serve.py --compare colocated)",
+    )
+    llm_retries: int = Field(
+        default=2, ge=0, description="resubmissions of one request after its LLM replica was lost "
+        "(a stream resumes from the tokens it sent); then 503 / UNAVAILABLE",
+    )
+    max_pending_requests: int = Field(
+        default=16, ge=1, description="per Router replica: requests admitted that have no first token yet "
+        "(planning, encoding, waiting for prefill); more get 429 + Retry-After / RESOURCE_EXHAUSTED at once. "
+        "It bounds TTFT under bursts; raise it with faster replicas (bench/soak.py measures the trade)",
+    )
+    max_fetching_requests: int = Field(
+        default=64, ge=1, description="per Router replica: requests whose body is being read or whose media URLs "
+        "are being fetched (they hold no max_pending_requests place, so slow media never crowd out ready "
+        "requests); more get 429 + Retry-After / RESOURCE_EXHAUSTED at once",
+    )
+    # defaults fit a 2-core laptop (1.5 CPUs in all); size them for real clusters (k8s/overlays/gpu)
+    router: DeploymentArgs = DeploymentArgs(num_cpus=0.25)
+    encoder: DeploymentArgs = DeploymentArgs(num_cpus=0.5)
+    llm: DeploymentArgs = DeploymentArgs(num_cpus=0.5)
+    video_decoder: DeploymentArgs = DeploymentArgs(num_cpus=0.25)
+    video_decode: VideoDecodeArgs = VideoDecodeArgs()
+    limits: LimitArgs = LimitArgs()
+    routing: RoutingArgs = RoutingArgs()
+    encoder_pool: EncoderPoolArgs = EncoderPoolArgs()
+    grpc: GrpcArgs = GrpcArgs()
+    engine: EngineArgs = EngineArgs()
+
+    @model_validator(mode="after")
+    def _check_deployments(self) -> "AppArgs":
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("set api_key or api_key_env, not both")
+        if self.encoder.autoscaling is not None:
+            raise ValueError("the encoder autoscales on queued tokens: use encoder_pool.autoscale, not encoder.autoscaling")
+        if self.video_decoder.autoscaling is not None:
+            raise ValueError("the video decoder autoscales on queued decode seconds: use video_decode.autoscale, "
+                             "not video_decoder.autoscaling")
+        if self.llm.autoscaling is not None:
+            target = self.llm.autoscaling.target_ongoing_requests or self.engine.max_num_seqs
+            if target > self.llm.max_ongoing_requests:
+                raise ValueError(
+                    f"llm: target_ongoing_requests ({target:g}) > max_ongoing_requests "
+                    f"({self.llm.max_ongoing_requests}): replicas could never reach the target"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _check_external_encoder(self) -> "AppArgs":
+        if self.grpc.encoder_address and self.transport != "grpc":
+            raise ValueError("grpc.encoder_address (a standalone encoder) needs transport: grpc")
+        if self.colocated and (self.grpc.encoder_address or self.transport != "object_store"):
+            raise ValueError("colocated: true encodes inside the LLM replicas: no transport: grpc or grpc.encoder_address")
+        if self.grpc.tls_ca and not self.grpc.encoder_address:
+            raise ValueError("grpc.tls_ca applies to a standalone encoder: set grpc.encoder_address")
+        return self

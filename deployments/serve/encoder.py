@@ -1,0 +1,104 @@
+"""Encoder deployment: one `encoder_service.EncoderPool` per replica (GPU replicas in production).
+
+Every `encode` call, from any number of routers and requests, goes through the replica's pool:
+embedding cache and in-flight dedup, CPU preprocessing workers, token-budget batches. Replicas
+report their queued tokens to Serve's autoscaler (`record_autoscaling_stats`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from ray import serve
+
+from deployments.serve.autoscaling import QUEUED_TOKENS
+from deployments.serve.config import DeploymentArgs, EncoderPoolArgs, GrpcArgs
+from deployments.serve.metrics import EncoderMetrics, PoolMetrics
+from deployments.serve.replica_env import resolve_model_dir
+from encoder_service import VisionEncoder
+from encoder_service.pool import EncoderPool
+from mmserve.checkpoint import device_memory, hold_to_share, resolve_device
+from mmserve.errors import InvalidRequest, Overloaded
+from mmserve.request.media import EncodeItem
+
+logger = logging.getLogger("ray.serve")
+
+
+def encoder_options(deployment: DeploymentArgs, pool: EncoderPoolArgs) -> dict:
+    """Serve options of the encoder deployment: fixed replicas, or autoscaling on queued tokens."""
+    return pool.scaled(deployment.options("Encoder"), target_tokens_per_replica=pool.target_queued_tokens_per_replica)
+
+
+@serve.deployment
+class EncoderDeployment:
+    def __init__(self, model_dir: str | None, dtype: str, device: str, pool: EncoderPoolArgs | None = None,
+                 transport: str = "object_store", grpc: GrpcArgs | None = None, device_share: float = 1.0):
+        model_dir, grpc, device = resolve_model_dir(model_dir), (grpc or GrpcArgs()).on_node(), resolve_device(device)
+        self.device_share = device_share
+        hold_to_share(device, device_share)  # past its part of the GPU a forward fails here (503)
+        self.encoder = VisionEncoder(model_dir, dtype=dtype, device=device)
+        pool = pool or EncoderPoolArgs()
+        if pool.cuda_graphs and torch.device(device).type == "cuda":
+            self.encoder.capture_graphs(pool.max_batch_tokens, pool.cost_unit)
+        self.metrics = EncoderMetrics()
+        self.pool = EncoderPool(self.encoder, pool.resolve(), PoolMetrics(self.metrics))
+        self.publisher = None
+        if transport == "grpc":  # results stay here, pinned, until the LLM replica pulls them
+            from deployments.serve.transport import GrpcPublisher
+
+            self.publisher = GrpcPublisher(grpc or GrpcArgs(), self.encoder)
+
+    async def encode(self, items: list[EncodeItem]) -> list:
+        """One `ItemEmbedding` (CPU) per item — or, with `transport: grpc`, one `EncodedRef` to
+        fetch it by. InvalidRequest if an item cannot be decoded, Overloaded when the pool's queue
+        (or the result store, or device memory) is full."""
+        start = time.perf_counter()
+        try:
+            embeddings = await self.pool.encode(items)
+        except (InvalidRequest, Overloaded):  # bad media (400) / a full queue (503): not our bug
+            self.metrics.failures.inc()
+            raise
+        except torch.OutOfMemoryError:
+            self.metrics.failures.inc()
+            logger.warning("encoding %d items ran out of device memory", len(items))
+            raise Overloaded("the encoder ran out of device memory") from None
+        except Exception:  # a bug: the router answers 500
+            self.metrics.failures.inc()
+            logger.exception("encoding %d items failed", len(items))
+            raise
+        for item, embedding in zip(items, embeddings):
+            self.metrics.items.inc(tags={"kind": item.item.kind.value})
+            self.metrics.tokens.inc(embedding.num_rows)
+        self.metrics.encode_ms.observe((time.perf_counter() - start) * 1000)
+        return self.publisher.publish(items, embeddings) if self.publisher else embeddings
+
+    def stats(self) -> dict:
+        """The pool's counters (forwards, cache, dedup, queue) and which replica answered: for
+        tests, benches and debugging (`encoder_stats` collects every replica's)."""
+        return {**self.pool.stats()._asdict(), "replica": serve.get_replica_context().replica_id.unique_id}
+
+    def memory(self) -> dict:
+        """This replica's device memory (`mmserve.checkpoint.device_memory`) and its share of the device."""
+        return {**device_memory(self.encoder.device), "device_share": self.device_share}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics hook (see `deployments.serve.autoscaling`)."""
+        return {QUEUED_TOKENS: float(self.pool.queued_tokens)}
+
+    def check_health(self) -> None:
+        if not any(True for _ in self.encoder.tower.parameters()):
+            raise RuntimeError("vision tower has no parameters")
+
+
+def encoder_stats(handle, num_replicas: int, tries: int = 50) -> dict[str, dict]:
+    """Replica id -> `EncoderDeployment.stats()` of every one of `num_replicas` replicas (Serve
+    picks the replica of each call: ask until each has answered)."""
+    found: dict[str, dict] = {}
+    for _ in range(tries):
+        answer = handle.stats.remote().result()
+        found[answer["replica"]] = answer
+        if len(found) >= num_replicas:
+            break
+    return found

@@ -1,0 +1,260 @@
+"""LLM deployment: wraps `llm_service`'s engine; streams token events back to the router.
+
+With `colocated_pool` (the app's `colocated: true`) the replica also runs its own `EncoderPool`
+on its device and encodes the `LocalMedia` the router hands it: the baseline disaggregation is
+measured against (vLLM's DP-N). Failover stays lossless: a request resubmitted to another
+replica carries its media, which that replica encodes again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from deployments.serve.config import EncoderPoolArgs, GrpcArgs
+from deployments.core.failures import root_cause
+from deployments.core.llm_inputs import PendingRequest, StoredEmbedding, StreamedVideo
+from deployments.serve.metrics import EncoderMetrics, LLMMetrics, PoolMetrics
+from deployments.serve.replica_env import resolve_model_dir
+from deployments.serve.transport import resolve
+from deployments.core.video_stream import VideoStream
+from llm_service.config import EngineConfig
+from llm_service.engine import LLMEngine, LLMRequest, TokenEvent
+from llm_service.model import LanguageModel
+from mmserve.checkpoint import device_memory, hold_to_share, resolve_device
+from mmserve.request.embeddings import ItemEmbedding
+from mmserve.errors import EmbeddingsLost, InvalidRequest, QueueFull
+from mmserve.request.media import EncodeItem
+
+logger = logging.getLogger("ray.serve")
+
+
+@serve.deployment
+class LLMDeployment:
+    def __init__(self, model_dir: str | None, dtype: str, device: str, engine: EngineConfig | None = None,
+                 transport: str = "object_store", grpc: GrpcArgs | None = None, stall_timeout_s: float = 60.0,
+                 max_waiting_tokens: int | None = None, colocated_pool: EncoderPoolArgs | None = None,
+                 encoder=None, video=None):
+        model_dir, device = resolve_model_dir(model_dir), resolve_device(device)
+        self.stall_timeout_s = stall_timeout_s
+        self.max_waiting_tokens = max_waiting_tokens  # None: unbounded
+        engine = engine or EngineConfig()
+        hold_to_share(device, engine.device_share)  # the KV pool is sized within it too
+        self.waiting_tokens = 0  # prompt tokens of requests admitted here whose first event is not back
+        self.pool = None
+        if colocated_pool is not None:  # encode the media the router hands over, in-process
+            from encoder_service import VisionEncoder
+            from encoder_service.pool import EncoderPool
+
+            self.encoder_metrics = EncoderMetrics()
+            # loaded before the engine sizes its KV pool, so the pool leaves room for these weights
+            encoder = VisionEncoder(model_dir, dtype=dtype, device=device)
+            self.pool = EncoderPool(encoder, colocated_pool.resolve(), PoolMetrics(self.encoder_metrics))
+        self.model = LanguageModel(model_dir, dtype=dtype, device=device)
+        self.engine = LLMEngine(self.model, engine)
+        self.engine.start()
+        self.metrics = LLMMetrics()
+        self._stats_task: asyncio.Task | None = None
+        self.encoder, self.video = encoder, video  # handles: this replica streams videos through them
+        self.video_groups_reencoded = 0  # streamed frame groups whose encoder replica was lost
+        self.fetcher = None
+        if transport == "grpc":  # encoder results arrive as refs to pull from the encoder replica
+            from deployments.serve.transport import GrpcFetcher
+
+            self.fetcher = GrpcFetcher((grpc or GrpcArgs()).on_node())
+
+    async def _export_stats(self, interval_s: float = 1.0) -> None:
+        """Engine gauges (queues, KV blocks, state snapshots, preemptions, tokens/s) every `interval_s`."""
+        last = self.engine.stats()
+        while True:
+            await asyncio.sleep(interval_s)
+            stats = self.engine.stats()
+            self.metrics.scheduled.set(stats.num_running)
+            self.metrics.waiting.set(stats.num_waiting)
+            self.metrics.kv_blocks_used.set(stats.kv_blocks_used)
+            self.metrics.kv_usage.set(stats.kv_blocks_used / max(stats.kv_blocks_total, 1))
+            self.metrics.state_snapshots.set(stats.num_snapshots)
+            self.metrics.state_snapshot_bytes.set(stats.snapshot_bytes)
+            if stats.num_preemptions > last.num_preemptions:
+                self.metrics.preemptions.inc(stats.num_preemptions - last.num_preemptions)
+            self.metrics.tokens_per_s.set((stats.num_generated - last.num_generated) / interval_s)
+            last = stats
+
+    def check_health(self) -> None:
+        """Serve's liveness probe: a replica whose engine thread died, or that holds work and made
+        no step in `stall_timeout_s`, is replaced (its requests fail over in the router)."""
+        if reason := self.engine.health(self.stall_timeout_s):
+            logger.error("LLM replica unhealthy: %s", reason)
+            raise RuntimeError(reason)
+
+    def stats(self) -> dict:
+        """The engine's counters (queues, KV blocks, preemptions, tokens), the streamed video frame
+        groups encoded again after their encoder replica was lost, and which replica answered: for
+        tests and debugging."""
+        return {**self.engine.stats()._asdict(), "video_groups_reencoded": self.video_groups_reencoded,
+                "replica": serve.get_replica_context().replica_id.unique_id}
+
+    def memory(self) -> dict:
+        """This replica's device memory (`mmserve.checkpoint.device_memory`), its share of the
+        device and its KV pool's bytes: for tests and debugging."""
+        pool = self.engine.runner.kv_pool
+        return {**device_memory(self.model.device), "device_share": self.engine.config.device_share,
+                "kv_cache_bytes": pool.numel() * pool.element_size()}
+
+    async def _encode_locally(self, items: list[EncodeItem]) -> list[ItemEmbedding]:
+        start = time.perf_counter()
+        embeddings = await self.pool.encode(items)
+        self.encoder_metrics.encode_ms.observe((time.perf_counter() - start) * 1000)
+        return embeddings
+
+    async def _embeddings(self, pending: PendingRequest, handles) -> list[ItemEmbedding]:
+        start = time.perf_counter()
+        try:
+            embeddings = await resolve(handles, self.fetcher, self._encode_locally if self.pool else None)
+        except EmbeddingsLost as e:  # the router re-encodes these items and resubmits
+            logger.warning("request %s: %s", pending.request_id, e)
+            raise
+        except Exception as e:
+            cause = root_cause(e)
+            if isinstance(cause, InvalidRequest):
+                raise InvalidRequest(str(cause)) from None
+            raise
+        self.metrics.embedding_wait_ms.observe((time.perf_counter() - start) * 1000)
+        self.metrics.embedding_bytes.inc(sum(e.num_bytes for e in embeddings))
+        return embeddings
+
+    async def generate(self, pending: PendingRequest) -> AsyncIterator[TokenEvent]:
+        """Stream of `TokenEvent`s; the stream ends after the one carrying `finish_reason`."""
+        cost = len(pending.prompt_token_ids)
+        bound = self.max_waiting_tokens
+        if bound is not None and not pending.attempt and self.waiting_tokens and self.waiting_tokens + cost > bound:
+            raise QueueFull(f"{self.waiting_tokens} prompt tokens wait for the language model (limit {bound})")
+        if pending.resumed_tokens:
+            logger.info("request %s: resuming a stream after a lost replica, %d tokens already sent",
+                        pending.request_id, pending.resumed_tokens)
+        self.waiting_tokens += cost
+        events = self._generate(pending)
+        try:
+            async for event in events:
+                self.waiting_tokens -= cost  # the first event (a token or the end) is back
+                cost = 0
+                yield event
+        finally:
+            self.waiting_tokens -= cost
+            await events.aclose()  # aborts the engine request when the caller went away
+
+    async def _frames(self, data: bytes, request_id: str, group_size: int) -> AsyncIterator:
+        """A streamed video's frame groups from the VideoDecoder, as it decodes them."""
+        groups = self.video.options(stream=True).frames.remote(data, request_id, group_size)
+        try:
+            async for group in groups:
+                yield group
+        finally:
+            groups.cancel()  # stopped early (a failure, the client gone): the decoder stops too
+
+    async def _encode_group(self, item: EncodeItem, routing: asyncio.Lock) -> ItemEmbedding:
+        """One frame group of a streamed video, encoded here (colocated) or by the Encoder
+        deployment (`EmbeddingsLost` when its replica died: the stream encodes it again).
+
+        A request's groups are routed one at a time under its `routing` lock, then encode
+        concurrently: calls made from one request share Serve's internal request id, which a
+        custom request router (`deployments.serve.affinity_routing`) matches replicas by; concurrent
+        siblings would never match and wait forever (as the dispatcher's calls, one at a time)."""
+        if self.pool is not None:
+            return (await self._encode_locally([item]))[0]
+        async with routing:
+            ref = await self.encoder.encode.remote([item])._to_object_ref()
+        [embedding] = await resolve([StoredEmbedding(ref, 0)], self.fetcher)
+        return embedding
+
+    async def _generate(self, pending: PendingRequest) -> AsyncIterator[TokenEvent]:
+        began = time.perf_counter()
+        streamed = {i: h for i, h in enumerate(pending.embeddings) if isinstance(h, StreamedVideo)}
+        others = [h for h in pending.embeddings if not isinstance(h, StreamedVideo)]
+        stream, firsts = None, {}
+        if streamed:  # prefill behind the decoder: admitted once each video's first group is in
+            stream = VideoStream(pending.request_id, pending.ranges, streamed, self._frames,
+                                 functools.partial(self._encode_group, routing=asyncio.Lock()))
+            stream.on_reencode = self._count_reencode
+            starting = asyncio.ensure_future(stream.start())  # decoding while the other items resolve
+        try:
+            resolved = iter(await self._embeddings(pending, others) if others else [])
+            if stream is not None:
+                firsts = await starting
+        except BaseException as e:  # a failure, or the caller gone
+            if stream is not None:
+                starting.cancel()
+                stream.cancel()
+                if isinstance(cause := root_cause(e), InvalidRequest):
+                    raise InvalidRequest(str(cause)) from None
+            raise
+        embeddings = [firsts[i] if i in streamed else next(resolved) for i in range(len(pending.embeddings))]
+        request = LLMRequest(
+            request_id=pending.request_id,
+            prompt_token_ids=pending.prompt_token_ids,
+            sampling=pending.sampling,
+            positions=pending.positions,
+            media=tuple(zip(pending.ranges, embeddings)),
+            snapshot_boundaries=pending.snapshot_boundaries,
+        )
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        if self._stats_task is None:
+            self._stats_task = asyncio.create_task(self._export_stats())
+        self.engine.add_request(request, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                                ready=stream.ready() if stream else None)
+        if stream is not None:
+            stream.on_progress = lambda ready: self.engine.extend(pending.request_id, ready)
+            stream.on_progress(stream.ready())  # groups that came in since
+            stream.task.add_done_callback(lambda task: self._stream_ended(task, pending.request_id, events))
+        finished = False
+        added_at = last_token_at = time.perf_counter()
+        first = True
+        stages = {"embeddings_ms": (added_at - began) * 1000}  # encode queue + encode + transfer, as seen here
+        try:
+            while True:
+                event = await events.get()
+                if event.error:
+                    finished = True
+                    raise event.error
+                now = time.perf_counter()
+                if "prefill_ms" not in stages:  # the first event: the prefill is done
+                    queued = (event.stages or {}).get("prefill_queue_ms", 0.0)
+                    stages.update(prefill_queue_ms=queued, prefill_ms=(now - added_at) * 1000 - queued)
+                    first_at = now
+                if event.token_id is not None:
+                    (self.metrics.ttft_ms if first else self.metrics.itl_ms).observe((now - last_token_at) * 1000)
+                    first, last_token_at = False, now
+                    self.metrics.generated.inc()
+                if event.finish_reason:
+                    event = event._replace(stages={**stages, "decode_ms": (now - first_at) * 1000})
+                yield event
+                if event.finish_reason:
+                    finished = True
+                    self.metrics.finished.inc(tags={"reason": event.finish_reason})
+                    return
+        finally:
+            if stream is not None:
+                stream.cancel()
+            if not finished:  # the caller went away (client disconnect, stop string): free the request
+                logger.info("aborting request %s", pending.request_id)
+                self.engine.abort(pending.request_id)
+
+    def _count_reencode(self) -> None:
+        self.video_groups_reencoded += 1
+
+    def _stream_ended(self, task: asyncio.Task, request_id: str, events: asyncio.Queue) -> None:
+        """A streamed video failed: the engine request is aborted and the stream ends with its error."""
+        if task.cancelled() or task.exception() is None:
+            return
+        cause = root_cause(task.exception())
+        logger.warning("request %s: streamed video failed: %r", request_id, cause)
+        self.engine.abort(request_id)
+        error = InvalidRequest(str(cause)) if isinstance(cause, InvalidRequest) else task.exception()
+        events.put_nowait(TokenEvent(None, "error", error))
+    

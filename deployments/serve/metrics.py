@@ -1,0 +1,132 @@
+"""Custom metrics exported by every deployment (shown by the Ray dashboard / Prometheus)."""
+
+from __future__ import annotations
+
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+from deployments.core.request_core import RequestListener
+from deployments.core.generation import Generation
+from deployments.core.llm_inputs import PendingRequest
+from encoder_service.pool import BatchRecord, Lookup, PoolListener
+
+_LATENCY_MS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000]
+_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
+_RATIOS = [0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0]
+
+
+class RouterMetrics(RequestListener):
+    """The request core's reports as Ray metrics, plus this replica's failover counters."""
+
+    def __init__(self):
+        self.requests = Counter("mmserve_router_requests", "Chat requests by outcome", tag_keys=("outcome",))
+        self.media_items = Counter("mmserve_router_media_items", "Media items dispatched to the encoder")
+        self.prompt_tokens = Counter("mmserve_router_prompt_tokens", "Prompt tokens (media tokens included)")
+        self.ttft_ms = Histogram("mmserve_router_ttft_ms", "Time to first token", boundaries=_LATENCY_MS)
+        self.tpot_ms = Histogram("mmserve_router_tpot_ms", "Mean time per output token after the first", boundaries=_LATENCY_MS)
+        self.resubmits = Counter("mmserve_router_llm_resubmits", "Requests resubmitted after an LLM replica was lost")
+        self.reencoded_items = Counter("mmserve_router_reencoded_items", "Media items encoded again after their encoder replica was lost")
+        self.resumed_tokens = Counter("mmserve_router_resumed_tokens", "Tokens already sent that failover continuations carried")
+        self._failovers = dict.fromkeys(("resubmits", "resumed_streams", "resumed_tokens", "resumed_with_media",
+                                         "reencoded_items"), 0)
+
+    def on_outcome(self, outcome: str) -> None:
+        self.requests.inc(tags={"outcome": outcome})
+
+    def on_started(self, gen: Generation, ttft_ms: float, num_media: int) -> None:
+        self.prompt_tokens.inc(len(gen.plan.token_ids))
+        self.ttft_ms.observe(ttft_ms)
+        if num_media:
+            self.media_items.inc(num_media)
+
+    def on_finished(self, gen: Generation) -> None:
+        if (tpot := gen.time_per_output_token_ms) is not None:
+            self.tpot_ms.observe(tpot)
+
+    def on_resubmit(self, continuation: PendingRequest) -> None:
+        self.resubmits.inc()
+        self._failovers["resubmits"] += 1
+        if sent := continuation.resumed_tokens:
+            self.resumed_tokens.inc(sent)
+            self._failovers["resumed_streams"] += 1
+            self._failovers["resumed_tokens"] += sent
+            self._failovers["resumed_with_media"] += bool(continuation.embeddings)
+
+    def on_reencode(self, num_items: int) -> None:
+        self.reencoded_items.inc(num_items)
+        self._failovers["reencoded_items"] += num_items
+
+    def failover_stats(self) -> dict:
+        return dict(self._failovers)
+
+
+class AffinityMetrics:
+    def __init__(self):
+        self.routed = Counter("mmserve_router_affinity_routed", "Encoder items and LLM requests routed, by outcome "
+                              "(held: to a replica it was sent to before / owner / overflow; prefix_hit / no_prefix / overloaded)", tag_keys=("target", "outcome"))
+        self.prefix_tokens = Histogram("mmserve_router_prefix_tokens", "Prompt tokens the chosen LLM replica likely "
+                                       "holds cached (the router's record)", boundaries=_SIZES)
+
+
+class EncoderMetrics:
+    def __init__(self):
+        self.items = Counter("mmserve_encoder_items", "Media items encoded", tag_keys=("kind",))
+        self.tokens = Counter("mmserve_encoder_tokens", "Embedding tokens produced")
+        self.failures = Counter("mmserve_encoder_failures", "Items that failed to decode or encode")
+        self.encode_ms = Histogram("mmserve_encoder_encode_ms", "Preprocess + forward time per call", boundaries=_LATENCY_MS)
+        self.in_flight = Gauge("mmserve_encoder_in_flight_items", "Items being preprocessed or encoded")
+        self.queued_tokens = Gauge("mmserve_encoder_queued_tokens", "Output tokens of items admitted, not yet answered")
+        self.batch_tokens = Histogram("mmserve_encoder_batch_tokens", "Cost (tokens/patches) per ViT forward", boundaries=_SIZES)
+        self.batch_items = Histogram("mmserve_encoder_batch_items", "Items (pieces) per ViT forward", boundaries=_SIZES)
+        self.batch_fill = Histogram("mmserve_encoder_batch_fill_ratio", "Batch cost / max_batch_tokens", boundaries=_RATIOS)
+        self.batch_wait_ms = Histogram("mmserve_encoder_batch_wait_ms", "Oldest item's wait in the queue per batch", boundaries=_LATENCY_MS)
+        self.forward_ms = Histogram("mmserve_encoder_forward_ms", "ViT forward time per batch", boundaries=_LATENCY_MS)
+        self.cache_hits = Counter("mmserve_encoder_cache_hits", "Items answered from the embedding cache")
+        self.cache_misses = Counter("mmserve_encoder_cache_misses", "Items not in the cache (nor in flight)")
+        self.dedup_hits = Counter("mmserve_encoder_dedup_hits", "Items sharing an identical item's in-flight encode")
+        self.cache_bytes = Gauge("mmserve_encoder_cache_bytes", "Bytes held by the embedding cache")
+
+
+class PoolMetrics(PoolListener):
+    """An `EncoderPool`'s reports as `EncoderMetrics` (the Encoder deployment's, or a colocated LLM's)."""
+
+    def __init__(self, metrics: EncoderMetrics):
+        self.metrics = metrics
+
+    def on_lookup(self, outcome: Lookup) -> None:
+        {"hit": self.metrics.cache_hits, "miss": self.metrics.cache_misses, "dedup": self.metrics.dedup_hits}[
+            outcome
+        ].inc()
+
+    def on_batch(self, record: BatchRecord) -> None:
+        m = self.metrics
+        m.batch_tokens.observe(record.cost)
+        m.batch_items.observe(record.items)
+        m.batch_fill.observe(record.fill_ratio)
+        m.batch_wait_ms.observe(record.wait_ms)
+        m.forward_ms.observe(record.forward_ms)
+
+    def on_queue(self, queued_tokens: int, queued_items: int, cache_bytes: int) -> None:
+        self.metrics.queued_tokens.set(queued_tokens)
+        self.metrics.in_flight.set(queued_items)
+        self.metrics.cache_bytes.set(cache_bytes)
+
+
+class LLMMetrics:
+    def __init__(self):
+        self.generated = Counter("mmserve_llm_generated_tokens", "Output tokens generated")
+        self.embedding_wait_ms = Histogram(
+            "mmserve_llm_embedding_wait_ms", "Wait for media embeddings after admission", boundaries=_LATENCY_MS
+        )
+        self.embedding_bytes = Counter("mmserve_llm_embedding_bytes", "Embedding bytes received (object store)")
+        self.finished = Counter("mmserve_llm_finished", "Finished requests by reason", tag_keys=("reason",))
+        self.waiting = Gauge("mmserve_llm_waiting_requests", "Requests waiting for KV blocks or budget")
+        self.scheduled = Gauge("mmserve_llm_running_requests", "Requests in the running batch")
+        self.kv_blocks_used = Gauge("mmserve_llm_kv_blocks_used", "KV cache blocks in use")
+        self.kv_usage = Gauge("mmserve_llm_kv_usage_ratio", "Fraction of the KV block pool in use")
+        self.preemptions = Counter("mmserve_llm_preemptions", "Requests preempted (KV recomputed later)")
+        self.ttft_ms = Histogram("mmserve_llm_ttft_ms", "Admission to first token", boundaries=_LATENCY_MS)
+        self.itl_ms = Histogram("mmserve_llm_inter_token_ms", "Time between output tokens", boundaries=_LATENCY_MS)
+        self.tokens_per_s = Gauge("mmserve_llm_tokens_per_s", "Output tokens/s over the last interval")
+        self.state_snapshots = Gauge("mmserve_llm_state_snapshots",
+                                     "Linear-attention state snapshots held for prefix caching (hybrid models)")
+        self.state_snapshot_bytes = Gauge("mmserve_llm_state_snapshot_bytes", "Bytes those state snapshots fill")

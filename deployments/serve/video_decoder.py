@@ -1,0 +1,127 @@
+"""VideoDecoder deployment: `video_url` files decoded to the frames the model samples, on CPU replicas.
+
+Each replica holds a `VideoDecodePool` (worker processes with a deadline per video) and the
+checkpoint's frame sampler; GPU encoder nodes spend no host cores on decoding. The router awaits
+`decode` for each video file of a request and sends the frames on to the encoder as uint8 (through
+the object store, or gRPC to a standalone encoder). Replicas report the decode seconds queued on
+them to Serve's autoscaler (`deployments.serve.autoscaling`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+from ray import serve
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+from deployments.serve.autoscaling import QUEUED_DECODE_S
+from deployments.serve.replica_env import resolve_model_dir
+from mmserve.errors import InvalidRequest
+from mmserve.request.media import DecodedVideo
+from mmserve.video.container import FrameSampler, VideoLimits, pyav_available
+from mmserve.video.workers import VideoDecodePool
+
+if TYPE_CHECKING:
+    from deployments.serve.config import DeploymentArgs, VideoDecodeArgs
+
+logger = logging.getLogger("ray.serve")
+
+
+def video_decoder_options(deployment: DeploymentArgs, decode: VideoDecodeArgs) -> dict:
+    """Serve options of the VideoDecoder: fixed replicas, or autoscaling on queued decode seconds."""
+    return decode.scaled(deployment.options("VideoDecoder"),
+                         target_decode_s_per_replica=decode.target_queued_seconds_per_replica)
+
+
+_LATENCY_MS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000]
+
+
+class VideoMetrics:
+    """Defined here, not in `deployments.serve.metrics`: a VideoDecoder replica imports neither torch nor
+    `transformers` until it sees its first video (its start stays cheap)."""
+
+    def __init__(self):
+        self.videos = Counter("mmserve_video_decoded", "Video files decoded to their sampled frames")
+        self.frames = Counter("mmserve_video_frames", "Frames sampled from decoded videos")
+        self.refused = Counter("mmserve_video_refused", "Video files refused (bad, over a limit, past the deadline)")
+        self.decode_ms = Histogram("mmserve_video_decode_ms", "Probe + sample + decode time per video (queue included)",
+                                   boundaries=_LATENCY_MS)
+        self.queued_s = Gauge("mmserve_video_queued_decode_s", "Decode seconds running or waiting on this replica")
+
+
+@serve.deployment
+class VideoDecoder:
+    def __init__(self, model_dir: str | None, limits: VideoLimits, workers: int = 2):
+        """`limits`: `LimitArgs.video_limits()`; `workers`: `video_decode.workers`. The checkpoint's
+        sampler loads with the first video."""
+        self.pool = VideoDecodePool(FrameSampler(resolve_model_dir(model_dir)), limits, workers)
+        self.metrics = VideoMetrics()
+        if not pyav_available():
+            logger.warning("PyAV is not installed: video_url requests get 400 (install mmserve[video])")
+
+    async def decode(self, data: bytes, request_id: str = "-") -> DecodedVideo:
+        start = time.perf_counter()
+        try:
+            video = await self.pool.decode(data, request_id)
+        except InvalidRequest:
+            self.metrics.refused.inc()
+            raise
+        self.metrics.videos.inc()
+        self.metrics.frames.inc(len(video.indices))
+        self.metrics.decode_ms.observe((time.perf_counter() - start) * 1000)
+        return video
+
+    async def probe(self, data: bytes, request_id: str = "-") -> DecodedVideo:
+        """The video's header (what the router plans with), nothing decoded."""
+        try:
+            return await self.pool.probe(data, request_id)
+        except InvalidRequest:
+            self.metrics.refused.inc()
+            raise
+
+    async def frames(self, data: bytes, request_id: str = "-", group_size: int = 1) -> AsyncIterator[np.ndarray]:
+        """The sampled frames in groups of `group_size`, each as soon as it is decoded (a
+        streaming call: `handle.options(stream=True).frames.remote(...)`)."""
+        start, count = time.perf_counter(), 0
+        try:
+            async for group in self.pool.frames(data, request_id, group_size):
+                count += len(group)
+                yield group
+        except InvalidRequest:
+            self.metrics.refused.inc()
+            raise
+        self.metrics.videos.inc()
+        self.metrics.frames.inc(count)
+        self.metrics.decode_ms.observe((time.perf_counter() - start) * 1000)
+
+    def stats(self) -> dict:
+        """The pool's counters and which replica answered (tests, benches, debugging)."""
+        return {**dataclasses.asdict(self.pool.stats), "running": self.pool.num_running,
+                "replica": serve.get_replica_context().replica_id.unique_id}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics hook (see `deployments.serve.autoscaling`)."""
+        queued = self.pool.queued_seconds
+        self.metrics.queued_s.set(queued)
+        return {QUEUED_DECODE_S: queued}
+
+    def __del__(self):
+        self.pool.close()
+
+
+class ServeVideoClient:
+    """The core's video decoding over the VideoDecoder deployment's handle."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    async def decode(self, data: bytes, request_id: str) -> DecodedVideo:
+        return await self.handle.decode.remote(data, request_id)
+
+    async def probe(self, data: bytes, request_id: str) -> DecodedVideo:
+        return await self.handle.probe.remote(data, request_id)

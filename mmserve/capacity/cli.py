@@ -1,0 +1,121 @@
+"""`mmserve plan`: the capacity planner's command line (`mmserve.capacity.simulate` simulates; `--validate`
+runs bench/plan_validate.py from a source checkout), and its goodput-per-GPU chart."""
+
+from __future__ import annotations
+
+from mmserve.capacity import simulate as capacity
+from mmserve.capacity.inputs import SLO, TRANSPORTS, Workload, load_profile, with_changes, with_transfer_rates
+from mmserve.capacity.goodput import RUN_TTFT_SLOS, Recommendation, recommend
+
+
+def image_tokens_arg(values: list[str]) -> dict:
+    """`--image-tokens 400` (every image) or `--image-tokens 256:0.7 1296:0.3` (a mix: tokens:share)."""
+    if len(values) == 1 and ":" not in values[0]:
+        return {"image_tokens": int(values[0])}
+    mix = []
+    for value in values:
+        tokens, _, share = value.partition(":")
+        mix.append((int(tokens), float(share or 1)))
+    return {"image_tokens": round(sum(t * s for t, s in mix) / sum(s for _, s in mix)), "image_mix": tuple(mix)}
+
+
+def plot_svg(recommendations: list[Recommendation], source: str) -> str:
+    """Goodput per GPU, disaggregated (best split) and colocated, at each cluster size: an SVG bar chart."""
+    width, height, top, bottom, left = 560, 300, 40, 50, 60
+    peak = max(max(r.disaggregated.per_gpu, r.colocated.per_gpu) for r in recommendations) or 1.0
+    slot = (width - left - 20) / len(recommendations)
+    bars = []
+    for i, rec in enumerate(recommendations):
+        for j, (split, colour) in enumerate(((rec.disaggregated, "#4c72b0"), (rec.colocated, "#dd8452"))):
+            h = (height - top - bottom) * split.per_gpu / peak
+            x = left + i * slot + 10 + j * (slot - 20) / 2
+            bars.append(f'<rect x="{x:.1f}" y="{height - bottom - h:.1f}" width="{(slot - 20) / 2 - 4:.1f}" '
+                        f'height="{h:.1f}" fill="{colour}"/><text x="{x:.1f}" y="{height - bottom - h - 4:.1f}" '
+                        f'font-size="10">{split.per_gpu:.2f}</text>')
+        label = f"{rec.gpus} GPUs ({rec.disaggregated.num_encoders}E:{rec.disaggregated.num_llms}L)"
+        bars.append(f'<text x="{left + i * slot + 10:.1f}" y="{height - bottom + 16}" font-size="11">{label}</text>')
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif">'
+            f'<text x="{left}" y="16" font-size="13">Goodput per GPU (req/s within the SLOs): '
+            f'disaggregated (blue) vs colocated (orange)</text>'
+            f'<text x="{left}" y="30" font-size="9">{source}</text>{"".join(bars)}'
+            f'<text x="{left}" y="{height - 12}" font-size="10">mmserve plan (a simulation, not a measurement)</text>'
+            '</svg>')
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    import sys
+    from pathlib import Path
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--validate" in argv:  # against real runs of this checkout's app: bench/plan_validate.py
+        root = Path(__file__).resolve().parents[1]
+        if not (root / "bench" / "plan_validate.py").is_file():
+            print("mmserve plan --validate runs from a source checkout (bench/plan_validate.py)", file=sys.stderr)
+            return 1
+        sys.path.insert(0, str(root))
+        from bench.plan_validate import main as validate_main
+
+        return validate_main([a for a in argv if a != "--validate"])
+    p = argparse.ArgumentParser(prog="mmserve plan", description=capacity.__doc__.split("\n\n")[0],
+                                epilog="--validate [--quick] [--record FILE | --runs FILE]: the model against real "
+                                       "runs of the app on this machine (bench/plan_validate.py)")
+    p.add_argument("--profile", default="mmserve/capacity/profiles/a100-qwen3-vl-4b.yaml", help="profile file (YAML/JSON)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="change one of the profile's figures (repeatable; the output says so): step_s=0.024")
+    p.add_argument("--images", type=int, nargs=2, default=(1, 4), metavar=("LOW", "HIGH"), help="images per request")
+    p.add_argument("--image-tokens", nargs="+", default=["400"], metavar="TOKENS[:SHARE]",
+                   help="embedding tokens per image (640^2 on Qwen3-VL: 400), or a mix of resolutions as "
+                        "tokens:share pairs (256:0.7 1296:0.3)")
+    p.add_argument("--text-tokens", type=int, default=64)
+    p.add_argument("--output-tokens", type=int, default=128)
+    p.add_argument("--length-range-ratio", type=float, default=0.0,
+                   help="text and output lengths uniform in L x [1 - r, 1 + r] (vLLM's --random-range-ratio)")
+    p.add_argument("--transport", choices=TRANSPORTS, default="object_store", help="how embeddings reach the LLMs")
+    p.add_argument("--transfer-json", help="bench/transfer.py's output: both transports' measured rates")
+    p.add_argument("--repeat-share", type=float, default=0.0, help="share of images the encoder cache serves")
+    p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument("--ttft-p99", type=float, default=20.0, help="SLO, seconds")
+    p.add_argument("--tpot-p99", type=float, default=0.1, help="SLO, seconds")
+    p.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 512])
+    p.add_argument("--cell", type=int, default=8, help="GPUs simulated together (a larger cluster is cells of it)")
+    p.add_argument("--requests", type=int, default=1000, help="arrivals per simulated run, at least (a run also "
+                   f"lasts {RUN_TTFT_SLOS} TTFT SLOs)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", help="write the goodput-per-GPU chart here (SVG)")
+    ns = p.parse_args(argv)
+
+    profile = load_profile(ns.profile)
+    if ns.transfer_json:
+        profile = with_transfer_rates(profile, ns.transfer_json)
+    try:
+        profile = with_changes(profile, ns.set)
+    except ValueError as e:
+        p.error(str(e))
+    try:
+        workload = Workload(rate=1.0, images=tuple(ns.images), text_tokens=ns.text_tokens,
+                            output_tokens=ns.output_tokens, length_range_ratio=ns.length_range_ratio,
+                            repeat_share=ns.repeat_share, burstiness=ns.burstiness, **image_tokens_arg(ns.image_tokens))
+    except ValueError as e:
+        p.error(str(e))
+    slo = SLO(ns.ttft_p99, ns.tpot_p99)
+    print(f"profile: {profile.source}")
+    images = " + ".join(f"{t}:{s:g}" for t, s in workload.image_mix) or str(workload.image_tokens)
+    ranged = f" (x [1 -/+ {ns.length_range_ratio:g}])" if ns.length_range_ratio else ""
+    print(f"workload: {ns.images[0]}-{ns.images[1]} images x {images} tokens, {ns.text_tokens} text tokens, "
+          f"{ns.output_tokens} out{ranged}, embeddings over {ns.transport}; SLOs p99 TTFT <= {ns.ttft_p99} s, "
+          f"p99 TPOT <= {ns.tpot_p99 * 1000:g} ms")
+    recommendations = [recommend(profile, workload, slo, gpus, ns.cell, ns.requests, ns.seed, ns.transport)
+                       for gpus in ns.gpus]
+    print(f"{'GPUs':>6} {'encoders':>9} {'LLMs':>6} {'goodput/s':>10} {'per GPU':>8} {'colocated/s':>12} "
+          f"{'per GPU':>8} {'margin':>7}")
+    for rec in recommendations:
+        d, c = rec.disaggregated, rec.colocated
+        print(f"{rec.gpus:>6} {d.num_encoders:>9} {d.num_llms:>6} {d.goodput:>10.2f} {d.per_gpu:>8.3f} "
+              f"{c.goodput:>12.2f} {c.per_gpu:>8.3f} {rec.margin:>7.2f}")
+    if ns.plot:
+        with open(ns.plot, "w") as f:
+            f.write(plot_svg(recommendations, profile.source))
+    print(json.dumps({"profile": profile.source, "recommendations": [r.as_dict() for r in recommendations]}))
+    return 0

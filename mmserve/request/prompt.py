@@ -1,0 +1,148 @@
+"""Chat messages -> prompt token ids with each media placeholder replaced by its expansion.
+
+User text is tokenized as text: a user who types `<|image_pad|>` or `<|im_start|>` gets those
+characters, never a placeholder or a new turn. The chat template is rendered with each user text
+replaced by a sentinel; the rendered string is split at the (template-owned) added tokens, exactly
+as the tokenizer splits a whole string, and each piece between them is tokenized with added
+tokens disabled. Without special strings in user text this equals tokenizing the whole string.
+The tokenizer's own special tokens (a Llama tokenizer's BOS) wrap the result, as the processor's
+`tokenizer(text)` adds them.
+
+The builder also says where a leading system message ends in the ids (`Prompt.system_end`): the
+template rendered with that message alone is a prefix of the whole rendering, ending where the
+tokenizing splits it (at an added token). A hybrid language model snapshots its recurrent state
+there for later requests with the same system prompt (`RequestPlan.snapshot_boundaries`).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from dataclasses import dataclass
+from typing import Generic, NamedTuple, TypeVar
+
+from mmserve.errors import InvalidRequest
+from mmserve.families.base import ItemExpansion
+from mmserve.request.media import MediaItem, MediaKind, MediaSource, PlaceholderRange
+
+_SENTINEL = "\ue000{}\ue001"
+_SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
+
+
+Media = TypeVar("Media", MediaSource, MediaItem)
+
+
+@dataclass(frozen=True)
+class Message(Generic[Media]):
+    """A chat message: text parts and media parts, as the client sent them (`MediaSource`) or
+    loaded (`MediaItem`, what the planner takes)."""
+
+    role: str
+    parts: tuple[str | Media, ...]
+
+
+class Prompt(NamedTuple):
+    token_ids: list[int]
+    ranges: list[PlaceholderRange]
+    kinds: list[MediaKind]
+    system_end: int | None = None  # ids of the leading system message (None: none, or not a clean split)
+
+
+class PromptBuilder:
+    """Renders the checkpoint's chat template and tokenizes it safely (see module docstring)."""
+
+    def __init__(self, tokenizer, chat_template: str, placeholders: dict[MediaKind, str | None]):
+        """`placeholders`: the added token the template writes per media kind (None: kind not taken)."""
+        self._tokenizer = tokenizer
+        self._template = chat_template
+        self._plain = copy.deepcopy(tokenizer.backend_tokenizer)
+        self._plain.encode_special_tokens = True
+        added = sorted(tokenizer.get_added_vocab().items(), key=lambda kv: -len(kv[0]))
+        self._added_ids = dict(added)
+        self._added_re = re.compile("|".join(re.escape(tok) for tok, _ in added))
+        self._placeholder_ids = {
+            kind: tokenizer.convert_tokens_to_ids(tok) for kind, tok in placeholders.items() if tok is not None
+        }
+        self._prefix, self._suffix = _special_wrapping(tokenizer)
+
+    def _render(self, messages: list[Message], add_generation_prompt: bool = True) -> tuple[str, list[str]]:
+        texts: list[str] = []
+        conversation = []
+        for message in messages:
+            content = []
+            for part in message.parts:
+                if not isinstance(part, str):
+                    content.append({"type": part.kind.value})
+                else:
+                    content.append({"type": "text", "text": _SENTINEL.format(len(texts))})
+                    texts.append(part)
+            conversation.append({"role": message.role, "content": content})
+        rendered = self._tokenizer.apply_chat_template(
+            conversation, chat_template=self._template, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        return rendered, texts
+
+    def _system_end(self, messages: list[Message], rendered: str) -> int | None:
+        """Characters of `rendered` (sentinels in) that render the leading system message alone."""
+        if len(messages) < 2 or messages[0].role != "system":
+            return None
+        try:
+            head, _ = self._render(messages[:1], add_generation_prompt=False)
+        except Exception:  # a template that refuses a system message alone: no boundary, nothing else lost
+            return None
+        return len(head) if head and rendered.startswith(head) else None
+
+    def _encode_plain(self, text: str, user_texts: list[str]) -> list[int]:
+        text = _SENTINEL_RE.sub(lambda m: user_texts[int(m.group(1))], text)
+        return self._plain.encode(text, add_special_tokens=False).ids if text else []
+
+    def build(self, messages: list[Message], expansions: list[ItemExpansion]) -> Prompt:
+        """Token ids with the i-th media placeholder replaced by `expansions[i]`."""
+        rendered, user_texts = self._render(messages)
+        stop = self._system_end(messages, rendered)
+        system_end = None
+        ids: list[int] = []
+        ranges: list[PlaceholderRange] = []
+        kinds: list[MediaKind] = []
+        placeholder_kind = {v: k for k, v in self._placeholder_ids.items()}
+        pos = 0
+        for match in self._added_re.finditer(rendered):
+            ids += self._encode_plain(rendered[pos:match.start()], user_texts)
+            if match.start() == stop:
+                system_end = len(ids)
+            token_id = self._added_ids[match.group(0)]
+            kind = placeholder_kind.get(token_id)
+            if kind is None:
+                ids.append(token_id)
+            else:
+                if len(ranges) >= len(expansions):
+                    raise InvalidRequest("chat template produced more media placeholders than media items")
+                expansion = expansions[len(ranges)]
+                ranges.append(expansion.placed_at(len(ids)))
+                kinds.append(kind)
+                ids += expansion.token_ids
+            if match.end() == stop:
+                system_end = len(ids)
+            pos = match.end()
+        ids += self._encode_plain(rendered[pos:], user_texts)
+        if self._prefix:
+            ranges = [r._replace(offset=r.offset + len(self._prefix)) for r in ranges]
+        ids = self._prefix + ids + self._suffix
+        if len(ranges) != len(expansions):
+            raise InvalidRequest(
+                f"chat template placed {len(ranges)} media placeholders for {len(expansions)} media items"
+            )
+        if system_end is not None:
+            system_end += len(self._prefix)
+        return Prompt(ids, ranges, kinds, system_end)
+
+
+def _special_wrapping(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after any text when it adds special tokens."""
+    probe = "a"
+    plain = tokenizer.encode(probe, add_special_tokens=False)
+    full = tokenizer.encode(probe, add_special_tokens=True)
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start], full[start + len(plain):]
+    return [], []

@@ -1,0 +1,84 @@
+"""The router's work on one request, without Ray: media layouts, prompt ids, ranges, positions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from mmserve.checkpoint import read_chat_template
+from mmserve.errors import InvalidRequest
+from mmserve.families import router_face
+from mmserve.families.base import ItemExpansion
+from mmserve.request.media import EncodeItem, MediaItem, MediaKind, MediaSource, PlaceholderRange
+from mmserve.request.positions import PositionPlan
+from mmserve.request.prompt import Message, PromptBuilder
+
+__all__ = ["MediaLimits", "Message", "RequestPlan", "RequestPlanner"]
+
+
+@dataclass(frozen=True)
+class MediaLimits:
+    """Per-request media limits; the defaults are the server's (`LimitArgs` takes them from here)."""
+
+    max_items_per_request: int = 16
+    max_frames_per_video: int = 64
+    max_pixels_per_image: int = 40_000_000
+
+    def check(self, items: Sequence[MediaSource | MediaItem]) -> None:
+        """InvalidRequest naming the first limit one request's media break; needs only what the
+        client sent (counts, fps), so it runs before anything is fetched or decoded."""
+        if len(items) > self.max_items_per_request:
+            raise InvalidRequest(f"request has {len(items)} media items; the limit is {self.max_items_per_request}")
+        for item in items:
+            if item.kind is not MediaKind.VIDEO or getattr(item, "container", False):
+                continue  # a video file's sampled frames are counted by its decoder
+            frames = item.num_frames if isinstance(item, MediaItem) else len(item.frames)
+            if not frames:
+                raise InvalidRequest("video has no frames")
+            if frames > self.max_frames_per_video:
+                raise InvalidRequest(f"video has {frames} frames; the limit is {self.max_frames_per_video}")
+            if not item.fps > 0:
+                raise InvalidRequest(f"video fps must be positive, got {item.fps}")
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    token_ids: list[int]
+    items: list[MediaItem]
+    ranges: list[PlaceholderRange]
+    expansions: list[ItemExpansion]  # per item: tokens, embedding slots, encoder cost, layout
+    positions: PositionPlan  # the family's: opaque outside it
+    # prompt offsets where a hybrid LM keeps its recurrent state for later requests (the end of
+    # the system prompt; the engine adds the ends of the media items and of the prompt itself)
+    snapshot_boundaries: tuple[int, ...] = ()
+
+    @property
+    def num_media_tokens(self) -> int:
+        return sum(r.length for r in self.ranges)
+
+    @property
+    def media(self) -> list[EncodeItem]:
+        """What the encoder gets: each item with the layout computed here."""
+        return [EncodeItem(item, e.layout, e.cost) for item, e in zip(self.items, self.expansions)]
+
+
+class RequestPlanner:
+    def __init__(self, model_dir: str | Path, tokenizer, limits: MediaLimits = MediaLimits()):
+        template = read_chat_template(model_dir)
+        if template is None:
+            raise ValueError(f"{model_dir} has no chat template")
+        self.face = router_face(model_dir)
+        self.limits = limits
+        self.tokenizer = tokenizer
+        placeholders = {kind: self.face.placeholder(kind) for kind in MediaKind}
+        self._builder = PromptBuilder(tokenizer, template, placeholders)
+
+    def plan(self, messages: list[Message[MediaItem]]) -> RequestPlan:
+        items = [p for m in messages for p in m.parts if isinstance(p, MediaItem)]
+        self.limits.check(items)
+        expansions = self.face.expand_all(items, self.limits.max_pixels_per_image)
+        prompt = self._builder.build(messages, expansions)
+        positions = self.face.position_plan(prompt.token_ids, prompt.ranges, expansions)
+        boundaries = () if prompt.system_end is None else (prompt.system_end,)
+        return RequestPlan(prompt.token_ids, items, prompt.ranges, expansions, positions, boundaries)

@@ -1,0 +1,114 @@
+"""Client of the internal `EncoderService` (grpc.aio): encode media, fetch embeddings by hash.
+
+Used by the LLM side of `transport: grpc` and by callers of a standalone encoder server. The
+channel never needs a raised message limit: embeddings arrive as chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from mmserve.rpc.embedding_wire import from_chunks
+from mmserve.request.embeddings import ItemEmbedding
+from mmserve.errors import InvalidRequest, Overloaded
+from mmserve.request.media import MediaItem, MediaKind
+from protos.mmserve.v1 import encoder_pb2, encoder_pb2_grpc
+
+
+@dataclass(frozen=True)
+class EncodedRef:
+    """Where an embedding waits: the server's address and the item's content hash."""
+
+    address: str
+    content_hash: str
+    dtype: str
+    shape: tuple[int, ...]
+    key: str = ""  # the output's identity (`ItemEmbedding.key`)
+
+    @property
+    def num_bytes(self) -> int:
+        size = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+        return size * int(torch.Size(self.shape).numel())
+
+
+class EmbeddingNotFound(LookupError):
+    """The server holds no embedding under that hash (fetched already, expired, or never encoded)."""
+
+
+class EncoderClient:
+    """One channel to one EncoderService; safe to share between concurrent coroutines."""
+
+    def __init__(self, address: str, token: str | None = None, root_certificates: bytes | None = None,
+                 timeout_s: float = 60.0):
+        self.address = address
+        self.timeout_s = timeout_s
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        if root_certificates is not None:
+            self._channel = grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates))
+        else:
+            self._channel = grpc.aio.insecure_channel(address)
+        self._stub = encoder_pb2_grpc.EncoderServiceStub(self._channel)
+
+    async def encode(self, item: MediaItem) -> ItemEmbedding:
+        """Encode `item` and stream the embedding back (nothing stays pinned on the server)."""
+        request = encoder_pb2.EncodeRequest(item=_item_proto(item), return_embedding=True)
+        header, tensor = await self._receive(
+            self._stub.Encode(request, metadata=self._metadata, timeout=self.timeout_s)
+        )
+        return ItemEmbedding.from_wire(tensor, header.key)
+
+    async def encode_pinned(self, item: MediaItem) -> EncodedRef:
+        """Encode `item` and leave the embedding pinned on the server for one `fetch`."""
+        request = encoder_pb2.EncodeRequest(item=_item_proto(item), return_embedding=False)
+        call = self._stub.Encode(request, metadata=self._metadata, timeout=self.timeout_s)
+        try:
+            chunks = [chunk async for chunk in call]
+        except grpc.aio.AioRpcError as e:
+            raise _translate(e) from None
+        header = chunks[0].header
+        return EncodedRef(self.address, header.content_hash, header.dtype, tuple(header.shape), header.key)
+
+    async def fetch(self, content_hash: str, wait_ms: int = 0) -> torch.Tensor:
+        """The tensor pinned under `content_hash` (`ItemEmbedding.to_wire`), bit for bit; releases the pin."""
+        request = encoder_pb2.FetchEmbeddingRequest(content_hash=content_hash, wait_ms=wait_ms)
+        _, tensor = await self._receive(
+            self._stub.FetchEmbedding(request, metadata=self._metadata, timeout=self.timeout_s)
+        )
+        return tensor
+
+    async def fetch_embedding(self, ref: EncodedRef, wait_ms: int = 0) -> ItemEmbedding:
+        return ItemEmbedding.from_wire(await self.fetch(ref.content_hash, wait_ms), ref.key)
+
+    async def _receive(self, call: AsyncIterable[encoder_pb2.EmbeddingChunk]):
+        try:
+            chunks = [chunk async for chunk in call]
+        except grpc.aio.AioRpcError as e:
+            raise _translate(e) from None
+        return from_chunks(chunks)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+def _item_proto(item: MediaItem) -> encoder_pb2.MediaItem:
+    kind = encoder_pb2.MediaItem.IMAGE if item.kind is MediaKind.IMAGE else encoder_pb2.MediaItem.VIDEO
+    decoded = None
+    if (video := item.decoded) is not None:
+        decoded = encoder_pb2.DecodedVideo(
+            pixels=video.pixels.tobytes(), shape=video.pixels.shape, fps=video.fps,
+            total_num_frames=video.total_num_frames, indices=video.indices, content_hash=video.content_hash)
+    return encoder_pb2.MediaItem(kind=kind, frames=list(item.frames), fps=item.fps, decoded=decoded)
+
+
+def _translate(e: grpc.aio.AioRpcError) -> Exception:
+    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest(e.details() or "invalid media item")
+    if e.code() == grpc.StatusCode.NOT_FOUND:
+        return EmbeddingNotFound(e.details())
+    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Overloaded(e.details() or "the encoder is overloaded")
+    return e

@@ -1,0 +1,261 @@
+"""Video files -> the frames a model samples, decoded with PyAV (the `mmserve[video]` extra).
+
+`ContainerReader` does what `transformers.video_utils.read_video_pyav` does for one file, with
+every limit checked before the work it bounds:
+
+1. open the container (mp4, mov, webm, mkv only) and its first video stream; check the frame
+   size and the duration the header declares (a 10-hour file is refused here, nothing decoded);
+2. count the stream's packets, never past the duration limit, so a header that lies about the
+   duration (or a truncated file) is found before anything is decoded. The frame count is the
+   header's when it has one (as `transformers` reads it), else the count; the two must agree, and
+   the stream must not fall short of the declared duration by more than `TRUNCATED_SHARE`;
+3. the model's sampler (`FrameSampler`: the checkpoint's own `video_processor.sample_frames`)
+   picks frame indices from that metadata, in the parent;
+4. decode up to the last picked frame, keeping the picked ones in decode order (as
+   `transformers` does), each converted to RGB `uint8` at once.
+
+Steps 1-2 and 4 run in a worker process (`mmserve.video.workers`), under a deadline, so a decoder
+that hangs or crashes on a hostile file takes only its own request down.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import io
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mmserve.errors import InvalidRequest
+
+CONTAINERS = ("mp4", "mov", "matroska", "webm")  # names in FFmpeg's demuxer list ("mov,mp4,m4a,...")
+PYAV_MISSING = "video_url needs PyAV on the server: install mmserve[video] (pip install 'mmserve[video]')"
+# Qwen2-VL's processors sample at the rate the family was trained with (qwen-vl-utils' FPS) when
+# their config names neither fps nor num_frames (their sampler would then keep every frame).
+DEFAULT_SAMPLE_FPS = 2.0
+MAX_STREAM_FPS = 1000.0
+# A stream this much shorter than its header's duration (and at least 1 s) is a truncated file; a
+# container's duration also covers its audio, which may run a little longer than the video.
+TRUNCATED_SHARE = 0.25
+
+
+def pyav_available() -> bool:
+    try:
+        import av  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class VideoLimits:
+    """What one video may cost; each is checked before the work it bounds."""
+
+    max_seconds: float = 600.0
+    max_frames: int = 64  # sampled frames (what the encoder gets)
+    max_pixels_per_frame: int = 3840 * 2160
+    decode_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class VideoProbe:
+    """A video stream as its container declares it, with the frame count checked by demuxing."""
+
+    total_num_frames: int
+    fps: float
+    width: int
+    height: int
+    codec: str
+
+    @property
+    def duration(self) -> float:
+        return self.total_num_frames / self.fps  # as `read_video_pyav` computes it
+
+
+def decoded_frame_count(indices) -> int:
+    """Frames a decode keeps for `indices`: each sampled frame once (a sampler may repeat one)."""
+    return len(set(indices))
+
+
+def video_content_hash(data: bytes, indices) -> str:
+    """The embedding cache's key of a decoded video: its file and the frames sampled from it."""
+    h = hashlib.sha256(b"video-file\0")
+    h.update(data)
+    h.update(np.asarray(indices, dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
+class ContainerReader:
+    """One video file, opened and checked (`probe`), then decoded at chosen frames (`decode`)."""
+
+    def __init__(self, data: bytes, limits: VideoLimits):
+        import av
+
+        if not data:
+            raise InvalidRequest("video is empty (0 bytes)")
+        self.limits = limits
+        try:
+            self.container = av.open(io.BytesIO(data), mode="r")
+        except av.error.FFmpegError as e:
+            raise InvalidRequest(f"cannot read video: not a recognised or complete container ({_reason(e)})") from None
+        try:
+            self.probe = self._probe()
+        except BaseException:
+            self.close()
+            raise
+
+    def _probe(self) -> VideoProbe:
+        container = self.container
+        names = set(container.format.name.split(","))
+        if not names & set(CONTAINERS):
+            raise InvalidRequest(f"unsupported video container {container.format.name!r}; send mp4, webm, mkv or mov")
+        if not container.streams.video:
+            what = "an audio-only file" if container.streams.audio else "no video stream"
+            raise InvalidRequest(f"video has no video stream ({what})")
+        stream = container.streams.video[0]
+        codec = _codec_name(stream)
+        width, height = int(stream.width or 0), int(stream.height or 0)
+        if width < 1 or height < 1:
+            raise InvalidRequest(f"video stream ({codec}) declares no frame size")
+        if width * height > self.limits.max_pixels_per_frame:
+            raise InvalidRequest(f"video frames of {width}x{height} pixels exceed the limit of "
+                                 f"{self.limits.max_pixels_per_frame} pixels per frame")
+        rate = stream.average_rate  # what `transformers` uses
+        fps = float(rate) if rate else 0.0
+        if not 0 < fps <= MAX_STREAM_FPS:
+            raise InvalidRequest(f"video stream declares a frame rate of {fps:g} fps; it must be in (0, {MAX_STREAM_FPS:g}]")
+        declared = _declared_seconds(stream, container)
+        if declared is not None and declared > self.limits.max_seconds:
+            raise InvalidRequest(f"video is {declared:.1f} s long; the limit is {self.limits.max_seconds:g} s")
+        counted = self._count_frames(stream, fps)
+        header = int(stream.frames or 0)
+        if header and header != counted:
+            raise InvalidRequest(f"video is truncated or inconsistent: its header declares {header} frames, "
+                                 f"its stream holds {counted}")
+        if counted == 0:
+            raise InvalidRequest("video stream holds no frames")
+        if declared is not None and declared - counted / fps > max(1.0, TRUNCATED_SHARE * declared):
+            raise InvalidRequest(f"video is truncated: its header declares {declared:.1f} s, its stream holds "
+                                 f"{counted / fps:.1f} s")
+        return VideoProbe(header or counted, fps, width, height, codec)
+
+    def _count_frames(self, stream, fps: float) -> int:
+        """Packets of the stream, counted no further than the duration limit allows."""
+        import av
+
+        cap = math.floor(self.limits.max_seconds * fps) + 1
+        count = 0
+        try:
+            for packet in self.container.demux(stream):
+                if packet.size == 0:  # the demuxer's flush packet
+                    continue
+                count += 1
+                if count > cap:
+                    raise InvalidRequest(f"video is longer than the limit of {self.limits.max_seconds:g} s "
+                                         f"(more than {cap - 1} frames at {fps:g} fps), whatever its header says")
+        except av.error.FFmpegError as e:
+            raise InvalidRequest(f"video is truncated or corrupt after {count} frames ({_reason(e)})") from None
+        return count
+
+    def decode(self, indices: list[int], group_size: int = 0) -> Iterator[np.ndarray]:
+        """The frames at `indices` in decode order (each frame once, as `transformers` keeps them),
+        (frames, height, width, 3) uint8 RGB, in groups of `group_size` frames as they are decoded
+        (0: all in one)."""
+        import av
+
+        probe = self.probe
+        if not indices:
+            raise InvalidRequest("the model's sampler picked no frames of this video")
+        if min(indices) < 0 or max(indices) >= probe.total_num_frames:
+            raise InvalidRequest(f"sampled frame indices fall outside the video's {probe.total_num_frames} frames")
+        wanted, end = set(indices), max(indices)
+        group_size = group_size or len(wanted)
+        frames: list[np.ndarray] = []
+        i = -1
+        try:
+            self.container.seek(0)
+            for i, frame in enumerate(self.container.decode(video=0)):
+                if i > end:
+                    break
+                if i in wanted:
+                    if (frame.width, frame.height) != (probe.width, probe.height):
+                        raise InvalidRequest(f"video frame {i} is {frame.width}x{frame.height}; the stream "
+                                             f"declares {probe.width}x{probe.height}")
+                    frames.append(frame.to_ndarray(format="rgb24"))
+                    if len(frames) == group_size:
+                        yield np.stack(frames)
+                        frames = []
+        except av.error.FFmpegError as e:
+            raise InvalidRequest(f"cannot decode video ({probe.codec}) at frame {i + 1}: {_reason(e)}") from None
+        if i < end:
+            raise InvalidRequest(f"video is truncated: {i + 1} of its {probe.total_num_frames} frames decode")
+        if frames:
+            yield np.stack(frames)
+
+    def close(self) -> None:
+        self.container.close()
+
+
+def _codec_name(stream) -> str:
+    try:
+        ctx = stream.codec_context
+        name = ctx.codec.name if ctx is not None else ""
+    except Exception:  # noqa: BLE001 (no decoder for this codec id)
+        name = ""
+    if not name or name == "none":
+        tag = getattr(stream.codec_context, "codec_tag", "") if stream.codec_context is not None else ""
+        raise InvalidRequest(f"video codec {tag!r} is not supported (no decoder)")
+    return name
+
+
+def _declared_seconds(stream, container) -> float | None:
+    if stream.duration and stream.time_base:
+        return float(stream.duration * stream.time_base)
+    if container.duration:
+        return container.duration / 1_000_000  # AV_TIME_BASE
+    return None
+
+
+def _reason(e: Exception) -> str:
+    return getattr(e, "strerror", None) or type(e).__name__
+
+
+class FrameSampler:
+    """The checkpoint's own frame sampler: `video_processor.sample_frames(VideoMetadata)`, loaded
+    with the first video (a model without a video processor takes no video: InvalidRequest)."""
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = str(model_dir)
+
+    @functools.cached_property
+    def processor(self):
+        from transformers import AutoVideoProcessor
+
+        try:
+            return AutoVideoProcessor.from_pretrained(self.model_dir)
+        except (OSError, ValueError, KeyError):
+            raise InvalidRequest("this model takes no video") from None
+
+    @functools.cached_property
+    def kwargs(self) -> dict:
+        takes_fps = "fps" in inspect.signature(self.processor.sample_frames).parameters
+        unset = getattr(self.processor, "fps", None) is None and getattr(self.processor, "num_frames", None) is None
+        return {"fps": DEFAULT_SAMPLE_FPS} if takes_fps and unset else {}
+
+    def indices(self, probe: VideoProbe) -> list[int]:
+        """Sampled frame indices; InvalidRequest when the sampler cannot sample this video."""
+        from transformers.video_utils import VideoMetadata
+
+        metadata = VideoMetadata(total_num_frames=probe.total_num_frames, fps=probe.fps, width=probe.width,
+                                 height=probe.height, duration=probe.duration, video_backend="pyav")
+        try:
+            picked = self.processor.sample_frames(metadata, **self.kwargs)
+        except (ValueError, ZeroDivisionError) as e:
+            raise InvalidRequest(f"video of {probe.total_num_frames} frames at {probe.fps:g} fps cannot be sampled "
+                                 f"for this model: {e}") from None
+        return [int(i) for i in picked]

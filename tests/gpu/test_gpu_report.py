@@ -1,0 +1,153 @@
+"""bench/gpu_report.py, the one command for every GPU figure, checked on CPU: its record's shape
+(every figure in every record, null where not measured), its bounds, its page, the seeded history,
+and the full-size checkpoint its GPU parts serve."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.device_peaks import Peaks, peaks
+from bench.gpu_report import FIGURES, engine_figures, read_records, render, serve_figures
+
+ROOT = Path(__file__).resolve().parents[2]
+REQUIRED = (
+    "device", "gpu_app_tests", "decode_b1_ms", "decode_b1_ratio_to_bound", "decode_b64_frac_of_bound",
+    "decode_8k_b4_ratio_to_bound", "vit_mfu_448", "vit_mfu_1024", "encoder_pool_over_forward_448",
+    "encoder_budget_vs_single_448", "serve_disagg_goodput_rps", "serve_colocated_goodput_rps",
+    "serve_disagg_p99_ttft_ms", "serve_colocated_p99_ttft_ms",
+)
+HEADER = ("date", "commit", "device", "driver", "torch", "triton", "transformers", "units")
+
+
+def _report(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env.update(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_report.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _check_shape(record: dict) -> None:
+    assert all(name in record for name in (*REQUIRED, *HEADER))
+    assert all(f.name in record for f in FIGURES)  # measured or null, never left out
+    assert set(record["units"]) == {f.name for f in FIGURES}
+
+
+def test_cpu_run_of_two_parts_appends_one_record_with_every_figure(tmp_path):
+    results, page = tmp_path / "cpu.jsonl", tmp_path / "figures.md"
+    out = _report("--device", "cpu", "--only", "tests", "engine", "--results", str(results), "--markdown", str(page))
+    assert out.returncode == 0, out.stderr[-3000:]
+    (record,) = read_records(results)
+    _check_shape(record)
+    assert record["device"] == "cpu" and record["parts"] == ["tests", "engine"] and not record["failed_parts"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert record["commit"] == head and record["torch"] and record["transformers"]
+    tests = record["gpu_app_tests"]
+    assert (tests["passed"], tests["failed"]) == (0, 0) and tests["skipped"] > 0  # no CUDA: all skipped
+    assert record["decode_b1_ms"] > 0 and record["decode_b64_ms"] > 0
+    assert 0 < record["decode_b1_host_us"] < record["decode_b64_host_us"] and record["decode_b1_ops_per_step"] > 0
+    # no memory bandwidth known for a CPU, no 8k context at CPU sizes, parts not run: null
+    unmeasured = [f.name for f in FIGURES if f.part in ("encoder", "serve")] + [
+        "decode_b1_bound_ms", "decode_b1_ratio_to_bound", "decode_b64_frac_of_bound", "decode_8k_b4_ms",
+        "decode_8k_b4_ratio_to_bound"]
+    assert all(record[name] is None for name in unmeasured)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == record
+    assert page.read_text() == render([record])
+
+
+def test_decode_bounds_read_the_weights_once_and_every_sequences_kv():
+    bench = {"weight_bytes": 3_000_000_000, "kv_bytes_per_token": 28_672, "prompt_len": 64, "decode_tokens": 128,
+             "decode_ms_per_token_b1": 4.0, "decode_ms_per_step_b64": 6.0, "engine_tok_s_b64": 9000.0,
+             "long_context": 8192, "long_batch": 4, "decode_ms_per_step_long": 2.5}
+    f = engine_figures(bench, Peaks(3000, 989))
+    kv_b1 = 1 * (64 + 64) * 28_672
+    assert f["decode_b1_bound_ms"] == pytest.approx((3e9 + kv_b1) / 3e12 * 1e3, rel=1e-3)
+    assert f["decode_b1_ratio_to_bound"] == pytest.approx(4.0 / f["decode_b1_bound_ms"], rel=1e-3)
+    assert f["decode_b64_frac_of_bound"] == pytest.approx(f["decode_b64_bound_ms"] / 6.0, rel=1e-3)
+    assert f["decode_b64_frac_of_bound"] < 1
+    assert f["decode_8k_b4_bound_ms"] == pytest.approx((3e9 + 4 * (8192 + 64) * 28_672) / 3e12 * 1e3, rel=1e-3)
+    assert f["decode_8k_b4_ratio_to_bound"] == pytest.approx(2.5 / f["decode_8k_b4_bound_ms"], rel=1e-3)
+    other_context = engine_figures({**bench, "long_context": 4096}, Peaks(3000, 989))
+    assert other_context["decode_8k_b4_ms"] is None  # only an 8k, batch-4 run is that figure
+    assert engine_figures(bench, Peaks(None, None))["decode_b1_ratio_to_bound"] is None
+
+
+def test_transfer_is_set_against_the_memory_bandwidth():
+    summary = {f"{m}_{k}": 1.0 for m in ("disagg", "colocated") for k in ("goodput_rps", "p99_ttft_ms")}
+    f = serve_figures(summary, {"object_store_mb_s_20mb": 2500.0, "grpc_mb_s_20mb": 800.0}, Peaks(3350, 989))
+    assert (f["transfer_object_store_gbs"], f["transfer_grpc_gbs"]) == (2.5, 0.8)
+    assert f["transfer_object_store_frac_of_bandwidth"] == pytest.approx(2.5 / 3350, rel=1e-3)
+
+
+def test_peaks_by_the_name_cuda_reports():
+    assert peaks("NVIDIA H100 80GB HBM3") == (3350, 989)
+    assert peaks("NVIDIA H100 PCIe").memory_gbs == 2000
+    assert peaks("NVIDIA H200").memory_gbs == 4800
+    assert peaks("NVIDIA L40S").memory_gbs == 864  # not the L4
+    assert peaks("NVIDIA H100 80GB HBM3", memory_gbs=3000) == (3000, 989)
+    assert peaks("Some Future GPU") == (None, None) and peaks(None, bf16_tflops=100) == (None, 100)
+
+
+def test_the_page_lists_records_newest_first_with_ratios_and_ranges(tmp_path):
+    (seed,) = read_records(ROOT / "bench" / "results" / "gpu.jsonl")
+    newer = {**seed, "date": "2027-01-05", "commit": "f" * 40, "dirty": True, "source": None, "ranges": None,
+             "failed_parts": {"serve": "bench/serve.py exited 1"}, "gpu_app_tests": {"passed": 9, "failed": 1},
+             "decode_b64_ms": 6.5, "decode_b64_frac_of_bound": 0.15, "vit_mfu_448": 0.2}
+    results = tmp_path / "gpu.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in (seed, newer)))
+    page = tmp_path / "figures.md"
+    assert _report("--render-only", "--results", str(results), "--markdown", str(page)).returncode == 0
+    rows = [line for line in page.read_text().splitlines() if line.startswith("| 20")]
+    assert [r.split(" | ")[0] for r in rows] == ["| 2027-01-05", "| 2026-11-22"]
+    assert "fffffffff+" in rows[0] and "9 passed, 1 failed" in rows[0] and "serve failed" in rows[0]
+    assert "6.50 (15%)" in rows[0] and "(20.0%)" in rows[0]
+    assert "3.95 (4.29x)" in rows[1] and "112–130 (17.0%–20.0%)" in rows[1] and "transcribed" in rows[1]
+
+
+def test_the_seeded_history_is_the_h100_transcription_and_the_page_is_generated():
+    (seed,) = read_records(ROOT / "bench" / "results" / "gpu.jsonl")
+    _check_shape(seed)
+    assert (seed["date"], seed["commit"], seed["device"]) == ("2026-11-22", "87982b6", "NVIDIA H100 80GB HBM3")
+    assert seed["source"] == "transcribed from docs/attention.md"
+    assert (seed["decode_b1_ms"], seed["vit_mfu_1024"], seed["vit_forward_1024_images_per_s"]) == (3.95, 0.215, 17.9)
+    never_measured = ("gpu_app_tests", "decode_b64_frac_of_bound", "decode_8k_b4_ratio_to_bound",
+                      "encoder_budget_vs_single_448", "serve_disagg_goodput_rps", "transfer_grpc_gbs")
+    assert all(seed[name] is None for name in never_measured)
+    assert (ROOT / "docs" / "gpu-figures.md").read_text() == render(read_records(ROOT / "bench" / "results" / "gpu.jsonl"))
+
+
+def test_the_full_size_checkpoint_has_qwen2_vl_2bs_shapes_and_serves(tmp_path):
+    """Shrunk in depth (CPU): the builder's config, processor and tokenizer load as the app loads them."""
+    from transformers import AutoConfig, AutoProcessor
+
+    from bench.checkpoints import QWEN2_VL_2B_TEXT, qwen2_vl_2b
+    from encoder_service import VisionEncoder
+    from llm_service.model import LanguageModel
+
+    path = qwen2_vl_2b(tmp_path / "q2b", text_layers=1, vision_depth=1)
+    config = AutoConfig.from_pretrained(path)
+    assert {k: getattr(config.text_config, k) for k in QWEN2_VL_2B_TEXT} == {**QWEN2_VL_2B_TEXT, "num_hidden_layers": 1}
+    assert (config.vision_config.embed_dim, config.vision_config.hidden_size) == (1280, 1536)
+    assert AutoProcessor.from_pretrained(path).image_processor.size["longest_edge"] == 12845056
+    lm = LanguageModel(path, dtype="bfloat16")
+    assert lm.vocab_size == 151936 and VisionEncoder(path, dtype="bfloat16").tower is not None
+    stamp = (Path(path) / "model.safetensors").stat().st_mtime_ns
+    assert qwen2_vl_2b(tmp_path / "q2b", text_layers=1, vision_depth=1) == path  # built once
+    assert (Path(path) / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.serve
+def test_cpu_run_of_the_serve_part_fills_the_serve_figures(tmp_path):
+    results = tmp_path / "cpu.jsonl"
+    out = _report("--device", "cpu", "--only", "serve", "--results", str(results), timeout=1200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (record,) = read_records(results)
+    _check_shape(record)
+    serve = [f.name for f in FIGURES if f.part == "serve" and "frac" not in f.name]
+    assert all(record[name] is not None for name in serve)
+    assert record["transfer_grpc_frac_of_bandwidth"] is None  # no memory bandwidth known for a CPU

@@ -1,0 +1,93 @@
+"""In-process fakes of the request core's two injected parts (`MediaDispatcher`, `LLMClient`),
+and a core built on a real tiny checkpoint with them: the request path without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ray import exceptions as ray_exceptions
+
+from deployments.serve.config import LimitArgs
+from deployments.core.request_core import CoreSettings, RequestCore
+from deployments.core.dispatch import MediaDispatcher
+from deployments.core.llm_inputs import LocalMedia, PendingRequest
+from llm_service.sequence import TokenEvent
+
+
+def next_token(context: tuple[int, ...]) -> int:
+    """A deterministic 'model': the next token depends on the whole context (prompt + generated)."""
+    return 100 + (sum((i + 1) * t for i, t in enumerate(context)) * 31) % 400
+
+
+class FakeStream:
+    def __init__(self, events):
+        self._events = events
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        await asyncio.sleep(0)
+        try:
+            item = next(self._events)
+        except StopIteration:
+            raise StopAsyncIteration from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class FakeLLM:
+    """An `LLMClient` whose i-th submission's replica dies after `die_after[i]` tokens (None: never)."""
+
+    def __init__(self, die_after: list[int | None] = (), error: type[BaseException] = ray_exceptions.ActorDiedError):
+        self.die_after = list(die_after)
+        self.error = error
+        self.calls: list[PendingRequest] = []
+
+    def generate(self, pending: PendingRequest) -> FakeStream:
+        self.calls.append(pending)
+        die = self.die_after.pop(0) if self.die_after else None
+
+        def events():
+            context = list(pending.prompt_token_ids)
+            for n in range(pending.sampling.max_tokens):
+                if die is not None and n == die:
+                    yield self.error()
+                    return
+                token = next_token(tuple(context))
+                context.append(token)
+                last = n + 1 == pending.sampling.max_tokens
+                yield TokenEvent(token, "length" if last else None)
+
+        return FakeStream(events())
+
+
+class FakeDispatcher(MediaDispatcher):
+    """Records every dispatch; hands each item back as it is (`LocalMedia`)."""
+
+    def __init__(self):
+        self.dispatched: list[list] = []
+
+    async def dispatch(self, media):
+        self.dispatched.append(list(media))
+        return tuple(LocalMedia(m) for m in media)
+
+
+def make_core(model_dir: str, llm: FakeLLM | None = None, media: MediaDispatcher | None = None,
+              limits: LimitArgs | None = None, **settings) -> RequestCore:
+    settings = CoreSettings(served_model_name="m", limits=limits or LimitArgs(), **settings)
+    return RequestCore.from_checkpoint(model_dir, settings, media or FakeDispatcher(), llm or FakeLLM())
+
+
+def reader(request):
+    """`RequestCore.generate`'s `read` for an already converted `ChatRequest`."""
+
+    async def read():
+        return request
+
+    return read

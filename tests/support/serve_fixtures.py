@@ -1,0 +1,112 @@
+"""One Ray + Serve instance per test session (registered as a plugin in conftest.py).
+
+`serve_urls`: one float64 app per tiny model family, HTTP + the public gRPC API on Serve's proxy.
+`secured_url`: one more qwen2_vl app, started on first use, with `transport: grpc`, an API key (read
+from an environment variable by its replicas, never in the Serve config) and
+the router awaiting embeddings before it calls the LLM (the non-default hand-off), and a KV pool
+of 1 MiB (~1,000 float64 tokens of the tiny model) below its 4,096-token context.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from tests.conftest import FAMILIES
+
+TEST_LIMITS = {"max_items_per_request": 4, "max_pixels_per_image": 1_000_000, "max_frames_per_video": 8,
+               "max_video_seconds": 20, "max_pixels_per_video_frame": 1_000_000}
+TEST_API_KEY = "test-key"
+TEST_API_KEY_ENV = "MMSERVE_TEST_API_KEY"  # the secured app reads its key from here, as deployments should
+_SMALL = {"num_cpus": 0.1}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _app_args(model_dir: str, name: str, **extra) -> dict:
+    return {
+        "model": model_dir, "dtype": "float64", "served_model_name": name,
+        "router": _SMALL, "encoder": _SMALL, "llm": _SMALL, "video_decoder": _SMALL, "limits": TEST_LIMITS,
+        "video_decode": {"stream_group_frames": 2}, **extra,  # a streamed test video is several groups
+    }
+
+
+@pytest.fixture(scope="session")
+def serve_ports():
+    """(HTTP port, gRPC port) of the session's Serve instance; Ray and Serve live until the end."""
+    import ray
+    from ray import serve
+
+    from deployments.serve.router import grpc_options
+
+    http_port, grpc_port = _free_port(), _free_port()
+    os.environ[TEST_API_KEY_ENV] = TEST_API_KEY  # before Ray starts: its replicas inherit it
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port}, grpc_options=grpc_options(port=grpc_port))
+    try:
+        yield http_port, grpc_port
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def serve_urls(serve_ports, tiny_models) -> dict[str, str]:
+    """{family: base URL of its app}."""
+    from ray import serve
+
+    from deployments.serve.app import build_app
+
+    for family in FAMILIES:
+        serve.run(build_app(_app_args(tiny_models[family], family)), name=family, route_prefix=f"/{family}")
+    return {f: f"http://127.0.0.1:{serve_ports[0]}/{f}" for f in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def grpc_target(serve_urls, serve_ports) -> str:
+    """host:port of Serve's gRPC proxy (the apps of `serve_urls` are up)."""
+    return f"127.0.0.1:{serve_ports[1]}"
+
+
+@pytest.fixture(scope="session")
+def secured_url(serve_ports, tiny_models) -> str:
+    """Base URL of a qwen2_vl app whose embeddings travel over gRPC and that needs TEST_API_KEY."""
+    from ray import serve
+
+    from deployments.serve.app import build_app
+
+    args = _app_args(tiny_models["qwen2_vl"], "secured", transport="grpc", api_key_env=TEST_API_KEY_ENV,
+                     await_embeddings_in_router=True, engine={"kv_cache_memory_mb": 1})
+    serve.run(build_app(args), name="secured", route_prefix="/secured")
+    return f"http://127.0.0.1:{serve_ports[0]}/secured"
+
+
+@pytest.fixture(scope="session")
+def external_encoder_url(serve_ports, tiny_models, tmp_path_factory):
+    """Base URL of a qwen2_vl app with no Encoder deployment: it uses a standalone EncoderService
+    (running in this process, float64, behind TLS and a token) through `grpc.encoder_address`."""
+    from ray import serve
+
+    from deployments.serve.app import build_app
+    from encoder_service import VisionEncoder
+    from encoder_service.rpc.server import ServerOptions, ServerSecurity, ServerThread
+    from encoder_service.rpc.result_store import ResultStore
+
+    from tests.support.tls_certs import self_signed
+
+    token = "encoder-secret"
+    cert, key = self_signed(tmp_path_factory.mktemp("tls"))
+    security = ServerSecurity(token, tls_cert=str(cert), tls_key=str(key))
+    encoder = VisionEncoder(tiny_models["qwen2_vl"], dtype="float64")
+    server = ServerThread(encoder, ResultStore(ttl_s=60), ServerOptions("127.0.0.1", 0, security=security))
+    grpc_args = {"encoder_address": f"localhost:{server.port}", "token": token, "tls_ca": str(cert)}
+    args = _app_args(tiny_models["qwen2_vl"], "external", transport="grpc", grpc=grpc_args)
+    serve.run(build_app(args), name="external", route_prefix="/external")
+    yield f"http://127.0.0.1:{serve_ports[0]}/external"
+    server.stop()

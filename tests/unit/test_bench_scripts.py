@@ -1,0 +1,142 @@
+"""Benches that cannot rot: every bench/ script answers `--help`, and finishes its smallest run
+(seconds to a minute) ending with its one JSON line, run as a user runs it (`python bench/X.py`).
+
+Elsewhere, and said so here: transfer.py's smallest run is the one tests/gpu/test_gpu_report.py's
+serve part makes (one Ray start, not two); serve.py's sweeps (tests/serve/test_bench_serve.py runs its small runs),
+soak.py (minutes long, by design) and gpu_report.py (tests/gpu/test_gpu_report.py runs it into a
+temporary results file)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "bench"
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if 'if __name__ == "__main__"' in p.read_text())
+SERVE = pytest.mark.serve
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+SMALLEST = {
+    "encoder.py": (["--items", "4"], []),
+    "llm.py": (["--prompt-len", "8", "--max-tokens", "4", "--concurrency", "1", "--decode-tokens", "8"], []),
+    "dispatch.py": (["--requests", "2"], [SERVE]),
+    "vit_attention.py": ([], GPU),
+}
+ELSEWHERE = {"serve.py": "tests/serve/test_bench_serve.py", "soak.py": "minutes long: run by hand",
+             "ingress.py": "minutes (a server per mode): tests/serve/test_ingress_modes.py launches the modes",
+             "transfer.py": "tests/gpu/test_gpu_report.py (the report's serve part runs its smallest run)",
+             "gpu_report.py": "tests/gpu/test_gpu_report.py (its runs append to a results file)",
+             "plan_validate.py": "tests/unit/test_capacity.py validates a kept run set (--runs); collecting one "
+                                 "takes minutes of real runs"}
+
+
+def _run(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}  # their own Ray
+    env.update(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
+    return subprocess.run([sys.executable, str(BENCH / script), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_every_script_is_covered_or_said_to_be_elsewhere():
+    assert set(SCRIPTS) == set(SMALLEST) | set(ELSEWHERE)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help(script):
+    out = _run(script, "--help", timeout=120)
+    assert out.returncode == 0 and "usage:" in out.stdout, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("script, args", [pytest.param(s, a, marks=m, id=s) for s, (a, m) in SMALLEST.items()])
+def test_smallest_run_ends_with_its_json_line(script, args):
+    out = _run(script, *args, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert isinstance(result, dict) and result
+
+
+def test_breakdown_reports_every_phase_for_each_case_both_ways():
+    """`llm.py --breakdown` (seconds with 4 steps): a row per case and overlap mode, host time below the step."""
+    out = _run("llm.py", "--breakdown", "--steps", "4", "--prompt-len", "8", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    for case in ("decode_b1", "decode_b8", "decode_b64", "mixed_b8"):
+        for mode in ("off", "on"):
+            assert 0 < result[f"{case}_{mode}_host_us"] < result[f"{case}_{mode}_step_us"]
+            assert result[f"{case}_{mode}_ops"] > 0
+    assert "schedule" in out.stdout and "postprocess" in out.stdout
+
+
+def test_hybrid_prefix_quick_run_resumes_the_second_request():
+    """`llm.py --hybrid-prefix --quick` (seconds): the second request resumes after the image."""
+    out = _run("llm.py", "--hybrid-prefix", "--quick", "--repeats", "1", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["cached_tokens_second_on"] == result["system_tokens"] + result["image_tokens"]
+    assert result["hybrid_prefix_ttft_speedup"] > 0 and result["snapshot_mb"] > 0
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat (Linux)")
+def test_video_bench_counts_the_cpu_seconds_a_busy_thread_spends():
+    """The video bench's CPU floor (serve_video.cpu_busy_s): busy work shows up, an idle wait does not."""
+    import time
+
+    from bench.serve_video import cpu_busy_s
+
+    before = cpu_busy_s()
+    end = time.perf_counter() + 0.3
+    while time.perf_counter() < end:
+        pass
+    spun = cpu_busy_s() - before
+    before = cpu_busy_s()
+    time.sleep(0.3)
+    slept = cpu_busy_s() - before
+    assert spun >= 0.25, spun
+    assert slept < spun, (slept, spun)
+
+
+def test_encoder_bench_ceiling_is_the_forward_at_the_measured_matmul_and_attention_rates():
+    """bench/encoder.py's ceiling (the GPU rows print it beside each MFU), here on a small tower on CPU."""
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+
+    from bench.encoder import ceiling, flops_by_kind
+
+    config = Qwen2VLVisionConfig(depth=2, embed_dim=64, num_heads=4, hidden_size=96)
+    grid = (1, 16, 16)
+    images_per_s, matmul_tflops, attention_tflops = ceiling(config, grid, 3, torch.float32, torch.device("cpu"))
+    matmul, attention = flops_by_kind(config, grid)
+    assert matmul == 2 * 24 * 64 ** 2 * 256 + 2 * 64 * 256 * 256 + 2 * 64 * 256 * 96  # blocks + merger
+    assert attention == 2 * 4 * 256 * 256 * 64
+    assert matmul_tflops > 0 and attention_tflops > 0
+    assert images_per_s == pytest.approx(1e12 / (matmul / matmul_tflops + attention / attention_tflops))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")
+def test_gpu_check_finds_the_gpu_test_files_and_refuses_without_a_gpu():
+    """scripts/gpu-check (the GPU host's runbook): with Ray importable it installs nothing, and
+    without a CUDA device it stops before running anything, saying so; its test files are every
+    file holding a gpu or kernel test."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check"), "tests"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "no CUDA device here" in done.stderr, done.stderr
+    marked = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+              if "pytest.mark.gpu" in p.read_text() or "pytest.mark.kernel" in p.read_text()}
+    listed = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check"), "list"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60, check=True).stdout.split()
+    assert set(listed) == marked and "tests/gpu/test_gpu_app.py" in marked
+
+
+def test_the_test_paths_the_gpu_runbooks_name_exist():
+    """scripts/gpu-check and bench/gpu_report.py name test files by path: only a GPU run would
+    otherwise notice one that moved."""
+    named = {m for script in ("scripts/gpu-check", "bench/gpu_report.py")
+             for m in re.findall(r"tests/[\w/]+\.py", (ROOT / script).read_text())}
+    assert named and sorted(n for n in named if not (ROOT / n).is_file()) == []

@@ -1,0 +1,117 @@
+"""The builder touches no disk; replicas resolve the model and secrets on their own node."""
+
+import asyncio
+import sys
+import threading
+
+import pytest
+from pydantic import ValidationError
+
+from deployments.serve import replica_env
+from deployments.serve.app import build_app
+from deployments.serve.config import AppArgs, GrpcArgs
+from deployments.serve.encoder import EncoderDeployment
+from deployments.serve.llm import LLMDeployment
+from deployments.serve.router import Router, RouterSettings
+
+
+class _FileAccess:
+    """Records files opened (not imports) while `active`; audit hooks cannot be removed, so one."""
+
+    active = False
+    opened: list[str] = []
+
+    @classmethod
+    def hook(cls, event, args):
+        if cls.active and event == "open" and isinstance(args[0], str) and not args[0].endswith((".py", ".pyc")):
+            cls.opened.append(args[0])
+
+
+sys.addaudithook(_FileAccess.hook)
+
+
+@pytest.mark.parametrize("model", [None, "/nonexistent/checkpoint"])
+def test_build_app_touches_no_disk(model, tmp_path, monkeypatch):
+    from ray.serve import Application
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MMSERVE_CACHE", str(cache))
+    build_app({"model": None})  # first call: lazy imports done outside the recorded window
+    _FileAccess.opened.clear()
+    _FileAccess.active = True
+    try:
+        app = build_app({"model": model})
+    finally:
+        _FileAccess.active = False
+    assert isinstance(app, Application)
+    assert _FileAccess.opened == []
+    assert not cache.exists()  # the tiny model is built by replicas, on their nodes
+
+
+@pytest.mark.parametrize("replica", ["router", "encoder", "llm"])
+def test_missing_model_fails_the_replica_naming_the_path(replica):
+    missing = "/models/not-mounted-here"
+    with pytest.raises(FileNotFoundError, match="/models/not-mounted-here.*mount the model volume"):
+        if replica == "router":
+            settings = RouterSettings(model_dir=missing, served_model_name="m", limits=AppArgs().limits, api_key=None)
+            cls = Router.func_or_class  # Serve's ingress wrapper: an async __init__
+            asyncio.run(cls.__init__(cls.__new__(cls), None, None, settings))
+        elif replica == "encoder":
+            EncoderDeployment.func_or_class(missing, "float32", "cpu")
+        else:
+            LLMDeployment.func_or_class(missing, "float32", "cpu")
+
+
+def test_replicas_on_one_node_build_the_tiny_model_once(tmp_path, monkeypatch):
+    import mmserve.tiny
+
+    monkeypatch.setenv("MMSERVE_CACHE", str(tmp_path))
+    builds = []
+
+    def fake_build(family, out_dir, seed=0):
+        builds.append(out_dir)
+        threading.Event().wait(0.2)  # long enough for every other replica to be waiting on the lock
+        out_dir.mkdir(parents=True)
+        (out_dir / "mmserve_tiny.json").write_text("{}")
+        return out_dir
+
+    monkeypatch.setattr(mmserve.tiny, "build_tiny_model", fake_build)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(replica_env.resolve_model_dir(None))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1
+    assert results == [str(mmserve.tiny.default_model_dir())] * 4
+
+
+def test_served_model_name_needs_no_disk():
+    assert replica_env.model_name("/models/Qwen2-VL-2B-Instruct/") == "Qwen2-VL-2B-Instruct"
+    assert replica_env.model_name(None) == "tiny-qwen2_vl-seed0"
+
+
+def test_secrets_are_read_from_the_environment_on_the_replica(monkeypatch):
+    monkeypatch.setenv("MMSERVE_TEST_TOKEN", "s3cret")
+    args = AppArgs(api_key_env="MMSERVE_TEST_KEY", transport="grpc", grpc={"token_env": "MMSERVE_TEST_TOKEN"})
+    assert "s3cret" not in args.model_dump_json()
+    assert args.grpc.on_node().token == "s3cret"
+    monkeypatch.delenv("MMSERVE_TEST_KEY", raising=False)
+    with pytest.raises(RuntimeError, match="api_key_env: environment variable MMSERVE_TEST_KEY is not set"):
+        replica_env.secret(None, args.api_key_env, "api_key_env")
+    monkeypatch.setenv("MMSERVE_TEST_KEY", "k")
+    settings = RouterSettings(
+        model_dir=None, served_model_name="m", limits=args.limits, api_key=None, api_key_env="MMSERVE_TEST_KEY"
+    )
+    monkeypatch.setattr("deployments.serve.router.resolve_model_dir", lambda model: "/resolved")
+    resolved = settings.on_node()
+    assert (resolved.api_key, resolved.model_dir) == ("k", "/resolved")
+
+
+def test_secret_value_and_env_name_are_exclusive():
+    with pytest.raises(ValidationError, match="api_key or api_key_env"):
+        AppArgs(api_key="k", api_key_env="MMSERVE_API_KEY")
+    with pytest.raises(ValidationError, match="grpc.token or grpc.token_env"):
+        GrpcArgs(token="t", token_env="MMSERVE_GRPC_TOKEN")
+    with pytest.raises(ValidationError):
+        AppArgs(api_key_env="not a variable name")

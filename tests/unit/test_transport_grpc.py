@@ -1,0 +1,122 @@
+"""Transport `grpc` against a real EncoderService server: bit-identical tensors, pinning, auth."""
+
+import asyncio
+
+import pytest
+import torch
+
+from deployments.serve.config import GrpcArgs
+from deployments.core.llm_inputs import PinnedEmbedding
+from deployments.serve.transport import GrpcFetcher, GrpcPublisher, resolve
+from mmserve.request.embeddings import ItemEmbedding
+from mmserve.rpc.encoder_client import EmbeddingNotFound, EncoderClient
+from mmserve.request.media import EncodeItem, MediaItem, MediaKind
+
+
+def _item(i: int) -> EncodeItem:
+    return EncodeItem(MediaItem(MediaKind.IMAGE, (f"image-{i}".encode(),)), None, 0)
+
+
+@pytest.fixture(scope="module")
+def publisher():
+    pub = GrpcPublisher(GrpcArgs(bind_host="127.0.0.1", token="s3cret", chunk_bytes=1 << 20), host="127.0.0.1")
+    yield pub
+    pub.stop()
+
+
+def _roundtrip(publisher, tensors):
+    """Publish tensors (or whole `ItemEmbedding`s), fetch them back: (refs, the tensors' rows)."""
+    refs, embeddings = _roundtrip_embeddings(publisher, [
+        t if isinstance(t, ItemEmbedding) else ItemEmbedding((t,), f"key-{i}") for i, t in enumerate(tensors)
+    ])
+    return refs, [e.rows for e in embeddings]
+
+
+def _roundtrip_embeddings(publisher, embeddings):
+    refs = publisher.publish([_item(i) for i in range(len(embeddings))], embeddings)
+    fetcher = GrpcFetcher(GrpcArgs(token="s3cret"))
+
+    async def go():
+        try:
+            return await resolve([PinnedEmbedding(ref) for ref in refs], fetcher)
+        finally:
+            await fetcher.close()
+
+    back = asyncio.run(go())
+    assert [b.key for b in back] == [e.key for e in embeddings]
+    return refs, back
+
+
+def test_output_parts_cross_as_one_unit(publisher):
+    """Several parts per item (DeepStack features) arrive together, in order, bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    parts = tuple(torch.randn(7, 16, generator=gen).to(torch.bfloat16) for _ in range(3))
+    _, [back] = _roundtrip_embeddings(publisher, [ItemEmbedding(parts, "deepstack-key")])
+    assert len(back.parts) == 3
+    assert all(torch.equal(b.view(torch.int16), p.view(torch.int16)) for b, p in zip(back.parts, parts))
+
+
+def test_real_qwen3_vl_output_crosses_bit_identical(publisher, qwen3_dir):
+    """A Qwen3-VL encoder output (embeddings + DeepStack features) of an image and a video."""
+    from tests.support.pipeline import runtimes, to_planner_messages
+    from tests.families.test_qwen3_vl import CASES
+
+    planner, encoder, _ = runtimes(qwen3_dir)
+    outputs = encoder.encode(planner.plan(to_planner_messages(CASES["image_and_video"]())).media)
+    assert len(outputs) == 2 and all(len(e.parts) > 1 for e in outputs)
+    _, back = _roundtrip_embeddings(publisher, outputs)
+    for got, sent in zip(back, outputs):
+        assert len(got.parts) == len(sent.parts)
+        assert all(torch.equal(b.view(torch.int64), p.view(torch.int64)) for b, p in zip(got.parts, sent.parts))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_embedding_crosses_bit_identical(publisher, dtype):
+    tensor = torch.randn(300, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    refs, [back] = _roundtrip(publisher, [tensor])
+    assert back.dtype == dtype and back.shape == tensor.shape
+    assert torch.equal(back.view(torch.uint8), tensor.view(torch.uint8))
+    assert refs[0].num_bytes == tensor.numel() * tensor.element_size()
+
+
+def test_20mb_embedding_crosses_intact(publisher):
+    tensor = torch.randn(5120, 2048, generator=torch.Generator().manual_seed(1))  # 40 MB fp32 -> 20 MB bf16
+    tensor = tensor.to(torch.bfloat16)
+    assert tensor.numel() * tensor.element_size() >= 20_000_000
+    _, [back] = _roundtrip(publisher, [tensor])
+    assert torch.equal(back.view(torch.int16), tensor.view(torch.int16))
+
+
+def test_result_is_unpinned_after_fetch(publisher):
+    tensor = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    refs, [back] = _roundtrip(publisher, [tensor])
+    assert torch.equal(back, tensor)
+    assert refs[0].content_hash not in publisher.store
+
+    async def again():
+        client = EncoderClient(refs[0].address, "s3cret")
+        try:
+            await client.fetch(refs[0].content_hash)
+        finally:
+            await client.close()
+
+    with pytest.raises(EmbeddingNotFound):
+        asyncio.run(again())
+
+
+def test_wrong_token_is_unauthenticated(publisher):
+    import grpc
+
+    [ref] = publisher.publish([_item(99)], [ItemEmbedding((torch.ones(2, 2),), "k")])
+
+    async def steal():
+        client = EncoderClient(ref.address, "guess")
+        try:
+            await client.fetch(ref.content_hash)
+        finally:
+            await client.close()
+
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        asyncio.run(steal())
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert ref.content_hash in publisher.store  # still pinned for the rightful fetch

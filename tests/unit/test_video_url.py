@@ -1,0 +1,220 @@
+"""`video_url` without Ray: video files decoded in worker processes to exactly the frames and
+metadata `transformers`' own loader gives (PyAV, the checkpoint's `sample_frames`), the faces fed
+from them, and every bad file refused with a message naming the problem. Served end to end:
+tests/serve/test_video_url_serve.py (Qwen2-VL, Qwen2.5-VL), tests/serve/test_qwen3_vl_serve.py (Qwen3-VL)."""
+
+import asyncio
+import dataclasses
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from mmserve.errors import InvalidRequest
+from mmserve.families import router_face
+from mmserve.request.media import MediaItem, MediaKind
+from mmserve.video.container import FrameSampler, VideoLimits
+from mmserve.video.workers import DecodeWorker, VideoDecodePool
+from tests.support.media_factory import audio_only_file, image_bytes, mkv_declaring, video_file
+from tests.support.reference import load_reference, load_video_file
+
+pytest.importorskip("av")  # the `video` extra: scripts/setup installs it
+
+
+@pytest.fixture(scope="module")
+def video_models(tiny_models, qwen3_dir, minicpmv_dir) -> dict[str, str]:
+    return {**tiny_models, "qwen3_vl": qwen3_dir, "minicpmv4_6": minicpmv_dir}
+
+
+def decode(pool: VideoDecodePool, data: bytes):
+    return asyncio.run(pool.decode(data, "test"))
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "minicpmv4_6"])
+def test_decoded_frames_and_metadata_equal_transformers_loader(video_models, family):
+    model_dir = video_models[family]
+    data = video_file(4.3, 12, 48, 80, seed=3)  # 52 frames: every sampler picks a strict subset
+    pool = VideoDecodePool(FrameSampler(model_dir), VideoLimits(max_frames=64), workers=1)
+    try:
+        video = decode(pool, data)
+    finally:
+        pool.close()
+    frames, metadata = load_video_file(model_dir, data)
+    assert np.array_equal(video.pixels, frames) and video.pixels.dtype == np.uint8
+    assert list(video.indices) == list(metadata.frames_indices) and 1 < len(video.indices) < 52
+    assert (video.fps, video.total_num_frames, video.duration) == (metadata.fps, metadata.total_num_frames,
+                                                                  metadata.duration)
+
+
+def test_every_container_decodes_to_the_same_sampled_frames(tiny_models):
+    pool = VideoDecodePool(FrameSampler(tiny_models["qwen2_vl"]), VideoLimits(), workers=2)
+    try:
+        videos = {c: decode(pool, video_file(3, 10, 48, 64, seed=5, container=c)) for c in ("mp4", "mov", "mkv", "webm")}
+    finally:
+        pool.close()
+    mp4 = videos.pop("mp4")
+    assert mp4.indices == (0, 5, 10, 15, 20, 25)
+    for container, video in videos.items():
+        assert video.indices == mp4.indices and video.pixels.shape == mp4.pixels.shape, container
+        error = np.abs(video.pixels.astype(int) - mp4.pixels).mean()
+        assert error < 8, (container, error)  # the same content, through lossy encoders
+    assert len({v.content_hash for v in [mp4, *videos.values()]}) == 4
+
+
+def test_a_whole_video_is_read_into_one_array_without_a_second_copy(tiny_models):
+    """The worker's frame groups land straight in the video's array: the decode's peak memory in
+    this process is that array, not the groups and their concatenation besides (twice it)."""
+    import tracemalloc
+
+    pool = VideoDecodePool(FrameSampler(tiny_models["qwen2_vl"]), VideoLimits(), workers=1)
+    data = video_file(16, 4, 240, 320, seed=2)  # 32 frames sampled at 2 fps, of 230 KB: 4 transfer groups
+    try:
+        decode(pool, data)  # the worker started, the sampler loaded
+        tracemalloc.start()
+        try:
+            video = decode(pool, data)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    finally:
+        pool.close()
+    assert video.pixels.shape == (32, 240, 320, 3) and video.pixels.flags.owndata
+    assert peak < 1.25 * video.pixels.nbytes, (peak, video.pixels.nbytes)
+
+
+def _processor(model_dir, frames, metadata, text_token):
+    processor, _ = load_reference(model_dir)
+    return processor(text=[text_token], videos=[frames], video_metadata=[metadata], do_sample_frames=False,
+                     return_tensors="pt")
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "minicpmv4_6"])
+def test_faces_expand_and_preprocess_a_decoded_video_like_the_processor(video_models, family):
+    """The router face's tokens and the encoder face's pixels for a decoded video equal the
+    processor's for the frames and metadata of `transformers`' loader."""
+    from encoder_service import VisionEncoder
+
+    model_dir = video_models[family]
+    data = video_file(3.1, 10, 56, 84, seed=9)
+    pool = VideoDecodePool(FrameSampler(model_dir), VideoLimits(), workers=1)
+    try:
+        item = MediaItem(MediaKind.VIDEO, (), decoded=decode(pool, data))
+    finally:
+        pool.close()
+    frames, metadata = load_video_file(model_dir, data)
+    processor, _ = load_reference(model_dir)
+    face = router_face(model_dir)
+    placeholder = face.placeholder(MediaKind.VIDEO)
+    expected = _processor(model_dir, frames, metadata, placeholder)
+    [expansion] = face.expand_all([item], 1 << 24)
+    assert list(expansion.token_ids) == expected["input_ids"][0].tolist()
+    face = VisionEncoder(model_dir, dtype="float64").face
+    got = face.pixel_values([face.preprocess(item, expansion.layout)], torch.device("cpu"))
+    want = expected["pixel_values_videos"]
+    want = want[:1] if family == "minicpmv4_6" else want  # MiniCPM-V packs a video's views in one row
+    assert torch.equal(got, want.to(got.dtype))
+
+
+def _bad_files() -> dict[str, tuple[bytes, str]]:
+    good_mkv = video_file(3, 10, 32, 32, seed=1, container="mkv")
+    long_mkv = video_file(30, 10, 16, 16, seed=2, container="mkv", audio=False)
+    mp4 = video_file(3, 10, 32, 32, seed=1)
+    return {
+        "zero-length": (b"", "empty"),
+        "not a video": (image_bytes(32, 32, 0), "unsupported video container|not a recognised"),
+        "truncated mp4": (mp4[: len(mp4) // 2], "not a recognised or complete|truncated"),
+        "truncated mkv": (good_mkv[: len(good_mkv) * 2 // 3], "truncated"),
+        "unknown codec": (mkv_declaring(good_mkv, codec_id=b"V_NOTACODEC_XYZ"), "codec .* not supported"),
+        "10-hour file": (mkv_declaring(good_mkv, seconds=36000), "36000.0 s long; the limit is 20 s"),
+        "header lies about its duration": (mkv_declaring(long_mkv, seconds=1), "longer than the limit of 20 s"),
+        "16k-wide frame": (video_file(0.2, 10, 64, 16384, seed=3, container="mkv"), "16384x64 pixels exceed"),
+        "audio-only": (audio_only_file(), "no video stream .*audio-only"),
+        "too many sampled frames": (video_file(10, 10, 16, 16, seed=4), "samples to 20 frames .* limit is 8"),
+    }
+
+
+BAD_LIMITS = VideoLimits(max_seconds=20, max_frames=8, max_pixels_per_frame=1_000_000, decode_timeout_s=30)
+
+
+def test_bad_files_are_refused_by_name_and_the_pool_keeps_decoding(tiny_models):
+    pool = VideoDecodePool(FrameSampler(tiny_models["qwen2_vl"]), BAD_LIMITS, workers=1)
+    good = video_file(3, 10, 32, 32, seed=7)
+    try:
+        for name, (data, message) in _bad_files().items():
+            with pytest.raises(InvalidRequest, match=message):
+                decode(pool, data)
+            assert len(decode(pool, good).indices) == 6, f"after {name}"
+        assert pool.stats.killed == 0 and pool.stats.refused == len(_bad_files())
+    finally:
+        pool.close()
+
+
+def test_a_decode_past_its_deadline_is_killed_and_the_next_gets_a_fresh_worker(tiny_models):
+    pool = VideoDecodePool(FrameSampler(tiny_models["qwen2_vl"]), dataclasses.replace(BAD_LIMITS, decode_timeout_s=0.001),
+                           workers=1)
+    data = video_file(3, 10, 32, 32, seed=7)
+    try:
+        with pytest.raises(InvalidRequest, match="took longer than 0.001 s"):
+            decode(pool, data)
+        assert pool.stats.killed == 1 and not pool._idle
+        pool.limits = BAD_LIMITS
+        assert len(decode(pool, data).indices) == 6
+    finally:
+        pool.close()
+
+
+def test_a_worker_that_dies_fails_only_its_request(tiny_models):
+    pool = VideoDecodePool(FrameSampler(tiny_models["qwen2_vl"]), BAD_LIMITS, workers=1)
+    worker = DecodeWorker()
+    try:
+        worker.proc.kill()
+        worker.proc.wait()
+        with pytest.raises(InvalidRequest, match=r"the decoder exited with code -9"):
+            asyncio.run(pool._call(worker, ("probe", b"x", BAD_LIMITS), deadline=time.monotonic() + 60))
+        assert pool.stats.killed == 1
+        data = video_file(3, 10, 32, 32, seed=7)
+        assert len(decode(pool, data).indices) == 6
+        [idle] = pool._idle
+        os.kill(idle.proc.pid, 9)  # a worker found dead between requests is replaced
+        idle.proc.wait()
+        assert len(decode(pool, data).indices) == 6
+    finally:
+        pool.close()
+
+
+def test_without_pyav_a_video_file_gets_a_400_saying_how_to_enable_it(tiny_models, monkeypatch):
+    import sys
+
+    data = video_file(1, 10, 16, 16, seed=1)
+    monkeypatch.setitem(sys.modules, "av", None)  # as if the `video` extra were not installed
+    pool = VideoDecodePool(FrameSampler(tiny_models["qwen2_vl"]), BAD_LIMITS, workers=1)
+    with pytest.raises(InvalidRequest, match=r"needs PyAV .* install mmserve\[video\]"):
+        decode(pool, data)
+    assert not pool._idle  # no worker was started
+
+
+def test_a_cancelled_decode_kills_its_worker_and_the_pool_keeps_decoding(tiny_models):
+    """A request that goes away mid-decode (client cancel) takes its busy worker with it, so no
+    later video shares that worker's pipe with the abandoned call."""
+    pool = VideoDecodePool(FrameSampler(tiny_models["qwen2_vl"]), BAD_LIMITS, workers=1)
+    data = video_file(3, 10, 32, 32, seed=7)
+
+    async def cancel_mid_decode():
+        await pool.decode(data, "warm-up")
+        [busy] = pool._idle
+        task = asyncio.ensure_future(pool.decode(data, "cancelled"))
+        while not pool._running:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not busy.alive
+        return await pool.decode(data, "next")
+
+    try:
+        assert len(asyncio.run(cancel_mid_decode()).indices) == 6
+        assert not pool._running and pool.waiting == 0 and len(pool._idle) == 1
+    finally:
+        pool.close()
