@@ -55,7 +55,7 @@ def collect(num_prompts: int, seed: int = 0, num_cpus: float = 2.0) -> dict:
                          ("fit-refused", 6)))
     held_out = [generate_requests(dataset, num_prompts, seed + 10 + k) for k in range(len(RATE_FACTORS))]
     twin = generate_requests(dataset, num_prompts, seed + 20)  # the repeat: as the middle rate's, other images
-    from deployments.serve.config import AppArgs
+    from deployments.config import AppArgs
 
     # one Router replica: its admission bound is the app's (the model refuses past it, as the app does)
     pending = AppArgs.model_fields["max_pending_requests"].default

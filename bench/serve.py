@@ -208,7 +208,7 @@ def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: 
     from ray import serve
 
     from deployments.serve.app import build_app
-    from deployments.serve.config import AppArgs
+    from deployments.config import AppArgs
     from deployments.serve.router import grpc_options
 
     half = num_cpus / 2

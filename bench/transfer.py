@@ -41,7 +41,7 @@ def _tensor(mb: float, dtype: torch.dtype, seed: int) -> torch.Tensor:
 @ray.remote(num_cpus=0)
 class Encoder:
     def __init__(self):
-        from deployments.serve.config import GrpcArgs
+        from deployments.config import GrpcArgs
         from deployments.serve.transport import GrpcPublisher
 
         self.publisher = GrpcPublisher(GrpcArgs(bind_host="127.0.0.1", token="bench"), host="127.0.0.1")
@@ -76,7 +76,7 @@ class Encoder:
 @ray.remote(num_cpus=0)
 class LLM:
     def __init__(self):
-        from deployments.serve.config import GrpcArgs
+        from deployments.config import GrpcArgs
         from deployments.serve.transport import GrpcFetcher
 
         self.fetcher = GrpcFetcher(GrpcArgs(token="bench"))

@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from deployments.serve.config import RETRY_AFTER_S
+from deployments.config import RETRY_AFTER_S
 from deployments.core.request_core import ChatRequest, RequestCore, new_request_id
 from deployments.core.failures import Failure
 from deployments.core.generation import OPTION_NAMES, Delta, Generation, GenerationOptions

@@ -160,7 +160,7 @@ def serve_app(ns: argparse.Namespace) -> int:
     from ray import serve
 
     from deployments.serve.app import build_app
-    from deployments.serve.config import AppArgs, DeploymentArgs
+    from deployments.config import AppArgs, DeploymentArgs
     from deployments.serve.router import grpc_options
 
     if ns.model is None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from deployments.core.affinity import prefix_hashes
-from deployments.serve.config import LimitArgs
+from deployments.config import LimitArgs
 from deployments.core.dispatch import MediaDispatcher
 from deployments.core.failover import Failover, LLMClient
 from deployments.core.failures import Failure, classify

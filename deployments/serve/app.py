@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ray.serve import Application
 
-from deployments.serve.config import AppArgs
+from deployments.config import AppArgs
 from deployments.serve.encoder import EncoderDeployment, encoder_options
 from deployments.serve.llm import LLMDeployment
 from deployments.serve.replica_env import model_name

@@ -14,12 +14,12 @@ import torch
 from ray import serve
 
 from deployments.serve.autoscaling import QUEUED_TOKENS
-from deployments.serve.config import DeploymentArgs, EncoderPoolArgs, GrpcArgs
+from deployments.config import DeploymentArgs, EncoderPoolArgs, GrpcArgs
 from deployments.serve.metrics import EncoderMetrics, PoolMetrics
 from deployments.serve.replica_env import resolve_model_dir
 from encoder_service import VisionEncoder
 from encoder_service.pool import EncoderPool
-from mmserve.checkpoint import device_memory, hold_to_share, resolve_device
+from mmserve.device import device_memory, hold_to_share, resolve_device
 from mmserve.errors import InvalidRequest, Overloaded
 from mmserve.request.media import EncodeItem
 
@@ -80,7 +80,7 @@ class EncoderDeployment:
         return {**self.pool.stats()._asdict(), "replica": serve.get_replica_context().replica_id.unique_id}
 
     def memory(self) -> dict:
-        """This replica's device memory (`mmserve.checkpoint.device_memory`) and its share of the device."""
+        """This replica's device memory (`mmserve.device.device_memory`) and its share of the device."""
         return {**device_memory(self.encoder.device), "device_share": self.device_share}
 
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from deployments.serve.config import EncoderPoolArgs, GrpcArgs
+from deployments.config import EncoderPoolArgs, GrpcArgs
 from deployments.core.failures import root_cause
 from deployments.core.llm_inputs import PendingRequest, StoredEmbedding, StreamedVideo
 from deployments.serve.metrics import EncoderMetrics, LLMMetrics, PoolMetrics
@@ -26,7 +26,7 @@ from deployments.core.video_stream import VideoStream
 from llm_service.config import EngineConfig
 from llm_service.engine import LLMEngine, LLMRequest, TokenEvent
 from llm_service.model import LanguageModel
-from mmserve.checkpoint import device_memory, hold_to_share, resolve_device
+from mmserve.device import device_memory, hold_to_share, resolve_device
 from mmserve.request.embeddings import ItemEmbedding
 from mmserve.errors import EmbeddingsLost, InvalidRequest, QueueFull
 from mmserve.request.media import EncodeItem
@@ -100,7 +100,7 @@ class LLMDeployment:
                 "replica": serve.get_replica_context().replica_id.unique_id}
 
     def memory(self) -> dict:
-        """This replica's device memory (`mmserve.checkpoint.device_memory`), its share of the
+        """This replica's device memory (`mmserve.device.device_memory`), its share of the
         device and its KV pool's bytes: for tests and debugging."""
         pool = self.engine.runner.kv_pool
         return {**device_memory(self.model.device), "device_share": self.engine.config.device_share,

@@ -14,7 +14,7 @@ from ray import serve
 from ray.serve.config import gRPCOptions
 from ray.serve.handle import DeploymentHandle
 
-from deployments.serve.config import LimitArgs
+from deployments.config import LimitArgs
 from deployments.core.request_core import CoreSettings, RequestCore
 from deployments.core.dispatch import ColocatedDispatcher, EncoderPoolDispatcher, ExternalEncoderDispatcher, MediaDispatcher
 from deployments.serve.drain import DrainWatch

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from deployments.serve.config import GrpcArgs
+from deployments.config import GrpcArgs
 from deployments.core.failures import replica_lost
 from deployments.core.llm_inputs import EmbeddingHandle, LocalMedia, PinnedEmbedding, StoredEmbedding
 from encoder_service.rpc.server import Encoder, ServerOptions, ServerSecurity, ServerThread

@@ -27,7 +27,7 @@ from mmserve.video.container import FrameSampler, VideoLimits, pyav_available
 from mmserve.video.workers import VideoDecodePool
 
 if TYPE_CHECKING:
-    from deployments.serve.config import DeploymentArgs, VideoDecodeArgs
+    from deployments.config import DeploymentArgs, VideoDecodeArgs
 
 logger = logging.getLogger("ray.serve")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deployments.serve.app import build_app
-from deployments.serve.config import AppArgs, EngineArgs
+from deployments.config import AppArgs, EngineArgs
 from llm_service.config import EngineConfig
 from llm_service.kv_cache import cuda_kv_budget, pool_sizes
 
@@ -69,7 +69,7 @@ def test_shares_outside_zero_to_one_are_refused():
 
 
 def test_a_replica_on_part_of_a_gpu_is_held_to_its_part(monkeypatch):
-    from mmserve.checkpoint import hold_to_share
+    from mmserve.device import hold_to_share
 
     calls = []
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: calls.append(f))

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import yaml
 
-from deployments.serve.config import AppArgs
+from deployments.config import AppArgs
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from deployments.serve.app import build_app
-from deployments.serve.config import AppArgs
+from deployments.config import AppArgs
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES_VERSION = "1.33.0"  # the oldest Kubernetes the manifests target

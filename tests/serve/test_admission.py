@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from deployments.serve.config import AppArgs, DeploymentArgs
+from deployments.config import AppArgs, DeploymentArgs
 from deployments.core.failures import classify
 from deployments.core.llm_inputs import PendingRequest
 from deployments.serve.llm import LLMDeployment

@@ -12,7 +12,7 @@ from tests.support.media_factory import image_bytes
 def test_colocated_args_refuse_a_remote_encoder():
     from pydantic import ValidationError
 
-    from deployments.serve.config import AppArgs
+    from deployments.config import AppArgs
 
     assert AppArgs(colocated=True).colocated
     with pytest.raises(ValidationError, match="colocated"):

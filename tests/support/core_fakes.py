@@ -7,7 +7,7 @@ import asyncio
 
 from ray import exceptions as ray_exceptions
 
-from deployments.serve.config import LimitArgs
+from deployments.config import LimitArgs
 from deployments.core.request_core import CoreSettings, RequestCore
 from deployments.core.dispatch import MediaDispatcher
 from deployments.core.llm_inputs import LocalMedia, PendingRequest

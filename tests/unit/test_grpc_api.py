@@ -8,7 +8,7 @@ from ray import exceptions as ray_exceptions
 from ray.serve import exceptions as serve_exceptions
 
 from deployments.api import grpc_api
-from deployments.serve.config import LimitArgs
+from deployments.config import LimitArgs
 from deployments.core.failures import classify
 from deployments.api.grpc_api import GrpcAdapter
 from mmserve.rpc.vlm_client import VideoFrames, request, user

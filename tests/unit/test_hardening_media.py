@@ -14,7 +14,7 @@ import time
 import pytest
 
 from deployments.media import local_files as local_media
-from deployments.serve.config import LimitArgs
+from deployments.config import LimitArgs
 from deployments.media.fetch import FETCH_FAILED, MAX_CONCURRENT_FETCHES, MediaFetcher
 from mmserve.errors import InvalidRequest
 from tests.support.media_factory import data_uri, image_bytes

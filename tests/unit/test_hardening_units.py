@@ -20,7 +20,7 @@ from PIL import Image
 from ray.serve import exceptions as serve_exceptions
 
 from deployments.api import grpc_api, openai_api
-from deployments.serve.config import LimitArgs
+from deployments.config import LimitArgs
 from deployments.serve.encoder import EncoderDeployment
 from deployments.core.failures import classify
 from deployments.core.generation import GenerationOptions, sampling_params

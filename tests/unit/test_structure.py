@@ -1,6 +1,8 @@
 """The architecture, read from the imports (every import statement, also those inside functions):
-no import circle; the shared package imports no service; the runtimes import neither each other
-nor Ray nor pydantic; the request core and its adapters load no Ray."""
+no import circle (bench/ included); the shared package imports no service; the runtimes import
+neither each other nor Ray, pydantic, `deployments` or the planner; the request core and its
+adapters load no Ray and sit below the Serve layer; no `sys.path` edits; rooms of bounded size;
+the test helpers written once."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("mmserve", "deployments", "encoder_service", "llm_service", "protos")
+PACKAGES = ("mmserve", "deployments", "encoder_service", "llm_service", "protos", "bench")
 SERVICES = ("deployments", "encoder_service", "llm_service")
+OFF_THE_REQUEST_PATH = ("mmserve.capacity", "mmserve.loadgen")
+RAY_FREE = ("deployments.core", "deployments.api", "deployments.media")
 
 
 def _modules() -> dict[str, Path]:
@@ -47,6 +51,15 @@ def _project_module(name: str) -> str | None:
 
 GRAPH = {name: {m for i in _imported(path) if (m := _project_module(i)) and m != name}
          for name, path in MODULES.items()}
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _violations(sources: tuple[str, ...], targets: tuple[str, ...]) -> dict[str, list[str]]:
+    found = {m: sorted(d for d in deps if _within(d, targets)) for m, deps in GRAPH.items() if _within(m, sources)}
+    return {m: d for m, d in found.items() if d}
 
 
 def _cycles() -> list[list[str]]:
@@ -83,22 +96,70 @@ def test_no_import_circle():
 
 
 def test_the_shared_package_imports_no_service():
-    bad = {m: sorted(d for d in deps if d.split(".")[0] in SERVICES)
-           for m, deps in GRAPH.items() if m.split(".")[0] == "mmserve"}
-    assert {m: d for m, d in bad.items() if d} == {}
+    assert _violations(("mmserve",), SERVICES) == {}
 
 
 @pytest.mark.parametrize("runtime", ["encoder_service", "llm_service"])
 def test_runtimes_import_no_other_service_nor_ray_nor_pydantic(runtime):
     other = {"encoder_service": "llm_service", "llm_service": "encoder_service"}[runtime]
-    forbidden = (other, "deployments", "ray", "pydantic")
-    bad = {name: sorted(i for i in _imported(path) if i.split(".")[0] in forbidden)
-           for name, path in MODULES.items() if name.split(".")[0] == runtime}
+    forbidden = (other, "deployments", "ray", "pydantic", *OFF_THE_REQUEST_PATH)
+    bad = {name: sorted(i for i in _imported(path) if _within(i, forbidden))
+           for name, path in MODULES.items() if _within(name, (runtime,))}
     assert {m: i for m, i in bad.items() if i} == {}
 
 
+def test_the_request_path_imports_neither_the_planner_nor_the_load_generator():
+    request_path = ("mmserve.request", "mmserve.families", "mmserve.video", "mmserve.rpc", "mmserve.kernels",
+                    "encoder_service", "llm_service", *RAY_FREE, "deployments.serve")
+    assert _violations(request_path, OFF_THE_REQUEST_PATH) == {}
+
+
+def test_the_request_core_sits_below_the_serve_layer_and_the_launcher():
+    assert _violations(RAY_FREE, ("deployments.serve", "deployments.cli")) == {}
+
+
 def test_the_request_core_and_its_adapters_load_no_ray():
-    code = ("import sys, deployments.core.request_core, deployments.api.openai_api, deployments.api.grpc_api; "
+    names = sorted(m for m in MODULES if _within(m, RAY_FREE))
+    code = (f"import importlib, sys; [importlib.import_module(m) for m in {names!r}]; "
             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert len(names) > 10 and out.stdout.strip() == "[]"
+
+
+def _is_sys_path(node) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", "") == "sys"
+
+
+def _edits_sys_path(path: Path) -> bool:
+    """`sys.path.insert(...)` (any method call on it) or `sys.path = ...`."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and _is_sys_path(node.func.value):
+            return True
+        if isinstance(node, ast.Assign) and any(_is_sys_path(t) for t in node.targets):
+            return True
+    return False
+
+
+def test_no_sys_path_edits_outside_the_test_conftest():
+    files = [p for p in ROOT.rglob("*.py") if ".venv" not in p.parts and "build" not in p.parts]
+    edits = sorted(str(p.relative_to(ROOT)) for p in files if _edits_sys_path(p))
+    assert edits in ([], ["tests/conftest.py"])
+
+
+@pytest.mark.parametrize("room, most", [("mmserve", 8), ("deployments", 6)])
+def test_the_shared_package_and_the_serve_layer_keep_small_top_levels(room, most):
+    assert len(list((ROOT / room).glob("*.py"))) <= most
+
+
+def test_the_test_helpers_live_in_tests_support_only():
+    helpers = {"_user", "_text", "_image", "CASES", "user", "text", "image"}
+    defined = {}
+    for path in (ROOT / "tests").rglob("*.py"):
+        if "support" in path.relative_to(ROOT / "tests").parts:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            names = [node.name] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else \
+                [t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+            for name in set(names) & helpers:
+                defined.setdefault(str(path.relative_to(ROOT)), []).append(name)
+    assert defined == {}

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 import torch
 
-from deployments.serve.config import GrpcArgs
+from deployments.config import GrpcArgs
 from deployments.core.llm_inputs import PinnedEmbedding
 from deployments.serve.transport import GrpcFetcher, GrpcPublisher, resolve
 from mmserve.request.embeddings import ItemEmbedding
