@@ -152,7 +152,7 @@ def test_the_shared_package_and_the_serve_layer_keep_small_top_levels(room, most
 
 
 def test_the_test_helpers_live_in_tests_support_only():
-    helpers = {"_user", "_text", "_image", "CASES", "user", "text", "image"}
+    helpers = {"_user", "_text", "_image", "CASES"}
     defined = {}
     for path in (ROOT / "tests").rglob("*.py"):
         if "support" in path.relative_to(ROOT / "tests").parts:
