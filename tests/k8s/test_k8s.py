@@ -54,7 +54,7 @@ def test_grafana_dashboard_queries_only_exported_metrics():
     dashboard = json.loads((ROOT / "k8s" / "grafana" / "mmserve-dashboard.json").read_text())
     exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
     queried = set(re.findall(r"ray_(mmserve_[a-z_]+?)(?:_bucket|_total)?\b", exprs))
-    sources = [ROOT / "deployments" / "metrics.py", ROOT / "deployments" / "video.py"]  # video: its own, light
+    sources = [ROOT / "deployments" / "serve" / "metrics.py", ROOT / "deployments" / "serve" / "video_decoder.py"]  # video: its own, light
     exported = {name for path in sources for name in re.findall(r'"(mmserve_[a-z_]+)"', path.read_text())}
     assert queried and queried == exported  # every exported metric is charted, nothing else
     for metric in ("mmserve_encoder_queued_tokens", "mmserve_encoder_batch_fill_ratio", "mmserve_llm_kv_usage_ratio"):
