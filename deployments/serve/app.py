@@ -22,7 +22,7 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
     """Router (ingress) + video decoders + encoder pool + LLM replicas (or, colocated, LLM replicas
     that encode), from `AppArgs`."""
     args = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
-    # the served name from the model path as given (read on no disk)
+    # the served name from the model path as given: no disk is read here
     args = args.model_copy(update={"served_model_name": args.served_model_name or model_name(args.model)})
     encoder_routing, llm_routing = args.routing.deployment_options(args.engine.block_size)
     encoder = None  # colocated: none; with grpc.encoder_address the router uses that standalone encoder
