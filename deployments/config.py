@@ -1,18 +1,33 @@
-"""Application arguments: validated once here (pydantic), resolved into frozen runtime settings."""
+"""Application arguments: validated once here (pydantic), resolved into frozen runtime settings.
+
+A default the runtimes also need is written once, in their dataclass (`EngineConfig`, `BatchConfig`,
+`PoolConfig`, `MediaLimits`, `VideoLimits`, `ResultStore`, `ServerOptions`): the fields here read it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from deployments.media.allowlist import parse_allowlist_entry
+from encoder_service.batching import BatchConfig, CostUnit
+from encoder_service.pool import PoolConfig
+from encoder_service.rpc.result_store import ResultStore
+from encoder_service.rpc.server import ServerOptions
+from llm_service.config import EngineConfig
 from mmserve.request.prompt_plan import MediaLimits
 from mmserve.video.container import VideoLimits
 
 
 class _Args(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _shared(args: BaseModel, runtime: type) -> dict:
+    """`args`' values of the fields that dataclass `runtime` has under the same names."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(runtime) if f.name in type(args).model_fields}
 
 
 # Serve's queue bound per deployment when `max_queued_requests` is left out. A request queued for
@@ -27,13 +42,13 @@ ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 class ReplicaAutoscalingArgs(_Args):
     """Serve's default autoscaling policy: replicas follow the ongoing requests per replica."""
 
-    min_replicas: int = Field(default=1, ge=0)
-    max_replicas: int = Field(default=4, ge=1)
+    min_replicas: int = Field(default=1, ge=0, description="fewest replicas")
+    max_replicas: int = Field(default=4, ge=1, description="most replicas")
     target_ongoing_requests: float | None = Field(
         default=None, gt=0, description="per replica; default for the LLM: the engine's max_num_seqs"
     )
-    upscale_delay_s: float = Field(default=30.0, ge=0)
-    downscale_delay_s: float = Field(default=600.0, ge=0)
+    upscale_delay_s: float = Field(default=30.0, ge=0, description="how long Serve must want more replicas to add one")
+    downscale_delay_s: float = Field(default=600.0, ge=0, description="how long Serve must want fewer to remove one")
 
     @model_validator(mode="after")
     def _check_range(self) -> "ReplicaAutoscalingArgs":
@@ -42,12 +57,13 @@ class ReplicaAutoscalingArgs(_Args):
         return self
 
 
-def _serve_has_backpressure_config() -> bool:
+def _serve_has(option: str) -> bool:
+    """Whether this Serve's `serve.deployment` takes `option` (newer Serves add some)."""
     import inspect
 
     from ray import serve
 
-    return "backpressure_config" in inspect.signature(serve.deployment).parameters
+    return option in inspect.signature(serve.deployment).parameters
 
 
 class DeploymentArgs(_Args):
@@ -58,10 +74,11 @@ class DeploymentArgs(_Args):
     so encoder and LLM replicas never share, or land on, the wrong pods.
     """
 
-    num_replicas: int = Field(default=1, ge=1)
-    num_cpus: float = Field(default=1.0, ge=0)
-    num_gpus: float = Field(default=0.0, ge=0)
-    max_ongoing_requests: int = Field(default=64, ge=1)
+    num_replicas: int = Field(default=1, ge=1, description="replicas (when not autoscaling)")
+    num_cpus: float = Field(default=1.0, ge=0, description="CPUs per replica")
+    num_gpus: float = Field(default=0.0, ge=0, description="GPUs per replica; below 1: that share of one GPU's "
+                            "compute and memory")
+    max_ongoing_requests: int = Field(default=64, ge=1, description="requests one replica handles at once")
     max_queued_requests: int | None = Field(
         default=None, ge=-1, description="requests queued for a replica (per caller) before Serve answers "
         "429 + Retry-After / RESOURCE_EXHAUSTED; -1: unbounded; default: 8 for the Router (a request queued there waits for a whole request to finish), 64 for the LLM, -1 for the Encoder",
@@ -94,7 +111,7 @@ class DeploymentArgs(_Args):
             "max_queued_requests": queued,
             "ray_actor_options": actor,
         }
-        if _serve_has_backpressure_config():  # Serve >= 2.5x; older ones answer 503 without Retry-After
+        if _serve_has("backpressure_config"):  # Serve >= 2.5x; older ones answer 503 without Retry-After
             options["backpressure_config"] = {"status_code": 429, "retry_after_s": RETRY_AFTER_S}
         if self.autoscaling is None:
             options["num_replicas"] = self.num_replicas
@@ -114,15 +131,18 @@ class DeploymentArgs(_Args):
 class LimitArgs(_Args):
     """Request limits and media access (see `deployments.media.fetch` for the rules)."""
 
-    max_items_per_request: int = Field(default=MediaLimits.max_items_per_request, ge=0)
-    max_frames_per_video: int = Field(default=MediaLimits.max_frames_per_video, ge=1)
-    max_pixels_per_image: int = Field(default=MediaLimits.max_pixels_per_image, ge=1)
+    max_items_per_request: int = Field(default=MediaLimits.max_items_per_request, ge=0,
+                                       description="media items (images, videos) of one request")
+    max_frames_per_video: int = Field(default=MediaLimits.max_frames_per_video, ge=1,
+                                      description="frames of one video: as sent, or sampled from a video_url file")
+    max_pixels_per_image: int = Field(default=MediaLimits.max_pixels_per_image, ge=1,
+                                      description="pixels (width x height) of one image")
     max_request_bytes: int = Field(
         default=64 * 1024 * 1024, ge=1024, description="request body; also all media URLs of one request together"
     )
     allow_local_media: bool = Field(default=False, description="local paths / file: URLs, inside local_media_dir only")
     local_media_dir: str | None = Field(default=None, description="the only directory local media may come from")
-    allow_http_media: bool = False
+    allow_http_media: bool = Field(default=False, description="http(s) media URLs, to http_media_allowlist only")
     http_media_allowlist: tuple[str, ...] = Field(
         default=(), description="where http(s) media may come from: `host` (ports 80 and 443 only) or "
         "`host:port` / `[v6addr]:port` (that port only); a name also admits its subdomains; a host listed "
@@ -134,7 +154,8 @@ class LimitArgs(_Args):
     )
     max_video_seconds: float = Field(default=VideoLimits.max_seconds, gt=0,
                                      description="video_url: longest video, by its header and by its stream")
-    max_pixels_per_video_frame: int = Field(default=VideoLimits.max_pixels_per_frame, ge=1)
+    max_pixels_per_video_frame: int = Field(default=VideoLimits.max_pixels_per_frame, ge=1,
+                                            description="video_url: pixels (width x height) of one frame")
     video_decode_timeout_s: float = Field(
         default=VideoLimits.decode_timeout_s, gt=0, description="video_url: one video's decode, waiting for a "
         "decoder included; past it the decoding worker is killed and the request refused (400)",
@@ -165,12 +186,13 @@ class _QueuedWorkScaling(_Args):
     """Autoscaling on the work queued per replica (`deployments.serve.autoscaling.QueuedWorkPolicy`):
     the encoder pool's on tokens, the video decoders' on decode seconds."""
 
-    autoscale: bool = False
-    min_replicas: int = Field(default=1, ge=0)
-    max_replicas: int = Field(default=4, ge=1)
-    upscale_delay_s: float = Field(default=5.0, ge=0)
-    downscale_delay_s: float = Field(default=120.0, ge=0)
-    look_back_period_s: float = Field(default=10.0, gt=0)
+    autoscale: bool = Field(default=False, description="replicas follow the work queued on them (the "
+                            "deployment's num_replicas is then ignored)")
+    min_replicas: int = Field(default=1, ge=0, description="fewest replicas")
+    max_replicas: int = Field(default=4, ge=1, description="most replicas")
+    upscale_delay_s: float = Field(default=5.0, ge=0, description="how long Serve must want more replicas to add one")
+    downscale_delay_s: float = Field(default=120.0, ge=0, description="how long Serve must want fewer to remove one")
+    look_back_period_s: float = Field(default=10.0, gt=0, description="Serve averages the queued work over this window")
     metrics_interval_s: float = Field(default=2.0, gt=0, description="how often replicas push their queued work")
 
     @model_validator(mode="after")
@@ -223,19 +245,21 @@ class GrpcArgs(_Args):
     set at `serve.start` / in the Serve config), not application arguments.
     """
 
-    bind_host: str = "[::]"
-    port: int = Field(default=0, ge=0, le=65535, description="each encoder replica's port; 0 = any free port")
+    bind_host: str = Field(default=ServerOptions.host, description="address each encoder replica's server binds")
+    port: int = Field(default=ServerOptions.port, ge=0, le=65535,
+                      description="each encoder replica's port; 0 = any free port")
     token: str | None = Field(default=None, description="shared token every EncoderService call must carry")
     token_env: str | None = Field(
         default=None, pattern=ENV_NAME, description="environment variable holding `token`, read where each "
         "replica runs (the Serve config then holds only the name)",
     )
-    result_ttl_s: float = Field(default=300.0, gt=0, description="how long an unfetched embedding stays pinned")
-    result_store_bytes: int = Field(
-        default=2 << 30, ge=1, description="pinned embeddings per encoder; over it encodes are refused (503)"
-    )
-    chunk_bytes: int = Field(default=1 << 20, ge=1 << 16, le=3 << 20)
-    fetch_timeout_s: float = Field(default=60.0, gt=0)
+    result_ttl_s: float = Field(default=ResultStore.ttl_s, gt=0,
+                                description="how long an unfetched embedding stays pinned")
+    result_store_bytes: int = Field(default=ResultStore.max_bytes, ge=1,
+                                    description="pinned embeddings per encoder; over it encodes are refused (503)")
+    chunk_bytes: int = Field(default=ServerOptions.chunk_bytes, ge=1 << 16, le=3 << 20,
+                             description="bytes per message of an embedding streamed to an LLM replica")
+    fetch_timeout_s: float = Field(default=60.0, gt=0, description="an LLM replica's call fetching one embedding")
     encoder_address: str | None = Field(
         default=None, description="host:port of a standalone `mmserve encoder-server` to use instead of an "
         "Encoder deployment (needs transport: grpc; `token` is sent to it)",
@@ -268,68 +292,76 @@ class EncoderPoolArgs(_QueuedWorkScaling):
     and `encoder.num_replicas` is ignored.
     """
 
-    max_batch_tokens: int = Field(default=16384, ge=1, description="budget of one ViT forward (cost_unit)")
-    max_batch_items: int = Field(default=64, ge=1)
-    batch_wait_ms: float = Field(default=5.0, ge=0, description="longest wait to fill a batch")
-    cost_unit: Literal["tokens", "patches"] = "tokens"
-    skip_ahead: bool = False
-    max_skips: int = Field(default=4, ge=0, description="skip-ahead fairness: times one item may be overtaken")
-    preprocess_workers: int = Field(default=4, ge=1, description="threads decoding media (the processor runs on the device)")
-    cache_bytes: int = Field(default=1 << 30, ge=0, description="embedding cache bound per replica; 0 = off")
-    max_queued_bytes: int = Field(
-        default=1 << 30, ge=1, description="decoded (uint8) pixels queued per replica; over it items are refused (503)"
-    )
-    target_queued_tokens_per_replica: int = Field(default=32768, ge=1)
+    max_batch_tokens: int = Field(default=BatchConfig.max_batch_tokens, ge=1, description="budget of one ViT "
+                                  "forward (cost_unit); an item over it runs alone, a video over it in groups of "
+                                  "temporal patches")
+    max_batch_items: int = Field(default=BatchConfig.max_batch_items, ge=1,
+                                 description="items (pieces) per ViT forward, whatever their cost")
+    batch_wait_ms: float = Field(default=BatchConfig.batch_wait_ms, ge=0, description="longest wait to fill a batch")
+    cost_unit: CostUnit = Field(default=BatchConfig.cost_unit, description="what max_batch_tokens counts: output "
+                                "tokens (embeddings) or patches (ViT input)")
+    skip_ahead: bool = Field(default=BatchConfig.skip_ahead, description="later, smaller items may fill the budget "
+                             "the items ahead of them leave unused")
+    max_skips: int = Field(default=BatchConfig.max_skips, ge=0,
+                           description="skip-ahead fairness: times one item may be overtaken")
+    preprocess_workers: int = Field(default=PoolConfig.preprocess_workers, ge=1,
+                                    description="threads decoding media (the processor runs on the device)")
+    cache_bytes: int = Field(default=PoolConfig.cache_bytes, ge=0,
+                             description="embedding cache bound per replica; 0 = off")
+    max_queued_bytes: int = Field(default=PoolConfig.max_queued_bytes, ge=1, description="decoded (uint8) pixels "
+                                  "queued per replica; over it items are refused (503)")
+    target_queued_tokens_per_replica: int = Field(default=32768, ge=1, description="autoscale: embedding tokens "
+                                                  "waiting or encoding per replica")
     cuda_graphs: bool = Field(default=False, description="capture the ViT per token budget up to max_batch_tokens "
                               "(Qwen2-VL / Qwen2.5-VL, CUDA; encoder_service.vit_graphs); off until measured on a GPU")
 
-    def resolve(self):
-        from encoder_service.batching import BatchConfig
-        from encoder_service.pool import PoolConfig
-
-        batch = BatchConfig(
-            max_batch_tokens=self.max_batch_tokens, max_batch_items=self.max_batch_items,
-            batch_wait_ms=self.batch_wait_ms, cost_unit=self.cost_unit, skip_ahead=self.skip_ahead,
-            max_skips=self.max_skips,
-        )
-        return PoolConfig(batch=batch, preprocess_workers=self.preprocess_workers, cache_bytes=self.cache_bytes,
-                          max_queued_bytes=self.max_queued_bytes)
+    def resolve(self) -> PoolConfig:
+        return PoolConfig(batch=BatchConfig(**_shared(self, BatchConfig)), **_shared(self, PoolConfig))
 
 
 class EngineArgs(_Args):
     """LLM engine settings (continuous batching, paged KV cache); resolved into `EngineConfig`."""
 
-    block_size: int = Field(default=16, ge=1, description="tokens per KV block (a power of two)")
-    max_num_seqs: int = Field(default=64, ge=1, description="sequences per engine step")
-    max_num_batched_tokens: int = Field(default=2048, ge=1, description="token budget per engine step")
-    enable_chunked_prefill: bool = True
+    block_size: int = Field(default=EngineConfig.block_size, ge=1,
+                            description="tokens per KV block (a power of two)")
+    max_num_seqs: int = Field(default=EngineConfig.max_num_seqs, ge=1, description="sequences per engine step")
+    max_num_batched_tokens: int = Field(default=EngineConfig.max_num_batched_tokens, ge=1,
+                                        description="token budget per engine step")
+    enable_chunked_prefill: bool = Field(default=EngineConfig.enable_chunked_prefill, description="prefill a long "
+                                         "prompt over several steps (off: one over the budget runs alone in its step)")
     kv_cache_memory_mb: int | None = Field(
         default=None, ge=1, description="KV pool size, taken as given (with the per-sequence state slots of "
         "hybrid linear-attention models, at most half of it); default: from the device (CPU: 512 MiB)"
     )
     gpu_memory_utilization: float = Field(
-        default=0.9, gt=0, le=1, description="of the LLM replica's share of its GPU (llm.num_gpus below 1, else the "
-        "whole device): weights + KV pool; the rest of the share is headroom (activations, CUDA graphs)",
+        default=EngineConfig.gpu_memory_utilization, gt=0, le=1, description="of the LLM replica's share of its "
+        "GPU (llm.num_gpus below 1, else the whole device): weights + KV pool; the rest of the share is headroom "
+        "(activations, CUDA graphs)",
     )
-    cuda_graphs: bool = True
-    enable_prefix_caching: bool = Field(default=True, description="reuse K/V of identical prompt prefixes (images by content hash)")
+    cuda_graphs: bool = Field(default=EngineConfig.cuda_graphs,
+                              description="CUDA: capture decode-only steps as graphs")
+    enable_prefix_caching: bool = Field(default=EngineConfig.enable_prefix_caching,
+                                        description="reuse K/V of identical prompt prefixes (images by content hash)")
     state_snapshot_share: float = Field(
-        default=0.1, ge=0, lt=0.5, description="hybrid linear-attention models: share of the KV memory budget "
-        "for recurrent-state snapshots at prompt block boundaries (system prompt, images, prompt end), which "
-        "prefix caching needs to resume them; 0 turns their prefix caching off")
+        default=EngineConfig.state_snapshot_share, ge=0, lt=0.5, description="hybrid linear-attention models: "
+        "share of the KV memory budget for recurrent-state snapshots at prompt block boundaries (system prompt, "
+        "images, prompt end), which prefix caching needs to resume them; 0 turns their prefix caching off")
     attention_backend: Literal["auto", "sdpa", "triton"] = Field(
-        default="auto", description="auto: the Triton paged kernel on CUDA, SDPA on CPU (checked at replica start)"
+        default=EngineConfig.attention_backend,
+        description="auto: the Triton paged kernel on CUDA, SDPA on CPU (checked at replica start)"
     )
     async_scheduling: bool | None = Field(
-        default=None, description="overlap engine steps (the host prepares step N+1 while the device runs step N; "
-        "stop ids and EOS apply a step late, the extra token is discarded); default: on CUDA only",
+        default=EngineConfig.async_scheduling, description="overlap engine steps (the host prepares step N+1 "
+        "while the device runs step N; stop ids and EOS apply a step late, the extra token is discarded); "
+        "default: on CUDA only",
     )
     split_kv_decode: bool = Field(
-        default=True, description="Triton backend: split a decode step's keys over more programs when its "
-        "sequences x KV heads cannot fill the GPU (flash-decoding)",
+        default=EngineConfig.split_kv_decode, description="Triton backend: split a decode step's keys over more "
+        "programs when its sequences x KV heads cannot fill the GPU (flash-decoding)",
     )
     fused_ops: bool = Field(
-        default=True, description="CUDA, Triton backend: the decoder's RMSNorms and SiLU MLPs in fused kernels",
+        default=EngineConfig.fused_ops,
+        description="CUDA, Triton backend: the decoder's RMSNorms and SiLU MLPs in fused kernels",
     )
     max_waiting_tokens: int = Field(
         default=32768, ge=1, description="prompt tokens per LLM replica admitted but not prefilled yet; a "
@@ -340,34 +372,10 @@ class EngineArgs(_Args):
         "unhealthy (Serve replaces it; its requests fail over)",
     )
 
-    def resolve(self, device_share: float = 1.0):
+    def resolve(self, device_share: float) -> EngineConfig:
         """The `EngineConfig` of an LLM replica owning `device_share` of its GPU."""
-        from llm_service.config import EngineConfig
-
-        return EngineConfig(
-            block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            kv_cache_bytes=self.kv_cache_memory_mb * 2**20 if self.kv_cache_memory_mb else None,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            device_share=device_share,
-            cuda_graphs=self.cuda_graphs,
-            enable_prefix_caching=self.enable_prefix_caching,
-            state_snapshot_share=self.state_snapshot_share,
-            attention_backend=self.attention_backend,
-            async_scheduling=self.async_scheduling,
-            split_kv_decode=self.split_kv_decode,
-            fused_ops=self.fused_ops,
-        )
-
-
-def _serve_has_request_router() -> bool:
-    import inspect
-
-    from ray import serve
-
-    return "request_router_config" in inspect.signature(serve.deployment).parameters
+        kv_cache_bytes = self.kv_cache_memory_mb * 2**20 if self.kv_cache_memory_mb else None
+        return EngineConfig(**_shared(self, EngineConfig), kv_cache_bytes=kv_cache_bytes, device_share=device_share)
 
 
 class RoutingArgs(_Args):
@@ -381,16 +389,21 @@ class RoutingArgs(_Args):
     hits but its goodput above saturation varied from 0.46x to 1.86x of the default's.
     """
 
-    policy: Literal["affinity", "default"] = "default"
+    policy: Literal["affinity", "default"] = Field(default="default", description="affinity: by content hash and "
+                                                  "prompt prefix, within a load bound; default: Serve's own")
     epsilon: float = Field(default=0.25, ge=0, description="encoder items: no replica above (1 + epsilon) x the "
                            "mean queued tokens")
     prefix_epsilon: float = Field(default=0.1, ge=0, description="LLM requests: a prefix's replica is passed over "
                                   "above (1 + prefix_epsilon) x the mean (its imbalance costs decode throughput)")
 
+    @property
+    def affinity(self) -> bool:
+        """Affinity routing, asked for and possible (this Serve has the request-router API)."""
+        return self.policy == "affinity" and _serve_has("request_router_config")
+
     def deployment_options(self, block_size: int) -> tuple[dict, dict]:
-        """The Encoder's and the LLM's `request_router_config` options ({} for default routing, or
-        a Serve without the request-router API)."""
-        if self.policy != "affinity" or not _serve_has_request_router():
+        """The Encoder's and the LLM's `request_router_config` options ({} without `affinity`)."""
+        if not self.affinity:
             return {}, {}
         router = "deployments.serve.affinity_routing:AffinityRequestRouter"
 
@@ -405,13 +418,17 @@ class AppArgs(_Args):
     """Arguments of `deployments.serve.app:build_app` (the `args:` of a Serve config YAML)."""
 
     model: str | None = Field(default=None, description="checkpoint directory; default: the embedded tiny model")
-    served_model_name: str | None = None
-    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    served_model_name: str | None = Field(default=None, description="the model's name in the API (requests' "
+                                          "`model`, /v1/models); default: the checkpoint directory's name")
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
+        default="auto", description="of the weights; auto: the checkpoint's own (float32 when it names none)")
+    device: Literal["auto", "cpu", "cuda"] = Field(default="auto",
+                                                   description="auto: CUDA where a replica sees a GPU, else CPU")
     transport: Literal["object_store", "grpc"] = Field(
         default="object_store", description="how embeddings reach the LLM replicas (same tensors either way)"
     )
-    api_key: str | None = None
+    api_key: str | None = Field(default=None, description="clients must send `Authorization: Bearer KEY` (HTTP "
+                                "header, gRPC metadata); a value here is in the Serve config: prefer api_key_env")
     api_key_env: str | None = Field(
         default=None, pattern=ENV_NAME, description="environment variable holding the API key, read where "
         "each router replica runs (the Serve config then holds only the name)",
@@ -439,17 +456,35 @@ class AppArgs(_Args):
         "are being fetched (they hold no max_pending_requests place, so slow media never crowd out ready "
         "requests); more get 429 + Retry-After / RESOURCE_EXHAUSTED at once",
     )
-    # defaults fit a 2-core laptop (1.5 CPUs in all); size them for real clusters (k8s/overlays/gpu)
-    router: DeploymentArgs = DeploymentArgs(num_cpus=0.25)
-    encoder: DeploymentArgs = DeploymentArgs(num_cpus=0.5)
-    llm: DeploymentArgs = DeploymentArgs(num_cpus=0.5)
-    video_decoder: DeploymentArgs = DeploymentArgs(num_cpus=0.25)
-    video_decode: VideoDecodeArgs = VideoDecodeArgs()
-    limits: LimitArgs = LimitArgs()
-    routing: RoutingArgs = RoutingArgs()
-    encoder_pool: EncoderPoolArgs = EncoderPoolArgs()
-    grpc: GrpcArgs = GrpcArgs()
-    engine: EngineArgs = EngineArgs()
+    router: DeploymentArgs = Field(default=DeploymentArgs(num_cpus=0.25), description="the Router (ingress) "
+                                   "deployment; the four deployments' defaults fit a 2-core laptop (1.5 CPUs in all): "
+                                   "size them for real clusters (k8s/overlays/gpu)")
+    encoder: DeploymentArgs = Field(default=DeploymentArgs(num_cpus=0.5), description="the Encoder deployment")
+    llm: DeploymentArgs = Field(default=DeploymentArgs(num_cpus=0.5), description="the LLM deployment")
+    video_decoder: DeploymentArgs = Field(default=DeploymentArgs(num_cpus=0.25),
+                                          description="the VideoDecoder deployment")
+    video_decode: VideoDecodeArgs = Field(default=VideoDecodeArgs(), description="video_url decoding")
+    limits: LimitArgs = Field(default=LimitArgs(), description="request limits and media access")
+    routing: RoutingArgs = Field(default=RoutingArgs(), description="how the router picks encoder and LLM replicas")
+    encoder_pool: EncoderPoolArgs = Field(default=EncoderPoolArgs(), description="the encoder replicas' batching, "
+                                          "cache and autoscaling")
+    grpc: GrpcArgs = Field(default=GrpcArgs(), description="embedding transfer over gRPC; a standalone encoder")
+    engine: EngineArgs = Field(default=EngineArgs(), description="the LLM replicas' engine")
+
+    @property
+    def stream_video(self) -> bool:
+        """video_url files stream through the pipeline (`video_decode.stream`; never to a standalone encoder)."""
+        return self.video_decode.stream and self.grpc.encoder_address is None
+
+    def on_node(self) -> "AppArgs":
+        """These arguments with the model directory and the secrets resolved on this node (the
+        Router's: each other replica resolves what it uses)."""
+        from deployments.serve.replica_env import resolve_model_dir, secret
+
+        return self.model_copy(update={
+            "model": resolve_model_dir(self.model), "api_key": secret(self.api_key, self.api_key_env, "api_key_env"),
+            "api_key_env": None, "grpc": self.grpc.on_node(),
+        })
 
     @model_validator(mode="after")
     def _check_deployments(self) -> "AppArgs":

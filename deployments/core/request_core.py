@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from deployments.core.affinity import prefix_hashes
-from deployments.config import LimitArgs
+from deployments.config import AppArgs, LimitArgs
 from deployments.core.dispatch import MediaDispatcher
 from deployments.core.failover import Failover, LLMClient
 from deployments.core.failures import Failure, classify
@@ -50,16 +50,26 @@ class ChatRequest:
 
 @dataclass(frozen=True)
 class CoreSettings:
+    """What the core reads of `AppArgs` (the meanings and defaults are there): made by `from_args` only."""
+
     served_model_name: str
     limits: LimitArgs
-    model_dir: str | None = None  # shown as the model card's root
-    api_key: str | None = None
-    llm_retries: int = 2  # resubmissions of one request after its LLM replica was lost
-    max_pending_requests: int = 16  # admitted requests without a first token yet; more: 429
-    max_fetching_requests: int = 64  # requests being read or having media fetched (no pending slot); more: 429
-    prefix_block_size: int = 16  # tokens per prompt block in `PendingRequest.prefix_hashes` (the engine's)
-    stream_video: bool = False  # video files go to the LLM replica to stream through the pipeline (`StreamedVideo`)
-    stream_group_frames: int = 8  # frames per group of a streamed video
+    model_dir: str | None  # shown as the model card's root
+    api_key: str | None
+    llm_retries: int
+    max_pending_requests: int
+    max_fetching_requests: int
+    prefix_block_size: int  # tokens per prompt block in `PendingRequest.prefix_hashes`: the engine's block_size
+    stream_video: bool  # video files go to the LLM replica to stream through the pipeline (`StreamedVideo`)
+    stream_group_frames: int
+
+    @classmethod
+    def from_args(cls, args: AppArgs) -> CoreSettings:
+        """`args` as the builder completed them (`served_model_name` set) and the Router resolved them
+        on its node (`AppArgs.on_node`)."""
+        return cls(args.served_model_name, args.limits, args.model, args.api_key, args.llm_retries,
+                   args.max_pending_requests, args.max_fetching_requests, args.engine.block_size, args.stream_video,
+                   args.video_decode.stream_group_frames)
 
 
 class VideoDecoding(Protocol):

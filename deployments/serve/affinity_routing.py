@@ -38,7 +38,7 @@ logger = logging.getLogger("ray.serve")
 
 
 class AffinityRequestRouter(RequestRouter):
-    def initialize_state(self, epsilon: float = 0.25, block_size: int = 16):
+    def initialize_state(self, epsilon: float, block_size: int):  # `RoutingArgs.deployment_options` passes both
         self._epsilon = epsilon
         self._block_size = block_size
         self._ring: BoundedLoadRing | None = None

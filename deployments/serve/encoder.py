@@ -14,7 +14,7 @@ import torch
 from ray import serve
 
 from deployments.serve.autoscaling import QUEUED_TOKENS
-from deployments.config import DeploymentArgs, EncoderPoolArgs, GrpcArgs
+from deployments.config import AppArgs, DeploymentArgs, EncoderPoolArgs
 from deployments.serve.metrics import EncoderMetrics, PoolMetrics
 from deployments.serve.replica_env import resolve_model_dir
 from encoder_service import VisionEncoder
@@ -33,22 +33,21 @@ def encoder_options(deployment: DeploymentArgs, pool: EncoderPoolArgs) -> dict:
 
 @serve.deployment
 class EncoderDeployment:
-    def __init__(self, model_dir: str | None, dtype: str, device: str, pool: EncoderPoolArgs | None = None,
-                 transport: str = "object_store", grpc: GrpcArgs | None = None, device_share: float = 1.0):
-        model_dir, grpc, device = resolve_model_dir(model_dir), (grpc or GrpcArgs()).on_node(), resolve_device(device)
-        self.device_share = device_share
-        hold_to_share(device, device_share)  # past its part of the GPU a forward fails here (503)
-        self.encoder = VisionEncoder(model_dir, dtype=dtype, device=device)
-        pool = pool or EncoderPoolArgs()
+    def __init__(self, args: AppArgs):
+        model_dir, grpc, device = resolve_model_dir(args.model), args.grpc.on_node(), resolve_device(args.device)
+        self.device_share = args.encoder.device_share
+        hold_to_share(device, self.device_share)  # past its part of the GPU a forward fails here (503)
+        self.encoder = VisionEncoder(model_dir, dtype=args.dtype, device=device)
+        pool = args.encoder_pool
         if pool.cuda_graphs and torch.device(device).type == "cuda":
             self.encoder.capture_graphs(pool.max_batch_tokens, pool.cost_unit)
         self.metrics = EncoderMetrics()
         self.pool = EncoderPool(self.encoder, pool.resolve(), PoolMetrics(self.metrics))
         self.publisher = None
-        if transport == "grpc":  # results stay here, pinned, until the LLM replica pulls them
+        if args.transport == "grpc":  # results stay here, pinned, until the LLM replica pulls them
             from deployments.serve.transport import GrpcPublisher
 
-            self.publisher = GrpcPublisher(grpc or GrpcArgs(), self.encoder)
+            self.publisher = GrpcPublisher(grpc, self.encoder)
 
     async def encode(self, items: list[EncodeItem]) -> list:
         """One `ItemEmbedding` (CPU) per item — or, with `transport: grpc`, one `EncodedRef` to

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from deployments.config import EncoderPoolArgs, GrpcArgs
+from deployments.config import AppArgs
 from deployments.core.failures import root_cause
 from deployments.core.llm_inputs import PendingRequest, StoredEmbedding, StreamedVideo
 from deployments.serve.metrics import EncoderMetrics, LLMMetrics, PoolMetrics
@@ -36,25 +36,22 @@ logger = logging.getLogger("ray.serve")
 
 @serve.deployment
 class LLMDeployment:
-    def __init__(self, model_dir: str | None, dtype: str, device: str, engine: EngineConfig | None = None,
-                 transport: str = "object_store", grpc: GrpcArgs | None = None, stall_timeout_s: float = 60.0,
-                 max_waiting_tokens: int | None = None, colocated_pool: EncoderPoolArgs | None = None,
-                 encoder=None, video=None):
-        model_dir, device = resolve_model_dir(model_dir), resolve_device(device)
-        self.stall_timeout_s = stall_timeout_s
-        self.max_waiting_tokens = max_waiting_tokens  # None: unbounded
-        engine = engine or EngineConfig()
+    def __init__(self, args: AppArgs, engine: EngineConfig, encoder=None, video=None):
+        """`engine`: `args.engine` resolved by the builder for this deployment's GPU share."""
+        model_dir, device, dtype = resolve_model_dir(args.model), resolve_device(args.device), args.dtype
+        self.stall_timeout_s = args.engine.stall_timeout_s
+        self.max_waiting_tokens = args.engine.max_waiting_tokens
         hold_to_share(device, engine.device_share)  # the KV pool is sized within it too
         self.waiting_tokens = 0  # prompt tokens of requests admitted here whose first event is not back
         self.pool = None
-        if colocated_pool is not None:  # encode the media the router hands over, in-process
+        if args.colocated:  # encode the media the router hands over, in-process
             from encoder_service import VisionEncoder
             from encoder_service.pool import EncoderPool
 
             self.encoder_metrics = EncoderMetrics()
             # loaded before the engine sizes its KV pool, so the pool leaves room for these weights
             encoder = VisionEncoder(model_dir, dtype=dtype, device=device)
-            self.pool = EncoderPool(encoder, colocated_pool.resolve(), PoolMetrics(self.encoder_metrics))
+            self.pool = EncoderPool(encoder, args.encoder_pool.resolve(), PoolMetrics(self.encoder_metrics))
         self.model = LanguageModel(model_dir, dtype=dtype, device=device)
         self.engine = LLMEngine(self.model, engine)
         self.engine.start()
@@ -63,10 +60,10 @@ class LLMDeployment:
         self.encoder, self.video = encoder, video  # handles: this replica streams videos through them
         self.video_groups_reencoded = 0  # streamed frame groups whose encoder replica was lost
         self.fetcher = None
-        if transport == "grpc":  # encoder results arrive as refs to pull from the encoder replica
+        if args.transport == "grpc":  # encoder results arrive as refs to pull from the encoder replica
             from deployments.serve.transport import GrpcFetcher
 
-            self.fetcher = GrpcFetcher((grpc or GrpcArgs()).on_node())
+            self.fetcher = GrpcFetcher(args.grpc.on_node())
 
     async def _export_stats(self, interval_s: float = 1.0) -> None:
         """Engine gauges (queues, KV blocks, state snapshots, preemptions, tokens/s) every `interval_s`."""
@@ -132,7 +129,7 @@ class LLMDeployment:
         """Stream of `TokenEvent`s; the stream ends after the one carrying `finish_reason`."""
         cost = len(pending.prompt_token_ids)
         bound = self.max_waiting_tokens
-        if bound is not None and not pending.attempt and self.waiting_tokens and self.waiting_tokens + cost > bound:
+        if not pending.attempt and self.waiting_tokens and self.waiting_tokens + cost > bound:
             raise QueueFull(f"{self.waiting_tokens} prompt tokens wait for the language model (limit {bound})")
         if pending.resumed_tokens:
             logger.info("request %s: resuming a stream after a lost replica, %d tokens already sent",

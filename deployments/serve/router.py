@@ -6,7 +6,7 @@ LLM deployment's handle and the VideoDecoder's, the OpenAI adapter behind the Fa
 behind the methods named as the RPCs (Serve's gRPC proxy calls those), and the Ray metrics.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -14,7 +14,7 @@ from ray import serve
 from ray.serve.config import gRPCOptions
 from ray.serve.handle import DeploymentHandle
 
-from deployments.config import LimitArgs
+from deployments.config import AppArgs
 from deployments.core.request_core import CoreSettings, RequestCore
 from deployments.core.dispatch import ColocatedDispatcher, EncoderPoolDispatcher, ExternalEncoderDispatcher, MediaDispatcher
 from deployments.serve.drain import DrainWatch
@@ -23,7 +23,6 @@ from deployments.api.grpc_api import GrpcAdapter
 from deployments.core.llm_inputs import PendingRequest
 from deployments.serve.metrics import RouterMetrics
 from deployments.api.openai_api import OpenAIAdapter
-from deployments.serve.replica_env import resolve_model_dir, secret
 from deployments.serve.video_decoder import ServeVideoClient
 
 app = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
@@ -42,47 +41,13 @@ def grpc_options(port: int = 9000, request_timeout_s: float | None = None,
     )
 
 
-@dataclass(frozen=True)
-class RouterSettings:
-    model_dir: str | None  # as given (None: the tiny model); `on_node()` resolves it where the replica runs
-    served_model_name: str
-    limits: LimitArgs
-    api_key: str | None
-    await_embeddings: bool = False  # True: wait for the encoder before calling the LLM (see AppArgs)
-    external_encoder: str | None = None  # host:port of a standalone EncoderService, used instead of `encoder`
-    encoder_token: str | None = None
-    encoder_tls_ca: str | None = None  # PEM file: reach external_encoder over TLS
-    llm_retries: int = 2  # resubmissions of one request after its LLM replica was lost (failover)
-    max_pending_requests: int = 16  # admitted requests without a first token yet; more: 429
-    max_fetching_requests: int = 64  # requests being read or having media fetched; more: 429
-    api_key_env: str | None = None  # environment variable holding api_key, read on the replica's node
-    encoder_token_env: str | None = None  # likewise for encoder_token
-    colocated: bool = False  # no encoder: the LLM replica encodes the media it is handed
-    affinity: bool = False  # encoder items and LLM requests routed by AffinityRequestRouter
-    prefix_block_size: int = 16  # the engine's KV block size: the unit of prefix affinity
-    stream_video: bool = False  # video_url files stream through the pipeline (the LLM replica drives them)
-    stream_group_frames: int = 8
-
-    def on_node(self) -> "RouterSettings":
-        """These settings with the model directory and secrets resolved on this node."""
-        return replace(
-            self,
-            model_dir=resolve_model_dir(self.model_dir),
-            api_key=secret(self.api_key, self.api_key_env, "api_key_env"),
-            encoder_token=secret(self.encoder_token, self.encoder_token_env, "grpc.token_env"),
-        )
-
-    def core(self) -> CoreSettings:
-        return CoreSettings(self.served_model_name, self.limits, self.model_dir, self.api_key, self.llm_retries,
-                            self.max_pending_requests, self.max_fetching_requests, self.prefix_block_size,
-                            self.stream_video and not self.external_encoder, self.stream_group_frames)
-
-    def dispatcher(self, encoder: DeploymentHandle | None) -> MediaDispatcher:
-        if self.colocated:
-            return ColocatedDispatcher()
-        if self.external_encoder:
-            return ExternalEncoderDispatcher(self.external_encoder, self.encoder_token, self.encoder_tls_ca)
-        return EncoderPoolDispatcher(encoder, self.await_embeddings, self.affinity)
+def media_dispatcher(args: AppArgs, encoder: DeploymentHandle | None) -> MediaDispatcher:
+    """The app's mode: the LLM replicas encode (colocated), a standalone encoder, or the Encoder deployment."""
+    if args.colocated:
+        return ColocatedDispatcher()
+    if args.grpc.encoder_address:
+        return ExternalEncoderDispatcher(args.grpc.encoder_address, args.grpc.token, args.grpc.tls_ca)
+    return EncoderPoolDispatcher(encoder, args.await_embeddings_in_router, args.routing.affinity and encoder is not None)
 
 
 @dataclass(frozen=True)
@@ -98,12 +63,12 @@ class ServeLLMClient:
 @serve.deployment
 @serve.ingress(app)
 class Router:
-    def __init__(self, encoder: DeploymentHandle | None, llm: DeploymentHandle, settings: RouterSettings,
+    def __init__(self, encoder: DeploymentHandle | None, llm: DeploymentHandle, args: AppArgs,
                  video: DeploymentHandle | None = None):
-        settings = settings.on_node()
+        args = args.on_node()
         self.metrics = RouterMetrics()
         self.drain = DrainWatch(serve.get_replica_context().app_name)
-        self.core = RequestCore.from_checkpoint(settings.model_dir, settings.core(), settings.dispatcher(encoder),
+        self.core = RequestCore.from_checkpoint(args.model, CoreSettings.from_args(args), media_dispatcher(args, encoder),
                                                 ServeLLMClient(llm), self.metrics, self._draining,
                                                 ServeVideoClient(video) if video is not None else None)
         self.http = OpenAIAdapter(self.core)

@@ -56,7 +56,7 @@ class VideoMetrics:
 
 @serve.deployment
 class VideoDecoder:
-    def __init__(self, model_dir: str | None, limits: VideoLimits, workers: int = 2):
+    def __init__(self, model_dir: str | None, limits: VideoLimits, workers: int):
         """`limits`: `LimitArgs.video_limits()`; `workers`: `video_decode.workers`. The checkpoint's
         sampler loads with the first video."""
         self.pool = VideoDecodePool(FrameSampler(resolve_model_dir(model_dir)), limits, workers)

@@ -210,10 +210,9 @@ class ServerThread:
         self._thread.join(timeout=5)
 
 
-async def serve_forever(encoder: Encoder, options: ServerOptions, ttl_s: float = 300.0,
-                        store_bytes: int = 2 << 30) -> None:
+async def serve_forever(encoder: Encoder, options: ServerOptions, ttl_s: float) -> None:
     """The standalone microservice: serve until cancelled (Ctrl-C)."""
-    server, port = await start_server(encoder, ResultStore(ttl_s=ttl_s, max_bytes=store_bytes), options)
+    server, port = await start_server(encoder, ResultStore(ttl_s=ttl_s), options)
     print(f"EncoderService ready on {options.host}:{port}", flush=True)
     try:
         await server.wait_for_termination()

@@ -196,7 +196,7 @@ class VideoDecodePool:
     `probe` (the header: what the router plans with), `decode` (all frames), or `frames` (groups
     of frames as they are decoded, for a video streamed through the pipeline)."""
 
-    def __init__(self, sampler: FrameSampler, limits: VideoLimits, workers: int = 2):
+    def __init__(self, sampler: FrameSampler, limits: VideoLimits, workers: int):
         self.sampler = sampler
         self.limits = limits
         self.num_workers = workers

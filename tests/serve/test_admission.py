@@ -30,7 +30,8 @@ async def _drain(stream) -> list[int]:
 
 
 def test_waiting_prompt_tokens_are_bounded(tiny_models):
-    llm = LLMDeployment.func_or_class(tiny_models["qwen2_vl"], "float64", "cpu", max_waiting_tokens=30)
+    args = AppArgs(model=tiny_models["qwen2_vl"], dtype="float64", device="cpu", engine={"max_waiting_tokens": 30})
+    llm = LLMDeployment.func_or_class(args, args.engine.resolve(1.0))
 
     async def main():
         first = llm.generate(_pending("a", 20))

@@ -7,7 +7,7 @@ import asyncio
 
 from ray import exceptions as ray_exceptions
 
-from deployments.config import LimitArgs
+from deployments.config import AppArgs, LimitArgs
 from deployments.core.request_core import CoreSettings, RequestCore
 from deployments.core.dispatch import MediaDispatcher
 from deployments.core.llm_inputs import LocalMedia, PendingRequest
@@ -79,8 +79,9 @@ class FakeDispatcher(MediaDispatcher):
 
 
 def make_core(model_dir: str, llm: FakeLLM | None = None, media: MediaDispatcher | None = None,
-              limits: LimitArgs | None = None, **settings) -> RequestCore:
-    settings = CoreSettings(served_model_name="m", limits=limits or LimitArgs(), **settings)
+              limits: LimitArgs | None = None, **args) -> RequestCore:
+    """`args`: `AppArgs` fields (api_key, max_pending_requests ...); the model card's root is None."""
+    settings = CoreSettings.from_args(AppArgs(served_model_name="m", limits=limits or LimitArgs(), **args))
     return RequestCore.from_checkpoint(model_dir, settings, media or FakeDispatcher(), llm or FakeLLM())
 
 

@@ -12,7 +12,7 @@ from deployments.serve.app import build_app
 from deployments.config import AppArgs, GrpcArgs
 from deployments.serve.encoder import EncoderDeployment
 from deployments.serve.llm import LLMDeployment
-from deployments.serve.router import Router, RouterSettings
+from deployments.serve.router import Router
 
 
 class _FileAccess:
@@ -50,16 +50,15 @@ def test_build_app_touches_no_disk(model, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("replica", ["router", "encoder", "llm"])
 def test_missing_model_fails_the_replica_naming_the_path(replica):
-    missing = "/models/not-mounted-here"
+    args = AppArgs(model="/models/not-mounted-here", served_model_name="m", dtype="float32", device="cpu")
     with pytest.raises(FileNotFoundError, match="/models/not-mounted-here.*mount the model volume"):
         if replica == "router":
-            settings = RouterSettings(model_dir=missing, served_model_name="m", limits=AppArgs().limits, api_key=None)
             cls = Router.func_or_class  # Serve's ingress wrapper: an async __init__
-            asyncio.run(cls.__init__(cls.__new__(cls), None, None, settings))
+            asyncio.run(cls.__init__(cls.__new__(cls), None, None, args))
         elif replica == "encoder":
-            EncoderDeployment.func_or_class(missing, "float32", "cpu")
+            EncoderDeployment.func_or_class(args)
         else:
-            LLMDeployment.func_or_class(missing, "float32", "cpu")
+            LLMDeployment.func_or_class(args, args.engine.resolve(1.0))
 
 
 def test_replicas_on_one_node_build_the_tiny_model_once(tmp_path, monkeypatch):
@@ -100,12 +99,9 @@ def test_secrets_are_read_from_the_environment_on_the_replica(monkeypatch):
     with pytest.raises(RuntimeError, match="api_key_env: environment variable MMSERVE_TEST_KEY is not set"):
         replica_env.secret(None, args.api_key_env, "api_key_env")
     monkeypatch.setenv("MMSERVE_TEST_KEY", "k")
-    settings = RouterSettings(
-        model_dir=None, served_model_name="m", limits=args.limits, api_key=None, api_key_env="MMSERVE_TEST_KEY"
-    )
-    monkeypatch.setattr("deployments.serve.router.resolve_model_dir", lambda model: "/resolved")
-    resolved = settings.on_node()
-    assert (resolved.api_key, resolved.model_dir) == ("k", "/resolved")
+    monkeypatch.setattr("deployments.serve.replica_env.resolve_model_dir", lambda model: "/resolved")
+    resolved = args.on_node()  # the Router's
+    assert (resolved.api_key, resolved.model, resolved.grpc.token) == ("k", "/resolved", "s3cret")
 
 
 def test_secret_value_and_env_name_are_exclusive():
