@@ -12,12 +12,23 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory) -> dict[str, str]:
-    """Both tiny checkpoints, built once per session (reused across runs via MMSERVE_TEST_MODELS)."""
+def models_root(tmp_path_factory) -> str:
+    """Where the test checkpoints are built: $MMSERVE_TEST_MODELS (reused across runs), else a temporary folder."""
+    return os.environ.get("MMSERVE_TEST_MODELS") or str(tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(models_root):
+    """family -> the directory of its tiny checkpoint (`mmserve.tiny.FAMILIES`), built on first use."""
     from mmserve.tiny import ensure_tiny_model
 
-    root = os.environ.get("MMSERVE_TEST_MODELS") or str(tmp_path_factory.mktemp("models"))
-    return {f: str(ensure_tiny_model(f, os.path.join(root, f))) for f in FAMILIES}
+    return lambda family: str(ensure_tiny_model(family, os.path.join(models_root, family)))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_checkpoint) -> dict[str, str]:
+    """Both tiny Qwen2-VL-family checkpoints."""
+    return {f: tiny_checkpoint(f) for f in FAMILIES}
 
 
 @pytest.fixture(params=FAMILIES)
@@ -31,27 +42,26 @@ def model_dir(tiny_models, family) -> str:
 
 
 @pytest.fixture(scope="session")
-def llava_models(tmp_path_factory) -> dict[str, str]:
+def llava_models(tiny_checkpoint) -> dict[str, str]:
     """Both tiny LLaVA checkpoints (`llava`: CLIP + Llama, `llava_siglip`: SigLIP + Qwen2)."""
-    from mmserve.tiny import LLAVA_FAMILIES, ensure_tiny_model
+    from mmserve.tiny import LLAVA_FAMILIES
 
-    root = os.environ.get("MMSERVE_TEST_MODELS") or str(tmp_path_factory.mktemp("models"))
-    return {f: str(ensure_tiny_model(f, os.path.join(root, f))) for f in LLAVA_FAMILIES}
+    return {f: tiny_checkpoint(f) for f in LLAVA_FAMILIES}
 
 
 @pytest.fixture(scope="session")
-def minicpmv_dir(tmp_path_factory) -> str:
+def minicpmv_dir(tiny_checkpoint) -> str:
     """The tiny MiniCPM-V 4.6 checkpoint (hybrid Gated-DeltaNet LM, slices, structure tokens)."""
-    from mmserve.tiny import ensure_tiny_model
-
-    root = os.environ.get("MMSERVE_TEST_MODELS") or str(tmp_path_factory.mktemp("models"))
-    return str(ensure_tiny_model("minicpmv4_6", os.path.join(root, "minicpmv4_6")))
+    return tiny_checkpoint("minicpmv4_6")
 
 
 @pytest.fixture(scope="session")
-def qwen3_dir(tmp_path_factory) -> str:
+def qwen3_dir(tiny_checkpoint) -> str:
     """The tiny Qwen3-VL checkpoint (DeepStack, interleaved M-RoPE, video timestamps)."""
-    from mmserve.tiny import ensure_tiny_model
+    return tiny_checkpoint("qwen3_vl")
 
-    root = os.environ.get("MMSERVE_TEST_MODELS") or str(tmp_path_factory.mktemp("models"))
-    return str(ensure_tiny_model("qwen3_vl", os.path.join(root, "qwen3_vl")))
+
+@pytest.fixture(scope="session")
+def step3_dir(tiny_checkpoint) -> str:
+    """The tiny Step3 checkpoint (`step3p7`: crops and a global view, sliding + full layers, MoE)."""
+    return tiny_checkpoint("step3p7")

@@ -1,20 +1,25 @@
-"""Greedy tokens of router -> encoder runtime -> LLM runtime == transformers' monolithic generate."""
+"""Greedy tokens of router -> encoder runtime -> LLM runtime == transformers' monolithic generate
+(float64), for every family's tiny checkpoint and every one of its cases (tests/support/cases.py);
+then the Qwen2-VL families' own checks."""
 
 import pytest
 
-from tests.support.cases import cases
+from tests.support.cases import CASE_TOKENS, FAMILIES, cases, family_cases
 from tests.support.pipeline import runtimes, served_generate
 from tests.support.reference import reference_generate, reference_inputs
 
 MAX_TOKENS = 12
 
 
-@pytest.mark.parametrize("case", list(cases()))
-def test_greedy_tokens_equal_monolithic(model_dir, case):
-    messages = cases()[case]
-    expected = reference_generate(model_dir, messages, MAX_TOKENS)
-    assert len(expected) > 0
-    assert served_generate(model_dir, messages, MAX_TOKENS) == expected
+@pytest.mark.parametrize("checkpoint,case", [(f, c) for f in FAMILIES for c in family_cases(f)])
+def test_greedy_tokens_equal_monolithic(tiny_checkpoint, checkpoint, case):
+    """Default engine settings (chunked prefill for the long prompts); the reference runs every
+    step (no early end), so an empty answer cannot pass."""
+    model_dir, max_tokens = tiny_checkpoint(checkpoint), CASE_TOKENS[checkpoint]
+    messages = family_cases(checkpoint)[case]
+    expected = reference_generate(model_dir, messages, max_tokens)
+    assert len(expected) == max_tokens
+    assert served_generate(model_dir, messages, max_tokens) == expected
 
 
 def test_long_prompt_is_long(model_dir):
@@ -34,10 +39,9 @@ def test_prompt_ids_equal_processor(model_dir):
 
 def test_output_depends_on_image(model_dir):
     """Guards the tests' power: a different image changes the greedy tokens."""
-    from tests.support.media_factory import image_bytes
+    from tests.support.cases import image, text, user
 
     def msg(seed):
-        return [{"role": "user", "content": [{"type": "image", "bytes": image_bytes(64, 96, seed)},
-                                             {"type": "text", "text": "Describe."}]}]
+        return user(image(64, 96, seed), text("Describe."))
 
     assert served_generate(model_dir, msg(1), MAX_TOKENS) != served_generate(model_dir, msg(2), MAX_TOKENS)

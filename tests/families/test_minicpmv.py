@@ -1,16 +1,16 @@
 """MiniCPM-V 4.6 (`minicpmv4_6`): tiny checkpoint, router face == the processor's input_ids (images
 with slices, several images numbered by `<image_id>`, videos of pre-extracted frames), encoder face
 == the in-tree model's features, the LM loaded with its linear-attention layers as state layers
-(served end to end: tests/unit/test_hybrid_engine.py, tests/serve/test_minicpmv_serve.py)."""
+(served end to end: tests/families/test_equivalence_runtime.py, tests/unit/test_hybrid_engine.py,
+tests/serve/test_family_serve.py)."""
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mmserve.families import router_face
 from mmserve.request.media import MediaItem, MediaKind
-from tests.support.cases import LONG_TEXT
+from tests.support.cases import family_cases
 from tests.support.media_factory import image_bytes, video_frames
 from tests.support.reference import _pil, load_reference
 
@@ -138,65 +138,30 @@ def test_pooled_views_split_across_batches_equal_whole_items(minicpmv_dir):
 
 
 def test_tiny_loads_with_auto_classes_and_is_image_sensitive(minicpmv_dir):
+    from tests.support.cases import image, image_question
     from tests.support.reference import reference_generate
 
     processor, model = load_reference(minicpmv_dir)
     assert model.config.text_config.model_type == "qwen3_5_text"
     assert {"linear_attention", "full_attention"} == set(model.config.text_config.layer_types)
     assert processor.image_token_id == model.config.image_token_id
-    prompt = lambda b: [{"role": "user", "content": [{"type": "image", "bytes": b},  # noqa: E731
-                                                     {"type": "text", "text": "Describe the image."}]}]
-    first = reference_generate(minicpmv_dir, prompt(image_bytes(64, 180, 1)), 12)
-    second = reference_generate(minicpmv_dir, prompt(image_bytes(150, 90, 2)), 12)
+    first = reference_generate(minicpmv_dir, image_question(image(64, 180, 1)), 12)
+    second = reference_generate(minicpmv_dir, image_question(image(150, 90, 2)), 12)
     assert first != second
     hook = model.model.merger.register_forward_hook(lambda m, a, out: [torch.zeros_like(o) for o in out])
     try:
-        zeroed = reference_generate(minicpmv_dir, prompt(image_bytes(64, 180, 1)), 12)
+        zeroed = reference_generate(minicpmv_dir, image_question(image(64, 180, 1)), 12)
     finally:
         hook.remove()
     assert first != zeroed
 
 
-def _user(*parts):
-    return [{"role": "user", "content": list(parts)}]
-
-
-def _text(t):
-    return {"type": "text", "text": t}
-
-
-def _image(h, w, seed):
-    return {"type": "image", "bytes": image_bytes(h, w, seed)}
-
-
-CASES = {
-    "text_only": lambda: _user(_text("Hello, who are you? Tell me about the sky.")),
-    "one_image": lambda: _user(_image(64, 180, 1), _text("Describe this image.")),
-    # 2x2 and 1x2 slices beside a source view, and an image that takes none
-    "sliced_images": lambda: _user(_text("Compare"), _image(200, 200, 2), _text("with"), _image(90, 220, 3),
-                                   _image(150, 60, 4), _text("please.")),
-    "video": lambda: _user({"type": "video", "frames": video_frames(3, 150, 120, 5), "fps": 2.0},
-                           _text("What happens in the video?")),
-    "long_prompt": lambda: _user(_image(120, 160, 8), _text(LONG_TEXT)),  # > the 2,048-token step budget
-}
-MAX_TOKENS = 12
-
-
 def test_cases_take_slices_and_a_long_prompt(minicpmv_dir):
     from tests.support.reference import reference_inputs
 
+    cases = family_cases("minicpmv4_6")
     face = router_face(minicpmv_dir)
     layouts = [face.expand(MediaItem(MediaKind.IMAGE, (p["bytes"],)), 1 << 24).layout
-               for p in CASES["sliced_images"]()[0]["content"] if p["type"] == "image"]
+               for p in cases["sliced_images"][0]["content"] if p["type"] == "image"]
     assert [(f.rows, f.cols) for lay in layouts for f in lay.frames] == [(2, 2), (1, 2), (0, 0)]
-    assert reference_inputs(minicpmv_dir, CASES["long_prompt"]())["input_ids"].shape[1] > 2048
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_runtimes_equal_monolithic(minicpmv_dir, case):
-    """Router -> encoder runtime -> LLM runtime (default engine settings) == monolithic generate."""
-    from tests.support.pipeline import served_generate
-    from tests.support.reference import reference_generate
-
-    messages = CASES[case]()
-    assert served_generate(minicpmv_dir, messages, MAX_TOKENS) == reference_generate(minicpmv_dir, messages, MAX_TOKENS)
+    assert reference_inputs(minicpmv_dir, cases["long_prompt"])["input_ids"].shape[1] > 2048

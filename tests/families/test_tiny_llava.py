@@ -1,20 +1,11 @@
-"""The tiny LLaVA checkpoints: stock Auto classes load them, they are deterministic and image-sensitive."""
-
-import hashlib
-from pathlib import Path
+"""The tiny LLaVA checkpoints: stock Auto classes load them in the imitated shapes, they are
+image-sensitive (deterministic: tests/families/test_tiny_model.py)."""
 
 import pytest
 import torch
 
-from deployments.cli.main import main
-from mmserve.tiny import (
-    LLAVA_CHAT_TEMPLATE,
-    LLAVA_FAMILIES,
-    LLAVA_IMAGE_TOKEN,
-    LLAVA_QWEN_CHAT_TEMPLATE,
-    build_tiny_model,
-)
-from tests.support.media_factory import image_bytes
+from mmserve.tiny import LLAVA_CHAT_TEMPLATE, LLAVA_FAMILIES, LLAVA_IMAGE_TOKEN, LLAVA_QWEN_CHAT_TEMPLATE
+from tests.support.cases import image, image_question
 from tests.support.reference import load_reference, reference_generate
 
 SHAPES = {
@@ -27,11 +18,6 @@ SHAPES = {
 @pytest.fixture(params=LLAVA_FAMILIES)
 def llava_dir(request, llava_models) -> tuple[str, str]:
     return request.param, llava_models[request.param]
-
-
-def _prompt(*images: bytes) -> list[dict]:
-    content = [{"type": "image", "bytes": b} for b in images]
-    return [{"role": "user", "content": [*content, {"type": "text", "text": "Describe the image."}]}]
 
 
 def test_loads_with_auto_classes_in_the_imitated_shape(llava_dir):
@@ -74,31 +60,17 @@ def test_llava_tokenizer_prepends_bos_like_llama(llava_models):
     assert qwen("USER: hi").input_ids == qwen("USER: hi", add_special_tokens=False).input_ids
 
 
-def test_same_seed_same_bytes(tmp_path, llava_models):
-    def digests(path: Path) -> dict[str, str]:
-        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
-
-    again = build_tiny_model("llava_siglip", tmp_path / "again", seed=0)
-    assert digests(again) == digests(Path(llava_models["llava_siglip"]))
-
-
-def test_cli_builds_both_shapes(tmp_path):
-    for family in LLAVA_FAMILIES:
-        assert main(["build-tiny-model", "--family", family, "--out", str(tmp_path / family)]) == 0
-        assert (tmp_path / family / "model.safetensors").is_file()
-
-
 def test_greedy_tokens_depend_on_the_image(llava_dir):
     _, path = llava_dir
-    first = reference_generate(path, _prompt(image_bytes(64, 96, 1)), 12)
-    second = reference_generate(path, _prompt(image_bytes(80, 50, 2)), 12)
+    first = reference_generate(path, image_question(image(64, 96, 1)), 12)
+    second = reference_generate(path, image_question(image(80, 50, 2)), 12)
     assert len(first) == len(second) == 12
     assert first != second
 
 
 def test_greedy_tokens_depend_on_the_image_embeddings(llava_dir):
     _, path = llava_dir
-    prompt = _prompt(image_bytes(64, 96, 1))
+    prompt = image_question(image(64, 96, 1))
     with_image = reference_generate(path, prompt, 12)
     _, model = load_reference(path)
     hook = model.model.multi_modal_projector.register_forward_hook(lambda m, args, out: torch.zeros_like(out))

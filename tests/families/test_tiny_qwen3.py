@@ -1,20 +1,12 @@
-"""The tiny Qwen3-VL checkpoint: stock Auto classes load it, it is deterministic, and its greedy
-tokens depend on the image, on the image embeddings and on the DeepStack features."""
-
-import hashlib
-from pathlib import Path
+"""The tiny Qwen3-VL checkpoint: stock Auto classes load it, and its greedy tokens depend on the
+image, on the image embeddings and on the DeepStack features (deterministic:
+tests/families/test_tiny_model.py)."""
 
 import torch
 
-from deployments.cli.main import main
-from mmserve.tiny import QWEN3_CHAT_TEMPLATE, QWEN3_SPECIAL_TOKENS, build_tiny_model
-from tests.support.media_factory import image_bytes, video_frames
+from mmserve.tiny import QWEN3_CHAT_TEMPLATE, QWEN3_SPECIAL_TOKENS
+from tests.support.cases import image, image_question, video
 from tests.support.reference import load_reference, reference_generate, reference_inputs
-
-
-def _prompt(*images: bytes) -> list[dict]:
-    content = [{"type": "image", "bytes": b} for b in images]
-    return [{"role": "user", "content": [*content, {"type": "text", "text": "Describe the image."}]}]
 
 
 def test_loads_with_auto_classes_in_the_qwen3_vl_shape(qwen3_dir):
@@ -40,25 +32,15 @@ def test_loads_with_auto_classes_in_the_qwen3_vl_shape(qwen3_dir):
 
 def test_video_prompt_has_a_timestamp_per_temporal_group(qwen3_dir):
     processor, _ = load_reference(qwen3_dir)
-    messages = [{"role": "user", "content": [{"type": "video", "frames": video_frames(5, 64, 64, 3), "fps": 2.0}]}]
+    messages = [{"role": "user", "content": [video(5, 64, 64, 3, fps=2.0)]}]
     text = processor.tokenizer.decode(reference_inputs(qwen3_dir, messages)["input_ids"][0])
     assert [s for s in ("<0.2 seconds>", "<1.2 seconds>", "<2.0 seconds>") if s in text] == [
         "<0.2 seconds>", "<1.2 seconds>", "<2.0 seconds>"]
 
 
-def test_same_seed_same_bytes(tmp_path, qwen3_dir):
-    def digests(path: Path) -> dict[str, str]:
-        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
-
-    assert main(["build-tiny-model", "--family", "qwen3_vl", "--out", str(tmp_path / "again")]) == 0
-    assert digests(tmp_path / "again") == digests(Path(qwen3_dir))
-    other = build_tiny_model("qwen3_vl", tmp_path / "other", seed=1)
-    assert digests(other)["model.safetensors"] != digests(Path(qwen3_dir))["model.safetensors"]
-
-
 def test_greedy_tokens_depend_on_the_images(qwen3_dir):
-    one = reference_generate(qwen3_dir, _prompt(image_bytes(64, 96, 1)), 12)
-    two = reference_generate(qwen3_dir, _prompt(image_bytes(64, 96, 1), image_bytes(80, 50, 2)), 12)
+    one = reference_generate(qwen3_dir, image_question(image(64, 96, 1)), 12)
+    two = reference_generate(qwen3_dir, image_question(image(64, 96, 1), image(80, 50, 2)), 12)
     assert len(one) == len(two) == 12
     assert one != two
 
@@ -73,7 +55,7 @@ def _zeroed(qwen3_dir, modules, prompt) -> list[int]:
 
 
 def test_greedy_tokens_depend_on_the_embeddings_and_on_the_deepstack_features(qwen3_dir):
-    prompt = _prompt(image_bytes(64, 96, 1))
+    prompt = image_question(image(64, 96, 1))
     with_image = reference_generate(qwen3_dir, prompt, 12)
     _, model = load_reference(qwen3_dir)
     visual = model.model.visual

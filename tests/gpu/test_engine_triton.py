@@ -10,8 +10,8 @@ from llm_service import attention
 from llm_service.config import EngineConfig
 from llm_service.engine import LLMEngine
 from llm_service.model import LanguageModel
-from tests.support.engine_support import Collector, make_engine, mixed_cases, plan_request, run_until_done
-from tests.support.media_factory import image_bytes
+from tests.support.engine_support import (Collector, image_prompt, make_engine, mixed_cases, plan_request,
+                                         run_until_done)
 
 MAX_TOKENS = 5
 CONFIG = dict(block_size=16, num_kv_blocks=48, max_num_batched_tokens=24, max_num_seqs=8, cuda_graphs=False)
@@ -21,11 +21,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the kernel runs 
 @functools.lru_cache(maxsize=2)
 def fp32_model(model_dir: str) -> LanguageModel:
     return LanguageModel(model_dir, dtype="float32", device=DEVICE)
-
-
-def _image_prompt(text: str) -> list[dict]:
-    image = {"type": "image", "bytes": image_bytes(112, 112, 4)}  # 16 image tokens
-    return [{"role": "user", "content": [image, {"type": "text", "text": text}]}]
 
 
 def _greedy_tokens(model: LanguageModel, model_dir: str, backend: str, windows=None):
@@ -47,9 +42,9 @@ def _greedy_tokens(model: LanguageModel, model_dir: str, backend: str, windows=N
         tokens = {}
         # prompts longer than the token budget (chunked over steps) next to a short one, then the
         # same image prompt again: its second run starts from prefix-cached blocks
-        waves = [[("image-a", _image_prompt("Describe this picture in detail, please.")),
+        waves = [[("image-a", image_prompt(4)),
                   ("text", mixed_cases()[12][1]), ("video", mixed_cases()[17][1])],
-                 [("image-b", _image_prompt("Describe this picture in detail, please. Then count."))]]
+                 [("image-b", image_prompt(4, "Describe this picture in detail, please. Then count."))]]
         for wave in waves:
             collector = Collector()
             for name, messages in wave:
@@ -70,7 +65,7 @@ def test_triton_backend_equals_sdpa_with_chunked_prefill_and_prefix_hits(tiny_mo
     got, engine, kernel_calls = _greedy_tokens(model, model_dir, "triton")
     assert engine.runner.backend == "triton" and sdpa_engine.runner.backend == "sdpa"
     assert kernel_calls == engine.num_forwards * engine.runner.num_layers  # every layer of every step
-    prompt = plan_request(model_dir, _image_prompt("Describe this picture in detail, please."), "x", 1)
+    prompt = plan_request(model_dir, image_prompt(4), "x", 1)
     assert len(prompt.prompt_token_ids) > CONFIG["max_num_batched_tokens"]  # its prefill ran in chunks
     assert engine.stats().num_cached_tokens >= 16  # the second image prompt reused blocks
     assert got == expected

@@ -76,11 +76,10 @@ def _app_args(model_dir: str, name: str, **extra) -> dict:
 
 
 @pytest.fixture(scope="session")
-def full_size_dir(tmp_path_factory) -> str:
+def full_size_dir(models_root) -> str:
     from bench.checkpoints import qwen2_vl_2b
 
-    root = os.environ.get("MMSERVE_TEST_MODELS") or str(tmp_path_factory.mktemp("models"))
-    return qwen2_vl_2b(os.path.join(root, "qwen2_vl_2b_random"))
+    return qwen2_vl_2b(os.path.join(models_root, "qwen2_vl_2b_random"))
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))

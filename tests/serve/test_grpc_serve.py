@@ -6,24 +6,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from mmserve.rpc.vlm_client import VideoFrames, VLMClient, user
+from mmserve.rpc.vlm_client import VLMClient, user
 from protos.mmserve.v1 import vlm_pb2
+from tests.support.cases import proto_messages
 from tests.support.media_factory import image_bytes
 from tests.support.reference import reference_generate
 from tests.serve.test_serve_app import MAX_TOKENS, chat, client, image_case, video_case
 
 pytestmark = pytest.mark.serve
-
-
-def proto_messages(ref_messages) -> list[vlm_pb2.ChatMessage]:
-    """The reference side's messages (media as bytes) as `mmserve.v1` messages."""
-    out = []
-    for m in ref_messages:
-        images = [p["bytes"] for p in m["content"] if p["type"] == "image"]
-        videos = [VideoFrames(tuple(p["frames"]), p["fps"]) for p in m["content"] if p["type"] == "video"]
-        text = "".join(p["text"] for p in m["content"] if p["type"] == "text")
-        out.append(user(text, images, videos))
-    return out
 
 
 @pytest.mark.parametrize("case", [image_case, video_case])

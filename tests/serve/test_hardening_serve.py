@@ -17,27 +17,27 @@ PNG = image_bytes(32, 32, 5)
 HI = [{"role": "user", "content": "hi"}]
 
 
-def _image(url: str) -> dict:
+def _image_url(url: str) -> dict:
     return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "?"}]}
 
 
 # name: (body fields, HTTP status, needle in the message)
 HTTP_CASES = {
-    "local path (off by default)": ({"messages": [_image("/etc/passwd")]}, 400, "local file media are disabled"),
-    "file URL": ({"messages": [_image("file:///etc/passwd")]}, 400, "local file media are disabled"),
-    "ftp URL": ({"messages": [_image("ftp://example.com/a.png")]}, 400, "unsupported media URL scheme 'ftp'"),
-    "gopher URL": ({"messages": [_image("gopher://example.com/1")]}, 400, "unsupported media URL scheme 'gopher'"),
-    "http URL (off by default)": ({"messages": [_image("http://169.254.169.254/latest")]}, 400, "http(s) media URLs are disabled"),
-    "truncated base64": ({"messages": [_image(data_uri(PNG)[:-3])]}, 400, "invalid base64"),
-    "non-image bytes": ({"messages": [_image(data_uri(b"hello, world"))]}, 400, "not a recognised image format"),
-    "PNG claiming 30000x30000": ({"messages": [_image(data_uri(png_claiming(30000, 30000)))]}, 400, "exceeds the limit"),
-    "zero-byte image": ({"messages": [_image("data:image/png;base64,")]}, 400, "not a recognised image format"),
+    "local path (off by default)": ({"messages": [_image_url("/etc/passwd")]}, 400, "local file media are disabled"),
+    "file URL": ({"messages": [_image_url("file:///etc/passwd")]}, 400, "local file media are disabled"),
+    "ftp URL": ({"messages": [_image_url("ftp://example.com/a.png")]}, 400, "unsupported media URL scheme 'ftp'"),
+    "gopher URL": ({"messages": [_image_url("gopher://example.com/1")]}, 400, "unsupported media URL scheme 'gopher'"),
+    "http URL (off by default)": ({"messages": [_image_url("http://169.254.169.254/latest")]}, 400, "http(s) media URLs are disabled"),
+    "truncated base64": ({"messages": [_image_url(data_uri(PNG)[:-3])]}, 400, "invalid base64"),
+    "non-image bytes": ({"messages": [_image_url(data_uri(b"hello, world"))]}, 400, "not a recognised image format"),
+    "PNG claiming 30000x30000": ({"messages": [_image_url(data_uri(png_claiming(30000, 30000)))]}, 400, "exceeds the limit"),
+    "zero-byte image": ({"messages": [_image_url("data:image/png;base64,")]}, 400, "not a recognised image format"),
     "zero-frame video": (
         {"messages": [{"role": "user", "content": [{"type": "video", "video": []}]}]}, 400,
         "messages.0.content.0.video: List should have at least 1 item",
     ),
     "1000 images": (
-        {"messages": [{"role": "user", "content": [_image(data_uri(PNG))["content"][0]] * 1000}]}, 400,
+        {"messages": [{"role": "user", "content": [_image_url(data_uri(PNG))["content"][0]] * 1000}]}, 400,
         "1000 media items; the limit is 4",
     ),
     "bad content part": (

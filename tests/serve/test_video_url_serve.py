@@ -1,7 +1,7 @@
 """`video_url` through the running app: a video file sent over HTTP (`video_url`, a data: URI) and
 gRPC (`video_file` bytes, `video_url`) gives `transformers`' greedy tokens for the frames and
 metadata its own loader takes from the file; every bad file gets 400 / INVALID_ARGUMENT naming
-the problem, a good request follows each, and no replica restarts. (Qwen3-VL: tests/serve/test_qwen3_vl_serve.py.)"""
+the problem, a good request follows each, and no replica restarts. (Qwen3-VL, MiniCPM-V: tests/serve/test_family_serve.py.)"""
 
 import grpc
 import httpx

@@ -7,6 +7,7 @@ import functools
 from llm_service.config import EngineConfig
 from llm_service.engine import LLMEngine, LLMRequest, TokenEvent
 from llm_service.model import LanguageModel
+from tests.support.cases import cases, image, image_question, text, user, video
 from tests.support.pipeline import plan_request  # noqa: F401  (re-exported for the engine tests)
 from tests.support.reference import reference_generate
 
@@ -20,6 +21,9 @@ def make_engine(model_dir: str, **config) -> LLMEngine:
     return LLMEngine(language_model(model_dir), EngineConfig(**config))
 
 
+def image_prompt(seed: int, question: str = "Describe this picture in detail, please.") -> list[dict]:
+    """A 112 x 112 image (16 image tokens, the same ids for any seed), then `question`."""
+    return image_question(image(112, 112, seed), question=question)
 
 
 class Collector:
@@ -67,16 +71,8 @@ def reference_tokens(model_dir: str, index: int, max_tokens: int) -> list[int]:
 @functools.lru_cache(maxsize=1)
 def mixed_cases() -> list[tuple[str, list[dict]]]:
     """18 mixed prompts: the equivalence cases plus text, image and video variants."""
-    from tests.support.cases import cases
-    from tests.support.media_factory import image_bytes, video_frames
-
     out = list(cases().items())
-    for i in range(6):
-        out.append((f"text_{i}", [{"role": "user", "content": [{"type": "text", "text": "Count " * (i * 7 + 1) + str(i)}]}]))
-    for i in range(4):
-        img = {"type": "image", "bytes": image_bytes(56 + 14 * i, 84 - 7 * i, 40 + i)}
-        out.append((f"image_{i}", [{"role": "user", "content": [img, {"type": "text", "text": f"What is {i}?"}]}]))
-    for i in range(2):
-        vid = {"type": "video", "frames": video_frames(2 + 2 * i, 56, 56, 50 + i), "fps": 2.0}
-        out.append((f"video_{i}", [{"role": "user", "content": [vid, {"type": "text", "text": "Go."}]}]))
+    out += [(f"text_{i}", user(text("Count " * (i * 7 + 1) + str(i)))) for i in range(6)]
+    out += [(f"image_{i}", user(image(56 + 14 * i, 84 - 7 * i, 40 + i), text(f"What is {i}?"))) for i in range(4)]
+    out += [(f"video_{i}", user(video(2 + 2 * i, 56, 56, 50 + i, fps=2.0), text("Go."))) for i in range(2)]
     return out

@@ -17,7 +17,6 @@ from encoder_service.families.base import image_uint8
 from mmserve.request.media import MediaItem, MediaKind, decode_image
 from tests.support.media_factory import image_bytes, video_frames
 from tests.families.test_encoder_equivalence import encoder
-from tests.families.test_step3p7 import step3_dir  # noqa: F401  (fixture)
 
 CPU = torch.device("cpu")
 # odd sizes, an upscaled small one, a wide one, a JPEG whose EXIF orientation swaps its sides
@@ -26,7 +25,7 @@ IMAGES = [image_bytes(37, 53, 1), image_bytes(20, 24, 2), image_bytes(64, 300, 3
 
 
 @pytest.fixture(scope="module")
-def image_models(tiny_models, qwen3_dir, llava_models, step3_dir, minicpmv_dir) -> dict[str, str]:  # noqa: F811
+def image_models(tiny_models, qwen3_dir, llava_models, step3_dir, minicpmv_dir) -> dict[str, str]:
     return {**tiny_models, "qwen3_vl": qwen3_dir, **llava_models, "step3p7": step3_dir, "minicpmv4_6": minicpmv_dir}
 
 

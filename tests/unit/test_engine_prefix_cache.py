@@ -4,17 +4,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llm_service.block_manager import BlockManager
-from tests.support.engine_support import Collector, make_engine, plan_request, run_until_done
-from tests.support.media_factory import image_bytes
+from tests.support.engine_support import Collector, image_prompt, make_engine, plan_request, run_until_done
 from tests.support.reference import reference_generate
 
 MAX_TOKENS = 6
 BLOCK = 8
-
-
-def _image_prompt(seed: int, text: str = "Describe this picture in detail, please.") -> list[dict]:
-    image = {"type": "image", "bytes": image_bytes(112, 112, seed)}  # 16 image tokens, same ids for any seed
-    return [{"role": "user", "content": [image, {"type": "text", "text": text}]}]
 
 
 def _run(engine, model_dir, messages, request_id) -> list[int]:
@@ -26,7 +20,7 @@ def _run(engine, model_dir, messages, request_id) -> list[int]:
 
 def test_identical_image_prompt_reuses_its_blocks_and_equals_monolithic(model_dir):
     engine = make_engine(model_dir, block_size=BLOCK)
-    messages = _image_prompt(1)
+    messages = image_prompt(1)
     prompt_len = len(plan_request(model_dir, messages, "x", 1).prompt_token_ids)
     expected = reference_generate(model_dir, messages, MAX_TOKENS)
     assert _run(engine, model_dir, messages, "first") == expected
@@ -37,7 +31,7 @@ def test_identical_image_prompt_reuses_its_blocks_and_equals_monolithic(model_di
 
 def test_another_image_with_the_same_token_ids_does_not_reuse_image_blocks(model_dir):
     engine = make_engine(model_dir, block_size=BLOCK)
-    first, second = _image_prompt(1), _image_prompt(2)
+    first, second = image_prompt(1), image_prompt(2)
     ids = [plan_request(model_dir, m, "x", 1) for m in (first, second)]
     assert ids[0].prompt_token_ids == ids[1].prompt_token_ids  # only the pixels differ
     image_start = ids[0].media[0][0].offset
@@ -49,7 +43,7 @@ def test_another_image_with_the_same_token_ids_does_not_reuse_image_blocks(model
 
 def test_prefix_caching_off_computes_everything(model_dir):
     engine = make_engine(model_dir, block_size=BLOCK, enable_prefix_caching=False)
-    messages = _image_prompt(3)
+    messages = image_prompt(3)
     first, second = _run(engine, model_dir, messages, "a"), _run(engine, model_dir, messages, "b")
     assert first == second == reference_generate(model_dir, messages, MAX_TOKENS)
     assert engine.stats().num_cached_tokens == 0
@@ -105,7 +99,7 @@ def test_same_image_after_an_encoder_identity_change_does_not_reuse_kv(model_dir
     from mmserve.request.embeddings import ItemEmbedding
 
     engine = make_engine(model_dir, block_size=BLOCK)
-    messages = _image_prompt(3)
+    messages = image_prompt(3)
     request = plan_request(model_dir, messages, "old-encoder", MAX_TOKENS)
     (rng, old), = request.media
     upgraded = ItemEmbedding(old.parts, key=old.key + "+new-weights")

@@ -43,13 +43,12 @@ def _build_deep(out: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def deep_dir(tmp_path_factory) -> str:
-    root = os.environ.get("MMSERVE_TEST_MODELS") or str(tmp_path_factory.mktemp("models"))
-    out = os.path.join(root, "qwen3_5_text_deep")
+def deep_dir(models_root) -> str:
+    out = os.path.join(models_root, "qwen3_5_text_deep")
     return out if os.path.exists(os.path.join(out, "model.safetensors")) else _build_deep(out)
 
 
-def _text(i: int, growth: int = 11) -> list[dict]:
+def _tell_me(i: int, growth: int = 11) -> list[dict]:
     return [{"role": "user", "content": [{"type": "text", "text": "Tell me " * (3 + growth * i) + f"about {i}."}]}]
 
 
@@ -84,7 +83,7 @@ def _assert_all_freed(engine):
 def test_deep_lm_concurrent_chunked_requests_equal_monolithic(deep_dir):
     _, model = load_reference(deep_dir)
     assert model.config.text_config.layer_types.count("full_attention") == 2  # 6 linear : 2 full
-    prompts = [(f"t{i}", _text(i), _max_tokens(i)) for i in range(8)]
+    prompts = [(f"t{i}", _tell_me(i), _max_tokens(i)) for i in range(8)]
     engine = make_engine(deep_dir, max_num_batched_tokens=40, max_num_seqs=16)
     collector, mix = _run(engine, deep_dir, prompts)
     assert any(prefills and decodes for prefills, decodes in mix)  # prefill chunks beside decode tokens
@@ -94,7 +93,7 @@ def test_deep_lm_concurrent_chunked_requests_equal_monolithic(deep_dir):
 
 
 def test_deep_lm_preempted_by_a_tiny_pool_equals_monolithic(deep_dir):
-    prompts = [(f"t{i}", _text(i, growth=4), 10) for i in range(6)]  # 23 .. 83 prompt tokens
+    prompts = [(f"t{i}", _tell_me(i, growth=4), 10) for i in range(6)]  # 23 .. 83 prompt tokens
     engine = make_engine(deep_dir, num_kv_blocks=12, block_size=8, num_state_slots=4, max_num_batched_tokens=32)
     collector, _ = _run(engine, deep_dir, prompts)
     assert engine.scheduler.num_preemptions > 0
@@ -130,7 +129,7 @@ def test_abort_frees_slots_and_blocks_at_once(minicpmv_dir):
     engine = make_engine(minicpmv_dir, max_num_batched_tokens=32, num_state_slots=4)
     collector = Collector()
     for i in range(6):
-        collector.add(engine, plan_request(minicpmv_dir, _text(i), f"a{i}", 50, ignore_eos=True))
+        collector.add(engine, plan_request(minicpmv_dir, _tell_me(i), f"a{i}", 50, ignore_eos=True))
     while len(engine.scheduler.running) < 4:
         engine.step()
     engine.step()

@@ -59,10 +59,10 @@ def test_output_parts_cross_as_one_unit(publisher):
 def test_real_qwen3_vl_output_crosses_bit_identical(publisher, qwen3_dir):
     """A Qwen3-VL encoder output (embeddings + DeepStack features) of an image and a video."""
     from tests.support.pipeline import runtimes, to_planner_messages
-    from tests.families.test_qwen3_vl import CASES
+    from tests.support.cases import family_cases
 
     planner, encoder, _ = runtimes(qwen3_dir)
-    outputs = encoder.encode(planner.plan(to_planner_messages(CASES["image_and_video"]())).media)
+    outputs = encoder.encode(planner.plan(to_planner_messages(family_cases("qwen3_vl")["image_and_video"])).media)
     assert len(outputs) == 2 and all(len(e.parts) > 1 for e in outputs)
     _, back = _roundtrip_embeddings(publisher, outputs)
     for got, sent in zip(back, outputs):

@@ -1,7 +1,8 @@
 """`video_url` without Ray: video files decoded in worker processes to exactly the frames and
 metadata `transformers`' own loader gives (PyAV, the checkpoint's `sample_frames`), the faces fed
 from them, and every bad file refused with a message naming the problem. Served end to end:
-tests/serve/test_video_url_serve.py (Qwen2-VL, Qwen2.5-VL), tests/serve/test_qwen3_vl_serve.py (Qwen3-VL)."""
+tests/serve/test_video_url_serve.py (Qwen2-VL, Qwen2.5-VL), tests/serve/test_family_serve.py
+(Qwen3-VL, MiniCPM-V)."""
 
 import asyncio
 import dataclasses

@@ -1,0 +1,109 @@
+"""Each family's tiny checkpoint through the Serve app == `transformers` monolithic `generate`
+(float64): the `openai` client (streaming == non-streaming) on every embedding transport the family
+is served with, and the public gRPC API (unary and streamed); a video file (`video_url`) decoded and
+sampled on the server by the family's own rule, streamed through the pipeline or not. The cases are
+the family's own (tests/support/cases.py). (The Qwen2-VL families: test_serve_app.py,
+test_grpc_serve.py, test_video_url_serve.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from mmserve.rpc.vlm_client import VLMClient
+from tests.support.cases import CASE_TOKENS, family_cases, openai_chat, proto_messages
+from tests.support.reference import reference_generate
+from tests.support.serve_fixtures import _app_args
+
+pytestmark = pytest.mark.serve
+
+GRPC = {"transport": "grpc", "video_decode": {"stream": False}}  # embeddings over gRPC, a video decoded whole
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    apps: dict[str, dict]  # app name -> its extra AppArgs; the first moves embeddings through Ray's object store
+    cases: tuple[str, ...]  # sent over HTTP to every app (text only: to the first; it crosses no transport)
+    grpc_api: tuple[str, ...] = ()  # also sent over the public gRPC API (it carries a message's media before its text)
+    grpc_app: str = ""  # the app the gRPC API calls go to
+    video_seed: int | None = None  # a video file sent as `video_url` (the family takes videos)
+
+
+SERVED = {
+    "llava": Served({"llava": {}}, ("one_image", "three_images"), ("one_image",), "llava"),
+    "llava_siglip": Served({"llava_siglip": {}}, ("one_image", "three_images"), ("one_image",), "llava_siglip"),
+    "step3p7": Served({"step3p7": {}}, ("text_only", "three_images", "long_prompt")),
+    "minicpmv4_6": Served({"minicpmv4_6": {}, "minicpmv4_6_grpc": GRPC},
+                          ("text_only", "one_image", "sliced_images", "video", "long_prompt"), ("one_image",),
+                          "minicpmv4_6_grpc", video_seed=23),
+    "qwen3_vl": Served({"qwen3_vl": {}, "qwen3_vl_grpc": GRPC}, ("one_image", "video", "image_and_video"),
+                       ("one_image", "video"), "qwen3_vl", video_seed=22),
+}
+
+
+@pytest.fixture(scope="module")
+def served(request, serve_ports, tiny_checkpoint):
+    """(family, {app name: base URL}): the family's apps on the session's Serve instance, up while
+    the tests of that family run (they are grouped by family)."""
+    from ray import serve
+
+    from deployments.serve.app import build_app
+
+    family, apps = request.param, SERVED[request.param].apps
+    for name, extra in apps.items():
+        serve.run(build_app(_app_args(tiny_checkpoint(family), name, **extra)), name=name, route_prefix=f"/{name}")
+    try:
+        yield family, {name: f"http://127.0.0.1:{serve_ports[0]}/{name}" for name in apps}
+    finally:
+        for name in apps:
+            serve.delete(name)
+
+
+# `case` is (family, case name): only the family groups the tests (a shared case name would interleave them)
+@pytest.mark.parametrize("served,case", [(f, (f, c)) for f, s in SERVED.items() for c in s.cases],
+                         ids=[f"{f}-{c}" for f, s in SERVED.items() for c in s.cases], indirect=["served"],
+                         scope="module")
+def test_http_and_grpc_equal_monolithic(served, case, tiny_checkpoint, serve_ports):
+    family, urls = served
+    spec, max_tokens, messages = SERVED[family], CASE_TOKENS[family], family_cases(family)[case[1]]
+    expected = reference_generate(tiny_checkpoint(family), messages, max_tokens)
+    first, *others = spec.apps
+    text, tokens = openai_chat(urls[first], first, messages, max_tokens, stream=False)
+    assert tokens == expected
+    assert openai_chat(urls[first], first, messages, max_tokens, stream=True) == (text, tokens)
+    if case[1] != "text_only":  # text goes to no encoder: nothing crosses a transport
+        for name in others:
+            assert openai_chat(urls[name], name, messages, max_tokens, stream=False) == (text, tokens), name
+    if case[1] in spec.grpc_api:
+        with VLMClient(f"127.0.0.1:{serve_ports[1]}", application=spec.grpc_app) as c:
+            unary = c.generate(proto_messages(messages), max_tokens=max_tokens)
+            streamed = list(c.stream(proto_messages(messages), max_tokens=max_tokens))
+        assert list(unary.token_ids) == expected and unary.text == text
+        assert [t for r in streamed for t in r.token_ids] == expected
+        assert "".join(r.text for r in streamed) == text
+
+
+@pytest.mark.parametrize("served", [f for f, s in SERVED.items() if s.video_seed is not None], indirect=True)
+def test_video_url_equals_monolithic_on_both_transports(served, tiny_checkpoint, serve_ports):
+    """A video file (mp4 `video_url`), decoded and sampled on the server at the family's own rate
+    (Qwen3-VL: with the timestamps its processor writes from the sampled frames' numbers): streamed
+    through the pipeline (object store app) and not (gRPC app), the same tokens; the same over the
+    public gRPC API (`video_files`)."""
+    pytest.importorskip("av")
+    from mmserve.rpc.vlm_client import user
+    from tests.support.media_factory import video_file
+    from tests.serve.test_video_url_serve import QUESTION, decoder_stats, reference_messages
+
+    family, urls = served
+    spec, max_tokens = SERVED[family], CASE_TOKENS[family]
+    data = video_file(3.4, 10, 56, 84, seed=spec.video_seed)
+    messages = reference_messages(data)
+    expected = reference_generate(tiny_checkpoint(family), messages, max_tokens)
+    first = next(iter(spec.apps))
+    for name in spec.apps:
+        before = decoder_stats(name)
+        assert openai_chat(urls[name], name, messages, max_tokens, stream=False)[1] == expected, name
+        assert decoder_stats(name)["streamed"] - before["streamed"] == (name == first), name
+    with VLMClient(f"127.0.0.1:{serve_ports[1]}", application=spec.grpc_app) as c:
+        assert list(c.generate([user(QUESTION, video_files=[data])], max_tokens=max_tokens).token_ids) == expected
