@@ -78,11 +78,11 @@ def main(argv: list[str] | None = None, collect=None) -> int:
                    f"lasts {RUN_TTFT_SLOS} TTFT SLOs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", help="write the goodput-per-GPU chart here (SVG)")
-    v = p.add_argument_group("--validate: the model against real runs of the app on this machine (minutes), "
-                             "fitted on some runs, checked on the others")
-    v.add_argument("--validate", action="store_true")
-    v.add_argument("--runs", type=Path, help="validate this kept run set instead of running the app")
-    v.add_argument("--record", type=Path, help="keep the run set here (JSON)")
+    v = p.add_argument_group("validation")
+    v.add_argument("--validate", action="store_true", help="instead: the model against real runs of the app on this "
+                   "machine (minutes), a profile fitted on some of them, the others predicted")
+    v.add_argument("--runs", type=Path, metavar="FILE", help="validate this kept run set instead of running the app")
+    v.add_argument("--record", type=Path, metavar="FILE", help="keep the run set here (JSON)")
     v.add_argument("--num-prompts", type=int, default=None, help="requests per held-out rate (default 200; --quick 60)")
     v.add_argument("--quick", action="store_true")
     ns = p.parse_args(argv)
