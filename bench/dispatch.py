@@ -14,16 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from deployments.cli.ingress_modes import free_loopback_port  # noqa: E402
-from tests.support.media_factory import data_uri, image_bytes  # noqa: E402
+from deployments.cli.bench_app import start_serve, stop_app
+from mmserve.loadgen.dataset import data_uri, image_bytes
 
 MODES = {"pass_refs": False, "await": True}
 
@@ -52,16 +48,13 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=224)
     ns = parser.parse_args()
 
-    import ray
     from ray import serve
 
     from deployments.serve.app import build_app
     from mmserve.tiny import ensure_tiny_model
 
     model = ns.model or str(ensure_tiny_model())
-    port = free_loopback_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port, _ = start_serve(4)
     small = {"num_cpus": 0.1}
     urls = {}
     for mode, awaits in MODES.items():
@@ -79,8 +72,7 @@ def main() -> None:
         order = list(MODES) if i % 2 == 0 else list(reversed(MODES))
         for mode in order:
             samples[mode].append(_ttft_ms(urls[mode], image))
-    serve.shutdown()
-    ray.shutdown()
+    stop_app()
 
     p50 = {mode: statistics.median(v) for mode, v in samples.items()}
     mean = {mode: statistics.fmean(v) for mode, v in samples.items()}

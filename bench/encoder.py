@@ -28,28 +28,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from encoder_service.batching import BatchConfig  # noqa: E402
-from encoder_service.pool import EncoderPool, PoolConfig  # noqa: E402
-from mmserve.request.media import EncodeItem, MediaItem, MediaKind  # noqa: E402
+from encoder_service.batching import BatchConfig
+from encoder_service.pool import EncoderPool, PoolConfig
+from mmserve.loadgen.dataset import image_bytes
+from mmserve.request.media import EncodeItem, MediaItem, MediaKind
 
 REAL_SIDES = (224, 448, 672, 896, 1024)
-
-
-def image(height: int, width: int, seed: int) -> bytes:
-    import io
-
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    base = rng.integers(0, 255, (max(2, height // 8), max(2, width // 8), 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(base).resize((width, height), Image.BILINEAR).save(buf, "PNG")
-    return buf.getvalue()
 
 
 def workload(n: int, scale: float, seed: int = 0) -> list[MediaItem]:
@@ -59,7 +45,7 @@ def workload(n: int, scale: float, seed: int = 0) -> list[MediaItem]:
         side = rng.choice(REAL_SIDES)
         aspect = rng.choice((1.0, 0.75, 4 / 3))
         h, w = max(28, int(side * scale * aspect ** 0.5)), max(28, int(side * scale / aspect ** 0.5))
-        items.append(MediaItem(MediaKind.IMAGE, (image(h, w, seed * 100_000 + k),)))
+        items.append(MediaItem(MediaKind.IMAGE, (image_bytes(h, w, seed * 100_000 + k),)))
     return items
 
 
@@ -147,7 +133,7 @@ def forward_seconds(encoder, items, max_tokens: int, repeat: int = 3) -> float:
 
 def queued_bytes_per_1024_image(encoder) -> int:
     """Bytes the pool queues for one 1024x1024 image (`PreparedItem.num_bytes`)."""
-    item = encoder.plan(MediaItem(MediaKind.IMAGE, (image(1024, 1024, 1),)))
+    item = encoder.plan(MediaItem(MediaKind.IMAGE, (image_bytes(1024, 1024, 1),)))
     return encoder.preprocess(item).num_bytes
 
 
@@ -307,7 +293,8 @@ def cuda_rows(args) -> dict:
     results = {"queued_bytes_per_1024_image": queued_bytes_per_1024_image(tower)}
     print(f"queued bytes per 1024^2 image: {results['queued_bytes_per_1024_image']}")
     for side in (448, 1024):
-        items = [tower.plan(MediaItem(MediaKind.IMAGE, (image(side, side, 7_000 + k),))) for k in range(args.cuda_items)]
+        items = [tower.plan(MediaItem(MediaKind.IMAGE, (image_bytes(side, side, 7_000 + k),)))
+                 for k in range(args.cuda_items)]
         grid = tower.preprocess(items[0]).layout
         batch = BatchConfig(max_batch_tokens=args.cuda_batch_tokens, max_batch_items=256, batch_wait_ms=args.wait_ms)
         # the whole burst queued at once: 64 uint8 1024^2 items are ~0.2 GB of pixels
@@ -357,7 +344,7 @@ def graph_rows(tower: FullSizeTower, args) -> dict:
     print(f"{'side':>5} {'items':>6} {'budget':>7} {'eager ms':>9} {'graph ms':>9} {'speedup':>8}")
     for side in (448, 1024):
         for count in (1, 4, 16):
-            prepared = [tower.preprocess(tower.plan(MediaItem(MediaKind.IMAGE, (image(side, side, 9_000 + k),))))
+            prepared = [tower.preprocess(tower.plan(MediaItem(MediaKind.IMAGE, (image_bytes(side, side, 9_000 + k),))))
                         for k in range(count)]
             layout = graphs.layout([p.layout for p in prepared])
             if layout is None:

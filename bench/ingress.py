@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from deployments.cli.ingress_modes import free_loopback_port
+from mmserve.loadgen.metrics import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("proxy", "direct", "haproxy", "proxy-capped")
@@ -63,16 +64,6 @@ def kill_session(sid: int) -> None:
                 p.kill()
         except (psutil.Error, ProcessLookupError, PermissionError):
             continue
-
-
-def pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    k = (len(values) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
 class Server:
@@ -143,10 +134,10 @@ async def measure(base: str, model: str, small: int, unloaded: int, burst: int) 
     out = {
         "health_p50_ms": round(statistics.median(health), 2),
         "small_request_p50_ms": round(statistics.median(small_ms), 2),
-        "unloaded_p99_ttft_ms": round(pct(ttft_unloaded, 0.99), 1),
+        "unloaded_p99_ttft_ms": round(percentile(ttft_unloaded, 99), 1),
         "burst_shed": len(shed), "burst_admitted": len(admitted), "burst_other": len(other),
-        "burst_shed_p50_ms": round(pct(shed, 0.5), 1) if shed else None,
-        "burst_admitted_p99_ttft_ms": round(pct(admitted, 0.99), 1) if admitted else None,
+        "burst_shed_p50_ms": round(percentile(shed, 50), 1) if shed else None,
+        "burst_admitted_p99_ttft_ms": round(percentile(admitted, 99), 1) if admitted else None,
     }
     out["burst_p99_ttft_over_unloaded"] = (round(out["burst_admitted_p99_ttft_ms"] / out["unloaded_p99_ttft_ms"], 2)
                                            if admitted else None)

@@ -6,7 +6,7 @@
     python bench/llm.py --device cuda --breakdown [--no-fused-ops]   # kernels per step with / without fusion
     python bench/llm.py --hybrid-prefix      # hybrid LM: TTFT with state snapshots on vs off
     python bench/llm.py --hybrid-prefix --quick    # the same, smaller prompt (seconds)
-    python bench/llm.py --breakdown          # per-step time by phase, overlap off and on (bench/llm_breakdown.py)
+    python bench/llm.py --breakdown          # per-step time by phase, overlap off and on
 
 (a) `generate` serves the requests one at a time (what a replica without batching does);
 (b) the engine gets all of them at once. The last line printed is one JSON object.
@@ -20,6 +20,15 @@ bench/gpu_report.py turns these into ratios to the physical limits.
 a system prompt (1,024 tokens) and an image (256 placeholder tokens, random embedding rows under
 one media key) and differ in a 16-token question; the TTFT of the second one is measured with
 state snapshots on (prefix caching resumes it) and off (the whole prompt is computed again).
+
+--breakdown: where an engine step's time goes, per step, for steady decode at batch 1, 8 and 64 and
+for a step that mixes decodes with a prefill chunk, with steps overlapped (`async_scheduling`) and
+not. The engine is stepped from this thread (no engine thread), its `step_log` on: each `step()`
+call's host time in scheduling, preparing the inputs, launching the forward (on the CPU this runs
+it), launching the sampler, waiting for the sampled ids it reads and postprocessing them, and on
+CUDA the device time of the step it reads (CUDA events). `host` is the engine's own work around
+the forward (schedule + prepare + sample + postprocess). Ops per step come from `torch.profiler`
+over a few more steps: CUDA kernels on a GPU, top-level aten ops on the CPU.
 """
 
 from __future__ import annotations
@@ -28,7 +37,6 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -36,17 +44,15 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.checkpoints import QWEN2_VL_2B_TEXT  # noqa: E402
-from bench.device_peaks import peaks  # noqa: E402
-from llm_service.config import EngineConfig  # noqa: E402
-from llm_service.engine import LLMEngine, LLMRequest  # noqa: E402
-from llm_service.kv_cache import bytes_per_block  # noqa: E402
-from llm_service.model import LanguageModel  # noqa: E402
-from llm_service.sampling import SamplingParams  # noqa: E402
-from mmserve.request.embeddings import ItemEmbedding  # noqa: E402
-from mmserve.request.media import PlaceholderRange  # noqa: E402
+from llm_service.config import EngineConfig
+from llm_service.engine import LLMEngine, LLMRequest
+from llm_service.kv_cache import bytes_per_block
+from llm_service.model import LanguageModel
+from llm_service.sampling import SamplingParams
+from mmserve.loadgen.checkpoints import QWEN2_VL_2B_TEXT
+from mmserve.loadgen.device_peaks import peaks
+from mmserve.request.embeddings import ItemEmbedding
+from mmserve.request.media import PlaceholderRange
 
 SIZES = {
     # CPU default: small enough for a few minutes on 2 cores, big enough that compute shows
@@ -247,20 +253,125 @@ def decode_ms_per_step(engine: LLMEngine, batch: int, context: int, tokens: int,
     return 1000 * sum(gaps) / max(len(gaps), 1)
 
 
-def bench_breakdown(args) -> None:
-    from bench import llm_breakdown
+# -- --breakdown ----------------------------------------------------------------------------------
+BREAKDOWN_COLUMNS = ("schedule", "prepare", "launch", "sample", "readback", "postprocess")
 
+
+def _random_prompts(n: int, length: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(10, vocab, (length,), generator=g).tolist()) for _ in range(n)]
+
+
+def _submit(engine: LLMEngine, tag: str, prompts, max_tokens: int) -> None:
+    for i, ids in enumerate(prompts):
+        engine.add_request(LLMRequest(f"{tag}-{i}", ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True)),
+                           lambda event: None)
+
+
+def _decoding(engine: LLMEngine, batch: int) -> bool:
+    running = engine.scheduler.running
+    return len(running) == batch and all(s.num_computed >= s.num_prompt_tokens for s in running)
+
+
+def breakdown_case(engine: LLMEngine, batch: int, context: int, steps: int, mixed: bool,
+                   profile_steps: int = 3) -> dict:
+    """Mean `StepTimes` columns (microseconds) over `steps` steady steps of `batch` decoding
+    sequences (`mixed`: each step also prefills a new `context`-token prompt, one token asked),
+    and ops per step."""
+    vocab = engine.model.vocab_size
+    _submit(engine, f"d{batch}{mixed}", _random_prompts(batch, context, vocab, seed=batch), steps + profile_steps + 64)
+    while not _decoding(engine, batch):
+        engine.step()
+    engine.step()  # the first decode step of the last one admitted
+    arrivals = iter(_random_prompts(steps + profile_steps + 2, context, vocab, seed=1000 + batch)) if mixed else None
+    engine.step_log = []
+    for k in range(steps):
+        if arrivals:
+            _submit(engine, f"m{batch}-{k}", [next(arrivals)], 1)
+        engine.step()
+    log, engine.step_log = engine.step_log, None
+    log = [t for t in log if t.num_seqs and (t.decode_only != mixed)]
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    cuda = engine.model.device.type == "cuda"
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        for k in range(profile_steps):
+            if arrivals:
+                _submit(engine, f"p{batch}-{k}", [next(arrivals)], 1)
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+    ops = _count_ops(prof.events(), cuda) / profile_steps
+    for request_id in list(engine._by_id):
+        engine.abort(request_id)
+    while engine.scheduler.running or engine.scheduler.waiting or engine._launched is not None:
+        engine.step()
+    row = {c: 1e6 * statistics.fmean(getattr(t, c) for t in log) for c in BREAKDOWN_COLUMNS}
+    row["host"] = row["schedule"] + row["prepare"] + row["sample"] + row["postprocess"]
+    row["step"] = sum(row[c] for c in BREAKDOWN_COLUMNS)
+    devices = [t.device for t in log if t.device is not None]
+    row["device"] = 1e6 * statistics.fmean(devices) if devices else None
+    row["ops"] = ops
+    row["steps"] = len(log)
+    return row
+
+
+def _count_ops(events, cuda: bool) -> int:
+    if cuda:  # kernels the device ran (replayed graphs' included)
+        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return sum(1 for e in events if e.name.startswith("aten::")
+               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+
+
+def breakdown_rows(lm, context: int, steps: int, batches=(1, 8, 64), **config) -> dict:
+    """Every breakdown row, overlap off and on (`config`: more `EngineConfig` settings); returns
+    {"<case> <off|on>": row}."""
+    rows = {}
+    for overlap in (False, True):
+        engine = LLMEngine(lm, EngineConfig(max_num_seqs=max(batches) + 1, max_num_batched_tokens=4096,
+                                            async_scheduling=overlap, **config))
+        for batch, mixed in [(b, False) for b in batches] + [(8, True)]:
+            case = f"{'mixed' if mixed else 'decode'} b{batch} {'on' if overlap else 'off'}"
+            rows[case] = breakdown_case(engine, batch, context, steps, mixed)
+        engine.shutdown()
+    return rows
+
+
+def print_breakdown(rows: dict) -> None:
+    cols = (*BREAKDOWN_COLUMNS, "host", "step", "device", "ops")
+    print("per step, microseconds (ops: kernels on CUDA, top-level aten ops on CPU)")
+    print(f"{'case':<16}" + "".join(f"{c:>12}" for c in cols))
+    for case, row in rows.items():
+        cells = [f"{row[c]:>12.1f}" if row[c] is not None else f"{'-':>12}" for c in cols]
+        print(f"{case:<16}" + "".join(cells))
+
+
+def breakdown_summary(rows: dict) -> dict:
+    """The JSON figures: per case and mode, host and step microseconds and ops per step."""
+    out = {}
+    for case, row in rows.items():
+        key = case.replace(" ", "_")
+        out[f"{key}_host_us"] = round(row["host"], 1)
+        out[f"{key}_step_us"] = round(row["step"], 1)
+        if row["device"] is not None:
+            out[f"{key}_device_us"] = round(row["device"], 1)
+        out[f"{key}_ops"] = round(row["ops"], 1)
+    return out
+
+
+def bench_breakdown(args) -> None:
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     model_dir = Path(args.model) if args.model else random_checkpoint(
         "small" if args.device == "cpu" else "2b", dtype, args.device)
     lm = LanguageModel(model_dir, dtype=str(dtype).removeprefix("torch."), device=args.device)
-    rows = llm_breakdown.run(lm, args.prompt_len, args.steps, split_kv_decode=not args.no_split_kv,
+    rows = breakdown_rows(lm, args.prompt_len, args.steps, split_kv_decode=not args.no_split_kv,
                              fused_ops=not args.no_fused_ops)
-    llm_breakdown.print_table(rows)
+    print_breakdown(rows)
     result = {"device": args.device, "model": model_dir.name, "prompt_len": args.prompt_len, "steps": args.steps,
               "fused_ops": not args.no_fused_ops, "split_kv_decode": not args.no_split_kv,
-              **llm_breakdown.summary(rows)}
+              **breakdown_summary(rows)}
     if not args.model:
         shutil.rmtree(model_dir, ignore_errors=True)
     print(json.dumps(result))

@@ -25,214 +25,21 @@ p99 TTFT at the lowest rate. The last line printed is one JSON object.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import base64
-import contextlib
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mmserve.loadgen.dataset import (  # noqa: E402
-    DatasetConfig, RequestSpec, ResolutionBucket, arrival_times, generate_requests, prompt_text, synthesize_image,
-    system_text,
+from deployments.cli.bench_app import start_app, stop_app
+from mmserve.loadgen.checkpoints import bench_checkpoint
+from mmserve.loadgen.client import run_load, serve_bench_args
+from mmserve.loadgen.dataset import (
+    QUICK_BUCKETS, DatasetConfig, RequestSpec, arrival_times, generate_requests, synthesize_image,
 )
-from mmserve.loadgen.metrics import SLO, RequestRecord, compute_metrics  # noqa: E402
-from deployments.cli.ingress_modes import free_loopback_port  # noqa: E402
-
-QUICK_BUCKETS = (ResolutionBucket(112, 112, 0.3), ResolutionBucket(224, 224, 0.5), ResolutionBucket(336, 336, 0.2))
-
-
-# -- the load -----------------------------------------------------------------------------------
-def request_body(spec: RequestSpec, model_name: str, images: dict[int, str], system_words: int = 48) -> dict:
-    content = [{"type": "image_url", "image_url": {"url": images[i.seed]}} for i in spec.images]
-    content.append({"type": "text", "text": prompt_text(spec)})
-    messages = [{"role": "user", "content": content}]
-    if spec.system is not None:
-        messages.insert(0, {"role": "system", "content": system_text(spec.system, system_words)})
-    return {"model": model_name, "messages": messages, "max_tokens": spec.max_tokens,
-            "ignore_eos": True, "temperature": 0, "stream": True, "return_token_ids": True,
-            "stream_options": {"include_usage": True}, "return_stage_times": True}
-
-
-async def one_request(client, url: str, body: dict, send_at: float) -> RequestRecord:
-    await asyncio.sleep(max(0.0, send_at - time.perf_counter()))
-    sent = time.perf_counter()
-    times: list[float] = []
-    stages, prompt_tokens = None, 0
-    try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                await response.aread()
-                return RequestRecord(sent, time.perf_counter(), False, str(response.status_code))
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return RequestRecord(sent, time.perf_counter(), False, "stream_error", tuple(times))
-                now = time.perf_counter()
-                for choice in chunk.get("choices", []):
-                    times.extend([now] * len(choice.get("token_ids") or []))
-                usage = chunk.get("usage") or {}
-                stages = usage.get("stage_ms", stages)
-                prompt_tokens = usage.get("prompt_tokens", prompt_tokens)
-    except Exception as e:  # noqa: BLE001 - a failed request is a data point, not a crash
-        return RequestRecord(sent, time.perf_counter(), False, type(e).__name__, tuple(times))
-    return RequestRecord(sent, time.perf_counter(), bool(times), "200", tuple(times), prompt_tokens, stages)
-
-
-def grpc_request(spec: RequestSpec, model_name: str, images: dict[int, bytes], system_words: int = 48):
-    """The same request as `request_body`, as a `mmserve.v1` GenerateRequest (greedy, ignore_eos)."""
-    from mmserve.rpc.vlm_client import request, user
-    from protos.mmserve.v1 import vlm_pb2
-
-    messages = [user(prompt_text(spec), [images[i.seed] for i in spec.images])]
-    if spec.system is not None:
-        text = vlm_pb2.ContentPart(text=system_text(spec.system, system_words))
-        messages.insert(0, vlm_pb2.ChatMessage(role="system", content=[text]))
-    return request(messages, model=model_name, max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
-
-
-async def one_request_grpc(stub, message, send_at: float, metadata: tuple = ()) -> RequestRecord:
-    """A GenerateStream call; a refused or failed call records its gRPC code name."""
-    import grpc
-
-    await asyncio.sleep(max(0.0, send_at - time.perf_counter()))
-    sent = time.perf_counter()
-    times: list[float] = []
-    try:
-        async for response in stub.GenerateStream(message, timeout=600.0, metadata=metadata):
-            now = time.perf_counter()
-            times.extend([now] * len(response.token_ids))
-    except grpc.aio.AioRpcError as e:
-        return RequestRecord(sent, time.perf_counter(), False, e.code().name, tuple(times))
-    except Exception as e:  # noqa: BLE001 - a failed request is a data point, not a crash
-        return RequestRecord(sent, time.perf_counter(), False, type(e).__name__, tuple(times))
-    return RequestRecord(sent, time.perf_counter(), bool(times), "200", tuple(times))
-
-
-async def run_load(target: str, model_name: str, specs: list[RequestSpec], offsets: list[float],
-                   label: str = "", concurrency: int | None = None, transport: str = "http",
-                   application: str | None = None) -> list[RequestRecord]:
-    """Sends `specs` at `offsets` (or, with `concurrency`, that many at a time) and records each.
-    `target`: the base URL (HTTP) or `host:port` of Serve's gRPC proxy (gRPC; `application` names
-    the Serve app when several run behind it)."""
-    from tqdm import tqdm
-
-    pngs = {i.seed: synthesize_image(i) for s in specs for i in s.images}
-    bar = tqdm(total=len(specs), desc=label or "requests", file=sys.stderr, leave=False)
-    async with _sender(target, model_name, pngs, transport, application) as send:
-        gate = asyncio.Semaphore(concurrency) if concurrency else None
-
-        async def tracked(spec: RequestSpec, offset: float) -> RequestRecord:
-            if gate:
-                async with gate:
-                    record = await send(spec, 0.0)
-            else:
-                record = await send(spec, start + offset)
-            bar.update(1)
-            return record
-
-        start = time.perf_counter()
-        records = await asyncio.gather(*(tracked(s, o) for s, o in zip(specs, offsets)))
-    bar.close()
-    return list(records)
-
-
-@contextlib.asynccontextmanager
-async def _sender(target: str, model_name: str, pngs: dict[int, bytes], transport: str, application: str | None):
-    """`send(spec, send_at) -> RequestRecord` over one shared HTTP client or gRPC channel."""
-    if transport == "grpc":
-        import grpc
-
-        from protos.mmserve.v1 import vlm_pb2_grpc
-
-        async with grpc.aio.insecure_channel(target) as channel:
-            stub = vlm_pb2_grpc.VLMServiceStub(channel)
-            metadata = (("application", application),) if application else ()
-            yield lambda spec, at: one_request_grpc(stub, grpc_request(spec, model_name, pngs), at, metadata)
-        return
-    import httpx
-
-    images = {seed: "data:image/png;base64," + base64.b64encode(png).decode() for seed, png in pngs.items()}
-    url = target.rstrip("/") + "/v1/chat/completions"
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-        yield lambda spec, at: one_request(client, url, request_body(spec, model_name, images), at)
-
-
-# -- the app under test -------------------------------------------------------------------------
-def bench_checkpoint(out: Path) -> str:
-    """A random Qwen2-VL (float32) whose ViT is big enough to matter: embed 256, depth 6, ≤336² images."""
-    import torch
-    from transformers import AutoModelForImageTextToText, GenerationConfig, Qwen2VLImageProcessor, Qwen2VLProcessor
-
-    from mmserve import tiny
-    from mmserve.tiny import qwen2_vl, tokenizer as tiny_tokenizer
-
-    if (out / "mmserve_tiny.json").exists():
-        return str(out)
-    tokenizer = tiny_tokenizer.build_tokenizer(0, vocab_size=1024)
-    config = qwen2_vl.config("qwen2_vl", tokenizer)
-    for key, value in dict(depth=6, embed_dim=256, num_heads=4, mlp_ratio=4).items():
-        setattr(config.vision_config, key, value)
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
-    model.generation_config = GenerationConfig(eos_token_id=[config.text_config.eos_token_id],
-                                               pad_token_id=config.text_config.pad_token_id, do_sample=False)
-    from transformers import Qwen2VLVideoProcessor
-
-    processor = Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessor(min_pixels=tiny.MIN_PIXELS, max_pixels=336 * 336),
-        tokenizer=tokenizer, chat_template=tiny.CHAT_TEMPLATE,
-        video_processor=Qwen2VLVideoProcessor(min_pixels=tiny.VIDEO_MIN_PIXELS, max_pixels=tiny.VIDEO_MAX_PIXELS,
-                                              cap_pixels_per_frame=False),
-    )
-    model.save_pretrained(out, safe_serialization=True)
-    processor.save_pretrained(out)
-    (out / "mmserve_tiny.json").write_text(json.dumps({"family": "qwen2_vl", "seed": 0, "bench": True}) + "\n")
-    return str(out)
-
-
-def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: str = "cpu",
-              gpus: float = 0.0, replicas: tuple[int, int] | None = None, routing: str = "affinity") -> tuple[str, str]:
-    """Starts Ray + Serve + the app in this process; returns its base URL and gRPC target (stop
-    with `stop_app`). `replicas`: (encoder, LLM) replicas sharing their half of the CPUs (default:
-    one each; colocated: two LLM replicas); `routing`: the app's routing policy."""
-    import ray
-    from ray import serve
-
-    from deployments.serve.app import build_app
-    from deployments.config import AppArgs
-    from deployments.serve.router import grpc_options
-
-    half = num_cpus / 2
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    port, grpc_port = free_loopback_port(), free_loopback_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc_options(port=grpc_port))
-    big = {"max_ongoing_requests": 256, "max_queued_requests": -1}
-    encoders, llms = replicas or (1, 2 if colocated else 1)
-    args = AppArgs(
-        model=model, served_model_name="bench", dtype=dtype, device=device, colocated=colocated, router={"num_cpus": 0, **big},
-        encoder={"num_cpus": half / encoders, "num_gpus": gpus, "num_replicas": encoders, **big},
-        llm={"num_cpus": half / (llms if replicas else 1), "num_gpus": gpus, "num_replicas": llms, **big},
-        routing={"policy": routing}, video_decoder={"num_cpus": 0},  # no videos in this workload
-    )
-    serve.run(build_app(args), name="bench", route_prefix="/")
-    return f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
-
-
-def stop_app() -> None:
-    import ray
-    from ray import serve
-
-    serve.shutdown()
-    ray.shutdown()
+from mmserve.loadgen.metrics import SLO, RequestRecord, compute_metrics, plots, table
 
 
 def vit_seconds(model: str, specs: list[RequestSpec], dtype: str, threads: int, device: str = "cpu") -> list[float]:
@@ -261,120 +68,19 @@ def vit_seconds(model: str, specs: list[RequestSpec], dtype: str, threads: int, 
     return out
 
 
-# -- reporting ----------------------------------------------------------------------------------
-ROWS = (
-    ("completed", "completed", "{:.0f}"), ("failed (429 {rejected_429})", "failed", "{:.0f}"),
-    ("request throughput (req/s)", "request_throughput", "{:.3f}"), ("goodput (req/s)", "request_goodput", "{:.3f}"),
-    ("output throughput (tok/s)", "output_throughput", "{:.1f}"),
-    ("mean TTFT (ms)", "mean_ttft_ms", "{:.1f}"), ("median TTFT (ms)", "median_ttft_ms", "{:.1f}"),
-    ("p99 TTFT (ms)", "p99_ttft_ms", "{:.1f}"), ("mean TPOT (ms)", "mean_tpot_ms", "{:.1f}"),
-    ("p99 TPOT (ms)", "p99_tpot_ms", "{:.1f}"), ("mean ITL (ms)", "mean_itl_ms", "{:.1f}"),
-    ("p99 ITL (ms)", "p99_itl_ms", "{:.1f}"), ("mean E2E (ms)", "mean_e2el_ms", "{:.1f}"),
-    ("p99 E2E (ms)", "p99_e2el_ms", "{:.1f}"),
-)
-
-
-def table(results: dict[str, dict]) -> str:
-    names = list(results)
-    lines = [f"{'':30}" + "".join(f"{n:>24}" for n in names)]
-    for label, key, fmt in ROWS:
-        label = label.format(rejected_429="/".join(str(results[n]["rejected_429"]) for n in names))
-        lines.append(f"{label:30}" + "".join(f"{fmt.format(results[n][key]):>24}" for n in names))
-    return "\n".join(lines)
-
-
-def plots(runs: dict[str, list[tuple[float, dict, list[RequestRecord]]]], out_dir: Path) -> list[str]:
-    """Latency CDFs (TTFT, E2E) per run and goodput vs rate per mode; [] when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plots (pip install 'mmserve[bench]')", file=sys.stderr)
-        return []
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for mode, points in runs.items():
-        for rate, _, records in points:
-            done = [r for r in records if r.ok and r.output_tokens]
-            for ax, values in ((axes[0], [r.ttft * 1000 for r in done]), (axes[1], [r.e2el * 1000 for r in done])):
-                values = sorted(values)
-                ax.step(values, [(i + 1) / len(values) for i in range(len(values))], label=f"{mode} @{rate:.2f}/s")
-        axes[2].plot([p[0] for p in points], [p[1]["request_goodput"] for p in points], marker="o", label=mode)
-    for ax, title in zip(axes, ("TTFT CDF (ms)", "E2E latency CDF (ms)", "goodput (req/s) vs request rate")):
-        ax.set_title(title)
-        ax.legend()
-    path = out_dir / "serve_bench.png"
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return [str(path)]
-
-
-# -- main -------------------------------------------------------------------------------------------
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", help="an mmserve app already running (default: start one here)")
-    p.add_argument("--grpc-target", help="host:port of a running app's gRPC proxy (with --transport grpc)")
-    p.add_argument("--transport", choices=("http", "grpc"), default="http",
-                   help="http: streaming /v1/chat/completions; grpc: mmserve.v1 GenerateStream")
-    p.add_argument("--model-name", default="bench", help="served model name at --url / --grpc-target")
-    p.add_argument("--model", help="checkpoint for the app started here (default: the bench checkpoint)")
-    p.add_argument("--quick", action="store_true", help="bench checkpoint, 120 requests, images 112²..336²")
-    p.add_argument("--compare", choices=("colocated", "routing", "ingress"),
-                   help="colocated: disaggregated, then colocated, side by side; routing: affinity vs Serve's default "
-                   "routing on 2 encoder + 2 LLM replicas, workloads A (popular images, shared system prompts) and "
-                   "B (one hot image) (bench/serve_routing.py); ingress: Serve's ingress modes, small requests and the 256 "
-                   "burst (bench/ingress.py)")
-    p.add_argument("--video", action="store_true", help="video_url TTFT on 720p clips (bench/serve_video.py)")
-    p.add_argument("--colocated", action="store_true", help="start the app here in colocated mode")
-    p.add_argument("--num-cpus", type=float, default=2.0, help="total CPUs of the app started here")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="of the app started here")
-    p.add_argument("--gpus-per-replica", type=float, default=0.5, help="with --device cuda: num_gpus of each replica")
-    p.add_argument("--num-prompts", type=int, default=None)
-    p.add_argument("--request-rate", type=float, nargs="+", default=None,
-                   help="requests/s (several: a sweep; the summary takes the best goodput); default: 0.75 and 1.5 / the "
-                   "unloaded mean E2E")
-    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1: Poisson")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-images", type=int, default=2)
-    p.add_argument("--text-only-share", type=float, default=0.2)
-    p.add_argument("--repeat-share", type=float, default=0.1)
-    p.add_argument("--input-len", type=int, default=24)
-    p.add_argument("--output-len", type=int, default=8)
-    p.add_argument("--goodput", nargs="+", default=None, help="SLOs, e.g. ttft:500 tpot:50 (default: from an unloaded run)")
-    p.add_argument("--unloaded-requests", type=int, default=8)
-    p.add_argument("--result-json", type=Path, default=None)
-    p.add_argument("--plot-dir", type=Path, default=Path("bench_results"))
-    args = p.parse_args(argv)
-    if args.transport == "grpc" and args.url and not args.grpc_target:
-        p.error("--transport grpc with a running app needs --grpc-target host:port")
-    if args.transport == "http" and args.grpc_target and not args.url:
-        p.error("--grpc-target is for --transport grpc (or give --url)")
-    return args
+def _run_instead(script: str, argv: list[str]) -> None:
+    """Runs bench/`script` in this process's place (one bench imports no other)."""
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve().parent / script), *argv])
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = serve_bench_args(__doc__, argv)
     if args.compare == "ingress":
-        from bench.ingress import main as compare_ingress
-
-        compare_ingress(["--quick"] if args.quick else [])
-        return 0
-    if args.video:
-        from bench.serve_video import run as video
-
-        video(args)
-        return 0
-    if args.compare == "routing":
-        import tempfile
-
-        from bench.serve_routing import run as compare_routing
-
-        compare_routing(args, args.model or bench_checkpoint(Path(tempfile.gettempdir()) / "mmserve-bench-serve-qwen2_vl-v1"))
-        return 0
+        _run_instead("ingress.py", ["--quick"] if args.quick else [])
+    if args.video or args.compare == "routing":  # experiments of their own, with the same arguments
+        _run_instead("serve_video.py" if args.video else "serve_routing.py", argv)
     began = time.perf_counter()
     num_prompts = args.num_prompts or (120 if args.quick else 200)
     dataset = DatasetConfig(buckets=QUICK_BUCKETS if args.quick else DatasetConfig().buckets, max_images=args.max_images,
@@ -390,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     model = None
     vit: list[float] = []
     if not (args.url or args.grpc_target):
-        import tempfile
-
-        model = args.model or bench_checkpoint(Path(tempfile.gettempdir()) / "mmserve-bench-serve-qwen2_vl-v1")
+        model = args.model or bench_checkpoint()
         vit = vit_seconds(model, unloaded_specs, args.dtype, int(args.num_cpus / 2), args.device)
     slo = SLO.parse(args.goodput)
     rates = args.request_rate

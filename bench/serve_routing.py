@@ -1,5 +1,6 @@
-"""`python bench/serve.py --compare routing [--quick]`: affinity routing against Serve's default
-routing, on 2 encoder + 2 LLM replicas, the same requests on the same CPUs, in one run.
+"""`python bench/serve.py --compare routing [--quick]` (it runs this script with its arguments):
+affinity routing against Serve's default routing, on 2 encoder + 2 LLM replicas, the same requests
+on the same CPUs, in one run.
 
 Workload A: 30% of the images are one of 20 popular images, half the requests open with one of 5
 system prompts; two rates below saturation and one above. Workload B: 90% of the images are one
@@ -21,9 +22,11 @@ import json
 import statistics
 import time
 
-from bench.serve import QUICK_BUCKETS, run_load, start_app, stop_app, table
-from mmserve.loadgen.dataset import DatasetConfig, RequestSpec, arrival_times, generate_requests
-from mmserve.loadgen.metrics import SLO, compute_metrics
+from deployments.cli.bench_app import start_app, stop_app
+from mmserve.loadgen.checkpoints import bench_checkpoint
+from mmserve.loadgen.client import run_load, serve_bench_args
+from mmserve.loadgen.dataset import QUICK_BUCKETS, DatasetConfig, RequestSpec, arrival_times, generate_requests
+from mmserve.loadgen.metrics import SLO, compute_metrics, table
 
 WORKLOADS = {
     "A": dict(image_pool=20, repeat_share=0.3, system_prompts=5, system_share=0.5),
@@ -55,9 +58,10 @@ def cluster_hits() -> int:
     return sum(s["cache_hits"] + s["dedup_hits"] for s in stats.values())
 
 
-def run(args, model: str) -> dict:
+def run(args) -> dict:
     from ray import serve
 
+    model = args.model or bench_checkpoint()
     began = time.perf_counter()
     num_prompts = args.num_prompts or (80 if args.quick else 200)
     slo, rates = SLO.parse(args.goodput), args.request_rate
@@ -130,3 +134,7 @@ def _summary(results: dict, runs: dict, rates: list[float]) -> dict:
     summary["hot_key_goodput_ratio"] = min((g for g in goodput["B"] if g is not None), default=None)
     summary["goodput_ratios"] = goodput
     return summary
+
+
+if __name__ == "__main__":
+    run(serve_bench_args(__doc__, None))

@@ -1,5 +1,5 @@
-"""`python bench/serve.py --video [--quick]`: TTFT of `video_url` requests, video streamed through
-the pipeline and not, side by side.
+"""`python bench/serve.py --video [--quick]` (it runs this script with its arguments): TTFT of
+`video_url` requests, video streamed through the pipeline and not, side by side.
 
 The clips are H.264 at 720p and 30 fps, 30 s and 10 s long (made once with PyAV into the temp
 directory); the tiny Qwen2-VL samples them at 2 fps (60 and 20 frames). Two apps run here on the
@@ -28,8 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.serve import one_request
-from deployments.cli.ingress_modes import free_loopback_port
+from deployments.cli.bench_app import start_serve, stop_app
+from mmserve.loadgen.client import one_request, serve_bench_args
 
 CLIPS = {"30s": 30, "10s": 10}  # name -> seconds, at 1280x720 and 30 fps
 WIDTH, HEIGHT, FPS = 1280, 720, 30
@@ -61,14 +61,11 @@ MODES = {"on": True, "off": False}
 
 def start(model: str, clip_dir: Path, num_cpus: float) -> dict[str, str]:
     """Ray + Serve + one app per mode; {mode: chat completions URL}."""
-    import ray
     from ray import serve
 
     from deployments.serve.app import build_app
 
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    port = free_loopback_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port, _ = start_serve(num_cpus)
     share = {"num_cpus": num_cpus / 8}  # the two apps' replicas share the CPUs; one request at a time runs
     urls = {}
     for mode, stream in MODES.items():
@@ -149,7 +146,6 @@ async def measure(urls: dict[str, str], clip: Path, requests: int) -> dict[str, 
 
 
 def run(args) -> dict:
-    from bench.serve import stop_app
     from mmserve.tiny import ensure_tiny_model
 
     clip_dir = Path(tempfile.gettempdir()) / "mmserve-bench-video-v1"
@@ -190,3 +186,7 @@ def run(args) -> dict:
                   for mode, r in modes.items() for q in ("p50", "p99")}}
     print(json.dumps(summary))
     return summary
+
+
+if __name__ == "__main__":
+    run(serve_bench_args(__doc__, None))

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import sys
 import tempfile
 import threading
@@ -34,11 +33,96 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.soak_inputs import MAX_TOKENS, SoakRequest, encode, good_request, soak_requests  # noqa: E402
+from deployments.cli.bench_app import start_serve
+from mmserve.loadgen.dataset import data_uri, image_bytes
 
 APP = "soak"
+
+
+# -- the requests: good ones (greedy, text and 1-2 images of varied sizes, streaming or not) and bad
+# inputs of many kinds, each of which must get a 4xx naming the problem
+MAX_TOKENS = 40  # long enough that a stream can be caught with >= 2 tokens sent and >= 8 left
+SIZES = [(64, 64), (120, 160), (224, 224), (300, 200), (480, 360), (640, 480)]
+TOPICS = ["the weather", "a red bicycle", "three cats", "the harbour at night", "a chess game", "an old map"]
+
+
+@dataclass(frozen=True)
+class SoakRequest:
+    index: int
+    good: bool
+    stream: bool
+    body: dict | None  # None: send `raw` as the body
+    raw: bytes | None = None
+    kind: str = "good"  # for bad inputs: what is wrong with it
+    images: int = 0
+
+
+def _image_part(rng: random.Random, seed: int, sizes=SIZES) -> dict:
+    h, w = rng.choice(sizes)
+    return {"type": "image_url", "image_url": {"url": data_uri(image_bytes(h, w, seed=seed))}}
+
+
+def good_request(index: int, rng: random.Random, light: bool = False) -> SoakRequest:
+    """A greedy request; `light` ones (the unloaded and burst phases) have at most one small image."""
+    images = rng.choice([0, 1]) if light else rng.choices([0, 1, 2], weights=[4, 4, 2])[0]
+    sizes = SIZES[:3] if light else SIZES
+    content = [_image_part(rng, 1000 * index + j, sizes) for j in range(images)]
+    content.append({"type": "text", "text": f"request {index}: tell me about {rng.choice(TOPICS)}"})
+    stream = rng.random() < 0.7
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": stream, "return_token_ids": True}
+    return SoakRequest(index, True, stream, body, images=images)
+
+
+def _chat(content, **extra) -> dict:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
+
+
+def _url(url: str) -> dict:
+    return _chat([{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is it?"}])
+
+
+def bad_inputs() -> list[tuple[str, dict | None, bytes | None]]:
+    """(kind, body, raw body) of every kind of bad input the soak sends."""
+    png = image_bytes(32, 32, seed=1)
+    tiny = {"type": "image_url", "image_url": {"url": data_uri(image_bytes(8, 8, seed=2))}}
+    return [
+        ("invalid JSON", None, b'{"messages": [oops'),
+        ("not an image", _url(data_uri(b"hello, world")), None),
+        ("truncated PNG", _url(data_uri(png[: len(png) // 2])), None),
+        ("file URL", _url("file:///etc/passwd"), None),
+        ("local path", _url("/etc/passwd"), None),
+        ("ftp URL", _url("ftp://example.com/cat.png"), None),
+        ("gopher URL", _url("gopher://example.com/1"), None),
+        ("loopback http URL", _url("http://127.0.0.1:8265/"), None),
+        ("too many images", _chat([tiny] * 40 + [{"type": "text", "text": "many"}]), None),
+        ("unknown model", {**_chat("hi"), "model": "no-such-model"}, None),
+        ("temperature -1", _chat("hi", temperature=-1), None),
+        ("seed 2**64", _chat("hi", seed=2**64), None),
+        ("max_tokens over context", _chat("hi", max_tokens=10**7), None),
+        ("unknown content part", _chat([{"type": "audio_url", "audio_url": {"url": "x"}}]), None),
+        ("no messages", {"messages": [], "max_tokens": 4}, None),
+        ("n = 2", _chat("hi", n=2), None),
+        ("bad base64", _url("data:image/png;base64,!!!not-base64!!!"), None),
+        ("top_p 0", _chat("hi", top_p=0), None),
+    ]
+
+
+def soak_requests(count: int, bad_share: float, seed: int) -> list[SoakRequest]:
+    rng = random.Random(seed)
+    bad = bad_inputs()
+    requests = []
+    for i in range(count):
+        if rng.random() < bad_share:
+            kind, body, raw = bad[i % len(bad)]
+            requests.append(SoakRequest(i, False, False, body, raw, kind))
+        else:
+            requests.append(good_request(i, rng))
+    return requests
+
+
+def encode(request: SoakRequest) -> bytes:
+    return request.raw if request.body is None else json.dumps(request.body).encode()
 
 
 @dataclass
@@ -249,18 +333,13 @@ def burst_summary(shot: list[Result], unloaded_p99_ms: float) -> dict:
 
 # -- the run ---------------------------------------------------------------------------------
 def start_app(ns: argparse.Namespace) -> str:
-    import ray
     from ray import serve
 
     from deployments.serve.app import build_app
     from mmserve.tiny import ensure_tiny_model
 
     model = ns.model or str(ensure_tiny_model("qwen2_vl", Path(tempfile.gettempdir()) / "mmserve-soak-qwen2_vl"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    port, _ = start_serve(4)
     small = {"num_cpus": 0.1}
     args = {"model": model, "dtype": "float64", "served_model_name": APP, "router": small,
             "encoder": {**small, "num_replicas": 2}, "llm": {**small, "num_replicas": 2},

@@ -12,14 +12,11 @@ from __future__ import annotations
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from mmserve.kernels import triton_attention as kernel  # noqa: E402
+from mmserve.kernels import triton_attention as kernel
 
 TILES = ((64, 64, 4, 2), (128, 64, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (128, 128, 8, 2))
 

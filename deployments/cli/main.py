@@ -199,19 +199,20 @@ def main(argv: list[str] | None = None) -> int:
     enc_p.add_argument("--result-ttl-s", type=float, default=300.0, help="how long unfetched results stay")
     enc_p.set_defaults(func=_encoder_server)
 
-    bench_p = sub.add_parser("bench", help="run a benchmark of bench/ (extra arguments go to it)")
+    bench_p = sub.add_parser("bench", help="run a benchmark of bench/ (extra arguments go to it; needs a source checkout)")
     bench_p.add_argument("name", choices=BENCHMARKS)
 
     sub.add_parser("plan", help="how many encoder and LLM replicas a workload needs, for its SLOs (a simulation; "
-                   "arguments go to mmserve.capacity.simulate)", add_help=False)
+                   "arguments go to mmserve.capacity.cli; --validate: against real runs here)", add_help=False)
 
     ns, extra = parser.parse_known_args(argv)
     if ns.command == "bench":
         return _bench(ns, extra)
     if ns.command == "plan":
+        from deployments.cli.plan_runs import collect
         from mmserve.capacity.cli import main as plan
 
-        return plan(extra)
+        return plan(extra, collect)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return ns.func(ns)

@@ -1,10 +1,13 @@
-"""`mmserve plan`: the capacity planner's command line (`mmserve.capacity.simulate` simulates; `--validate`
-runs bench/plan_validate.py from a source checkout), and its goodput-per-GPU chart."""
+"""`mmserve plan`: the capacity planner's command line (`mmserve.capacity.simulate` simulates), its
+goodput-per-GPU chart, and `--validate`: the model against real runs of the app on this machine
+(`mmserve.capacity.fit`; the runs come from the `collect` the `mmserve` command line passes in,
+deployments/cli/plan_runs.py, or from a kept run set: `--runs FILE`, seconds, no Ray)."""
 
 from __future__ import annotations
 
 from mmserve.capacity import simulate as capacity
-from mmserve.capacity.inputs import SLO, TRANSPORTS, Workload, load_profile, with_changes, with_transfer_rates
+from mmserve.capacity.fit import print_validation, validate
+from mmserve.capacity.inputs import PROFILES, SLO, TRANSPORTS, Workload, load_profile, with_changes, with_transfer_rates
 from mmserve.capacity.goodput import RUN_TTFT_SLOS, Recommendation, recommend
 
 
@@ -42,26 +45,17 @@ def plot_svg(recommendations: list[Recommendation], source: str) -> str:
             '</svg>')
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, collect=None) -> int:
+    """`collect(num_prompts, seed) -> run set`: runs the app for `--validate` (none: only `--runs`)."""
     import argparse
     import json
-    import sys
+    import time
     from pathlib import Path
 
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if "--validate" in argv:  # against real runs of this checkout's app: bench/plan_validate.py
-        root = Path(__file__).resolve().parents[1]
-        if not (root / "bench" / "plan_validate.py").is_file():
-            print("mmserve plan --validate runs from a source checkout (bench/plan_validate.py)", file=sys.stderr)
-            return 1
-        sys.path.insert(0, str(root))
-        from bench.plan_validate import main as validate_main
-
-        return validate_main([a for a in argv if a != "--validate"])
-    p = argparse.ArgumentParser(prog="mmserve plan", description=capacity.__doc__.split("\n\n")[0],
-                                epilog="--validate [--quick] [--record FILE | --runs FILE]: the model against real "
-                                       "runs of the app on this machine (bench/plan_validate.py)")
-    p.add_argument("--profile", default="mmserve/capacity/profiles/a100-qwen3-vl-4b.yaml", help="profile file (YAML/JSON)")
+    p = argparse.ArgumentParser(prog="mmserve plan", description=capacity.__doc__.split("\n\n")[0])
+    bundled = ", ".join(sorted(f.stem for f in PROFILES.glob("*.yaml")))
+    p.add_argument("--profile", default="a100-qwen3-vl-4b", help=f"a bundled profile ({bundled}) or a profile file "
+                   "(YAML/JSON)")
     p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                    help="change one of the profile's figures (repeatable; the output says so): step_s=0.024")
     p.add_argument("--images", type=int, nargs=2, default=(1, 4), metavar=("LOW", "HIGH"), help="images per request")
@@ -84,7 +78,32 @@ def main(argv: list[str] | None = None) -> int:
                    f"lasts {RUN_TTFT_SLOS} TTFT SLOs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", help="write the goodput-per-GPU chart here (SVG)")
+    v = p.add_argument_group("validation")
+    v.add_argument("--validate", action="store_true", help="instead: the model against real runs of the app on this "
+                   "machine (minutes), a profile fitted on some of them, the others predicted")
+    v.add_argument("--runs", type=Path, metavar="FILE", help="validate this kept run set instead of running the app")
+    v.add_argument("--record", type=Path, metavar="FILE", help="keep the run set here (JSON)")
+    v.add_argument("--num-prompts", type=int, default=None, help="requests per held-out rate (default 200; --quick 60)")
+    v.add_argument("--quick", action="store_true")
     ns = p.parse_args(argv)
+    if ns.validate:
+        began = time.perf_counter()
+        if ns.runs:
+            run_set = json.loads(ns.runs.read_text())
+        elif collect is None:
+            p.error("--validate runs the app: run it as `mmserve plan --validate`, or give --runs FILE")
+        else:
+            run_set = collect(ns.num_prompts or (60 if ns.quick else 200), ns.seed)
+            if ns.record:
+                ns.record.write_text(json.dumps(run_set))
+        report = validate(run_set)
+        print_validation(report)
+        for mode, profile in report["profiles"].items():
+            print(f"fitted {mode}: " + ", ".join(f"{k} {v:.3g}" for k, v in profile.items() if isinstance(v, float)))
+        summary = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in report.items()
+                   if k not in ("rows", "profiles")}
+        print(json.dumps({**summary, "seconds": round(time.perf_counter() - began, 1)}))
+        return 0
 
     profile = load_profile(ns.profile)
     if ns.transfer_json:

@@ -1,7 +1,7 @@
 """The capacity planner against real runs (`mmserve plan --validate`): a profile fitted on runs of
 the app on this machine, the held-out runs it predicts, and the relative errors.
 
-A run set (bench/plan_validate.py writes it): {"max_pending_requests": the app's admission bound
+A run set (deployments/cli/plan_runs.py collects it): {"max_pending_requests": the app's admission bound
 (its router's `max_pending_requests` x router replicas), "modes": {mode: {"encoders": E, "llms": L, "runs": [
   {"label": "fit-unloaded" | "fit-loaded" | "fit-saturated" | "fit-refused" | "held-out" | "repeat" |
              "fit-saturated-after",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 TRANSPORTS = ("object_store", "grpc")
 COLOCATED_ENCODERS = ("beside", "in_step")  # Profile.colocated_encoder
@@ -134,10 +135,16 @@ class SLO:
     tpot_p99_s: float
 
 
+PROFILES = Path(__file__).resolve().parent / "profiles"  # the bundled profiles (package data)
+
+
 def load_profile(path: str) -> Profile:
-    """A profile file (YAML or JSON: `Profile`'s fields; `source` says where its figures come from)."""
+    """A profile file (YAML or JSON: `Profile`'s fields; `source` says where its figures come from),
+    or a bundled profile by name (a file of `PROFILES` less its `.yaml`)."""
     import yaml
 
+    if (PROFILES / f"{path}.yaml").is_file() and Path(path).name == path:
+        path = str(PROFILES / f"{path}.yaml")
     with open(path) as f:
         data = yaml.safe_load(f)
     unknown = set(data) - set(Profile.__dataclass_fields__)

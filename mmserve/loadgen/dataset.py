@@ -1,4 +1,5 @@
-"""Seeded request mix and arrival process for `bench/serve.py` (the shape of vLLM's `random-mm`).
+"""Seeded request mix and arrival process for `bench/serve.py` (the shape of vLLM's `random-mm`),
+and the seeded images the benches and tests send.
 
 Pure Python: no Ray, no model. Everything is drawn from one `random.Random(seed)`, so the same
 arguments give the same requests and the same send times.
@@ -49,6 +50,9 @@ class DatasetConfig:
     system_prompts: int = 0
     system_share: float = 0.0
     system_words: int = 48
+
+
+QUICK_BUCKETS = (ResolutionBucket(112, 112, 0.3), ResolutionBucket(224, 224, 0.5), ResolutionBucket(336, 336, 0.2))
 
 
 @dataclass(frozen=True)
@@ -139,6 +143,31 @@ def synthesize_image(spec: ImageSpec) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(pixels).save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def image_bytes(height: int, width: int, seed: int, fmt: str = "PNG", exif_orientation: int | None = None) -> bytes:
+    """A seeded image, smooth-ish (so JPEG round trips stay meaningful), encoded as `fmt`."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    base = np.random.default_rng(seed).integers(0, 255, (max(2, height // 8), max(2, width // 8), 3), dtype=np.uint8)
+    img = Image.fromarray(base).resize((width, height), Image.BILINEAR)
+    buf = io.BytesIO()
+    if exif_orientation is not None:
+        exif = Image.Exif()
+        exif[0x0112] = exif_orientation
+        img.save(buf, fmt, exif=exif)
+    else:
+        img.save(buf, fmt)
+    return buf.getvalue()
+
+
+def data_uri(data: bytes, mime: str = "image/png") -> str:
+    import base64
+
+    return f"data:{mime};base64," + base64.b64encode(data).decode()
 
 
 def system_text(index: int, words: int) -> str:

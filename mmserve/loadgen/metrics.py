@@ -4,13 +4,15 @@ TTFT = first token - send; TPOT = (E2E - TTFT) / (output_tokens - 1) for request
 one token; ITL = every gap between consecutive tokens of a request; E2E (vLLM's `e2el`) = last
 token - send. Throughputs divide by the trace's duration (first send .. last finish). A request is
 good when it completed and meets every SLO; failures (429s included) are never good.
-Percentiles interpolate linearly, as numpy's default.
+Percentiles interpolate linearly, as numpy's default. `table` and `plots` show runs side by side.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -146,3 +148,53 @@ def compute_metrics(records: list[RequestRecord], slo: SLO = SLO(), percentiles:
     result.update(_summary("itl", [gap for r in done for gap in r.itls], percentiles))
     result.update(_summary("e2el", [r.e2el for r in done], percentiles))
     return result
+
+
+ROWS = (
+    ("completed", "completed", "{:.0f}"), ("failed (429 {rejected_429})", "failed", "{:.0f}"),
+    ("request throughput (req/s)", "request_throughput", "{:.3f}"), ("goodput (req/s)", "request_goodput", "{:.3f}"),
+    ("output throughput (tok/s)", "output_throughput", "{:.1f}"),
+    ("mean TTFT (ms)", "mean_ttft_ms", "{:.1f}"), ("median TTFT (ms)", "median_ttft_ms", "{:.1f}"),
+    ("p99 TTFT (ms)", "p99_ttft_ms", "{:.1f}"), ("mean TPOT (ms)", "mean_tpot_ms", "{:.1f}"),
+    ("p99 TPOT (ms)", "p99_tpot_ms", "{:.1f}"), ("mean ITL (ms)", "mean_itl_ms", "{:.1f}"),
+    ("p99 ITL (ms)", "p99_itl_ms", "{:.1f}"), ("mean E2E (ms)", "mean_e2el_ms", "{:.1f}"),
+    ("p99 E2E (ms)", "p99_e2el_ms", "{:.1f}"),
+)
+
+
+def table(results: dict[str, dict]) -> str:
+    names = list(results)
+    lines = [f"{'':30}" + "".join(f"{n:>24}" for n in names)]
+    for label, key, fmt in ROWS:
+        label = label.format(rejected_429="/".join(str(results[n]["rejected_429"]) for n in names))
+        lines.append(f"{label:30}" + "".join(f"{fmt.format(results[n][key]):>24}" for n in names))
+    return "\n".join(lines)
+
+
+def plots(runs: dict[str, list[tuple[float, dict, list[RequestRecord]]]], out_dir: Path) -> list[str]:
+    """Latency CDFs (TTFT, E2E) per run and goodput vs rate per mode; [] when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install 'mmserve[bench]')", file=sys.stderr)
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for mode, points in runs.items():
+        for rate, _, records in points:
+            done = [r for r in records if r.ok and r.output_tokens]
+            for ax, values in ((axes[0], [r.ttft * 1000 for r in done]), (axes[1], [r.e2el * 1000 for r in done])):
+                values = sorted(values)
+                ax.step(values, [(i + 1) / len(values) for i in range(len(values))], label=f"{mode} @{rate:.2f}/s")
+        axes[2].plot([p[0] for p in points], [p[1]["request_goodput"] for p in points], marker="o", label=mode)
+    for ax, title in zip(axes, ("TTFT CDF (ms)", "E2E latency CDF (ms)", "goodput (req/s) vs request rate")):
+        ax.set_title(title)
+        ax.legend()
+    path = out_dir / "serve_bench.png"
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return [str(path)]

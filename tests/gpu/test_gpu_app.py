@@ -6,7 +6,7 @@ Each app runs its encoder and its LLM as separate replicas on halves of the one 
 the near-tie rule of the engine's GPU tests (tests/support/reference.py): text, one image, three images
 of different sizes, a video, then the mixed prompts of the engine tests all at once. Apps: both
 embedding transports (`object_store`, `grpc`), the colocated mode, and a full-size random
-Qwen2-VL-2B (bench/checkpoints.py: gibberish answers, so only a memory burst runs on it).
+Qwen2-VL-2B (mmserve/loadgen/checkpoints.py: gibberish answers, so only a memory burst runs on it).
 
 A burst of mixed requests on each app must run out of memory in neither replica: every request
 completes, and each replica stays inside its share (its KV pool sized from it, see
@@ -77,7 +77,7 @@ def _app_args(model_dir: str, name: str, **extra) -> dict:
 
 @pytest.fixture(scope="session")
 def full_size_dir(models_root) -> str:
-    from bench.checkpoints import qwen2_vl_2b
+    from mmserve.loadgen.checkpoints import qwen2_vl_2b
 
     return qwen2_vl_2b(os.path.join(models_root, "qwen2_vl_2b_random"))
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.device_peaks import Peaks, peaks
 from bench.gpu_report import FIGURES, engine_figures, read_records, render, serve_figures
+from mmserve.loadgen.device_peaks import Peaks, peaks
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIRED = (
@@ -125,9 +125,9 @@ def test_the_full_size_checkpoint_has_qwen2_vl_2bs_shapes_and_serves(tmp_path):
     """Shrunk in depth (CPU): the builder's config, processor and tokenizer load as the app loads them."""
     from transformers import AutoConfig, AutoProcessor
 
-    from bench.checkpoints import QWEN2_VL_2B_TEXT, qwen2_vl_2b
     from encoder_service import VisionEncoder
     from llm_service.model import LanguageModel
+    from mmserve.loadgen.checkpoints import QWEN2_VL_2B_TEXT, qwen2_vl_2b
 
     path = qwen2_vl_2b(tmp_path / "q2b", text_layers=1, vision_depth=1)
     config = AutoConfig.from_pretrained(path)

@@ -116,7 +116,7 @@ def test_the_load_runs_over_http_and_grpc_against_a_served_app(serve_urls, grpc_
     the server's stage times."""
     import asyncio
 
-    from bench.serve import run_load
+    from mmserve.loadgen.client import run_load
 
     config = DatasetConfig(buckets=(ResolutionBucket(56, 56, 1.0),), max_images=2, text_only_share=0.25,
                            repeat_share=0.3, input_len=12, output_len=4, range_ratio=0.0)

@@ -2,30 +2,12 @@
 
 from __future__ import annotations
 
-import base64
 import io
 
 import numpy as np
 from PIL import Image
 
-
-def image_bytes(height: int, width: int, seed: int, fmt: str = "PNG", exif_orientation: int | None = None) -> bytes:
-    rng = np.random.default_rng(seed)
-    # smooth-ish content so JPEG round trips stay meaningful
-    base = rng.integers(0, 255, (max(2, height // 8), max(2, width // 8), 3), dtype=np.uint8)
-    img = Image.fromarray(base).resize((width, height), Image.BILINEAR)
-    buf = io.BytesIO()
-    if exif_orientation is not None:
-        exif = Image.Exif()
-        exif[0x0112] = exif_orientation
-        img.save(buf, fmt, exif=exif)
-    else:
-        img.save(buf, fmt)
-    return buf.getvalue()
-
-
-def data_uri(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64," + base64.b64encode(data).decode()
+from mmserve.loadgen.dataset import data_uri, image_bytes  # noqa: F401 - the benches send the same images
 
 
 def video_frames(num_frames: int, height: int, width: int, seed: int) -> list[bytes]:

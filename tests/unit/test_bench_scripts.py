@@ -33,8 +33,8 @@ ELSEWHERE = {"serve.py": "tests/serve/test_bench_serve.py", "soak.py": "minutes 
              "ingress.py": "minutes (a server per mode): tests/serve/test_ingress_modes.py launches the modes",
              "transfer.py": "tests/gpu/test_gpu_report.py (the report's serve part runs its smallest run)",
              "gpu_report.py": "tests/gpu/test_gpu_report.py (its runs append to a results file)",
-             "plan_validate.py": "tests/unit/test_capacity.py validates a kept run set (--runs); collecting one "
-                                 "takes minutes of real runs"}
+             "serve_routing.py": "minutes (two apps a workload): bench/serve.py --compare routing runs it",
+             "serve_video.py": "minutes (720p clips): bench/serve.py --video runs it"}
 
 
 def _run(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -60,6 +60,24 @@ def test_smallest_run_ends_with_its_json_line(script, args):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert isinstance(result, dict) and result
+
+
+@pytest.mark.parametrize("argv, script, passed", [
+    (["--compare", "routing", "--quick"], "serve_routing.py", ["--compare", "routing", "--quick"]),
+    (["--video", "--num-cpus", "4"], "serve_video.py", ["--video", "--num-cpus", "4"]),
+    (["--compare", "ingress", "--quick"], "ingress.py", ["--quick"]),
+])
+def test_serve_runs_its_experiments_as_their_own_scripts(monkeypatch, argv, script, passed):
+    """bench/serve.py --compare routing | ingress, --video: the sibling script in its place (no bench imports another)."""
+    from bench import serve
+
+    def execv(path, args):
+        raise SystemExit(args)
+
+    monkeypatch.setattr(serve.os, "execv", execv)
+    with pytest.raises(SystemExit) as done:
+        serve.main(argv)
+    assert done.value.code == [sys.executable, str(BENCH / script), *passed]
 
 
 def test_breakdown_reports_every_phase_for_each_case_both_ways():

@@ -18,7 +18,7 @@ from mmserve.capacity.goodput import goodput, recommend
 from mmserve.capacity.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
-HAND = str(ROOT / "bench" / "profiles" / "a100-qwen3-vl-4b.yaml")
+HAND = "a100-qwen3-vl-4b"  # the bundled profile, by name
 
 
 def erlang_c_wait(arrival: float, service: float, servers: int) -> float:
@@ -395,9 +395,7 @@ def test_the_fit_recovers_the_stage_times_it_was_given():
 
 
 def test_validate_on_a_kept_run_set_reports_every_held_out_rate(capsys):
-    from bench.plan_validate import main as validate_main
-
-    assert validate_main(["--runs", str(ROOT / "tests" / "data" / "plan_runs.json")]) == 0
+    assert main(["--validate", "--runs", str(ROOT / "tests" / "data" / "plan_runs.json")]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(out[-1])
     for key in ("max_rel_error", "max_rel_error_p99_ttft", "saturated_point_rel_error", "real_run_spread",
@@ -405,3 +403,21 @@ def test_validate_on_a_kept_run_set_reports_every_held_out_rate(capsys):
         assert isinstance(summary[key], float) and summary[key] >= 0
     rows = [line.split() for line in out if line.startswith(("disaggregated", "colocated"))]
     assert len(rows) == 6 and {r[2] for r in rows} >= {"yes"}  # 3 rates x 2 modes, one of them saturated
+
+
+def test_validate_runs_the_app_through_the_collector_it_is_given(tmp_path, capsys):
+    """`mmserve plan --validate` passes deployments/cli/plan_runs.py's `collect`; without one (the
+    planner alone) only a kept run set can be validated."""
+    kept = json.loads((ROOT / "tests" / "data" / "plan_runs.json").read_text())
+    asked = []
+
+    def collect(num_prompts: int, seed: int) -> dict:
+        asked.append((num_prompts, seed))
+        return kept
+
+    record = tmp_path / "runs.json"
+    assert main(["--validate", "--quick", "--seed", "3", "--record", str(record)], collect=collect) == 0
+    assert asked == [(60, 3)] and json.loads(record.read_text()) == kept
+    with pytest.raises(SystemExit):
+        main(["--validate"])
+    assert "--runs FILE" in capsys.readouterr().err

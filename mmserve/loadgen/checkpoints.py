@@ -1,10 +1,12 @@
-"""A full-size checkpoint without the hub: Qwen2-VL-2B-Instruct's architecture with random weights.
+"""The benches' checkpoints, built without the hub (torch and transformers imported lazily).
 
-`qwen2_vl_2b(out)` writes a whole servable checkpoint (vision tower, merger, language model, the
-tiny models' tokenizer and Qwen2-VL chat template, Qwen2-VL-2B's image processor bounds), bf16,
-drawn on the CPU from a fixed seed: the same bytes on every host with the same torch. The GPU
-figures (bench/gpu_report.py) and the GPU app tests serve it; its answers are gibberish, its
-sizes (weights, KV bytes per token, ViT FLOPs) are the real model's.
+`bench_checkpoint()`: a random Qwen2-VL (float32) whose ViT is big enough to matter, served by the
+CPU serving benches and `mmserve plan --validate`. `qwen2_vl_2b(out)`: Qwen2-VL-2B-Instruct's
+architecture with random weights, a whole servable checkpoint (vision tower, merger, language
+model, the tiny models' tokenizer and Qwen2-VL chat template, Qwen2-VL-2B's image processor
+bounds), bf16, drawn on the CPU from a fixed seed: the same bytes on every host with the same
+torch. The GPU figures (bench/gpu_report.py) and the GPU app tests serve it; its answers are
+gibberish, its sizes (weights, KV bytes per token, ViT FLOPs) are the real model's.
 """
 
 from __future__ import annotations
@@ -22,6 +24,39 @@ QWEN2_VL_2B_VISION = dict(depth=32, embed_dim=1280, hidden_size=1536, mlp_ratio=
 # its preprocessor_config.json
 MIN_PIXELS, MAX_PIXELS = 3136, 12845056
 MARKER = "mmserve_random.json"
+BENCH_CHECKPOINT = Path(tempfile.gettempdir()) / "mmserve-bench-serve-qwen2_vl-v1"
+
+
+def bench_checkpoint(out: Path = BENCH_CHECKPOINT) -> str:
+    """A random Qwen2-VL (float32) whose ViT is big enough to matter: embed 256, depth 6, ≤336² images."""
+    import torch
+    from transformers import (
+        AutoModelForImageTextToText, GenerationConfig, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor,
+    )
+
+    from mmserve import tiny
+    from mmserve.tiny import qwen2_vl, tokenizer as tiny_tokenizer
+
+    if (out / "mmserve_tiny.json").exists():
+        return str(out)
+    tokenizer = tiny_tokenizer.build_tokenizer(0, vocab_size=1024)
+    config = qwen2_vl.config("qwen2_vl", tokenizer)
+    for key, value in dict(depth=6, embed_dim=256, num_heads=4, mlp_ratio=4).items():
+        setattr(config.vision_config, key, value)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    model.generation_config = GenerationConfig(eos_token_id=[config.text_config.eos_token_id],
+                                               pad_token_id=config.text_config.pad_token_id, do_sample=False)
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(min_pixels=tiny.MIN_PIXELS, max_pixels=336 * 336),
+        tokenizer=tokenizer, chat_template=tiny.CHAT_TEMPLATE,
+        video_processor=Qwen2VLVideoProcessor(min_pixels=tiny.VIDEO_MIN_PIXELS, max_pixels=tiny.VIDEO_MAX_PIXELS,
+                                              cap_pixels_per_frame=False),
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    processor.save_pretrained(out)
+    (out / "mmserve_tiny.json").write_text(json.dumps({"family": "qwen2_vl", "seed": 0, "bench": True}) + "\n")
+    return str(out)
 
 
 def qwen2_vl_2b(out: str | Path, seed: int = 0, text_layers: int | None = None, vision_depth: int | None = None) -> str:

@@ -1,0 +1,54 @@
+"""The app under test, started in this process (Ray + Serve on loopback ports): what the serving
+benches (bench/) and `mmserve plan --validate` (deployments/cli/plan_runs.py) run against."""
+
+from __future__ import annotations
+
+from deployments.cli.ingress_modes import free_loopback_port
+
+
+def start_serve(num_cpus: float, grpc: bool = False) -> tuple[int, int | None]:
+    """A quiet Ray (no dashboard) and Serve on free loopback ports: (HTTP port, gRPC port or None);
+    apps are then `serve.run` on it. Stop with `stop_app`."""
+    import ray
+    from ray import serve
+
+    from deployments.serve.router import grpc_options
+
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    port, grpc_port = free_loopback_port(), free_loopback_port() if grpc else None
+    serve.start(http_options={"host": "127.0.0.1", "port": port},
+                grpc_options=grpc_options(port=grpc_port) if grpc else None)
+    return port, grpc_port
+
+
+def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: str = "cpu",
+              gpus: float = 0.0, replicas: tuple[int, int] | None = None, routing: str = "affinity") -> tuple[str, str]:
+    """Starts Ray + Serve + the app (named and served as "bench") in this process; returns its base
+    URL and gRPC target (stop with `stop_app`). `replicas`: (encoder, LLM) replicas sharing their
+    half of the CPUs (default: one each; colocated: two LLM replicas); `routing`: the app's routing
+    policy."""
+    from ray import serve
+
+    from deployments.config import AppArgs
+    from deployments.serve.app import build_app
+
+    half = num_cpus / 2
+    port, grpc_port = start_serve(num_cpus, grpc=True)
+    big = {"max_ongoing_requests": 256, "max_queued_requests": -1}
+    encoders, llms = replicas or (1, 2 if colocated else 1)
+    args = AppArgs(
+        model=model, served_model_name="bench", dtype=dtype, device=device, colocated=colocated, router={"num_cpus": 0, **big},
+        encoder={"num_cpus": half / encoders, "num_gpus": gpus, "num_replicas": encoders, **big},
+        llm={"num_cpus": half / (llms if replicas else 1), "num_gpus": gpus, "num_replicas": llms, **big},
+        routing={"policy": routing}, video_decoder={"num_cpus": 0},  # no videos in this workload
+    )
+    serve.run(build_app(args), name="bench", route_prefix="/")
+    return f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
+
+
+def stop_app() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
