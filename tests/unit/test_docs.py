@@ -58,7 +58,7 @@ def test_the_path_check_sees_paths():
 
 
 def test_configuration_page_is_current():
-    """Regenerate with `python -m deployments.cli.config_docs > docs/configuration.md`."""
+    """Regenerate with `python -m deployments.cli.config_docs`."""
     from deployments.cli.config_docs import render
 
     assert (ROOT / "docs" / "configuration.md").read_text() == render()
