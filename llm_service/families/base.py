@@ -9,7 +9,7 @@ from torch import nn
 
 from llm_service.hybrid.state_cache import StateSpec
 from llm_service.transfer import to_device
-from mmserve.request.positions import PositionPlan
+from mmserve.request.positions import LinearPositions, PositionPlan
 
 
 class LanguageModelModules(nn.Module):
@@ -48,13 +48,15 @@ class LMFace(ABC):
     def build(self, dtype: torch.dtype) -> LanguageModelModules:
         """Decoder + lm_head with uninitialised weights (the caller loads them)."""
 
-    @abstractmethod
     def text_positions(self) -> PositionPlan:
-        """The plan of a prompt without media (requests that come without one)."""
+        """The plan of a prompt without media (requests that come without one); 1-D unless the
+        family's positions have more rows (M-RoPE)."""
+        return LinearPositions(rows=1)
 
-    @abstractmethod
     def position_ids(self, positions: torch.Tensor) -> torch.Tensor:
-        """`(rows, T)` positions of one packed sequence -> the decoder's `position_ids`."""
+        """`(rows, T)` positions of one packed sequence -> the decoder's `position_ids`; 1-D:
+        `(1, T)` is the decoder's `(batch=1, T)` as it is."""
+        return positions
 
     def inject(self, embeds: torch.Tensor, media: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]) -> dict:
         """Write each item's rows (`parts[0]`) into the packed `embeds` `(T, hidden)` at its slot

@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from llm_service.families.base import LanguageModelModules, LMFace
-from mmserve.request.positions import LinearPositions, PositionPlan
 
 _DECODER_PREFIXES = ("model.language_model.", "language_model.model.")
 _LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
@@ -48,13 +47,6 @@ def tied_lm_head(config) -> bool:
 class LlavaLMFace(LMFace):
     def rename(self, key: str) -> str | None:
         return rename(key)
-
-    def text_positions(self) -> PositionPlan:
-        return LinearPositions(rows=1)
-
-    def position_ids(self, positions: torch.Tensor) -> torch.Tensor:
-        """`(1, T)` positions of a packed sequence are the decoder's `(batch=1, T)` as they are."""
-        return positions
 
     def build(self, dtype: torch.dtype) -> LanguageModelModules:
         from transformers.initialization import no_init_weights

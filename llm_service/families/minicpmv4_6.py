@@ -14,7 +14,6 @@ from torch import nn
 from llm_service.families.base import LanguageModelModules, LMFace
 from llm_service.families.qwen3_5_text import build_decoder, state_layers
 from llm_service.hybrid.state_cache import StateSpec
-from mmserve.request.positions import LinearPositions, PositionPlan
 
 _DECODER_PREFIX = "model.language_model."
 
@@ -26,13 +25,6 @@ class MiniCPMVLMFace(LMFace):
         if key.startswith(_DECODER_PREFIX):
             return "decoder." + key[len(_DECODER_PREFIX):]
         return None
-
-    def text_positions(self) -> PositionPlan:
-        return LinearPositions(rows=1)
-
-    def position_ids(self, positions: torch.Tensor) -> torch.Tensor:
-        """`(1, T)` positions; the decoder repeats them on its text and 3 rotary rows."""
-        return positions
 
     def state_layers(self) -> tuple[StateSpec, ...]:
         return state_layers(self.config.text_config)

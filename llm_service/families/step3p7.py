@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from llm_service.families.base import LanguageModelModules, LMFace
-from mmserve.request.positions import LinearPositions, PositionPlan
 
 _HUB_MOE = (
     (r"\.moe\.gate\.weight$", ".mlp.gate.weight"),
@@ -70,12 +69,6 @@ class Step3LMFace(LMFace):
 
     def rename(self, key: str) -> str | None:
         return rename(key, self.config.text_config.num_hidden_layers)
-
-    def text_positions(self) -> PositionPlan:
-        return LinearPositions(rows=1)
-
-    def position_ids(self, positions: torch.Tensor) -> torch.Tensor:
-        return positions
 
     def build(self, dtype: torch.dtype) -> LanguageModelModules:
         from transformers.initialization import no_init_weights
