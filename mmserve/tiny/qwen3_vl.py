@@ -16,6 +16,19 @@ VARIANTS: dict[str, str] = {}
 
 QWEN3_SPECIAL_TOKENS = SPECIAL_TOKENS + ("<tool_call>", "</tool_call>", "<think>", "</think>")
 
+# a user or tool message's parts, written twice in the template
+_CONTENT_PARTS = (
+    "                {%- if content.type == 'image' or 'image' in content or 'image_url' in content %}\n"
+    "                    {%- set image_count.value = image_count.value + 1 %}\n"
+    "                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}\n"
+    "                    <|vision_start|><|image_pad|><|vision_end|>\n"
+    "                {%- elif content.type == 'video' or 'video' in content %}\n"
+    "                    {%- set video_count.value = video_count.value + 1 %}\n"
+    "                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}\n"
+    "                    <|vision_start|><|video_pad|><|vision_end|>\n"
+    "                {%- elif 'text' in content %}\n                    {{- content.text }}\n"
+    "                {%- endif %}\n            {%- endfor %}\n        {%- endif %}\n"
+)
 # The chat template of Qwen3-VL-*-Instruct: system turn only when given, media placeholders in
 # place, tool calls in <tool_call> tags, tool responses grouped in one user turn.
 QWEN3_CHAT_TEMPLATE = (
@@ -41,16 +54,7 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- for message in messages %}\n    {%- if message.role == \"user\" %}\n"
     "        {{- '<|im_start|>' + message.role + '\\n' }}\n        {%- if message.content is string %}\n"
     "            {{- message.content }}\n        {%- else %}\n            {%- for content in message.content %}\n"
-    "                {%- if content.type == 'image' or 'image' in content or 'image_url' in content %}\n"
-    "                    {%- set image_count.value = image_count.value + 1 %}\n"
-    "                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}\n"
-    "                    <|vision_start|><|image_pad|><|vision_end|>\n"
-    "                {%- elif content.type == 'video' or 'video' in content %}\n"
-    "                    {%- set video_count.value = video_count.value + 1 %}\n"
-    "                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}\n"
-    "                    <|vision_start|><|video_pad|><|vision_end|>\n"
-    "                {%- elif 'text' in content %}\n                    {{- content.text }}\n"
-    "                {%- endif %}\n            {%- endfor %}\n        {%- endif %}\n"
+    + _CONTENT_PARTS +
     "        {{- '<|im_end|>\\n' }}\n    {%- elif message.role == \"assistant\" %}\n"
     "        {{- '<|im_start|>' + message.role + '\\n' }}\n        {%- if message.content is string %}\n"
     "            {{- message.content }}\n        {%- else %}\n"
@@ -71,16 +75,7 @@ QWEN3_CHAT_TEMPLATE = (
     "            {{- '<|im_start|>user' }}\n        {%- endif %}\n        {{- '\\n<tool_response>\\n' }}\n"
     "        {%- if message.content is string %}\n            {{- message.content }}\n        {%- else %}\n"
     "            {%- for content in message.content %}\n"
-    "                {%- if content.type == 'image' or 'image' in content or 'image_url' in content %}\n"
-    "                    {%- set image_count.value = image_count.value + 1 %}\n"
-    "                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}\n"
-    "                    <|vision_start|><|image_pad|><|vision_end|>\n"
-    "                {%- elif content.type == 'video' or 'video' in content %}\n"
-    "                    {%- set video_count.value = video_count.value + 1 %}\n"
-    "                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}\n"
-    "                    <|vision_start|><|video_pad|><|vision_end|>\n"
-    "                {%- elif 'text' in content %}\n                    {{- content.text }}\n"
-    "                {%- endif %}\n            {%- endfor %}\n        {%- endif %}\n"
+    + _CONTENT_PARTS +
     "        {{- '\\n</tool_response>' }}\n"
     "        {%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n"
     "            {{- '<|im_end|>\\n' }}\n        {%- endif %}\n    {%- endif %}\n{%- endfor %}\n"
