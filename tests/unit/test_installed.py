@@ -45,11 +45,12 @@ def _mmserve(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
 def test_plan_runs_from_the_installed_package_anywhere(installed, tmp_path):
     where = _mmserve(installed, tmp_path, "plan", "--help")
     assert where.returncode == 0 and "a100-qwen3-vl-4b" in where.stdout, where.stderr
-    code = "import deployments, mmserve; print(mmserve.__file__); print(deployments.__file__)"
+    packages = ("mmserve", "deployments", "encoder_service", "llm_service", "protos")
+    code = f"import {', '.join(packages)}; print(*({', '.join(f'{p}.__file__' for p in packages)}))"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     files = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={**env, "PYTHONPATH": str(installed)},
                            capture_output=True, text=True, check=True).stdout.split()
-    assert all(Path(f).is_relative_to(installed) for f in files), files  # the wheel's, not a checkout's
+    assert len(files) == len(packages) and all(Path(f).is_relative_to(installed) for f in files), files  # the wheel's
 
     # the bundled profile, a small cluster and short runs (a run lasts 10 TTFT SLOs at least)
     plan = _mmserve(installed, tmp_path, "plan", "--gpus", "4", "--cell", "4", "--requests", "200", "--ttft-p99", "2",
