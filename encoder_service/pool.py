@@ -35,8 +35,8 @@ import torch
 from encoder_service.batching import BatchConfig, Selection, overtaken, select_batch
 from encoder_service.cache import EmbeddingCache, EncoderIdentity
 from encoder_service.families.base import PreparedItem
-from mmserve.request.embeddings import ItemEmbedding
 from mmserve.errors import Overloaded
+from mmserve.request.embeddings import ItemEmbedding
 from mmserve.request.media import EncodeItem
 
 logger = logging.getLogger(__name__)

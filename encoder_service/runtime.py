@@ -14,8 +14,8 @@ import torch
 from encoder_service.cache import EncoderIdentity
 from encoder_service.families.base import EncoderFace, PreparedItem
 from mmserve.checkpoint import load_tensors, read_config, resolve_dtype
-from mmserve.request.embeddings import ItemEmbedding
 from mmserve.families import face_class, family_of, router_face
+from mmserve.request.embeddings import ItemEmbedding
 from mmserve.request.media import EncodeItem, MediaItem
 
 logger = logging.getLogger(__name__)

@@ -12,12 +12,12 @@ from llm_service.attention import AttentionBatch
 from llm_service.batch_state import BatchState
 from llm_service.block_manager import BlockManager
 from llm_service.config import EngineConfig
-from llm_service.kv_cache import allocate_pool, bytes_per_block, pool_sizes
-from llm_service.model import LanguageModel
-from llm_service.scheduler import ScheduledSeq
 from llm_service.hybrid.state_cache import StateBatch, StatePool, resolve_config, slot_bytes
 from llm_service.hybrid.state_slots import StateSlotManager
 from llm_service.hybrid.state_snapshots import SnapshotManager
+from llm_service.kv_cache import allocate_pool, bytes_per_block, pool_sizes
+from llm_service.model import LanguageModel
+from llm_service.scheduler import ScheduledSeq
 from llm_service.transfer import ints, to_device
 
 logger = logging.getLogger(__name__)

@@ -9,9 +9,9 @@ from typing import NamedTuple
 
 from llm_service.block_manager import BlockManager
 from llm_service.config import EngineConfig
-from llm_service.sequence import Sequence, Status
 from llm_service.hybrid.state_slots import StateSlotManager
 from llm_service.hybrid.state_snapshots import SnapshotManager
+from llm_service.sequence import Sequence, Status
 
 
 class ScheduledSeq(NamedTuple):

@@ -27,8 +27,8 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2
 
-from deployments.core.request_core import ChatRequest, RequestCore, new_request_id
 from deployments.core.generation import Generation, GenerationOptions, client_request_id
+from deployments.core.request_core import ChatRequest, RequestCore, new_request_id
 from mmserve.errors import InvalidRequest
 from mmserve.request.media import MediaKind, MediaSource
 from mmserve.request.prompt_plan import Message

@@ -13,11 +13,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from deployments.api.openai_models import ChatCompletionRequest, ImageURLPart, TextPart, VideoURLPart
 from deployments.config import RETRY_AFTER_S
-from deployments.core.request_core import ChatRequest, RequestCore, new_request_id
 from deployments.core.failures import Failure
 from deployments.core.generation import OPTION_NAMES, Delta, Generation, GenerationOptions
-from deployments.api.openai_models import ChatCompletionRequest, ImageURLPart, TextPart, VideoURLPart
+from deployments.core.request_core import ChatRequest, RequestCore, new_request_id
 from mmserve.errors import InvalidRequest
 from mmserve.request.media import MediaKind, MediaSource
 from mmserve.request.prompt_plan import Message

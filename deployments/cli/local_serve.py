@@ -159,8 +159,8 @@ def serve_app(ns: argparse.Namespace) -> int:
     use_single_machine_mode(ns)
     from ray import serve
 
-    from deployments.serve.app import build_app
     from deployments.config import AppArgs, DeploymentArgs
+    from deployments.serve.app import build_app
     from deployments.serve.router import grpc_options
 
     if ns.model is None:

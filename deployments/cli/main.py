@@ -51,8 +51,8 @@ def _encoder_server(ns: argparse.Namespace) -> int:
     import logging
 
     from encoder_service import VisionEncoder
-    from encoder_service.rpc.server import PooledEncoder, ServerOptions, ServerSecurity, serve_forever
     from encoder_service.pool import EncoderPool
+    from encoder_service.rpc.server import PooledEncoder, ServerOptions, ServerSecurity, serve_forever
 
     logging.basicConfig(level=logging.INFO)
     encoder = VisionEncoder(ns.model, dtype=ns.dtype, device=ns.device)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from llm_service.sampling import SamplingParams
-from mmserve.request.detokenize import IncrementalDetokenizer
 from mmserve.errors import InvalidRequest
+from mmserve.request.detokenize import IncrementalDetokenizer
 from mmserve.request.prompt_plan import RequestPlan
 
 logger = logging.getLogger("ray.serve")

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llm_service.sampling import SamplingParams
-from mmserve.rpc.encoder_client import EncodedRef
 from mmserve.families.base import StreamGroup
 from mmserve.request.media import DecodedVideo, EncodeItem, PlaceholderRange
 from mmserve.request.positions import PositionPlan
+from mmserve.rpc.encoder_client import EncodedRef
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from deployments.core.affinity import prefix_hashes
 from deployments.config import AppArgs, LimitArgs
+from deployments.core.affinity import prefix_hashes
 from deployments.core.dispatch import MediaDispatcher
 from deployments.core.failover import Failover, LLMClient
 from deployments.core.failures import Failure, classify

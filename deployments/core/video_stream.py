@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from deployments.core.llm_inputs import StreamedVideo
-from mmserve.request.embeddings import ItemEmbedding
 from mmserve.errors import EmbeddingsLost
+from mmserve.request.embeddings import ItemEmbedding
 from mmserve.request.media import EncodeItem, MediaItem, MediaKind, PlaceholderRange
 
 logger = logging.getLogger("ray.serve")

@@ -35,8 +35,8 @@ import socket
 from collections.abc import Sequence
 from urllib.parse import urljoin, urlsplit
 
-from deployments.media.allowlist import allowlist_match, host_match, parse_allowlist_entry
 from deployments.config import LimitArgs
+from deployments.media.allowlist import allowlist_match, host_match, parse_allowlist_entry
 from deployments.media.local_files import read_local_media
 from mmserve.errors import InvalidRequest
 from mmserve.request.media import decode_data_uri

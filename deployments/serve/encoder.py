@@ -13,8 +13,8 @@ import time
 import torch
 from ray import serve
 
-from deployments.serve.autoscaling import QUEUED_TOKENS
 from deployments.config import AppArgs, DeploymentArgs, EncoderPoolArgs
+from deployments.serve.autoscaling import QUEUED_TOKENS
 from deployments.serve.metrics import EncoderMetrics, PoolMetrics
 from deployments.serve.replica_env import resolve_model_dir
 from encoder_service import VisionEncoder

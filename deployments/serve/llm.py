@@ -19,16 +19,16 @@ from ray import serve
 from deployments.config import AppArgs
 from deployments.core.failures import root_cause
 from deployments.core.llm_inputs import PendingRequest, StoredEmbedding, StreamedVideo
+from deployments.core.video_stream import VideoStream
 from deployments.serve.metrics import EncoderMetrics, LLMMetrics, PoolMetrics
 from deployments.serve.replica_env import resolve_model_dir
 from deployments.serve.transport import resolve
-from deployments.core.video_stream import VideoStream
 from llm_service.config import EngineConfig
 from llm_service.engine import LLMEngine, LLMRequest, TokenEvent
 from llm_service.model import LanguageModel
 from mmserve.device import device_memory, hold_to_share, resolve_device
-from mmserve.request.embeddings import ItemEmbedding
 from mmserve.errors import EmbeddingsLost, InvalidRequest, QueueFull
+from mmserve.request.embeddings import ItemEmbedding
 from mmserve.request.media import EncodeItem
 
 logger = logging.getLogger("ray.serve")

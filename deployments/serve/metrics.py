@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from deployments.core.request_core import RequestListener
 from deployments.core.generation import Generation
 from deployments.core.llm_inputs import PendingRequest
+from deployments.core.request_core import RequestListener
 from encoder_service.pool import BatchRecord, Lookup, PoolListener
 
 _LATENCY_MS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000]

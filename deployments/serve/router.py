@@ -14,15 +14,15 @@ from ray import serve
 from ray.serve.config import gRPCOptions
 from ray.serve.handle import DeploymentHandle
 
-from deployments.config import AppArgs
-from deployments.core.request_core import CoreSettings, RequestCore
-from deployments.core.dispatch import ColocatedDispatcher, EncoderPoolDispatcher, ExternalEncoderDispatcher, MediaDispatcher
-from deployments.serve.drain import DrainWatch
-from deployments.core.failover import TokenStream
 from deployments.api.grpc_api import GrpcAdapter
-from deployments.core.llm_inputs import PendingRequest
-from deployments.serve.metrics import RouterMetrics
 from deployments.api.openai_api import OpenAIAdapter
+from deployments.config import AppArgs
+from deployments.core.dispatch import ColocatedDispatcher, EncoderPoolDispatcher, ExternalEncoderDispatcher, MediaDispatcher
+from deployments.core.failover import TokenStream
+from deployments.core.llm_inputs import PendingRequest
+from deployments.core.request_core import CoreSettings, RequestCore
+from deployments.serve.drain import DrainWatch
+from deployments.serve.metrics import RouterMetrics
 from deployments.serve.video_decoder import ServeVideoClient
 
 app = FastAPI(title="mmserve", docs_url=None, redoc_url=None)

@@ -17,12 +17,12 @@ import grpc
 from deployments.config import GrpcArgs
 from deployments.core.failures import replica_lost
 from deployments.core.llm_inputs import EmbeddingHandle, LocalMedia, PinnedEmbedding, StoredEmbedding
-from encoder_service.rpc.server import Encoder, ServerOptions, ServerSecurity, ServerThread
 from encoder_service.rpc.result_store import ResultStore
-from mmserve.request.embeddings import ItemEmbedding
-from mmserve.rpc.encoder_client import EmbeddingNotFound, EncodedRef, EncoderClient
+from encoder_service.rpc.server import Encoder, ServerOptions, ServerSecurity, ServerThread
 from mmserve.errors import EmbeddingsLost
+from mmserve.request.embeddings import ItemEmbedding
 from mmserve.request.media import EncodeItem
+from mmserve.rpc.encoder_client import EmbeddingNotFound, EncodedRef, EncoderClient
 
 EncodeLocally = Callable[[list[EncodeItem]], Awaitable[list[ItemEmbedding]]]
 

@@ -25,10 +25,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from encoder_service.rpc.result_store import ResultStore
-from mmserve.rpc.embedding_wire import DEFAULT_CHUNK_BYTES, header_of, to_chunks
-from mmserve.request.embeddings import ItemEmbedding
 from mmserve.errors import InvalidRequest, Overloaded
+from mmserve.request.embeddings import ItemEmbedding
 from mmserve.request.media import DecodedVideo, MediaItem, MediaKind
+from mmserve.rpc.embedding_wire import DEFAULT_CHUNK_BYTES, header_of, to_chunks
 from protos.mmserve.v1 import encoder_pb2, encoder_pb2_grpc
 
 logger = logging.getLogger(__name__)

@@ -45,8 +45,18 @@ class LMFace(ABC):
         """Checkpoint key -> key in `LanguageModelModules` (None: not a language-model tensor)."""
 
     @abstractmethod
+    def decoder_class(self) -> type[nn.Module]:
+        """The `transformers` text decoder that `build` makes from `config.text_config`."""
+
     def build(self, dtype: torch.dtype) -> LanguageModelModules:
         """Decoder + lm_head with uninitialised weights (the caller loads them)."""
+        from transformers.initialization import no_init_weights
+
+        text = self.config.text_config
+        with no_init_weights():
+            decoder = self.decoder_class()._from_config(text, dtype=dtype)
+            lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=dtype)
+        return LanguageModelModules(decoder, lm_head, self.tied_embeddings())
 
     def text_positions(self) -> PositionPlan:
         """The plan of a prompt without media (requests that come without one); 1-D unless the

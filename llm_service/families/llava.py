@@ -13,10 +13,7 @@ the lm_head is the embedding table.
 
 from __future__ import annotations
 
-import torch
-from torch import nn
-
-from llm_service.families.base import LanguageModelModules, LMFace
+from llm_service.families.base import LMFace
 
 _DECODER_PREFIXES = ("model.language_model.", "language_model.model.")
 _LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
@@ -40,22 +37,12 @@ def decoder_class(config) -> type:
     return MODEL_MAPPING[type(config.text_config)]
 
 
-def tied_lm_head(config) -> bool:
-    return bool(config.tie_word_embeddings or config.text_config.tie_word_embeddings)
-
-
 class LlavaLMFace(LMFace):
     def rename(self, key: str) -> str | None:
         return rename(key)
 
-    def build(self, dtype: torch.dtype) -> LanguageModelModules:
-        from transformers.initialization import no_init_weights
-
-        text = self.config.text_config
-        with no_init_weights():
-            decoder = decoder_class(self.config)._from_config(text, dtype=dtype)
-            lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=dtype)
-        return LanguageModelModules(decoder, lm_head, tied_lm_head(self.config))
+    def decoder_class(self) -> type:
+        return decoder_class(self.config)
 
 
 LM_FACE = LlavaLMFace

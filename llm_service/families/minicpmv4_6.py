@@ -9,10 +9,9 @@ Checkpoint keys: `model.language_model.<decoder key>` and `lm_head.weight` (no l
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from llm_service.families.base import LanguageModelModules, LMFace
-from llm_service.families.qwen3_5_text import build_decoder, state_layers
+from llm_service.families.qwen3_5_text import pack_linear_attention, state_layers
 from llm_service.hybrid.state_cache import StateSpec
 
 _DECODER_PREFIX = "model.language_model."
@@ -29,14 +28,15 @@ class MiniCPMVLMFace(LMFace):
     def state_layers(self) -> tuple[StateSpec, ...]:
         return state_layers(self.config.text_config)
 
-    def build(self, dtype: torch.dtype) -> LanguageModelModules:
-        from transformers.initialization import no_init_weights
+    def decoder_class(self) -> type:
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
 
-        text = self.config.text_config
-        decoder = build_decoder(text, dtype)
-        with no_init_weights():
-            lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=dtype)
-        return LanguageModelModules(decoder, lm_head, self.tied_embeddings())
+        return Qwen3_5TextModel
+
+    def build(self, dtype: torch.dtype) -> LanguageModelModules:
+        modules = super().build(dtype)
+        pack_linear_attention(modules.decoder)
+        return modules
 
 
 LM_FACE = MiniCPMVLMFace

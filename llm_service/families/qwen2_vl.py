@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from llm_service.families.base import LanguageModelModules, LMFace
+from llm_service.families.base import LMFace
 from mmserve.checkpoint import strip_prefix
 from mmserve.request.positions import LinearPositions, PositionPlan
 
@@ -31,18 +30,14 @@ class QwenVLLMFace(LMFace):
         """`(3, T)` M-RoPE rows of a packed sequence -> the decoder's `(3, 1, T)`."""
         return positions.unsqueeze(1)
 
-    def build(self, dtype: torch.dtype) -> LanguageModelModules:
-        from transformers.initialization import no_init_weights
-
+    def decoder_class(self) -> type:
         if self.config.model_type == "qwen2_vl":
-            from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLTextModel as Decoder
-        else:
-            from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel as Decoder
-        text = self.config.text_config
-        with no_init_weights():
-            decoder = Decoder._from_config(text, dtype=dtype)
-            lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=dtype)
-        return LanguageModelModules(decoder, lm_head, self.tied_embeddings())
+            from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLTextModel
+
+            return Qwen2VLTextModel
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel
+
+        return Qwen2_5_VLTextModel
 
 
 LM_FACE = QwenVLLMFace

@@ -56,14 +56,8 @@ def state_layers(text_config) -> tuple[StateSpec, ...]:
                  for i, t in enumerate(c.layer_types[:c.num_hidden_layers]) if t == LINEAR_ATTENTION)
 
 
-def build_decoder(text_config, dtype: torch.dtype):
-    """`Qwen3_5TextModel` (uninitialised weights) with its linear-attention layers packed."""
-    from transformers.initialization import no_init_weights
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
-
-    with no_init_weights():
-        decoder = Qwen3_5TextModel._from_config(text_config, dtype=dtype)
+def pack_linear_attention(decoder) -> None:
+    """A `Qwen3_5TextModel`'s linear-attention layers run the packed step (in place)."""
     for layer in decoder.layers:
         if layer.block_type == LINEAR_ATTENTION:
             layer.linear_attn.__class__ = PackedGatedDeltaNet  # same module and weights, packed forward
-    return decoder

@@ -11,22 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from llm_service.families.base import LanguageModelModules
 from llm_service.families.qwen2_vl import QwenVLLMFace
 from llm_service.transfer import to_device
 
 
 class Qwen3VLLMFace(QwenVLLMFace):
-    def build(self, dtype: torch.dtype) -> LanguageModelModules:
-        from torch import nn
-        from transformers.initialization import no_init_weights
+    def decoder_class(self) -> type:
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
 
-        text = self.config.text_config
-        with no_init_weights():
-            decoder = Qwen3VLTextModel._from_config(text, dtype=dtype)
-            lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=dtype)
-        return LanguageModelModules(decoder, lm_head, self.tied_embeddings())
+        return Qwen3VLTextModel
 
     def inject(self, embeds: torch.Tensor, media: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]) -> dict:
         super().inject(embeds, media)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import re
 
 import torch
-from torch import nn
 
 from llm_service.families.base import LanguageModelModules, LMFace
 
@@ -70,15 +69,14 @@ class Step3LMFace(LMFace):
     def rename(self, key: str) -> str | None:
         return rename(key, self.config.text_config.num_hidden_layers)
 
-    def build(self, dtype: torch.dtype) -> LanguageModelModules:
-        from transformers.initialization import no_init_weights
+    def decoder_class(self) -> type:
         from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
 
-        text = self.config.text_config
-        with no_init_weights():
-            decoder = Step3p7TextModel._from_config(text, dtype=dtype)
-            lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=dtype)
-        return Step3LanguageModel(decoder, lm_head, self.tied_embeddings())
+        return Step3p7TextModel
+
+    def build(self, dtype: torch.dtype) -> LanguageModelModules:
+        modules = super().build(dtype)
+        return Step3LanguageModel(modules.decoder, modules.lm_head, modules.tied)
 
 
 LM_FACE = Step3LMFace

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from mmserve.capacity import simulate as capacity
 from mmserve.capacity.fit import print_validation, validate
-from mmserve.capacity.inputs import PROFILES, SLO, TRANSPORTS, Workload, load_profile, with_changes, with_transfer_rates
 from mmserve.capacity.goodput import RUN_TTFT_SLOS, Recommendation, recommend
+from mmserve.capacity.inputs import PROFILES, SLO, TRANSPORTS, Workload, load_profile, with_changes, with_transfer_rates
 
 
 def image_tokens_arg(values: list[str]) -> dict:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, replace
 
-from mmserve.capacity.simulate import percentile, simulate
 from mmserve.capacity.inputs import Profile, Workload
+from mmserve.capacity.simulate import percentile, simulate
 
 FIT_LOADED_CONCURRENCY = 4
 

@@ -7,8 +7,8 @@ import functools
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from mmserve.capacity.simulate import Result, simulate
 from mmserve.capacity.inputs import SLO, Profile, Workload
+from mmserve.capacity.simulate import Result, simulate
 
 
 def meets(result: Result, slo: SLO) -> bool:

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from mmserve.rpc.embedding_wire import from_chunks
-from mmserve.request.embeddings import ItemEmbedding
 from mmserve.errors import InvalidRequest, Overloaded
+from mmserve.request.embeddings import ItemEmbedding
 from mmserve.request.media import MediaItem, MediaKind
+from mmserve.rpc.embedding_wire import from_chunks
 from protos.mmserve.v1 import encoder_pb2, encoder_pb2_grpc
 
 

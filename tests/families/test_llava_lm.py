@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from llm_service.families.llava import decoder_class, rename, tied_lm_head
+from llm_service.families.llava import LlavaLMFace, decoder_class, rename
 from mmserve.checkpoint import load_tensors
 
 
@@ -36,8 +36,9 @@ def test_decoder_and_lm_head_reproduce_the_monolithic_logits(llava_models):
             lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=torch.float64)
         modules = nn.ModuleDict({"decoder": decoder, "lm_head": lm_head})
         loaded = load_tensors(path, rename, torch.float64)
-        assert ("lm_head.weight" not in loaded.state_dict) == tied_lm_head(config) == (family == "llava_siglip")
-        if tied_lm_head(config):
+        tied = LlavaLMFace(config).tied_embeddings()
+        assert ("lm_head.weight" not in loaded.state_dict) == tied == (family == "llava_siglip")
+        if tied:
             lm_head.weight = decoder.embed_tokens.weight
             missing = set(modules.state_dict()) - set(loaded.state_dict) - {"lm_head.weight"}
             modules.load_state_dict(loaded.state_dict, strict=False)

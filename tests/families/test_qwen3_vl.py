@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmserve.request.embeddings import ItemEmbedding
 from mmserve.errors import InvalidRequest
+from mmserve.request.embeddings import ItemEmbedding
 from mmserve.request.media import MediaItem, MediaKind
 from tests.support.cases import CASE_TOKENS, LONG_TEXT, family_cases, image, text, user, video
 from tests.support.engine_support import Collector, make_engine, run_until_done

@@ -5,8 +5,8 @@ own part. The arithmetic, on CPU."""
 import pytest
 import torch
 
-from deployments.serve.app import build_app
 from deployments.config import AppArgs, EngineArgs
+from deployments.serve.app import build_app
 from llm_service.config import EngineConfig
 from llm_service.kv_cache import cuda_kv_budget, pool_sizes
 

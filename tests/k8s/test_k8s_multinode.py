@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.serve_fixtures import _free_port
 from tests.k8s.test_k8s_render import groups, rayservice
+from tests.support.serve_fixtures import _free_port
 
 pytestmark = pytest.mark.serve
 

@@ -16,8 +16,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from deployments.serve.app import build_app
 from deployments.config import AppArgs
+from deployments.serve.app import build_app
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES_VERSION = "1.33.0"  # the oldest Kubernetes the manifests target

@@ -8,11 +8,11 @@ import asyncio
 import grpc
 import pytest
 
+from deployments.api.openai_api import error_response
 from deployments.config import AppArgs, DeploymentArgs
 from deployments.core.failures import classify
 from deployments.core.llm_inputs import PendingRequest
 from deployments.serve.llm import LLMDeployment
-from deployments.api.openai_api import error_response
 from llm_service.sampling import SamplingParams
 from mmserve.errors import QueueFull
 

@@ -92,8 +92,8 @@ def test_video_url_equals_monolithic_on_both_transports(served, tiny_checkpoint,
     public gRPC API (`video_files`)."""
     pytest.importorskip("av")
     from mmserve.rpc.vlm_client import user
-    from tests.support.media_factory import video_file
     from tests.serve.test_video_url_serve import QUESTION, decoder_stats, reference_messages
+    from tests.support.media_factory import video_file
 
     family, urls = served
     spec, max_tokens = SERVED[family], CASE_TOKENS[family]

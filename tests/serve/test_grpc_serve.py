@@ -8,10 +8,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from mmserve.rpc.vlm_client import VLMClient, user
 from protos.mmserve.v1 import vlm_pb2
+from tests.serve.test_serve_app import MAX_TOKENS, chat, client, image_case, video_case
 from tests.support.cases import proto_messages
 from tests.support.media_factory import image_bytes
 from tests.support.reference import reference_generate
-from tests.serve.test_serve_app import MAX_TOKENS, chat, client, image_case, video_case
 
 pytestmark = pytest.mark.serve
 

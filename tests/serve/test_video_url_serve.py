@@ -10,11 +10,11 @@ import pytest
 
 from mmserve.rpc.vlm_client import VLMClient, request, user
 from protos.mmserve.v1 import vlm_pb2, vlm_pb2_grpc
+from tests.serve.test_hardening_serve import APP, _http_ok, _replicas
+from tests.serve.test_serve_app import MAX_TOKENS, chat, client
 from tests.support.cases import api_messages
 from tests.support.media_factory import data_uri, video_file
 from tests.support.reference import reference_generate
-from tests.serve.test_hardening_serve import APP, _http_ok, _replicas
-from tests.serve.test_serve_app import MAX_TOKENS, chat, client
 from tests.unit.test_video_url import _bad_files
 
 pytestmark = pytest.mark.serve

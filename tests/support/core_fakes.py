@@ -8,9 +8,9 @@ import asyncio
 from ray import exceptions as ray_exceptions
 
 from deployments.config import AppArgs, LimitArgs
-from deployments.core.request_core import CoreSettings, RequestCore
 from deployments.core.dispatch import MediaDispatcher
 from deployments.core.llm_inputs import LocalMedia, PendingRequest
+from deployments.core.request_core import CoreSettings, RequestCore
 from llm_service.sequence import TokenEvent
 
 

@@ -95,8 +95,8 @@ def external_encoder_url(serve_ports, tiny_models, tmp_path_factory):
 
     from deployments.serve.app import build_app
     from encoder_service import VisionEncoder
-    from encoder_service.rpc.server import ServerOptions, ServerSecurity, ServerThread
     from encoder_service.rpc.result_store import ResultStore
+    from encoder_service.rpc.server import ServerOptions, ServerSecurity, ServerThread
 
     from tests.support.tls_certs import self_signed
 

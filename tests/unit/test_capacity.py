@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from mmserve.capacity.simulate import percentile, simulate
-from mmserve.capacity.inputs import SLO, Autoscaling, Profile, Workload, load_profile, with_transfer_rates
+from mmserve.capacity.cli import main
 from mmserve.capacity.events import BatchStation, SharedCores, Simulator
 from mmserve.capacity.goodput import goodput, recommend
-from mmserve.capacity.cli import main
+from mmserve.capacity.inputs import SLO, Autoscaling, Profile, Workload, load_profile, with_transfer_rates
+from mmserve.capacity.simulate import percentile, simulate
 
 ROOT = Path(__file__).resolve().parents[2]
 HAND = "a100-qwen3-vl-4b"  # the bundled profile, by name

@@ -15,8 +15,8 @@ from transformers import AutoProcessor
 
 from encoder_service.families.base import image_uint8
 from mmserve.request.media import MediaItem, MediaKind, decode_image
-from tests.support.media_factory import image_bytes, video_frames
 from tests.families.test_encoder_equivalence import encoder
+from tests.support.media_factory import image_bytes, video_frames
 
 CPU = torch.device("cpu")
 # odd sizes, an upscaled small one, a wide one, a JPEG whose EXIF orientation swaps its sides

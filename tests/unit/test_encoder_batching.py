@@ -4,9 +4,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmserve.request.encode_calls import balanced_groups, spread
 from encoder_service.batching import BatchConfig, overtaken, select_batch, temporal_groups
 from encoder_service.cache import EmbeddingCache, tensor_bytes
+from mmserve.request.encode_calls import balanced_groups, spread
 
 configs = st.builds(
     BatchConfig,

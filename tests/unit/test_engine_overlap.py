@@ -192,9 +192,9 @@ def test_hybrid_state_slots_with_overlap_equal_monolithic(minicpmv_dir):
 def test_triton_kernel_and_decode_graph_buffers_with_overlap(tiny_models, monkeypatch):
     """The Triton backend (interpreted) with the decode graphs' buffers run uncaptured: decode
     steps read their inputs from the rows' state on the device, the host reading ids a step late."""
+    from llm_service.config import EngineConfig
     from llm_service.cuda_graphs import DecodeGraphs
     from llm_service.engine import LLMEngine
-    from llm_service.config import EngineConfig
     from tests.gpu.test_engine_triton import fp32_model
 
     model_dir = tiny_models["qwen2_vl"]

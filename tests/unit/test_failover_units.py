@@ -94,8 +94,8 @@ def _done(value) -> asyncio.Future:
 
 def test_resolve_names_exactly_the_items_of_a_lost_encoder_call():
     from deployments.serve.transport import resolve
-    from mmserve.request.embeddings import ItemEmbedding
     from mmserve.errors import EmbeddingsLost
+    from mmserve.request.embeddings import ItemEmbedding
 
     import torch
 

@@ -8,12 +8,12 @@ from ray import exceptions as ray_exceptions
 from ray.serve import exceptions as serve_exceptions
 
 from deployments.api import grpc_api
+from deployments.api.grpc_api import GrpcAdapter
 from deployments.config import LimitArgs
 from deployments.core.failures import classify
-from deployments.api.grpc_api import GrpcAdapter
-from mmserve.rpc.vlm_client import VideoFrames, request, user
 from mmserve.errors import InvalidRequest, Unauthenticated
 from mmserve.request.media import MediaKind
+from mmserve.rpc.vlm_client import VideoFrames, request, user
 from tests.support.core_fakes import FakeLLM, make_core
 
 

@@ -7,10 +7,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from encoder_service import VisionEncoder
-from encoder_service.rpc.server import ServerOptions, ServerSecurity, ServerThread
 from encoder_service.rpc.result_store import ResultStore
-from mmserve.rpc.embedding_wire import from_chunks
+from encoder_service.rpc.server import ServerOptions, ServerSecurity, ServerThread
 from mmserve.request.media import MediaItem, MediaKind
+from mmserve.rpc.embedding_wire import from_chunks
 from protos.mmserve.v1 import encoder_pb2, encoder_pb2_grpc
 from tests.support.media_factory import image_bytes, video_frames
 
@@ -97,8 +97,8 @@ def test_a_decoded_video_crosses_as_uint8_frames_beyond_4_mib(encoder, channel):
     a shape that does not describe the bytes is INVALID_ARGUMENT."""
     import numpy as np
 
-    from mmserve.rpc.encoder_client import _item_proto
     from mmserve.request.media import DecodedVideo
+    from mmserve.rpc.encoder_client import _item_proto
 
     rng = np.random.default_rng(0)
     pixels = rng.integers(0, 255, (8, 480, 400, 3), dtype=np.uint8)  # 4.6 MB

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from deployments.media import local_files as local_media
 from deployments.config import LimitArgs
+from deployments.media import local_files as local_media
 from deployments.media.fetch import FETCH_FAILED, MAX_CONCURRENT_FETCHES, MediaFetcher
 from mmserve.errors import InvalidRequest
 from tests.support.media_factory import data_uri, image_bytes
@@ -449,8 +449,8 @@ def test_item_count_is_checked_before_anything_is_fetched(http_port, tiny_models
 def test_trickling_media_take_no_place_from_ready_requests(http_port, tiny_models):
     """As many trickling image URLs as the router's `max_pending_requests` do not turn a plain
     request away (no 429): fetching holds a place of its own bound; they end at the deadline."""
-    from deployments.core.request_core import ChatRequest
     from deployments.core.generation import GenerationOptions
+    from deployments.core.request_core import ChatRequest
     from mmserve.request.media import MediaKind, MediaSource
     from mmserve.request.prompt_plan import Message
     from tests.support.core_fakes import make_core, reader

@@ -21,16 +21,16 @@ from ray.serve import exceptions as serve_exceptions
 
 from deployments.api import grpc_api, openai_api
 from deployments.config import LimitArgs
-from deployments.serve.encoder import EncoderDeployment
 from deployments.core.failures import classify
 from deployments.core.generation import GenerationOptions, sampling_params
+from deployments.serve.encoder import EncoderDeployment
 from encoder_service.batching import BatchConfig
 from encoder_service.pool import EncoderPool, PoolConfig
 from encoder_service.rpc.result_store import ResultStore
 from llm_service.sampling import SampleInput, new_generator, sample
-from mmserve.rpc.vlm_client import request, user
 from mmserve.errors import InvalidRequest, Overloaded, RequestTooLarge
 from mmserve.request.media import decode_image, read_image_size
+from mmserve.rpc.vlm_client import request, user
 from tests.support.core_fakes import FakeLLM, make_core
 from tests.support.encoder_fakes import FakeEncoder, expected_output, fake_item
 from tests.support.media_factory import png_claiming

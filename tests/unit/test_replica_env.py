@@ -7,9 +7,9 @@ import threading
 import pytest
 from pydantic import ValidationError
 
+from deployments.config import AppArgs, GrpcArgs
 from deployments.serve import replica_env
 from deployments.serve.app import build_app
-from deployments.config import AppArgs, GrpcArgs
 from deployments.serve.encoder import EncoderDeployment
 from deployments.serve.llm import LLMDeployment
 from deployments.serve.router import Router

@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
-from mmserve.families.qwen2_vl import image_grid, read_preprocess_config, video_grid
 from mmserve.errors import InvalidRequest
+from mmserve.families.qwen2_vl import image_grid, read_preprocess_config, video_grid
 from mmserve.request.media import MediaItem, MediaKind, decode_data_uri, read_image_size
 from mmserve.request.prompt_plan import MediaLimits, Message, RequestPlanner
 from tests.support.media_factory import data_uri, image_bytes, video_frames

@@ -9,10 +9,10 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from llm_service.block_manager import BlockManager
 from llm_service.config import EngineConfig
+from llm_service.hybrid.state_slots import StateSlotManager
 from llm_service.sampling import SamplingParams
 from llm_service.scheduler import Scheduler
 from llm_service.sequence import LLMRequest, Sequence, Status
-from llm_service.hybrid.state_slots import StateSlotManager
 
 BLOCK = 4
 

@@ -15,11 +15,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from llm_service.block_manager import BlockManager
 from llm_service.config import EngineConfig
+from llm_service.hybrid.state_slots import StateSlotManager
+from llm_service.hybrid.state_snapshots import SnapshotManager
 from llm_service.sampling import SamplingParams
 from llm_service.scheduler import Scheduler
 from llm_service.sequence import LLMRequest, Sequence, Status
-from llm_service.hybrid.state_slots import StateSlotManager
-from llm_service.hybrid.state_snapshots import SnapshotManager
 from mmserve.request.embeddings import ItemEmbedding
 from mmserve.request.media import PlaceholderRange
 

@@ -9,8 +9,8 @@ from deployments.config import GrpcArgs
 from deployments.core.llm_inputs import PinnedEmbedding
 from deployments.serve.transport import GrpcFetcher, GrpcPublisher, resolve
 from mmserve.request.embeddings import ItemEmbedding
-from mmserve.rpc.encoder_client import EmbeddingNotFound, EncoderClient
 from mmserve.request.media import EncodeItem, MediaItem, MediaKind
+from mmserve.rpc.encoder_client import EmbeddingNotFound, EncoderClient
 
 
 def _item(i: int) -> EncodeItem:
@@ -58,8 +58,8 @@ def test_output_parts_cross_as_one_unit(publisher):
 
 def test_real_qwen3_vl_output_crosses_bit_identical(publisher, qwen3_dir):
     """A Qwen3-VL encoder output (embeddings + DeepStack features) of an image and a video."""
-    from tests.support.pipeline import runtimes, to_planner_messages
     from tests.support.cases import family_cases
+    from tests.support.pipeline import runtimes, to_planner_messages
 
     planner, encoder, _ = runtimes(qwen3_dir)
     outputs = encoder.encode(planner.plan(to_planner_messages(family_cases("qwen3_vl")["image_and_video"])).media)

@@ -74,9 +74,9 @@ class Streamed:
         from deployments.core.llm_inputs import StreamedVideo
         from llm_service.engine import LLMRequest
         from llm_service.sampling import SamplingParams
+        from mmserve.request.prompt_plan import Message
         from tests.support.engine_support import make_engine
         from tests.support.pipeline import runtimes
-        from mmserve.request.prompt_plan import Message
 
         planner, self.encoder, _ = runtimes(model_dir)
         item = MediaItem(MediaKind.VIDEO, (data,), decoded=header)
