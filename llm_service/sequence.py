@@ -155,11 +155,6 @@ class Sequence:
         """Whether a step could compute any of its tokens now (not waiting for media rows)."""
         return self.ready_end > self.num_computed
 
-    @property
-    def num_pending(self) -> int:
-        """Tokens whose K/V are not in the pool yet (1 for a decode)."""
-        return self.num_tokens - self.num_computed
-
     def positions(self, start: int, end: int) -> torch.Tensor:
         """Positions `(rows, end - start)` of tokens `start..end`, from the request's plan."""
         return self.request.positions.positions(start, end)

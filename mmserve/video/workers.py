@@ -199,7 +199,6 @@ class VideoDecodePool:
     def __init__(self, sampler: FrameSampler, limits: VideoLimits, workers: int):
         self.sampler = sampler
         self.limits = limits
-        self.num_workers = workers
         self.stats = DecodeStats()
         self._idle: list[DecodeWorker] = []
         self._slots = asyncio.Semaphore(workers)
