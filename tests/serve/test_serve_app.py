@@ -7,6 +7,7 @@ import httpx
 import openai
 import pytest
 
+from tests.support.cases import chat_completion
 from tests.support.media_factory import data_uri, image_bytes, video_frames
 from tests.support.reference import load_reference, reference_generate
 
@@ -36,18 +37,7 @@ def video_case(seed=12):
 
 
 def chat(c: openai.OpenAI, messages, stream=False, **kw):
-    resp = c.chat.completions.create(
-        model=c.base_url.path.strip("/").split("/")[0], messages=messages, max_tokens=MAX_TOKENS,
-        stream=stream, extra_body={"return_token_ids": True}, **kw,
-    )
-    if not stream:
-        return resp.choices[0].message.content, resp.choices[0].model_extra["token_ids"]
-    text, tokens = [], []
-    for chunk in resp:
-        for choice in chunk.choices:
-            text.append(choice.delta.content or "")
-            tokens += choice.model_extra.get("token_ids", [])
-    return "".join(text), tokens
+    return chat_completion(c, c.base_url.path.strip("/").split("/")[0], messages, MAX_TOKENS, stream, **kw)
 
 
 @pytest.mark.parametrize("case", [image_case, video_case])

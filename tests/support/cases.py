@@ -144,8 +144,13 @@ def openai_chat(url: str, model: str, messages: list[dict], max_tokens: int, str
     import openai
 
     c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    resp = c.chat.completions.create(model=model, messages=api_messages(messages), max_tokens=max_tokens,
-                                     stream=stream, extra_body={"return_token_ids": True})
+    return chat_completion(c, model, api_messages(messages), max_tokens, stream)
+
+
+def chat_completion(c, model: str, messages: list[dict], max_tokens: int, stream: bool, **kw) -> tuple[str, list[int]]:
+    """(text, token ids) of one chat completion of OpenAI-shaped `messages` by the `openai` client `c`."""
+    resp = c.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, stream=stream,
+                                     extra_body={"return_token_ids": True}, **kw)
     if not stream:
         return resp.choices[0].message.content, resp.choices[0].model_extra["token_ids"]
     pieces, tokens = [], []
