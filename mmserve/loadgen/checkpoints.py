@@ -12,7 +12,6 @@ gibberish, its sizes (weights, KV bytes per token, ViT FLOPs) are the real model
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -53,9 +52,7 @@ def bench_checkpoint(out: Path = BENCH_CHECKPOINT) -> str:
         video_processor=Qwen2VLVideoProcessor(min_pixels=tiny.VIDEO_MIN_PIXELS, max_pixels=tiny.VIDEO_MAX_PIXELS,
                                               cap_pixels_per_frame=False),
     )
-    model.save_pretrained(out, safe_serialization=True)
-    processor.save_pretrained(out)
-    (out / "mmserve_tiny.json").write_text(json.dumps({"family": "qwen2_vl", "seed": 0, "bench": True}) + "\n")
+    tiny.save_checkpoint(model, processor, out, "mmserve_tiny.json", {"family": "qwen2_vl", "seed": 0, "bench": True})
     return str(out)
 
 
@@ -68,7 +65,7 @@ def qwen2_vl_2b(out: str | Path, seed: int = 0, text_layers: int | None = None, 
         Qwen2VLVideoProcessor,
     )
 
-    from mmserve.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS
+    from mmserve.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, save_checkpoint
     from mmserve.tiny.tokenizer import build_tokenizer, text_config
 
     out = Path(out)
@@ -99,15 +96,5 @@ def qwen2_vl_2b(out: str | Path, seed: int = 0, text_layers: int | None = None, 
         video_processor=Qwen2VLVideoProcessor(cap_pixels_per_frame=False), tokenizer=tokenizer,
         chat_template=CHAT_TEMPLATE,
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        processor.save_pretrained(tmp)
-        (tmp / MARKER).write_text(json.dumps(settings) + "\n")
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    save_checkpoint(model, processor, out, MARKER, settings)
     return str(out)

@@ -66,19 +66,24 @@ def build_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = 0) -> 
         eos_token_id=eos_ids, pad_token_id=text_config.pad_token_id, **bos, do_sample=False
     )
 
+    save_checkpoint(model, processor, out, "mmserve_tiny.json", {"family": family, "seed": seed})
+    return out
+
+
+def save_checkpoint(model, processor, out: Path, marker: str, settings: dict) -> None:
+    """`model` and `processor` as a Hugging Face directory at `out`, with `marker` (JSON `settings`)
+    written last; atomically: built beside `out`, then renamed over it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         processor.save_pretrained(tmp)
-        (tmp / "mmserve_tiny.json").write_text(json.dumps({"family": family, "seed": seed}) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
+        (tmp / marker).write_text(json.dumps(settings) + "\n")
+        shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def default_model_dir(family: str = "qwen2_vl") -> Path:
