@@ -279,7 +279,7 @@ class GrpcArgs(_Args):
         """These arguments with `token` read from `token_env` on this node (a replica's)."""
         if self.token_env is None:
             return self
-        from deployments.serve.replica_env import secret
+        from deployments.replica_env import secret
 
         return self.model_copy(update={"token": secret(None, self.token_env, "grpc.token_env"), "token_env": None})
 
@@ -479,7 +479,7 @@ class AppArgs(_Args):
     def on_node(self) -> "AppArgs":
         """These arguments with the model directory and the secrets resolved on this node (the
         Router's: each other replica resolves what it uses)."""
-        from deployments.serve.replica_env import resolve_model_dir, secret
+        from deployments.replica_env import resolve_model_dir, secret
 
         return self.model_copy(update={
             "model": resolve_model_dir(self.model), "api_key": secret(self.api_key, self.api_key_env, "api_key_env"),

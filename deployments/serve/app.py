@@ -3,7 +3,7 @@
 Serve calls the builder in a task that may run on any node (on KubeRay usually the head: no
 GPU, no model volume), so it only validates arguments: it never reads the checkpoint or builds
 the tiny model. Replicas resolve the model and secrets on their own nodes
-(`deployments.serve.replica_env`).
+(`deployments.replica_env`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from ray.serve import Application
 from deployments.config import AppArgs
 from deployments.serve.encoder import EncoderDeployment, encoder_options
 from deployments.serve.llm import LLMDeployment
-from deployments.serve.replica_env import model_name
+from deployments.replica_env import model_name
 from deployments.serve.router import Router
 from deployments.serve.video_decoder import VideoDecoder, video_decoder_options
 

@@ -16,7 +16,7 @@ from ray import serve
 from deployments.config import AppArgs, DeploymentArgs, EncoderPoolArgs
 from deployments.serve.autoscaling import QUEUED_TOKENS
 from deployments.serve.metrics import EncoderMetrics, PoolMetrics
-from deployments.serve.replica_env import resolve_model_dir
+from deployments.replica_env import resolve_model_dir
 from encoder_service import VisionEncoder
 from encoder_service.pool import EncoderPool
 from mmserve.device import device_memory, hold_to_share, resolve_device

@@ -21,7 +21,7 @@ from deployments.core.failures import root_cause
 from deployments.core.llm_inputs import PendingRequest, StoredEmbedding, StreamedVideo
 from deployments.core.video_stream import VideoStream
 from deployments.serve.metrics import EncoderMetrics, LLMMetrics, PoolMetrics
-from deployments.serve.replica_env import resolve_model_dir
+from deployments.replica_env import resolve_model_dir
 from deployments.serve.transport import resolve
 from llm_service.config import EngineConfig
 from llm_service.engine import LLMEngine, LLMRequest, TokenEvent

@@ -20,7 +20,7 @@ from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from deployments.serve.autoscaling import QUEUED_DECODE_S
-from deployments.serve.replica_env import resolve_model_dir
+from deployments.replica_env import resolve_model_dir
 from mmserve.errors import InvalidRequest
 from mmserve.request.media import DecodedVideo
 from mmserve.video.container import FrameSampler, VideoLimits, pyav_available

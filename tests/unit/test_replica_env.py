@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from deployments.config import AppArgs, GrpcArgs
-from deployments.serve import replica_env
+from deployments import replica_env
 from deployments.serve.app import build_app
 from deployments.serve.encoder import EncoderDeployment
 from deployments.serve.llm import LLMDeployment
@@ -99,7 +99,7 @@ def test_secrets_are_read_from_the_environment_on_the_replica(monkeypatch):
     with pytest.raises(RuntimeError, match="api_key_env: environment variable MMSERVE_TEST_KEY is not set"):
         replica_env.secret(None, args.api_key_env, "api_key_env")
     monkeypatch.setenv("MMSERVE_TEST_KEY", "k")
-    monkeypatch.setattr("deployments.serve.replica_env.resolve_model_dir", lambda model: "/resolved")
+    monkeypatch.setattr("deployments.replica_env.resolve_model_dir", lambda model: "/resolved")
     resolved = args.on_node()  # the Router's
     assert (resolved.api_key, resolved.model, resolved.grpc.token) == ("k", "/resolved", "s3cret")
 

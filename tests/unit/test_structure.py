@@ -118,6 +118,13 @@ def test_the_request_core_sits_below_the_serve_layer_and_the_launcher():
     assert _violations(RAY_FREE, ("deployments.serve", "deployments.cli")) == {}
 
 
+def test_the_settings_sit_below_the_request_core_and_the_launcher():
+    """`deployments.config` validates with the media rules and makes Serve's options, but reads
+    neither the request core nor its adapters nor the launcher, which all read it."""
+    layers = ("deployments.core", "deployments.api", "deployments.cli")
+    assert _violations(("deployments.config", "deployments.replica_env"), layers) == {}
+
+
 def test_the_request_core_and_its_adapters_load_no_ray():
     names = sorted(m for m in MODULES if _within(m, RAY_FREE))
     code = (f"import importlib, sys; [importlib.import_module(m) for m in {names!r}]; "
