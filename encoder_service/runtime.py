@@ -13,7 +13,7 @@ import torch
 
 from encoder_service.cache import EncoderIdentity
 from encoder_service.families.base import EncoderFace, PreparedItem
-from mmserve.checkpoint import load_tensors, read_config, resolve_dtype
+from mmserve.checkpoint import load_weights, read_config, resolve_dtype
 from mmserve.families import face_class, family_of, router_face
 from mmserve.request.embeddings import ItemEmbedding
 from mmserve.request.media import EncodeItem, MediaItem
@@ -21,14 +21,19 @@ from mmserve.request.media import EncodeItem, MediaItem
 logger = logging.getLogger(__name__)
 
 
-def weights_fingerprint(state_dict: dict[str, torch.Tensor]) -> str:
-    """Hash of every tensor's name, dtype, shape and bytes (stable across processes)."""
-    h = hashlib.blake2b(digest_size=16)
-    for name in sorted(state_dict):
-        t = state_dict[name].detach().contiguous().cpu()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+class WeightsFingerprint:
+    """Hash of every tensor's checkpoint key, dtype, shape and bytes as stored, in the order
+    read (stable across processes): fed by the loader (`on_read`), one tensor at a time."""
+
+    def __init__(self):
+        self._hash = hashlib.blake2b(digest_size=16)
+
+    def __call__(self, key: str, tensor: torch.Tensor) -> None:
+        self._hash.update(f"{key}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        self._hash.update(tensor.detach().reshape(-1).view(torch.uint8).numpy().data)
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
 
 
 class VisionEncoder:
@@ -52,23 +57,24 @@ class VisionEncoder:
             str(model_dir), config, self.dtype
         )
         self._router_face = None  # made on first `plan` (standalone server only)
-        loaded = load_tensors(model_dir, self.face.rename, self.dtype)
-        tower = self.face.build()
-        tower.load_state_dict(loaded.state_dict, strict=True)
+        with torch.device(self.device):  # built where it runs, without initial values
+            tower = self.face.build()
+        fingerprint = WeightsFingerprint()
+        self.load = load_weights(tower, model_dir, self.face.rename, convert=getattr(tower, "convert", None),
+                                 on_read=fingerprint)
         self.tower = tower.to(self.device).eval().requires_grad_(False)
-        self.keys_read = loaded.keys_read
+        self.keys_read = self.load.keys_read
         self.identity = EncoderIdentity(
             model_id=self.model_dir.name,
-            weights_fingerprint=weights_fingerprint(loaded.state_dict),
+            weights_fingerprint=fingerprint.hexdigest(),
             preprocess_fingerprint=hashlib.blake2b(self.face.preprocess_fingerprint().encode(), digest_size=16).hexdigest(),
             dtype=str(self.dtype),
         )
-        del loaded
         self._lock = threading.Lock()
         logger.info(
-            "vision tower of %s loaded: %d tensors, %.1fM params, %s on %s in %.1fs",
-            self.model_dir.name, len(self.keys_read), self.num_parameters / 1e6, self.dtype,
-            self.device, time.perf_counter() - start,
+            "vision tower of %s loaded: %s; %.1fM params, %s on %s, %.1fs in all",
+            self.model_dir.name, self.load.summary(), self.num_parameters / 1e6, self.dtype, self.device,
+            time.perf_counter() - start,
         )
 
     @property

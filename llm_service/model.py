@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from llm_service.families.base import LMFace
-from mmserve.checkpoint import load_tensors, read_config, resolve_dtype
+from mmserve.checkpoint import load_weights, read_config, resolve_dtype
 from mmserve.families import face_class, family_of
 
 logger = logging.getLogger(__name__)
@@ -30,11 +30,12 @@ class LanguageModel:
         self.text_config = config.text_config
         self.max_model_len = int(self.text_config.max_position_embeddings)
         self.face: LMFace = face_class("llm_service.families", self.model_type, "LM_FACE")(config)
-        loaded = load_tensors(model_dir, self.face.rename, self.dtype)
-        modules = self.face.build(self.dtype)
-        modules.load(loaded.state_dict)
+        with torch.device(self.device):  # built where it runs, without initial values
+            modules = self.face.build(self.dtype)
+        self.load = load_weights(modules, model_dir, self.face.rename, convert=modules.convert,
+                                 optional=modules.tied_keys())
         self.modules = modules.to(self.device).eval().requires_grad_(False)
-        self.keys_read = loaded.keys_read
+        self.keys_read = self.load.keys_read
         try:
             gen = GenerationConfig.from_pretrained(model_dir)
         except OSError:
@@ -43,9 +44,9 @@ class LanguageModel:
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.generation_config = gen
         logger.info(
-            "language model of %s loaded: %d tensors, %.1fM params, %s on %s in %.1fs",
-            self.model_dir.name, len(self.keys_read), self.num_parameters / 1e6, self.dtype,
-            self.device, time.perf_counter() - start,
+            "language model of %s loaded: %s; %.1fM params, %s on %s, %.1fs in all",
+            self.model_dir.name, self.load.summary(), self.num_parameters / 1e6, self.dtype, self.device,
+            time.perf_counter() - start,
         )
 
     @property

@@ -1,18 +1,21 @@
-"""Reading a Hugging Face checkpoint directory: config, processor settings, selected tensors.
+"""Reading a Hugging Face checkpoint directory: config, processor settings, tensors.
 
-Each runtime reads only the tensors of its own half of the model straight from the safetensors
-files; nothing is loaded and then deleted.
+Each runtime reads only the tensors of its own half of the model, one tensor at a time, straight
+from the safetensors files into the parameters of modules built without initial values: loading
+holds the weights once (plus the tensor in flight), never a state dict beside the model.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
-
+from torch import nn
 
 _DTYPES = {
     "float32": torch.float32,
@@ -21,11 +24,13 @@ _DTYPES = {
     "float64": torch.float64,
 }
 DTYPE_CHOICES = ("auto", *_DTYPES)
-
-
-class LoadedTensors(NamedTuple):
-    state_dict: dict[str, torch.Tensor]
-    keys_read: tuple[str, ...]
+# safetensors' dtype names (https://github.com/huggingface/safetensors, format spec)
+_FILE_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+_READ_CHUNK = 1 << 30  # one read() moves at most ~2 GiB on Linux
 
 
 def read_config(model_dir: str | Path) -> dict:
@@ -55,21 +60,130 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def load_tensors(model_dir: str | Path, rename: Callable[[str], str | None], dtype: torch.dtype) -> LoadedTensors:
-    """Tensors whose checkpoint key `rename` maps to a module key (others are never read)."""
-    from safetensors import safe_open
+class StoredTensor(NamedTuple):
+    """Where one tensor lies in a safetensors file (from its header; nothing read yet)."""
 
-    state: dict[str, torch.Tensor] = {}
-    read: list[str] = []
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # byte offset in the file
+    nbytes: int
+
+
+def stored_tensors(file: Path) -> list[StoredTensor]:
+    """The header of one safetensors file: 8 bytes of header length, the JSON header, the data."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    base = 8 + size
+    out = []
+    for key, meta in header.items():
+        if key == "__metadata__":
+            continue
+        if meta["dtype"] not in _FILE_DTYPES:
+            raise ValueError(f"{file.name}: tensor {key} has dtype {meta['dtype']}, which mmserve cannot read")
+        begin, end = meta["data_offsets"]
+        out.append(StoredTensor(key, _FILE_DTYPES[meta["dtype"]], tuple(meta["shape"]), base + begin, end - begin))
+    return sorted(out, key=lambda t: t.start)  # sequential reads
+
+
+def _read_into(f, stored: StoredTensor, out: torch.Tensor) -> torch.Tensor:
+    """The stored bytes into `out` (CPU, contiguous, the stored dtype and shape)."""
+    view = memoryview(out.detach().reshape(-1).view(torch.uint8).numpy())
+    f.seek(stored.start)
+    done = 0
+    while done < stored.nbytes:
+        n = f.readinto(view[done:done + _READ_CHUNK])
+        if not n:
+            raise ValueError(f"{stored.key}: the file ends before the tensor does")
+        done += n
+    return out
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory (Linux; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
+
+
+class LoadReport(NamedTuple):
+    keys_read: tuple[str, ...]
+    bytes_read: int
+    seconds: float
+    peak_rss_growth: int | None  # over the RSS before loading (Linux)
+
+    def summary(self) -> str:
+        peak = "" if self.peak_rss_growth is None else f", host memory peak +{self.peak_rss_growth / 1e9:.2f} GB"
+        return f"{len(self.keys_read)} tensors, {self.bytes_read / 1e9:.2f} GB read in {self.seconds:.1f}s{peak}"
+
+
+Convert = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def load_weights(module: nn.Module, model_dir: str | Path, rename: Callable[[str], str | None], *,
+                 convert: Convert | None = None, optional: frozenset[str] = frozenset(),
+                 on_read: Callable[[str, torch.Tensor], None] | None = None) -> LoadReport:
+    """Stream the checkpoint's tensors into `module`'s parameters and buffers, one at a time.
+
+    `module` is built with uninitialised storage on its device, in its dtype; each tensor is read
+    from the file into it (straight into the parameter when the dtypes agree on CPU; else through
+    one tensor-sized buffer that `copy_` converts and moves). A tensor whose module key names no
+    parameter waits for `convert` (a family's layout conversion: fused or split projections),
+    which returns the module tensors it can make from the waiting ones and removes those it used.
+    Every parameter and persistent buffer must be loaded except the `optional` ones (tied weights).
+    `on_read(key, tensor)` sees each tensor as the file holds it (e.g. to fingerprint the weights).
+    """
+    start, rss0 = time.perf_counter(), rss_bytes()
+    peak = 0
+    targets = module.state_dict(keep_vars=True)  # name -> the live Parameter / buffer
+    loaded: set[str] = set()
+    waiting: dict[str, torch.Tensor] = {}
+    keys, nbytes = [], 0
+
+    def place(name: str, tensor: torch.Tensor) -> None:
+        target = targets[name]
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"checkpoint tensor for {name} has shape {tuple(tensor.shape)}, the model "
+                             f"expects {tuple(target.shape)}: does config.json match the weights?")
+        if tensor is not target:
+            with torch.no_grad():
+                target.copy_(tensor)
+        loaded.add(name)
+
     for file in _safetensors_files(Path(model_dir)):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                name = rename(key)
-                if name is None:
+        with open(file, "rb", buffering=0) as f:
+            for stored in stored_tensors(file):
+                name = rename(stored.key)
+                if name is None or name in optional:
                     continue
-                state[name] = f.get_tensor(key).to(dtype)
-                read.append(key)
-    return LoadedTensors(state, tuple(read))
+                target = targets.get(name)
+                direct = (target is not None and target.device.type == "cpu" and target.dtype == stored.dtype
+                          and target.is_contiguous() and tuple(target.shape) == stored.shape)
+                tensor = _read_into(f, stored, target if direct else torch.empty(stored.shape, dtype=stored.dtype))
+                keys.append(stored.key)
+                nbytes += stored.nbytes
+                if on_read is not None:
+                    on_read(stored.key, tensor)
+                if rss0 is not None:
+                    peak = max(peak, rss_bytes() - rss0)
+                if target is not None:
+                    place(name, tensor)
+                    continue
+                waiting[name] = tensor
+                for made, made_tensor in (convert(waiting) if convert else {}).items():
+                    if made not in targets:
+                        raise ValueError(f"converted checkpoint tensor {made} has no place in the model")
+                    place(made, made_tensor)
+                del tensor
+    if waiting:
+        raise ValueError(f"checkpoint tensors with no place in the model: {sorted(waiting)[:5]}")
+    missing = set(targets) - loaded - optional
+    if missing:
+        raise ValueError(f"checkpoint lacks tensors of the model: {sorted(missing)[:5]}")
+    return LoadReport(tuple(keys), nbytes, time.perf_counter() - start, peak if rss0 is not None else None)
 
 
 def strip_prefix(key: str, prefixes: tuple[str, ...]) -> str | None:

@@ -130,7 +130,7 @@ class LlavaVisionEncoder(nn.Module):
         self.projector = projector
 
     def checkpoint_rename(self) -> Callable[[str], str | None]:
-        """`rename` restricted to the tensors this module holds (for `load_tensors`)."""
+        """`rename` restricted to the tensors this module holds (for `load_weights`)."""
         wanted = set(self.state_dict())
 
         def to_module_key(key: str) -> str | None:
@@ -142,12 +142,6 @@ class LlavaVisionEncoder(nn.Module):
             return name if name in wanted else None
 
         return to_module_key
-
-    def load(self, state: dict[str, torch.Tensor]) -> None:
-        missing = set(self.state_dict()) - set(state)
-        if missing:
-            raise ValueError(f"checkpoint lacks vision tensors: {sorted(missing)[:5]}")
-        self.load_state_dict(state, strict=True)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """`(B, 3, H, W)` -> `(B, tokens_per_image, text_hidden)`."""

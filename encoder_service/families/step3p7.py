@@ -96,7 +96,7 @@ def convert_hub_vision(state: dict[str, torch.Tensor], heads: int) -> dict[str, 
 
 
 class Step3VisionEncoder(nn.Module):
-    """`tower` (`Step3p7VisionModel`) + `projector`; hub-layout tensors are converted on load."""
+    """`tower` (`Step3p7VisionModel`) + `projector`; hub-layout tensors are converted as they load."""
 
     def __init__(self, config, dtype: torch.dtype):
         super().__init__()
@@ -108,14 +108,13 @@ class Step3VisionEncoder(nn.Module):
             self.tower = Step3p7VisionModel._from_config(vision, dtype=dtype)
             self.projector = nn.Linear(vision.hidden_size * 4, config.text_config.hidden_size,
                                        bias=config.projector_bias, dtype=dtype)
-        heads = vision.num_attention_heads
+        self.heads = vision.num_attention_heads
 
-        def convert(state, prefix, *args):
-            converted = convert_hub_vision({k[len(prefix):]: state.pop(k) for k in list(state)
-                                            if k.startswith(prefix)}, heads)
-            state.update({prefix + k: v for k, v in converted.items()})
-
-        self._register_load_state_dict_pre_hook(convert)
+    def convert(self, waiting: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Hub-layout tensors -> module tensors, as they are read (see `load_weights`)."""
+        made = convert_hub_vision(waiting, self.heads)
+        waiting.clear()
+        return made
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """`(B, 3, S, S)` views -> `(B, tokens, text_hidden)`."""

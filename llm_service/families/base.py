@@ -20,18 +20,18 @@ class LanguageModelModules(nn.Module):
         self.decoder = decoder
         self.lm_head = lm_head
         self.tied = tied
+        if tied:  # one tensor under both names; the checkpoint's lm_head.weight, if any, is not read
+            self.lm_head.weight = decoder.embed_tokens.weight
 
-    def load(self, state: dict[str, torch.Tensor]) -> None:
-        if self.tied:
-            state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-            self.load_state_dict(state, strict=False)
-            self.lm_head.weight = self.decoder.embed_tokens.weight
-            missing = set(self.state_dict()) - set(state) - {"lm_head.weight"}
-        else:
-            missing = set(self.state_dict()) - set(state)
-            self.load_state_dict(state, strict=True)
-        if missing:
-            raise ValueError(f"checkpoint lacks language-model tensors: {sorted(missing)[:5]}")
+    def tied_keys(self) -> frozenset[str]:
+        """Module keys the loader leaves alone (tied to another tensor)."""
+        return frozenset({"lm_head.weight"}) if self.tied else frozenset()
+
+    def convert(self, waiting: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Module tensors made from checkpoint tensors `rename` maps to names the modules do not
+        have (a family's fused or split layout), removing those used from `waiting`; see
+        `mmserve.checkpoint.load_weights`. None here."""
+        return {}
 
 
 class LMFace(ABC):
@@ -49,14 +49,16 @@ class LMFace(ABC):
         """The `transformers` text decoder that `build` makes from `config.text_config`."""
 
     def build(self, dtype: torch.dtype) -> LanguageModelModules:
-        """Decoder + lm_head with uninitialised weights (the caller loads them)."""
+        """Decoder + lm_head with uninitialised storage on the current default device (the caller
+        streams the weights in); a tied lm_head gets no storage of its own."""
         from transformers.initialization import no_init_weights
 
-        text = self.config.text_config
+        text, tied = self.config.text_config, self.tied_embeddings()
         with no_init_weights():
             decoder = self.decoder_class()._from_config(text, dtype=dtype)
-            lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=dtype)
-        return LanguageModelModules(decoder, lm_head, self.tied_embeddings())
+            lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=dtype,
+                                device="meta" if tied else None)
+        return LanguageModelModules(decoder, lm_head, tied)
 
     def text_positions(self) -> PositionPlan:
         """The plan of a prompt without media (requests that come without one); 1-D unless the

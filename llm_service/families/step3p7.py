@@ -52,12 +52,15 @@ def rename(key: str, num_layers: int) -> str | None:
 
 
 class Step3LanguageModel(LanguageModelModules):
-    def load(self, state: dict[str, torch.Tensor]) -> None:
-        state = dict(state)
-        for key in [k for k in state if k.endswith(".mlp.experts.gate_proj")]:
+    def convert(self, waiting: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Hub layout: an MoE layer's gate_proj and up_proj (possibly in different shard files)
+        become its `gate_up_proj` once both are read."""
+        made = {}
+        for key in [k for k in waiting if k.endswith(".mlp.experts.gate_proj")]:
             base = key[: -len("gate_proj")]
-            state[base + "gate_up_proj"] = torch.cat([state.pop(key), state.pop(base + "up_proj")], dim=1)
-        super().load(state)
+            if base + "up_proj" in waiting:
+                made[base + "gate_up_proj"] = torch.cat([waiting.pop(key), waiting.pop(base + "up_proj")], dim=1)
+        return made
 
 
 class Step3LMFace(LMFace):

@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 
 from encoder_service.families.llava import LlavaVisionEncoder, feature_select, image_token_count, rename
-from mmserve.checkpoint import load_tensors
+from mmserve.checkpoint import load_weights
 from tests.support.media_factory import image_bytes
 
 TOWERS = {
@@ -47,8 +47,7 @@ def _encoder(model_dir, dtype=torch.float64) -> tuple[LlavaVisionEncoder, tuple[
     from transformers import AutoConfig
 
     encoder = LlavaVisionEncoder(AutoConfig.from_pretrained(model_dir), dtype)
-    loaded = load_tensors(model_dir, encoder.checkpoint_rename(), dtype)
-    encoder.load(loaded.state_dict)
+    loaded = load_weights(encoder, model_dir, encoder.checkpoint_rename())
     return encoder.eval(), loaded.keys_read
 
 

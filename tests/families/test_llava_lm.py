@@ -1,10 +1,9 @@
 """LLaVA's text decoder, built from the config and loaded with renamed tensors, == the monolithic model."""
 
 import torch
-from torch import nn
 
 from llm_service.families.llava import LlavaLMFace, decoder_class, rename
-from mmserve.checkpoint import load_tensors
+from mmserve.checkpoint import load_weights
 
 
 def test_decoder_class_is_the_text_configs_base_model(llava_models):
@@ -25,27 +24,14 @@ def test_rename_covers_every_layout():
 
 def test_decoder_and_lm_head_reproduce_the_monolithic_logits(llava_models):
     from transformers import AutoModelForImageTextToText, AutoProcessor
-    from transformers.initialization import no_init_weights
 
     for family, path in llava_models.items():
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float64).eval()
-        config = model.config
-        text = config.text_config
-        with no_init_weights():
-            decoder = decoder_class(config)._from_config(text, dtype=torch.float64)
-            lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=torch.float64)
-        modules = nn.ModuleDict({"decoder": decoder, "lm_head": lm_head})
-        loaded = load_tensors(path, rename, torch.float64)
-        tied = LlavaLMFace(config).tied_embeddings()
-        assert ("lm_head.weight" not in loaded.state_dict) == tied == (family == "llava_siglip")
-        if tied:
-            lm_head.weight = decoder.embed_tokens.weight
-            missing = set(modules.state_dict()) - set(loaded.state_dict) - {"lm_head.weight"}
-            modules.load_state_dict(loaded.state_dict, strict=False)
-        else:
-            missing = set(modules.state_dict()) - set(loaded.state_dict)
-            modules.load_state_dict(loaded.state_dict, strict=True)
-        assert not missing
+        face = LlavaLMFace(model.config)
+        modules = face.build(torch.float64)
+        loaded = load_weights(modules, path, rename, optional=modules.tied_keys())
+        assert modules.tied == (family == "llava_siglip")
+        assert modules.tied == (modules.lm_head.weight is modules.decoder.embed_tokens.weight)
         assert not [k for k in loaded.keys_read if "vision" in k or "projector" in k]
 
         processor = AutoProcessor.from_pretrained(path)
@@ -55,5 +41,6 @@ def test_decoder_and_lm_head_reproduce_the_monolithic_logits(llava_models):
         positions = torch.arange(input_ids.shape[1]).unsqueeze(0)
         with torch.inference_mode():
             expected = model(input_ids=input_ids).logits
+            decoder = modules.decoder
             hidden = decoder(inputs_embeds=decoder.embed_tokens(input_ids), position_ids=positions).last_hidden_state
-            torch.testing.assert_close(lm_head(hidden), expected, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(modules.lm_head(hidden), expected, rtol=1e-10, atol=1e-10)
