@@ -1,4 +1,4 @@
-"""What a replica resolves on the node it runs on: the model directory and secrets.
+"""What a replica resolves on the node it runs on: the model directory, secrets, CPU threads.
 
 Serve builds the application (calls `build_app`) in a task that may run on any node — on
 KubeRay usually the head, which has no GPU and no model volume — so the builder passes the
@@ -9,9 +9,12 @@ constructor. A failure names the path or variable and the node, and fails that r
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import socket
 from pathlib import Path
+
+logger = logging.getLogger("ray.serve")
 
 
 def model_name(model: str | None) -> str:
@@ -63,3 +66,23 @@ def secret(value: str | None, env_name: str | None, field: str) -> str | None:
             "(on Kubernetes: fill it from a Secret with env[].valueFrom.secretKeyRef)"
         )
     return resolved
+
+
+def node_cores() -> int:
+    """The cores this process may run on (its CPU affinity; a container's cpuset)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def set_cpu_threads(configured: int | None, model_replicas: int, role: str) -> int:
+    """torch's intra-op threads for a replica that runs a model: `configured`, else this node's
+    cores divided among the app's `model_replicas` (at least 1). Ray starts a replica with one
+    thread per whole CPU it reserved (OMP_NUM_THREADS), so a replica of `num_cpus: 0.5` would
+    compute on one thread of a many-core machine; a model replica's work is mostly serial with
+    the others' (the encoder's batch, then the LLM's prefill), so they share the node instead."""
+    import torch
+
+    threads = configured or max(1, node_cores() // max(model_replicas, 1))
+    torch.set_num_threads(threads)
+    logger.info("%s replica: %d torch threads (%s)", role, threads,
+                "cpu_threads" if configured else f"{node_cores()} cores / {model_replicas} model replicas")
+    return threads

@@ -16,7 +16,7 @@ from ray import serve
 from deployments.config import AppArgs, DeploymentArgs, EncoderPoolArgs
 from deployments.serve.autoscaling import QUEUED_TOKENS
 from deployments.serve.metrics import EncoderMetrics, PoolMetrics
-from deployments.replica_env import resolve_model_dir
+from deployments.replica_env import resolve_model_dir, set_cpu_threads
 from encoder_service import VisionEncoder
 from encoder_service.pool import EncoderPool
 from mmserve.device import device_memory, hold_to_share, resolve_device
@@ -37,6 +37,7 @@ class EncoderDeployment:
         model_dir, grpc, device = resolve_model_dir(args.model), args.grpc.on_node(), resolve_device(args.device)
         self.device_share = args.encoder.device_share
         hold_to_share(device, self.device_share)  # past its part of the GPU a forward fails here (503)
+        self.torch_threads = set_cpu_threads(args.encoder.cpu_threads, args.model_replicas(), "Encoder")
         self.encoder = VisionEncoder(model_dir, dtype=args.dtype, device=device)
         pool = args.encoder_pool
         if pool.cuda_graphs and torch.device(device).type == "cuda":
@@ -74,9 +75,10 @@ class EncoderDeployment:
         return self.publisher.publish(items, embeddings) if self.publisher else embeddings
 
     def stats(self) -> dict:
-        """The pool's counters (forwards, cache, dedup, queue) and which replica answered: for
+        """The pool's counters (forwards, cache, dedup, queue), its torch threads and which replica answered: for
         tests, benches and debugging (`encoder_stats` collects every replica's)."""
-        return {**self.pool.stats()._asdict(), "replica": serve.get_replica_context().replica_id.unique_id}
+        return {**self.pool.stats()._asdict(), "torch_threads": self.torch_threads,
+                "replica": serve.get_replica_context().replica_id.unique_id}
 
     def memory(self) -> dict:
         """This replica's device memory (`mmserve.device.device_memory`) and its share of the device."""

@@ -21,7 +21,7 @@ from deployments.core.failures import root_cause
 from deployments.core.llm_inputs import PendingRequest, StoredEmbedding, StreamedVideo
 from deployments.core.video_stream import VideoStream
 from deployments.serve.metrics import EncoderMetrics, LLMMetrics, PoolMetrics
-from deployments.replica_env import resolve_model_dir
+from deployments.replica_env import resolve_model_dir, set_cpu_threads
 from deployments.serve.transport import resolve
 from llm_service.config import EngineConfig
 from llm_service.engine import LLMEngine, LLMRequest, TokenEvent
@@ -42,6 +42,7 @@ class LLMDeployment:
         self.stall_timeout_s = args.engine.stall_timeout_s
         self.max_waiting_tokens = args.engine.max_waiting_tokens
         hold_to_share(device, engine.device_share)  # the KV pool is sized within it too
+        self.torch_threads = set_cpu_threads(args.llm.cpu_threads, args.model_replicas(), "LLM")
         self.waiting_tokens = 0  # prompt tokens of requests admitted here whose first event is not back
         self.pool = None
         if args.colocated:  # encode the media the router hands over, in-process
@@ -91,10 +92,10 @@ class LLMDeployment:
 
     def stats(self) -> dict:
         """The engine's counters (queues, KV blocks, preemptions, tokens), the streamed video frame
-        groups encoded again after their encoder replica was lost, and which replica answered: for
-        tests and debugging."""
+        groups encoded again after their encoder replica was lost, the torch threads it computes
+        with, and which replica answered: for tests and debugging."""
         return {**self.engine.stats()._asdict(), "video_groups_reencoded": self.video_groups_reencoded,
-                "replica": serve.get_replica_context().replica_id.unique_id}
+                "torch_threads": self.torch_threads, "replica": serve.get_replica_context().replica_id.unique_id}
 
     def memory(self) -> dict:
         """This replica's device memory (`mmserve.device.device_memory`), its share of the

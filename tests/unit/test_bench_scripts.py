@@ -27,6 +27,7 @@ SMALLEST = {
     "encoder.py": (["--items", "4"], []),
     "llm.py": (["--prompt-len", "8", "--max-tokens", "4", "--concurrency", "1", "--decode-tokens", "8"], []),
     "dispatch.py": (["--requests", "2"], [SERVE]),
+    "load.py": (["--text-layers", "1", "--vision-depth", "1", "--dtypes", "bfloat16", "--roles", "llm,encoder"], []),
     "vit_attention.py": ([], GPU),
 }
 ELSEWHERE = {"serve.py": "tests/serve/test_bench_serve.py", "soak.py": "minutes long: run by hand",

@@ -111,3 +111,26 @@ def test_secret_value_and_env_name_are_exclusive():
         GrpcArgs(token="t", token_env="MMSERVE_GRPC_TOKEN")
     with pytest.raises(ValidationError):
         AppArgs(api_key_env="not a variable name")
+
+
+def test_model_replicas_count_what_runs_a_model_at_start():
+    assert AppArgs().model_replicas() == 2  # one Encoder, one LLM
+    assert AppArgs(llm={"num_replicas": 3}, encoder={"num_replicas": 2}).model_replicas() == 5
+    assert AppArgs(colocated=True, llm={"num_replicas": 2}).model_replicas() == 2
+    assert AppArgs(encoder_pool={"autoscale": True, "min_replicas": 0}).model_replicas() == 1
+    assert AppArgs(llm={"autoscaling": {"min_replicas": 2, "max_replicas": 4}}).model_replicas() == 3
+
+
+def test_cpu_threads_divide_the_node_among_model_replicas_or_follow_the_setting():
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        cores = replica_env.node_cores()
+        assert replica_env.set_cpu_threads(None, 2, "LLM") == max(1, cores // 2) == torch.get_num_threads()
+        assert replica_env.set_cpu_threads(None, 10 * cores, "LLM") == 1
+        assert replica_env.set_cpu_threads(3, 2, "Encoder") == 3 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValidationError, match="cpu_threads"):
+        AppArgs(llm={"cpu_threads": 0})
