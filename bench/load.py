@@ -1,4 +1,4 @@
-"""Loading a real-size checkpoint: host memory and time, side by side (CPU): `python bench/load.py`.
+"""A real-size checkpoint, loaded and served (CPU): `python bench/load.py [--serve]`.
 
 Builds (once) a random Qwen2-VL-2B-Instruct checkpoint (`mmserve.loadgen.checkpoints.qwen2_vl_2b`,
 bf16 on disk, 2.2B parameters) and loads it, each in a fresh process, as an LLM replica does
@@ -7,7 +7,14 @@ bf16 on disk, 2.2B parameters) and loads it, each in a fresh process, as an LLM 
 (`from_pretrained` of the whole model), in each dtype asked for. For each: the weights' bytes in
 memory, the peak growth of the process's resident memory while loading (Linux VmHWM, reset just
 before the load, minus the RSS then), their ratio, and the seconds. The target of the issue that
-made this bench: an mmserve half at <= 1.3x its weights. The last line printed is one JSON object.
+made this bench: an mmserve half at <= 1.3x its weights.
+
+`--serve` then starts the app on the checkpoint (one Encoder, one LLM replica, the node's CPUs)
+and times `--requests` chat completions of the same shape one after another (two fresh
+`--image-size` images each, `--max-tokens` tokens, greedy, EOS ignored), then the same requests
+through `transformers`' `generate` in this process (the app stopped first): the first served
+request against the second (warm-up), and served against `generate`, request by request. The last
+line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -61,6 +68,63 @@ def child(role: str, dtype: str, model_dir: str) -> dict:
             "peak_over_weights": peak / weights, "seconds": seconds}
 
 
+def _messages(seed: int, size: int, as_api: bool) -> list[dict]:
+    from mmserve.loadgen.dataset import ImageSpec, data_uri, synthesize_image
+
+    images = [synthesize_image(ImageSpec(size, size, seed * 2 + i)) for i in range(2)]
+    parts = [{"type": "image_url", "image_url": {"url": data_uri(d)}} if as_api else {"type": "image", "bytes": d}
+             for d in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": "Compare these two pictures."}]}]
+
+
+def served_seconds(model: str, dtype: str, requests: int, size: int, max_tokens: int, threads: int | None) -> list[float]:
+    import os
+
+    import httpx
+
+    from deployments.cli.bench_app import start_app, stop_app
+
+    url, _ = start_app(model, colocated=False, num_cpus=len(os.sched_getaffinity(0)), dtype=dtype, cpu_threads=threads)
+    try:
+        seconds = []
+        for seed in range(requests):
+            body = {"model": "bench", "messages": _messages(seed, size, True), "max_tokens": max_tokens,
+                    "temperature": 0, "ignore_eos": True}
+            start = time.perf_counter()
+            resp = httpx.post(url + "/v1/chat/completions", json=body, timeout=600)
+            resp.raise_for_status()
+            seconds.append(time.perf_counter() - start)
+            assert resp.json()["usage"]["completion_tokens"] == max_tokens
+        return seconds
+    finally:
+        stop_app()
+
+
+def generate_seconds(model_dir: str, dtype: str, requests: int, size: int, max_tokens: int) -> list[float]:
+    import io
+
+    import torch
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    seconds = []
+    for seed in range(requests):
+        messages = _messages(seed, size, False)
+        images = [Image.open(io.BytesIO(p["bytes"])).convert("RGB") for p in messages[0]["content"] if "bytes" in p]
+        chat = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                             {"type": "text", "text": messages[0]["content"][-1]["text"]}]}]
+        start = time.perf_counter()
+        inputs = processor(text=[processor.apply_chat_template(chat, add_generation_prompt=True)], images=images,
+                           return_tensors="pt")
+        with torch.inference_mode():
+            out = model.generate(**inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+        seconds.append(time.perf_counter() - start)
+        assert out.shape[1] - inputs["input_ids"].shape[1] == max_tokens
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a checkpoint to load (default: build the random Qwen2-VL-2B)")
@@ -68,6 +132,13 @@ def main() -> None:
     parser.add_argument("--vision-depth", type=int, help="shrink the built checkpoint's vision tower")
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated load dtypes")
     parser.add_argument("--roles", default=",".join(ROLES), help=f"comma-separated, of {', '.join(ROLES)}")
+    parser.add_argument("--serve", action="store_true", help="then serve it, against transformers' generate")
+    parser.add_argument("--serve-dtype", default="float32", help="the dtype --serve runs in")
+    parser.add_argument("--requests", type=int, default=3, help="--serve: requests, one after another")
+    parser.add_argument("--image-size", type=int, default=224, help="--serve: each request's two images (square)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="--serve: tokens per request")
+    parser.add_argument("--cpu-threads", type=int, help="--serve: the model replicas' torch threads (default: "
+                        "the app's policy)")
     parser.add_argument("--child", nargs=3, metavar=("ROLE", "DTYPE", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -95,7 +166,23 @@ def main() -> None:
                   f"  {r['peak_over_weights']:5.2f}x  {r['seconds']:6.1f}s", flush=True)
     worst = max(r["peak_over_weights"] for r in rows if r["role"] != "transformers")
     print(f"worst mmserve half: peak {worst:.2f}x its weights (target <= 1.3x)")
-    print(json.dumps({"model": model, "rows": rows, "worst_mmserve_peak_over_weights": worst}))
+    result = {"model": model, "rows": rows, "worst_mmserve_peak_over_weights": worst}
+    if args.serve:
+        shape = (args.serve_dtype, args.requests, args.image_size, args.max_tokens)
+        served = served_seconds(model, *shape, args.cpu_threads)
+        reference = generate_seconds(model, *shape)
+        print(f"{'request':>8} {'served s':>9} {'generate s':>11} {'ratio':>6}")
+        for i, (a, b) in enumerate(zip(served, reference)):
+            print(f"{i + 1:>8} {a:9.2f} {b:11.2f} {a / b:6.2f}")
+        warm = served[1:] or served
+        ratio = sum(warm) / sum(reference[1:] or reference)
+        first = served[0] / (sum(warm) / len(warm))
+        print(f"served / generate (after the first): {ratio:.2f} (target <= 1.3); "
+              f"first served request / the later ones: {first:.2f} (target 0.8-1.2)")
+        result.update(served_s=served, generate_s=reference, served_over_generate=ratio, first_over_later=first,
+                      serve_shape=dict(zip(("dtype", "requests", "image_size", "max_tokens"), shape)),
+                      cpu_threads=args.cpu_threads)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -22,11 +22,12 @@ def start_serve(num_cpus: float, grpc: bool = False) -> tuple[int, int | None]:
 
 
 def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: str = "cpu",
-              gpus: float = 0.0, replicas: tuple[int, int] | None = None, routing: str = "affinity") -> tuple[str, str]:
+              gpus: float = 0.0, replicas: tuple[int, int] | None = None, routing: str = "affinity",
+              cpu_threads: int | None = None) -> tuple[str, str]:
     """Starts Ray + Serve + the app (named and served as "bench") in this process; returns its base
     URL and gRPC target (stop with `stop_app`). `replicas`: (encoder, LLM) replicas sharing their
     half of the CPUs (default: one each; colocated: two LLM replicas); `routing`: the app's routing
-    policy."""
+    policy; `cpu_threads`: the model replicas' torch threads (default: the app's policy)."""
     from ray import serve
 
     from deployments.config import AppArgs
@@ -38,8 +39,10 @@ def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: 
     encoders, llms = replicas or (1, 2 if colocated else 1)
     args = AppArgs(
         model=model, served_model_name="bench", dtype=dtype, device=device, colocated=colocated, router={"num_cpus": 0, **big},
-        encoder={"num_cpus": half / encoders, "num_gpus": gpus, "num_replicas": encoders, **big},
-        llm={"num_cpus": half / (llms if replicas else 1), "num_gpus": gpus, "num_replicas": llms, **big},
+        encoder={"num_cpus": half / encoders, "num_gpus": gpus, "num_replicas": encoders, "cpu_threads": cpu_threads,
+                 **big},
+        llm={"num_cpus": half / (llms if replicas else 1), "num_gpus": gpus, "num_replicas": llms,
+             "cpu_threads": cpu_threads, **big},
         routing={"policy": routing}, video_decoder={"num_cpus": 0},  # no videos in this workload
     )
     serve.run(build_app(args), name="bench", route_prefix="/")

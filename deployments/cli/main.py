@@ -109,7 +109,7 @@ def _chat(ns: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("encoder", "llm", "transfer", "dispatch", "serve", "soak")
+BENCHMARKS = ("encoder", "llm", "transfer", "dispatch", "serve", "soak", "load")
 
 
 def _bench(ns: argparse.Namespace, extra: list[str]) -> int:
