@@ -160,7 +160,12 @@ class LimitArgs(_Args):
     max_video_seconds: float = Field(default=VideoLimits.max_seconds, gt=0,
                                      description="video_url: longest video, by its header and by its stream")
     max_pixels_per_video_frame: int = Field(default=VideoLimits.max_pixels_per_frame, ge=1,
-                                            description="video_url: pixels (width x height) of one frame")
+                                            description="video_url: pixels (width x height) of every decoded frame")
+    max_decoded_pixels_per_video: int = Field(
+        default=VideoLimits.max_decoded_pixels, ge=1, description="video_url: pixels of a video's sampled frames "
+        "together, before the processor resizes them (3 bytes each decoded: the default, 64 frames of 1080p, is "
+        "~400 MB); checked before decoding",
+    )
     video_decode_timeout_s: float = Field(
         default=VideoLimits.decode_timeout_s, gt=0, description="video_url: one video's decode, waiting for a "
         "decoder included; past it the decoding worker is killed and the request refused (400)",
@@ -184,7 +189,7 @@ class LimitArgs(_Args):
 
     def video_limits(self) -> VideoLimits:
         return VideoLimits(self.max_video_seconds, self.max_frames_per_video, self.max_pixels_per_video_frame,
-                           self.video_decode_timeout_s)
+                           self.video_decode_timeout_s, self.max_decoded_pixels_per_video)
 
 
 class _QueuedWorkScaling(_Args):

@@ -12,7 +12,10 @@ every limit checked before the work it bounds:
 3. the model's sampler (`FrameSampler`: the checkpoint's own `video_processor.sample_frames`)
    picks frame indices from that metadata, in the parent;
 4. decode up to the last picked frame, keeping the picked ones in decode order (as
-   `transformers` does), each converted to RGB `uint8` at once.
+   `transformers` does), each converted to RGB `uint8` at once. Every decoded frame, picked or
+   not, must have the stream's declared size (so a file whose unpicked frames are huge stops at
+   the first), and the picked frames' pixels together are bounded (`max_decoded_pixels`) before
+   any is decoded.
 
 Steps 1-2 and 4 run in a worker process (`mmserve.video.workers`), under a deadline, so a decoder
 that hangs or crashes on a hostile file takes only its own request down.
@@ -60,6 +63,9 @@ class VideoLimits:
     max_frames: int = 64  # sampled frames (what the encoder gets)
     max_pixels_per_frame: int = 3840 * 2160
     decode_timeout_s: float = 60.0
+    # the sampled frames' pixels before the processor resizes them: 64 frames of 1920x1080, whose
+    # decoded RGB (3 bytes a pixel) is ~400 MB; a 4K clip then samples to at most 16 frames
+    max_decoded_pixels: int = 64 * 1920 * 1080
 
 
 @dataclass(frozen=True)
@@ -182,10 +188,10 @@ class ContainerReader:
             for i, frame in enumerate(self.container.decode(video=0)):
                 if i > end:
                     break
+                if (frame.width, frame.height) != (probe.width, probe.height):  # picked or not
+                    raise InvalidRequest(f"video frame {i} is {frame.width}x{frame.height}; the stream "
+                                         f"declares {probe.width}x{probe.height}")
                 if i in wanted:
-                    if (frame.width, frame.height) != (probe.width, probe.height):
-                        raise InvalidRequest(f"video frame {i} is {frame.width}x{frame.height}; the stream "
-                                             f"declares {probe.width}x{probe.height}")
                     frames.append(frame.to_ndarray(format="rgb24"))
                     if len(frames) == group_size:
                         yield np.stack(frames)

@@ -297,8 +297,13 @@ class VideoDecodePool:
         if len(indices) > self.limits.max_frames:
             raise InvalidRequest(f"video samples to {len(indices)} frames for this model; the limit is "
                                  f"{self.limits.max_frames} (max_frames_per_video)")
-        worker.pending = indices
         shape = (decoded_frame_count(indices), probe.height, probe.width)
+        if shape[0] * shape[1] * shape[2] > self.limits.max_decoded_pixels:
+            raise InvalidRequest(
+                f"video samples to {shape[0]} frames of {probe.width}x{probe.height}: {shape[0] * shape[1] * shape[2]} "
+                f"decoded pixels, over the limit of {self.limits.max_decoded_pixels} (max_decoded_pixels_per_video); "
+                "send a shorter or smaller video")
+        worker.pending = indices
         return DecodedVideo(shape, probe.fps, probe.total_num_frames, tuple(indices), video_content_hash(data, indices))
 
     async def _frames(self, worker: DecodeWorker, group_size: int, deadline: float,

@@ -81,6 +81,28 @@ def _silent_audio(out, stream, seconds: float) -> None:
     out.mux(stream.encode())
 
 
+def mjpeg_mkv(sizes: list[tuple[int, int]], fps: int = 10) -> bytes:
+    """A Matroska file of Motion-JPEG frames, frame i of `sizes[i]` (height, width) pixels: each
+    packet is a JPEG of its own size, while the stream declares the first frame's."""
+    from fractions import Fraction
+
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="matroska") as out:
+        stream = out.add_stream("mjpeg", rate=fps)
+        stream.height, stream.width = sizes[0]
+        stream.pix_fmt = "yuvj420p"
+        for i, (h, w) in enumerate(sizes):
+            jpeg = io.BytesIO()
+            Image.fromarray(np.full((h, w, 3), (40 * i) % 256, np.uint8)).save(jpeg, format="JPEG")
+            packet = av.Packet(jpeg.getvalue())
+            packet.stream, packet.pts, packet.dts, packet.time_base = stream, i, i, Fraction(1, fps)
+            packet.is_keyframe = True
+            out.mux(packet)
+    return buf.getvalue()
+
+
 def mkv_declaring(data: bytes, seconds: float | None = None, codec_id: bytes | None = None) -> bytes:
     """A Matroska file from `video_file(..., container="mkv")` whose header declares another
     duration (the Segment Info's Duration, in ms) or another video CodecID (same length)."""

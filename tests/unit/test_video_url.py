@@ -18,7 +18,7 @@ from mmserve.families import router_face
 from mmserve.request.media import MediaItem, MediaKind
 from mmserve.video.container import FrameSampler, VideoLimits
 from mmserve.video.workers import DecodeWorker, VideoDecodePool
-from tests.support.media_factory import audio_only_file, image_bytes, mkv_declaring, video_file
+from tests.support.media_factory import audio_only_file, image_bytes, mjpeg_mkv, mkv_declaring, video_file
 from tests.support.reference import load_reference, load_video_file
 
 pytest.importorskip("av")  # the `video` extra: scripts/setup installs it
@@ -148,6 +148,41 @@ def test_bad_files_are_refused_by_name_and_the_pool_keeps_decoding(tiny_models):
                 decode(pool, data)
             assert len(decode(pool, good).indices) == 6, f"after {name}"
         assert pool.stats.killed == 0 and pool.stats.refused == len(_bad_files())
+    finally:
+        pool.close()
+
+
+def test_unsampled_frames_are_size_checked_too_and_decoding_stops_at_the_first_over(tiny_models):
+    """A file whose frames between the sampled ones are 4000x4000 (16x the per-frame limit here)
+    while its stream declares 32x32: refused at the first such frame, whether sampled or not."""
+    sampler = FrameSampler(tiny_models["qwen2_vl"])
+    small = mjpeg_mkv([(32, 32)] * 20)
+    pool = VideoDecodePool(sampler, BAD_LIMITS, workers=1)
+    try:
+        indices = decode(pool, small).indices
+        skipped = next(i for i in range(max(indices)) if i not in indices)  # decoded, not sampled
+        sizes = [(32, 32)] * 20
+        sizes[skipped] = (4000, 4000)
+        with pytest.raises(InvalidRequest, match=f"video frame {skipped} is 4000x4000; the stream declares 32x32"):
+            decode(pool, mjpeg_mkv(sizes))
+        assert pool.stats.refused == 1 and len(decode(pool, small).indices) == len(indices)
+    finally:
+        pool.close()
+
+
+def test_a_videos_sampled_pixels_are_bounded_before_decoding(tiny_models):
+    data = video_file(3, 10, 32, 48, seed=5)  # samples to 6 frames of 48x32
+    limits = dataclasses.replace(BAD_LIMITS, max_decoded_pixels=6 * 32 * 48 - 1)
+    pool = VideoDecodePool(FrameSampler(tiny_models["qwen2_vl"]), limits, workers=1)
+    try:
+        with pytest.raises(InvalidRequest, match="6 frames of 48x32: 9216 decoded pixels, over the limit of 9215"):
+            decode(pool, data)
+    finally:
+        pool.close()
+    pool = VideoDecodePool(FrameSampler(tiny_models["qwen2_vl"]), dataclasses.replace(limits, max_decoded_pixels=9216),
+                           workers=1)
+    try:
+        assert decode(pool, data).pixels.shape == (6, 32, 48, 3)
     finally:
         pool.close()
 
