@@ -54,10 +54,19 @@ def _encoder_server(ns: argparse.Namespace) -> int:
     from encoder_service.pool import EncoderPool
     from encoder_service.rpc.server import PooledEncoder, ServerOptions, ServerSecurity, serve_forever
 
+    from deployments.cli.local_serve import is_loopback
+    from mmserve.request.prompt_plan import MediaLimits
+
+    if not is_loopback(ns.host) and not ns.token:
+        print(f"mmserve encoder-server: refusing to listen on {ns.host} without a token: anyone who reaches the "
+              "port could use the encoder. Set --token (or MMSERVE_ENCODER_TOKEN), with --tls-cert/--tls-key on "
+              "an untrusted network, or keep --host 127.0.0.1", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO)
     encoder = VisionEncoder(ns.model, dtype=ns.dtype, device=ns.device)
     security = ServerSecurity(ns.token, ns.tls_cert, ns.tls_key, ns.tls_client_ca)
-    options = ServerOptions(host=ns.host, port=ns.port, security=security)
+    limits = MediaLimits(max_frames_per_video=ns.max_frames_per_video, max_pixels_per_image=ns.max_pixels_per_image)
+    options = ServerOptions(host=ns.host, port=ns.port, security=security, limits=limits)
 
     async def main() -> None:
         pool = EncoderPool(encoder)  # token-budget batching, cache and dedup across callers
@@ -128,6 +137,7 @@ def _bench(ns: argparse.Namespace, extra: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from mmserve.checkpoint import DTYPE_CHOICES
+    from mmserve.request.prompt_plan import MediaLimits
     from mmserve.tiny import FAMILIES
 
     parser = argparse.ArgumentParser(prog="mmserve", description=__doc__)
@@ -187,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
 
     enc_p = sub.add_parser("encoder-server", help="serve the vision encoder alone over gRPC (no Ray)")
     enc_p.add_argument("--model", required=True, help="checkpoint directory")
-    enc_p.add_argument("--host", default="[::]")
+    enc_p.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default loopback; any other needs --token)")
     enc_p.add_argument("--port", type=int, default=9100)
     enc_p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     enc_p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -197,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     enc_p.add_argument("--tls-key", default=None)
     enc_p.add_argument("--tls-client-ca", default=None, help="PEM CA for client certificates (mutual TLS)")
     enc_p.add_argument("--result-ttl-s", type=float, default=300.0, help="how long unfetched results stay")
+    enc_p.add_argument("--max-pixels-per-image", type=int, default=MediaLimits.max_pixels_per_image,
+                       help="pixels of an image (or video frame), read from its header before decoding")
+    enc_p.add_argument("--max-frames-per-video", type=int, default=MediaLimits.max_frames_per_video)
     enc_p.set_defaults(func=_encoder_server)
 
     bench_p = sub.add_parser("bench", help="run a benchmark of bench/ (extra arguments go to it; needs a source checkout)")

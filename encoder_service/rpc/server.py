@@ -3,8 +3,9 @@
 Runs inside an encoder replica (`transport: grpc`, in a background thread) or standalone
 (`mmserve encoder-server`), with the standard `grpc.health.v1` and reflection services, an
 optional shared token (metadata "authorization: Bearer <token>", required for everything but
-health checks) and optional TLS. No Ray here: the encoder is anything with
-`encode(items) -> list[Tensor]`.
+health checks) and optional TLS. No Ray here: the encoder is anything with `plan(item,
+max_pixels)` and `encode(items) -> list[ItemEmbedding]`. Every item is checked against the app's
+media limits (`MediaLimits`: frames, pixels read from the image headers) before it is decoded.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from grpc_reflection.v1alpha import reflection
 from encoder_service.rpc.result_store import ResultStore
 from mmserve.errors import InvalidRequest, Overloaded
 from mmserve.request.embeddings import ItemEmbedding
-from mmserve.request.media import DecodedVideo, MediaItem, MediaKind
+from mmserve.request.media import DecodedVideo, EncodeItem, MediaItem, MediaKind
+from mmserve.request.prompt_plan import MediaLimits
+from mmserve.video.container import VideoLimits
 from mmserve.rpc.embedding_wire import DEFAULT_CHUNK_BYTES, header_of, to_chunks
 from protos.mmserve.v1 import encoder_pb2, encoder_pb2_grpc
 
@@ -35,13 +38,15 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name
 _KINDS = {encoder_pb2.MediaItem.IMAGE: MediaKind.IMAGE, encoder_pb2.MediaItem.VIDEO: MediaKind.VIDEO}
 _MAX_WAIT_MS = 60_000
-# An Encode request carries a decoded video's frames (64 frames of 1080p are 400 MB); gRPC's own
-# default of 4 MiB would refuse most videos.
-MAX_MEDIA_MESSAGE_BYTES = 1 << 30
+# An Encode request may carry a decoded video's frames, up to the app's bound on a video's decoded
+# pixels (64 frames of 1080p, ~400 MB); gRPC's own default of 4 MiB would refuse most videos.
+MAX_MEDIA_MESSAGE_BYTES = 3 * VideoLimits.max_decoded_pixels + (1 << 20)
 
 
 class Encoder(Protocol):
-    def encode(self, items: Sequence[MediaItem]) -> list[ItemEmbedding]: ...
+    def plan(self, item: MediaItem, max_pixels: int) -> EncodeItem: ...
+
+    def encode(self, items: Sequence[EncodeItem]) -> list[ItemEmbedding]: ...
 
 
 class PooledEncoder:
@@ -51,8 +56,11 @@ class PooledEncoder:
     def __init__(self, pool):
         self._pool = pool
 
-    def encode(self, items: Sequence[MediaItem]) -> list[ItemEmbedding]:
-        return self._pool.encode_threadsafe([self._pool.encoder.plan(item) for item in items])
+    def plan(self, item: MediaItem, max_pixels: int) -> EncodeItem:
+        return self._pool.encoder.plan(item, max_pixels)
+
+    def encode(self, items: Sequence[EncodeItem]) -> list[ItemEmbedding]:
+        return self._pool.encode_threadsafe(list(items))
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,7 @@ class ServerOptions:
     port: int = 0  # 0: any free port
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     security: ServerSecurity = ServerSecurity()
+    limits: MediaLimits = MediaLimits()  # what one Encode item may be (the app's defaults)
 
 
 def media_item(proto: encoder_pb2.MediaItem) -> MediaItem:
@@ -125,10 +134,12 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
 class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     """Thin adapter: protobuf <-> MediaItem / tensor; encoding runs in a worker thread."""
 
-    def __init__(self, encoder: Encoder | None, store: ResultStore, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    def __init__(self, encoder: Encoder | None, store: ResultStore, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 limits: MediaLimits = MediaLimits()):
         self.encoder = encoder
         self.store = store
         self.chunk_bytes = chunk_bytes
+        self.limits = limits
 
     async def Encode(self, request: encoder_pb2.EncodeRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[encoder_pb2.EmbeddingChunk]:
@@ -136,8 +147,10 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server only serves published embeddings")
         try:
             item = media_item(request.item)
+            self.limits.check([item])
             content_hash = item.content_hash
-            [embedding] = await asyncio.to_thread(self.encoder.encode, [item])
+            planned = await asyncio.to_thread(self.encoder.plan, item, self.limits.max_pixels_per_image)
+            [embedding] = await asyncio.to_thread(self.encoder.encode, [planned])
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except Overloaded as e:
@@ -176,7 +189,7 @@ async def start_server(encoder: Encoder | None, store: ResultStore,
     server = grpc.aio.server(interceptors=interceptors,
                              options=[("grpc.max_receive_message_length", MAX_MEDIA_MESSAGE_BYTES)])
     encoder_pb2_grpc.add_EncoderServiceServicer_to_server(
-        EncoderServicer(encoder, store, options.chunk_bytes), server
+        EncoderServicer(encoder, store, options.chunk_bytes, options.limits), server
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -1,5 +1,9 @@
 """The standalone EncoderService (no Ray) answers a plain grpcio client."""
 
+import os
+import subprocess
+import sys
+
 import grpc
 import pytest
 import torch
@@ -70,6 +74,47 @@ def test_corrupt_image_is_invalid_argument(channel):
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Encode(encoder_pb2.EncodeRequest(item=_image_proto(data[:100])), metadata=TOKEN, timeout=60))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "decode" in e.value.details()
+
+
+def test_the_apps_media_limits_hold_before_anything_is_decoded(channel):
+    """A 9000x9000 PNG (a few hundred KB, 81 MP) is refused from its header; a video over the
+    frame limit by its count."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (9000, 9000)).save(buf, format="PNG")
+    stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Encode(encoder_pb2.EncodeRequest(item=_image_proto(buf.getvalue())), metadata=TOKEN, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "40000000" in e.value.details()
+    frames = video_frames(65, 8, 8, 24)
+    item = encoder_pb2.MediaItem(kind=encoder_pb2.MediaItem.VIDEO, frames=frames, fps=1.0)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Encode(encoder_pb2.EncodeRequest(item=item), metadata=TOKEN, timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "65 frames; the limit is 64" in e.value.details()
+
+
+def test_the_command_listens_on_loopback_by_default_and_beyond_only_with_a_token(tiny_models, capsys, monkeypatch):
+    from deployments.cli.ingress_modes import free_loopback_port
+    from deployments.cli.main import main
+
+    monkeypatch.delenv("MMSERVE_ENCODER_TOKEN", raising=False)
+    assert main(["encoder-server", "--model", tiny_models["qwen2_vl"], "--host", "0.0.0.0"]) == 2
+    assert "refusing to listen on 0.0.0.0 without a token" in capsys.readouterr().err
+    port = free_loopback_port()
+    env = {k: v for k, v in os.environ.items() if k != "MMSERVE_ENCODER_TOKEN"}
+    proc = subprocess.Popen([sys.executable, "-m", "deployments.cli.main", "encoder-server", "--model",
+                             tiny_models["qwen2_vl"], "--port", str(port)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout.readline().strip() == f"EncoderService ready on 127.0.0.1:{port}"
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=30)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_token_required_but_not_for_health(channel):
