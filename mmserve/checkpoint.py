@@ -2,6 +2,11 @@
 
 Each runtime reads only the tensors of its own half of the model straight from the safetensors
 files; nothing is loaded and then deleted.
+
+Config fields are read through `transformers`' config classes (`load_config`), never from the
+JSON: released Qwen2-VL and Qwen2.5-VL checkpoints write a flat `config.json` (the language
+model's fields at the top level, `rope_scaling: {"type": "mrope", "mrope_section": ...}`), while
+`transformers` 5 saves them nested under `text_config`; the classes read both the same way.
 """
 
 from __future__ import annotations
@@ -9,9 +14,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 
 _DTYPES = {
@@ -29,10 +37,21 @@ class LoadedTensors(NamedTuple):
 
 
 def read_config(model_dir: str | Path) -> dict:
+    """The raw `config.json`: only for the top-level fields every layout shares (`model_type`,
+    `dtype`); anything else through `load_config`."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{model_dir} is not a Hugging Face checkpoint: no config.json")
     return json.loads(path.read_text())
+
+
+def load_config(model_dir: str | Path) -> PreTrainedConfig:
+    """The checkpoint's `transformers` config, flat (published) or nested layout alike: the
+    language model's fields are in `config.get_text_config()` either way."""
+    from transformers import AutoConfig
+
+    read_config(model_dir)  # a clear error when there is no config.json
+    return AutoConfig.from_pretrained(str(model_dir))
 
 
 def resolve_dtype(name: str, config: dict) -> torch.dtype:

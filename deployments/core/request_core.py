@@ -30,7 +30,7 @@ from deployments.core.failures import Failure, classify
 from deployments.core.generation import Generation, GenerationOptions, sampling_params
 from deployments.core.llm_inputs import EmbeddingHandle, PendingRequest, StreamedVideo
 from deployments.media.fetch import MediaFetcher
-from mmserve.checkpoint import read_config
+from mmserve.checkpoint import load_config
 from mmserve.errors import InvalidRequest, QueueFull, RequestTooLarge, ShuttingDown, Unauthenticated
 from mmserve.request.media import DecodedVideo, EncodeItem, MediaItem, MediaSource
 from mmserve.request.prompt_plan import Message, RequestPlanner
@@ -143,7 +143,7 @@ class RequestCore:
         from transformers import AutoTokenizer, GenerationConfig
 
         planner = RequestPlanner(model_dir, AutoTokenizer.from_pretrained(model_dir), settings.limits.media_limits())
-        max_model_len = int(read_config(model_dir).get("text_config", {}).get("max_position_embeddings", 32768))
+        max_model_len = int(load_config(model_dir).get_text_config().max_position_embeddings)
         try:
             defaults = GenerationConfig.from_pretrained(model_dir)
         except OSError:
