@@ -28,7 +28,6 @@ class LanguageModel:
         self.device = torch.device(device)
         config = AutoConfig.from_pretrained(model_dir)
         self.text_config = config.text_config
-        self.max_model_len = int(self.text_config.max_position_embeddings)
         self.face: LMFace = face_class("llm_service.families", self.model_type, "LM_FACE")(config)
         loaded = load_tensors(model_dir, self.face.rename, self.dtype)
         modules = self.face.build(self.dtype)

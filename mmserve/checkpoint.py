@@ -54,6 +54,18 @@ def load_config(model_dir: str | Path) -> PreTrainedConfig:
     return AutoConfig.from_pretrained(str(model_dir))
 
 
+def resolve_max_model_len(config: PreTrainedConfig, setting: int | None) -> int:
+    """The context served, prompt + generated tokens, as router and LLM both use it: `setting`
+    (`engine.max_model_len`), or the checkpoint's `max_position_embeddings`, which it may not exceed."""
+    limit = int(config.get_text_config().max_position_embeddings)
+    if setting is None:
+        return limit
+    if setting > limit:
+        raise ValueError(f"engine.max_model_len {setting} exceeds the checkpoint's max_position_embeddings "
+                         f"{limit}: lower it, or leave it unset to serve {limit} tokens")
+    return setting
+
+
 def resolve_dtype(name: str, config: dict) -> torch.dtype:
     """`auto` picks the checkpoint's own dtype (float32 when it names none)."""
     if name == "auto":

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mmserve.checkpoint import load_config
+from mmserve.checkpoint import load_config, resolve_max_model_len
 from mmserve.families import router_face
 from tests.support.cases import cases
 from tests.support.core_fakes import make_core
@@ -59,6 +59,8 @@ def test_the_router_reads_both_layouts_alike(layouts):
     nested, flat = layouts
     assert router_face(flat) == router_face(nested)
     assert make_core(flat).max_model_len == make_core(nested).max_model_len == 4096
+    assert make_core(flat, engine={"max_model_len": 100}).max_model_len == 100
+    assert resolve_max_model_len(load_config(flat), None) == 4096
 
 
 def test_a_flat_checkpoint_serves_the_tokens_of_the_monolithic_model(layouts):
