@@ -334,6 +334,11 @@ class EngineArgs(_Args):
 
     block_size: int = Field(default=EngineConfig.block_size, ge=1,
                             description="tokens per KV block (a power of two)")
+    max_model_len: int | None = Field(
+        default=EngineConfig.max_model_len, ge=1, description="longest sequence served: prompt + max_tokens over "
+        "it is refused (400); default: the checkpoint's max_position_embeddings, which it may not exceed. An LLM "
+        "replica whose KV pool cannot hold one sequence this long refuses to start, naming the largest that fits",
+    )
     max_num_seqs: int = Field(default=EngineConfig.max_num_seqs, ge=1, description="sequences per engine step")
     max_num_batched_tokens: int = Field(default=EngineConfig.max_num_batched_tokens, ge=1,
                                         description="token budget per engine step")

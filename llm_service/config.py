@@ -34,6 +34,12 @@ class EngineConfig:
     sequences x KV heads are too few programs to fill the device (flash-decoding;
     `mmserve.kernels.triton_attention.decode_splits`). `fused_ops`: on CUDA with the Triton backend, the
     decoder's RMSNorms and SiLU MLPs run fused (`llm_service.fused_ops`).
+    `max_model_len`: the longest sequence (prompt + generated tokens) served; None: the
+    checkpoint's `max_position_embeddings`, which it may not exceed
+    (`mmserve.checkpoint.resolve_max_model_len`, the router's value too). The model runner
+    refuses to start when the KV pool cannot hold one sequence that long, except with
+    `num_kv_blocks` (tests' tiny pools, taken as given: a prompt over the pool is refused, a
+    sequence that outgrows it alone ends with `length`).
     """
 
     block_size: int = 16
@@ -55,6 +61,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     split_kv_decode: bool = True
     fused_ops: bool = True
+    max_model_len: int | None = None
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -71,5 +78,7 @@ class EngineConfig:
             raise ValueError(f"state_snapshot_share must be in [0, 0.5), got {self.state_snapshot_share}")
         if self.num_state_snapshots is not None and self.num_state_snapshots < 0:
             raise ValueError("num_state_snapshots must not be negative")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
         if self.attention_backend not in ("auto", "sdpa", "triton"):
             raise ValueError(f"attention_backend must be auto, sdpa or triton, got {self.attention_backend!r}")

@@ -349,9 +349,12 @@ class LLMEngine:
                 return f"embedding of shape {tuple(emb.rows.shape)} does not fit {rng.num_embeds} embedding slots"
         if seq.request_id in self._by_id:
             return f"request id {seq.request_id!r} is already running"
+        prompt_len, max_tokens, limit = len(req.prompt_token_ids), req.sampling.max_tokens, self.runner.max_model_len
+        if prompt_len + max_tokens > limit:  # the router refuses these first (400)
+            return f"prompt of {prompt_len} tokens + max_tokens {max_tokens} exceed max_model_len {limit}"
         capacity = self.blocks.num_blocks * self.blocks.block_size
-        if len(req.prompt_token_ids) >= capacity:
-            return f"prompt of {len(req.prompt_token_ids)} tokens exceeds the KV cache capacity of {capacity} tokens"
+        if prompt_len >= capacity:
+            return f"prompt of {prompt_len} tokens exceeds the KV cache capacity of {capacity} tokens"
         return None
 
     def _postprocess(self, seq: Sequence, token: int, logprob, top) -> None:

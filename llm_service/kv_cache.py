@@ -84,6 +84,18 @@ def pool_sizes(config: EngineConfig, block_bytes: int, slot_bytes: int, device: 
     return PoolSizes(int(blocks), int(slots), int(min(snaps, blocks)))
 
 
+def check_holds_a_sequence(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    """ValueError unless the pool holds one sequence of `max_model_len` tokens (then any request
+    the router lets in can finish, alone in the pool if need be)."""
+    capacity = num_blocks * block_size
+    if capacity < max_model_len:
+        raise ValueError(
+            f"the KV pool holds {capacity} tokens ({num_blocks} blocks of {block_size}), fewer than one sequence "
+            f"of max_model_len {max_model_len} tokens: set engine.max_model_len to at most {capacity}, or give "
+            "the pool more memory (engine.kv_cache_memory_mb, engine.gpu_memory_utilization, llm.num_gpus)"
+        )
+
+
 def allocate_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                   dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`(layers, 2, num_blocks + 1, block_size, kv_heads, head_dim)`; the last block is scratch

@@ -28,7 +28,6 @@ class LanguageModel:
         self.device = torch.device(device)
         config = AutoConfig.from_pretrained(model_dir)
         self.text_config = config.text_config
-        self.max_model_len = int(self.text_config.max_position_embeddings)
         self.face: LMFace = face_class("llm_service.families", self.model_type, "LM_FACE")(config)
         with torch.device(self.device):  # built where it runs, without initial values
             modules = self.face.build(self.dtype)

@@ -15,10 +15,11 @@ from llm_service.config import EngineConfig
 from llm_service.hybrid.state_cache import StateBatch, StatePool, resolve_config, slot_bytes
 from llm_service.hybrid.state_slots import StateSlotManager
 from llm_service.hybrid.state_snapshots import SnapshotManager
-from llm_service.kv_cache import allocate_pool, bytes_per_block, pool_sizes
+from llm_service.kv_cache import allocate_pool, bytes_per_block, check_holds_a_sequence, pool_sizes
 from llm_service.model import LanguageModel
 from llm_service.scheduler import ScheduledSeq
 from llm_service.transfer import ints, to_device
+from mmserve.checkpoint import resolve_max_model_len
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ class ModelRunner:
                                       model.dtype)
         self.num_blocks, self.num_slots, self.num_snapshots = pool_sizes(
             config, block_bytes, slot_bytes(self.state_specs, model.dtype), self.device)
+        self.max_model_len = resolve_max_model_len(text, config.max_model_len)
+        if config.num_kv_blocks is None:  # tests' tiny pools are taken as given
+            check_holds_a_sequence(self.num_blocks, config.block_size, self.max_model_len)
         self.config = config = resolve_config(config, self.state_specs, self.num_snapshots)
         self.kv_pool = allocate_pool(len(attention_layers), self.num_blocks, config.block_size, self.num_kv_heads,
                                      self.head_dim, model.dtype, self.device)
@@ -80,7 +84,7 @@ class ModelRunner:
         self.position_rows = model.face.text_positions().positions(0, 1).shape[0]  # the family's, for graph buffers
         logger.info("attention backend %s, block size %d, sliding windows %s", self.backend, config.block_size,
                     sorted({w for w in self.windows if w}) or "none")
-        width = -(-model.max_model_len // config.block_size)
+        width = -(-self.max_model_len // config.block_size)
         self.batch = BatchState(config.max_num_seqs, model.vocab_size, self.device, width, self.position_rows,
                                 config.block_size, self.scratch_block)
         # decode steps from the rows' device state (not with recurrent state, whose slots the
@@ -179,7 +183,7 @@ class ModelRunner:
         from the rows' device state: what a decode graph captures (the Triton kernel); SDPA
         needs the longest context of the step, `max_context`."""
         ids, positions, slots, context_lens, tables = self.batch.decode_inputs(index)
-        b, context = index.shape[0], max_context or self.model.max_model_len
+        b, context = index.shape[0], max_context or self.max_model_len
         batch = AttentionBatch(
             kv_pool=self.kv_pool, slot_mapping=slots, cu_seqlens_q=self.arange[:b + 1], context_lens=context_lens,
             block_tables=tables, max_query_len=1, max_context_len=context,

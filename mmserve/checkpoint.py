@@ -3,6 +3,11 @@
 Each runtime reads only the tensors of its own half of the model, one tensor at a time, straight
 from the safetensors files into the parameters of modules built without initial values: loading
 holds the weights once (plus the tensor in flight), never a state dict beside the model.
+
+Config fields are read through `transformers`' config classes (`load_config`), never from the
+JSON: released Qwen2-VL and Qwen2.5-VL checkpoints write a flat `config.json` (the language
+model's fields at the top level, `rope_scaling: {"type": "mrope", "mrope_section": ...}`), while
+`transformers` 5 saves them nested under `text_config`; the classes read both the same way.
 """
 
 from __future__ import annotations
@@ -12,10 +17,13 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 _DTYPES = {
     "float32": torch.float32,
@@ -34,10 +42,33 @@ _READ_CHUNK = 1 << 30  # one read() moves at most ~2 GiB on Linux
 
 
 def read_config(model_dir: str | Path) -> dict:
+    """The raw `config.json`: only for the top-level fields every layout shares (`model_type`,
+    `dtype`); anything else through `load_config`."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{model_dir} is not a Hugging Face checkpoint: no config.json")
     return json.loads(path.read_text())
+
+
+def load_config(model_dir: str | Path) -> PreTrainedConfig:
+    """The checkpoint's `transformers` config, flat (published) or nested layout alike: the
+    language model's fields are in `config.get_text_config()` either way."""
+    from transformers import AutoConfig
+
+    read_config(model_dir)  # a clear error when there is no config.json
+    return AutoConfig.from_pretrained(str(model_dir))
+
+
+def resolve_max_model_len(config: PreTrainedConfig, setting: int | None) -> int:
+    """The context served, prompt + generated tokens, as router and LLM both use it: `setting`
+    (`engine.max_model_len`), or the checkpoint's `max_position_embeddings`, which it may not exceed."""
+    limit = int(config.get_text_config().max_position_embeddings)
+    if setting is None:
+        return limit
+    if setting > limit:
+        raise ValueError(f"engine.max_model_len {setting} exceeds the checkpoint's max_position_embeddings "
+                         f"{limit}: lower it, or leave it unset to serve {limit} tokens")
+    return setting
 
 
 def resolve_dtype(name: str, config: dict) -> torch.dtype:

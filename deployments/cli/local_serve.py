@@ -151,6 +151,16 @@ def start_ray(ns: argparse.Namespace) -> None:
               flush=True)
 
 
+def check_max_model_len(model_dir: str, max_model_len: int) -> None:
+    """`--max-model-len` against the checkpoint here, before Ray starts (the replicas check it again)."""
+    from mmserve.checkpoint import load_config, resolve_max_model_len
+
+    try:
+        resolve_max_model_len(load_config(model_dir), max_model_len)
+    except (OSError, ValueError) as e:
+        raise RefusedToStart(f"--max-model-len: {e}") from None
+
+
 def serve_app(ns: argparse.Namespace) -> int:
     start = time.perf_counter()
     check_exposure({"--host": ns.host, "--dashboard-host": ns.dashboard_host if ns.dashboard else "127.0.0.1"})
@@ -159,22 +169,25 @@ def serve_app(ns: argparse.Namespace) -> int:
     use_single_machine_mode(ns)
     from ray import serve
 
-    from deployments.config import AppArgs, DeploymentArgs
+    from deployments.config import AppArgs, DeploymentArgs, EngineArgs
     from deployments.serve.app import build_app
     from deployments.serve.router import grpc_options
 
-    if ns.model is None:
+    model_dir = ns.model
+    if model_dir is None:
         from mmserve.tiny import default_model_dir, ensure_tiny_model
 
         print(f"building the embedded tiny model into {default_model_dir()} (once) ...", flush=True)
-        ensure_tiny_model()
+        model_dir = str(ensure_tiny_model())
+    if ns.max_model_len is not None:
+        check_max_model_len(model_dir, ns.max_model_len)
     cpus = ns.num_cpus
     args = AppArgs(
         model=ns.model, dtype=ns.dtype, device=ns.device, api_key_env=key_env,
         router=DeploymentArgs(num_cpus=0.25 * cpus),
         encoder=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.encoder_gpus),
         llm=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.llm_gpus),
-        video_decoder=DeploymentArgs(num_cpus=0.125 * cpus),
+        video_decoder=DeploymentArgs(num_cpus=0.125 * cpus), engine=EngineArgs(max_model_len=ns.max_model_len),
     )
     start_ray(ns)
     serve.start(http_options={"host": serve_host, "port": serve_port}, grpc_options=grpc_options(port=ns.grpc_port))

@@ -8,6 +8,12 @@ import os
 import sys
 
 
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
 def _serve(ns: argparse.Namespace) -> int:
     from deployments.cli.local_serve import RefusedToStart, serve_app, serve_config
 
@@ -152,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument("--num-cpus", type=float, default=2, help="CPUs given to the embedded Ray")
     serve_p.add_argument("--encoder-gpus", type=float, default=0)
     serve_p.add_argument("--llm-gpus", type=float, default=0)
+    serve_p.add_argument("--max-model-len", type=_positive_int, default=None, metavar="TOKENS",
+                         help="longest prompt + max_tokens served (engine.max_model_len; default: the checkpoint's "
+                         "max_position_embeddings)")
     serve_p.add_argument("--grpc-port", type=int, default=9000, help="Serve's gRPC proxy port")
     serve_p.add_argument("--ingress", choices=("proxy", "direct", "haproxy"), default="proxy",
                          help="Serve's ingress: its Python proxy (default; header-capped beyond loopback), the Router "

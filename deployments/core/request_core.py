@@ -30,7 +30,7 @@ from deployments.core.failures import Failure, classify
 from deployments.core.generation import Generation, GenerationOptions, sampling_params
 from deployments.core.llm_inputs import EmbeddingHandle, PendingRequest, StreamedVideo
 from deployments.media.fetch import MediaFetcher
-from mmserve.checkpoint import read_config
+from mmserve.checkpoint import load_config, resolve_max_model_len
 from mmserve.errors import InvalidRequest, QueueFull, RequestTooLarge, ShuttingDown, Unauthenticated
 from mmserve.request.media import DecodedVideo, EncodeItem, MediaItem, MediaSource
 from mmserve.request.prompt_plan import Message, RequestPlanner
@@ -62,6 +62,7 @@ class CoreSettings:
     prefix_block_size: int  # tokens per prompt block in `PendingRequest.prefix_hashes`: the engine's block_size
     stream_video: bool  # video files go to the LLM replica to stream through the pipeline (`StreamedVideo`)
     stream_group_frames: int
+    max_model_len: int | None  # engine.max_model_len: None is the checkpoint's context
 
     @classmethod
     def from_args(cls, args: AppArgs) -> CoreSettings:
@@ -69,7 +70,7 @@ class CoreSettings:
         on its node (`AppArgs.on_node`)."""
         return cls(args.served_model_name, args.limits, args.model, args.api_key, args.llm_retries,
                    args.max_pending_requests, args.max_fetching_requests, args.engine.block_size, args.stream_video,
-                   args.video_decode.stream_group_frames)
+                   args.video_decode.stream_group_frames, args.engine.max_model_len)
 
 
 class VideoDecoding(Protocol):
@@ -143,7 +144,7 @@ class RequestCore:
         from transformers import AutoTokenizer, GenerationConfig
 
         planner = RequestPlanner(model_dir, AutoTokenizer.from_pretrained(model_dir), settings.limits.media_limits())
-        max_model_len = int(read_config(model_dir).get("text_config", {}).get("max_position_embeddings", 32768))
+        max_model_len = resolve_max_model_len(load_config(model_dir), settings.max_model_len)  # the LLM's too
         try:
             defaults = GenerationConfig.from_pretrained(model_dir)
         except OSError:

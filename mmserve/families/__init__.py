@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from mmserve.checkpoint import read_config
+from mmserve.checkpoint import load_config, read_config
 
 FAMILIES = {
     "qwen2_vl": "qwen2_vl",
@@ -42,5 +42,5 @@ def router_face(model_dir: str | Path):
     """The router face of the checkpoint's family."""
     model_type = family_of(model_dir)
     return face_class("mmserve.families", model_type, "ROUTER_FACE").from_checkpoint(
-        str(model_dir), read_config(model_dir)
+        str(model_dir), load_config(model_dir)
     )

@@ -11,10 +11,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from mmserve.request.media import MediaItem, MediaKind, PlaceholderRange
 from mmserve.request.positions import PositionPlan
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,9 @@ class RouterFace(ABC):
 
     @classmethod
     @abstractmethod
-    def from_checkpoint(cls, model_dir: str, config: dict) -> RouterFace:
-        """The face for the checkpoint at `model_dir` (`config`: its config.json)."""
+    def from_checkpoint(cls, model_dir: str, config: PreTrainedConfig) -> RouterFace:
+        """The face for the checkpoint at `model_dir`; `config`: its `transformers` config
+        (`mmserve.checkpoint.load_config`: any layout of config.json reads the same)."""
 
     @abstractmethod
     def placeholder(self, kind: MediaKind) -> str:

@@ -7,11 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mmserve.errors import InvalidRequest
 from mmserve.families.base import ItemExpansion, RouterFace
 from mmserve.request.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
 from mmserve.request.positions import LinearPositions, PositionPlan
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 IMAGE_TOKEN = "<image>"
 # Rows a tower puts before its patches (CLIP: the CLS embedding).
@@ -38,14 +42,11 @@ class LlavaRouterFace(RouterFace):
     tokens_per_image: int
 
     @classmethod
-    def from_checkpoint(cls, model_dir: str, config: dict) -> LlavaRouterFace:
-        vision = config.get("vision_config", {})
-        tokens = image_token_count(
-            vision.get("model_type", "clip_vision_model"), int(vision.get("image_size", 224)),
-            int(vision.get("patch_size", 14)), config.get("vision_feature_select_strategy", "default"),
-        )
-        token_id = config.get("image_token_id", config.get("image_token_index", 32000))
-        return cls(image_token_id=int(token_id), tokens_per_image=tokens)
+    def from_checkpoint(cls, model_dir: str, config: PreTrainedConfig) -> LlavaRouterFace:
+        vision = config.vision_config
+        tokens = image_token_count(vision.model_type, int(vision.image_size), int(vision.patch_size),
+                                   config.vision_feature_select_strategy)
+        return cls(image_token_id=int(config.image_token_id), tokens_per_image=tokens)
 
     def placeholder(self, kind: MediaKind) -> str | None:
         return IMAGE_TOKEN if kind is MediaKind.IMAGE else None

@@ -19,10 +19,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mmserve.families.base import ItemExpansion, RouterFace, StreamGroup
 from mmserve.request.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
 from mmserve.request.positions import LinearPositions, PositionPlan
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 
 def _ensure_divide(length: float, divisor: int) -> int:
@@ -108,7 +112,7 @@ class MiniCPMVRouterFace(RouterFace):
     video_token: str
 
     @classmethod
-    def from_checkpoint(cls, model_dir: str, config: dict) -> MiniCPMVRouterFace:
+    def from_checkpoint(cls, model_dir: str, config: PreTrainedConfig) -> MiniCPMVRouterFace:
         from tokenizers import Tokenizer
 
         processor = json.loads((Path(model_dir) / "processor_config.json").read_text())

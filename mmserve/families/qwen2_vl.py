@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from mmserve.families.base import ItemExpansion, RouterFace, StreamGroup
 from mmserve.request.media import MediaItem, MediaKind, PlaceholderRange
 from mmserve.request.mrope import mrope_positions, video_t_factor
 from mmserve.request.positions import ExplicitPositions, LinearPositions, PositionPlan
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 IMAGE_TOKEN = "<|image_pad|>"
 VIDEO_TOKEN = "<|video_pad|>"
@@ -129,18 +133,14 @@ class QwenVLRouterFace(RouterFace):
     tokens_per_second: float | None  # Qwen2.5-VL only: temporal position scaling of videos
 
     @classmethod
-    def from_checkpoint(cls, model_dir: str, config: dict) -> QwenVLRouterFace:
-        model_type = config["model_type"]
-        tps = None
-        if model_type == "qwen2_5_vl":
-            tps = float(config.get("vision_config", {}).get("tokens_per_second", 2))
-        text = config.get("text_config", {})
+    def from_checkpoint(cls, model_dir: str, config: PreTrainedConfig) -> QwenVLRouterFace:
+        model_type = config.model_type
         return cls(
             model_type=model_type,
             preprocess=read_preprocess_config(model_dir),
-            image_token_id=int(config.get("image_token_id", text.get("image_token_id", 151655))),
-            video_token_id=int(config.get("video_token_id", text.get("video_token_id", 151656))),
-            tokens_per_second=tps,
+            image_token_id=int(config.image_token_id),
+            video_token_id=int(config.video_token_id),
+            tokens_per_second=float(config.vision_config.tokens_per_second) if model_type == "qwen2_5_vl" else None,
         )
 
     def placeholder(self, kind: MediaKind) -> str:

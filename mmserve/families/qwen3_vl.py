@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mmserve.errors import InvalidRequest
 from mmserve.families.base import ItemExpansion
@@ -30,8 +31,8 @@ from mmserve.request.media import MediaItem, MediaKind, PlaceholderRange
 from mmserve.request.mrope import mrope_positions
 from mmserve.request.positions import ExplicitPositions, LinearPositions, PositionPlan
 
-VISION_START = "<|vision_start|>"
-VISION_END = "<|vision_end|>"
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 
 def video_resize(num_frames: int, height: int, width: int, cfg: VisionPreprocessConfig) -> tuple[int, int]:
@@ -87,20 +88,18 @@ class Qwen3VLRouterFace(QwenVLRouterFace):
     vision_end_id: int = -1
 
     @classmethod
-    def from_checkpoint(cls, model_dir: str, config: dict) -> Qwen3VLRouterFace:
+    def from_checkpoint(cls, model_dir: str, config: PreTrainedConfig) -> Qwen3VLRouterFace:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        ids = tokenizer.convert_tokens_to_ids
         return cls(
-            model_type=config["model_type"],
+            model_type=config.model_type,
             preprocess=read_preprocess_config(model_dir),
-            image_token_id=int(config.get("image_token_id", ids("<|image_pad|>"))),
-            video_token_id=int(config.get("video_token_id", ids("<|video_pad|>"))),
+            image_token_id=int(config.image_token_id),
+            video_token_id=int(config.video_token_id),
             tokens_per_second=None,
-            timestamp_ids=_TimestampTokens(tokenizer),
-            vision_start_id=int(config.get("vision_start_token_id", ids(VISION_START))),
-            vision_end_id=int(config.get("vision_end_token_id", ids(VISION_END))),
+            timestamp_ids=_TimestampTokens(AutoTokenizer.from_pretrained(model_dir)),
+            vision_start_id=int(config.vision_start_token_id),
+            vision_end_id=int(config.vision_end_token_id),
         )
 
     def layout(self, item: MediaItem, max_pixels: int) -> QwenLayout:

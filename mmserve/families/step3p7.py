@@ -15,11 +15,15 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mmserve.errors import InvalidRequest
 from mmserve.families.base import ItemExpansion, RouterFace
 from mmserve.request.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
 from mmserve.request.positions import LinearPositions, PositionPlan
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 IMAGE_TOKEN = "<im_patch>"
 STRUCTURE = ("<patch_start>", "<patch_end>", "<patch_newline>", "<im_start>", "<im_end>")
@@ -75,7 +79,7 @@ class Step3RouterFace(RouterFace):
     stride: int  # ViT patch x downsampler stride: one output token per stride x stride pixels
 
     @classmethod
-    def from_checkpoint(cls, model_dir: str, config: dict) -> Step3RouterFace:
+    def from_checkpoint(cls, model_dir: str, config: PreTrainedConfig) -> Step3RouterFace:
         processor = json.loads((Path(model_dir) / "processor_config.json").read_text())["image_processor"]
         tokenizer = json.loads((Path(model_dir) / "tokenizer.json").read_text())
         added = {t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])}

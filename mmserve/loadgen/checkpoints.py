@@ -1,12 +1,13 @@
 """The benches' checkpoints, built without the hub (torch and transformers imported lazily).
 
 `bench_checkpoint()`: a random Qwen2-VL (float32) whose ViT is big enough to matter, served by the
-CPU serving benches and `mmserve plan --validate`. `qwen2_vl_2b(out)`: Qwen2-VL-2B-Instruct's
-architecture with random weights, a whole servable checkpoint (vision tower, merger, language
-model, the tiny models' tokenizer and Qwen2-VL chat template, Qwen2-VL-2B's image processor
-bounds), bf16, drawn on the CPU from a fixed seed: the same bytes on every host with the same
-torch. The GPU figures (bench/gpu_report.py) and the GPU app tests serve it; its answers are
-gibberish, its sizes (weights, KV bytes per token, ViT FLOPs) are the real model's.
+CPU serving benches and `mmserve plan --validate`. `qwen2_vl_2b(out)` / `qwen2_5_vl_3b(out)`:
+Qwen2-VL-2B-Instruct's / Qwen2.5-VL-3B-Instruct's architecture with random weights, a whole
+servable checkpoint (vision tower, merger, language model, the tiny models' tokenizer and Qwen2-VL
+chat template, the released image processor bounds), bf16, drawn on the CPU from a fixed seed: the
+same bytes on every host with the same torch; `flat=True` writes config.json in the released
+checkpoints' flat layout. The GPU figures (bench/gpu_report.py) and the GPU app tests serve the
+2B; its answers are gibberish, its sizes (weights, KV bytes per token, ViT FLOPs) are the real model's.
 """
 
 from __future__ import annotations
@@ -14,15 +15,36 @@ from __future__ import annotations
 import json
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 # Qwen2-VL-2B-Instruct's config.json
 QWEN2_VL_2B_TEXT = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768)
 QWEN2_VL_2B_VISION = dict(depth=32, embed_dim=1280, hidden_size=1536, mlp_ratio=4, num_heads=16, in_channels=3,
                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
-# its preprocessor_config.json
+# Qwen2.5-VL-3B-Instruct's config.json (`Qwen2_5_VLConfig`'s field names)
+QWEN2_5_VL_3B_TEXT = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                          num_key_value_heads=2, vocab_size=151936, max_position_embeddings=128000)
+QWEN2_5_VL_3B_VISION = dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                            in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                            window_size=112, fullatt_block_indexes=[7, 15, 23, 31], tokens_per_second=2)
+# both preprocessor_config.json
 MIN_PIXELS, MAX_PIXELS = 3136, 12845056
 MARKER = "mmserve_random.json"
+
+
+class _Architecture(NamedTuple):
+    name: str
+    config_class: str  # of transformers
+    processor_class: str
+    text: dict
+    vision: dict
+
+
+QWEN2_VL_2B = _Architecture("Qwen2-VL-2B-Instruct", "Qwen2VLConfig", "Qwen2VLProcessor", QWEN2_VL_2B_TEXT,
+                            QWEN2_VL_2B_VISION)
+QWEN2_5_VL_3B = _Architecture("Qwen2.5-VL-3B-Instruct", "Qwen2_5_VLConfig", "Qwen2_5_VLProcessor", QWEN2_5_VL_3B_TEXT,
+                              QWEN2_5_VL_3B_VISION)
 BENCH_CHECKPOINT = Path(tempfile.gettempdir()) / "mmserve-bench-serve-qwen2_vl-v1"
 
 
@@ -56,33 +78,47 @@ def bench_checkpoint(out: Path = BENCH_CHECKPOINT) -> str:
     return str(out)
 
 
-def qwen2_vl_2b(out: str | Path, seed: int = 0, text_layers: int | None = None, vision_depth: int | None = None) -> str:
-    """Writes the checkpoint to `out` (once: an existing one with the same settings is kept) and
-    returns its path. `text_layers` / `vision_depth` shrink it (for CPU tests of this builder)."""
+def qwen2_vl_2b(out: str | Path, seed: int = 0, text_layers: int | None = None, vision_depth: int | None = None,
+                flat: bool = False) -> str:
+    """Qwen2-VL-2B-Instruct's architecture (bf16). Writes the checkpoint to `out` (once: an existing
+    one with the same settings is kept) and returns its path. `text_layers` / `vision_depth` shrink
+    it (for CPU tests of this builder); `flat`: config.json in the released checkpoint's flat layout."""
+    return _full_size(QWEN2_VL_2B, out, seed, text_layers, vision_depth, flat)
+
+
+def qwen2_5_vl_3b(out: str | Path, seed: int = 0, text_layers: int | None = None, vision_depth: int | None = None,
+                  flat: bool = False) -> str:
+    """Qwen2.5-VL-3B-Instruct's architecture (bf16; window-attention ViT, 128,000-token context, tied
+    embeddings); the same knobs as `qwen2_vl_2b`."""
+    return _full_size(QWEN2_5_VL_3B, out, seed, text_layers, vision_depth, flat)
+
+
+def _full_size(arch: _Architecture, out: str | Path, seed: int, text_layers: int | None, vision_depth: int | None,
+               flat: bool) -> str:
     import torch
-    from transformers import (
-        AutoModelForImageTextToText, GenerationConfig, Qwen2VLConfig, Qwen2VLImageProcessor, Qwen2VLProcessor,
-        Qwen2VLVideoProcessor,
-    )
+    import transformers
+    from transformers import AutoModelForImageTextToText, GenerationConfig, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
     from mmserve.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, save_checkpoint
+    from mmserve.tiny.qwen2_vl import published_layout
     from mmserve.tiny.tokenizer import build_tokenizer, text_config
 
     out = Path(out)
-    settings = {"architecture": "Qwen2-VL-2B-Instruct", "seed": seed, "text_layers": text_layers,
-                "vision_depth": vision_depth}
+    settings = {"architecture": arch.name, "seed": seed, "text_layers": text_layers, "vision_depth": vision_depth}
+    if flat:
+        settings["layout"] = "flat"
     if (out / MARKER).exists() and json.loads((out / MARKER).read_text()) == settings:
         return str(out)
     tokenizer = build_tokenizer(seed, vocab_size=1024)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    text = text_config(tokenizer, **QWEN2_VL_2B_TEXT, initializer_range=0.02, tie_word_embeddings=True,
+    text = text_config(tokenizer, **arch.text, initializer_range=0.02, tie_word_embeddings=True,
                        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]})
-    vision = dict(QWEN2_VL_2B_VISION, initializer_range=0.02)
+    vision = dict(arch.vision, initializer_range=0.02)
     if text_layers is not None:
         text["num_hidden_layers"] = text_layers
     if vision_depth is not None:
         vision["depth"] = vision_depth
-    config = Qwen2VLConfig(
+    config = getattr(transformers, arch.config_class)(
         text_config=text, vision_config=vision, tie_word_embeddings=True, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"],
@@ -91,10 +127,10 @@ def qwen2_vl_2b(out: str | Path, seed: int = 0, text_layers: int | None = None, 
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16).eval()
     model.generation_config = GenerationConfig(eos_token_id=[text["eos_token_id"], text["bos_token_id"]],
                                                pad_token_id=text["pad_token_id"], do_sample=False)
-    processor = Qwen2VLProcessor(
+    processor = getattr(transformers, arch.processor_class)(
         image_processor=Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
         video_processor=Qwen2VLVideoProcessor(cap_pixels_per_frame=False), tokenizer=tokenizer,
         chat_template=CHAT_TEMPLATE,
     )
-    save_checkpoint(model, processor, out, MARKER, settings)
+    save_checkpoint(model, processor, out, MARKER, settings, published_layout if flat else None)
     return str(out)

@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from mmserve import families
@@ -70,14 +71,19 @@ def build_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = 0) -> 
     return out
 
 
-def save_checkpoint(model, processor, out: Path, marker: str, settings: dict) -> None:
+def save_checkpoint(model, processor, out: Path, marker: str, settings: dict,
+                    config_layout: Callable[[dict], dict] | None = None) -> None:
     """`model` and `processor` as a Hugging Face directory at `out`, with `marker` (JSON `settings`)
-    written last; atomically: built beside `out`, then renamed over it."""
+    written last; atomically: built beside `out`, then renamed over it. `config_layout` rewrites
+    the saved config.json (e.g. `qwen2_vl.published_layout`)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         processor.save_pretrained(tmp)
+        if config_layout is not None:
+            path = tmp / "config.json"
+            path.write_text(json.dumps(config_layout(json.loads(path.read_text())), indent=2) + "\n")
         (tmp / marker).write_text(json.dumps(settings) + "\n")
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)

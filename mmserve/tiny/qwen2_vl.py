@@ -62,6 +62,24 @@ def config(model_type: str, tokenizer):
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
 
 
+def published_layout(nested: dict) -> dict:
+    """A `config.json` as `transformers` 5 saves it (the language model under `text_config`) in the
+    flat layout of the released Qwen2-VL / Qwen2.5-VL checkpoints: the text fields at the top level
+    (`torch_dtype`, `rope_theta`, `rope_scaling: {"type": "mrope", "mrope_section": ...}`, no
+    `layer_types`), `vision_config` without `model_type` or rope settings. Loads to the same config."""
+    out = {k: v for k, v in nested.items() if k != "text_config"}
+    text = {k: v for k, v in nested["text_config"].items() if k not in ("model_type", "layer_types", "dtype")}
+    rope = text.pop("rope_parameters")
+    if rope.get("rope_type", "default") != "default" or "mrope_section" not in rope:
+        raise ValueError(f"not an M-RoPE text config: rope_parameters {rope}")
+    text |= {"rope_theta": rope["rope_theta"], "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+    if "dtype" in out:
+        out["torch_dtype"] = out.pop("dtype")
+    out["vision_config"] = {k: v for k, v in nested["vision_config"].items()
+                            if k not in ("model_type", "rope_parameters", "dtype")}
+    return dict(sorted((text | out).items()))  # top-level values win (tie_word_embeddings)
+
+
 def build(name: str, seed: int):
     """The tiny Qwen2-VL / Qwen2.5-VL (see `mmserve.tiny` for the contract)."""
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor

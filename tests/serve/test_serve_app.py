@@ -242,14 +242,17 @@ def test_logprobs_equal_the_monolithic_models(serve_urls, tiny_models):
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-12)  # greedy: the argmax
 
 
-def test_prompt_larger_than_the_kv_pool_is_400_and_replica_keeps_serving(secured_url):
+def test_prompt_over_a_lowered_max_model_len_is_400_and_replica_keeps_serving(secured_url):
+    """The secured app serves `engine.max_model_len` 1,024 (its 1 MiB KV pool holds no more)."""
     from tests.support.serve_fixtures import TEST_API_KEY
 
     url = secured_url + "/v1/chat/completions"
     headers = {"Authorization": f"Bearer {TEST_API_KEY}"}
+    models = httpx.get(secured_url + "/v1/models", headers=headers, timeout=60).json()
+    assert models["data"][0]["max_model_len"] == 1024
     long = {"messages": [{"role": "user", "content": "hello " * 1500}], "max_tokens": 2}
     resp = httpx.post(url, json=long, headers=headers, timeout=120)
-    assert resp.status_code == 400 and "KV cache capacity" in resp.json()["error"]["message"]
+    assert resp.status_code == 400 and "context of 1024 tokens" in resp.json()["error"]["message"]
     ok = httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
                     headers=headers, timeout=120)
     assert ok.status_code == 200

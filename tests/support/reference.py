@@ -17,13 +17,29 @@ from PIL import Image
 NEAR_TIE = 0.125
 
 
-@functools.lru_cache(maxsize=4)
-def load_reference(model_dir: str, dtype: torch.dtype = torch.float64, device: str = "cpu"):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+@functools.lru_cache(maxsize=8)
+def load_processor(model_dir: str):
+    from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(model_dir)
+    return AutoProcessor.from_pretrained(model_dir)
+
+
+def load_reference(model_dir: str, dtype: torch.dtype = torch.float64, device: str = "cpu"):
+    """(processor, monolithic model), loaded once per (model_dir, dtype, device) however they are passed."""
+    return _load_reference(model_dir, dtype, device)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_reference(model_dir: str, dtype: torch.dtype, device: str):
+    from transformers import AutoModelForImageTextToText
+
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    return processor, model
+    return load_processor(model_dir), model
+
+
+def drop_references() -> None:
+    """Forget the loaded models (a large one need not stay for the rest of the session)."""
+    _load_reference.cache_clear()
 
 
 def _pil(data: bytes) -> Image.Image:
@@ -36,7 +52,7 @@ def reference_inputs(model_dir: str, messages: list[dict]):
     """`messages` in the processor's chat shape with media given as
     `{"type": "image", "bytes": b}` / `{"type": "video", "frames": [b, ...], "fps": f}` /
     `{"type": "video_file", "bytes": mp4}`."""
-    processor, _ = load_reference(model_dir)
+    processor = load_processor(model_dir)
     images, videos, metadata = [], [], []
     chat = []
     for m in messages:
@@ -79,7 +95,7 @@ def load_video_file(model_dir: str, data: bytes):
 
     from mmserve.video.container import DEFAULT_SAMPLE_FPS
 
-    vp = load_reference(model_dir)[0].video_processor
+    vp = load_processor(model_dir).video_processor
     kwargs = {}
     if (getattr(vp, "fps", None) is None and getattr(vp, "num_frames", None) is None
             and "fps" in inspect.signature(vp.sample_frames).parameters):
@@ -92,10 +108,11 @@ def load_video_file(model_dir: str, data: bytes):
     return frames, metadata
 
 
-def reference_generate(model_dir: str, messages: list[dict], max_new_tokens: int, **generate) -> list[int]:
+def reference_generate(model_dir: str, messages: list[dict], max_new_tokens: int,
+                       dtype: torch.dtype = torch.float64, **generate) -> list[int]:
     """Greedy tokens of the monolithic model, without the trailing EOS token (`generate`: more
     arguments of `generate`, e.g. a repetition penalty)."""
-    _, model = load_reference(model_dir)
+    _, model = load_reference(model_dir, dtype)
     inputs = reference_inputs(model_dir, messages)
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, **generate)

@@ -4,7 +4,8 @@
 `secured_url`: one more qwen2_vl app, started on first use, with `transport: grpc`, an API key (read
 from an environment variable by its replicas, never in the Serve config) and
 the router awaiting embeddings before it calls the LLM (the non-default hand-off), and a KV pool
-of 1 MiB (~1,000 float64 tokens of the tiny model) below its 4,096-token context.
+of 1 MiB (1,024 float64 tokens of the tiny model), so `engine.max_model_len` 1,024 below the
+checkpoint's 4,096 tokens.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def secured_url(serve_ports, tiny_models) -> str:
     from deployments.serve.app import build_app
 
     args = _app_args(tiny_models["qwen2_vl"], "secured", transport="grpc", api_key_env=TEST_API_KEY_ENV,
-                     await_embeddings_in_router=True, engine={"kv_cache_memory_mb": 1})
+                     await_embeddings_in_router=True, engine={"kv_cache_memory_mb": 1, "max_model_len": 1024})
     serve.run(build_app(args), name="secured", route_prefix="/secured")
     return f"http://127.0.0.1:{serve_ports[0]}/secured"
 

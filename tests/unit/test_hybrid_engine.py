@@ -154,7 +154,7 @@ def test_startup_sizes_slots_and_snapshots_from_the_budget(minicpmv_dir, caplog)
 
     budget = 4 * 2**20
     with caplog.at_level(logging.INFO):
-        engine = make_engine(minicpmv_dir, kv_cache_bytes=budget, max_num_seqs=1000)
+        engine = make_engine(minicpmv_dir, kv_cache_bytes=budget, max_num_seqs=1000, max_model_len=2048)
     runner = engine.runner
     per_slot = slot_bytes(runner.state_specs, runner.model.dtype)
     assert [s.layer_idx for s in runner.state_specs] == [0, 1, 2]
@@ -176,7 +176,7 @@ def test_startup_sizes_slots_and_snapshots_from_the_budget(minicpmv_dir, caplog)
 
 def test_no_snapshot_budget_turns_prefix_caching_off(minicpmv_dir, caplog):
     with caplog.at_level(logging.INFO):
-        engine = make_engine(minicpmv_dir, kv_cache_bytes=4 * 2**20, state_snapshot_share=0.0)
+        engine = make_engine(minicpmv_dir, kv_cache_bytes=4 * 2**20, state_snapshot_share=0.0, max_model_len=2048)
     assert not engine.config.enable_prefix_caching and engine.snapshots is None
     assert engine.runner.num_snapshots == 0 and "prefix caching is off" in caplog.text
 
