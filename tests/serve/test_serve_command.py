@@ -8,14 +8,12 @@ servers (Serve binds them to [::]; Ray's token authentication guards them)."""
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -26,17 +24,14 @@ import psutil
 import pytest
 
 from deployments.cli.main import main
+from tests.support.serve_command import launch, listeners, stop, tree, wait_ready_or_exit
+from tests.support.serve_fixtures import _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 1500  # long enough to be mid-way when the signal comes
 KEY = "k3y-only-in-the-environment"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
 class Served(NamedTuple):
@@ -52,57 +47,33 @@ class Served(NamedTuple):
     def output(self) -> str:
         return self.log.read_text()
 
-    def tree(self) -> list[psutil.Process]:
-        """The command's process and every process of its embedded Ray cluster."""
-        root = psutil.Process(self.proc.pid)
-        return [root, *root.children(recursive=True)]
-
 
 @pytest.fixture(scope="module")
 def served(tiny_models, tmp_path_factory):
     http_port, grpc_port = _free_port(), _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}  # its own Ray
-    env.update(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", MMSERVE_API_KEY=KEY)
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "deployments.cli.main", "serve", "--model", tiny_models["qwen2_vl"], "--dtype", "float64",
-         "--host", "0.0.0.0", "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--num-cpus", "1",
-         "--grace-period", "120"],
-        cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    server = Served(proc, http_port, grpc_port, log)
+    proc = launch(["--model", tiny_models["qwen2_vl"], "--dtype", "float64", "--host", "0.0.0.0", "--http-port",
+                   str(http_port), "--grpc-port", str(grpc_port), "--num-cpus", "1", "--grace-period", "120"],
+                  log, MMSERVE_API_KEY=KEY)
     try:
-        deadline = time.monotonic() + 240
-        while "mmserve ready" not in server.output():
-            assert proc.poll() is None and time.monotonic() < deadline, server.output()
-            time.sleep(0.5)
-        yield server
+        assert wait_ready_or_exit(proc, log, timeout_s=240) is None, log.read_text()[-5000:]
+        yield Served(proc, http_port, grpc_port, log)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
 
 
 @pytest.mark.serve
 def test_beyond_loopback_only_the_app_listens_and_serve_internals_need_rays_token(served):
     import grpc
 
-    listening, exposed = set(), {}  # exposed: port -> process name
-    for process in served.tree():
-        try:
-            for c in process.net_connections("inet"):
-                if c.status != psutil.CONN_LISTEN:
-                    continue
-                listening.add(c.laddr.port)
-                if not ipaddress.ip_address(c.laddr.ip.removeprefix("::ffff:").split("%")[0]).is_loopback:
-                    exposed[c.laddr.port] = process.name()
-        except psutil.NoSuchProcess:
-            continue
+    listening = listeners(served.proc.pid)
+    exposed = {s.port: s.process for s in listening if not s.loopback}
     # Serve opens one inter-deployment gRPC server per replica on [::] (a Serve rule); Ray's token guards it
     replica_servers = {port for port, name in exposed.items() if name.startswith("ray::ServeReplica")}
     assert set(exposed) - replica_servers == {served.http_port, served.grpc_port}, exposed
     assert exposed[served.http_port] == "haproxy"  # the header cap in front of Serve's proxy (on loopback)
     # one per replica: Router, Encoder, LLM, VideoDecoder; Ray's own ports were seen, all on loopback
-    assert len(replica_servers) == 4 and len(listening) > 8
+    assert len(replica_servers) == 4 and len({s.port for s in listening}) > 8
     for port in replica_servers:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             with pytest.raises(grpc.RpcError) as refused:
@@ -113,7 +84,7 @@ def test_beyond_loopback_only_the_app_listens_and_serve_internals_need_rays_toke
 @pytest.mark.serve
 def test_the_api_key_is_in_no_command_line(served):
     command_lines = []
-    for process in served.tree():
+    for process in tree(served.proc.pid):
         try:
             command_lines.append(" ".join(process.cmdline()))
         except psutil.NoSuchProcess:
@@ -137,9 +108,8 @@ def test_the_dashboard_runs_no_job_without_the_token(served, tmp_path):
 
 @pytest.mark.serve
 def test_requests_need_the_key(served):
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    assert httpx.post(served.url, json=body, timeout=60).status_code == 401
-    ok = httpx.post(served.url, json=body, headers=AUTH, timeout=120)
+    assert httpx.post(served.url, json=BODY, timeout=60).status_code == 401
+    ok = httpx.post(served.url, json=BODY, headers=AUTH, timeout=120)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1, ok.text
 
 
@@ -250,3 +220,4 @@ def test_an_api_key_env_that_is_not_set_is_refused(monkeypatch, capsys):
     monkeypatch.delenv("MMSERVE_TEST_UNSET_KEY", raising=False)
     assert main(["serve", "--api-key-env", "MMSERVE_TEST_UNSET_KEY"]) == 2
     assert "MMSERVE_TEST_UNSET_KEY: that environment variable is not set" in capsys.readouterr().err
+
