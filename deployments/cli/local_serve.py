@@ -4,16 +4,29 @@ SIGTERM / Ctrl-C, and nothing exposed that the operator did not ask for.
 - Secrets never travel in argv: the API key comes from an environment variable (`--api-key-env
   NAME`, or `MMSERVE_API_KEY` when set) that the replicas read where they run; `--api-key KEY`
   still works, with a warning (every local user sees it in `ps`).
-- The Ray dashboard (it runs jobs, so it runs code) listens on 127.0.0.1 whatever `--host` says,
-  unless `--dashboard-host` names another address. The embedded cluster runs in Ray's
-  single-machine mode (its default on macOS and Windows): its node address is 127.0.0.1, so the
-  GCS, raylet, agents, workers and Ray's Prometheus metrics ports listen on loopback only, unless
-  `--public-metrics` (then on this machine's address, as Ray does by default on Linux).
-- Listening beyond loopback (`--host`, `--dashboard-host`, the config file's `http_options.host`)
-  is refused at startup while Ray's token authentication is off (`RAY_AUTH_MODE=disabled`).
+- Ray's token authentication must be on (Ray's default; `RAY_AUTH_MODE=disabled` is refused):
+  Serve binds some gRPC servers to every interface, whatever `--host` says, with no setting to
+  move them, and without the token they unpickle what they are sent.
+- The embedded cluster runs in Ray's single-machine mode (its default on macOS and Windows): its
+  node address is 127.0.0.1, so Ray's own ports listen on loopback only, unless `--public-metrics`
+  (then on this machine's address, as Ray does by default on Linux).
 
-Two Serve rules stand whatever `--host` says: the gRPC proxy listens on every interface
-(`[::]:port`), and so does each replica's inter-deployment gRPC server, which Ray's token guards.
+What listens in the default mode (`mmserve serve`, `--host 127.0.0.1`, `--ingress proxy`):
+
+- every interface, `[::]:9000` (`--grpc-port`): Serve's gRPC proxy, the public API; the API key
+  when one is set (else a warning: anyone who reaches the port can call the model); gRPC health
+  and reflection need none.
+- every interface, `[::]:<any>`: one inter-deployment gRPC server per replica (Router, Encoder, LLM,
+  VideoDecoder); Ray's token.
+- 127.0.0.1:8000 (`--host`, `--http-port`): Serve's HTTP proxy; the API key when one is set
+  (`/health` needs none). Beyond loopback HAProxy listens there (a header cap) and Serve's proxy
+  on a loopback port behind it.
+- 127.0.0.1:8265: the Ray dashboard (it runs jobs: code), whatever `--host` says unless
+  `--dashboard-host`; Ray's token.
+- 127.0.0.1:<any>: the GCS, the raylet (node and object managers), the gRPC server of every Ray
+  worker (driver, Serve controller, proxy, replicas), the dashboard and runtime-env agents; Ray's
+  token.
+- 127.0.0.1:<any>: Ray's Prometheus metrics export; no authentication (metrics only).
 
 `--ingress proxy|direct|haproxy` picks Serve's ingress mode (deployments/cli/ingress_modes.py). Beyond
 loopback, `proxy` gets a header cap in front of its HTTP port, `direct` is refused (the Router
@@ -62,17 +75,21 @@ def token_location() -> str:
     return os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
 
 
-def check_exposure(listens_on: dict[str, str]) -> None:
-    """RefusedToStart when anything would listen beyond loopback while Ray's token auth is off
-    (`listens_on`: what -> host, e.g. {"--host": "0.0.0.0"})."""
-    exposed = [f"{what} {host}" for what, host in listens_on.items() if not is_loopback(host)]
-    if exposed and not ray_token_auth_on():
-        raise RefusedToStart(
-            f"refusing to listen on {', '.join(exposed)} while Ray's token authentication is off "
-            f"(RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE')}): whoever reaches the Ray dashboard or Ray's "
-            "ports could run code as this user. Unset RAY_AUTH_MODE (or set RAY_AUTH_MODE=token) to turn it "
-            "on, or keep --host and --dashboard-host on 127.0.0.1"
-        )
+def check_ray_token_auth() -> None:
+    """RefusedToStart while Ray's token authentication is off, whatever `--host` says: Serve 2.60 binds
+    its gRPC proxy and each replica's inter-deployment gRPC server to `[::]` (no setting moves them),
+    and without Ray's token those servers unpickle whatever reaches them."""
+    if ray_token_auth_on():
+        return
+    mode = os.environ.get("RAY_AUTH_MODE")
+    why = f"RAY_AUTH_MODE={mode}" if mode is not None else "this Ray has no token authentication"
+    raise RefusedToStart(
+        f"refusing to start while Ray's token authentication is off ({why}): Serve's gRPC proxy and the gRPC "
+        "server of every replica listen on every interface whatever --host says (Ray Serve has no setting to "
+        "bind them to loopback), and without Ray's token those servers run code that anyone who reaches this "
+        "machine sends them; the Ray dashboard and Ray's ports would run code for any local user. Unset "
+        "RAY_AUTH_MODE (or set RAY_AUTH_MODE=token): Ray then creates a token in ~/.ray/auth_token"
+    )
 
 
 def api_key_env(ns: argparse.Namespace) -> str | None:
@@ -153,8 +170,12 @@ def start_ray(ns: argparse.Namespace) -> None:
 
 def serve_app(ns: argparse.Namespace) -> int:
     start = time.perf_counter()
-    check_exposure({"--host": ns.host, "--dashboard-host": ns.dashboard_host if ns.dashboard else "127.0.0.1"})
+    check_ray_token_auth()
     key_env = api_key_env(ns)
+    if key_env is None:
+        print(f"warning: no API key, and Serve's gRPC proxy listens on every interface (port {ns.grpc_port}) whatever "
+              "--host says: anyone who reaches this machine can call the model there. Set MMSERVE_API_KEY, or "
+              "firewall the port", file=sys.stderr, flush=True)
     serve_host, serve_port, cap = plan_ingress(ns.ingress, ns.host, ns.http_port)
     use_single_machine_mode(ns)
     from ray import serve
@@ -197,10 +218,10 @@ def serve_config(ns: argparse.Namespace) -> int:
     import yaml
 
     start = time.perf_counter()
+    check_ray_token_auth()
     with open(ns.config) as f:
         raw = yaml.safe_load(f)
     host = (raw.get("http_options") or {}).get("host", "127.0.0.1")
-    check_exposure({"http_options.host": host, "--dashboard-host": ns.dashboard_host if ns.dashboard else "127.0.0.1"})
     serve_host, serve_port, cap = plan_ingress(ns.ingress, host, (raw.get("http_options") or {}).get("port", 8000))
     use_single_machine_mode(ns)
     from ray import serve

@@ -4,7 +4,8 @@ dashboard runs no job without Ray's token, requests need the key; SIGTERM with a
 drains, then exits cleanly (last: it stops the server). And the exposures it refuses to start.
 
 Beyond loopback listen the HTTP port, the gRPC proxy, and Serve's per-replica inter-deployment gRPC
-servers (Serve binds them to [::]; Ray's token authentication guards them)."""
+servers (Serve binds them to [::]; Ray's token authentication guards them), so without Ray's token
+nothing starts, on loopback too."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import httpx
 import psutil
 import pytest
 
+from deployments.cli.local_serve import API_KEY_ENV
 from deployments.cli.main import main
 from tests.support.serve_command import launch, listeners, stop, tree, wait_ready_or_exit
 from tests.support.serve_fixtures import _free_port
@@ -188,6 +190,25 @@ def test_sigterm_drains_then_exits_cleanly(served):
         assert dump not in output, output
 
 
+def test_without_ray_token_auth_even_loopback_serving_is_refused(tiny_models, tmp_path):
+    """RAY_AUTH_MODE=disabled with --host 127.0.0.1: Serve would still open its gRPC proxy and a gRPC server
+    per replica on every interface, unauthenticated, and those unpickle what they are sent. The command
+    refuses before Ray starts; had it started, the failure lists what listened beyond loopback."""
+    log = tmp_path / "serve.log"
+    proc = launch(["--model", tiny_models["qwen2_vl"], "--dtype", "float64", "--host", "127.0.0.1",
+                   "--http-port", str(_free_port()), "--grpc-port", str(_free_port()), "--num-cpus", "1",
+                   "--no-dashboard"], log, RAY_AUTH_MODE="disabled")
+    try:
+        status = wait_ready_or_exit(proc, log, timeout_s=240)
+        exposed = [str(s) for s in listeners(proc.pid) if not s.loopback] if status is None else []
+    finally:
+        stop(proc)
+    assert status == 2 and not exposed, (exposed, log.read_text()[-3000:])
+    output = log.read_text()
+    assert "refusing to start while Ray's token authentication is off (RAY_AUTH_MODE=disabled)" in output
+    assert "every interface" in output and "RAY_AUTH_MODE=token" in output
+
+
 @pytest.mark.parametrize("argv", [
     ["serve", "--host", "0.0.0.0"],
     ["serve", "--dashboard-host", "0.0.0.0"],
@@ -197,7 +218,7 @@ def test_sigterm_drains_then_exits_cleanly(served):
 def test_exposure_without_ray_token_auth_is_refused_before_anything_starts(argv, monkeypatch, capsys):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     assert main(argv) == 2
-    assert "refusing to listen on" in capsys.readouterr().err
+    assert "refusing to start while Ray's token authentication is off" in capsys.readouterr().err
 
 
 def test_direct_ingress_beyond_loopback_is_refused_even_with_ray_token_auth(monkeypatch, capsys):
@@ -206,6 +227,13 @@ def test_direct_ingress_beyond_loopback_is_refused_even_with_ray_token_auth(monk
     assert main(["serve", "--host", "0.0.0.0", "--ingress", "direct"]) == 2
     err = capsys.readouterr().err
     assert "refusing --ingress direct on 0.0.0.0" in err and "bounds no header size" in err
+
+
+def test_without_an_api_key_the_grpc_proxy_on_every_interface_is_warned_about(monkeypatch, capsys):
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert main(["serve", "--grpc-port", "9123", "--host", "0.0.0.0", "--ingress", "direct"]) == 2  # before Ray
+    assert "no API key, and Serve's gRPC proxy listens on every interface (port 9123)" in capsys.readouterr().err
 
 
 def test_no_header_cap_available_is_refused_before_anything_starts(monkeypatch, tmp_path, capsys):
