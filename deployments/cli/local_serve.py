@@ -3,7 +3,10 @@ SIGTERM / Ctrl-C, and nothing exposed that the operator did not ask for.
 
 - Secrets never travel in argv: the API key comes from an environment variable (`--api-key-env
   NAME`, or `MMSERVE_API_KEY` when set) that the replicas read where they run; `--api-key KEY`
-  still works, with a warning (every local user sees it in `ps`).
+  still works, with a warning (every local user sees it in `ps`). With `--config`, the key goes to
+  every application of the file that names none, and `--host` replaces its `http_options.host`
+  (`config_with_flags`), or the combination is refused; the app flags (`--model`, `--dtype`, ...)
+  are ignored, as `--help` says.
 - Ray's token authentication must be on (Ray's default; `RAY_AUTH_MODE=disabled` is refused):
   Serve binds some gRPC servers to every interface, whatever `--host` says, with no setting to
   move them, and without the token they unpickle what they are sent.
@@ -37,6 +40,7 @@ opens on every interface.
 from __future__ import annotations
 
 import argparse
+import copy
 import ipaddress
 import os
 import sys
@@ -44,6 +48,7 @@ import time
 from pathlib import Path
 
 API_KEY_ENV = "MMSERVE_API_KEY"
+APP_IMPORT_PATHS = ("deployments.serve.app:build_app", "deployments.serve.app.build_app")  # what --config can key
 SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's node address is loopback (read at import)
 
 
@@ -212,17 +217,68 @@ def serve_app(ns: argparse.Namespace) -> int:
     return serve_until_signal(["mmserve"], ns.grace_period, cap)
 
 
+def key_flag(ns: argparse.Namespace) -> str | None:
+    """The flag that gave the API key (None: none, or MMSERVE_API_KEY from the environment)."""
+    if ns.api_key_env:
+        return f"--api-key-env {ns.api_key_env}"
+    return "--api-key" if ns.api_key else None
+
+
+def config_with_flags(raw: dict, path: str, host: str | None, key_env: str | None,
+                      flag: str | None) -> tuple[dict, list[str]]:
+    """The Serve config `raw` (read from `path`) with the command line applied, and a line per
+    application saying where its API key comes from.
+
+    `--host` (`host`) replaces `http_options.host` (127.0.0.1 when both are silent). The key, in
+    environment variable `key_env` (named by `flag`, or MMSERVE_API_KEY set in the environment
+    when `flag` is None), goes to every application as `api_key_env`. An application that names its
+    own key (`api_key`, `api_key_env`) keeps it when the key came from the environment; a flag naming
+    another key is refused, as is any key for an application mmserve does not build (it could not
+    take one): RefusedToStart names the flag and the application."""
+    config = copy.deepcopy(raw)
+    http = config.get("http_options") or {}
+    config["http_options"] = {**http, "host": host or http.get("host", "127.0.0.1")}
+    if key_env is None:
+        return config, []
+    source = flag or f"{key_env} (set in the environment)"
+    lines = []
+    for app in config.get("applications") or []:
+        name = app.get("name", "default")
+        if app.get("import_path") not in APP_IMPORT_PATHS:
+            raise RefusedToStart(
+                f"{source}: application {name!r} in {path} is not mmserve's (import_path {app.get('import_path')}), "
+                "so it cannot take the API key and would serve without one; serve it from a config of its own"
+                + ("" if flag else f", or unset {key_env}"))
+        args = app["args"] = dict(app.get("args") or {})
+        own = (f"api_key_env: {args['api_key_env']}" if args.get("api_key_env")
+               else "api_key" if args.get("api_key") is not None else None)
+        if own is None:
+            args["api_key_env"] = key_env
+            lines.append(f"application {name!r}: API key from {source}")
+        elif args.get("api_key_env") == key_env:
+            lines.append(f"application {name!r}: API key from {key_env} (its {own} in {path})")
+        elif flag:
+            raise RefusedToStart(f"{flag}: application {name!r} in {path} already names its key ({own}); "
+                                 "drop the flag or the key in the file")
+        else:
+            lines.append(f"application {name!r}: API key from its own {own} in {path}, not {key_env}")
+    return config, lines
+
+
 def serve_config(ns: argparse.Namespace) -> int:
     """The Serve config file `serve run` / `serve deploy` / KubeRay's serveConfigV2 take: the same
-    controller builds the apps; every app setting comes from the file."""
+    controller builds the apps; every app setting comes from the file, but for the listening host
+    and the API key (`config_with_flags`)."""
     import yaml
 
     start = time.perf_counter()
     check_ray_token_auth()
     with open(ns.config) as f:
-        raw = yaml.safe_load(f)
-    host = (raw.get("http_options") or {}).get("host", "127.0.0.1")
-    serve_host, serve_port, cap = plan_ingress(ns.ingress, host, (raw.get("http_options") or {}).get("port", 8000))
+        raw, key_lines = config_with_flags(yaml.safe_load(f), ns.config, ns.host, api_key_env(ns), key_flag(ns))
+    for line in key_lines:
+        print(line, flush=True)
+    http_options = raw["http_options"]
+    serve_host, serve_port, cap = plan_ingress(ns.ingress, http_options["host"], http_options.get("port", 8000))
     use_single_machine_mode(ns)
     from ray import serve
     from ray.serve.context import _get_global_client

@@ -5,7 +5,8 @@ drains, then exits cleanly (last: it stops the server). And the exposures it ref
 
 Beyond loopback listen the HTTP port, the gRPC proxy, and Serve's per-replica inter-deployment gRPC
 servers (Serve binds them to [::]; Ray's token authentication guards them), so without Ray's token
-nothing starts, on loopback too."""
+nothing starts, on loopback too. With `--config`, `--host` and the API key are applied to the file
+or refused, naming the flag."""
 
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ from typing import NamedTuple
 import httpx
 import psutil
 import pytest
+import yaml
 
-from deployments.cli.local_serve import API_KEY_ENV
+from deployments.cli.local_serve import API_KEY_ENV, config_with_flags
 from deployments.cli.main import main
-from tests.support.serve_command import launch, listeners, stop, tree, wait_ready_or_exit
+from deployments.config import AppArgs
+from tests.support.serve_command import launch, listeners, serve_config, stop, tree, wait_ready_or_exit
 from tests.support.serve_fixtures import _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -249,3 +252,90 @@ def test_an_api_key_env_that_is_not_set_is_refused(monkeypatch, capsys):
     assert main(["serve", "--api-key-env", "MMSERVE_TEST_UNSET_KEY"]) == 2
     assert "MMSERVE_TEST_UNSET_KEY: that environment variable is not set" in capsys.readouterr().err
 
+
+CONFIG = ROOT / "deployments" / "serve_config.yaml"
+
+
+def _two_apps(**second_args) -> dict:
+    """deployments/serve_config.yaml with a second application, `second_args` added to its args."""
+    raw = yaml.safe_load(CONFIG.read_text())
+    first = raw["applications"][0]
+    second = {**first, "name": "second", "route_prefix": "/second", "args": {**first["args"], **second_args}}
+    raw["applications"].append(second)
+    return raw
+
+
+def test_with_config_a_key_in_the_environment_goes_to_every_application_naming_none():
+    raw = _two_apps(api_key_env="MMSERVE_TEST_SECOND_KEY")
+    config, lines = config_with_flags(raw, "x.yaml", None, API_KEY_ENV, None)
+    first, second = (AppArgs.model_validate(app["args"]) for app in config["applications"])
+    assert first.api_key_env == API_KEY_ENV and second.api_key_env == "MMSERVE_TEST_SECOND_KEY"
+    assert lines == ["application 'mmserve': API key from MMSERVE_API_KEY (set in the environment)",
+                     "application 'second': API key from its own api_key_env: MMSERVE_TEST_SECOND_KEY in x.yaml, "
+                     "not MMSERVE_API_KEY"]
+    assert "api_key_env" not in raw["applications"][0]["args"]  # the file as read is left alone
+
+
+def test_with_config_the_host_flag_replaces_the_files_host():
+    raw = yaml.safe_load(CONFIG.read_text())
+    assert raw["http_options"]["host"] == "0.0.0.0"
+    assert config_with_flags(raw, "x.yaml", "127.0.0.1", None, None)[0]["http_options"] == {"host": "127.0.0.1",
+                                                                                           "port": 8000}
+    assert config_with_flags(raw, "x.yaml", None, None, None)[0]["http_options"]["host"] == "0.0.0.0"
+    del raw["http_options"]
+    assert config_with_flags(raw, "x.yaml", None, None, None)[0]["http_options"] == {"host": "127.0.0.1"}
+
+
+def test_with_config_the_host_flag_is_where_it_listens(monkeypatch, tmp_path, capsys):
+    """The file says 127.0.0.1, --host 0.0.0.0: the check of what listens beyond loopback sees 0.0.0.0."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(tmp_path / "no-haproxy"))
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(serve_config("unused", 8000, 9000)))
+    assert main(["serve", "--config", str(config), "--host", "0.0.0.0"]) == 2
+    assert "refusing to listen on 0.0.0.0 without a header cap" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--api-key-env", "MMSERVE_TEST_FLAG_KEY"], ["--api-key", "k"]])
+def test_with_config_a_key_flag_against_an_applications_own_key_is_refused(flags, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("MMSERVE_TEST_FLAG_KEY", "k")
+    monkeypatch.setenv(API_KEY_ENV, "")  # so that what --api-key writes there is undone
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(_two_apps(api_key_env="MMSERVE_TEST_SECOND_KEY")))
+    assert main(["serve", "--config", str(config), *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"{flags[0]}" in err and "application 'second'" in err
+    assert "already names its key (api_key_env: MMSERVE_TEST_SECOND_KEY)" in err
+
+
+def test_with_config_a_key_for_an_application_mmserve_does_not_build_is_refused(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    raw = _two_apps()
+    raw["applications"][1]["import_path"] = "elsewhere.app:build"
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    assert main(["serve", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "MMSERVE_API_KEY (set in the environment): application 'second'" in err
+    assert "cannot take the API key" in err and "unset MMSERVE_API_KEY" in err
+
+
+@pytest.mark.serve
+def test_with_config_naming_no_key_the_key_in_the_environment_is_required(tiny_models, tmp_path):
+    http_port, grpc_port = _free_port(), _free_port()
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(serve_config(tiny_models["qwen2_vl"], http_port, grpc_port)))
+    log = tmp_path / "serve.log"
+    proc = launch(["--config", str(config), "--num-cpus", "1", "--no-dashboard"], log, MMSERVE_API_KEY=KEY)
+    try:
+        assert wait_ready_or_exit(proc, log, timeout_s=240) is None, log.read_text()[-5000:]
+        url = f"http://127.0.0.1:{http_port}/v1/chat/completions"
+        without = httpx.post(url, json=BODY, timeout=60)
+        with_key = httpx.post(url, json=BODY, headers=AUTH, timeout=120)
+    finally:
+        stop(proc)
+    assert without.status_code == 401 and with_key.status_code == 200, (without.text, with_key.text)
+    assert "application 'mmserve': API key from MMSERVE_API_KEY (set in the environment)" in log.read_text()
