@@ -3,17 +3,33 @@ SIGTERM / Ctrl-C, and nothing exposed that the operator did not ask for.
 
 - Secrets never travel in argv: the API key comes from an environment variable (`--api-key-env
   NAME`, or `MMSERVE_API_KEY` when set) that the replicas read where they run; `--api-key KEY`
-  still works, with a warning (every local user sees it in `ps`).
-- The Ray dashboard (it runs jobs, so it runs code) listens on 127.0.0.1 whatever `--host` says,
-  unless `--dashboard-host` names another address. The embedded cluster runs in Ray's
-  single-machine mode (its default on macOS and Windows): its node address is 127.0.0.1, so the
-  GCS, raylet, agents, workers and Ray's Prometheus metrics ports listen on loopback only, unless
-  `--public-metrics` (then on this machine's address, as Ray does by default on Linux).
-- Listening beyond loopback (`--host`, `--dashboard-host`, the config file's `http_options.host`)
-  is refused at startup while Ray's token authentication is off (`RAY_AUTH_MODE=disabled`).
+  still works, with a warning (every local user sees it in `ps`). With `--config`, the key goes to
+  every application of the file that names none, and `--host` replaces its `http_options.host`
+  (`config_with_flags`), or the combination is refused; the app flags (`--model`, `--dtype`, ...)
+  are ignored, as `--help` says.
+- Ray's token authentication must be on (Ray's default; `RAY_AUTH_MODE=disabled` is refused):
+  Serve binds some gRPC servers to every interface, whatever `--host` says, with no setting to
+  move them, and without the token they unpickle what they are sent.
+- The embedded cluster runs in Ray's single-machine mode (its default on macOS and Windows): its
+  node address is 127.0.0.1, so Ray's own ports listen on loopback only, unless `--public-metrics`
+  (then on this machine's address, as Ray does by default on Linux).
 
-Two Serve rules stand whatever `--host` says: the gRPC proxy listens on every interface
-(`[::]:port`), and so does each replica's inter-deployment gRPC server, which Ray's token guards.
+What listens in the default mode (`mmserve serve`, `--host 127.0.0.1`, `--ingress proxy`):
+
+- every interface, `[::]:9000` (`--grpc-port`): Serve's gRPC proxy, the public API; the API key
+  when one is set (else a warning: anyone who reaches the port can call the model); gRPC health
+  and reflection need none.
+- every interface, `[::]:<any>`: one inter-deployment gRPC server per replica (Router, Encoder, LLM,
+  VideoDecoder); Ray's token.
+- 127.0.0.1:8000 (`--host`, `--http-port`): Serve's HTTP proxy; the API key when one is set
+  (`/health` needs none). Beyond loopback HAProxy listens there (a header cap) and Serve's proxy
+  on a loopback port behind it.
+- 127.0.0.1:8265: the Ray dashboard (it runs jobs: code), whatever `--host` says unless
+  `--dashboard-host`; Ray's token.
+- 127.0.0.1:<any>: the GCS, the raylet (node and object managers), the gRPC server of every Ray
+  worker (driver, Serve controller, proxy, replicas), the dashboard and runtime-env agents; Ray's
+  token.
+- 127.0.0.1:<any>: Ray's Prometheus metrics export; no authentication (metrics only).
 
 `--ingress proxy|direct|haproxy` picks Serve's ingress mode (deployments/cli/ingress_modes.py). Beyond
 loopback, `proxy` gets a header cap in front of its HTTP port, `direct` is refused (the Router
@@ -24,6 +40,7 @@ opens on every interface.
 from __future__ import annotations
 
 import argparse
+import copy
 import ipaddress
 import os
 import sys
@@ -31,6 +48,7 @@ import time
 from pathlib import Path
 
 API_KEY_ENV = "MMSERVE_API_KEY"
+APP_IMPORT_PATHS = ("deployments.serve.app:build_app", "deployments.serve.app.build_app")  # what --config can key
 SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's node address is loopback (read at import)
 
 
@@ -62,17 +80,21 @@ def token_location() -> str:
     return os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
 
 
-def check_exposure(listens_on: dict[str, str]) -> None:
-    """RefusedToStart when anything would listen beyond loopback while Ray's token auth is off
-    (`listens_on`: what -> host, e.g. {"--host": "0.0.0.0"})."""
-    exposed = [f"{what} {host}" for what, host in listens_on.items() if not is_loopback(host)]
-    if exposed and not ray_token_auth_on():
-        raise RefusedToStart(
-            f"refusing to listen on {', '.join(exposed)} while Ray's token authentication is off "
-            f"(RAY_AUTH_MODE={os.environ.get('RAY_AUTH_MODE')}): whoever reaches the Ray dashboard or Ray's "
-            "ports could run code as this user. Unset RAY_AUTH_MODE (or set RAY_AUTH_MODE=token) to turn it "
-            "on, or keep --host and --dashboard-host on 127.0.0.1"
-        )
+def check_ray_token_auth() -> None:
+    """RefusedToStart while Ray's token authentication is off, whatever `--host` says: Serve 2.60 binds
+    its gRPC proxy and each replica's inter-deployment gRPC server to `[::]` (no setting moves them),
+    and without Ray's token those servers unpickle whatever reaches them."""
+    if ray_token_auth_on():
+        return
+    mode = os.environ.get("RAY_AUTH_MODE")
+    why = f"RAY_AUTH_MODE={mode}" if mode is not None else "this Ray has no token authentication"
+    raise RefusedToStart(
+        f"refusing to start while Ray's token authentication is off ({why}): Serve's gRPC proxy and the gRPC "
+        "server of every replica listen on every interface whatever --host says (Ray Serve has no setting to "
+        "bind them to loopback), and without Ray's token those servers run code that anyone who reaches this "
+        "machine sends them; the Ray dashboard and Ray's ports would run code for any local user. Unset "
+        "RAY_AUTH_MODE (or set RAY_AUTH_MODE=token): Ray then creates a token in ~/.ray/auth_token"
+    )
 
 
 def api_key_env(ns: argparse.Namespace) -> str | None:
@@ -163,8 +185,12 @@ def check_max_model_len(model_dir: str, max_model_len: int) -> None:
 
 def serve_app(ns: argparse.Namespace) -> int:
     start = time.perf_counter()
-    check_exposure({"--host": ns.host, "--dashboard-host": ns.dashboard_host if ns.dashboard else "127.0.0.1"})
+    check_ray_token_auth()
     key_env = api_key_env(ns)
+    if key_env is None:
+        print(f"warning: no API key, and Serve's gRPC proxy listens on every interface (port {ns.grpc_port}) whatever "
+              "--host says: anyone who reaches this machine can call the model there. Set MMSERVE_API_KEY, or "
+              "firewall the port", file=sys.stderr, flush=True)
     serve_host, serve_port, cap = plan_ingress(ns.ingress, ns.host, ns.http_port)
     use_single_machine_mode(ns)
     from ray import serve
@@ -204,17 +230,68 @@ def serve_app(ns: argparse.Namespace) -> int:
     return serve_until_signal(["mmserve"], ns.grace_period, cap)
 
 
+def key_flag(ns: argparse.Namespace) -> str | None:
+    """The flag that gave the API key (None: none, or MMSERVE_API_KEY from the environment)."""
+    if ns.api_key_env:
+        return f"--api-key-env {ns.api_key_env}"
+    return "--api-key" if ns.api_key else None
+
+
+def config_with_flags(raw: dict, path: str, host: str | None, key_env: str | None,
+                      flag: str | None) -> tuple[dict, list[str]]:
+    """The Serve config `raw` (read from `path`) with the command line applied, and a line per
+    application saying where its API key comes from.
+
+    `--host` (`host`) replaces `http_options.host` (127.0.0.1 when both are silent). The key, in
+    environment variable `key_env` (named by `flag`, or MMSERVE_API_KEY set in the environment
+    when `flag` is None), goes to every application as `api_key_env`. An application that names its
+    own key (`api_key`, `api_key_env`) keeps it when the key came from the environment; a flag naming
+    another key is refused, as is any key for an application mmserve does not build (it could not
+    take one): RefusedToStart names the flag and the application."""
+    config = copy.deepcopy(raw)
+    http = config.get("http_options") or {}
+    config["http_options"] = {**http, "host": host or http.get("host", "127.0.0.1")}
+    if key_env is None:
+        return config, []
+    source = flag or f"{key_env} (set in the environment)"
+    lines = []
+    for app in config.get("applications") or []:
+        name = app.get("name", "default")
+        if app.get("import_path") not in APP_IMPORT_PATHS:
+            raise RefusedToStart(
+                f"{source}: application {name!r} in {path} is not mmserve's (import_path {app.get('import_path')}), "
+                "so it cannot take the API key and would serve without one; serve it from a config of its own"
+                + ("" if flag else f", or unset {key_env}"))
+        args = app["args"] = dict(app.get("args") or {})
+        own = (f"api_key_env: {args['api_key_env']}" if args.get("api_key_env")
+               else "api_key" if args.get("api_key") is not None else None)
+        if own is None:
+            args["api_key_env"] = key_env
+            lines.append(f"application {name!r}: API key from {source}")
+        elif args.get("api_key_env") == key_env:
+            lines.append(f"application {name!r}: API key from {key_env} (its {own} in {path})")
+        elif flag:
+            raise RefusedToStart(f"{flag}: application {name!r} in {path} already names its key ({own}); "
+                                 "drop the flag or the key in the file")
+        else:
+            lines.append(f"application {name!r}: API key from its own {own} in {path}, not {key_env}")
+    return config, lines
+
+
 def serve_config(ns: argparse.Namespace) -> int:
     """The Serve config file `serve run` / `serve deploy` / KubeRay's serveConfigV2 take: the same
-    controller builds the apps; every app setting comes from the file."""
+    controller builds the apps; every app setting comes from the file, but for the listening host
+    and the API key (`config_with_flags`)."""
     import yaml
 
     start = time.perf_counter()
+    check_ray_token_auth()
     with open(ns.config) as f:
-        raw = yaml.safe_load(f)
-    host = (raw.get("http_options") or {}).get("host", "127.0.0.1")
-    check_exposure({"http_options.host": host, "--dashboard-host": ns.dashboard_host if ns.dashboard else "127.0.0.1"})
-    serve_host, serve_port, cap = plan_ingress(ns.ingress, host, (raw.get("http_options") or {}).get("port", 8000))
+        raw, key_lines = config_with_flags(yaml.safe_load(f), ns.config, ns.host, api_key_env(ns), key_flag(ns))
+    for line in key_lines:
+        print(line, flush=True)
+    http_options = raw["http_options"]
+    serve_host, serve_port, cap = plan_ingress(ns.ingress, http_options["host"], http_options.get("port", 8000))
     use_single_machine_mode(ns)
     from ray import serve
     from ray.serve.context import _get_global_client

@@ -17,6 +17,8 @@ def _positive_int(text: str) -> int:
 def _serve(ns: argparse.Namespace) -> int:
     from deployments.cli.local_serve import RefusedToStart, serve_app, serve_config
 
+    if ns.config is None and ns.host is None:
+        ns.host = "127.0.0.1"  # with --config, the file's http_options.host unless --host is given
     try:
         return serve_config(ns) if ns.config else serve_app(ns)
     except RefusedToStart as e:
@@ -151,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
 
     serve_p = sub.add_parser("serve", help="start an embedded Ray, deploy the app, serve until Ctrl-C")
     serve_p.add_argument("--model", default=None, help="checkpoint directory (default: embedded tiny Qwen2-VL)")
-    serve_p.add_argument("--host", default="127.0.0.1")
+    serve_p.add_argument("--host", default=None,
+                         help="where HTTP listens (default 127.0.0.1; with --config: the file's http_options.host)")
     serve_p.add_argument("--http-port", type=int, default=8000)
     serve_p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     serve_p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -184,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument(
         "--config", default=None, metavar="YAML",
         help="a Serve config file (e.g. deployments/serve_config.yaml, the one `serve run` and k8s take); "
-        "app flags (--model, --dtype, ...) are then ignored",
+        "--host replaces its http_options.host, and the API key (--api-key-env, --api-key, MMSERVE_API_KEY) goes "
+        "to every application that names none; the app flags (--model, --dtype, ...) are ignored",
     )
     serve_p.set_defaults(func=_serve)
 

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -26,13 +25,13 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from bench.ingress import direct_ports, kill_session
+from bench.ingress import direct_ports
 from mmserve.rpc.vlm_client import VLMClient, user
+from tests.support.serve_command import launch, serve_config, stop, wait_ready_or_exit
 from tests.support.serve_fixtures import _free_port
 
 pytestmark = pytest.mark.serve
 
-ROOT = Path(__file__).resolve().parents[2]
 KEY = "ingress-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY = {"messages": [{"role": "user", "content": "tell me a story"}], "max_tokens": 12, "ignore_eos": True,
@@ -50,43 +49,25 @@ class Served(NamedTuple):
         return self.log.read_text()
 
 
-def _config(model: str, http_port: int, grpc_port: int) -> dict:
-    config = yaml.safe_load((ROOT / "deployments" / "serve_config.yaml").read_text())
-    config["http_options"] = {"host": "127.0.0.1", "port": http_port}
-    config["grpc_options"]["port"] = grpc_port
-    args = config["applications"][0]["args"]
-    args.update(model=model, dtype="float64", api_key_env="MMSERVE_API_KEY", max_pending_requests=2,
-                router={"num_replicas": 1, "num_cpus": 0.1, "max_ongoing_requests": 4, "max_queued_requests": 2},
-                encoder={"num_replicas": 1, "num_cpus": 0.2}, llm={"num_replicas": 1, "num_cpus": 0.2})
-    return config
-
-
 @pytest.fixture(scope="module", params=["direct", "haproxy"])
 def served(request, tiny_models, tmp_path_factory):
     mode = request.param
     http_port, grpc_port = _free_port(), _free_port()
     root = tmp_path_factory.mktemp(f"ingress-{mode}")
     config = root / "serve.yaml"
-    config.write_text(yaml.safe_dump(_config(tiny_models["qwen2_vl"], http_port, grpc_port)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RAY_SERVE_ENABLE"))}
-    env.update(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", MMSERVE_API_KEY=KEY)
+    config.write_text(yaml.safe_dump(serve_config(
+        tiny_models["qwen2_vl"], http_port, grpc_port, api_key_env="MMSERVE_API_KEY", max_pending_requests=2,
+        router={"num_replicas": 1, "num_cpus": 0.1, "max_ongoing_requests": 4, "max_queued_requests": 2})))
     log = root / "serve.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "deployments.cli.main", "serve", "--config", str(config), "--ingress", mode,
-         "--num-cpus", "1", "--grace-period", "120", "--no-dashboard"],
-        cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-    )
+    proc = launch(["--config", str(config), "--ingress", mode, "--num-cpus", "1", "--grace-period", "120",
+                   "--no-dashboard"], log, MMSERVE_API_KEY=KEY)
     try:
-        deadline = time.monotonic() + 240
-        while "mmserve ready" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-5000:]
-            time.sleep(0.5)
+        assert wait_ready_or_exit(proc, log, timeout_s=240) is None, log.read_text()[-5000:]
         if mode == "direct":
             http_port, grpc_port = direct_ports(proc.pid)
         yield Served(mode, proc, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", log)
     finally:  # the whole session: Serve's HAProxy runs in a process group of its own
-        kill_session(proc.pid)
-        proc.wait()
+        stop(proc)
 
 
 def _stream_text(url: str, body: dict) -> tuple[str, list[int]]:

@@ -4,18 +4,18 @@ dashboard runs no job without Ray's token, requests need the key; SIGTERM with a
 drains, then exits cleanly (last: it stops the server). And the exposures it refuses to start.
 
 Beyond loopback listen the HTTP port, the gRPC proxy, and Serve's per-replica inter-deployment gRPC
-servers (Serve binds them to [::]; Ray's token authentication guards them)."""
+servers (Serve binds them to [::]; Ray's token authentication guards them), so without Ray's token
+nothing starts, on loopback too. With `--config`, `--host` and the API key are applied to the file
+or refused, naming the flag."""
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,19 +24,19 @@ from typing import NamedTuple
 import httpx
 import psutil
 import pytest
+import yaml
 
+from deployments.cli.local_serve import API_KEY_ENV, config_with_flags
 from deployments.cli.main import main
+from deployments.config import AppArgs
+from tests.support.serve_command import launch, listeners, serve_config, stop, tree, wait_ready_or_exit
+from tests.support.serve_fixtures import _free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 1500  # long enough to be mid-way when the signal comes
 KEY = "k3y-only-in-the-environment"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
 class Served(NamedTuple):
@@ -52,57 +52,33 @@ class Served(NamedTuple):
     def output(self) -> str:
         return self.log.read_text()
 
-    def tree(self) -> list[psutil.Process]:
-        """The command's process and every process of its embedded Ray cluster."""
-        root = psutil.Process(self.proc.pid)
-        return [root, *root.children(recursive=True)]
-
 
 @pytest.fixture(scope="module")
 def served(tiny_models, tmp_path_factory):
     http_port, grpc_port = _free_port(), _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}  # its own Ray
-    env.update(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", MMSERVE_API_KEY=KEY)
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "deployments.cli.main", "serve", "--model", tiny_models["qwen2_vl"], "--dtype", "float64",
-         "--host", "0.0.0.0", "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--num-cpus", "1",
-         "--grace-period", "120"],
-        cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    server = Served(proc, http_port, grpc_port, log)
+    proc = launch(["--model", tiny_models["qwen2_vl"], "--dtype", "float64", "--host", "0.0.0.0", "--http-port",
+                   str(http_port), "--grpc-port", str(grpc_port), "--num-cpus", "1", "--grace-period", "120"],
+                  log, MMSERVE_API_KEY=KEY)
     try:
-        deadline = time.monotonic() + 240
-        while "mmserve ready" not in server.output():
-            assert proc.poll() is None and time.monotonic() < deadline, server.output()
-            time.sleep(0.5)
-        yield server
+        assert wait_ready_or_exit(proc, log, timeout_s=240) is None, log.read_text()[-5000:]
+        yield Served(proc, http_port, grpc_port, log)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
 
 
 @pytest.mark.serve
 def test_beyond_loopback_only_the_app_listens_and_serve_internals_need_rays_token(served):
     import grpc
 
-    listening, exposed = set(), {}  # exposed: port -> process name
-    for process in served.tree():
-        try:
-            for c in process.net_connections("inet"):
-                if c.status != psutil.CONN_LISTEN:
-                    continue
-                listening.add(c.laddr.port)
-                if not ipaddress.ip_address(c.laddr.ip.removeprefix("::ffff:").split("%")[0]).is_loopback:
-                    exposed[c.laddr.port] = process.name()
-        except psutil.NoSuchProcess:
-            continue
+    listening = listeners(served.proc.pid)
+    exposed = {s.port: s.process for s in listening if not s.loopback}
     # Serve opens one inter-deployment gRPC server per replica on [::] (a Serve rule); Ray's token guards it
     replica_servers = {port for port, name in exposed.items() if name.startswith("ray::ServeReplica")}
     assert set(exposed) - replica_servers == {served.http_port, served.grpc_port}, exposed
     assert exposed[served.http_port] == "haproxy"  # the header cap in front of Serve's proxy (on loopback)
     # one per replica: Router, Encoder, LLM, VideoDecoder; Ray's own ports were seen, all on loopback
-    assert len(replica_servers) == 4 and len(listening) > 8
+    assert len(replica_servers) == 4 and len({s.port for s in listening}) > 8
     for port in replica_servers:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
             with pytest.raises(grpc.RpcError) as refused:
@@ -113,7 +89,7 @@ def test_beyond_loopback_only_the_app_listens_and_serve_internals_need_rays_toke
 @pytest.mark.serve
 def test_the_api_key_is_in_no_command_line(served):
     command_lines = []
-    for process in served.tree():
+    for process in tree(served.proc.pid):
         try:
             command_lines.append(" ".join(process.cmdline()))
         except psutil.NoSuchProcess:
@@ -137,9 +113,8 @@ def test_the_dashboard_runs_no_job_without_the_token(served, tmp_path):
 
 @pytest.mark.serve
 def test_requests_need_the_key(served):
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    assert httpx.post(served.url, json=body, timeout=60).status_code == 401
-    ok = httpx.post(served.url, json=body, headers=AUTH, timeout=120)
+    assert httpx.post(served.url, json=BODY, timeout=60).status_code == 401
+    ok = httpx.post(served.url, json=BODY, headers=AUTH, timeout=120)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1, ok.text
 
 
@@ -218,6 +193,25 @@ def test_sigterm_drains_then_exits_cleanly(served):
         assert dump not in output, output
 
 
+def test_without_ray_token_auth_even_loopback_serving_is_refused(tiny_models, tmp_path):
+    """RAY_AUTH_MODE=disabled with --host 127.0.0.1: Serve would still open its gRPC proxy and a gRPC server
+    per replica on every interface, unauthenticated, and those unpickle what they are sent. The command
+    refuses before Ray starts; had it started, the failure lists what listened beyond loopback."""
+    log = tmp_path / "serve.log"
+    proc = launch(["--model", tiny_models["qwen2_vl"], "--dtype", "float64", "--host", "127.0.0.1",
+                   "--http-port", str(_free_port()), "--grpc-port", str(_free_port()), "--num-cpus", "1",
+                   "--no-dashboard"], log, RAY_AUTH_MODE="disabled")
+    try:
+        status = wait_ready_or_exit(proc, log, timeout_s=240)
+        exposed = [str(s) for s in listeners(proc.pid) if not s.loopback] if status is None else []
+    finally:
+        stop(proc)
+    assert status == 2 and not exposed, (exposed, log.read_text()[-3000:])
+    output = log.read_text()
+    assert "refusing to start while Ray's token authentication is off (RAY_AUTH_MODE=disabled)" in output
+    assert "every interface" in output and "RAY_AUTH_MODE=token" in output
+
+
 @pytest.mark.parametrize("argv", [
     ["serve", "--host", "0.0.0.0"],
     ["serve", "--dashboard-host", "0.0.0.0"],
@@ -227,7 +221,7 @@ def test_sigterm_drains_then_exits_cleanly(served):
 def test_exposure_without_ray_token_auth_is_refused_before_anything_starts(argv, monkeypatch, capsys):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     assert main(argv) == 2
-    assert "refusing to listen on" in capsys.readouterr().err
+    assert "refusing to start while Ray's token authentication is off" in capsys.readouterr().err
 
 
 def test_direct_ingress_beyond_loopback_is_refused_even_with_ray_token_auth(monkeypatch, capsys):
@@ -236,6 +230,13 @@ def test_direct_ingress_beyond_loopback_is_refused_even_with_ray_token_auth(monk
     assert main(["serve", "--host", "0.0.0.0", "--ingress", "direct"]) == 2
     err = capsys.readouterr().err
     assert "refusing --ingress direct on 0.0.0.0" in err and "bounds no header size" in err
+
+
+def test_without_an_api_key_the_grpc_proxy_on_every_interface_is_warned_about(monkeypatch, capsys):
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert main(["serve", "--grpc-port", "9123", "--host", "0.0.0.0", "--ingress", "direct"]) == 2  # before Ray
+    assert "no API key, and Serve's gRPC proxy listens on every interface (port 9123)" in capsys.readouterr().err
 
 
 def test_no_header_cap_available_is_refused_before_anything_starts(monkeypatch, tmp_path, capsys):
@@ -250,3 +251,91 @@ def test_an_api_key_env_that_is_not_set_is_refused(monkeypatch, capsys):
     monkeypatch.delenv("MMSERVE_TEST_UNSET_KEY", raising=False)
     assert main(["serve", "--api-key-env", "MMSERVE_TEST_UNSET_KEY"]) == 2
     assert "MMSERVE_TEST_UNSET_KEY: that environment variable is not set" in capsys.readouterr().err
+
+
+CONFIG = ROOT / "deployments" / "serve_config.yaml"
+
+
+def _two_apps(**second_args) -> dict:
+    """deployments/serve_config.yaml with a second application, `second_args` added to its args."""
+    raw = yaml.safe_load(CONFIG.read_text())
+    first = raw["applications"][0]
+    second = {**first, "name": "second", "route_prefix": "/second", "args": {**first["args"], **second_args}}
+    raw["applications"].append(second)
+    return raw
+
+
+def test_with_config_a_key_in_the_environment_goes_to_every_application_naming_none():
+    raw = _two_apps(api_key_env="MMSERVE_TEST_SECOND_KEY")
+    config, lines = config_with_flags(raw, "x.yaml", None, API_KEY_ENV, None)
+    first, second = (AppArgs.model_validate(app["args"]) for app in config["applications"])
+    assert first.api_key_env == API_KEY_ENV and second.api_key_env == "MMSERVE_TEST_SECOND_KEY"
+    assert lines == ["application 'mmserve': API key from MMSERVE_API_KEY (set in the environment)",
+                     "application 'second': API key from its own api_key_env: MMSERVE_TEST_SECOND_KEY in x.yaml, "
+                     "not MMSERVE_API_KEY"]
+    assert "api_key_env" not in raw["applications"][0]["args"]  # the file as read is left alone
+
+
+def test_with_config_the_host_flag_replaces_the_files_host():
+    raw = yaml.safe_load(CONFIG.read_text())
+    assert raw["http_options"]["host"] == "0.0.0.0"
+    assert config_with_flags(raw, "x.yaml", "127.0.0.1", None, None)[0]["http_options"] == {"host": "127.0.0.1",
+                                                                                           "port": 8000}
+    assert config_with_flags(raw, "x.yaml", None, None, None)[0]["http_options"]["host"] == "0.0.0.0"
+    del raw["http_options"]
+    assert config_with_flags(raw, "x.yaml", None, None, None)[0]["http_options"] == {"host": "127.0.0.1"}
+
+
+def test_with_config_the_host_flag_is_where_it_listens(monkeypatch, tmp_path, capsys):
+    """The file says 127.0.0.1, --host 0.0.0.0: the check of what listens beyond loopback sees 0.0.0.0."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", str(tmp_path / "no-haproxy"))
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(serve_config("unused", 8000, 9000)))
+    assert main(["serve", "--config", str(config), "--host", "0.0.0.0"]) == 2
+    assert "refusing to listen on 0.0.0.0 without a header cap" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--api-key-env", "MMSERVE_TEST_FLAG_KEY"], ["--api-key", "k"]])
+def test_with_config_a_key_flag_against_an_applications_own_key_is_refused(flags, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("MMSERVE_TEST_FLAG_KEY", "k")
+    monkeypatch.setenv(API_KEY_ENV, "")  # so that what --api-key writes there is undone
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(_two_apps(api_key_env="MMSERVE_TEST_SECOND_KEY")))
+    assert main(["serve", "--config", str(config), *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"{flags[0]}" in err and "application 'second'" in err
+    assert "already names its key (api_key_env: MMSERVE_TEST_SECOND_KEY)" in err
+
+
+def test_with_config_a_key_for_an_application_mmserve_does_not_build_is_refused(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    raw = _two_apps()
+    raw["applications"][1]["import_path"] = "elsewhere.app:build"
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    assert main(["serve", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "MMSERVE_API_KEY (set in the environment): application 'second'" in err
+    assert "cannot take the API key" in err and "unset MMSERVE_API_KEY" in err
+
+
+@pytest.mark.serve
+def test_with_config_naming_no_key_the_key_in_the_environment_is_required(tiny_models, tmp_path):
+    http_port, grpc_port = _free_port(), _free_port()
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(serve_config(tiny_models["qwen2_vl"], http_port, grpc_port)))
+    log = tmp_path / "serve.log"
+    proc = launch(["--config", str(config), "--num-cpus", "1", "--no-dashboard"], log, MMSERVE_API_KEY=KEY)
+    try:
+        assert wait_ready_or_exit(proc, log, timeout_s=240) is None, log.read_text()[-5000:]
+        url = f"http://127.0.0.1:{http_port}/v1/chat/completions"
+        without = httpx.post(url, json=BODY, timeout=60)
+        with_key = httpx.post(url, json=BODY, headers=AUTH, timeout=120)
+    finally:
+        stop(proc)
+    assert without.status_code == 401 and with_key.status_code == 200, (without.text, with_key.text)
+    assert "application 'mmserve': API key from MMSERVE_API_KEY (set in the environment)" in log.read_text()
