@@ -94,7 +94,9 @@ class PromptBuilder:
 
     def _encode_plain(self, text: str, user_texts: list[str]) -> list[int]:
         text = _SENTINEL_RE.sub(lambda m: user_texts[int(m.group(1))], text)
-        return self._plain.encode(text, add_special_tokens=False).ids if text else []
+        # `encode_batch` releases the GIL while it tokenizes (`encode` holds it throughout), so a
+        # long prompt planned in a worker thread never stalls the router's event loop
+        return self._plain.encode_batch([text], add_special_tokens=False)[0].ids if text else []
 
     def build(self, messages: list[Message], expansions: list[ItemExpansion]) -> Prompt:
         """Token ids with the i-th media placeholder replaced by `expansions[i]`."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmserve.checkpoint import read_chat_template
-from mmserve.errors import InvalidRequest
+from mmserve.errors import InvalidRequest, RequestTooLarge
 from mmserve.families import router_face
 from mmserve.families.base import ItemExpansion
 from mmserve.request.media import EncodeItem, MediaItem, MediaKind, MediaSource, PlaceholderRange
@@ -64,12 +64,18 @@ class RequestPlan:
 
 
 class RequestPlanner:
-    def __init__(self, model_dir: str | Path, tokenizer, limits: MediaLimits = MediaLimits()):
+    """`max_prompt_chars` bounds a request's text before it is tokenized (RequestTooLarge),
+    `max_prompt_tokens` its prompt tokens before media positions are computed (InvalidRequest)."""
+
+    def __init__(self, model_dir: str | Path, tokenizer, limits: MediaLimits = MediaLimits(),
+                 max_prompt_chars: int | None = None, max_prompt_tokens: int | None = None):
         template = read_chat_template(model_dir)
         if template is None:
             raise ValueError(f"{model_dir} has no chat template")
         self.face = router_face(model_dir)
         self.limits = limits
+        self.max_prompt_chars = max_prompt_chars
+        self.max_prompt_tokens = max_prompt_tokens
         self.tokenizer = tokenizer
         placeholders = {kind: self.face.placeholder(kind) for kind in MediaKind}
         self._builder = PromptBuilder(tokenizer, template, placeholders)
@@ -77,8 +83,15 @@ class RequestPlanner:
     def plan(self, messages: list[Message[MediaItem]]) -> RequestPlan:
         items = [p for m in messages for p in m.parts if isinstance(p, MediaItem)]
         self.limits.check(items)
+        chars = sum(len(p) for m in messages for p in m.parts if isinstance(p, str))
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise RequestTooLarge(f"request text has {chars} characters; the limit is {self.max_prompt_chars} "
+                                  "(max_prompt_chars)")
         expansions = self.face.expand_all(items, self.limits.max_pixels_per_image)
         prompt = self._builder.build(messages, expansions)
+        if self.max_prompt_tokens is not None and len(prompt.token_ids) > self.max_prompt_tokens:
+            raise InvalidRequest(f"prompt has {len(prompt.token_ids)} tokens, media included; the model's context "
+                                 f"is {self.max_prompt_tokens} tokens")
         positions = self.face.position_plan(prompt.token_ids, prompt.ranges, expansions)
         boundaries = () if prompt.system_end is None else (prompt.system_end,)
         return RequestPlan(prompt.token_ids, items, prompt.ranges, expansions, positions, boundaries)
