@@ -183,7 +183,7 @@ class OpenAIAdapter:
             self.core.authenticate(request.headers.get("authorization"))
         except Exception as e:
             return failure_response(self.core.failed(e, "-"))
-        if reason := self.core.readiness.reason():
+        if reason := self.core.not_ready():
             return error_response(503, reason)
         return JSONResponse({"object": "list", "data": [self.core.model_card()]})
 

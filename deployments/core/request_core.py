@@ -202,13 +202,15 @@ class RequestCore:
     def draining(self) -> bool:
         return self._draining()
 
+    def not_ready(self) -> str | None:
+        """What the app still waits for (`Readiness.reason`), or None once it is ready."""
+        self.readiness.start()
+        return self.readiness.reason() or None
+
     def unavailable(self) -> str | None:
         """Why this replica takes no new requests now (draining, or not ready yet), or None: what
         `/health` and gRPC health answer."""
-        if self.draining:
-            return "server is shutting down"
-        self.readiness.start()
-        return self.readiness.reason() or None
+        return "server is shutting down" if self.draining else self.not_ready()
 
     def warm_up(self) -> None:
         """Plan one small request with an image, so that the first client's plan finds the chat
