@@ -471,6 +471,11 @@ class AppArgs(_Args):
         "are being fetched (they hold no max_pending_requests place, so slow media never crowd out ready "
         "requests); more get 429 + Retry-After / RESOURCE_EXHAUSTED at once",
     )
+    readiness_wait_s: float = Field(
+        default=5.0, ge=0, description="a request that comes before the app is ready (before an LLM replica, and "
+        "an Encoder replica when the app has an Encoder deployment, has loaded its model and warmed up) waits up "
+        "to this long, then gets 503 + Retry-After / UNAVAILABLE; /health answers 503 until then",
+    )
     router: DeploymentArgs = Field(default=DeploymentArgs(num_cpus=0.25), description="the Router (ingress) "
                                    "deployment; the four deployments' defaults fit a 2-core laptop (1.5 CPUs in all): "
                                    "size them for real clusters (k8s/overlays/gpu)")

@@ -16,7 +16,7 @@ from encoder_service.families.base import EncoderFace, PreparedItem
 from mmserve.checkpoint import load_weights, read_config, resolve_dtype
 from mmserve.families import face_class, family_of, router_face
 from mmserve.request.embeddings import ItemEmbedding
-from mmserve.request.media import EncodeItem, MediaItem
+from mmserve.request.media import EncodeItem, MediaItem, warm_up_image
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +110,13 @@ class VisionEncoder:
         with self._lock:
             outs = self.face.forward(self.tower, prepared)
         return [tuple(part.to("cpu") for part in parts) for parts in outs]
+
+    def warm_up(self) -> None:
+        """Encode one small synthetic image (decode, the processor, one forward) before serving, so
+        that the first request finds them warm; nothing is kept (no pool, no cache here)."""
+        start = time.perf_counter()
+        self.encode([warm_up_image()])
+        logger.info("vision tower of %s warmed up in %.2fs", self.model_dir.name, time.perf_counter() - start)
 
     def encode(self, items: Sequence[EncodeItem | MediaItem]) -> list[ItemEmbedding]:
         items = [i if isinstance(i, EncodeItem) else self.plan(i) for i in items]

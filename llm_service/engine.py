@@ -33,7 +33,8 @@ import torch
 from llm_service.config import EngineConfig
 from llm_service.model import LanguageModel
 from llm_service.model_runner import ModelRunner
-from llm_service.sampling import DeviceSample, SamplingRows, new_generator, sample_rows, settings_dtype
+from llm_service.sampling import (DeviceSample, SamplingParams, SamplingRows, new_generator, sample_rows,
+                                  settings_dtype)
 from llm_service.scheduler import Scheduler
 from llm_service.sequence import LLMRequest, Sequence, Status, TokenEvent
 from mmserve.errors import EngineError, InvalidRequest, Overloaded
@@ -96,10 +97,7 @@ class LLMEngine:
         self.model = model
         self.runner = ModelRunner(model, config or EngineConfig())
         self.config = self.runner.config  # as this model runs it (prefix caching of recurrent state: snapshots)
-        self.snapshots = self.runner.new_snapshot_manager()  # None unless state layers + prefix caching
-        self.blocks = self.runner.new_block_manager(self.snapshots.drop if self.snapshots else None)
-        self.slots = self.runner.new_slot_manager()  # None unless the LM face declares state layers
-        self.scheduler = Scheduler(self.config, self.blocks, self.slots, self.snapshots, self.runner.batch.release)
+        self._new_bookkeeping()
         self._new: list[Sequence] = []
         self._aborted: set[str] = set()
         self._by_id: dict[str, Sequence] = {}
@@ -116,6 +114,43 @@ class LLMEngine:
         self._idle = True  # waiting for work (or only for media rows): no step is owed
         self.num_steps = 0
         self.num_generated = 0
+
+    def _new_bookkeeping(self) -> None:
+        """KV blocks (and the prefix cache), state slots and snapshots, the scheduler: as new."""
+        self.snapshots = self.runner.new_snapshot_manager()  # None unless state layers + prefix caching
+        self.blocks = self.runner.new_block_manager(self.snapshots.drop if self.snapshots else None)
+        self.slots = self.runner.new_slot_manager()  # None unless the LM face declares state layers
+        self.scheduler = Scheduler(self.config, self.blocks, self.slots, self.snapshots, self.runner.batch.release)
+
+    def warm_up(self, num_prompt_tokens: int = 24, max_tokens: int = 3) -> None:
+        """Before `start()`: run two short requests, one greedy and one sampled, through the real
+        steps in the calling thread (a packed prefill, then `max_tokens - 1` decode steps), so that
+        the first client request finds the kernels compiled, the allocator warm and the sampler's
+        paths taken; then forget them: the bookkeeping is made anew and the counters start at 0, so
+        that `stats()` reads as a fresh engine's (no blocks held, nothing in the prefix cache)."""
+        if self._thread is not None:
+            raise RuntimeError("warm_up() runs before start()")
+        ids = tuple(i % self.model.vocab_size for i in range(1, num_prompt_tokens + 1))
+        sampled = SamplingParams(max_tokens, temperature=1.0, top_p=0.9, top_k=16, seed=0, ignore_eos=True)
+        ends: list[TokenEvent] = []
+
+        def on_event(event: TokenEvent) -> None:
+            if event.finish_reason:
+                ends.append(event)
+
+        for n, sampling in enumerate((SamplingParams(max_tokens, ignore_eos=True), sampled)):
+            self.add_request(LLMRequest(f"warm-up-{n}", ids, sampling), on_event)
+        for _ in range(8 * max_tokens + 8):
+            if len(ends) == 2 and self._launched is None:
+                break
+            self.step()
+        else:
+            raise RuntimeError(f"the warm-up requests did not finish: {ends}")
+        if failed := [e.error for e in ends if e.error is not None]:
+            raise RuntimeError(f"the warm-up request failed: {failed[0]!r}") from failed[0]
+        self._new_bookkeeping()
+        self.num_steps = self.num_generated = self.runner.num_forwards = 0
+        self.last_progress = time.monotonic()
 
     # -- public API (any thread) -------------------------------------------------------------
     def add_request(self, request: LLMRequest, emit: Callable[[TokenEvent], None], ready: int | None = None) -> None:

@@ -41,6 +41,12 @@ class ShuttingDown(RuntimeError):
     """The server is draining before it stops: HTTP 503 / gRPC UNAVAILABLE; retry elsewhere."""
 
 
+class NotReady(RuntimeError):
+    """The app is starting: a backend it needs has no replica that finished loading its model and
+    warming up yet. HTTP 503 (with Retry-After) / gRPC UNAVAILABLE; retry shortly. The message
+    says what it waits for and is safe to show to the client."""
+
+
 class EmbeddingsLost(RuntimeError):
     """The encoder replica holding some of a request's media items died before their embeddings
     reached the LLM replica. `items` are the positions of those items in the request (the order of

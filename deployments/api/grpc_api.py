@@ -136,14 +136,15 @@ class GrpcAdapter:
         self.core.finished(gen)
 
     def check(self, request: health_pb2.HealthCheckRequest, grpc_context) -> health_pb2.HealthCheckResponse:
-        """grpc.health.v1: SERVING for "" and the VLM service once this replica is up, NOT_SERVING
+        """grpc.health.v1: SERVING for "" and the VLM service once the app is ready (an LLM replica,
+        and an Encoder replica where the app has them, loaded and warm), NOT_SERVING before and
         while it drains before shutdown."""
         if request.service not in ("", VLM_SERVICE):
             grpc_context.set_code(grpc.StatusCode.NOT_FOUND)
             grpc_context.set_details(f"unknown service {request.service!r}")
             return health_pb2.HealthCheckResponse()
-        serving = health_pb2.HealthCheckResponse.NOT_SERVING if self.core.draining else health_pb2.HealthCheckResponse.SERVING
-        return health_pb2.HealthCheckResponse(status=serving)
+        status = health_pb2.HealthCheckResponse
+        return status(status=status.NOT_SERVING if self.core.unavailable() else status.SERVING)
 
     async def _start(self, request: vlm_pb2.GenerateRequest, request_id: str, grpc_context) -> Generation:
         async def read() -> ChatRequest:

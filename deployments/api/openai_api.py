@@ -173,13 +173,18 @@ class OpenAIAdapter:
     core: RequestCore
 
     def health(self) -> Response:
-        return Response(status_code=503 if self.core.draining else 200)  # draining: take me out of rotation
+        """200 once ready; 503 with what it waits for before (take me out of rotation), or draining."""
+        reason = self.core.unavailable()
+        return error_response(503, reason) if reason else Response(status_code=200)
 
     def models(self, request: Request) -> Response:
+        """The served model, once ready (before: 503 with what it waits for)."""
         try:
             self.core.authenticate(request.headers.get("authorization"))
         except Exception as e:
             return failure_response(self.core.failed(e, "-"))
+        if reason := self.core.not_ready():
+            return error_response(503, reason)
         return JSONResponse({"object": "list", "data": [self.core.model_card()]})
 
     async def chat_completions(self, request: Request) -> Response:

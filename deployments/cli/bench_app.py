@@ -32,6 +32,7 @@ def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: 
 
     from deployments.config import AppArgs
     from deployments.serve.app import build_app
+    from deployments.serve.router import wait_until_ready
 
     half = num_cpus / 2
     port, grpc_port = start_serve(num_cpus, grpc=True)
@@ -46,6 +47,7 @@ def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: 
         routing={"policy": routing}, video_decoder={"num_cpus": 0},  # no videos in this workload
     )
     serve.run(build_app(args), name="bench", route_prefix="/")
+    wait_until_ready("bench")
     return f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
 
 

@@ -1,6 +1,11 @@
 """`mmserve serve`: an embedded Ray cluster on this machine, the app deployed on it, drained on
 SIGTERM / Ctrl-C, and nothing exposed that the operator did not ask for.
 
+- "mmserve ready" is printed once the app answers ready (what `/health` says: an LLM replica and an
+  Encoder replica loaded and warmed up), not when the Router alone is up. SIGTERM / Ctrl-C are
+  caught from the start: one that comes while Ray starts or the replicas load stops everything
+  cleanly (exit 0) at the next step; one that comes after "ready" drains first.
+
 - Secrets never travel in argv: the API key comes from an environment variable (`--api-key-env
   NAME`, or `MMSERVE_API_KEY` when set) that the replicas read where they run; `--api-key KEY`
   still works, with a warning (every local user sees it in `ps`). With `--config`, the key goes to
@@ -43,6 +48,7 @@ import argparse
 import copy
 import ipaddress
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -162,11 +168,39 @@ def ingress_line(mode: str, cap) -> str:
     return f"ingress {mode}"
 
 
-def start_ray(ns: argparse.Namespace) -> None:
+class StopSignal:
+    """SIGTERM (docker stop, Kubernetes) and SIGINT (Ctrl-C), recorded from the start of the command
+    (`install` again after `ray.init`, which sets a SIGTERM handler of its own that dumps a stack)."""
+
+    def __init__(self):
+        self.received: list[int] = []
+        self.install()
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._record)
+        signal.signal(signal.SIGINT, self._record)  # also where a parent left SIGINT ignored
+
+    def _record(self, signum, _frame) -> None:
+        self.received.append(signum)
+
+    @property
+    def name(self) -> str | None:
+        return signal.Signals(self.received[0]).name if self.received else None
+
+
+def start_ray(ns: argparse.Namespace, stop: StopSignal) -> None:
     import ray
 
-    context = ray.init(num_cpus=ns.num_cpus, include_dashboard=ns.dashboard, dashboard_host=ns.dashboard_host,
-                       logging_level="WARNING")
+    try:
+        context = ray.init(num_cpus=ns.num_cpus, include_dashboard=ns.dashboard, dashboard_host=ns.dashboard_host,
+                           logging_level="WARNING")
+    except SystemExit as e:  # SIGTERM while Ray starts: the handler ray.init sets exits
+        if e.code != signal.SIGTERM:
+            raise
+        stop.received.append(signal.SIGTERM)
+        return
+    finally:
+        stop.install()  # ours again, in place of Ray's
     if ns.dashboard and context.dashboard_url:
         auth = f"token auth on: the token is in {token_location()}" if ray_token_auth_on() else "no token auth"
         print(f"Ray dashboard: http://{context.dashboard_url} ({auth}; Serve tab: deployments, replicas, logs)",
@@ -183,6 +217,42 @@ def check_max_model_len(model_dir: str, max_model_len: int) -> None:
         raise RefusedToStart(f"--max-model-len: {e}") from None
 
 
+def stop_during_startup(stop: StopSignal, ray_started: bool) -> int:
+    """Nothing was served yet: no drain, the embedded cluster goes down with every replica in it."""
+    print(f"{stop.name} during start-up: stopping", flush=True)
+    if ray_started:
+        import ray
+
+        ray.shutdown()
+    return 0
+
+
+def wait_until_serving(app_names: list[str], stop: StopSignal, asked: list[str] | None = None) -> bool:
+    """Until every app is RUNNING (every replica constructed: models loaded and warmed up) and the
+    mmserve apps among them (`asked`, default all) answer ready (`Router.unavailable`, what
+    `/health` says), or a signal came (False). RuntimeError when an app failed to deploy."""
+    from ray import serve
+
+    from deployments.serve.router import app_unavailable
+
+    asked = app_names if asked is None else asked
+    print("waiting for the replicas to load their models and warm up (Ctrl-C to stop) ...", flush=True)
+    while not stop.received:
+        running = serve.status().applications
+        statuses = {name: running.get(name) for name in app_names}
+        failed = {n: a.message for n, a in statuses.items() if a is not None and a.status == "DEPLOY_FAILED"}
+        if failed:
+            raise RuntimeError("; ".join(f"application {n} failed to deploy: {m}" for n, m in failed.items()))
+        if all(a is not None and a.status == "RUNNING" for a in statuses.values()):
+            try:
+                if all(app_unavailable(name, timeout_s=1.0) is None for name in asked):
+                    return True
+            except TimeoutError:
+                pass
+        time.sleep(0.25)
+    return False
+
+
 def serve_app(ns: argparse.Namespace) -> int:
     start = time.perf_counter()
     check_ray_token_auth()
@@ -193,6 +263,7 @@ def serve_app(ns: argparse.Namespace) -> int:
               "firewall the port", file=sys.stderr, flush=True)
     serve_host, serve_port, cap = plan_ingress(ns.ingress, ns.host, ns.http_port)
     use_single_machine_mode(ns)
+    stop = StopSignal()
     from ray import serve
 
     from deployments.config import AppArgs, DeploymentArgs, EngineArgs
@@ -207,6 +278,8 @@ def serve_app(ns: argparse.Namespace) -> int:
         model_dir = str(ensure_tiny_model())
     if ns.max_model_len is not None:
         check_max_model_len(model_dir, ns.max_model_len)
+    if stop.received:
+        return stop_during_startup(stop, ray_started=False)
     cpus = ns.num_cpus
     args = AppArgs(
         model=ns.model, dtype=ns.dtype, device=ns.device, api_key_env=key_env,
@@ -215,9 +288,20 @@ def serve_app(ns: argparse.Namespace) -> int:
         llm=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.llm_gpus),
         video_decoder=DeploymentArgs(num_cpus=0.125 * cpus), engine=EngineArgs(max_model_len=ns.max_model_len),
     )
-    start_ray(ns)
+    start_ray(ns, stop)
+    if stop.received:
+        return stop_during_startup(stop, ray_started=True)
     serve.start(http_options={"host": serve_host, "port": serve_port}, grpc_options=grpc_options(port=ns.grpc_port))
-    serve.run(build_app(args), name="mmserve", route_prefix="/")
+    serve.run_many([serve.RunTarget(build_app(args), name="mmserve", route_prefix="/")],
+                   wait_for_applications_running=False)
+    try:
+        serving = wait_until_serving(["mmserve"], stop)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        serve.shutdown()
+        return 1
+    if not serving:
+        return stop_during_startup(stop, ray_started=True)
     if cap is not None:
         cap.start()
     print(
@@ -227,7 +311,7 @@ def serve_app(ns: argparse.Namespace) -> int:
         "(Ctrl-C to stop)",
         flush=True,
     )
-    return serve_until_signal(["mmserve"], ns.grace_period, cap)
+    return serve_until_signal(["mmserve"], ns.grace_period, stop, cap)
 
 
 def key_flag(ns: argparse.Namespace) -> str | None:
@@ -293,29 +377,30 @@ def serve_config(ns: argparse.Namespace) -> int:
     http_options = raw["http_options"]
     serve_host, serve_port, cap = plan_ingress(ns.ingress, http_options["host"], http_options.get("port", 8000))
     use_single_machine_mode(ns)
+    stop = StopSignal()
     from ray import serve
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
     config = ServeDeploySchema.model_validate(raw)
     http = config.http_options
-    start_ray(ns)
+    start_ray(ns, stop)
+    if stop.received:
+        return stop_during_startup(stop, ray_started=True)
     options = config.model_dump(include={"proxy_location", "http_options", "grpc_options"}, exclude_unset=True)
     options["http_options"] = {**options.get("http_options", {}), "host": serve_host, "port": serve_port}
     serve.start(**options)
     _get_global_client().deploy_apps(config)
     names = [app.name for app in config.applications]
-    while True:
-        statuses = {name: serve.status().applications.get(name) for name in names}
-        failed = {n: a.message for n, a in statuses.items() if a is not None and a.status == "DEPLOY_FAILED"}
-        if failed:
-            for name, message in failed.items():
-                print(f"application {name} failed to deploy: {message}", file=sys.stderr)
-            serve.shutdown()
-            return 1
-        if all(a is not None and a.status == "RUNNING" for a in statuses.values()):
-            break
-        time.sleep(1)
+    ours = [app.name for app in config.applications if app.import_path == "deployments.serve.app:build_app"]
+    try:
+        serving = wait_until_serving(names, stop, ours)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        serve.shutdown()
+        return 1
+    if not serving:
+        return stop_during_startup(stop, ray_started=True)
     if cap is not None:
         cap.start()
     print(
@@ -323,31 +408,21 @@ def serve_config(ns: argparse.Namespace) -> int:
         f"http://{http.host}:{http.port} ({', '.join(names)}; {ingress_line(ns.ingress, cap)}; Ctrl-C to stop)",
         flush=True,
     )
-    return serve_until_signal(names, ns.grace_period, cap)
+    return serve_until_signal(names, ns.grace_period, stop, cap)
 
 
-def serve_until_signal(app_names: list[str], grace_s: float, cap=None) -> int:
+def serve_until_signal(app_names: list[str], grace_s: float, stop: StopSignal, cap=None) -> int:
     """Serve until SIGTERM (docker stop, Kubernetes) or Ctrl-C, then drain and stop cleanly:
     new requests get 503 / UNAVAILABLE, requests in flight finish (up to `grace_s`), then Serve
     and Ray shut down and the command exits 0."""
-    import signal
-
     import ray
     from ray import serve
 
     from deployments.serve.drain import drain
 
-    stop = []
-
-    def interrupt(signum, _frame):
-        stop.append(signum)
-
-    # after ray.init: these replace Ray's own handlers (its SIGTERM one dumps a stack trace)
-    signal.signal(signal.SIGTERM, interrupt)
-    signal.signal(signal.SIGINT, interrupt)  # also where a parent left SIGINT ignored
-    while not stop:
+    while not stop.received:
         time.sleep(0.2)
-    name = signal.Signals(stop[0]).name
+    name = stop.name
     print(f"{name}: draining (new requests get 503; up to {grace_s:g}s for requests in flight)", flush=True)
     left = drain(app_names, grace_s)
     if left:

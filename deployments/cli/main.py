@@ -72,6 +72,7 @@ def _encoder_server(ns: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=logging.INFO)
     encoder = VisionEncoder(ns.model, dtype=ns.dtype, device=ns.device)
+    encoder.warm_up()  # before the server starts: its health says SERVING once the tower is warm
     security = ServerSecurity(ns.token, ns.tls_cert, ns.tls_key, ns.tls_client_ca)
     limits = MediaLimits(max_frames_per_video=ns.max_frames_per_video, max_pixels_per_image=ns.max_pixels_per_image)
     options = ServerOptions(host=ns.host, port=ns.port, security=security, limits=limits)

@@ -4,7 +4,8 @@ Only the client's faults are 4xx: `InvalidRequest` (400 / INVALID_ARGUMENT), `Re
 (413 / INVALID_ARGUMENT), `Unauthenticated` (401 / UNAUTHENTICATED). A full bounded resource
 (`Overloaded`, device out of memory) is 503 / RESOURCE_EXHAUSTED, a full queue (Serve's
 `max_queued_requests`, the LLM's waiting tokens: `QueueFull`) 429 + Retry-After / RESOURCE_EXHAUSTED, a backend that is gone 503 / UNAVAILABLE (a lost replica, "lost", is one the
-router fails over from first: `replica_lost`), and anything else is a bug:
+router fails over from first: `replica_lost`), an app still starting (`NotReady`) or draining
+(`ShuttingDown`) 503 + Retry-After / UNAVAILABLE, and anything else is a bug:
 500 / INTERNAL, with only the exception's type shown to the client.
 """
 
@@ -15,7 +16,8 @@ from typing import Literal, NamedTuple
 
 import grpc
 
-from mmserve.errors import InvalidRequest, Overloaded, QueueFull, RequestTooLarge, ShuttingDown, Unauthenticated
+from mmserve.errors import (InvalidRequest, NotReady, Overloaded, QueueFull, RequestTooLarge, ShuttingDown,
+                            Unauthenticated)
 
 Kind = Literal["invalid", "too_large", "unauthenticated", "busy", "overloaded", "lost", "unavailable", "deadline",
                "internal"]
@@ -100,7 +102,7 @@ def classify(e: BaseException) -> Failure:
     if isinstance(cause, Unauthenticated):
         return Failure("unauthenticated", str(cause))
     for error in (e, cause):
-        if isinstance(error, ShuttingDown):
+        if isinstance(error, (ShuttingDown, NotReady)):
             return Failure("unavailable", f"{error}; retry shortly")
         if isinstance(error, QueueFull):
             return Failure("busy", f"server busy: {error}; retry later")

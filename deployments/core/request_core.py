@@ -29,10 +29,11 @@ from deployments.core.failover import Failover, LLMClient
 from deployments.core.failures import Failure, classify
 from deployments.core.generation import Generation, GenerationOptions, sampling_params
 from deployments.core.llm_inputs import EmbeddingHandle, PendingRequest, StreamedVideo
+from deployments.core.readiness import Readiness
 from deployments.media.fetch import MediaFetcher
 from mmserve.checkpoint import load_config, resolve_max_model_len
-from mmserve.errors import InvalidRequest, QueueFull, RequestTooLarge, ShuttingDown, Unauthenticated
-from mmserve.request.media import DecodedVideo, EncodeItem, MediaItem, MediaSource
+from mmserve.errors import InvalidRequest, NotReady, QueueFull, RequestTooLarge, ShuttingDown, Unauthenticated
+from mmserve.request.media import DecodedVideo, EncodeItem, MediaItem, MediaSource, warm_up_image
 from mmserve.request.prompt_plan import Message, RequestPlanner
 
 logger = logging.getLogger("ray.serve")
@@ -63,6 +64,7 @@ class CoreSettings:
     stream_video: bool  # video files go to the LLM replica to stream through the pipeline (`StreamedVideo`)
     stream_group_frames: int
     max_model_len: int | None  # engine.max_model_len: None is the checkpoint's context
+    readiness_wait_s: float
 
     @classmethod
     def from_args(cls, args: AppArgs) -> CoreSettings:
@@ -70,7 +72,7 @@ class CoreSettings:
         on its node (`AppArgs.on_node`)."""
         return cls(args.served_model_name, args.limits, args.model, args.api_key, args.llm_retries,
                    args.max_pending_requests, args.max_fetching_requests, args.engine.block_size, args.stream_video,
-                   args.video_decode.stream_group_frames, args.engine.max_model_len)
+                   args.video_decode.stream_group_frames, args.engine.max_model_len, args.readiness_wait_s)
 
 
 class VideoDecoding(Protocol):
@@ -122,7 +124,8 @@ def new_request_id() -> str:
 class RequestCore:
     def __init__(self, settings: CoreSettings, planner: RequestPlanner, max_model_len: int, generation_defaults,
                  media: MediaDispatcher, llm: LLMClient, listener: RequestListener | None = None,
-                 draining: Callable[[], bool] = lambda: False, videos: VideoDecoding | None = None):
+                 draining: Callable[[], bool] = lambda: False, videos: VideoDecoding | None = None,
+                 readiness: Readiness | None = None):
         self.settings = settings
         self.planner = planner
         self.tokenizer = planner.tokenizer
@@ -133,6 +136,7 @@ class RequestCore:
         self.listener = listener or RequestListener()
         self._draining = draining
         self.videos = videos
+        self.readiness = readiness or Readiness({})  # none given: ready from the start
         self.pending = Bound(settings.max_pending_requests, "requests wait for their first token")
         self.receiving = Bound(settings.max_fetching_requests, "requests are being received (body, media)")
         self.created = int(time.time())
@@ -140,7 +144,7 @@ class RequestCore:
     @classmethod
     def from_checkpoint(cls, model_dir: str, settings: CoreSettings, media: MediaDispatcher, llm: LLMClient,
                         listener: RequestListener | None = None, draining=lambda: False,
-                        videos: VideoDecoding | None = None) -> RequestCore:
+                        videos: VideoDecoding | None = None, readiness: Readiness | None = None) -> RequestCore:
         from transformers import AutoTokenizer, GenerationConfig
 
         planner = RequestPlanner(model_dir, AutoTokenizer.from_pretrained(model_dir), settings.limits.media_limits())
@@ -149,13 +153,19 @@ class RequestCore:
             defaults = GenerationConfig.from_pretrained(model_dir)
         except OSError:
             defaults = GenerationConfig()
-        return cls(settings, planner, max_model_len, defaults, media, llm, listener, draining, videos)
+        return cls(settings, planner, max_model_len, defaults, media, llm, listener, draining, videos, readiness)
 
     # -- the request flow ---------------------------------------------------------------------
     async def generate(self, authorization: str | None, read: Callable[[], Awaitable[ChatRequest]],
                        request_id: str) -> Generation:
         """Authenticate, `read()` the request, check it and load its media, then admit, plan,
         dispatch and start it.
+
+        Before the app is ready (`readiness`: an LLM replica, and an Encoder replica where the app
+        has them, loaded and warm) a request waits up to `readiness_wait_s` for it, holding a
+        `max_fetching_requests` place, then gets `NotReady` (503 + Retry-After): long enough to
+        cover a Router replica that just started in a running app, short enough that a client of
+        an app still loading its models is told so instead of waiting it out.
 
         Admission is two bounds. Reading the body and fetching media (a slow client or URL takes
         as long as it takes, up to `media_fetch_timeout_s`) count against `max_fetching_requests`
@@ -164,12 +174,14 @@ class RequestCore:
         at once, before the body is read.
 
         Raises the typed errors `failures.classify` maps: `Unauthenticated` before anything else,
-        `ShuttingDown` / `QueueFull` before the request is read, `InvalidRequest` for anything
+        `ShuttingDown` / `QueueFull` / `NotReady` before the request is read, `InvalidRequest` for anything
         the client got wrong, and whatever a backend raised."""
         received = time.perf_counter()
         self.authenticate(authorization)
         self._check_open()
         with self.receiving.take():
+            if not await self.readiness.wait(self.settings.readiness_wait_s):
+                raise NotReady(self.readiness.reason())
             request = await read()
             self._check(request)
             messages = await self._load_media(request, request_id)
@@ -190,6 +202,21 @@ class RequestCore:
     @property
     def draining(self) -> bool:
         return self._draining()
+
+    def not_ready(self) -> str | None:
+        """What the app still waits for (`Readiness.reason`), or None once it is ready."""
+        self.readiness.start()
+        return self.readiness.reason() or None
+
+    def unavailable(self) -> str | None:
+        """Why this replica takes no new requests now (draining, or not ready yet), or None: what
+        `/health` and gRPC health answer."""
+        return "server is shutting down" if self.draining else self.not_ready()
+
+    def warm_up(self) -> None:
+        """Plan one small request with an image, so that the first client's plan finds the chat
+        template compiled and image header reading loaded (their first use costs ~10 ms)."""
+        self.planner.plan([Message("user", ("Describe this image.", warm_up_image()))])
 
     def _check_open(self) -> None:
         """503 while draining, 429 while `max_pending_requests` requests wait for their first token."""

@@ -42,6 +42,7 @@ class EncoderDeployment:
         pool = args.encoder_pool
         if pool.cuda_graphs and torch.device(device).type == "cuda":
             self.encoder.capture_graphs(pool.max_batch_tokens, pool.cost_unit)
+        self.encoder.warm_up()  # before `ready()` can answer: the first request finds the tower warm
         self.metrics = EncoderMetrics()
         self.pool = EncoderPool(self.encoder, pool.resolve(), PoolMetrics(self.metrics))
         self.publisher = None
@@ -49,6 +50,11 @@ class EncoderDeployment:
             from deployments.serve.transport import GrpcPublisher
 
             self.publisher = GrpcPublisher(grpc, self.encoder)
+
+    def ready(self) -> bool:
+        """True: a call reaches a replica only once its constructor returned, the tower loaded and
+        warmed up. The routers ask it before they answer ready (`deployments.core.readiness`)."""
+        return True
 
     async def encode(self, items: list[EncodeItem]) -> list:
         """One `ItemEmbedding` (CPU) per item — or, with `transport: grpc`, one `EncodedRef` to

@@ -52,9 +52,11 @@ class LLMDeployment:
             self.encoder_metrics = EncoderMetrics()
             # loaded before the engine sizes its KV pool, so the pool leaves room for these weights
             encoder = VisionEncoder(model_dir, dtype=dtype, device=device)
+            encoder.warm_up()
             self.pool = EncoderPool(encoder, args.encoder_pool.resolve(), PoolMetrics(self.encoder_metrics))
         self.model = LanguageModel(model_dir, dtype=dtype, device=device)
         self.engine = LLMEngine(self.model, engine)
+        self.engine.warm_up()  # a prefill and decode steps through the real engine, then forgotten
         self.engine.start()
         self.metrics = LLMMetrics()
         self._stats_task: asyncio.Task | None = None
@@ -82,6 +84,12 @@ class LLMDeployment:
                 self.metrics.preemptions.inc(stats.num_preemptions - last.num_preemptions)
             self.metrics.tokens_per_s.set((stats.num_generated - last.num_generated) / interval_s)
             last = stats
+
+    def ready(self) -> bool:
+        """True: a call reaches a replica only once its constructor returned, the model loaded and
+        the engine (and, colocated, the encoder) warmed up. The routers ask it before they answer
+        ready (`deployments.core.readiness`)."""
+        return True
 
     def check_health(self) -> None:
         """Serve's liveness probe: a replica whose engine thread died, or that holds work and made

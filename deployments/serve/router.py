@@ -20,6 +20,7 @@ from deployments.config import AppArgs
 from deployments.core.dispatch import ColocatedDispatcher, EncoderPoolDispatcher, ExternalEncoderDispatcher, MediaDispatcher
 from deployments.core.failover import TokenStream
 from deployments.core.llm_inputs import PendingRequest
+from deployments.core.readiness import Readiness
 from deployments.core.request_core import CoreSettings, RequestCore
 from deployments.serve.drain import DrainWatch
 from deployments.serve.metrics import RouterMetrics
@@ -41,6 +42,36 @@ def grpc_options(port: int = 9000, request_timeout_s: float | None = None,
     )
 
 
+def app_unavailable(app_name: str, timeout_s: float = 5.0) -> str | None:
+    """What a Router replica of the running app `app_name` says (`Router.unavailable`): None once it
+    is ready. TimeoutError while no Router replica answers within `timeout_s`."""
+    from ray import serve
+
+    response = serve.get_app_handle(app_name).unavailable.remote()
+    try:
+        return response.result(timeout_s=timeout_s)
+    except TimeoutError:
+        response.cancel()  # no call left queued for a Router replica still starting
+        raise
+
+
+def wait_until_ready(app_name: str, timeout_s: float = 600.0) -> None:
+    """Block until the app answers ready, as `/health` would. `serve.run` returns once every replica
+    is up; the routers' first calls to the LLM and Encoder replicas may still be on their way."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    reason = "no Router replica answered"
+    while time.monotonic() < deadline:
+        try:
+            if (reason := app_unavailable(app_name)) is None:
+                return
+        except TimeoutError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"application {app_name} not ready after {timeout_s:g}s: {reason}")
+
+
 def media_dispatcher(args: AppArgs, encoder: DeploymentHandle | None) -> MediaDispatcher:
     """The app's mode: the LLM replicas encode (colocated), a standalone encoder, or the Encoder deployment."""
     if args.colocated:
@@ -48,6 +79,18 @@ def media_dispatcher(args: AppArgs, encoder: DeploymentHandle | None) -> MediaDi
     if args.grpc.encoder_address:
         return ExternalEncoderDispatcher(args.grpc.encoder_address, args.grpc.token, args.grpc.tls_ca)
     return EncoderPoolDispatcher(encoder, args.await_embeddings_in_router, args.routing.affinity and encoder is not None)
+
+
+def readiness(encoder: DeploymentHandle | None, llm: DeploymentHandle) -> Readiness:
+    """The backends the app must have a replica of (loaded and warm: their `ready()` answered)
+    before it answers ready: the LLM, and the Encoder deployment when the app has one. Colocated,
+    the LLM replicas encode (and warm their own encoder up); a standalone encoder
+    (`grpc.encoder_address`) is a service of its own with its own health checks, not waited for:
+    text-only requests need none, and an image request while it is down gets 503 UNAVAILABLE."""
+    backends = {"LLM": llm.ready.remote}
+    if encoder is not None:
+        backends["Encoder"] = encoder.ready.remote
+    return Readiness(backends)
 
 
 @dataclass(frozen=True)
@@ -70,7 +113,10 @@ class Router:
         self.drain = DrainWatch(serve.get_replica_context().app_name)
         self.core = RequestCore.from_checkpoint(args.model, CoreSettings.from_args(args), media_dispatcher(args, encoder),
                                                 ServeLLMClient(llm), self.metrics, self._draining,
-                                                ServeVideoClient(video) if video is not None else None)
+                                                ServeVideoClient(video) if video is not None else None,
+                                                readiness(encoder, llm))
+        self.core.warm_up()
+        self.core.readiness.start()  # (the constructor runs on the replica's event loop; else the first request)
         self.http = OpenAIAdapter(self.core)
         self.grpc = GrpcAdapter(self.core)
 
@@ -107,6 +153,11 @@ class Router:
         yield self.grpc.check(request, grpc_context)
 
     # -- operations ------------------------------------------------------------------------------
+    async def unavailable(self) -> str | None:
+        """Why this replica takes no new requests (not ready yet, draining), or None: what `/health`
+        answers, for callers without HTTP (`mmserve serve` waits for None before it says ready)."""
+        return self.core.unavailable()
+
     def failover_stats(self) -> dict:
         """This replica's failover counters (resubmits, resumed streams, tokens they carried)."""
         return self.metrics.failover_stats()

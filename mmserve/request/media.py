@@ -266,3 +266,14 @@ def video_metadata(item: MediaItem) -> dict:
         return item.decoded.metadata()
     n = len(item.frames)
     return {"total_num_frames": n, "fps": item.fps, "frames_indices": list(range(n))}
+
+
+def warm_up_image(size: int = 224) -> MediaItem:
+    """A small synthetic image (a JPEG gradient) that the replicas and the router run through their
+    real path before they say ready, so that a first request finds image decoding, the processor
+    and the vision tower warm."""
+    ramp = np.linspace(0, 255, size).astype(np.uint16)
+    pixels = np.stack([np.add.outer(ramp, ramp) // 2, np.tile(ramp, (size, 1)), np.tile(ramp[:, None], (1, size))], -1)
+    buf = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8), "RGB").save(buf, format="JPEG", quality=90)
+    return MediaItem(MediaKind.IMAGE, (buf.getvalue(),))

@@ -77,6 +77,26 @@ def test_every_serve_port_is_on_the_serve_service(overlay):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_worker_pods_are_ready_when_the_app_is(overlay):
+    """Worker pods (each runs a Serve proxy beside its replicas) are Ready when the app's `/health`
+    answers 200 through their proxy: an LLM and an Encoder replica loaded and warm, not draining.
+    KubeRay keeps a probe given here (it injects its own only where none is set); the head keeps
+    KubeRay's: it must be Ready before KubeRay submits the app."""
+    config = yaml.safe_load(rayservice(overlay)["spec"]["serveConfigV2"])
+    (app,) = config["applications"]
+    head, *workers = groups(overlay)
+    assert workers
+    for group in workers:
+        (container,) = group["template"]["spec"]["containers"]
+        probe = container["readinessProbe"]
+        assert probe["httpGet"] == {"path": app["route_prefix"].rstrip("/") + "/health",
+                                    "port": config["http_options"]["port"]}, group["groupName"]
+        assert probe["periodSeconds"] * probe["failureThreshold"] <= 15  # a draining app leaves rotation soon
+    (head_container,) = head["template"]["spec"]["containers"]
+    assert "readinessProbe" not in head_container
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_no_deprecated_fields_and_an_upgrade_strategy(overlay):
     spec = rayservice(overlay)["spec"]
     assert "serviceUnhealthySecondThreshold" not in spec and "deploymentUnhealthySecondThreshold" not in spec

@@ -1,7 +1,8 @@
 """`mmserve serve` as a user starts it on a network (`--host 0.0.0.0`, the API key in
-MMSERVE_API_KEY): only the app listens beyond loopback, the key is in no command line, the
-dashboard runs no job without Ray's token, requests need the key; SIGTERM with a stream in flight
-drains, then exits cleanly (last: it stops the server). And the exposures it refuses to start.
+MMSERVE_API_KEY): "ready" means the app answers ready; only the app listens beyond loopback, the key
+is in no command line, the dashboard runs no job without Ray's token, requests need the key; SIGTERM
+with a stream in flight drains, then exits cleanly (last: it stops the server). Ctrl-C while the
+replicas load stops it cleanly. And the exposures it refuses to start.
 
 Beyond loopback listen the HTTP port, the gRPC proxy, and Serve's per-replica inter-deployment gRPC
 servers (Serve binds them to [::]; Ray's token authentication guards them), so without Ray's token
@@ -39,6 +40,12 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
+def _environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}  # its own Ray
+    env.update(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", MMSERVE_API_KEY=KEY)
+    return env
+
+
 class Served(NamedTuple):
     proc: subprocess.Popen
     http_port: int
@@ -65,6 +72,51 @@ def served(tiny_models, tmp_path_factory):
         yield Served(proc, http_port, grpc_port, log)
     finally:
         stop(proc)
+
+
+@pytest.mark.serve
+def test_ready_means_the_app_answers_ready(served):
+    """The line comes once an LLM and an Encoder replica are loaded and warm, not when the Router is up."""
+    health = httpx.get(f"http://127.0.0.1:{served.http_port}/health", timeout=10)
+    models = httpx.get(f"http://127.0.0.1:{served.http_port}/v1/models", headers=AUTH, timeout=10)
+    assert health.status_code == 200 and models.status_code == 200, (health.text, models.text)
+    output = served.output()
+    assert output.index("waiting for the replicas to load their models and warm up") < output.index("mmserve ready")
+
+
+@pytest.mark.serve
+def test_ctrl_c_while_the_replicas_load_stops_cleanly(tiny_models, tmp_path):
+    """SIGINT (Ctrl-C) before "ready": Serve and Ray stop, the command exits 0, no trace is dumped,
+    and no process of its Ray cluster is left (they share its process group)."""
+    log = tmp_path / "serve.log"
+    proc = launch(["--model", tiny_models["qwen2_vl"], "--dtype", "float64", "--http-port", str(_free_port()),
+                   "--grpc-port", str(_free_port()), "--num-cpus", "1", "--no-dashboard"], log, MMSERVE_API_KEY=KEY)
+    try:
+        deadline = time.monotonic() + 120
+        while "waiting for the replicas" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 0, log.read_text()
+        output = log.read_text()
+        assert "SIGINT during start-up: stopping" in output and "mmserve ready" not in output
+        assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
+        deadline = time.monotonic() + 30
+        while [p for p in psutil.process_iter(["pid"]) if _group_of(p) == proc.pid]:
+            assert time.monotonic() < deadline, "processes of its Ray cluster are left"
+            time.sleep(0.5)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of it (nothing, when the test passed)
+        except ProcessLookupError:
+            pass
+
+
+def _group_of(process: psutil.Process) -> int | None:
+    try:
+        return os.getpgid(process.pid)
+    except (ProcessLookupError, PermissionError):
+        return None
 
 
 @pytest.mark.serve

@@ -1,5 +1,6 @@
-"""In-process fakes of the request core's two injected parts (`MediaDispatcher`, `LLMClient`),
-and a core built on a real tiny checkpoint with them: the request path without Ray."""
+"""In-process fakes of the request core's injected parts (`MediaDispatcher`, `LLMClient`, a backend
+the readiness watch asks), and a core built on a real tiny checkpoint with them: the request path
+without Ray."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from ray import exceptions as ray_exceptions
 from deployments.config import AppArgs, LimitArgs
 from deployments.core.dispatch import MediaDispatcher
 from deployments.core.llm_inputs import LocalMedia, PendingRequest
+from deployments.core.readiness import Readiness
 from deployments.core.request_core import CoreSettings, RequestCore
 from llm_service.sequence import TokenEvent
 
@@ -78,11 +80,37 @@ class FakeDispatcher(MediaDispatcher):
         return tuple(LocalMedia(m) for m in media)
 
 
+class FakeBackend:
+    """A deployment handle as the readiness watch calls it (`handle.ready.remote()`): a call waits
+    until `start_replica()`, as a handle call waits for a replica whose constructor has not
+    returned; the first `fail_first` calls fail instead (a replica lost mid-call)."""
+
+    def __init__(self, fail_first: int = 0):
+        self.ready = self  # `backend.ready.remote`, as on a handle
+        self.calls = 0
+        self.fail_first = fail_first
+        self._up = asyncio.Event()
+
+    def start_replica(self) -> None:
+        self._up.set()
+
+    def remote(self):
+        self.calls += 1
+        return self._answer(self.calls)
+
+    async def _answer(self, call: int) -> bool:
+        if call <= self.fail_first:
+            raise ray_exceptions.ActorDiedError()
+        await self._up.wait()
+        return True
+
+
 def make_core(model_dir: str, llm: FakeLLM | None = None, media: MediaDispatcher | None = None,
-              limits: LimitArgs | None = None, **args) -> RequestCore:
+              limits: LimitArgs | None = None, readiness: Readiness | None = None, **args) -> RequestCore:
     """`args`: `AppArgs` fields (api_key, max_pending_requests ...); the model card's root is None."""
     settings = CoreSettings.from_args(AppArgs(served_model_name="m", limits=limits or LimitArgs(), **args))
-    return RequestCore.from_checkpoint(model_dir, settings, media or FakeDispatcher(), llm or FakeLLM())
+    return RequestCore.from_checkpoint(model_dir, settings, media or FakeDispatcher(), llm or FakeLLM(),
+                                       readiness=readiness)
 
 
 def reader(request):

@@ -6,6 +6,10 @@ from an environment variable by its replicas, never in the Serve config) and
 the router awaiting embeddings before it calls the LLM (the non-default hand-off), and a KV pool
 of 1 MiB (1,024 float64 tokens of the tiny model), so `engine.max_model_len` 1,024 below the
 checkpoint's 4,096 tokens.
+
+The session's Ray node has one unit of each of `GATES`, custom resources no app asks for unless a
+test says so: `hold` takes one, so a replica that needs it cannot be scheduled until the holder is
+killed (as replicas wait for GPU nodes to join).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ TEST_LIMITS = {"max_items_per_request": 4, "max_pixels_per_image": 1_000_000, "m
 TEST_API_KEY = "test-key"
 TEST_API_KEY_ENV = "MMSERVE_TEST_API_KEY"  # the secured app reads its key from here, as deployments should
 _SMALL = {"num_cpus": 0.1}
+GATES = ("mmserve_test_gate_llm", "mmserve_test_gate_encoder")
 
 
 def _free_port() -> int:
@@ -48,7 +53,8 @@ def serve_ports():
 
     http_port, grpc_port = _free_port(), _free_port()
     os.environ[TEST_API_KEY_ENV] = TEST_API_KEY  # before Ray starts: its replicas inherit it
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(num_cpus=4, resources=dict.fromkeys(GATES, 1), include_dashboard=False, log_to_driver=False,
+             logging_level="ERROR")
     serve.start(http_options={"host": "127.0.0.1", "port": http_port}, grpc_options=grpc_options(port=grpc_port))
     try:
         yield http_port, grpc_port
@@ -57,15 +63,32 @@ def serve_ports():
         ray.shutdown()
 
 
+def hold(resource: str):
+    """An actor holding the session node's one unit of `resource` (one of `GATES`), once it has it."""
+    import ray
+
+    @ray.remote(num_cpus=0, resources={resource: 1})
+    class Holder:
+        def holding(self) -> bool:
+            return True
+
+    holder = Holder.remote()
+    ray.get(holder.holding.remote(), timeout=60)
+    return holder
+
+
 @pytest.fixture(scope="session")
 def serve_urls(serve_ports, tiny_models) -> dict[str, str]:
     """{family: base URL of its app}."""
     from ray import serve
 
     from deployments.serve.app import build_app
+    from deployments.serve.router import wait_until_ready
 
     for family in FAMILIES:
         serve.run(build_app(_app_args(tiny_models[family], family)), name=family, route_prefix=f"/{family}")
+    for family in FAMILIES:
+        wait_until_ready(family)
     return {f: f"http://127.0.0.1:{serve_ports[0]}/{f}" for f in FAMILIES}
 
 
@@ -81,10 +104,12 @@ def secured_url(serve_ports, tiny_models) -> str:
     from ray import serve
 
     from deployments.serve.app import build_app
+    from deployments.serve.router import wait_until_ready
 
     args = _app_args(tiny_models["qwen2_vl"], "secured", transport="grpc", api_key_env=TEST_API_KEY_ENV,
                      await_embeddings_in_router=True, engine={"kv_cache_memory_mb": 1, "max_model_len": 1024})
     serve.run(build_app(args), name="secured", route_prefix="/secured")
+    wait_until_ready("secured")
     return f"http://127.0.0.1:{serve_ports[0]}/secured"
 
 
@@ -95,6 +120,7 @@ def external_encoder_url(serve_ports, tiny_models, tmp_path_factory):
     from ray import serve
 
     from deployments.serve.app import build_app
+    from deployments.serve.router import wait_until_ready
     from encoder_service import VisionEncoder
     from encoder_service.rpc.result_store import ResultStore
     from encoder_service.rpc.server import ServerOptions, ServerSecurity, ServerThread
@@ -109,5 +135,6 @@ def external_encoder_url(serve_ports, tiny_models, tmp_path_factory):
     grpc_args = {"encoder_address": f"localhost:{server.port}", "token": token, "tls_ca": str(cert)}
     args = _app_args(tiny_models["qwen2_vl"], "external", transport="grpc", grpc=grpc_args)
     serve.run(build_app(args), name="external", route_prefix="/external")
+    wait_until_ready("external")
     yield f"http://127.0.0.1:{serve_ports[0]}/external"
     server.stop()
