@@ -40,12 +40,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
 
-def _environment() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH"))}  # its own Ray
-    env.update(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", MMSERVE_API_KEY=KEY)
-    return env
-
-
 class Served(NamedTuple):
     proc: subprocess.Popen
     http_port: int
