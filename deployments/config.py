@@ -133,6 +133,9 @@ class DeploymentArgs(_Args):
         return options
 
 
+CHARS_PER_TOKEN = 16  # max_prompt_chars' default per token of context: far above any tokenizer's average
+
+
 class LimitArgs(_Args):
     """Request limits and media access (see `deployments.media.fetch` for the rules)."""
 
@@ -144,6 +147,10 @@ class LimitArgs(_Args):
                                       description="pixels (width x height) of one image")
     max_request_bytes: int = Field(
         default=64 * 1024 * 1024, ge=1024, description="request body; also all media URLs of one request together"
+    )
+    max_prompt_chars: int | None = Field(
+        default=None, ge=1, description="characters of a request's text (every message), checked before tokenizing "
+        f"(413); default: {CHARS_PER_TOKEN} per token of the served context (max_model_len)",
     )
     allow_local_media: bool = Field(default=False, description="local paths / file: URLs, inside local_media_dir only")
     local_media_dir: str | None = Field(default=None, description="the only directory local media may come from")

@@ -125,6 +125,31 @@ def use_single_machine_mode(ns: argparse.Namespace) -> None:
         os.environ[SINGLE_MACHINE_ENV] = "0"  # the cluster's processes inherit it
 
 
+GRPC_MESSAGE_ENV = "RAY_SERVE_GRPC_MAX_MESSAGE_SIZE"  # Serve's gRPC proxy (2 GiB unless set), read at its start
+
+
+def limit_grpc_messages(max_request_bytes: int) -> int:
+    """Serve's gRPC proxy receives a whole message before the Router sees it (and checks the API
+    key): cap a message at the largest request the app takes (`limits.max_request_bytes`) plus
+    1 MiB of protobuf framing, instead of Serve's 2 GiB. The cluster's processes inherit it."""
+    limit = max_request_bytes + (1 << 20)
+    os.environ[GRPC_MESSAGE_ENV] = str(limit)
+    return limit
+
+
+def request_bytes_limit(app_args: dict | None) -> int:
+    """An mmserve application's `limits.max_request_bytes` in a Serve config (its default when the
+    args do not validate: the deploy then reports why)."""
+    from pydantic import ValidationError
+
+    from deployments.config import AppArgs, LimitArgs
+
+    try:
+        return AppArgs.model_validate(app_args or {}).limits.max_request_bytes
+    except ValidationError:
+        return LimitArgs().max_request_bytes
+
+
 def plan_ingress(mode: str, host: str, port: int):
     """(host, port) for Serve's http_options, and the HeaderCap to start in front of it (or None);
     sets Serve's ingress environment (before Ray is imported). RefusedToStart for `direct` beyond
@@ -288,6 +313,7 @@ def serve_app(ns: argparse.Namespace) -> int:
         llm=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.llm_gpus),
         video_decoder=DeploymentArgs(num_cpus=0.125 * cpus), engine=EngineArgs(max_model_len=ns.max_model_len),
     )
+    limit_grpc_messages(args.limits.max_request_bytes)
     start_ray(ns, stop)
     if stop.received:
         return stop_during_startup(stop, ray_started=True)
@@ -382,8 +408,12 @@ def serve_config(ns: argparse.Namespace) -> int:
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
+    from deployments.config import LimitArgs
+
     config = ServeDeploySchema.model_validate(raw)
     http = config.http_options
+    limit_grpc_messages(max([request_bytes_limit(app.args) for app in config.applications
+                             if app.import_path in APP_IMPORT_PATHS], default=LimitArgs().max_request_bytes))
     start_ray(ns, stop)
     if stop.received:
         return stop_during_startup(stop, ray_started=True)

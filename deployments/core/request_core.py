@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from deployments.config import AppArgs, LimitArgs
+from deployments.config import CHARS_PER_TOKEN, AppArgs, LimitArgs
 from deployments.core.affinity import prefix_hashes
 from deployments.core.dispatch import MediaDispatcher
 from deployments.core.failover import Failover, LLMClient
@@ -147,8 +147,11 @@ class RequestCore:
                         videos: VideoDecoding | None = None, readiness: Readiness | None = None) -> RequestCore:
         from transformers import AutoTokenizer, GenerationConfig
 
-        planner = RequestPlanner(model_dir, AutoTokenizer.from_pretrained(model_dir), settings.limits.media_limits())
         max_model_len = resolve_max_model_len(load_config(model_dir), settings.max_model_len)  # the LLM's too
+        limits = settings.limits
+        planner = RequestPlanner(model_dir, AutoTokenizer.from_pretrained(model_dir), limits.media_limits(),
+                                 max_prompt_chars=limits.max_prompt_chars or CHARS_PER_TOKEN * max_model_len,
+                                 max_prompt_tokens=max_model_len)
         try:
             defaults = GenerationConfig.from_pretrained(model_dir)
         except OSError:

@@ -209,6 +209,19 @@ def test_every_ray_pod_starts_serve_with_the_same_ingress_mode(overlay):
         assert {k: env.get(k) for k in serve_env("proxy")} == serve_env("proxy"), group["groupName"]
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_serve_proxy_takes_no_grpc_message_over_the_apps_request_limit(overlay):
+    """Serve's gRPC proxy (on every pod) receives a whole message before the Router checks the key:
+    capped at the app's `limits.max_request_bytes` + 1 MiB, as `mmserve serve` does, not 2 GiB."""
+    from deployments.cli.local_serve import GRPC_MESSAGE_ENV
+
+    limit = str(app_args(overlay).limits.max_request_bytes + (1 << 20))
+    for group in groups(overlay):
+        (container,) = group["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env.get(GRPC_MESSAGE_ENV) == limit, group["groupName"]
+
+
 def test_pod_monitor_relabels_the_ray_cluster():
     (monitor,) = yaml.safe_load_all((ROOT / "k8s" / "monitoring" / "podmonitor.yaml").read_text())
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]

@@ -53,6 +53,11 @@ HTTP_CASES = {
     "max_tokens 0": ({"messages": HI, "max_tokens": 0}, 400, "max_tokens must be in"),
     "top_logprobs 99": ({"messages": HI, "logprobs": True, "top_logprobs": 99}, 400, "top_logprobs must be in"),
     "empty stop string": ({"messages": HI, "stop": [""]}, 400, "stop string"),
+    # the tiny model's context is 4,096 tokens: text is capped at 16 characters a token before tokenizing
+    "text over max_prompt_chars": ({"messages": [{"role": "user", "content": "ab " * 30000}]}, 413,
+                                   "request text has 90000 characters; the limit is 65536"),
+    "prompt over the context": ({"messages": [{"role": "user", "content": "hello " * 6000}]}, 400,
+                                "tokens, media included; the model's context is 4096 tokens"),
 }
 
 def grpc_image(url: str) -> vlm_pb2.ChatMessage:
@@ -79,6 +84,8 @@ GRPC_CASES = {
     "top_k -5": ({"messages": [user("hi")], "top_k": -5}, "top_k must be in"),
     "max_tokens 0": ({"messages": [user("hi")], "max_tokens": 0}, "max_tokens must be in"),
     "empty stop string": ({"messages": [user("hi")], "stop": [""]}, "stop string"),
+    "text over max_prompt_chars": ({"messages": [user("ab " * 30000)]}, "request text has 90000 characters"),
+    "prompt over the context": ({"messages": [user("hello " * 6000)]}, "the model's context is 4096 tokens"),
 }
 
 

@@ -164,6 +164,23 @@ def test_requests_need_the_key(served):
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1, ok.text
 
 
+@pytest.mark.serve
+def test_the_grpc_proxy_takes_no_message_over_the_request_limit(served):
+    """Serve's gRPC proxy receives a whole message before the Router checks the key: it is capped at
+    limits.max_request_bytes (64 MiB) + 1 MiB, not Serve's 2 GiB."""
+    import grpc
+
+    from protos.mmserve.v1 import vlm_pb2, vlm_pb2_grpc
+
+    text = vlm_pb2.ContentPart(text="a" * (66 << 20))
+    big = vlm_pb2.GenerateRequest(messages=[vlm_pb2.ChatMessage(role="user", content=[text])])
+    with grpc.insecure_channel(f"127.0.0.1:{served.grpc_port}") as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            vlm_pb2_grpc.VLMServiceStub(channel).Generate(big, timeout=120)  # no key either
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+    assert httpx.post(served.url, json=BODY, headers=AUTH, timeout=120).status_code == 200
+
+
 def _flood(port: int, header_mb: int, until: float, cut: list) -> None:
     """Requests with a `header_mb` MB header, one after another until `until` (no credentials)."""
     chunk = b"a" * (1 << 20)
