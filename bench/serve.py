@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             url, grpc_target = args.url, args.grpc_target
         else:
             url, grpc_target = start_app(model, mode == "colocated", args.num_cpus, args.dtype, args.device,
-                                         args.gpus_per_replica if args.device == "cuda" else 0.0)
+                                         args.gpus_per_replica if args.device == "cuda" else 0.0,
+                                         cpu_threads=args.cpu_threads)
         target = grpc_target if args.transport == "grpc" else url
         try:
             asyncio.run(run_load(target, args.model_name, warm_specs, [0.0] * len(warm_specs), "warm-up", concurrency=2,

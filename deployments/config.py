@@ -91,8 +91,8 @@ class DeploymentArgs(_Args):
     )
     cpu_threads: int | None = Field(
         default=None, ge=1, description="torch intra-op threads of each replica that runs a model (Encoder, "
-        "LLM); default: the node's cores divided among the app's model replicas at start (AppArgs."
-        "model_replicas), whatever their num_cpus. Set it on a node shared with other apps",
+        "LLM); default: the node's cores (its CPU quota in a container) divided among this deployment's replicas "
+        "at start, whatever their num_cpus (docs/operations.md). Set it where other work shares the node",
     )
 
     @property
@@ -498,14 +498,14 @@ class AppArgs(_Args):
     grpc: GrpcArgs = Field(default=GrpcArgs(), description="embedding transfer over gRPC; a standalone encoder")
     engine: EngineArgs = Field(default=EngineArgs(), description="the LLM replicas' engine")
 
-    def model_replicas(self) -> int:
-        """Replicas that run a model at start: the LLM's, and the Encoder's where the app has that
-        deployment (the default `cpu_threads` divides a node's cores among them)."""
-        llm = self.llm.autoscaling.min_replicas if self.llm.autoscaling else self.llm.num_replicas
-        if self.colocated or self.grpc.encoder_address:
-            return max(llm, 1)
-        encoder = self.encoder_pool.min_replicas if self.encoder_pool.autoscale else self.encoder.num_replicas
-        return max(llm + encoder, 1)
+    def replicas_at_start(self, deployment: Literal["encoder", "llm"]) -> int:
+        """Replicas of the Encoder or LLM deployment when the app starts (autoscaling: its minimum,
+        at least 1); the default `cpu_threads` divides a node's cores among them."""
+        if deployment == "llm":
+            count = self.llm.autoscaling.min_replicas if self.llm.autoscaling else self.llm.num_replicas
+        else:
+            count = self.encoder_pool.min_replicas if self.encoder_pool.autoscale else self.encoder.num_replicas
+        return max(count, 1)
 
     @property
     def stream_video(self) -> bool:

@@ -69,20 +69,32 @@ def secret(value: str | None, env_name: str | None, field: str) -> str | None:
 
 
 def node_cores() -> int:
-    """The cores this process may run on (its CPU affinity; a container's cpuset)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The cores this process may use: its CPU affinity (a cpuset), within its cgroup's CPU quota
+    (a Kubernetes CPU limit), rounded up."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]  # cgroup v2: "max 100000" or "Q P"
+        if quota != "max":
+            cores = min(cores, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
-def set_cpu_threads(configured: int | None, model_replicas: int, role: str) -> int:
+def set_cpu_threads(configured: int | None, replicas: int, role: str) -> int:
     """torch's intra-op threads for a replica that runs a model: `configured`, else this node's
-    cores divided among the app's `model_replicas` (at least 1). Ray starts a replica with one
-    thread per whole CPU it reserved (OMP_NUM_THREADS), so a replica of `num_cpus: 0.5` would
-    compute on one thread of a many-core machine; a model replica's work is mostly serial with
-    the others' (the encoder's batch, then the LLM's prefill), so they share the node instead."""
+    cores divided among the deployment's `replicas` (at least 1).
+
+    Ray starts a replica with one thread per whole CPU it reserved (OMP_NUM_THREADS), so a replica
+    of `num_cpus: 0.5` would compute on one thread of a many-core machine. One request's work is
+    serial across the deployments (its encode, then its prefill and decode), so each deployment's
+    replicas share the node's cores and the Encoder and the LLM each get all of them: served as
+    fast as `transformers` runs the whole model in one process (bench/load.py --serve). Under a
+    load that keeps both busy their threads contend; `cpu_threads` splits the cores instead."""
     import torch
 
-    threads = configured or max(1, node_cores() // max(model_replicas, 1))
+    threads = configured or max(1, node_cores() // max(replicas, 1))
     torch.set_num_threads(threads)
     logger.info("%s replica: %d torch threads (%s)", role, threads,
-                "cpu_threads" if configured else f"{node_cores()} cores / {model_replicas} model replicas")
+                "cpu_threads" if configured else f"{node_cores()} cores / {replicas} {role} replicas")
     return threads

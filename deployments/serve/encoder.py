@@ -37,7 +37,7 @@ class EncoderDeployment:
         model_dir, grpc, device = resolve_model_dir(args.model), args.grpc.on_node(), resolve_device(args.device)
         self.device_share = args.encoder.device_share
         hold_to_share(device, self.device_share)  # past its part of the GPU a forward fails here (503)
-        self.torch_threads = set_cpu_threads(args.encoder.cpu_threads, args.model_replicas(), "Encoder")
+        self.torch_threads = set_cpu_threads(args.encoder.cpu_threads, args.replicas_at_start("encoder"), "Encoder")
         self.encoder = VisionEncoder(model_dir, dtype=args.dtype, device=device)
         pool = args.encoder_pool
         if pool.cuda_graphs and torch.device(device).type == "cuda":

@@ -42,7 +42,7 @@ class LLMDeployment:
         self.stall_timeout_s = args.engine.stall_timeout_s
         self.max_waiting_tokens = args.engine.max_waiting_tokens
         hold_to_share(device, engine.device_share)  # the KV pool is sized within it too
-        self.torch_threads = set_cpu_threads(args.llm.cpu_threads, args.model_replicas(), "LLM")
+        self.torch_threads = set_cpu_threads(args.llm.cpu_threads, args.replicas_at_start("llm"), "LLM")
         self.waiting_tokens = 0  # prompt tokens of requests admitted here whose first event is not back
         self.pool = None
         if args.colocated:  # encode the media the router hands over, in-process

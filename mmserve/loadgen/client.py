@@ -152,6 +152,8 @@ def serve_bench_args(description: str, argv: list[str] | None) -> argparse.Names
     p.add_argument("--video", action="store_true", help="video_url TTFT on 720p clips (bench/serve_video.py)")
     p.add_argument("--colocated", action="store_true", help="start the app here in colocated mode")
     p.add_argument("--num-cpus", type=float, default=2.0, help="total CPUs of the app started here")
+    p.add_argument("--cpu-threads", type=int, help="torch threads of the model replicas started here (default: the "
+                   "app's policy)")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="of the app started here")
     p.add_argument("--gpus-per-replica", type=float, default=0.5, help="with --device cuda: num_gpus of each replica")

@@ -258,16 +258,16 @@ def test_prompt_over_a_lowered_max_model_len_is_400_and_replica_keeps_serving(se
     assert ok.status_code == 200
 
 
-def test_model_replicas_share_the_nodes_cores(serve_urls):
-    """Ray starts a 0.5-CPU replica with one torch thread; mmserve divides the node among the app's
-    model replicas (one Encoder, one LLM here)."""
+def test_model_replicas_compute_on_the_nodes_cores(serve_urls):
+    """Ray starts a 0.5-CPU replica with one torch thread; mmserve gives each model deployment the
+    node's cores, divided among its replicas (one each here)."""
     from ray import serve
 
     from deployments.replica_env import node_cores
 
     for name in ("LLM", "Encoder"):
         stats = serve.get_deployment_handle(name, app_name="qwen2_vl").stats.remote().result()
-        assert stats["torch_threads"] == max(1, node_cores() // 2), name
+        assert stats["torch_threads"] == node_cores(), name
 
 
 def test_client_disconnect_aborts_the_request_and_frees_its_kv(serve_urls):

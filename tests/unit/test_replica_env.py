@@ -113,15 +113,15 @@ def test_secret_value_and_env_name_are_exclusive():
         AppArgs(api_key_env="not a variable name")
 
 
-def test_model_replicas_count_what_runs_a_model_at_start():
-    assert AppArgs().model_replicas() == 2  # one Encoder, one LLM
-    assert AppArgs(llm={"num_replicas": 3}, encoder={"num_replicas": 2}).model_replicas() == 5
-    assert AppArgs(colocated=True, llm={"num_replicas": 2}).model_replicas() == 2
-    assert AppArgs(encoder_pool={"autoscale": True, "min_replicas": 0}).model_replicas() == 1
-    assert AppArgs(llm={"autoscaling": {"min_replicas": 2, "max_replicas": 4}}).model_replicas() == 3
+def test_replicas_at_start_count_each_model_deployment():
+    assert AppArgs().replicas_at_start("llm") == AppArgs().replicas_at_start("encoder") == 1
+    args = AppArgs(llm={"num_replicas": 3}, encoder={"num_replicas": 2})
+    assert (args.replicas_at_start("llm"), args.replicas_at_start("encoder")) == (3, 2)
+    assert AppArgs(encoder_pool={"autoscale": True, "min_replicas": 0}).replicas_at_start("encoder") == 1
+    assert AppArgs(llm={"autoscaling": {"min_replicas": 2, "max_replicas": 4}}).replicas_at_start("llm") == 2
 
 
-def test_cpu_threads_divide_the_node_among_model_replicas_or_follow_the_setting():
+def test_cpu_threads_divide_the_node_among_a_deployments_replicas_or_follow_the_setting():
     import torch
 
     before = torch.get_num_threads()
