@@ -77,7 +77,8 @@ def _messages(seed: int, size: int, as_api: bool) -> list[dict]:
     return [{"role": "user", "content": [*parts, {"type": "text", "text": "Compare these two pictures."}]}]
 
 
-def served_seconds(model: str, dtype: str, requests: int, size: int, max_tokens: int, threads: int | None) -> list[float]:
+def served_seconds(model: str, dtype: str, requests: int, size: int, max_tokens: int,
+                   threads: int | None) -> list[float]:
     import os
 
     import httpx
@@ -162,7 +163,8 @@ def main() -> None:
                 raise SystemExit(f"{role} {dtype} failed:\n{out.stderr[-3000:]}")
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             r = rows[-1]
-            print(f"{r['role']:>12} {r['dtype']:>9}  weights {r['weights_gb']:6.2f} GB  peak +{r['peak_growth_gb']:6.2f} GB"
+            print(f"{r['role']:>12} {r['dtype']:>9}  weights {r['weights_gb']:6.2f} GB  "
+                  f"peak +{r['peak_growth_gb']:6.2f} GB"
                   f"  {r['peak_over_weights']:5.2f}x  {r['seconds']:6.1f}s", flush=True)
     worst = max(r["peak_over_weights"] for r in rows if r["role"] != "transformers")
     print(f"worst mmserve half: peak {worst:.2f}x its weights (target <= 1.3x)")

@@ -60,10 +60,10 @@ class VisionEncoder:
         with torch.device(self.device):  # built where it runs, without initial values
             tower = self.face.build()
         fingerprint = WeightsFingerprint()
-        self.load = load_weights(tower, model_dir, self.face.rename, convert=getattr(tower, "convert", None),
+        self.load_report = load_weights(tower, model_dir, self.face.rename, convert=getattr(tower, "convert", None),
                                  on_read=fingerprint)
         self.tower = tower.to(self.device).eval().requires_grad_(False)
-        self.keys_read = self.load.keys_read
+        self.keys_read = self.load_report.keys_read
         self.identity = EncoderIdentity(
             model_id=self.model_dir.name,
             weights_fingerprint=fingerprint.hexdigest(),
@@ -73,7 +73,7 @@ class VisionEncoder:
         self._lock = threading.Lock()
         logger.info(
             "vision tower of %s loaded: %s; %.1fM params, %s on %s, %.1fs in all",
-            self.model_dir.name, self.load.summary(), self.num_parameters / 1e6, self.dtype, self.device,
+            self.model_dir.name, self.load_report.summary(), self.num_parameters / 1e6, self.dtype, self.device,
             time.perf_counter() - start,
         )
 

@@ -31,10 +31,10 @@ class LanguageModel:
         self.face: LMFace = face_class("llm_service.families", self.model_type, "LM_FACE")(config)
         with torch.device(self.device):  # built where it runs, without initial values
             modules = self.face.build(self.dtype)
-        self.load = load_weights(modules, model_dir, self.face.rename, convert=modules.convert,
+        self.load_report = load_weights(modules, model_dir, self.face.rename, convert=modules.convert,
                                  optional=modules.tied_keys())
         self.modules = modules.to(self.device).eval().requires_grad_(False)
-        self.keys_read = self.load.keys_read
+        self.keys_read = self.load_report.keys_read
         try:
             gen = GenerationConfig.from_pretrained(model_dir)
         except OSError:
@@ -44,7 +44,7 @@ class LanguageModel:
         self.generation_config = gen
         logger.info(
             "language model of %s loaded: %s; %.1fM params, %s on %s, %.1fs in all",
-            self.model_dir.name, self.load.summary(), self.num_parameters / 1e6, self.dtype, self.device,
+            self.model_dir.name, self.load_report.summary(), self.num_parameters / 1e6, self.dtype, self.device,
             time.perf_counter() - start,
         )
 

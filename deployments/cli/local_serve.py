@@ -320,24 +320,11 @@ def serve_app(ns: argparse.Namespace) -> int:
     serve.start(http_options={"host": serve_host, "port": serve_port}, grpc_options=grpc_options(port=ns.grpc_port))
     serve.run_many([serve.RunTarget(build_app(args), name="mmserve", route_prefix="/")],
                    wait_for_applications_running=False)
-    try:
-        serving = wait_until_serving(["mmserve"], stop)
-    except RuntimeError as e:
-        print(e, file=sys.stderr)
-        serve.shutdown()
-        return 1
-    if not serving:
-        return stop_during_startup(stop, ray_started=True)
-    if cap is not None:
-        cap.start()
-    print(
-        f"mmserve ready in {time.perf_counter() - start:.1f}s: "
-        f"http://{ns.host}:{ns.http_port}/v1/chat/completions, gRPC mmserve.v1.VLMService on "
-        f"port {ns.grpc_port}{f' (API key from {key_env})' if key_env else ''}; {ingress_line(ns.ingress, cap)} "
-        "(Ctrl-C to stop)",
-        flush=True,
-    )
-    return serve_until_signal(["mmserve"], ns.grace_period, stop, cap)
+    where = (f"http://{ns.host}:{ns.http_port}/v1/chat/completions, gRPC mmserve.v1.VLMService on port "
+             f"{ns.grpc_port}{f' (API key from {key_env})' if key_env else ''}; {ingress_line(ns.ingress, cap)} "
+             "(Ctrl-C to stop)")
+    return serve_once_ready(["mmserve"], ["mmserve"], stop, cap, ns.grace_period,
+                            lambda: f"mmserve ready in {time.perf_counter() - start:.1f}s: {where}")
 
 
 def key_flag(ns: argparse.Namespace) -> str | None:
@@ -422,9 +409,20 @@ def serve_config(ns: argparse.Namespace) -> int:
     serve.start(**options)
     _get_global_client().deploy_apps(config)
     names = [app.name for app in config.applications]
-    ours = [app.name for app in config.applications if app.import_path == "deployments.serve.app:build_app"]
+    ours = [app.name for app in config.applications if app.import_path in APP_IMPORT_PATHS]
+    where = f"http://{http.host}:{http.port} ({', '.join(names)}; {ingress_line(ns.ingress, cap)}; Ctrl-C to stop)"
+    return serve_once_ready(names, ours, stop, cap, ns.grace_period,
+                            lambda: f"mmserve ready in {time.perf_counter() - start:.1f}s from {ns.config}: {where}")
+
+
+def serve_once_ready(app_names: list[str], ours: list[str], stop: StopSignal, cap, grace_s: float,
+                     ready_line) -> int:
+    """Wait until the apps serve (`wait_until_serving`), then print `ready_line()` and serve until a
+    signal; a signal first stops everything (exit 0), a failed deploy exits 1."""
+    from ray import serve
+
     try:
-        serving = wait_until_serving(names, stop, ours)
+        serving = wait_until_serving(app_names, stop, ours)
     except RuntimeError as e:
         print(e, file=sys.stderr)
         serve.shutdown()
@@ -433,12 +431,8 @@ def serve_config(ns: argparse.Namespace) -> int:
         return stop_during_startup(stop, ray_started=True)
     if cap is not None:
         cap.start()
-    print(
-        f"mmserve ready in {time.perf_counter() - start:.1f}s from {ns.config}: "
-        f"http://{http.host}:{http.port} ({', '.join(names)}; {ingress_line(ns.ingress, cap)}; Ctrl-C to stop)",
-        flush=True,
-    )
-    return serve_until_signal(names, ns.grace_period, stop, cap)
+    print(ready_line(), flush=True)
+    return serve_until_signal(app_names, grace_s, stop, cap)
 
 
 def serve_until_signal(app_names: list[str], grace_s: float, stop: StopSignal, cap=None) -> int:
