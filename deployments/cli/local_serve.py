@@ -37,9 +37,10 @@ What listens in the default mode (`mmserve serve`, `--host 127.0.0.1`, `--ingres
 - 127.0.0.1:<any>: Ray's Prometheus metrics export; no authentication (metrics only).
 
 `--ingress proxy|direct|haproxy` picks Serve's ingress mode (deployments/cli/ingress_modes.py). Beyond
-loopback, `proxy` gets a header cap in front of its HTTP port, `direct` is refused (the Router
-replicas' own HTTP servers bound no header), and `haproxy` starts with a warning about the ports it
-opens on every interface.
+loopback, `proxy` gets a header cap in front of its HTTP port, and `direct` and `haproxy` are refused
+(the Router replicas' own HTTP servers bound no header; Serve's HAProxy has an admin socket every
+local user may write, no header deadline, stats and metrics on every interface); on loopback
+`haproxy` starts with a warning about those.
 """
 
 from __future__ import annotations
@@ -152,8 +153,8 @@ def request_bytes_limit(app_args: dict | None) -> int:
 
 def plan_ingress(mode: str, host: str, port: int):
     """(host, port) for Serve's http_options, and the HeaderCap to start in front of it (or None);
-    sets Serve's ingress environment (before Ray is imported). RefusedToStart for `direct` beyond
-    loopback."""
+    sets Serve's ingress environment (before Ray is imported). RefusedToStart for `direct` and
+    `haproxy` beyond loopback."""
     from deployments.cli.ingress_modes import (DIRECT_PORTS, EXPERIMENTAL, HeaderCap, environ_for, free_loopback_port,
                                      haproxy_binary)
 
@@ -162,16 +163,20 @@ def plan_ingress(mode: str, host: str, port: int):
         raise RefusedToStart(
             f"refusing --ingress direct on {host}: the Router replicas would listen there themselves, and their "
             "HTTP server bounds no header size (a few requests with 100 MB headers stall the app). Keep it on "
-            "127.0.0.1 behind a proxy that caps headers, or use --ingress proxy (header-capped beyond loopback) "
-            "or --ingress haproxy")
+            "127.0.0.1 behind a proxy that caps headers, or use --ingress proxy (header-capped beyond loopback)")
+    if mode == "haproxy" and beyond:
+        raise RefusedToStart(
+            f"refusing --ingress haproxy on {host}: as Ray Serve 2.60 runs it, HAProxy's admin socket is writable "
+            "by every local user, it sets no deadline for a client's headers, its stats (8404) and metrics (9101) "
+            f"listen on every interface, and the Router replicas' direct ports ({DIRECT_PORTS}) take headers "
+            "uncapped. Use --ingress proxy (header-capped beyond loopback), or keep haproxy on 127.0.0.1")
     environ_for(mode)
     if mode in EXPERIMENTAL:
         print(f"ingress {mode}: experimental in Ray Serve 2.60", file=sys.stderr, flush=True)
     if mode == "haproxy":
-        replicas = (f", and the Router replicas' direct ports ({DIRECT_PORTS}) on {host}, which bypass HAProxy's "
-                    "header cap" if beyond else "")
-        print(f"warning: --ingress haproxy listens on every interface on 8404 (HAProxy stats) and 9101 (its "
-              f"Prometheus metrics), whatever --host says{replicas}: firewall them", file=sys.stderr, flush=True)
+        print("warning: --ingress haproxy listens on every interface on 8404 (HAProxy stats) and 9101 (its "
+              "Prometheus metrics), whatever --host says, and its admin socket is writable by every local user: "
+              "firewall the ports, and use it on a machine of your own", file=sys.stderr, flush=True)
     if mode == "proxy" and beyond:
         try:
             haproxy_binary()

@@ -295,6 +295,14 @@ def test_direct_ingress_beyond_loopback_is_refused_even_with_ray_token_auth(monk
     assert "refusing --ingress direct on 0.0.0.0" in err and "bounds no header size" in err
 
 
+def test_haproxy_ingress_beyond_loopback_is_refused(monkeypatch, capsys):
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    assert main(["serve", "--host", "0.0.0.0", "--ingress", "haproxy"]) == 2
+    err = capsys.readouterr().err
+    assert "refusing --ingress haproxy on 0.0.0.0" in err and "admin socket is writable by every local user" in err
+
+
 def test_without_an_api_key_the_grpc_proxy_on_every_interface_is_warned_about(monkeypatch, capsys):
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.delenv(API_KEY_ENV, raising=False)
