@@ -252,7 +252,7 @@ def test_prompt_over_a_lowered_max_model_len_is_400_and_replica_keeps_serving(se
     assert models["data"][0]["max_model_len"] == 1024
     long = {"messages": [{"role": "user", "content": "hello " * 1500}], "max_tokens": 2}
     resp = httpx.post(url, json=long, headers=headers, timeout=120)
-    assert resp.status_code == 400 and "context of 1024 tokens" in resp.json()["error"]["message"]
+    assert resp.status_code == 400 and "the model's context is 1024 tokens" in resp.json()["error"]["message"]
     ok = httpx.post(url, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
                     headers=headers, timeout=120)
     assert ok.status_code == 200
