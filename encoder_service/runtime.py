@@ -13,7 +13,7 @@ import torch
 
 from encoder_service.cache import EncoderIdentity
 from encoder_service.families.base import EncoderFace, PreparedItem
-from mmserve.checkpoint import load_weights, read_config, resolve_dtype
+from mmserve.checkpoint import load_config, load_weights, read_config, resolve_dtype
 from mmserve.families import face_class, family_of, router_face
 from mmserve.request.embeddings import ItemEmbedding
 from mmserve.request.media import EncodeItem, MediaItem, warm_up_image
@@ -45,14 +45,12 @@ class VisionEncoder:
     """
 
     def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "cpu"):
-        from transformers import AutoConfig
-
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
         self.model_type = family_of(model_dir)
         self.dtype = resolve_dtype(dtype, read_config(model_dir))
         self.device = torch.device(device)
-        config = AutoConfig.from_pretrained(model_dir)
+        config = load_config(model_dir)
         self.face: EncoderFace = face_class("encoder_service.families", self.model_type, "ENCODER_FACE")(
             str(model_dir), config, self.dtype
         )

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from llm_service.families.base import LMFace
-from mmserve.checkpoint import load_weights, read_config, resolve_dtype
+from mmserve.checkpoint import load_config, load_weights, read_config, resolve_dtype
 from mmserve.families import face_class, family_of
 
 logger = logging.getLogger(__name__)
@@ -19,14 +19,14 @@ class LanguageModel:
     """Loads only the language-model tensors of `model_dir` (decoder, embedding table, lm_head)."""
 
     def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "cpu"):
-        from transformers import AutoConfig, GenerationConfig
+        from transformers import GenerationConfig
 
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
         self.model_type = family_of(model_dir)
         self.dtype = resolve_dtype(dtype, read_config(model_dir))
         self.device = torch.device(device)
-        config = AutoConfig.from_pretrained(model_dir)
+        config = load_config(model_dir)
         self.text_config = config.text_config
         self.face: LMFace = face_class("llm_service.families", self.model_type, "LM_FACE")(config)
         with torch.device(self.device):  # built where it runs, without initial values
