@@ -25,310 +25,16 @@ import os
 import random
 import sys
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 from deployments.cli.bench_app import start_serve
-from mmserve.loadgen.dataset import data_uri, image_bytes
+from mmserve.loadgen.soak import SoakRequest, burst, burst_summary, good_request, pct, replica_rss_mb, send, soak, \
+    soak_requests
 
 APP = "soak"
-
-
-# -- the requests: good ones (greedy, text and 1-2 images of varied sizes, streaming or not) and bad
-# inputs of many kinds, each of which must get a 4xx naming the problem
-MAX_TOKENS = 40  # long enough that a stream can be caught with >= 2 tokens sent and >= 8 left
-SIZES = [(64, 64), (120, 160), (224, 224), (300, 200), (480, 360), (640, 480)]
-TOPICS = ["the weather", "a red bicycle", "three cats", "the harbour at night", "a chess game", "an old map"]
-
-
-@dataclass(frozen=True)
-class SoakRequest:
-    index: int
-    good: bool
-    stream: bool
-    body: dict | None  # None: send `raw` as the body
-    raw: bytes | None = None
-    kind: str = "good"  # for bad inputs: what is wrong with it
-    images: int = 0
-
-
-def _image_part(rng: random.Random, seed: int, sizes=SIZES) -> dict:
-    h, w = rng.choice(sizes)
-    return {"type": "image_url", "image_url": {"url": data_uri(image_bytes(h, w, seed=seed))}}
-
-
-def good_request(index: int, rng: random.Random, light: bool = False) -> SoakRequest:
-    """A greedy request; `light` ones (the unloaded and burst phases) have at most one small image."""
-    images = rng.choice([0, 1]) if light else rng.choices([0, 1, 2], weights=[4, 4, 2])[0]
-    sizes = SIZES[:3] if light else SIZES
-    content = [_image_part(rng, 1000 * index + j, sizes) for j in range(images)]
-    content.append({"type": "text", "text": f"request {index}: tell me about {rng.choice(TOPICS)}"})
-    stream = rng.random() < 0.7
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS, "temperature": 0,
-            "ignore_eos": True, "stream": stream, "return_token_ids": True}
-    return SoakRequest(index, True, stream, body, images=images)
-
-
-def _chat(content, **extra) -> dict:
-    return {"messages": [{"role": "user", "content": content}], "max_tokens": 4, **extra}
-
-
-def _url(url: str) -> dict:
-    return _chat([{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "what is it?"}])
-
-
-def bad_inputs() -> list[tuple[str, dict | None, bytes | None]]:
-    """(kind, body, raw body) of every kind of bad input the soak sends."""
-    png = image_bytes(32, 32, seed=1)
-    tiny = {"type": "image_url", "image_url": {"url": data_uri(image_bytes(8, 8, seed=2))}}
-    return [
-        ("invalid JSON", None, b'{"messages": [oops'),
-        ("not an image", _url(data_uri(b"hello, world")), None),
-        ("truncated PNG", _url(data_uri(png[: len(png) // 2])), None),
-        ("file URL", _url("file:///etc/passwd"), None),
-        ("local path", _url("/etc/passwd"), None),
-        ("ftp URL", _url("ftp://example.com/cat.png"), None),
-        ("gopher URL", _url("gopher://example.com/1"), None),
-        ("loopback http URL", _url("http://127.0.0.1:8265/"), None),
-        ("too many images", _chat([tiny] * 40 + [{"type": "text", "text": "many"}]), None),
-        ("unknown model", {**_chat("hi"), "model": "no-such-model"}, None),
-        ("temperature -1", _chat("hi", temperature=-1), None),
-        ("seed 2**64", _chat("hi", seed=2**64), None),
-        ("max_tokens over context", _chat("hi", max_tokens=10**7), None),
-        ("unknown content part", _chat([{"type": "audio_url", "audio_url": {"url": "x"}}]), None),
-        ("no messages", {"messages": [], "max_tokens": 4}, None),
-        ("n = 2", _chat("hi", n=2), None),
-        ("bad base64", _url("data:image/png;base64,!!!not-base64!!!"), None),
-        ("top_p 0", _chat("hi", top_p=0), None),
-    ]
-
-
-def soak_requests(count: int, bad_share: float, seed: int) -> list[SoakRequest]:
-    rng = random.Random(seed)
-    bad = bad_inputs()
-    requests = []
-    for i in range(count):
-        if rng.random() < bad_share:
-            kind, body, raw = bad[i % len(bad)]
-            requests.append(SoakRequest(i, False, False, body, raw, kind))
-        else:
-            requests.append(good_request(i, rng))
-    return requests
-
-
-def encode(request: SoakRequest) -> bytes:
-    return request.raw if request.body is None else json.dumps(request.body).encode()
-
-
-@dataclass
-class Result:
-    status: int = 0
-    tokens: list[int] = field(default_factory=list)
-    ttft_s: float | None = None
-    message: str = ""
-    json_error: bool = False
-    seconds: float = 0.0  # until the response ended
-
-
-def send(client: httpx.Client, url: str, req: SoakRequest, live: dict[int, list[int]] | None = None) -> Result:
-    """One request; a stream's tokens so far are visible in `live[req.index]` while it runs."""
-    out = Result()
-    start = time.perf_counter()
-    headers = {"content-type": "application/json"}
-    try:
-        with client.stream("POST", url, content=encode(req), headers=headers, timeout=300) as resp:
-            out.status = resp.status_code
-            if resp.status_code != 200 or not req.stream:
-                body = resp.read()
-                try:
-                    data = json.loads(body)
-                except ValueError:
-                    out.message = body[:200].decode(errors="replace")
-                    return out
-                if resp.status_code == 200:
-                    out.tokens = list(data["choices"][0].get("token_ids") or [])
-                else:
-                    out.message = str(data.get("error", {}).get("message", ""))
-                    out.json_error = bool(out.message)
-                return out
-            if live is not None:
-                live[req.index] = out.tokens
-            for line in resp.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    out.status, out.message = 599, str(event["error"])  # failed mid-stream
-                for choice in event.get("choices", []):
-                    ids = choice.get("token_ids") or []
-                    if ids and out.ttft_s is None:
-                        out.ttft_s = time.perf_counter() - start
-                    out.tokens.extend(ids)
-    except Exception as e:  # a hang or a dropped connection: the request is lost
-        out.status, out.message = 598, repr(e)
-    finally:
-        if live is not None:
-            live.pop(req.index, None)
-        out.seconds = time.perf_counter() - start
-    return out
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
-# -- replicas --------------------------------------------------------------------------------
-def replicas(deployment: str) -> list:
-    import ray
-
-    return [ray.get_actor(a["name"], namespace=a["namespace"])
-            for a in ray.util.list_named_actors(all_namespaces=True) if f"{APP}#{deployment}#" in a["name"]]
-
-
-def ongoing(replica) -> int:
-    import ray
-
-    try:
-        return ray.get(replica.get_num_ongoing_requests.remote(), timeout=5)
-    except Exception:
-        return 0
-
-
-def replica_rss_mb() -> dict[str, float]:
-    """{replica name: RSS in MB} of every replica of the app."""
-    import psutil
-    import ray
-
-    rss = {}
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        if f"{APP}#" not in actor["name"]:
-            continue
-        try:
-            handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
-            pid = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()), timeout=10)
-            rss[actor["name"].split("::")[-1]] = psutil.Process(pid).memory_info().rss / 2**20
-        except Exception:  # a replica that is gone (or going) has no RSS to report
-            continue
-    return rss
-
-
-class Faults:
-    """Kills one encoder replica (holding encode calls) after `encoder_at` requests started, and one
-    LLM replica (every stream mid-way) after `llm_at`; new requests wait at `gate` meanwhile."""
-
-    def __init__(self, encoder_at: int, llm_at: int, live: dict[int, list[int]]):
-        self.encoder_at, self.llm_at, self.live = encoder_at, llm_at, live
-        self.started = 0
-        self.gate = threading.Event()
-        self.gate.set()
-        self.lock = threading.Lock()
-        self.done = threading.Event()
-        self.report: dict = {}
-
-    def admit(self) -> None:
-        self.gate.wait()
-        with self.lock:
-            self.started += 1
-
-    def run(self) -> None:
-        import ray
-
-        while self.started < self.encoder_at and not self.done.is_set():
-            time.sleep(0.01)
-        while not self.done.is_set() and "encoder_held" not in self.report:
-            for victim in replicas("Encoder"):
-                if held := ongoing(victim):
-                    ray.kill(victim, no_restart=False)
-                    self.report.update(encoder_held=held, encoder_killed_after=self.started)
-                    break
-            time.sleep(0.002)
-        while self.started < self.llm_at and not self.done.is_set():
-            time.sleep(0.01)
-        while not self.done.is_set() and "llm_held" not in self.report:
-            self.gate.clear()  # new requests wait until the kill
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                counts = [len(t) for t in list(self.live.values())]
-                if counts and all(2 <= c <= MAX_TOKENS - 8 for c in counts):
-                    victim = replicas("LLM")[0]
-                    held = ongoing(victim)
-                    ray.kill(victim, no_restart=False)
-                    self.report.update(llm_held=held, llm_streams_mid_way=len(counts), llm_killed_after=self.started)
-                    break
-                if not counts or any(c > MAX_TOKENS - 8 for c in counts):
-                    break  # missed the window: let a few more requests in and look again
-                time.sleep(0.002)
-            self.gate.set()
-            time.sleep(0.3)
-        self.gate.set()
-
-
-def run_all(url: str, requests: list[SoakRequest], concurrency: int, faults: Faults | None = None,
-            live: dict | None = None) -> list[Result]:
-    results: list[Result | None] = [None] * len(requests)
-
-    def one(i: int) -> None:
-        if faults:
-            faults.admit()
-        with httpx.Client() as client:
-            results[i] = send(client, url, requests[i], live)
-
-    with ThreadPoolExecutor(concurrency) as pool:
-        for n, _ in enumerate(pool.map(one, range(len(requests))), 1):
-            if n % 50 == 0:
-                print(f"  {n}/{len(requests)} done", flush=True)
-    return results
-
-
-def burst(url: str, count: int, seed: int) -> list[Result]:
-    """`count` streaming requests sent at once from one event loop (threads would spend the
-    client's CPU, on the same cores as the server, on switching)."""
-    import asyncio
-
-    rng = random.Random(seed)
-    bodies = [encode(SoakRequest(i, True, True, {**good_request(10_000 + i, rng, light=True).body, "stream": True}))
-              for i in range(count)]
-
-    async def one(client: httpx.AsyncClient, body: bytes) -> Result:
-        out = Result()
-        start = time.perf_counter()
-        try:
-            async with client.stream("POST", url, content=body, headers={"content-type": "application/json"}) as resp:
-                out.status = resp.status_code
-                async for line in resp.aiter_lines():
-                    if out.ttft_s is None and line.startswith("data: {") and '"token_ids":[' in line.replace(" ", ""):
-                        out.ttft_s = time.perf_counter() - start
-        except Exception as e:
-            out.status, out.message = 598, repr(e)
-        out.seconds = time.perf_counter() - start
-        return out
-
-    async def main() -> list[Result]:
-        limits = httpx.Limits(max_connections=count, max_keepalive_connections=count)
-        async with httpx.AsyncClient(limits=limits, timeout=300) as client:
-            return list(await asyncio.gather(*(one(client, b) for b in bodies)))
-
-    return asyncio.run(main())
-
-
-def burst_summary(shot: list[Result], unloaded_p99_ms: float) -> dict:
-    admitted = [r.ttft_s * 1000 for r in shot if r.status == 200 and r.ttft_s is not None]
-    return {
-        "burst_admitted": len(admitted), "shed_429": sum(r.status == 429 for r in shot),
-        "shed_p50_ms": round(pct([r.seconds * 1000 for r in shot if r.status == 429], 50), 1),
-        "shed_p99_ms": round(pct([r.seconds * 1000 for r in shot if r.status == 429], 99), 1),
-        "burst_other_statuses": sorted({r.status for r in shot} - {200, 429}),
-        "loaded_p50_ttft_ms": round(pct(admitted, 50), 1), "loaded_p99_ttft_ms": round(pct(admitted, 99), 1),
-        "p99_ttft_loaded_vs_unloaded": round(pct(admitted, 99) / unloaded_p99_ms, 2),
-    }
 
 
 # -- the run ---------------------------------------------------------------------------------
@@ -381,44 +87,31 @@ def main() -> int:
         return 0
     requests = soak_requests(ns.requests, ns.bad_share, ns.seed)
     good = [r for r in requests if r.good]
-    print(f"reference: {len(good)} good requests, no fault", flush=True)
-    t = time.perf_counter()
-    reference = dict(zip((r.index for r in good), run_all(url, good, ns.concurrency)))
-    reference_s = time.perf_counter() - t
-    unusable = [i for i, r in reference.items() if r.status != 200]
-    assert not unusable, f"reference run failed for {len(unusable)} requests: {reference[unusable[0]].message}"
+    print(f"reference: {len(good)} good requests, no fault; then soak: {len(requests)} requests "
+          f"({len(requests) - len(good)} bad), concurrency {ns.concurrency}, one encoder and one LLM replica killed",
+          flush=True)
+    rss_start: dict[str, float] = {}
+    before: dict = {}
 
-    rss_start = replica_rss_mb()
-    before = router.failover_stats.remote().result()
-    live: dict[int, list[int]] = {}
-    faults = Faults(int(0.3 * len(requests)), int(0.6 * len(requests)), live)
-    killer = threading.Thread(target=faults.run, daemon=True)
-    killer.start()
-    print(f"soak: {len(requests)} requests ({len(requests) - len(good)} bad), concurrency {ns.concurrency}, "
-          "one encoder and one LLM replica killed", flush=True)
-    t = time.perf_counter()
-    results = run_all(url, requests, ns.concurrency, faults, live)
-    soak_s = time.perf_counter() - t
-    faults.done.set()
-    killer.join(timeout=30)
+    def before_faults() -> None:
+        rss_start.update(replica_rss_mb(APP))
+        before.update(router.failover_stats.remote().result())
+
+    outcome = soak(url, APP, requests, ns.concurrency, before_faults=before_faults)
     after = router.failover_stats.remote().result()
-    lost = [r for r in requests if r.good and results[r.index].status != 200]
-    wrong = [r for r in requests if r.good and results[r.index].status == 200
-             and results[r.index].tokens != reference[r.index].tokens]
-    unclean = [(r.kind, results[r.index].status, results[r.index].message[:80]) for r in requests
-               if not r.good and not (400 <= results[r.index].status < 500 and results[r.index].json_error)]
+    lost, wrong, unclean, results = outcome.lost, outcome.wrong, outcome.unclean, outcome.results
 
     print(f"burst: {ns.burst} requests at once", flush=True)
     shot = burst(url, ns.burst, ns.seed + 2)
-    rss_end = replica_rss_mb()
+    rss_end = replica_rss_mb(APP)
     loaded = burst_summary(shot, pct(unloaded_ttft, 99))
     both = sorted(set(rss_start) & set(rss_end))
     growth = {n: rss_end[n] - rss_start[n] for n in both}
 
     rows = [
         ("unloaded", f"{len(unloaded)} sequential", f"{pct(unloaded_ttft, 50):.0f}", f"{pct(unloaded_ttft, 99):.0f}"),
-        ("reference", f"{len(good)} good in {reference_s:.0f}s", "", ""),
-        ("soak", f"{len(requests)} in {soak_s:.0f}s: lost {len(lost)}, wrong {len(wrong)}, "
+        ("reference", f"{len(good)} good in {outcome.reference_s:.0f}s", "", ""),
+        ("soak", f"{len(requests)} in {outcome.soak_s:.0f}s: lost {len(lost)}, wrong {len(wrong)}, "
                  f"bad not rejected {len(unclean)}/{len(requests) - len(good)}", "", ""),
         ("burst", f"{ns.burst} at once: 200 {loaded['burst_admitted']}, 429 {loaded['shed_429']}, "
                   f"other {loaded['burst_other_statuses'] or '-'}",
@@ -427,7 +120,7 @@ def main() -> int:
     print(f"\n{'phase':<10} {'requests':<64} {'TTFT p50 ms':>11} {'p99 ms':>8}")
     for row in rows:
         print(f"{row[0]:<10} {row[1]:<64} {row[2]:>11} {row[3]:>8}")
-    print(f"\nfaults: {faults.report}; failover counters during the soak: "
+    print(f"\nfaults: {outcome.faults}; failover counters during the soak: "
           f"{ {k: after[k] - before[k] for k in after} }")
     print(f"\n{'replica':<40} {'RSS start MB':>12} {'end MB':>8}")
     for name in sorted(set(rss_start) | set(rss_end)):
@@ -444,7 +137,7 @@ def main() -> int:
         "rss_growth_mb": round(max(growth.values(), default=0.0), 1),
         "resumed_streams": after["resumed_streams"] - before["resumed_streams"],
         "reencoded_items": after["reencoded_items"] - before["reencoded_items"],
-        **faults.report, "seconds": round(time.perf_counter() - t0),
+        **outcome.faults, "seconds": round(time.perf_counter() - t0),
     }
     print(json.dumps(summary))
     serve.shutdown()

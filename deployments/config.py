@@ -30,10 +30,14 @@ def _shared(args: BaseModel, runtime: type) -> dict:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(runtime) if f.name in type(args).model_fields}
 
 
-# Serve's queue bound per deployment when `max_queued_requests` is left out. A request queued for
-# the router waits for a whole request to finish, so few; the LLM queues as many as it runs at
-# once; the encoder is bounded by queued bytes instead (bench/soak.py measured these)
-DEFAULT_MAX_QUEUED = {"Router": 8, "LLM": 64}
+# Serve's queue bound per deployment when `max_queued_requests` is left out: as many as a replica
+# runs at once (`max_ongoing_requests`). Serve queues every request a caller has not yet assigned to
+# a replica, even with every replica idle (while it probes their queue lengths, while one restarts),
+# so a bound below the concurrency the app serves sheds good requests under no overload (bench/soak.py
+# lost one of 268 at concurrency 16 to the Router's old bound of 8). The app's own admission
+# (`max_pending_requests`, the LLM's waiting tokens) is what sheds under load. The encoder is bounded
+# by queued bytes instead: unbounded here.
+UNBOUNDED_QUEUE = ("Encoder",)
 RETRY_AFTER_S = 1
 
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -81,7 +85,8 @@ class DeploymentArgs(_Args):
     max_ongoing_requests: int = Field(default=64, ge=1, description="requests one replica handles at once")
     max_queued_requests: int | None = Field(
         default=None, ge=-1, description="requests queued for a replica (per caller) before Serve answers "
-        "429 + Retry-After / RESOURCE_EXHAUSTED; -1: unbounded; default: 8 for the Router (a request queued there waits for a whole request to finish), 64 for the LLM, -1 for the Encoder",
+        "429 + Retry-After / RESOURCE_EXHAUSTED; -1: unbounded; default: max_ongoing_requests (Router, LLM), "
+        "-1 for the Encoder (bounded by encoder_pool.max_queued_bytes)",
     )
     label_selector: dict[str, str] = Field(default_factory=dict, description="Ray node labels a replica needs")
     resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per replica")
@@ -109,7 +114,9 @@ class DeploymentArgs(_Args):
             actor["resources"] = dict(self.resources)
         if self.accelerator_type:
             actor["accelerator_type"] = self.accelerator_type
-        queued = DEFAULT_MAX_QUEUED.get(name, -1) if self.max_queued_requests is None else self.max_queued_requests
+        queued = self.max_queued_requests
+        if queued is None:
+            queued = -1 if name in UNBOUNDED_QUEUE else self.max_ongoing_requests
         options = {
             "name": name,
             "max_ongoing_requests": self.max_ongoing_requests,

@@ -66,7 +66,10 @@ def test_a_full_queue_is_429_with_retry_after_and_resource_exhausted():
 def test_serve_queue_bounds_come_from_the_config():
     args = AppArgs()
     router, llm, encoder = args.router.options("Router"), args.llm.options("LLM"), args.encoder.options("Encoder")
-    assert router["max_queued_requests"] == 8 and llm["max_queued_requests"] == 64
+    # as many as a replica runs: Serve queues requests it has not yet assigned even with idle replicas
+    assert router["max_queued_requests"] == router["max_ongoing_requests"] == 64
+    assert llm["max_queued_requests"] == llm["max_ongoing_requests"]
+    assert DeploymentArgs(max_ongoing_requests=200).options("Router")["max_queued_requests"] == 200
     assert encoder["max_queued_requests"] == -1  # the encoder is bounded by queued bytes
     assert router["backpressure_config"] == {"status_code": 429, "retry_after_s": 1}
     assert DeploymentArgs(max_queued_requests=3).options("LLM")["max_queued_requests"] == 3

@@ -277,3 +277,18 @@ def test_killing_an_encoder_replica_mid_video_stream_loses_nothing(failover_url)
         if held and _llm_counter(APP, "video_groups_reencoded", 2) > before:
             return
     pytest.fail("the kill never hit an encoder replica holding a frame group")
+
+
+def test_the_smallest_soak_loses_nothing_and_rejects_every_bad_input_cleanly(failover_url):
+    """bench/soak.py's own run, small: good requests (text, 1-2 images, streamed or not) and bad
+    inputs of every kind at concurrency 12 (above Serve's old Router queue bound of 8), replicas killed
+    meanwhile; so that the soak cannot rot between its by-hand runs."""
+    from mmserve.loadgen.soak import bad_inputs, soak, soak_requests
+
+    requests = soak_requests(2 * len(bad_inputs()) + 18, bad_share=0.35, seed=3)
+    outcome = soak(failover_url, APP, requests, concurrency=12, encoder_at=0.15, llm_at=0.4)
+    assert sum(not r.good for r in requests) >= 8
+    assert not outcome.lost, [(r.index, outcome.results[r.index].status, outcome.results[r.index].message[:120])
+                              for r in outcome.lost]
+    assert not outcome.wrong and not outcome.unclean, (outcome.wrong, outcome.unclean)
+    assert {"encoder_held", "llm_held"} & set(outcome.faults), outcome.faults  # at least one kill landed

@@ -3,7 +3,8 @@
 
 Elsewhere, and said so here: transfer.py's smallest run is the one tests/gpu/test_gpu_report.py's
 serve part makes (one Ray start, not two); serve.py's sweeps (tests/serve/test_bench_serve.py runs its small runs),
-soak.py (minutes long, by design) and gpu_report.py (tests/gpu/test_gpu_report.py runs it into a
+soak.py (minutes long by design; tests/serve/test_failover_serve.py runs its smallest soak) and
+gpu_report.py (tests/gpu/test_gpu_report.py runs it into a
 temporary results file)."""
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ SMALLEST = {
     "load.py": (["--text-layers", "1", "--vision-depth", "1", "--dtypes", "bfloat16", "--roles", "llm,encoder"], []),
     "vit_attention.py": ([], GPU),
 }
-ELSEWHERE = {"serve.py": "tests/serve/test_bench_serve.py", "soak.py": "minutes long: run by hand",
+ELSEWHERE = {"serve.py": "tests/serve/test_bench_serve.py",
+             "soak.py": "tests/serve/test_failover_serve.py runs its smallest soak (mmserve.loadgen.soak)",
              "ingress.py": "minutes (a server per mode): tests/serve/test_ingress_modes.py launches the modes",
              "transfer.py": "tests/gpu/test_gpu_report.py (the report's serve part runs its smallest run)",
              "gpu_report.py": "tests/gpu/test_gpu_report.py (its runs append to a results file)",
