@@ -17,7 +17,9 @@ Each is a choice of Serve's environment (`RAY_SERVE_ENABLE_DIRECT_INGRESS`,
 
 The header cap is the same bundled HAProxy binary, run by `mmserve serve` as its child with a
 config of a dozen lines: it listens on `--host:--http-port`, answers 400 to a request line and
-headers over 16 KiB (or not complete in 10 s) and forwards the rest to Serve's proxy on loopback.
+headers over 16 KiB (or not complete in 10 s), closes a client's connections beyond
+`--max-connections-per-client` (256; 4,200 unfinished connections from one client stopped `/health`
+until the header deadline freed them), and forwards the rest to Serve's proxy on loopback.
 gRPC needs no cap: gRPC bounds metadata itself (8 KiB by default).
 """
 
@@ -36,6 +38,8 @@ MODES = ("proxy", "direct", "haproxy")
 EXPERIMENTAL = ("direct", "haproxy")
 HEADER_CAP_BYTES = 16384  # HAProxy's tune.bufsize: request line + headers must fit
 HEADER_DEADLINE_S = 10  # the whole header block, however slowly it trickles
+MAX_CONNECTIONS_PER_CLIENT = 256  # open connections of one source address; 0: no limit (behind a load balancer)
+MAX_CONNECTIONS = 4096
 DIRECT_PORTS = "HTTP 30000-31000, gRPC 40000-41000"  # Serve's RAY_SERVE_DIRECT_INGRESS_{MIN,MAX}_*_PORT
 
 
@@ -65,10 +69,17 @@ def haproxy_binary() -> str:
     return found
 
 
-def header_cap_config(host: str, port: int, upstream_port: int) -> str:
+def header_cap_config(host: str, port: int, upstream_port: int,
+                      per_client: int = MAX_CONNECTIONS_PER_CLIENT) -> str:
     bind = f"[{host}]" if ":" in host else host
+    # one entry per source address (IPv4 ones stored mapped), its connections open now; past the
+    # limit a new one is closed before HAProxy reads a byte of it
+    per_client_lines = f"""
+    stick-table type ipv6 size 100k expire 60s store conn_cur
+    tcp-request connection track-sc0 src
+    tcp-request connection reject if {{ sc0_conn_cur gt {per_client} }}""" if per_client else ""
     return f"""global
-    maxconn 4096
+    maxconn {MAX_CONNECTIONS}
     tune.bufsize {HEADER_CAP_BYTES}
 defaults
     mode http
@@ -80,7 +91,7 @@ defaults
     timeout server 1h
     timeout http-keep-alive 60s
 frontend mmserve
-    bind {bind}:{port}
+    bind {bind}:{port}{per_client_lines}
     default_backend serve_proxy
 backend serve_proxy
     server proxy 127.0.0.1:{upstream_port}
@@ -95,11 +106,11 @@ def _die_with_parent() -> None:  # in the child, before exec: SIGTERM when `mmse
 class HeaderCap:
     """HAProxy on `host:port` in front of Serve's HTTP proxy on 127.0.0.1:`upstream_port`."""
 
-    def __init__(self, host: str, port: int, upstream_port: int):
+    def __init__(self, host: str, port: int, upstream_port: int, per_client: int = MAX_CONNECTIONS_PER_CLIENT):
         self.host, self.port, self.upstream_port = host, port, upstream_port
         self._dir = tempfile.TemporaryDirectory(prefix="mmserve-header-cap-")
         self.config = Path(self._dir.name) / "haproxy.cfg"
-        self.config.write_text(header_cap_config(host, port, upstream_port))
+        self.config.write_text(header_cap_config(host, port, upstream_port, per_client))
         self._proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 10.0) -> None:

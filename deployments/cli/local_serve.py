@@ -151,10 +151,10 @@ def request_bytes_limit(app_args: dict | None) -> int:
         return LimitArgs().max_request_bytes
 
 
-def plan_ingress(mode: str, host: str, port: int):
+def plan_ingress(mode: str, host: str, port: int, per_client: int):
     """(host, port) for Serve's http_options, and the HeaderCap to start in front of it (or None);
     sets Serve's ingress environment (before Ray is imported). RefusedToStart for `direct` and
-    `haproxy` beyond loopback."""
+    `haproxy` beyond loopback. The cap closes connections of one source address beyond `per_client`."""
     from deployments.cli.ingress_modes import (DIRECT_PORTS, EXPERIMENTAL, HeaderCap, environ_for, free_loopback_port,
                                      haproxy_binary)
 
@@ -184,7 +184,7 @@ def plan_ingress(mode: str, host: str, port: int):
             raise RefusedToStart(f"refusing to listen on {host} without a header cap in front of Serve's proxy: {e}. "
                                  "Or keep --host on 127.0.0.1 behind a proxy of yours that caps headers") from None
         upstream = free_loopback_port()
-        return "127.0.0.1", upstream, HeaderCap(host, port, upstream)
+        return "127.0.0.1", upstream, HeaderCap(host, port, upstream, per_client)
     return host, port, None
 
 
@@ -291,7 +291,7 @@ def serve_app(ns: argparse.Namespace) -> int:
         print(f"warning: no API key, and Serve's gRPC proxy listens on every interface (port {ns.grpc_port}) whatever "
               "--host says: anyone who reaches this machine can call the model there. Set MMSERVE_API_KEY, or "
               "firewall the port", file=sys.stderr, flush=True)
-    serve_host, serve_port, cap = plan_ingress(ns.ingress, ns.host, ns.http_port)
+    serve_host, serve_port, cap = plan_ingress(ns.ingress, ns.host, ns.http_port, ns.max_connections_per_client)
     use_single_machine_mode(ns)
     stop = StopSignal()
     from ray import serve
@@ -393,7 +393,8 @@ def serve_config(ns: argparse.Namespace) -> int:
     for line in key_lines:
         print(line, flush=True)
     http_options = raw["http_options"]
-    serve_host, serve_port, cap = plan_ingress(ns.ingress, http_options["host"], http_options.get("port", 8000))
+    serve_host, serve_port, cap = plan_ingress(ns.ingress, http_options["host"], http_options.get("port", 8000),
+                                               ns.max_connections_per_client)
     use_single_machine_mode(ns)
     stop = StopSignal()
     from ray import serve

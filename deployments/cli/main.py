@@ -14,6 +14,12 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (0 or more)")
+    return int(text)
+
+
 def _serve(ns: argparse.Namespace) -> int:
     from deployments.cli.local_serve import RefusedToStart, serve_app, serve_config
 
@@ -170,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                          help="Serve's ingress: its Python proxy (default; header-capped beyond loopback), the Router "
                          "replicas listening themselves (direct, loopback only), or HAProxy; the last two are "
                          "experimental in Serve 2.60 (deployments/cli/ingress_modes.py)")
+    serve_p.add_argument("--max-connections-per-client", type=_count, default=256, metavar="N",
+                         help="beyond loopback: connections one source address may hold open through the header "
+                         "cap (default 256; 0: no limit, e.g. behind a load balancer every request comes from)")
     serve_p.add_argument("--grace-period", type=float, default=30.0,
                          help="on SIGTERM / Ctrl-C: seconds requests in flight may take to finish")
     serve_p.add_argument("--api-key-env", default=None, metavar="NAME",
