@@ -180,6 +180,12 @@ class LimitArgs(_Args):
         "together, before the processor resizes them (3 bytes each decoded: the default, 64 frames of 1080p, is "
         "~400 MB); checked before decoding",
     )
+    max_decoded_pixels_per_request: int = Field(
+        default=VideoLimits.max_decoded_pixels, ge=1, description="video_url: pixels of all the videos of one "
+        "request together, sampled frames before the resize (the default keeps one request's decoded frames under "
+        "~400 MB); with several videos, their headers are read and this checked before any is decoded. At least "
+        "max_decoded_pixels_per_video",
+    )
     video_decode_timeout_s: float = Field(
         default=VideoLimits.decode_timeout_s, gt=0, description="video_url: one video's decode, waiting for a "
         "decoder included; past it the decoding worker is killed and the request refused (400)",
@@ -196,6 +202,10 @@ class LimitArgs(_Args):
     def _check_local_media(self) -> "LimitArgs":
         if self.allow_local_media and not self.local_media_dir:
             raise ValueError("allow_local_media needs local_media_dir (the one directory media may be read from)")
+        if self.max_decoded_pixels_per_request < self.max_decoded_pixels_per_video:
+            raise ValueError(f"max_decoded_pixels_per_request ({self.max_decoded_pixels_per_request}) < "
+                             f"max_decoded_pixels_per_video ({self.max_decoded_pixels_per_video}): a request's one "
+                             "video is checked by the per-video bound alone")
         return self
 
     def media_limits(self) -> MediaLimits:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import math
 import logging
 import time
 import uuid
@@ -251,13 +252,28 @@ class RequestCore:
         if files:
             if self.videos is None:
                 raise InvalidRequest("this server does not decode video files; send a video as its frames")
-            # streamed: planned from the header; the LLM replica decodes and encodes it (the file goes along)
-            read = self.videos.probe if stream else self.videos.decode
+            # streamed: planned from the header; the LLM replica decodes and encodes it (the file goes along).
+            # One video is bounded by its decoder (max_decoded_pixels_per_video); several are read to their
+            # headers first and bounded together before any is decoded
+            headers = stream or len(files) > 1
+            read = self.videos.probe if headers else self.videos.decode
             decoded = dict(zip(files, await _all_or_none([read(frames[i][0], request_id) for i in files])))
+            if headers:
+                self._check_decoded_pixels(list(decoded.values()))
+            if not stream and len(files) > 1:
+                decoded = dict(zip(files, await _all_or_none([self.videos.decode(frames[i][0], request_id)
+                                                              for i in files])))
         items = iter([MediaItem(source.kind, frames[i] if stream or i not in decoded else (), fps=source.fps,
                                 decoded=decoded.get(i)) for i, source in enumerate(sources)])
         return [Message(m.role, tuple(p if isinstance(p, str) else next(items) for p in m.parts))
                 for m in request.messages]
+
+    def _check_decoded_pixels(self, videos: list[DecodedVideo]) -> None:
+        total = sum(math.prod(video.shape) for video in videos)
+        if total > (limit := self.settings.limits.max_decoded_pixels_per_request):
+            raise InvalidRequest(
+                f"the request's {len(videos)} videos sample to {total} decoded pixels together, over the limit of "
+                f"{limit} (max_decoded_pixels_per_request); send fewer, shorter or smaller videos")
 
     async def _start(self, messages: list[Message[MediaItem]], options: GenerationOptions,
                      request_id: str, received: float) -> Generation:

@@ -254,3 +254,49 @@ def test_a_cancelled_decode_kills_its_worker_and_the_pool_keeps_decoding(tiny_mo
         assert not pool._running and pool.waiting == 0 and len(pool._idle) == 1
     finally:
         pool.close()
+
+
+class _CountingPool:
+    """A VideoDecodePool that counts the videos it decodes to pixels."""
+
+    def __init__(self, pool: VideoDecodePool):
+        self.pool, self.decoded = pool, 0
+
+    async def probe(self, data: bytes, request_id: str):
+        return await self.pool.probe(data, request_id)
+
+    async def decode(self, data: bytes, request_id: str):
+        self.decoded += 1
+        return await self.pool.decode(data, request_id)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_requests_videos_are_bounded_together_before_any_is_decoded(tiny_models, stream):
+    from deployments.config import LimitArgs
+    from deployments.core.request_core import ChatRequest
+    from mmserve.request.media import MediaSource
+    from mmserve.request.prompt import Message
+    from tests.support.core_fakes import make_core
+
+    video = video_file(3, 10, 32, 48, seed=5)  # samples to 6 frames of 48x32: 9216 pixels
+    per_video = 6 * 32 * 48
+    limits = LimitArgs(max_decoded_pixels_per_video=per_video, max_decoded_pixels_per_request=2 * per_video + 1)
+    pool = _CountingPool(VideoDecodePool(FrameSampler(tiny_models["qwen2_vl"]), limits.video_limits(), workers=2))
+    core = make_core(tiny_models["qwen2_vl"], limits=limits, video_decode={"stream": stream})
+    core.videos = pool
+
+    def load(videos: int):
+        parts = tuple(MediaSource(MediaKind.VIDEO, (video,), container=True) for _ in range(videos)) + ("what?",)
+        return asyncio.run(core._load_media(ChatRequest((Message("user", parts),), None), "t"))
+
+    try:
+        assert len(load(2)[0].parts) == 3
+        decoded = pool.decoded
+        with pytest.raises(InvalidRequest, match=f"3 videos sample to {3 * per_video} decoded pixels together, "
+                                                 f"over the limit of {2 * per_video + 1}"):
+            load(3)
+        assert pool.decoded == decoded  # refused from the headers, nothing decoded
+    finally:
+        pool.pool.close()
+    with pytest.raises(ValueError, match="max_decoded_pixels_per_request .* < max_decoded_pixels_per_video"):
+        LimitArgs(max_decoded_pixels_per_video=10, max_decoded_pixels_per_request=9)
