@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from llm_service.config import EngineConfig
+from llm_service.grammar import GrammarCompiler, Matcher, StepMasks
 from llm_service.model import LanguageModel
 from llm_service.model_runner import ModelRunner
 from llm_service.sampling import (DeviceSample, SamplingParams, SamplingRows, new_generator, sample_rows,
@@ -114,6 +115,20 @@ class LLMEngine:
         self._idle = True  # waiting for work (or only for media rows): no step is owed
         self.num_steps = 0
         self.num_generated = 0
+        self.grammar_compiler: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+        self.masks = StepMasks(self.model.vocab_size)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of `response_format` grammars for this model's tokenizer (made on first use)."""
+        with self._grammars_lock:
+            if self.grammar_compiler is None:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(self.model.model_dir)
+                self.grammar_compiler = GrammarCompiler(tokenizer, self.model.vocab_size, self.model.eos_token_ids)
+            return self.grammar_compiler
 
     def _new_bookkeeping(self) -> None:
         """KV blocks (and the prefix cache), state slots and snapshots, the scheduler: as new."""
@@ -160,6 +175,10 @@ class LLMEngine:
             request = dataclasses.replace(request, positions=self.model.face.text_positions())
         seq = Sequence(request, emit, next(self._arrivals), new_generator(request.sampling, self.model.device),
                        ready=ready)
+        if request.sampling.grammar is not None:  # InvalidRequest for a bad schema, raised here
+            compiled = request.grammar or self.grammars.compile(request.sampling.grammar)
+            prompt = request.prompt_token_ids
+            seq.matcher = Matcher(compiled, prompt[len(prompt) - request.grammar_prefix:])
         with self._cv:
             if not self._new and not self._by_id:  # idle until now: the stall clock starts here
                 self.last_progress = time.monotonic()
@@ -260,6 +279,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.last_progress = time.monotonic()
         self._in_step = []
+        if self._launched is not None and any(s.matcher is not None for s in self._launched.seqs):
+            # a grammar's next mask needs the token just sampled: steps with a constrained row do
+            # not overlap (its ids are read before the next step is scheduled)
+            launched, self._launched = self._launched, None
+            self._read(launched)
         self._admit()
         out = self.scheduler.schedule()
         self._in_step = [item.seq for item in out.scheduled]
@@ -320,6 +344,8 @@ class LLMEngine:
                 # a decode samples every row, in order: its staged rows are the index
                 index = step.decode_index[:len(seqs)] if step.decode_index is not None else batch.index(seqs)
                 rows = batch.sampling_rows(seqs, index, settings_dtype(logits))
+                if constrained := [(j, s.matcher) for j, s in enumerate(seqs) if s.matcher is not None]:
+                    self.masks.apply(logits, constrained)
                 result = sample_rows(logits, rows, self.config.max_logprobs)
                 batch.record(index, result.token_ids)
                 tokens = torch.empty(len(seqs), dtype=torch.long, pin_memory=cuda)
@@ -394,6 +420,20 @@ class LLMEngine:
 
     def _postprocess(self, seq: Sequence, token: int, logprob, top) -> None:
         p = seq.request.sampling
+        if seq.matcher is not None:
+            if not seq.matcher.accept(token):  # the mask left no token: the grammar cannot go on
+                generated = len(seq.tokens) - seq.num_prompt_tokens
+                self._finish(seq, TokenEvent(None, "error", InvalidRequest(
+                    f"response_format: after {generated} tokens the grammar allows none this model can produce")))
+                return
+            if seq.matcher.complete:  # the output is whole: only a stop token could follow
+                if token in p.stop_token_ids or token in self.model.eos_token_ids:
+                    self._finish(seq, TokenEvent(None, "stop"))
+                else:  # its last token, sent with the end (no step spent on the stop token)
+                    seq.tokens.append(token)
+                    self.num_generated += 1
+                    self._finish(seq, TokenEvent(token, "stop", None, logprob, top))
+                return
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.model.eos_token_ids):
             self._finish(seq, TokenEvent(None, "stop"))
             return

@@ -4,11 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 
 from llm_service.transfer import ints, to_device
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What the output must be (OpenAI's `response_format`): `json_object`, any JSON object, or
+    `json_schema`, a JSON value valid against `schema` (the JSON Schema's text as the client sent it:
+    its property order is the output's). Compiled on the LLM replica (`llm_service.grammar`)."""
+
+    kind: Literal["json_object", "json_schema"]
+    schema: str = ""
 
 
 @dataclass(frozen=True)
@@ -20,6 +30,8 @@ class SamplingParams:
     follow vLLM: repetition over prompt + output tokens, frequency/presence over output tokens.
     `seed` makes sampling reproducible whatever else runs beside the request. `logprobs`: None
     for none, else how many top alternatives to report beside the sampled token's logprob.
+    `grammar`: tokens outside it are masked before sampling, and the sequence stops once it is
+    complete.
     """
 
     max_tokens: int
@@ -34,6 +46,7 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False
     logprobs: int | None = None
+    grammar: Grammar | None = None
 
     @property
     def greedy(self) -> bool:

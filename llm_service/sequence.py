@@ -39,6 +39,11 @@ class LLMRequest:
     # requests, beyond the ends of the media items and of the prompt, which the engine knows
     # itself: the router puts the end of the system prompt here (`RequestPlan.snapshot_boundaries`)
     snapshot_boundaries: tuple[int, ...] = ()
+    # `sampling.grammar` compiled (`llm_service.grammar.GrammarCompiler`; None: the engine compiles
+    # it), and how many of the prompt's last tokens were generated under it already (a stream
+    # resumed on this replica after its first replica was lost)
+    grammar: object | None = None
+    grammar_prefix: int = 0
 
 
 class TokenEvent(NamedTuple):
@@ -105,6 +110,7 @@ class Sequence:
     ready: int | None = None
     added_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None  # its first step (the end of its prefill queue)
+    matcher: object | None = None  # its place in its grammar (`llm_service.grammar.Matcher`), if it has one
     _sent: bool = False
 
     def __post_init__(self):

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2
 
-from deployments.core.generation import Generation, GenerationOptions, client_request_id
+from deployments.core.generation import Generation, GenerationOptions, client_request_id, response_format
 from deployments.core.request_core import ChatRequest, RequestCore, new_request_id
 from mmserve.errors import InvalidRequest
 from mmserve.request.media import MediaKind, MediaSource
@@ -48,7 +48,8 @@ def options(request: vlm_pb2.GenerateRequest) -> GenerationOptions:
             continue
         value = getattr(s, field.name)
         given[field.name] = tuple(value) if field.is_repeated else value
-    return GenerationOptions(**given)
+    fmt = request.response_format
+    return GenerationOptions(**given, response_format=response_format(fmt.type, fmt.json_schema))
 
 
 def chat_request(request: vlm_pb2.GenerateRequest) -> ChatRequest:

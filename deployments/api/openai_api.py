@@ -13,11 +13,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from deployments.api.openai_models import ChatCompletionRequest, ImageURLPart, TextPart, VideoURLPart
+from deployments.api.openai_models import ChatCompletionRequest, ImageURLPart, ResponseFormat, TextPart, VideoURLPart
 from deployments.config import RETRY_AFTER_S
 from deployments.core.failures import Failure
-from deployments.core.generation import OPTION_NAMES, Delta, Generation, GenerationOptions
+from deployments.core.generation import OPTION_NAMES, Delta, Generation, GenerationOptions, response_format
 from deployments.core.request_core import ChatRequest, RequestCore, new_request_id
+from llm_service.sampling import Grammar
 from mmserve.errors import InvalidRequest
 from mmserve.request.media import MediaKind, MediaSource
 from mmserve.request.prompt_plan import Message
@@ -87,7 +88,17 @@ def options(request: ChatCompletionRequest) -> GenerationOptions:
         "stop": (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ()),
         "stop_token_ids": tuple(request.stop_token_ids or ()),
         "logprobs": (request.top_logprobs or 0) if request.logprobs else None,
+        "response_format": _grammar(request.response_format),
     })
+
+
+def _grammar(fmt: ResponseFormat | None) -> Grammar | None:
+    if fmt is None:
+        return None
+    if fmt.type == "json_schema" and fmt.json_schema is None:
+        raise InvalidRequest("response_format of type json_schema needs its json_schema")
+    schema = json.dumps(fmt.json_schema.schema_) if fmt.type == "json_schema" else None
+    return response_format(fmt.type, schema)
 
 
 def chat_request(request: ChatCompletionRequest) -> ChatRequest:

@@ -65,6 +65,18 @@ class StreamOptions(_Model):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Model):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None  # the schema is enforced either way (a grammar masks the tokens)
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class ChatCompletionRequest(_Model):
     model: str | None = None
     messages: list[ChatCompletionMessage] = Field(min_length=1)
@@ -90,3 +102,4 @@ class ChatCompletionRequest(_Model):
     return_token_ids: bool = False  # vLLM extension: generated token ids in each choice / chunk
     return_stage_times: bool = False  # mmserve extension: usage.stage_ms, milliseconds per stage of the request
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from llm_service.sampling import SamplingParams
+from llm_service.sampling import Grammar, SamplingParams
 from mmserve.errors import InvalidRequest
 from mmserve.request.detokenize import IncrementalDetokenizer
 from mmserve.request.prompt_plan import RequestPlan
@@ -46,6 +46,7 @@ class GenerationOptions:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # most likely alternatives to return per token; None: no logprobs
+    response_format: Grammar | None = None  # None: plain text
 
     def __post_init__(self):
         check_options(self)
@@ -58,6 +59,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
+MAX_SCHEMA_CHARS = 65536  # a response_format's JSON Schema, as text
 
 
 def _check_range(name: str, value, low, high, *, low_open: bool = False) -> None:
@@ -91,6 +93,23 @@ def check_options(opts: GenerationOptions) -> None:
         raise InvalidRequest(f"stop_token_ids has {len(opts.stop_token_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")
     for token_id in opts.stop_token_ids:
         _check_range("stop_token_ids", token_id, 0, MAX_INT32)
+    if opts.response_format is not None and len(opts.response_format.schema) > MAX_SCHEMA_CHARS:
+        raise InvalidRequest(f"response_format's JSON schema has {len(opts.response_format.schema)} characters; "
+                             f"the limit is {MAX_SCHEMA_CHARS}")
+
+
+def response_format(kind: str, schema: str | None = None) -> Grammar | None:
+    """The grammar of an OpenAI `response_format` type (`text`: none), the same for HTTP and gRPC;
+    `schema`: the JSON Schema's text (`json_schema` only)."""
+    if kind in ("", "text"):
+        return None
+    if kind == "json_object":
+        return Grammar("json_object")
+    if kind != "json_schema":
+        raise InvalidRequest(f"response_format type must be text, json_object or json_schema; got {kind!r}")
+    if not schema:
+        raise InvalidRequest("response_format json_schema needs its schema")
+    return Grammar("json_schema", schema)
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(GenerationOptions))
@@ -127,6 +146,7 @@ def sampling_params(opts: GenerationOptions, prompt_len: int, max_model_len: int
         stop_token_ids=frozenset(opts.stop_token_ids),
         ignore_eos=opts.ignore_eos,
         logprobs=opts.logprobs,
+        grammar=opts.response_format,
     )
 
 

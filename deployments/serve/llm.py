@@ -60,6 +60,7 @@ class LLMDeployment:
         self.engine.start()
         self.metrics = LLMMetrics()
         self._stats_task: asyncio.Task | None = None
+        self._mask_s_exported = 0.0
         self.encoder, self.video = encoder, video  # handles: this replica streams videos through them
         self.video_groups_reencoded = 0  # streamed frame groups whose encoder replica was lost
         self.fetcher = None
@@ -84,6 +85,15 @@ class LLMDeployment:
                 self.metrics.preemptions.inc(stats.num_preemptions - last.num_preemptions)
             self.metrics.tokens_per_s.set((stats.num_generated - last.num_generated) / interval_s)
             last = stats
+            self._export_grammar_stats()
+
+    def _export_grammar_stats(self) -> None:
+        masks, compiler = self.engine.masks, self.engine.grammar_compiler
+        if (spent := masks.fill_s - self._mask_s_exported) > 0:
+            self.metrics.grammar_mask_s.inc(spent)
+            self._mask_s_exported += spent
+        while compiler is not None and compiler.stats.compile_s:
+            self.metrics.grammar_compile_ms.observe(compiler.stats.compile_s.pop(0) * 1000)
 
     def ready(self) -> bool:
         """True: a call reaches a replica only once its constructor returned, the model loaded and
@@ -200,6 +210,12 @@ class LLMDeployment:
                     raise InvalidRequest(str(cause)) from None
             raise
         embeddings = [firsts[i] if i in streamed else next(resolved) for i in range(len(pending.embeddings))]
+        grammar = None
+        if pending.sampling.grammar is not None:  # compiled off the engine's thread; waits outside the batch
+            compiler = await asyncio.to_thread(lambda: self.engine.grammars)  # the tokenizer loads on first use
+            hits = compiler.stats.cache_hits
+            grammar = await compiler.compiled(pending.sampling.grammar)
+            self.metrics.grammar_requests.inc(tags={"cached": str(compiler.stats.cache_hits > hits).lower()})
         request = LLMRequest(
             request_id=pending.request_id,
             prompt_token_ids=pending.prompt_token_ids,
@@ -207,6 +223,8 @@ class LLMDeployment:
             positions=pending.positions,
             media=tuple(zip(pending.ranges, embeddings)),
             snapshot_boundaries=pending.snapshot_boundaries,
+            grammar=grammar,
+            grammar_prefix=pending.resumed_tokens,
         )
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
@@ -263,4 +281,3 @@ class LLMDeployment:
         self.engine.abort(request_id)
         error = InvalidRequest(str(cause)) if isinstance(cause, InvalidRequest) else task.exception()
         events.put_nowait(TokenEvent(None, "error", error))
-    

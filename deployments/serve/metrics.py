@@ -130,3 +130,10 @@ class LLMMetrics:
         self.state_snapshots = Gauge("mmserve_llm_state_snapshots",
                                      "Linear-attention state snapshots held for prefix caching (hybrid models)")
         self.state_snapshot_bytes = Gauge("mmserve_llm_state_snapshot_bytes", "Bytes those state snapshots fill")
+        self.grammar_requests = Counter("mmserve_llm_grammar_requests",
+                                        "Requests with a response_format grammar, by whether it was cached",
+                                        tag_keys=("cached",))
+        self.grammar_compile_ms = Histogram("mmserve_llm_grammar_compile_ms", "Compile time of a response_format "
+                                            "grammar", boundaries=_LATENCY_MS)
+        self.grammar_mask_s = Counter("mmserve_llm_grammar_mask_seconds",
+                                      "Engine-thread seconds spent filling grammar token masks")

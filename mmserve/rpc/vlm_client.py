@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -33,11 +34,14 @@ def user(text: str, images: Sequence[bytes] = (), videos: Sequence[VideoFrames] 
 
 
 def request(messages: Sequence[vlm_pb2.ChatMessage], request_id: str = "", model: str = "",
-            **sampling) -> vlm_pb2.GenerateRequest:
-    """`sampling`: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos."""
-    return vlm_pb2.GenerateRequest(
-        messages=list(messages), sampling=vlm_pb2.SamplingParams(**sampling), request_id=request_id, model=model
-    )
+            json_schema: dict | None = None, **sampling) -> vlm_pb2.GenerateRequest:
+    """`sampling`: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos.
+    `json_schema`: the answer is JSON valid against it (`response_format`)."""
+    fmt = None
+    if json_schema is not None:
+        fmt = vlm_pb2.ResponseFormat(type="json_schema", json_schema=json.dumps(json_schema))
+    return vlm_pb2.GenerateRequest(messages=list(messages), sampling=vlm_pb2.SamplingParams(**sampling),
+                                   request_id=request_id, model=model, response_format=fmt)
 
 
 class VLMClient:

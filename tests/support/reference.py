@@ -196,3 +196,42 @@ class NearTieTally:
 
     def summary(self, total: int) -> str:
         return f"{self.exact}/{total} identical; splits (case, token, gap, logit std): {self.splits}"
+
+
+class GrammarMask:
+    """A `transformers` logits processor applying llguidance's mask of a JSON schema (compact JSON,
+    as the engine compiles it; `schema` None: any JSON object) step by step to `generate`'s logits:
+    the reference of constrained decoding, written on the library alone (not the engine's code)."""
+
+    def __init__(self, model_dir: str, schema: dict | None, prompt_len: int):
+        import json
+
+        import llguidance.hf
+        import llguidance.torch
+
+        processor, model = load_reference(model_dir)
+        eos = model.generation_config.eos_token_id
+        vocab = model.config.get_text_config().vocab_size
+        tokenizer = llguidance.hf.from_tokenizer(processor.tokenizer, n_vocab=vocab,
+                                                 eos_token=[eos] if isinstance(eos, int) else list(eos))
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema or {"type": "object"}),
+                                                                defaults={"whitespace_flexible": False})
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar)
+        self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab)
+        self.fill = llguidance.torch.fill_next_token_bitmask
+        self.prompt_len = prompt_len
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] > self.prompt_len:  # the token generate picked last step
+            assert self.matcher.consume_token(int(input_ids[0, -1]))
+        self.fill(self.matcher, self.bitmask, 0)
+        bits = (self.bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        allowed = bits.flatten(1)[:, :scores.shape[-1]].bool()
+        return scores.masked_fill(~allowed, float("-inf"))
+
+
+def reference_constrained(model_dir: str, messages: list[dict], max_new_tokens: int, schema: dict | None) -> list[int]:
+    """`reference_generate` with `GrammarMask` (greedy, float64)."""
+    prompt_len = reference_inputs(model_dir, messages)["input_ids"].shape[1]
+    return reference_generate(model_dir, messages, max_new_tokens,
+                              logits_processor=[GrammarMask(model_dir, schema, prompt_len)])

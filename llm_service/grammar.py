@@ -1,0 +1,179 @@
+"""Structured outputs: a request's `Grammar` compiled for the served tokenizer, a matcher per
+sequence, and each step's token mask applied to the constrained rows' logits before sampling.
+
+The grammar engine is llguidance (`bench/grammar.py` measured it against xgrammar; xgrammar 0.2's
+bounded strings also admit raw control characters, which no JSON parser takes). JSON grammars are
+compact (no whitespace between tokens, as vLLM's `disable-any-whitespace`), so that a model cannot
+loop on spaces until `max_tokens`; the schema's own bounds (`maxLength`, `maxItems`,
+`minimum`/`maximum`, `enum`) are part of the grammar. A grammar compiles once per schema text:
+`GrammarCompiler` keeps an LRU of compiled grammars (a matcher at its start, copied for each
+sequence) and compiles on its own thread, so a request waits for its grammar outside the batch
+and the engine's step thread never compiles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from llm_service.sampling import Grammar
+from mmserve.errors import InvalidRequest
+
+COMPILE_TIMEOUT_S = 10.0
+ANY_OBJECT = '{"type": "object"}'  # `json_object`: a JSON object, as OpenAI's JSON mode
+CACHE_SIZE = 128  # compiled grammars kept (LRU), keyed by kind and schema text
+COMPACT = {"whitespace_flexible": False}  # separators "," and ":", no whitespace between tokens
+
+
+@dataclass
+class GrammarStats:
+    compiles: int = 0
+    cache_hits: int = 0
+    compile_s: list[float] = field(default_factory=list)  # each compile's seconds, drained by metrics
+
+
+class GrammarCompiler:
+    """Compiles `Grammar`s for one tokenizer and logits width (`vocab_size`: the model's logits,
+    padding ids included, which the masks always forbid); the sequence ends at `stop_token_ids`
+    once the grammar is complete."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int], cache_size: int = CACHE_SIZE,
+                 timeout_s: float = COMPILE_TIMEOUT_S):
+        import llguidance.hf
+
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(stop_token_ids))
+        self._cache: OrderedDict[Grammar, object] = OrderedDict()
+        self._compiling: dict[Grammar, Future] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self.cache_size, self.timeout_s = cache_size, timeout_s
+        self.stats = GrammarStats()
+
+    def _compile(self, grammar: Grammar):
+        from llguidance import LLMatcher
+
+        start = time.perf_counter()
+        try:
+            schema = ANY_OBJECT if grammar.kind == "json_object" else grammar.schema
+            try:
+                text = LLMatcher.grammar_from_json_schema(schema, defaults=COMPACT)
+            except ValueError as e:  # not JSON
+                raise InvalidRequest(f"response_format: the JSON schema is not valid JSON: {e}") from None
+            compiled = LLMatcher(self.tokenizer, text, log_level=0)  # at the start; copied per sequence
+            if compiled.is_error():
+                message = " ".join(compiled.get_error().split())[:300]
+                raise InvalidRequest(f"response_format: the JSON schema cannot be compiled: {message}")
+        finally:
+            self.stats.compiles += 1
+            self.stats.compile_s.append(time.perf_counter() - start)
+        with self._lock:
+            self._cache[grammar] = compiled
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+            self._compiling.pop(grammar, None)
+        return compiled
+
+    def submit(self, grammar: Grammar) -> Future:
+        """A future of `grammar` compiled (done at once when cached); one compile per grammar at a time."""
+        with self._lock:
+            if (compiled := self._cache.get(grammar)) is not None:
+                self._cache.move_to_end(grammar)
+                self.stats.cache_hits += 1
+                done: Future = Future()
+                done.set_result(compiled)
+                return done
+            if (running := self._compiling.get(grammar)) is None:
+                running = self._compiling[grammar] = self._pool.submit(self._compile, grammar)
+                running.add_done_callback(lambda _: self._forget(grammar))
+            return running
+
+    def _forget(self, grammar: Grammar) -> None:
+        with self._lock:
+            self._compiling.pop(grammar, None)
+
+    def compile(self, grammar: Grammar):
+        """The compiled grammar, waiting here (InvalidRequest: a bad schema, or over the deadline)."""
+        try:
+            return self.submit(grammar).result(timeout=self.timeout_s)
+        except TimeoutError:
+            raise self._too_slow() from None
+
+    async def compiled(self, grammar: Grammar):
+        """As `compile`, awaited on the event loop (other requests go on meanwhile)."""
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(self.submit(grammar)), self.timeout_s)
+        except asyncio.TimeoutError:
+            raise self._too_slow() from None
+
+    def _too_slow(self) -> InvalidRequest:
+        # the compile itself runs on (a native compile cannot be interrupted) and is cached when it ends
+        return InvalidRequest(f"response_format: the JSON schema took longer than {self.timeout_s:g} s to compile; "
+                              "simplify it (fewer alternatives, smaller bounds)")
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Matcher:
+    """One sequence's place in its grammar."""
+
+    def __init__(self, compiled, prefix: Sequence[int] = ()):
+        self._m = compiled.deep_copy()
+        # a stream resumed on another replica: the tokens it had sent
+        if prefix and not self._m.consume_tokens(list(prefix)):
+            raise InvalidRequest("the tokens already sent do not follow the response_format grammar")
+
+    def accept(self, token: int) -> bool:
+        """Advance by `token`; False when the grammar does not allow it."""
+        return self._m.consume_token(token)
+
+    @property
+    def complete(self) -> bool:
+        """The output is whole: only a stop token may follow (or one was accepted)."""
+        return self._m.is_stopped()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        from llguidance.torch import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self._m, bitmask, row)
+
+
+class StepMasks:
+    """The token masks of one engine's constrained rows: a host bitmask (32 token ids per int32),
+    filled per step for the constrained rows only, applied to those rows' logits on their device."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._host = _bitmask(1, vocab_size)
+        self._bits = torch.arange(32, dtype=torch.int32)
+        self.fill_s = 0.0  # seconds spent filling masks, drained by metrics
+
+    def apply(self, logits: torch.Tensor, matchers: Sequence[tuple[int, Matcher]]) -> None:
+        """Mask `logits` `(N, V)` in place: row `i` of each `(i, matcher)` keeps only the tokens its
+        grammar allows next."""
+        start = time.perf_counter()
+        if self._host.shape[0] < len(matchers):
+            self._host = _bitmask(len(matchers), self.vocab_size)
+        host = self._host[:len(matchers)]
+        for j, (_, matcher) in enumerate(matchers):
+            matcher.fill(host, j)
+        rows = [i for i, _ in matchers]
+        self.fill_s += time.perf_counter() - start
+        device = logits.device
+        bits = host.to(device, non_blocking=True)
+        allowed = ((bits.unsqueeze(-1) >> self._bits.to(device)) & 1).flatten(1)[:, :logits.shape[-1]].bool()
+        at = torch.tensor(rows, device=device)
+        logits[at] = logits[at].masked_fill(~allowed, float("-inf"))
+
+
+def _bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """Host rows of 32 token ids per int32 (pinned where CUDA is, for the copy to the device)."""
+    return torch.empty((rows, (vocab_size + 31) // 32), dtype=torch.int32, pin_memory=torch.cuda.is_available())

@@ -1,0 +1,97 @@
+"""`response_format` served end to end: with one and two images, over HTTP (streamed and not) and
+gRPC, the greedy tokens equal `transformers`' generate under the same library's mask and every
+output validates against its schema; the official `openai` client's `chat.completions.parse` fills
+a pydantic model with bounds; a bad schema is a 400 naming it and the next request succeeds."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from mmserve.rpc.vlm_client import VLMClient, user
+from tests.support.cases import chat_completion, image
+from tests.support.media_factory import data_uri
+from tests.support.reference import reference_constrained
+from tests.unit.test_structured_outputs import CHART, INVOICE
+
+pytestmark = pytest.mark.serve
+MAX_TOKENS = 300
+
+
+def _client(serve_urls, family) -> openai.OpenAI:
+    return openai.OpenAI(base_url=serve_urls[family] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _case(seeds: tuple[int, ...], question: str):
+    images = [image(56 + 14 * i, 70, seed) for i, seed in enumerate(seeds)]
+    ref = [{"role": "user", "content": [*images, {"type": "text", "text": question}]}]
+    api = [{"role": "user", "content": [*({"type": "image_url", "image_url": {"url": data_uri(i["bytes"])}}
+                                         for i in images), {"type": "text", "text": question}]}]
+    return ref, api
+
+
+def _format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+@pytest.mark.parametrize("seeds, schema", [((21,), INVOICE), ((22, 23), CHART)], ids=["one_image", "two_images"])
+def test_served_json_equals_the_masked_monolithic_model_over_http_and_grpc(serve_urls, grpc_target, family,
+                                                                          tiny_models, seeds, schema):
+    ref, api = _case(seeds, "Extract the fields as JSON.")
+    expected = reference_constrained(tiny_models[family], ref, MAX_TOKENS, schema)
+    c = _client(serve_urls, family)
+    for stream in (False, True):
+        text, tokens = chat_completion(c, family, api, MAX_TOKENS, stream, response_format=_format(schema))
+        assert tokens == expected, stream
+        jsonschema.validate(json.loads(text), schema)
+    with VLMClient(grpc_target, application=family) as g:
+        messages = [user("Extract the fields as JSON.", images=[i["bytes"] for i in ref[0]["content"][:-1]])]
+        unary = g.generate(messages, max_tokens=MAX_TOKENS, json_schema=schema)
+        streamed = list(g.stream(messages, max_tokens=MAX_TOKENS, json_schema=schema))
+    assert list(unary.token_ids) == expected == [t for r in streamed for t in r.token_ids]
+    assert unary.finish_reason == "stop"
+    jsonschema.validate(json.loads(unary.text), schema)
+
+
+def test_sampled_outputs_are_valid_too(serve_urls):
+    _, api = _case((24,), "Extract the invoice.")
+    c = _client(serve_urls, "qwen2_vl")
+    for seed in range(3):
+        resp = c.chat.completions.create(model="qwen2_vl", messages=api, max_tokens=MAX_TOKENS, temperature=1.0,
+                                         seed=seed, response_format=_format(INVOICE))
+        assert resp.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(resp.choices[0].message.content), INVOICE)
+
+
+class Receipt(BaseModel):
+    shop: str = Field(max_length=10)
+    items: list[str] = Field(max_length=2)
+    total: int = Field(ge=0, le=999)
+
+
+def test_the_openai_clients_parse_fills_a_pydantic_model(serve_urls):
+    _, api = _case((25,), "Read the receipt.")
+    c = _client(serve_urls, "qwen2_vl")
+    resp = c.chat.completions.parse(model="qwen2_vl", messages=api, max_tokens=MAX_TOKENS, response_format=Receipt)
+    parsed = resp.choices[0].message.parsed
+    assert isinstance(parsed, Receipt) and resp.choices[0].finish_reason == "stop"
+    assert len(parsed.shop) <= 10 and len(parsed.items) <= 2 and 0 <= parsed.total <= 999
+
+
+@pytest.mark.parametrize("response_format, needle", [
+    (_format({"type": "objectx"}), "Invalid type: objectx"),
+    ({"type": "json_schema"}, "needs its json_schema"),
+    ({"type": "xml"}, "response_format"),
+])
+def test_a_bad_schema_is_a_400_naming_it_and_the_next_request_succeeds(serve_urls, response_format, needle):
+    url = serve_urls["qwen2_vl"] + "/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    bad = httpx.post(url, json={**body, "response_format": response_format}, timeout=60)
+    assert bad.status_code == 400 and needle in bad.json()["error"]["message"], bad.text
+    ok = httpx.post(url, json={**body, "response_format": _format(CHART)}, timeout=60)
+    assert ok.status_code == 200

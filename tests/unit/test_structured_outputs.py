@@ -1,0 +1,204 @@
+"""Structured outputs in the engine (`response_format`): greedy tokens equal `transformers`' generate
+with the same library's mask applied step by step, with and without images and beside
+unconstrained rows (whose tokens do not change); every output of bounded schemas (hypothesis) is
+valid, greedy or sampled, steps overlapped or not; bad schemas are refused by name; a resumed
+stream's matcher is rebuilt from the tokens it had sent. The tiny models have random weights: only
+the grammar makes their output valid JSON."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llm_service.grammar import GrammarCompiler, Matcher
+from llm_service.sampling import Grammar
+from mmserve.errors import InvalidRequest
+from tests.support.cases import image, text, user
+from tests.support.engine_support import Collector, make_engine, plan_request, run_until_done
+from tests.support.reference import reference_constrained
+
+MAX_TOKENS = 400  # above what any bounded schema here can take: a valid output always fits
+
+INVOICE = {
+    "type": "object",
+    "properties": {
+        "vendor": {"type": "string", "maxLength": 12},
+        "total_cents": {"type": "integer", "minimum": 0, "maximum": 100000},
+        "currency": {"enum": ["EUR", "USD", "CHF"]},
+        "paid": {"type": "boolean"},
+        "items": {"type": "array", "maxItems": 2, "items": {
+            "type": "object", "properties": {"sku": {"type": "string", "maxLength": 6},
+                                             "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["sku", "qty"], "additionalProperties": False}},
+    },
+    "required": ["vendor", "total_cents", "currency", "paid", "items"],
+    "additionalProperties": False,
+}
+CHART = {
+    "type": "object",
+    "properties": {"title": {"type": "string", "maxLength": 10},
+                   "values": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5},
+                              "maxItems": 4}},
+    "required": ["title", "values"], "additionalProperties": False,
+}
+
+
+def _grammar(schema: dict | None) -> Grammar:
+    return Grammar("json_object") if schema is None else Grammar("json_schema", json.dumps(schema))
+
+
+def _run(model_dir, requests, overlap=False):
+    """{name: (tokens, finish reason)} of [(name, messages, schema or None or "plain", sampling)]."""
+    engine = make_engine(model_dir, async_scheduling=overlap)
+    collector = Collector()
+    for name, messages, schema, sampling in requests:
+        grammar = None if schema == "plain" else _grammar(schema)
+        collector.add(engine, plan_request(model_dir, messages, name, sampling.pop("max_tokens", MAX_TOKENS),
+                                           grammar=grammar, **sampling))
+    run_until_done(engine, collector)
+    return {n: (collector.tokens(n), collector.finish_reason(n)) for n in collector.events}, engine
+
+
+def _text(model_dir, tokens) -> str:
+    from tests.support.reference import load_processor
+
+    return load_processor(model_dir).tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_greedy_tokens_equal_transformers_with_the_same_mask_beside_plain_rows(tiny_models):
+    model_dir = tiny_models["qwen2_vl"]
+    cases = {
+        "invoice_text": (user(text("Extract the invoice as JSON.")), INVOICE),
+        "invoice_image": (user(image(56, 84, 3), text("Extract the invoice.")), INVOICE),
+        "chart_two_images": (user(image(56, 56, 4), image(42, 70, 5), text("Read the chart.")), CHART),
+        "any_object": (user(text("Answer in JSON.")), None),
+    }
+    plain = user(text("Tell me a story about a cat."))
+    requests = [(n, m, s, {}) for n, (m, s) in cases.items()] + [("plain", plain, "plain", {"max_tokens": 12})]
+    for overlap in (False, True):
+        out, _ = _run(model_dir, [(n, m, s, dict(x)) for n, m, s, x in requests], overlap)
+        for name, (messages, schema) in cases.items():
+            tokens, reason = out[name]
+            assert tokens == reference_constrained(model_dir, messages, MAX_TOKENS, schema), name
+            assert reason == "stop", name
+            value = json.loads(_text(model_dir, tokens))
+            if schema is not None:
+                jsonschema.validate(value, schema)
+            else:
+                assert isinstance(value, dict)
+        alone, _ = _run(model_dir, [("plain", plain, "plain", {"max_tokens": 12})])
+        assert out["plain"] == alone["plain"]  # a plain row beside constrained ones is unchanged
+
+
+_SCALARS = st.one_of(
+    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 8)),
+    st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+              st.integers(-1000, 1000), st.integers(0, 5000)),
+    st.builds(lambda values: {"enum": values}, st.lists(st.text("abcxyz", min_size=1, max_size=4), min_size=1,
+                                                          max_size=4, unique=True)),
+    st.just({"type": "boolean"}),
+)
+
+
+def _object(children) -> st.SearchStrategy:
+    names = st.lists(st.text("abcdefgh", min_size=1, max_size=5), min_size=1, max_size=4, unique=True)
+
+    @st.composite
+    def build(draw):
+        keys = draw(names)
+        props = {k: draw(children) for k in keys}
+        required = [k for k in keys if draw(st.booleans())]
+        return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+    return build()
+
+
+_ARRAY = lambda inner: st.builds(lambda item, n: {"type": "array", "items": item, "maxItems": n},  # noqa: E731
+                                 inner, st.integers(0, 3))
+_VALUES = st.recursive(_SCALARS, lambda inner: st.one_of(_object(inner), _ARRAY(inner)), max_leaves=6)
+SCHEMAS = _object(_VALUES)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(schemas=st.lists(SCHEMAS, min_size=3, max_size=3), seed=st.integers(0, 2**31 - 1))
+def test_every_output_of_bounded_schemas_is_valid_greedy_or_sampled(tiny_models, schemas, seed):
+    model_dir = tiny_models["qwen2_vl"]
+    messages = user(text("Fill in the form."))
+    requests = [(f"greedy_{i}", messages, s, {}) for i, s in enumerate(schemas)]
+    requests += [(f"sampled_{i}", messages, s, {"temperature": 1.0, "top_p": 0.95, "seed": seed + i})
+                 for i, s in enumerate(schemas)]
+    out, engine = _run(model_dir, requests, overlap=bool(seed % 2))
+    for i, schema in enumerate(schemas):
+        for name in (f"greedy_{i}", f"sampled_{i}"):
+            tokens, reason = out[name]
+            assert reason == "stop", (name, schema, _text(model_dir, tokens))
+            jsonschema.validate(json.loads(_text(model_dir, tokens)), schema)
+    assert engine.grammar_compiler.stats.cache_hits >= 3  # each schema compiled once for its two rows
+
+
+@pytest.mark.parametrize("schema, message", [
+    ({"type": "objectx"}, "Invalid type: objectx"),
+    ({"type": "string", "pattern": "(unclosed"}, "unclosed group"),
+])
+def test_a_bad_schema_is_an_invalid_request_naming_the_problem(tiny_models, schema, message):
+    engine = make_engine(tiny_models["qwen2_vl"])
+    with pytest.raises(InvalidRequest, match="response_format: the JSON schema cannot be compiled") as err:
+        engine.grammars.compile(_grammar(schema))
+    assert message in str(err.value)
+
+
+def test_the_compiled_grammar_is_cached_by_schema_text_and_compiled_off_the_caller(tiny_models):
+    from transformers import AutoTokenizer
+
+    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(tiny_models["qwen2_vl"]), 1000, [0], cache_size=2)
+    a, b, c = (_grammar({**CHART, "title": str(i)}) for i in range(3))
+    first = compiler.submit(a)
+    assert first.result(timeout=30) is compiler.compile(a)
+    assert (compiler.stats.compiles, compiler.stats.cache_hits) == (1, 1)
+    compiler.compile(b), compiler.compile(c)  # a is evicted (LRU of 2)
+    compiler.compile(a)
+    assert compiler.stats.compiles == 4
+    compiler.timeout_s = 0.0
+    with pytest.raises(InvalidRequest, match="took longer than 0 s to compile"):
+        compiler.compile(_grammar({**INVOICE, "title": "new"}))
+    compiler.shutdown()
+
+
+def test_a_resumed_stream_rebuilds_its_matcher_from_the_tokens_it_sent(tiny_models):
+    """Failover resubmits prompt + sent tokens with `grammar_prefix`: the rest equals the
+    uninterrupted output, and a prefix the grammar refuses is an invalid request."""
+    import dataclasses
+
+    model_dir = tiny_models["qwen2_vl"]
+    messages = user(image(56, 56, 7), text("Extract the invoice."))
+    full, _ = _run(model_dir, [("full", messages, INVOICE, {})])
+    tokens = full["full"][0]
+    sent = tokens[:9]
+    engine = make_engine(model_dir)
+    request = plan_request(model_dir, messages, "resumed", MAX_TOKENS - len(sent), grammar=_grammar(INVOICE))
+    request = dataclasses.replace(request, prompt_token_ids=request.prompt_token_ids + tuple(sent),
+                                  grammar_prefix=len(sent))
+    collector = Collector()
+    collector.add(engine, request)
+    run_until_done(engine, collector)
+    assert sent + collector.tokens("resumed") == tokens
+    with pytest.raises(InvalidRequest, match="do not follow the response_format grammar"):
+        Matcher(engine.grammars.compile(_grammar(INVOICE)), tokens[1:5])
+
+
+def test_a_row_whose_grammar_allows_no_sampled_token_ends_with_an_error(tiny_models):
+    """The step's mask left nothing (a grammar this vocabulary cannot continue): the sampled token
+    is refused by the matcher and the request ends with an error, not a hang."""
+    model_dir = tiny_models["qwen2_vl"]
+    engine = make_engine(model_dir)
+    collector = Collector()
+    collector.add(engine, plan_request(model_dir, user(text("JSON please")), "r", 8, grammar=_grammar(CHART)))
+    engine.step()  # prefill
+    seq = engine._by_id["r"]
+    engine._postprocess(seq, next(iter(engine.model.eos_token_ids)), None, None)  # EOS where "{" must come
+    event = collector.events["r"][-1]
+    assert event.finish_reason == "error" and "the grammar allows none" in str(event.error)
