@@ -64,6 +64,7 @@ class TokenEvent(NamedTuple):
     # milliseconds per stage of this request: the engine puts {"prefill_queue_ms"} on a sequence's
     # first event; the LLM deployment puts every stage it saw on the last (usage.stage_ms)
     stages: dict[str, float] | None = None
+    choice: int = 0  # which of a request's `n` choices (set by the LLM deployment)
 
 
 class Status(Enum):

@@ -71,8 +71,6 @@ def parse_body(body: bytes) -> ChatCompletionRequest:
             where = _location(tuple(err.get("loc", ())))
             problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
         raise InvalidRequest("invalid request: " + "; ".join(problems)) from None
-    if request.n != 1:
-        raise InvalidRequest(f"n={request.n} is not supported; only n=1")
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true")
     return request
@@ -130,22 +128,27 @@ def _logprob_entry(gen: Generation, delta: Delta) -> dict:
 
 
 async def completion(gen: Generation, model: str, with_token_ids: bool) -> dict:
-    text, tokens, logprobs, finish = [], [], [], None
+    text, tokens, logprobs = ([[] for _ in range(gen.n)] for _ in range(3))
+    finish: list[str | None] = [None] * gen.n
     async for delta in gen.deltas():
-        text.append(delta.text)
+        i = delta.index
+        text[i].append(delta.text)
         if delta.token_id is not None:
-            tokens.append(delta.token_id)
+            tokens[i].append(delta.token_id)
             if delta.logprob is not None:
-                logprobs.append(_logprob_entry(gen, delta))
-        finish = delta.finish_reason
-    choice = {"index": 0, "message": {"role": "assistant", "content": "".join(text)}, "finish_reason": finish}
-    if gen.sampling.logprobs is not None:
-        choice["logprobs"] = {"content": logprobs}
-    if with_token_ids:
-        choice["token_ids"] = tokens
+                logprobs[i].append(_logprob_entry(gen, delta))
+        finish[i] = delta.finish_reason
+    choices = []
+    for i in range(gen.n):
+        choice = {"index": i, "message": {"role": "assistant", "content": "".join(text[i])}, "finish_reason": finish[i]}
+        if gen.sampling.logprobs is not None:
+            choice["logprobs"] = {"content": logprobs[i]}
+        if with_token_ids:
+            choice["token_ids"] = tokens[i]
+        choices.append(choice)
     return {
         "id": gen.request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [choice], "usage": gen.usage(),
+        "choices": choices, "usage": gen.usage(),
     }
 
 
@@ -157,10 +160,11 @@ async def sse(gen: Generation, model: str, with_token_ids: bool, include_usage: 
     def event(payload: dict) -> str:
         return "data: " + json.dumps(payload) + "\n\n"
 
-    def chunk(delta: dict, finish: str | None = None, **extra) -> str:
-        return event({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]})
+    def chunk(index: int, delta: dict, finish: str | None = None, **extra) -> str:
+        return event({**base, "choices": [{"index": index, "delta": delta, "finish_reason": finish, **extra}]})
 
-    yield chunk({"role": "assistant", "content": ""})
+    for i in range(gen.n):
+        yield chunk(i, {"role": "assistant", "content": ""})
     try:
         async for delta in gen.deltas():
             extra = {}
@@ -168,7 +172,7 @@ async def sse(gen: Generation, model: str, with_token_ids: bool, include_usage: 
                 extra["token_ids"] = [delta.token_id] if delta.token_id is not None else []
             if delta.logprob is not None and delta.token_id is not None:
                 extra["logprobs"] = {"content": [_logprob_entry(gen, delta)]}
-            yield chunk({"content": delta.text} if delta.text else {}, delta.finish_reason, **extra)
+            yield chunk(delta.index, {"content": delta.text} if delta.text else {}, delta.finish_reason, **extra)
         if include_usage:
             yield event({**base, "choices": [], "usage": gen.usage()})
     except Exception as e:

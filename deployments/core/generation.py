@@ -47,6 +47,7 @@ class GenerationOptions:
     ignore_eos: bool = False
     logprobs: int | None = None  # most likely alternatives to return per token; None: no logprobs
     response_format: Grammar | None = None  # None: plain text
+    n: int = 1  # choices of the same prompt
 
     def __post_init__(self):
         check_options(self)
@@ -60,6 +61,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_SCHEMA_CHARS = 65536  # a response_format's JSON Schema, as text
+MAX_N = 16
 
 
 def _check_range(name: str, value, low, high, *, low_open: bool = False) -> None:
@@ -85,6 +87,7 @@ def check_options(opts: GenerationOptions) -> None:
     _check_range("presence_penalty", opts.presence_penalty, -2.0, 2.0)
     _check_range("seed", opts.seed, *INT64)
     _check_range("top_logprobs", opts.logprobs, 0, MAX_LOGPROBS)
+    _check_range("n", opts.n, 1, MAX_N)
     if len(opts.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"stop has {len(opts.stop)} strings; the limit is {MAX_STOP_STRINGS}")
     if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in opts.stop):
@@ -156,16 +159,18 @@ class Delta(NamedTuple):
     finish_reason: str | None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] | None = None
+    index: int = 0  # the choice
 
 
 class Generation:
     """A validated, dispatched request and its token stream (first event already received)."""
 
     def __init__(self, request_id: str, plan: RequestPlan, sampling: SamplingParams, stop: tuple[str, ...],
-                 stream, first, tokenizer, resume=None, router_ms: float | None = None):
+                 stream, first, tokenizer, resume=None, router_ms: float | None = None, n: int = 1):
         self.request_id = request_id
         self.plan = plan
         self.sampling = sampling
+        self.n = n
         self.first_token_at = time.perf_counter()  # made when the first token is back
         self.num_generated = 0
         self._stop = stop
@@ -180,8 +185,10 @@ class Generation:
         self.report_stages = False
 
     async def _events(self) -> AsyncIterator:
-        """The LLM's events, one uninterrupted stream across failovers."""
+        """The LLM's events, one uninterrupted stream across failovers (for `n` > 1, only before
+        any token was sent: a continuation carries one choice's tokens)."""
         sent: list[int] = []
+        ended = 0  # choices
         event = self._first
         while True:
             if event is None:
@@ -190,32 +197,40 @@ class Generation:
                 except StopAsyncIteration:
                     return
                 except Exception as e:
-                    if self._resume is None:
+                    if self._resume is None or (self.n > 1 and sent):
                         raise
                     self._stream.cancel()
                     self._stream, event = await self._resume(e, tuple(sent))
             if event.token_id is not None:
                 sent.append(event.token_id)
-            if event.finish_reason and event.stages:
+            if event.finish_reason and event.stages:  # the last choice's end
                 self.stages.update(event.stages)
             yield event
-            if event.finish_reason:
+            ended += event.finish_reason is not None
+            if ended == self.n:
                 return
             event = None
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        """Text deltas; a stop string ends the stream early and aborts the LLM request."""
-        detok = IncrementalDetokenizer(self._tokenizer, self._stop)
+        """Text deltas of every choice (`Delta.index`), interleaved as they come; a stop string ends
+        its choice (the LLM request is aborted once every choice has ended)."""
+        detoks = [IncrementalDetokenizer(self._tokenizer, self._stop) for _ in range(self.n)]
+        running = set(range(self.n))
         try:
             async for event in self._events():
+                i = event.choice
+                if i not in running:  # ended by a stop string; its sequence runs on to its end
+                    continue
                 self.num_generated += event.token_id is not None
+                detok = detoks[i]
                 delta = detok.add(event.token_id) if event.token_id is not None else ""
-                if detok.stopped:
-                    yield Delta(delta, event.token_id, "stop", event.logprob, event.top_logprobs)
-                    return
-                finish = event.finish_reason
-                text = delta + detok.flush() if finish else delta
-                yield Delta(text, event.token_id, finish, event.logprob, event.top_logprobs)
+                finish = "stop" if detok.stopped else event.finish_reason
+                text = delta + detok.flush() if finish and not detok.stopped else delta
+                yield Delta(text, event.token_id, finish, event.logprob, event.top_logprobs, i)
+                if finish:
+                    running.discard(i)
+                    if not running:
+                        return
         finally:
             self._stream.cancel()
 

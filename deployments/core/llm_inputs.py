@@ -69,3 +69,4 @@ class PendingRequest:
     snapshot_boundaries: tuple[int, ...] = ()  # `RequestPlan.snapshot_boundaries` (the system prompt's end)
     resumed_tokens: int = 0  # a failover continuation: the last this many prompt tokens were already sent
     attempt: int = 0  # 0: the first submission; n: the router's n-th resubmission (never refused as busy)
+    n: int = 1  # choices: sequences of the same prompt, each sampled on its own (its seed + its index)

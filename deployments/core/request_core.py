@@ -287,6 +287,7 @@ class RequestCore:
             prefix_hashes=prefix_hashes(plan.token_ids, plan.ranges, [item.content_hash for item in plan.items],
                                         self.settings.prefix_block_size),
             snapshot_boundaries=plan.snapshot_boundaries,
+            n=options.n,
         )
         logger.info("request %s: %d prompt tokens, %d media items (%d media tokens), max_tokens %d",
                     request_id, len(plan.token_ids), len(plan.items), plan.num_media_tokens, sampling.max_tokens)
@@ -302,7 +303,7 @@ class RequestCore:
         router_ms = (time.perf_counter() - received) * 1000  # read, fetch, plan, dispatch the media
         stream, first = await failover.start()  # errors surface here, before any response is sent
         gen = Generation(request_id, plan, sampling, options.stop, stream, first, self.tokenizer, failover.resume,
-                         router_ms)
+                         router_ms, options.n)
         self.listener.on_started(gen, (time.perf_counter() - started) * 1000, len(media))
         return gen
 

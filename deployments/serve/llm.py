@@ -9,6 +9,7 @@ replica carries its media, which that replica encodes again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -230,13 +231,19 @@ class LLMDeployment:
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         if self._stats_task is None:
             self._stats_task = asyncio.create_task(self._export_stats())
-        self.engine.add_request(request, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                                ready=stream.ready() if stream else None)
+
+        def emit(choice: int):
+            return lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev._replace(choice=choice))
+
+        # n choices: the first alone, the others once its prefill is done, so that they find its
+        # prompt blocks in the prefix cache and prefill only the last partial block
+        choices = [request] + [_choice(request, i) for i in range(1, pending.n)]
+        unfinished, siblings_added = {request.request_id}, pending.n == 1
+        self.engine.add_request(request, emit(0), ready=stream.ready() if stream else None)
         if stream is not None:
             stream.on_progress = lambda ready: self.engine.extend(pending.request_id, ready)
             stream.on_progress(stream.ready())  # groups that came in since
             stream.task.add_done_callback(lambda task: self._stream_ended(task, pending.request_id, events))
-        finished = False
         added_at = last_token_at = time.perf_counter()
         first = True
         stages = {"embeddings_ms": (added_at - began) * 1000}  # encode queue + encode + transfer, as seen here
@@ -244,8 +251,12 @@ class LLMDeployment:
             while True:
                 event = await events.get()
                 if event.error:
-                    finished = True
                     raise event.error
+                if not siblings_added:  # choice 0's first event: its prompt blocks are cached
+                    siblings_added = True
+                    for i, choice in enumerate(choices[1:], 1):
+                        unfinished.add(choice.request_id)
+                        self.engine.add_request(choice, emit(i))
                 now = time.perf_counter()
                 if "prefill_ms" not in stages:  # the first event: the prefill is done
                     queued = (event.stages or {}).get("prefill_queue_ms", 0.0)
@@ -256,18 +267,19 @@ class LLMDeployment:
                     first, last_token_at = False, now
                     self.metrics.generated.inc()
                 if event.finish_reason:
-                    event = event._replace(stages={**stages, "decode_ms": (now - first_at) * 1000})
-                yield event
-                if event.finish_reason:
-                    finished = True
                     self.metrics.finished.inc(tags={"reason": event.finish_reason})
+                    unfinished.discard(choices[event.choice].request_id)
+                    if not unfinished:  # the last choice's end carries the stages
+                        event = event._replace(stages={**stages, "decode_ms": (now - first_at) * 1000})
+                yield event
+                if event.finish_reason and not unfinished:
                     return
         finally:
             if stream is not None:
                 stream.cancel()
-            if not finished:  # the caller went away (client disconnect, stop string): free the request
-                logger.info("aborting request %s", pending.request_id)
-                self.engine.abort(pending.request_id)
+            for request_id in unfinished:  # the caller went away (client disconnect, stop string), or an error
+                logger.info("aborting request %s", request_id)
+                self.engine.abort(request_id)
 
     def _count_reencode(self) -> None:
         self.video_groups_reencoded += 1
@@ -281,3 +293,12 @@ class LLMDeployment:
         self.engine.abort(request_id)
         error = InvalidRequest(str(cause)) if isinstance(cause, InvalidRequest) else task.exception()
         events.put_nowait(TokenEvent(None, "error", error))
+
+
+def _choice(request: LLMRequest, index: int) -> LLMRequest:
+    """Choice `index` (> 0) of a request with `n` choices: its own id, and its own seed (the
+    request's + its index) so that seeded choices differ and each is reproducible."""
+    sampling = request.sampling
+    if sampling.seed is not None:
+        sampling = dataclasses.replace(sampling, seed=sampling.seed + index)
+    return dataclasses.replace(request, request_id=f"{request.request_id}#{index}", sampling=sampling)

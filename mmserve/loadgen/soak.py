@@ -81,7 +81,7 @@ def bad_inputs() -> list[tuple[str, dict | None, bytes | None]]:
         ("max_tokens over context", _chat("hi", max_tokens=10**7), None),
         ("unknown content part", _chat([{"type": "audio_url", "audio_url": {"url": "x"}}]), None),
         ("no messages", {"messages": [], "max_tokens": 4}, None),
-        ("n = 2", _chat("hi", n=2), None),
+        ("n = 99", _chat("hi", n=99), None),
         ("bad base64", _url("data:image/png;base64,!!!not-base64!!!"), None),
         ("top_p 0", _chat("hi", top_p=0), None),
     ]

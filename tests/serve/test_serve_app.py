@@ -118,7 +118,7 @@ BAD_REQUESTS = {
         {"messages": [{"role": "user", "content": "hello " * 5000}]},
         "context",
     ),
-    "n > 1": ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n=2"),
+    "n over 16": ({"messages": [{"role": "user", "content": "hi"}], "n": 17}, "n must be in [1, 16]"),
 }
 
 

@@ -95,3 +95,62 @@ def test_a_bad_schema_is_a_400_naming_it_and_the_next_request_succeeds(serve_url
     assert bad.status_code == 400 and needle in bad.json()["error"]["message"], bad.text
     ok = httpx.post(url, json={**body, "response_format": _format(CHART)}, timeout=60)
     assert ok.status_code == 200
+
+
+def _llm_stats(app: str) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("LLM", app_name=app).stats.remote().result()
+
+
+def test_n_choices_share_the_prompts_blocks_and_each_follows_the_schema(serve_urls, tiny_models):
+    """n = 3, greedy: every choice is the masked reference (prompt blocks computed once, the other
+    two choices find them cached); usage sums the choices."""
+    from deployments.config import AppArgs
+
+    ref, api = _case((26,), "Extract the invoice.")
+    expected = reference_constrained(tiny_models["qwen2_vl"], ref, MAX_TOKENS, INVOICE)
+    before = _llm_stats("qwen2_vl")["num_cached_tokens"]
+    resp = _client(serve_urls, "qwen2_vl").chat.completions.create(
+        model="qwen2_vl", messages=api, max_tokens=MAX_TOKENS, n=3, response_format=_format(INVOICE),
+        extra_body={"return_token_ids": True})
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert all(c.model_extra["token_ids"] == expected and c.finish_reason == "stop" for c in resp.choices), (
+        expected, [(c.model_extra["token_ids"], c.finish_reason) for c in resp.choices])
+    assert resp.usage.completion_tokens == 3 * len(expected)
+    block = AppArgs().engine.block_size
+    full_blocks = (resp.usage.prompt_tokens - 1) // block * block
+    assert _llm_stats("qwen2_vl")["num_cached_tokens"] - before >= 2 * full_blocks
+
+
+def test_n_sampled_choices_stream_with_their_index_and_are_reproducible(serve_urls):
+    _, api = _case((27,), "Extract the invoice.")
+    c = _client(serve_urls, "qwen2_vl")
+    kw = dict(model="qwen2_vl", messages=api, max_tokens=MAX_TOKENS, n=3, temperature=1.0, seed=5,
+              response_format=_format(INVOICE))
+    whole = c.chat.completions.create(**kw)
+    texts = {i: "" for i in range(3)}
+    finishes = {}
+    for chunk in c.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert texts == {ch.index: ch.message.content for ch in whole.choices}  # each choice its own seed, reproducible
+    assert finishes == {0: "stop", 1: "stop", 2: "stop"}
+    for text in texts.values():
+        jsonschema.validate(json.loads(text), INVOICE)
+    assert len(set(texts.values())) > 1  # seeds differ by choice
+
+
+def test_over_the_grpc_transport_the_json_is_the_same(secured_url, tiny_models):
+    """The secured app's embeddings travel over gRPC (and the router awaits them): same tokens."""
+    from tests.support.serve_fixtures import TEST_API_KEY
+
+    ref, api = _case((28,), "Extract the invoice.")
+    expected = reference_constrained(tiny_models["qwen2_vl"], ref, MAX_TOKENS, INVOICE)
+    c = openai.OpenAI(base_url=secured_url + "/v1", api_key=TEST_API_KEY, max_retries=0, timeout=120)
+    for stream in (False, True):
+        text, tokens = chat_completion(c, "secured", api, MAX_TOKENS, stream, response_format=_format(INVOICE))
+        assert tokens == expected
+        jsonschema.validate(json.loads(text), INVOICE)

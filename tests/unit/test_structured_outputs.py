@@ -202,3 +202,47 @@ def test_a_row_whose_grammar_allows_no_sampled_token_ends_with_an_error(tiny_mod
     engine._postprocess(seq, next(iter(engine.model.eos_token_ids)), None, None)  # EOS where "{" must come
     event = collector.events["r"][-1]
     assert event.finish_reason == "error" and "the grammar allows none" in str(event.error)
+
+
+def test_n_choices_interleave_and_a_stop_string_ends_only_its_choice(tiny_models):
+    """`Generation` over the events of n = 2 choices as the LLM deployment interleaves them: each
+    choice is detokenized on its own, a stop string in one ends that choice only, and the stream
+    is cancelled once both have ended; a replica lost after a token was sent is not resumed."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from deployments.core.generation import Generation
+    from llm_service.sampling import SamplingParams
+    from llm_service.sequence import TokenEvent
+    from tests.support.core_fakes import FakeStream
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["qwen2_vl"])
+    a = tokenizer.encode("red fish", add_special_tokens=False)
+    b = tokenizer.encode("blue STOP cat", add_special_tokens=False)
+    events = [TokenEvent(t, None, choice=0) for t in a[:1]] + [TokenEvent(t, None, choice=1) for t in b]
+    events += [TokenEvent(b[0], "length", choice=1)]  # after the stop string: ignored
+    events += [TokenEvent(t, None, choice=0) for t in a[1:]] + [TokenEvent(None, "stop", choice=0)]
+
+    async def run():
+        stream = FakeStream(iter(events[1:]))
+        gen = Generation("r", None, SamplingParams(16), ("STOP",), stream, events[0], tokenizer, n=2)
+        deltas = [d async for d in gen.deltas()]
+        return deltas, stream
+
+    deltas, stream = asyncio.run(run())
+    text = {i: "".join(d.text for d in deltas if d.index == i) for i in (0, 1)}
+    finish = {d.index: d.finish_reason for d in deltas if d.finish_reason}
+    assert text == {0: "red fish", 1: "blue "} and finish == {0: "stop", 1: "stop"}
+    assert stream.cancelled
+
+    async def lost_after_a_token():
+        async def resume(error, sent):
+            raise AssertionError("an n > 1 stream is not resumed once a token was sent")
+
+        stream = FakeStream(iter([RuntimeError("replica lost")]))
+        gen = Generation("r", None, SamplingParams(16), (), stream, TokenEvent(a[0], None), tokenizer, resume, n=2)
+        return [d async for d in gen.deltas()]
+
+    with pytest.raises(RuntimeError, match="replica lost"):
+        asyncio.run(lost_after_a_token())
