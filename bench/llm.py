@@ -7,6 +7,7 @@
     python bench/llm.py --hybrid-prefix      # hybrid LM: TTFT with state snapshots on vs off
     python bench/llm.py --hybrid-prefix --quick    # the same, smaller prompt (seconds)
     python bench/llm.py --breakdown          # per-step time by phase, overlap off and on
+    python bench/llm.py --grammar [--device cuda]   # step time with a JSON-schema grammar on every row
 
 (a) `generate` serves the requests one at a time (what a replica without batching does);
 (b) the engine gets all of them at once. The last line printed is one JSON object.
@@ -29,6 +30,11 @@ it), launching the sampler, waiting for the sampled ids it reads and postprocess
 CUDA the device time of the step it reads (CUDA events). `host` is the engine's own work around
 the forward (schedule + prepare + sample + postprocess). Ops per step come from `torch.profiler`
 over a few more steps: CUDA kernels on a GPU, top-level aten ops on the CPU.
+
+--grammar: structured outputs' cost. The small LM with Qwen's vocabulary (151,936 logits, the
+tokenizer of `mmserve.loadgen.vocab`), steady decode at batch 1 and 64 with the 30-property invoice
+schema (`mmserve.loadgen.grammar.SCHEMA`) on every row against none, side by side; the grammar is
+compiled once before (the LRU). Prints the ratios and the engine-thread time spent filling masks.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from llm_service.config import EngineConfig
 from llm_service.engine import LLMEngine, LLMRequest
 from llm_service.kv_cache import bytes_per_block
 from llm_service.model import LanguageModel
-from llm_service.sampling import SamplingParams
+from llm_service.sampling import Grammar, SamplingParams
 from mmserve.loadgen.checkpoints import QWEN2_VL_2B_TEXT
 from mmserve.loadgen.device_peaks import peaks
 from mmserve.request.embeddings import ItemEmbedding
@@ -70,11 +76,12 @@ IMAGE_TOKEN = 5
 HYBRID_SIZES = {"full": (1024, 256, 16), "quick": (256, 64, 16)}
 
 
-def random_checkpoint(size: str, dtype: torch.dtype, device: str) -> Path:
+def random_checkpoint(size: str, dtype: torch.dtype, device: str, vocab_size: int | None = None) -> Path:
     """A Qwen2-VL checkpoint with random weights (tiny vision tower, LM of `size`)."""
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    text = dict(SIZES[size], rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+    sizes = dict(SIZES[size], **({"vocab_size": vocab_size} if vocab_size else {}))
+    text = dict(sizes, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
                                               "mrope_section": [16, 24, 24] if size == "2b" else [4, 6, 6]},
                 tie_word_embeddings=size == "2b", bos_token_id=1, eos_token_id=2, pad_token_id=0)
     vision = dict(depth=1, embed_dim=32, hidden_size=text["hidden_size"], num_heads=2)
@@ -212,7 +219,7 @@ def bench_generate(model, reqs, max_tokens, device) -> tuple[float, float]:
     return total / (time.perf_counter() - start), 1000 * sum(gaps) / max(len(gaps), 1)
 
 
-def run_engine(engine: LLMEngine, reqs, max_tokens) -> tuple[float, list[list[float]]]:
+def run_engine(engine: LLMEngine, reqs, max_tokens, grammar: Grammar | None = None) -> tuple[float, list[list[float]]]:
     """All of `reqs` submitted at once: (seconds until the last finished, each one's token times)."""
     times: dict[int, list[float]] = {i: [] for i in range(len(reqs))}
     done = threading.Event()
@@ -231,7 +238,7 @@ def run_engine(engine: LLMEngine, reqs, max_tokens) -> tuple[float, list[list[fl
 
     start = time.perf_counter()
     for i, ids in enumerate(reqs):
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, grammar=grammar)
         engine.add_request(LLMRequest(f"b{start}-{i}", tuple(ids), params), emit(i))
     done.wait()
     return time.perf_counter() - start, list(times.values())
@@ -244,13 +251,48 @@ def bench_engine(engine: LLMEngine, reqs, max_tokens) -> tuple[float, float]:
     return sum(len(t) for t in times) / elapsed, 1000 * sum(gaps) / max(len(gaps), 1)
 
 
-def decode_ms_per_step(engine: LLMEngine, batch: int, context: int, tokens: int, vocab: int) -> float:
+def decode_ms_per_step(engine: LLMEngine, batch: int, context: int, tokens: int, vocab: int,
+                       grammar: Grammar | None = None) -> float:
     """Steady decode of `batch` sequences over `context`-token prompts: the mean gap between a
     sequence's tokens once every sequence has its first (no prefill chunk falls in a gap)."""
-    _, times = run_engine(engine, prompts(batch, context, vocab), tokens)
+    _, times = run_engine(engine, prompts(batch, context, vocab), tokens, grammar)
     steady = max(t[0] for t in times)
     gaps = [b - a for t in times for a, b in zip(t, t[1:]) if a >= steady]
     return 1000 * sum(gaps) / max(len(gaps), 1)
+
+
+# -- --grammar ------------------------------------------------------------------------------------
+def bench_grammar(args) -> None:
+    from mmserve.loadgen.grammar import SCHEMA
+    from mmserve.loadgen.vocab import QWEN2_MODEL_VOCAB, qwen_size_tokenizer
+
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    model_dir = random_checkpoint("small", dtype, args.device, vocab_size=QWEN2_MODEL_VOCAB)
+    qwen_size_tokenizer().save_pretrained(model_dir)  # the grammar compiles for the checkpoint's tokenizer
+    lm = LanguageModel(model_dir, dtype=str(dtype).removeprefix("torch."), device=args.device)
+    engine = LLMEngine(lm, EngineConfig(max_num_seqs=64, max_num_batched_tokens=4096))
+    engine.start()
+    grammar = Grammar("json_schema", json.dumps(SCHEMA))
+    start = time.perf_counter()
+    engine.grammars.compile(grammar)
+    compile_ms = (time.perf_counter() - start) * 1000
+    vocab, n = lm.vocab_size, args.decode_tokens
+    bench_engine(engine, prompts(2, args.prompt_len, vocab), 4)  # warm up
+    result: dict = {"device": args.device, "vocab": vocab, "compile_ms": round(compile_ms, 1), "decode_tokens": n}
+    print(f"{'batch':>5} {'none ms/step':>13} {'grammar ms/step':>16} {'ratio':>6} {'mask ms/step':>13}")
+    for batch in (1, 64):
+        plain = decode_ms_per_step(engine, batch, args.prompt_len, n, vocab)
+        steps_before, fill_before = engine.num_steps, engine.masks.fill_s
+        constrained = decode_ms_per_step(engine, batch, args.prompt_len, n, vocab, grammar)
+        mask_ms = (engine.masks.fill_s - fill_before) * 1000 / max(engine.num_steps - steps_before, 1)
+        result.update({f"none_ms_per_step_b{batch}": round(plain, 3),
+                       f"grammar_ms_per_step_b{batch}": round(constrained, 3),
+                       f"grammar_b{batch}_step_ratio": round(constrained / plain, 3),
+                       f"mask_fill_ms_per_step_b{batch}": round(mask_ms, 3)})
+        print(f"{batch:>5} {plain:>13.3f} {constrained:>16.3f} {constrained / plain:>6.2f} {mask_ms:>13.3f}")
+    engine.shutdown()
+    shutil.rmtree(model_dir, ignore_errors=True)
+    print(json.dumps(result))
 
 
 # -- --breakdown ----------------------------------------------------------------------------------
@@ -399,7 +441,12 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true",
                     help="per-step time by phase (decode at batch 1, 8, 64 and a mixed step), overlap off and on")
     ap.add_argument("--steps", type=int, default=32, help="--breakdown: steps measured per case")
+    ap.add_argument("--grammar", action="store_true",
+                    help="step time with a 30-property JSON-schema grammar on every row vs none, batch 1 and 64")
     args = ap.parse_args()
+    if args.grammar:
+        bench_grammar(args)
+        return
     if args.hybrid_prefix:
         bench_hybrid_prefix(args.quick, args.repeats)
         return

@@ -58,13 +58,16 @@ class GrammarCompiler:
         self.stats = GrammarStats()
 
     def _compile(self, grammar: Grammar):
-        from llguidance import LLMatcher
+        from llguidance import LLMatcher, grammar_from
 
         start = time.perf_counter()
         try:
             schema = ANY_OBJECT if grammar.kind == "json_object" else grammar.schema
             try:
-                text = LLMatcher.grammar_from_json_schema(schema, defaults=COMPACT)
+                if grammar.kind == "lark":
+                    text = grammar_from("lark", schema)
+                else:
+                    text = LLMatcher.grammar_from_json_schema(schema, defaults=COMPACT)
             except ValueError as e:  # not JSON
                 raise InvalidRequest(f"response_format: the JSON schema is not valid JSON: {e}") from None
             compiled = LLMatcher(self.tokenizer, text, log_level=0)  # at the start; copied per sequence
@@ -167,9 +170,18 @@ class StepMasks:
             matcher.fill(host, j)
         rows = [i for i, _ in matchers]
         self.fill_s += time.perf_counter() - start
-        device = logits.device
-        bits = host.to(device, non_blocking=True)
-        allowed = ((bits.unsqueeze(-1) >> self._bits.to(device)) & 1).flatten(1)[:, :logits.shape[-1]].bool()
+        device, vocab = logits.device, logits.shape[-1]
+        if device.type == "cpu":  # numpy unpacks bits in C (bit j of word i: token 32 i + j, little-endian)
+            import numpy as np
+
+            allowed = torch.from_numpy(np.unpackbits(host.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab])
+            allowed = allowed.bool()
+        else:
+            bits = host.to(device, non_blocking=True)
+            allowed = ((bits.unsqueeze(-1) >> self._bits.to(device)) & 1).flatten(1)[:, :vocab].bool()
+        if rows == list(range(len(rows))) and len(rows) == logits.shape[0]:
+            logits.masked_fill_(~allowed, float("-inf"))
+            return
         at = torch.tensor(rows, device=device)
         logits[at] = logits[at].masked_fill(~allowed, float("-inf"))
 

@@ -15,9 +15,10 @@ from llm_service.transfer import ints, to_device
 class Grammar:
     """What the output must be (OpenAI's `response_format`): `json_object`, any JSON object, or
     `json_schema`, a JSON value valid against `schema` (the JSON Schema's text as the client sent it:
-    its property order is the output's). Compiled on the LLM replica (`llm_service.grammar`)."""
+    its property order is the output's); `lark`: `schema` is a grammar in llguidance's Lark dialect
+    (a forced tool call, `mmserve.request.tools`). Compiled on the LLM replica (`llm_service.grammar`)."""
 
-    kind: Literal["json_object", "json_schema"]
+    kind: Literal["json_object", "json_schema", "lark"]
     schema: str = ""
 
 

@@ -1,0 +1,89 @@
+"""Tool calls in Qwen's format (`mmserve.request.tools`): the parser on recorded outputs (a call,
+two calls, text around them, malformed blocks kept as text), and the grammar of `tool_choice`
+required / a named function driving the engine: with an image in the prompt, random weights,
+greedy and sampled, every output parses to calls whose arguments validate, for a tokenizer where
+`<tool_call>` is an added token (Qwen3-VL) and one where it is text (Qwen2-VL)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from llm_service.sampling import Grammar
+from mmserve.errors import InvalidRequest
+from mmserve.request.tools import ToolFormat, ToolSpec, fallback_system_text, parse_calls, render_call
+from tests.support.cases import image, text, user
+from tests.support.engine_support import Collector, make_engine, plan_request, run_until_done
+
+CLICK = ToolSpec("click", "Click at a point of the screen", {
+    "type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 1920},
+                                     "y": {"type": "integer", "minimum": 0, "maximum": 1080},
+                                     "button": {"enum": ["left", "right"]}},
+    "required": ["x", "y"], "additionalProperties": False})
+TYPE = ToolSpec("type_text", "Type text", {
+    "type": "object", "properties": {"text": {"type": "string", "maxLength": 12}}, "required": ["text"],
+    "additionalProperties": False})
+TOOLS = [CLICK, TYPE]
+
+
+@pytest.mark.parametrize("output, content, calls", [
+    ('<tool_call>\n{"name": "click", "arguments": {"x": 10, "y": 20}}\n</tool_call>', None,
+     [("click", {"x": 10, "y": 20})]),
+    ('I will click.\n<tool_call>\n{"name": "click", "arguments": {"x": 1, "y": 2}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "type_text", "arguments": {"text": "hi"}}\n</tool_call>', "I will click.",
+     [("click", {"x": 1, "y": 2}), ("type_text", {"text": "hi"})]),
+    ('<tool_call>\n{"name": "click", "arguments": "{\\"x\\": 3, \\"y\\": 4}"}\n</tool_call>', None,
+     [("click", {"x": 3, "y": 4})]),  # arguments written as a JSON string
+    ('<tool_call>\n{"name": "click", "arguments": {"x": 1,\n</tool_call>', None, []),  # malformed: text
+    ('<tool_call>\n{"name": "scroll", "arguments": {}}\n</tool_call>', None, []),  # no such tool: text
+    ("Just an answer.", None, []),
+])
+def test_the_parser_finds_calls_and_keeps_the_rest_as_text(output, content, calls):
+    got_content, got = parse_calls(output, TOOLS)
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    assert got_content == (content if calls else output)
+    assert len({c.id for c in got}) == len(got) and all(c.id.startswith("call_") for c in got)
+    for call in got:  # a call renders back as Qwen's template writes it
+        assert parse_calls(render_call(call), TOOLS)[1][0].arguments == call.arguments
+
+
+def test_tools_are_checked_and_described_for_templates_without_them():
+    with pytest.raises(InvalidRequest, match="tool name"):
+        ToolSpec("no spaces allowed")
+    with pytest.raises(InvalidRequest, match="type object"):
+        ToolSpec("f", parameters={"type": "string"})
+    described = fallback_system_text(TOOLS)
+    assert '"name": "click"' in described and "<tool_call>" in described and described.startswith("# Tools")
+
+
+def _run(model_dir, grammar: str, sampled: dict, n: int = 3):
+    engine = make_engine(model_dir)
+    collector = Collector()
+    for i in range(n):
+        collector.add(engine, plan_request(model_dir, user(image(56, 70, 30 + i), text("Click the OK button.")),
+                                           f"r{i}", 800, grammar=Grammar("lark", grammar),
+                                           **({**sampled, "seed": i} if sampled else {})))
+    run_until_done(engine, collector)
+    return [(collector.tokens(f"r{i}"), collector.finish_reason(f"r{i}")) for i in range(n)]
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_vl"])
+@pytest.mark.parametrize("sampled", [{}, {"temperature": 1.0, "top_p": 0.95}], ids=["greedy", "sampled"])
+def test_required_and_named_choices_always_give_valid_calls(tiny_checkpoint, family, sampled):
+    from transformers import AutoTokenizer
+
+    model_dir = tiny_checkpoint(family)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    fmt = ToolFormat.of(tokenizer)
+    assert (fmt.start_id is not None) == (family == "qwen3_vl")
+    for tools, parallel in ((TOOLS, True), ([TYPE], False)):  # required (parallel calls); a named function
+        for tokens, reason in _run(model_dir, fmt.grammar(tools, parallel), sampled):
+            assert reason == "stop"
+            content, calls = parse_calls(tokenizer.decode(tokens), tools)
+            assert calls and content is None
+            assert parallel or len(calls) == 1
+            for call in calls:
+                spec = next(t for t in tools if t.name == call.name)
+                jsonschema.validate(json.loads(call.arguments), spec.schema)
