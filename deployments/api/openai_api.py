@@ -13,7 +13,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from deployments.api.openai_models import ChatCompletionRequest, ImageURLPart, ResponseFormat, TextPart, VideoURLPart
+from deployments.api.openai_models import (ChatCompletionRequest, ImageURLPart, NamedToolChoice, ResponseFormat,
+                                           TextPart, VideoURLPart)
 from deployments.config import RETRY_AFTER_S
 from deployments.core.failures import Failure
 from deployments.core.generation import OPTION_NAMES, Delta, Generation, GenerationOptions, response_format
@@ -22,6 +23,8 @@ from llm_service.sampling import Grammar
 from mmserve.errors import InvalidRequest
 from mmserve.request.media import MediaKind, MediaSource
 from mmserve.request.prompt_plan import Message
+from mmserve.request.tools import START as TOOL_START
+from mmserve.request.tools import ToolCall, ToolSpec, check_tools, new_call_id, parse_calls
 
 logger = logging.getLogger("ray.serve")
 
@@ -109,11 +112,26 @@ def chat_request(request: ChatCompletionRequest) -> ChatRequest:
             return MediaSource(MediaKind.VIDEO, (p.video_url.url,), container=True)
         return MediaSource(MediaKind.VIDEO, tuple(p.video), fps=p.fps)
 
-    messages = tuple(
-        Message(m.role, (m.content,) if isinstance(m.content, str) else tuple(part(p) for p in m.content))
-        for m in request.messages
-    )
-    return ChatRequest(messages, options(request), request.model)
+    def message(m) -> Message:
+        parts = () if m.content is None else (m.content,) if isinstance(m.content, str) else tuple(map(part, m.content))
+        calls = tuple(ToolCall(c.id or new_call_id(), c.function.name, c.function.arguments)
+                      for c in m.tool_calls or ())
+        if m.content is None and not (m.role == "assistant" and calls):
+            raise InvalidRequest(f"a {m.role} message needs content (only an assistant's tool calls may stand alone)")
+        return Message(m.role, parts, calls, m.tool_call_id)
+
+    tools = tuple(ToolSpec(t.function.name, t.function.description, t.function.parameters)
+                  for t in request.tools or ())
+    check_tools(list(tools))
+    choice = request.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        choice = choice.function.name
+    elif choice is None:
+        choice = "auto" if tools else "none"
+    if choice != "none" and not tools:
+        raise InvalidRequest(f"tool_choice {choice!r} needs tools")
+    return ChatRequest(tuple(message(m) for m in request.messages), options(request), request.model, tools, choice,
+                       request.parallel_tool_calls)
 
 
 def _logprob_entry(gen: Generation, delta: Delta) -> dict:
@@ -125,6 +143,18 @@ def _logprob_entry(gen: Generation, delta: Delta) -> dict:
 
     return {**entry(delta.token_id, delta.logprob),
             "top_logprobs": [entry(t, lp) for t, lp in delta.top_logprobs or ()]}
+
+
+def _message(text: str, finish: str | None, tools) -> tuple[dict, str | None]:
+    """The assistant message of a choice's text (its tool calls parsed out when the request has
+    tools), and its finish reason (`tool_calls` when it made any)."""
+    if not tools:
+        return {"role": "assistant", "content": text}, finish
+    content, calls = parse_calls(text, list(tools))
+    if not calls:
+        return {"role": "assistant", "content": text}, finish
+    message = {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}
+    return message, "tool_calls" if finish == "stop" else finish
 
 
 async def completion(gen: Generation, model: str, with_token_ids: bool) -> dict:
@@ -140,7 +170,8 @@ async def completion(gen: Generation, model: str, with_token_ids: bool) -> dict:
         finish[i] = delta.finish_reason
     choices = []
     for i in range(gen.n):
-        choice = {"index": i, "message": {"role": "assistant", "content": "".join(text[i])}, "finish_reason": finish[i]}
+        message, finish[i] = _message("".join(text[i]), finish[i], gen.tools)
+        choice = {"index": i, "message": message, "finish_reason": finish[i]}
         if gen.sampling.logprobs is not None:
             choice["logprobs"] = {"content": logprobs[i]}
         if with_token_ids:
@@ -150,6 +181,33 @@ async def completion(gen: Generation, model: str, with_token_ids: bool) -> dict:
         "id": gen.request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": choices, "usage": gen.usage(),
     }
+
+
+class _ToolText:
+    """One choice's streamed text when the request has tools: text is sent as content until a
+    `<tool_call>` begins (a tail that may be its start is held back); from there it is held, and
+    parsed into calls at the choice's end (what is not a call is sent as content then)."""
+
+    def __init__(self, tools):
+        self.tools, self.held, self.calling = list(tools), "", False
+
+    def add(self, text: str) -> str:
+        self.held += text
+        if self.calling:
+            return ""
+        at = self.held.find(TOOL_START)
+        if at >= 0:
+            out, self.held, self.calling = self.held[:at], self.held[at:], True
+            return out
+        keep = next((k for k in range(min(len(TOOL_START) - 1, len(self.held)), 0, -1)
+                     if TOOL_START.startswith(self.held[-k:])), 0)
+        out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return out
+
+    def end(self) -> tuple[str, list[ToolCall]]:
+        """(content still to send, calls)."""
+        content, calls = parse_calls(self.held, self.tools)
+        return (content or "", calls) if calls else (self.held, [])
 
 
 async def sse(gen: Generation, model: str, with_token_ids: bool, include_usage: bool,
@@ -165,6 +223,7 @@ async def sse(gen: Generation, model: str, with_token_ids: bool, include_usage: 
 
     for i in range(gen.n):
         yield chunk(i, {"role": "assistant", "content": ""})
+    texts = [_ToolText(gen.tools) for _ in range(gen.n)] if gen.tools else None
     try:
         async for delta in gen.deltas():
             extra = {}
@@ -172,7 +231,23 @@ async def sse(gen: Generation, model: str, with_token_ids: bool, include_usage: 
                 extra["token_ids"] = [delta.token_id] if delta.token_id is not None else []
             if delta.logprob is not None and delta.token_id is not None:
                 extra["logprobs"] = {"content": [_logprob_entry(gen, delta)]}
-            yield chunk(delta.index, {"content": delta.text} if delta.text else {}, delta.finish_reason, **extra)
+            if texts is None:
+                yield chunk(delta.index, {"content": delta.text} if delta.text else {}, delta.finish_reason, **extra)
+                continue
+            tool_text = texts[delta.index]
+            content = tool_text.add(delta.text)
+            if not delta.finish_reason:
+                yield chunk(delta.index, {"content": content} if content else {}, None, **extra)
+                continue
+            rest, calls = tool_text.end()
+            content += rest
+            yield chunk(delta.index, {"content": content} if content else {}, None, **extra)
+            for k, call in enumerate(calls):  # a call once whole: its id and name, then its arguments
+                head = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+                yield chunk(delta.index, {"tool_calls": [head]})
+                yield chunk(delta.index, {"tool_calls": [{"index": k, "function": {"arguments": call.arguments}}]})
+            finish = "tool_calls" if calls and delta.finish_reason == "stop" else delta.finish_reason
+            yield chunk(delta.index, {}, finish)
         if include_usage:
             yield event({**base, "choices": [], "usage": gen.usage()})
     except Exception as e:

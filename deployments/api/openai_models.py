@@ -56,9 +56,43 @@ Content = Annotated[
 ]
 
 
+class FunctionCall(_Model):
+    name: str
+    arguments: str = "{}"  # JSON text of an object
+
+
+class ToolCallModel(_Model):
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatCompletionMessage(_Model):
     role: str  # checked by the request core, as for gRPC
-    content: Content
+    content: Content | None = None  # None: an assistant turn of tool calls only
+    tool_calls: list[ToolCallModel] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionSpec(_Model):
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # arguments are always held to `parameters` when a call is forced
+
+
+class ToolModel(_Model):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(_Model):
@@ -103,3 +137,6 @@ class ChatCompletionRequest(_Model):
     return_stage_times: bool = False  # mmserve extension: usage.stage_ms, milliseconds per stage of the request
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    tools: list[ToolModel] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True

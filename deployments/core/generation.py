@@ -173,6 +173,7 @@ class Generation:
         self.n = n
         self.first_token_at = time.perf_counter()  # made when the first token is back
         self.num_generated = 0
+        self.tools: tuple = ()  # `ToolSpec`s whose calls the API parses out of the text (tool_choice not none)
         self._stop = stop
         self._stream = stream
         self._first = first

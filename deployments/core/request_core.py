@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import math
 import logging
@@ -32,13 +33,15 @@ from deployments.core.generation import Generation, GenerationOptions, sampling_
 from deployments.core.llm_inputs import EmbeddingHandle, PendingRequest, StreamedVideo
 from deployments.core.readiness import Readiness
 from deployments.media.fetch import MediaFetcher
+from llm_service.sampling import Grammar
 from mmserve.checkpoint import load_config, resolve_max_model_len
 from mmserve.errors import InvalidRequest, NotReady, QueueFull, RequestTooLarge, ShuttingDown, Unauthenticated
 from mmserve.request.media import DecodedVideo, EncodeItem, MediaItem, MediaSource, warm_up_image
 from mmserve.request.prompt_plan import Message, RequestPlanner
+from mmserve.request.tools import ToolFormat, ToolSpec
 
 logger = logging.getLogger("ray.serve")
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,28 @@ class ChatRequest:
     messages: tuple[Message[MediaSource], ...]
     options: GenerationOptions
     model: str | None = None  # when set, it must name the served model
+    tools: tuple[ToolSpec, ...] = ()
+    # "none" (tools not shown), "auto" (the model may call), "required" (it must), or the one
+    # function's name it must call
+    tool_choice: str = "auto"
+    parallel_tool_calls: bool = True
+
+    def tool_grammar(self, tokenizer) -> Grammar | None:
+        """The grammar forcing a call (`required` or a named function), None otherwise."""
+        if not self.tools or self.tool_choice in ("none", "auto"):
+            return None
+        tools = self.tools
+        if self.tool_choice != "required":
+            tools = tuple(t for t in self.tools if t.name == self.tool_choice)
+            if not tools:
+                raise InvalidRequest(f"tool_choice names {self.tool_choice!r}, which is not among the tools")
+        if self.options.response_format is not None:
+            raise InvalidRequest("response_format and a forced tool_choice cannot be combined")
+        return Grammar("lark", ToolFormat.of(tokenizer).grammar(list(tools), self.parallel_tool_calls))
+
+    @property
+    def parses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 @dataclass(frozen=True)
@@ -191,7 +216,7 @@ class RequestCore:
             messages = await self._load_media(request, request_id)
         self._check_open()
         with self.pending.take():
-            return await self._start(messages, request.options, request_id, received)
+            return await self._start(messages, request, request_id, received)
 
     def authenticate(self, authorization: str | None) -> None:
         """`authorization` is the HTTP header / gRPC metadata value: "Bearer KEY" when a key is set."""
@@ -265,7 +290,7 @@ class RequestCore:
                                                               for i in files])))
         items = iter([MediaItem(source.kind, frames[i] if stream or i not in decoded else (), fps=source.fps,
                                 decoded=decoded.get(i)) for i, source in enumerate(sources)])
-        return [Message(m.role, tuple(p if isinstance(p, str) else next(items) for p in m.parts))
+        return [dataclasses.replace(m, parts=tuple(p if isinstance(p, str) else next(items) for p in m.parts))
                 for m in request.messages]
 
     def _check_decoded_pixels(self, videos: list[DecodedVideo]) -> None:
@@ -275,10 +300,14 @@ class RequestCore:
                 f"the request's {len(videos)} videos sample to {total} decoded pixels together, over the limit of "
                 f"{limit} (max_decoded_pixels_per_request); send fewer, shorter or smaller videos")
 
-    async def _start(self, messages: list[Message[MediaItem]], options: GenerationOptions,
+    async def _start(self, messages: list[Message[MediaItem]], request: ChatRequest,
                      request_id: str, received: float) -> Generation:
         started = time.perf_counter()
-        plan = await asyncio.to_thread(self.planner.plan, messages)
+        options = request.options
+        if (forced := request.tool_grammar(self.tokenizer)) is not None:  # a call the grammar holds to the tools
+            options = dataclasses.replace(options, response_format=forced)
+        tools = request.tools if request.parses_tools else ()
+        plan = await asyncio.to_thread(self.planner.plan, messages, tools)
         sampling = sampling_params(options, len(plan.token_ids), self.max_model_len, self.generation_defaults)
         media = plan.media
         pending = PendingRequest(
@@ -304,6 +333,7 @@ class RequestCore:
         stream, first = await failover.start()  # errors surface here, before any response is sent
         gen = Generation(request_id, plan, sampling, options.stop, stream, first, self.tokenizer, failover.resume,
                          router_ms, options.n)
+        gen.tools = tools
         self.listener.on_started(gen, (time.perf_counter() - started) * 1000, len(media))
         return gen
 

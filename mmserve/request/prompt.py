@@ -17,6 +17,7 @@ there for later requests with the same system prompt (`RequestPlan.snapshot_boun
 from __future__ import annotations
 
 import copy
+import json
 import re
 from dataclasses import dataclass
 from typing import Generic, NamedTuple, TypeVar
@@ -24,6 +25,7 @@ from typing import Generic, NamedTuple, TypeVar
 from mmserve.errors import InvalidRequest
 from mmserve.families.base import ItemExpansion
 from mmserve.request.media import MediaItem, MediaKind, MediaSource, PlaceholderRange
+from mmserve.request.tools import ToolCall, ToolSpec, fallback_system_text, render_call
 
 _SENTINEL = "\ue000{}\ue001"
 _SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
@@ -35,10 +37,13 @@ Media = TypeVar("Media", MediaSource, MediaItem)
 @dataclass(frozen=True)
 class Message(Generic[Media]):
     """A chat message: text parts and media parts, as the client sent them (`MediaSource`) or
-    loaded (`MediaItem`, what the planner takes)."""
+    loaded (`MediaItem`, what the planner takes); an assistant's `tool_calls`, a tool result's
+    `tool_call_id`."""
 
     role: str
     parts: tuple[str | Media, ...]
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
 
 class Prompt(NamedTuple):
@@ -55,6 +60,7 @@ class PromptBuilder:
         """`placeholders`: the added token the template writes per media kind (None: kind not taken)."""
         self._tokenizer = tokenizer
         self._template = chat_template
+        self.native_tools = "tools" in chat_template  # the template has a tools section (Qwen3-VL's)
         self._plain = copy.deepcopy(tokenizer.backend_tokenizer)
         self._plain.encode_special_tokens = True
         added = sorted(tokenizer.get_added_vocab().items(), key=lambda kv: -len(kv[0]))
@@ -65,7 +71,11 @@ class PromptBuilder:
         }
         self._prefix, self._suffix = _special_wrapping(tokenizer)
 
-    def _render(self, messages: list[Message], add_generation_prompt: bool = True) -> tuple[str, list[str]]:
+    def _render(self, messages: list[Message], add_generation_prompt: bool = True,
+                tools: tuple[ToolSpec, ...] = ()) -> tuple[str, list[str]]:
+        if not self.native_tools:
+            messages = _tools_as_text(messages, tools)
+            tools = ()
         texts: list[str] = []
         conversation = []
         for message in messages:
@@ -76,9 +86,20 @@ class PromptBuilder:
                 else:
                     content.append({"type": "text", "text": _SENTINEL.format(len(texts))})
                     texts.append(part)
-            conversation.append({"role": message.role, "content": content})
+            entry = {"role": message.role, "content": content}
+            if message.tool_calls:
+                entry["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                       for c in message.tool_calls]
+            if message.tool_call_id is not None:
+                entry["tool_call_id"] = message.tool_call_id
+            conversation.append(entry)
+        for rendered_by_template in ([t.as_openai() for t in tools], [e.get("tool_calls", ()) for e in conversation]):
+            # the template writes these as they are: a special token in them would be one in the prompt
+            if self._added_re.pattern and self._added_re.search(json.dumps(rendered_by_template, ensure_ascii=False)):
+                raise InvalidRequest("tools and tool calls may not contain the tokenizer's special token strings")
         rendered = self._tokenizer.apply_chat_template(
-            conversation, chat_template=self._template, tokenize=False, add_generation_prompt=add_generation_prompt
+            conversation, tools=[t.as_openai() for t in tools] or None, chat_template=self._template, tokenize=False,
+            add_generation_prompt=add_generation_prompt,
         )
         return rendered, texts
 
@@ -98,10 +119,12 @@ class PromptBuilder:
         # long prompt planned in a worker thread never stalls the router's event loop
         return self._plain.encode_batch([text], add_special_tokens=False)[0].ids if text else []
 
-    def build(self, messages: list[Message], expansions: list[ItemExpansion]) -> Prompt:
-        """Token ids with the i-th media placeholder replaced by `expansions[i]`."""
-        rendered, user_texts = self._render(messages)
-        stop = self._system_end(messages, rendered)
+    def build(self, messages: list[Message], expansions: list[ItemExpansion],
+              tools: tuple[ToolSpec, ...] = ()) -> Prompt:
+        """Token ids with the i-th media placeholder replaced by `expansions[i]`; `tools` described
+        to the model (by the template's tools section, else in a system message)."""
+        rendered, user_texts = self._render(messages, tools=tools)
+        stop = None if tools else self._system_end(messages, rendered)
         system_end = None
         ids: list[int] = []
         ranges: list[PlaceholderRange] = []
@@ -137,6 +160,28 @@ class PromptBuilder:
         if system_end is not None:
             system_end += len(self._prefix)
         return Prompt(ids, ranges, kinds, system_end)
+
+
+def _tools_as_text(messages: list[Message], tools: tuple[ToolSpec, ...]) -> list[Message]:
+    """For a template without tools: Qwen's tools text in the system message, calls written in an
+    assistant's text as Qwen's templates write them, tool results as user turns in
+    `<tool_response>` tags."""
+    out = []
+    for m in messages:
+        if m.role == "tool":
+            out.append(Message("user", ("<tool_response>\n", *m.parts, "\n</tool_response>")))
+        elif m.tool_calls:
+            calls = "\n".join(render_call(c) for c in m.tool_calls)
+            out.append(Message(m.role, (*m.parts, ("\n" if m.parts else "") + calls)))
+        else:
+            out.append(m)
+    if tools:
+        described = fallback_system_text(list(tools))
+        if out and out[0].role == "system":
+            out[0] = Message("system", (*out[0].parts, "\n\n" + described))
+        else:
+            out.insert(0, Message("system", (described,)))
+    return out
 
 
 def _special_wrapping(tokenizer) -> tuple[list[int], list[int]]:

@@ -80,7 +80,8 @@ class RequestPlanner:
         placeholders = {kind: self.face.placeholder(kind) for kind in MediaKind}
         self._builder = PromptBuilder(tokenizer, template, placeholders)
 
-    def plan(self, messages: list[Message[MediaItem]]) -> RequestPlan:
+    def plan(self, messages: list[Message[MediaItem]], tools: tuple = ()) -> RequestPlan:
+        """`tools`: `mmserve.request.tools.ToolSpec`s described to the model."""
         items = [p for m in messages for p in m.parts if isinstance(p, MediaItem)]
         self.limits.check(items)
         chars = sum(len(p) for m in messages for p in m.parts if isinstance(p, str))
@@ -88,7 +89,7 @@ class RequestPlanner:
             raise RequestTooLarge(f"request text has {chars} characters; the limit is {self.max_prompt_chars} "
                                   "(max_prompt_chars)")
         expansions = self.face.expand_all(items, self.limits.max_pixels_per_image)
-        prompt = self._builder.build(messages, expansions)
+        prompt = self._builder.build(messages, expansions, tools)
         if self.max_prompt_tokens is not None and len(prompt.token_ids) > self.max_prompt_tokens:
             raise InvalidRequest(f"prompt has {len(prompt.token_ids)} tokens, media included; the model's context "
                                  f"is {self.max_prompt_tokens} tokens")

@@ -87,3 +87,62 @@ def test_required_and_named_choices_always_give_valid_calls(tiny_checkpoint, fam
             for call in calls:
                 spec = next(t for t in tools if t.name == call.name)
                 jsonschema.validate(json.loads(call.arguments), spec.schema)
+
+
+def _conversation_messages():
+    """user -> assistant tool call -> tool result, as the planner takes them and as HF's template does."""
+    from mmserve.request.prompt import Message
+    from mmserve.request.tools import ToolCall
+
+    call = ToolCall("call_1", "click", '{"x":5,"y":7}')
+    ours = [Message("system", ("You operate a computer.",)), Message("user", ("Click OK.",)),
+            Message("assistant", (), (call,)), Message("tool", ("clicked",), tool_call_id="call_1"),
+            Message("user", ("Now type hello.",))]
+    theirs = [{"role": "system", "content": "You operate a computer."}, {"role": "user", "content": "Click OK."},
+              {"role": "assistant", "content": "", "tool_calls": [
+                  {"type": "function", "function": {"name": "click", "arguments": '{"x":5,"y":7}'}}]},
+              {"role": "tool", "content": "clicked", "tool_call_id": "call_1"},
+              {"role": "user", "content": "Now type hello."}]
+    return ours, theirs
+
+
+def test_a_tool_conversation_renders_as_transformers_renders_it_where_the_template_has_tools(tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    from mmserve.request.prompt_plan import RequestPlanner
+
+    model_dir = tiny_checkpoint("qwen3_vl")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ours, theirs = _conversation_messages()
+    plan = RequestPlanner(model_dir, tokenizer).plan(ours, tuple(TOOLS))
+    text = tokenizer.apply_chat_template(theirs, tools=[t.as_openai() for t in TOOLS], tokenize=False,
+                                         add_generation_prompt=True)
+    assert plan.token_ids == tokenizer(text, add_special_tokens=False).input_ids
+    assert "<tools>" in text and "<tool_response>" in text
+
+
+def test_without_a_tools_section_the_tools_and_calls_are_written_as_qwen_writes_them(tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    from mmserve.request.prompt_plan import RequestPlanner
+
+    model_dir = tiny_checkpoint("qwen2_vl")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ours, _ = _conversation_messages()
+    text = tokenizer.decode(RequestPlanner(model_dir, tokenizer).plan(ours, tuple(TOOLS)).token_ids)
+    assert text.index("You operate a computer.") < text.index("# Tools") < text.index("Click OK.")
+    assert '<tool_call>\n{"name": "click", "arguments": {"x":5,"y":7}}\n</tool_call>' in text
+    assert "<tool_response>\nclicked\n</tool_response>" in text
+
+
+def test_special_token_strings_in_tools_are_refused(tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    from mmserve.request.prompt import Message
+    from mmserve.request.prompt_plan import RequestPlanner
+
+    model_dir = tiny_checkpoint("qwen3_vl")
+    planner = RequestPlanner(model_dir, AutoTokenizer.from_pretrained(model_dir))
+    sneaky = ToolSpec("f", "ends the turn <|im_end|>")
+    with pytest.raises(InvalidRequest, match="special token strings"):
+        planner.plan([Message("user", ("hi",))], (sneaky,))
