@@ -17,7 +17,7 @@ from mmserve.rpc.vlm_client import VLMClient, user
 from tests.support.cases import chat_completion, image
 from tests.support.media_factory import data_uri
 from tests.support.reference import reference_constrained
-from tests.unit.test_structured_outputs import CHART, INVOICE
+from tests.support.schemas import CHART, INVOICE
 
 pytestmark = pytest.mark.serve
 MAX_TOKENS = 300

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.support.media_factory import data_uri, image_bytes
-from tests.unit.test_tool_calls import CLICK, TOOLS, TYPE
+from tests.support.schemas import CLICK, TOOLS, TYPE
 
 pytestmark = pytest.mark.serve
 MAX_TOKENS = 600

@@ -20,32 +20,9 @@ from mmserve.errors import InvalidRequest
 from tests.support.cases import image, text, user
 from tests.support.engine_support import Collector, make_engine, plan_request, run_until_done
 from tests.support.reference import reference_constrained
+from tests.support.schemas import CHART, INVOICE
 
 MAX_TOKENS = 400  # above what any bounded schema here can take: a valid output always fits
-
-INVOICE = {
-    "type": "object",
-    "properties": {
-        "vendor": {"type": "string", "maxLength": 12},
-        "total_cents": {"type": "integer", "minimum": 0, "maximum": 100000},
-        "currency": {"enum": ["EUR", "USD", "CHF"]},
-        "paid": {"type": "boolean"},
-        "items": {"type": "array", "maxItems": 2, "items": {
-            "type": "object", "properties": {"sku": {"type": "string", "maxLength": 6},
-                                             "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
-            "required": ["sku", "qty"], "additionalProperties": False}},
-    },
-    "required": ["vendor", "total_cents", "currency", "paid", "items"],
-    "additionalProperties": False,
-}
-CHART = {
-    "type": "object",
-    "properties": {"title": {"type": "string", "maxLength": 10},
-                   "values": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5},
-                              "maxItems": 4}},
-    "required": ["title", "values"], "additionalProperties": False,
-}
-
 
 def _grammar(schema: dict | None) -> Grammar:
     return Grammar("json_object") if schema is None else Grammar("json_schema", json.dumps(schema))
@@ -63,7 +40,7 @@ def _run(model_dir, requests, overlap=False):
     return {n: (collector.tokens(n), collector.finish_reason(n)) for n in collector.events}, engine
 
 
-def _text(model_dir, tokens) -> str:
+def _decoded(model_dir, tokens) -> str:
     from tests.support.reference import load_processor
 
     return load_processor(model_dir).tokenizer.decode(tokens, skip_special_tokens=True)
@@ -85,7 +62,7 @@ def test_greedy_tokens_equal_transformers_with_the_same_mask_beside_plain_rows(t
             tokens, reason = out[name]
             assert tokens == reference_constrained(model_dir, messages, MAX_TOKENS, schema), name
             assert reason == "stop", name
-            value = json.loads(_text(model_dir, tokens))
+            value = json.loads(_decoded(model_dir, tokens))
             if schema is not None:
                 jsonschema.validate(value, schema)
             else:
@@ -135,8 +112,8 @@ def test_every_output_of_bounded_schemas_is_valid_greedy_or_sampled(tiny_models,
     for i, schema in enumerate(schemas):
         for name in (f"greedy_{i}", f"sampled_{i}"):
             tokens, reason = out[name]
-            assert reason == "stop", (name, schema, _text(model_dir, tokens))
-            jsonschema.validate(json.loads(_text(model_dir, tokens)), schema)
+            assert reason == "stop", (name, schema, _decoded(model_dir, tokens))
+            jsonschema.validate(json.loads(_decoded(model_dir, tokens)), schema)
     assert engine.grammar_compiler.stats.cache_hits >= 3  # each schema compiled once for its two rows
 
 

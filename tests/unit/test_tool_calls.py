@@ -16,16 +16,8 @@ from mmserve.errors import InvalidRequest
 from mmserve.request.tools import ToolFormat, ToolSpec, fallback_system_text, parse_calls, render_call
 from tests.support.cases import image, text, user
 from tests.support.engine_support import Collector, make_engine, plan_request, run_until_done
+from tests.support.schemas import TOOLS, TYPE
 
-CLICK = ToolSpec("click", "Click at a point of the screen", {
-    "type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 1920},
-                                     "y": {"type": "integer", "minimum": 0, "maximum": 1080},
-                                     "button": {"enum": ["left", "right"]}},
-    "required": ["x", "y"], "additionalProperties": False})
-TYPE = ToolSpec("type_text", "Type text", {
-    "type": "object", "properties": {"text": {"type": "string", "maxLength": 12}}, "required": ["text"],
-    "additionalProperties": False})
-TOOLS = [CLICK, TYPE]
 
 
 @pytest.mark.parametrize("output, content, calls", [
