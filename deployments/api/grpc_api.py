@@ -21,6 +21,7 @@ to send large images (gRPC clients do not cap what they send).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import AsyncIterator
 
@@ -32,6 +33,7 @@ from deployments.core.request_core import ChatRequest, RequestCore, new_request_
 from mmserve.errors import InvalidRequest
 from mmserve.request.media import MediaKind, MediaSource
 from mmserve.request.prompt_plan import Message
+from mmserve.request.tools import ToolCall, ToolSpec, ToolText, check_tools, new_call_id, parse_calls
 from protos.mmserve.v1 import vlm_pb2
 
 logger = logging.getLogger("ray.serve")
@@ -65,9 +67,37 @@ def chat_request(request: vlm_pb2.GenerateRequest) -> ChatRequest:
             return MediaSource(MediaKind.VIDEO, (getattr(p, kind),), container=True)
         raise InvalidRequest(f"messages[{i}].content[{j}]: empty content part")
 
-    messages = tuple(Message(m.role, tuple(part(i, j, p) for j, p in enumerate(m.content)))
-                     for i, m in enumerate(request.messages))
-    return ChatRequest(messages, options(request), request.model or None)
+    def message(i: int, m: vlm_pb2.ChatMessage) -> Message:
+        calls = tuple(ToolCall(c.id or new_call_id(), c.name, c.arguments or "{}") for c in m.tool_calls)
+        if not m.content and not (m.role == "assistant" and calls):
+            raise InvalidRequest(f"messages[{i}]: a {m.role} message needs content (only an assistant's tool calls "
+                                 "may stand alone)")
+        return Message(m.role, tuple(part(i, j, p) for j, p in enumerate(m.content)), calls, m.tool_call_id or None)
+
+    tools = tuple(ToolSpec(t.name, t.description, _parameters(t)) for t in request.tools)
+    check_tools(list(tools))
+    choice = request.tool_choice or ("auto" if tools else "none")
+    if choice != "none" and not tools:
+        raise InvalidRequest(f"tool_choice {choice!r} needs tools")
+    parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
+    return ChatRequest(tuple(message(i, m) for i, m in enumerate(request.messages)), options(request),
+                       request.model or None, tools, choice, parallel)
+
+
+def _parameters(tool: vlm_pb2.Tool) -> dict | None:
+    if not tool.parameters:
+        return None
+    try:
+        value = json.loads(tool.parameters)
+    except ValueError:
+        raise InvalidRequest(f"tool {tool.name}: parameters is not JSON") from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"tool {tool.name}: parameters must be a JSON Schema object")
+    return value
+
+
+def _calls(calls) -> list[vlm_pb2.ToolCall]:
+    return [vlm_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in calls]
 
 
 def usage(gen: Generation) -> vlm_pb2.Usage:
@@ -86,18 +116,33 @@ async def completion(gen: Generation, request_id: str) -> vlm_pb2.GenerateRespon
         if delta.token_id is not None:
             tokens.append(delta.token_id)
         finish = delta.finish_reason or finish
+    content, calls = "".join(text), []
+    if gen.tools:
+        parsed, calls = parse_calls(content, list(gen.tools))
+        if calls:
+            content, finish = parsed or "", "tool_calls" if finish == "stop" else finish
     return vlm_pb2.GenerateResponse(
-        request_id=request_id, text="".join(text), token_ids=tokens, finish_reason=finish, usage=usage(gen),
+        request_id=request_id, text=content, token_ids=tokens, finish_reason=finish, usage=usage(gen),
+        tool_calls=_calls(calls),
     )
 
 
 async def stream(gen: Generation, request_id: str) -> AsyncIterator[vlm_pb2.GenerateResponse]:
-    """One response per delta; the last carries finish_reason and usage."""
+    """One response per delta; the last carries finish_reason and usage (and the tool calls, with
+    tools: the content goes out until a call begins)."""
+    text = ToolText(gen.tools) if gen.tools else None
     async for delta in gen.deltas():
+        content, calls, finish = delta.text, [], delta.finish_reason or ""
+        if text is not None:
+            content = text.add(delta.text)
+            if finish:
+                rest, calls = text.end()
+                content += rest
+                finish = "tool_calls" if calls and finish == "stop" else finish
         response = vlm_pb2.GenerateResponse(
-            request_id=request_id, text=delta.text,
+            request_id=request_id, text=content,
             token_ids=[delta.token_id] if delta.token_id is not None else [],
-            finish_reason=delta.finish_reason or "",
+            finish_reason=finish, tool_calls=_calls(calls),
         )
         if delta.finish_reason:
             response.usage.CopyFrom(usage(gen))

@@ -23,8 +23,7 @@ from llm_service.sampling import Grammar
 from mmserve.errors import InvalidRequest
 from mmserve.request.media import MediaKind, MediaSource
 from mmserve.request.prompt_plan import Message
-from mmserve.request.tools import START as TOOL_START
-from mmserve.request.tools import ToolCall, ToolSpec, check_tools, new_call_id, parse_calls
+from mmserve.request.tools import ToolCall, ToolSpec, ToolText, check_tools, new_call_id, parse_calls
 
 logger = logging.getLogger("ray.serve")
 
@@ -183,33 +182,6 @@ async def completion(gen: Generation, model: str, with_token_ids: bool) -> dict:
     }
 
 
-class _ToolText:
-    """One choice's streamed text when the request has tools: text is sent as content until a
-    `<tool_call>` begins (a tail that may be its start is held back); from there it is held, and
-    parsed into calls at the choice's end (what is not a call is sent as content then)."""
-
-    def __init__(self, tools):
-        self.tools, self.held, self.calling = list(tools), "", False
-
-    def add(self, text: str) -> str:
-        self.held += text
-        if self.calling:
-            return ""
-        at = self.held.find(TOOL_START)
-        if at >= 0:
-            out, self.held, self.calling = self.held[:at], self.held[at:], True
-            return out
-        keep = next((k for k in range(min(len(TOOL_START) - 1, len(self.held)), 0, -1)
-                     if TOOL_START.startswith(self.held[-k:])), 0)
-        out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
-        return out
-
-    def end(self) -> tuple[str, list[ToolCall]]:
-        """(content still to send, calls)."""
-        content, calls = parse_calls(self.held, self.tools)
-        return (content or "", calls) if calls else (self.held, [])
-
-
 async def sse(gen: Generation, model: str, with_token_ids: bool, include_usage: bool,
               on_error: Callable[[Exception], Failure]) -> AsyncIterator[str]:
     """SSE chunks; an error after the headers went out ends the stream with an error event."""
@@ -223,7 +195,7 @@ async def sse(gen: Generation, model: str, with_token_ids: bool, include_usage: 
 
     for i in range(gen.n):
         yield chunk(i, {"role": "assistant", "content": ""})
-    texts = [_ToolText(gen.tools) for _ in range(gen.n)] if gen.tools else None
+    texts = [ToolText(gen.tools) for _ in range(gen.n)] if gen.tools else None
     try:
         async for delta in gen.deltas():
             extra = {}

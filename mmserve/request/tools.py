@@ -154,3 +154,31 @@ def fallback_system_text(tools: list[ToolSpec]) -> str:
 def render_call(call: ToolCall) -> str:
     """A call as Qwen's templates render it in an assistant turn."""
     return f'{START}\n{{"name": "{call.name}", "arguments": {call.arguments}}}\n{END}'
+
+
+class ToolText:
+    """One choice's streamed text when the request has tools: text is sent as content until a
+    `<tool_call>` begins (a tail that may be its start is held back); from there it is held, and
+    parsed into calls at the choice's end (what is not a call is sent as content then)."""
+
+    def __init__(self, tools):
+        self.tools, self.held, self.calling = list(tools), "", False
+
+    def add(self, text: str) -> str:
+        """What of the text so far may go out as content now."""
+        self.held += text
+        if self.calling:
+            return ""
+        at = self.held.find(START)
+        if at >= 0:
+            out, self.held, self.calling = self.held[:at], self.held[at:], True
+            return out
+        keep = next((k for k in range(min(len(START) - 1, len(self.held)), 0, -1) if START.startswith(self.held[-k:])),
+                    0)
+        out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return out
+
+    def end(self) -> tuple[str, list[ToolCall]]:
+        """(content still to send, calls)."""
+        content, calls = parse_calls(self.held, self.tools)
+        return (content or "", calls) if calls else (self.held, [])

@@ -34,14 +34,19 @@ def user(text: str, images: Sequence[bytes] = (), videos: Sequence[VideoFrames] 
 
 
 def request(messages: Sequence[vlm_pb2.ChatMessage], request_id: str = "", model: str = "",
-            json_schema: dict | None = None, **sampling) -> vlm_pb2.GenerateRequest:
+            json_schema: dict | None = None, tools: Sequence[dict] = (), tool_choice: str = "",
+            **sampling) -> vlm_pb2.GenerateRequest:
     """`sampling`: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos.
-    `json_schema`: the answer is JSON valid against it (`response_format`)."""
+    `json_schema`: the answer is JSON valid against it (`response_format`). `tools`: functions as
+    {"name", "description", "parameters": JSON Schema}; `tool_choice`: none, auto, required or a name."""
     fmt = None
     if json_schema is not None:
         fmt = vlm_pb2.ResponseFormat(type="json_schema", json_schema=json.dumps(json_schema))
+    specs = [vlm_pb2.Tool(name=t["name"], description=t.get("description", ""),
+                          parameters=json.dumps(t["parameters"]) if t.get("parameters") else "") for t in tools]
     return vlm_pb2.GenerateRequest(messages=list(messages), sampling=vlm_pb2.SamplingParams(**sampling),
-                                   request_id=request_id, model=model, response_format=fmt)
+                                   request_id=request_id, model=model, response_format=fmt, tools=specs,
+                                   tool_choice=tool_choice)
 
 
 class VLMClient:

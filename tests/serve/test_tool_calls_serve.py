@@ -128,3 +128,20 @@ def test_auto_parses_what_the_model_wrote(serve_urls):
     if choice.message.tool_calls:
         _check_calls(choice.message.tool_calls, TOOLS)
     assert CLICK.name in json.dumps(OPENAI_TOOLS)
+
+
+def test_over_grpc_forced_calls_validate_unary_and_streamed(grpc_target):
+    from mmserve.rpc.vlm_client import VLMClient, user
+
+    tools = [{"name": t.name, "description": t.description, "parameters": t.schema} for t in TOOLS]
+    messages = [user("Click the OK button on this screen.", images=[image_bytes(64, 96, 45)])]
+    with VLMClient(grpc_target, application="qwen2_vl") as g:
+        unary = g.generate(messages, max_tokens=MAX_TOKENS, tools=tools, tool_choice="required")
+        streamed = list(g.stream(messages, max_tokens=MAX_TOKENS, tools=tools, tool_choice="required"))
+    assert unary.finish_reason == "tool_calls" and unary.text == "" and unary.tool_calls
+    for call in unary.tool_calls:
+        spec = next(t for t in TOOLS if t.name == call.name)
+        jsonschema.validate(json.loads(call.arguments), spec.schema)
+    last = streamed[-1]
+    assert last.finish_reason == "tool_calls" and "".join(r.text for r in streamed) == ""
+    assert [(c.name, c.arguments) for c in last.tool_calls] == [(c.name, c.arguments) for c in unary.tool_calls]

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprotos/mmserve/v1/vlm.proto\x12\nmmserve.v1\"$\n\x05Video\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x01\"\x9a\x01\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x0cH\x00\x12\x13\n\timage_url\x18\x03 \x01(\tH\x00\x12\"\n\x05video\x18\x04 \x01(\x0b\x32\x11.mmserve.v1.VideoH\x00\x12\x14\n\nvideo_file\x18\x05 \x01(\x0cH\x00\x12\x13\n\tvideo_url\x18\x06 \x01(\tH\x00\x42\x06\n\x04part\"E\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12(\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x17.mmserve.v1.ContentPart\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"3\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\"\xc2\x01\n\x0fGenerateRequest\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.mmserve.v1.ChatMessage\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.mmserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x33\n\x0fresponse_format\x18\x05 \x01(\x0b\x32\x1a.mmserve.v1.ResponseFormat\"e\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x04 \x01(\r\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.mmserve.v1.Usage2\xa2\x01\n\nVLMService\x12\x45\n\x08Generate\x12\x1b.mmserve.v1.GenerateRequest\x1a\x1c.mmserve.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.mmserve.v1.GenerateRequest\x1a\x1c.mmserve.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bprotos/mmserve/v1/vlm.proto\x12\nmmserve.v1\"$\n\x05Video\x12\x0e\n\x06\x66rames\x18\x01 \x03(\x0c\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x01\"\x9a\x01\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x0f\n\x05image\x18\x02 \x01(\x0cH\x00\x12\x13\n\timage_url\x18\x03 \x01(\tH\x00\x12\"\n\x05video\x18\x04 \x01(\x0b\x32\x11.mmserve.v1.VideoH\x00\x12\x14\n\nvideo_file\x18\x05 \x01(\x0cH\x00\x12\x13\n\tvideo_url\x18\x06 \x01(\tH\x00\x42\x06\n\x04part\"\x85\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12(\n\x07\x63ontent\x18\x02 \x03(\x0b\x32\x17.mmserve.v1.ContentPart\x12(\n\ntool_calls\x18\x03 \x03(\x0b\x32\x14.mmserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\xf4\x01\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"3\n\x0eResponseFormat\x12\x0c\n\x04type\x18\x01 \x01(\t\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\"\xb2\x02\n\x0fGenerateRequest\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.mmserve.v1.ChatMessage\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.mmserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x33\n\x0fresponse_format\x18\x05 \x01(\x0b\x32\x1a.mmserve.v1.ResponseFormat\x12\x1f\n\x05tools\x18\x06 \x03(\x0b\x32\x10.mmserve.v1.Tool\x12\x13\n\x0btool_choice\x18\x07 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x08 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"e\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x14\n\x0cimage_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x04 \x01(\r\"\xaa\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.mmserve.v1.Usage\x12(\n\ntool_calls\x18\x06 \x03(\x0b\x32\x14.mmserve.v1.ToolCall2\xa2\x01\n\nVLMService\x12\x45\n\x08Generate\x12\x1b.mmserve.v1.GenerateRequest\x1a\x1c.mmserve.v1.GenerateResponse\x12M\n\x0eGenerateStream\x12\x1b.mmserve.v1.GenerateRequest\x1a\x1c.mmserve.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,18 +35,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VIDEO']._serialized_end=79
   _globals['_CONTENTPART']._serialized_start=82
   _globals['_CONTENTPART']._serialized_end=236
-  _globals['_CHATMESSAGE']._serialized_start=238
-  _globals['_CHATMESSAGE']._serialized_end=307
-  _globals['_SAMPLINGPARAMS']._serialized_start=310
-  _globals['_SAMPLINGPARAMS']._serialized_end=554
-  _globals['_RESPONSEFORMAT']._serialized_start=556
-  _globals['_RESPONSEFORMAT']._serialized_end=607
-  _globals['_GENERATEREQUEST']._serialized_start=610
-  _globals['_GENERATEREQUEST']._serialized_end=804
-  _globals['_USAGE']._serialized_start=806
-  _globals['_USAGE']._serialized_end=907
-  _globals['_GENERATERESPONSE']._serialized_start=910
-  _globals['_GENERATERESPONSE']._serialized_end=1038
-  _globals['_VLMSERVICE']._serialized_start=1041
-  _globals['_VLMSERVICE']._serialized_end=1203
+  _globals['_CHATMESSAGE']._serialized_start=239
+  _globals['_CHATMESSAGE']._serialized_end=372
+  _globals['_TOOLCALL']._serialized_start=374
+  _globals['_TOOLCALL']._serialized_end=429
+  _globals['_TOOL']._serialized_start=431
+  _globals['_TOOL']._serialized_end=492
+  _globals['_SAMPLINGPARAMS']._serialized_start=495
+  _globals['_SAMPLINGPARAMS']._serialized_end=739
+  _globals['_RESPONSEFORMAT']._serialized_start=741
+  _globals['_RESPONSEFORMAT']._serialized_end=792
+  _globals['_GENERATEREQUEST']._serialized_start=795
+  _globals['_GENERATEREQUEST']._serialized_end=1101
+  _globals['_USAGE']._serialized_start=1103
+  _globals['_USAGE']._serialized_end=1204
+  _globals['_GENERATERESPONSE']._serialized_start=1207
+  _globals['_GENERATERESPONSE']._serialized_end=1377
+  _globals['_VLMSERVICE']._serialized_start=1380
+  _globals['_VLMSERVICE']._serialized_end=1542
 # @@protoc_insertion_point(module_scope)
