@@ -134,11 +134,12 @@ async def stream(gen: Generation, request_id: str) -> AsyncIterator[vlm_pb2.Gene
     async for delta in gen.deltas():
         content, calls, finish = delta.text, [], delta.finish_reason or ""
         if text is not None:
-            content = text.add(delta.text)
+            events = text.add(delta.text)
             if finish:
-                rest, calls = text.end()
-                content += rest
+                more, calls = text.end()
+                events += more
                 finish = "tool_calls" if calls and finish == "stop" else finish
+            content = "".join(e[1] for e in events if e[0] == "content")
         response = vlm_pb2.GenerateResponse(
             request_id=request_id, text=content,
             token_ids=[delta.token_id] if delta.token_id is not None else [],

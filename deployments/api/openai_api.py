@@ -182,6 +182,17 @@ async def completion(gen: Generation, model: str, with_token_ids: bool) -> dict:
     }
 
 
+def _tool_delta(event: tuple) -> dict:
+    """A `ToolText` event as an OpenAI chunk's delta."""
+    if event[0] == "content":
+        return {"content": event[1]}
+    if event[0] == "call":
+        call = event[2]
+        return {"tool_calls": [{"index": event[1], "id": call.id, "type": "function",
+                                "function": {"name": call.name, "arguments": ""}}]}
+    return {"tool_calls": [{"index": event[1], "function": {"arguments": event[2]}}]}
+
+
 async def sse(gen: Generation, model: str, with_token_ids: bool, include_usage: bool,
               on_error: Callable[[Exception], Failure]) -> AsyncIterator[str]:
     """SSE chunks; an error after the headers went out ends the stream with an error event."""
@@ -207,19 +218,18 @@ async def sse(gen: Generation, model: str, with_token_ids: bool, include_usage: 
                 yield chunk(delta.index, {"content": delta.text} if delta.text else {}, delta.finish_reason, **extra)
                 continue
             tool_text = texts[delta.index]
-            content = tool_text.add(delta.text)
-            if not delta.finish_reason:
-                yield chunk(delta.index, {"content": content} if content else {}, None, **extra)
-                continue
-            rest, calls = tool_text.end()
-            content += rest
-            yield chunk(delta.index, {"content": content} if content else {}, None, **extra)
-            for k, call in enumerate(calls):  # a call once whole: its id and name, then its arguments
-                head = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
-                yield chunk(delta.index, {"tool_calls": [head]})
-                yield chunk(delta.index, {"tool_calls": [{"index": k, "function": {"arguments": call.arguments}}]})
-            finish = "tool_calls" if calls and delta.finish_reason == "stop" else delta.finish_reason
-            yield chunk(delta.index, {}, finish)
+            pending = tool_text.add(delta.text)
+            calls = []
+            if delta.finish_reason:
+                more, calls = tool_text.end()
+                pending += more
+            if extra:  # the token ids / logprobs of this delta
+                yield chunk(delta.index, {}, None, **extra)
+            for piece in pending:  # content; a call's id and name; its arguments, piece by piece
+                yield chunk(delta.index, _tool_delta(piece))
+            if delta.finish_reason:
+                yield chunk(delta.index, {}, "tool_calls" if calls and delta.finish_reason == "stop"
+                            else delta.finish_reason)
         if include_usage:
             yield event({**base, "choices": [], "usage": gen.usage()})
     except Exception as e:

@@ -138,7 +138,42 @@ def _call(body: str, names: set[str]) -> ToolCall | None:
             return None
     if not isinstance(arguments, dict):
         return None
+    head = _HEAD_RE.match(START + body)
+    if head and isinstance(value.get("arguments"), dict):  # the model's own text of them, as streamed
+        raw, _ = _raw_object(body[head.end() - len(START):])
+        if raw is not None:
+            return ToolCall(new_call_id(), value["name"], raw)
     return ToolCall(new_call_id(), value["name"], json.dumps(arguments, ensure_ascii=False, separators=(",", ":")))
+
+
+# a call's text up to its arguments, in the order Qwen writes it
+_HEAD_RE = re.compile(re.escape(START) + r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"arguments"\s*:\s*')
+
+
+def _raw_object(text: str) -> tuple[str | None, int]:
+    """(the JSON object `text` starts with, as written; None while it is not closed yet), and how
+    many characters of `text` are surely inside it."""
+    if not text.startswith("{"):
+        return None, 0
+    depth, in_string, escaped = 0, False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+            continue
+        if ch == '"':
+            in_string = True
+        elif ch == "{" or ch == "[":
+            depth += 1
+        elif ch == "}" or ch == "]":
+            depth -= 1
+            if depth == 0:
+                return text[:i + 1], i + 1
+    return None, len(text)
 
 
 def fallback_system_text(tools: list[ToolSpec]) -> str:
@@ -157,28 +192,65 @@ def render_call(call: ToolCall) -> str:
 
 
 class ToolText:
-    """One choice's streamed text when the request has tools: text is sent as content until a
-    `<tool_call>` begins (a tail that may be its start is held back); from there it is held, and
-    parsed into calls at the choice's end (what is not a call is sent as content then)."""
+    """One choice's streamed text when the request has tools, as events to send: `("content", text)`,
+    `("call", index, ToolCall)` when a call's name is known (its id and name, no arguments yet), and
+    `("arguments", index, piece)` as its arguments are generated. Text is content until a
+    `<tool_call>` begins (a tail that may be its start is held back); a call in Qwen's layout
+    streams its arguments as they come; anything else is parsed at the choice's end (`end`)."""
 
     def __init__(self, tools):
-        self.tools, self.held, self.calling = list(tools), "", False
+        self.tools, self.names = list(tools), {t.name for t in tools}
+        self.held = ""  # text not sent yet, from the current call's `<tool_call>` on when `calling`
+        self.calling = False
+        self.calls: list[ToolCall] = []  # streamed ones
+        self.sent = 0  # characters of the current call's arguments sent
 
-    def add(self, text: str) -> str:
-        """What of the text so far may go out as content now."""
+    def add(self, text: str) -> list[tuple]:
         self.held += text
-        if self.calling:
-            return ""
-        at = self.held.find(START)
-        if at >= 0:
-            out, self.held, self.calling = self.held[:at], self.held[at:], True
-            return out
-        keep = next((k for k in range(min(len(START) - 1, len(self.held)), 0, -1) if START.startswith(self.held[-k:])),
-                    0)
-        out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
-        return out
+        events: list[tuple] = []
+        while True:
+            if not self.calling:
+                at = self.held.find(START)
+                if at < 0:
+                    keep = next((k for k in range(min(len(START) - 1, len(self.held)), 0, -1)
+                                 if START.startswith(self.held[-k:])), 0)
+                    out = self.held[:len(self.held) - keep]
+                    if out and (out.strip() or not self.calls):  # whitespace after a call: held
+                        events.append(("content", out))
+                        self.held = self.held[len(out):]
+                    return events
+                if self.held[:at].strip() or (at and not self.calls):
+                    events.append(("content", self.held[:at]))
+                self.held, self.calling, self.sent = self.held[at:], True, 0
+            head = _HEAD_RE.match(self.held)
+            if head is None or head.group(1) not in self.names:
+                return events  # not (yet) a call in Qwen's layout: parsed at the end
+            if self.sent == 0 and (not self.calls or self.calls[-1].arguments is not None):
+                self.calls.append(ToolCall(new_call_id(), head.group(1), None))  # type: ignore[arg-type]
+                events.append(("call", len(self.calls) - 1, self.calls[-1]))
+            args = self.held[head.end():]
+            raw, inside = _raw_object(args)
+            if inside > self.sent:
+                events.append(("arguments", len(self.calls) - 1, args[self.sent:inside]))
+                self.sent = inside
+            if raw is None:
+                return events
+            close = re.match(r"\s*\}\s*" + re.escape(END), args[len(raw):])
+            if close is None:
+                return events  # the call's closing text is still coming (or is not there: see end)
+            self.calls[-1] = ToolCall(self.calls[-1].id, self.calls[-1].name, raw)
+            self.held, self.calling, self.sent = args[len(raw) + close.end():], False, 0
 
-    def end(self) -> tuple[str, list[ToolCall]]:
-        """(content still to send, calls)."""
+    def end(self) -> tuple[list[tuple], list[ToolCall]]:
+        """The events still to send and every call of the choice."""
+        events: list[tuple] = []
+        if self.calls and self.calls[-1].arguments is None:  # streamed but never closed: not a call
+            self.calls.pop()
         content, calls = parse_calls(self.held, self.tools)
-        return (content or "", calls) if calls else (self.held, [])
+        for call in calls:
+            self.calls.append(call)
+            events += [("call", len(self.calls) - 1, call), ("arguments", len(self.calls) - 1, call.arguments)]
+        text = (content or "") if calls else self.held
+        if text.strip() or (text and not self.calls):
+            events.insert(0, ("content", text))
+        return events, self.calls

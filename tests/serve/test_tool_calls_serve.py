@@ -39,8 +39,9 @@ def _check_calls(calls, tools) -> None:
 
 
 def _streamed(c, **kw):
-    """(content, [(id, name, arguments)], finish reason) of a streamed completion."""
-    content, calls, finish = "", {}, None
+    """(content, [(id, name, arguments)], finish reason) of a streamed completion; the arguments
+    come in several pieces."""
+    content, calls, finish, pieces = "", {}, None, 0
     for chunk in c.chat.completions.create(stream=True, **kw):
         for choice in chunk.choices:
             content += choice.delta.content or ""
@@ -49,7 +50,9 @@ def _streamed(c, **kw):
                 call["id"] = piece.id or call["id"]
                 call["name"] = (piece.function.name if piece.function and piece.function.name else call["name"])
                 call["arguments"] += (piece.function.arguments or "") if piece.function else ""
+                pieces += bool(piece.function and piece.function.arguments)
             finish = choice.finish_reason or finish
+    assert pieces > len(calls), "arguments streamed as they are generated"
     return content, [(v["id"], v["name"], v["arguments"]) for _, v in sorted(calls.items())], finish
 
 

@@ -153,3 +153,37 @@ def test_every_familys_template_takes_a_tool_conversation(tiny_checkpoint, famil
     ours, _ = _conversation_messages()
     text = tokenizer.decode(RequestPlanner(model_dir, tokenizer).plan(ours, tuple(TOOLS)).token_ids)
     assert "type_text" in text and "clicked" in text and '"click"' in text
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+def test_streamed_calls_send_their_arguments_as_they_come_and_join_to_the_parsed_ones(step):
+    from mmserve.request.tools import ToolText
+
+    output = ('Sure.\n<tool_call>\n{"name": "click", "arguments": {"x": 1, "y": 2, "button": "left"}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "type_text", "arguments": {"text": "a}\\"b"}}\n</tool_call>')
+    text, events = ToolText(TOOLS), []
+    for i in range(0, len(output), step):
+        events += text.add(output[i:i + step])
+    more, calls = text.end()
+    events += more
+    content, parsed = parse_calls(output, TOOLS)
+    assert "".join(e[1] for e in events if e[0] == "content").strip() == content == "Sure."
+    heads = [(e[1], e[2].name) for e in events if e[0] == "call"]
+    joined = {}
+    for e in events:
+        if e[0] == "arguments":
+            joined[e[1]] = joined.get(e[1], "") + e[2]
+    assert heads == [(0, "click"), (1, "type_text")]
+    assert [joined[0], joined[1]] == [c.arguments for c in parsed] == [c.arguments for c in calls]
+    assert json.loads(joined[1]) == {"text": 'a}"b'}
+    if step < 10:
+        assert sum(e[0] == "arguments" for e in events) > 2  # in pieces
+
+
+def test_a_malformed_streamed_call_is_content():
+    from mmserve.request.tools import ToolText
+
+    text = ToolText(TOOLS)
+    events = text.add('<tool_call>\n{"name": "click", "arguments": {"x": 1\n</tool_call>')
+    more, calls = text.end()
+    assert not calls and "".join(e[1] for e in events + more if e[0] == "content").startswith("<tool_call>")
