@@ -133,7 +133,7 @@ def _chat(ns: argparse.Namespace) -> int:
     return 0
 
 
-BENCHMARKS = ("encoder", "llm", "transfer", "dispatch", "serve", "soak", "load")
+BENCHMARKS = ("encoder", "llm", "transfer", "dispatch", "serve", "soak", "load", "grammar")
 
 
 def _bench(ns: argparse.Namespace, extra: list[str]) -> int:

@@ -46,8 +46,11 @@ def build_tokenizer(
     eos_token: str = "<|im_end|>",
     pad_token: str = "<|endoftext|>",
     bos_token: str | None = None,
+    extra_corpus: list[str] | None = None,
 ):
-    """Byte-level BPE trained on a fixed corpus; with `bos_token`, it is prepended to every encoding."""
+    """Byte-level BPE trained on a fixed corpus; with `bos_token`, it is prepended to every encoding.
+    `extra_corpus`: lines trained on after the fixed ones (`mmserve/loadgen/vocab.py`: a vocabulary
+    of a real model's size)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -65,7 +68,7 @@ def build_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(seed), trainer=trainer)
+    tok.train_from_iterator(_corpus(seed) + list(extra_corpus or ()), trainer=trainer)
     tok.add_special_tokens(list(special_tokens))
     bos = {} if bos_token is None else {"bos_token": bos_token, "add_bos_token": True}
     return PreTrainedTokenizerFast(

@@ -9,6 +9,7 @@ temporary results file)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -30,6 +31,9 @@ SMALLEST = {
     "dispatch.py": (["--requests", "2"], [SERVE]),
     "load.py": (["--text-layers", "1", "--vision-depth", "1", "--dtypes", "bfloat16", "--roles", "llm,encoder"], []),
     "vit_attention.py": ([], GPU),
+    "grammar.py": (["--quick"], [pytest.mark.skipif(  # both libraries (only the one chosen is a dependency)
+        not all(importlib.util.find_spec(m) for m in ("xgrammar", "llguidance")),
+        reason="needs xgrammar and llguidance")]),
 }
 ELSEWHERE = {"serve.py": "tests/serve/test_bench_serve.py",
              "soak.py": "tests/serve/test_failover_serve.py runs its smallest soak (mmserve.loadgen.soak)",
