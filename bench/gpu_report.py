@@ -68,6 +68,8 @@ FIGURES = (
     Figure("decode_b1_host_us", "us per step outside the forward (default overlap mode)", "engine"),
     Figure("decode_b64_host_us", "us per step outside the forward (default overlap mode)", "engine"),
     Figure("decode_b1_ops_per_step", "kernels per step (CUDA; top-level aten ops on CPU)", "engine"),
+    Figure("grammar_b1_step_ratio", "decode step with a 30-property JSON-schema grammar / without, batch 1", "engine"),
+    Figure("grammar_b64_step_ratio", "the same at batch 64 (target <= 1.10)", "engine"),
     Figure("vit_forward_448_images_per_s", "images/s", "encoder"),
     Figure("vit_forward_1024_images_per_s", "images/s", "encoder"),
     Figure("vit_mfu_448", "fraction of the dense bf16 peak", "encoder"),
@@ -96,6 +98,7 @@ CPU_ARGS = {
     "llm": ["--prompt-len", "8", "--max-tokens", "4", "--concurrency", "1", "--decode-tokens", "16",
             "--long-context", "0"],
     "breakdown": ["--steps", "4", "--prompt-len", "8"],
+    "grammar": ["--prompt-len", "8", "--decode-tokens", "8"],
     "encoder": ["--items", "4"],
     "serve": ["--compare", "colocated", "--quick", "--num-prompts", "8", "--unloaded-requests", "2",
               "--request-rate", "1"],
@@ -104,6 +107,7 @@ CPU_ARGS = {
 CUDA_ARGS = {
     "llm": ["--long-context", "8192", "--long-batch", "4"],
     "breakdown": ["--steps", "64"],
+    "grammar": [],
     "encoder": ["--workers", "8"],
     "serve": ["--compare", "colocated", "--dtype", "bfloat16", "--num-cpus", "8", "--num-prompts", "100",
               "--input-len", "128", "--output-len", "64"],
@@ -191,7 +195,9 @@ def breakdown_figures(r: dict) -> dict:
 def engine_part(ns, peak: Peaks) -> dict:
     figures = engine_figures(bench_json("llm.py", ["--device", ns.device, *ns.sizes["llm"]], ns.timeout), peak)
     breakdown = bench_json("llm.py", ["--device", ns.device, "--breakdown", *ns.sizes["breakdown"]], ns.timeout)
-    return {**figures, **breakdown_figures(breakdown)}
+    grammar = bench_json("llm.py", ["--device", ns.device, "--grammar", *ns.sizes["grammar"]], ns.timeout)
+    return {**figures, **breakdown_figures(breakdown),
+            **{k: grammar[k] for k in ("grammar_b1_step_ratio", "grammar_b64_step_ratio")}}
 
 
 def encoder_figures(r: dict, peak: Peaks) -> dict:
