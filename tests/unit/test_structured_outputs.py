@@ -28,9 +28,9 @@ def _grammar(schema: dict | None) -> Grammar:
     return Grammar("json_object") if schema is None else Grammar("json_schema", json.dumps(schema))
 
 
-def _run(model_dir, requests, overlap=False):
+def _run(model_dir, requests, overlap=False, **config):
     """{name: (tokens, finish reason)} of [(name, messages, schema or None or "plain", sampling)]."""
-    engine = make_engine(model_dir, async_scheduling=overlap)
+    engine = make_engine(model_dir, async_scheduling=overlap, **config)
     collector = Collector()
     for name, messages, schema, sampling in requests:
         grammar = None if schema == "plain" else _grammar(schema)
@@ -223,3 +223,17 @@ def test_n_choices_interleave_and_a_stop_string_ends_only_its_choice(tiny_models
 
     with pytest.raises(RuntimeError, match="replica lost"):
         asyncio.run(lost_after_a_token())
+
+
+def test_constrained_rows_survive_preemption_and_recompute(tiny_models):
+    """On a pool too small for the batch, sequences are preempted and recomputed: their matchers
+    stay where their tokens are, and the outputs equal those of a roomy pool."""
+    model_dir = tiny_models["qwen2_vl"]
+    requests = [(f"r{i}", user(text(f"Chart number {i}: " + "read it " * (2 + 2 * i))), CHART, {"max_tokens": 80})
+                for i in range(6)]
+    roomy, _ = _run(model_dir, [(n, m, s, dict(x)) for n, m, s, x in requests])
+    for overlap in (False, True):
+        tight, engine = _run(model_dir, [(n, m, s, dict(x)) for n, m, s, x in requests], overlap,
+                             num_kv_blocks=20, block_size=8, max_num_batched_tokens=32)
+        assert engine.scheduler.num_preemptions > 0
+        assert tight == roomy
