@@ -38,9 +38,13 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name
 _KINDS = {encoder_pb2.MediaItem.IMAGE: MediaKind.IMAGE, encoder_pb2.MediaItem.VIDEO: MediaKind.VIDEO}
 _MAX_WAIT_MS = 60_000
-# An Encode request may carry a decoded video's frames, up to the app's bound on a video's decoded
-# pixels (64 frames of 1080p, ~400 MB); gRPC's own default of 4 MiB would refuse most videos.
-MAX_MEDIA_MESSAGE_BYTES = 3 * VideoLimits.max_decoded_pixels + (1 << 20)
+# The largest message received: an Encode request carries an image or a video's frames as the
+# client sent them, bounded by the app's request size (max_request_bytes' default, 64 MiB); a
+# decoded video (up to ~400 MB) comes over EncodeStream in pieces instead, so a client without the
+# token can make the server hold at most one message of this size before it is refused.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024 + (1 << 20)
+STREAM_PIECE_BYTES = 4 * 1024 * 1024  # the pieces of EncodeStream (gRPC's own default message size)
+MAX_DECODED_VIDEO_BYTES = 3 * VideoLimits.max_decoded_pixels
 
 
 class Encoder(Protocol):
@@ -91,24 +95,26 @@ class ServerOptions:
     limits: MediaLimits = MediaLimits()  # what one Encode item may be (the app's defaults)
 
 
-def media_item(proto: encoder_pb2.MediaItem) -> MediaItem:
+def media_item(proto: encoder_pb2.MediaItem, pixels: bytearray | None = None) -> MediaItem:
     kind = _KINDS.get(proto.kind)
     if kind is None:
         raise InvalidRequest("media item kind must be IMAGE or VIDEO")
     if proto.HasField("decoded"):
-        return MediaItem(kind, (), fps=proto.fps or 2.0, decoded=decoded_video(proto.decoded))
+        return MediaItem(kind, (), fps=proto.fps or 2.0, decoded=decoded_video(proto.decoded, pixels))
     if not proto.frames or (kind is MediaKind.IMAGE and len(proto.frames) != 1):
         raise InvalidRequest("an image has exactly one frame, a video at least one")
     return MediaItem(kind, tuple(proto.frames), fps=proto.fps or 2.0)
 
 
-def decoded_video(proto: encoder_pb2.DecodedVideo) -> DecodedVideo:
+def decoded_video(proto: encoder_pb2.DecodedVideo, pixels: bytes | bytearray | None = None) -> DecodedVideo:
+    """`pixels`: the video's pixels when they came apart from its header (EncodeStream)."""
     shape = tuple(proto.shape)
-    if len(shape) != 4 or shape[-1] != 3 or min(shape) < 1 or int(np.prod(shape)) != len(proto.pixels):
-        raise InvalidRequest(f"decoded video: shape {shape} does not describe {len(proto.pixels)} bytes of RGB frames")
+    data = proto.pixels if pixels is None else pixels
+    if len(shape) != 4 or shape[-1] != 3 or min(shape) < 1 or int(np.prod(shape)) != len(data):
+        raise InvalidRequest(f"decoded video: shape {shape} does not describe {len(data)} bytes of RGB frames")
     if not proto.indices or not proto.fps > 0 or max(proto.indices) >= proto.total_num_frames:
         raise InvalidRequest("decoded video: indices, fps and total_num_frames disagree")
-    pixels = np.frombuffer(proto.pixels, dtype=np.uint8).reshape(shape)
+    pixels = np.frombuffer(data, dtype=np.uint8).reshape(shape)
     return DecodedVideo(shape[:3], proto.fps, proto.total_num_frames, tuple(proto.indices), proto.content_hash, pixels)
 
 
@@ -128,6 +134,8 @@ class _TokenInterceptor(grpc.aio.ServerInterceptor):
         async def deny(request, context: grpc.aio.ServicerContext):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong encoder service token")
 
+        if details.method.endswith("/EncodeStream"):  # refused before a piece is read
+            return grpc.stream_stream_rpc_method_handler(deny)
         return grpc.unary_unary_rpc_method_handler(deny)
 
 
@@ -143,10 +151,50 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     async def Encode(self, request: encoder_pb2.EncodeRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[encoder_pb2.EmbeddingChunk]:
+        async for chunk in self._encode(request, None, context):
+            yield chunk
+
+    async def EncodeStream(self, pieces: AsyncIterator[encoder_pb2.EncodeChunk],
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[encoder_pb2.EmbeddingChunk]:
+        first = await anext(aiter(pieces), None)
+        if first is None or not first.request.item.HasField("decoded"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "EncodeStream sends a decoded video's header first")
+        header = first.request.item.decoded
+        try:
+            size = self._declared_bytes(header)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        pixels, filled = bytearray(size), 0
+        async for piece in _then(first, pieces):
+            if filled + len(piece.data) > size:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"decoded video: more than the {size} bytes "
+                                    f"its shape {list(header.shape)} declares")
+            pixels[filled:filled + len(piece.data)] = piece.data
+            filled += len(piece.data)
+        async for chunk in self._encode(first.request, pixels[:filled] if filled < size else pixels, context):
+            yield chunk
+
+    def _declared_bytes(self, header: encoder_pb2.DecodedVideo) -> int:
+        """The bytes a video's header declares, refused beyond the limits before any is read."""
+        shape = tuple(header.shape)
+        if len(shape) != 4 or shape[-1] != 3 or min(shape) < 1:
+            raise InvalidRequest(f"decoded video: shape {list(shape)} is not (frames, height, width, 3)")
+        if shape[0] > self.limits.max_frames_per_video:
+            raise InvalidRequest(f"video has {shape[0]} frames; the limit is {self.limits.max_frames_per_video}")
+        if shape[1] * shape[2] > self.limits.max_pixels_per_image:
+            raise InvalidRequest(f"video frames of {shape[2]}x{shape[1]}; the limit is "
+                                 f"{self.limits.max_pixels_per_image} pixels")
+        size = int(np.prod(shape))
+        if size > MAX_DECODED_VIDEO_BYTES:
+            raise InvalidRequest(f"decoded video of {size} bytes; the limit is {MAX_DECODED_VIDEO_BYTES}")
+        return size
+
+    async def _encode(self, request: encoder_pb2.EncodeRequest, pixels: bytearray | None,
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[encoder_pb2.EmbeddingChunk]:
         if self.encoder is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this server only serves published embeddings")
         try:
-            item = media_item(request.item)
+            item = media_item(request.item, pixels)
             self.limits.check([item])
             content_hash = item.content_hash
             planned = await asyncio.to_thread(self.encoder.plan, item, self.limits.max_pixels_per_image)
@@ -182,12 +230,18 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             self.store.finish(request.content_hash, delivered)
 
 
+async def _then(first, rest: AsyncIterator):
+    yield first
+    async for item in rest:
+        yield item
+
+
 async def start_server(encoder: Encoder | None, store: ResultStore,
                        options: ServerOptions = ServerOptions()) -> tuple[grpc.aio.Server, int]:
     """A started server on the running loop and the port it bound."""
     interceptors = [_TokenInterceptor(options.security.token)] if options.security.token else []
     server = grpc.aio.server(interceptors=interceptors,
-                             options=[("grpc.max_receive_message_length", MAX_MEDIA_MESSAGE_BYTES)])
+                             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
     encoder_pb2_grpc.add_EncoderServiceServicer_to_server(
         EncoderServicer(encoder, store, options.chunk_bytes, options.limits), server
     )

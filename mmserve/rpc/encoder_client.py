@@ -10,6 +10,7 @@ from collections.abc import AsyncIterable
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import torch
 
 from mmserve.errors import InvalidRequest, Overloaded
@@ -17,6 +18,8 @@ from mmserve.request.embeddings import ItemEmbedding
 from mmserve.request.media import MediaItem, MediaKind
 from mmserve.rpc.embedding_wire import from_chunks
 from protos.mmserve.v1 import encoder_pb2, encoder_pb2_grpc
+
+PIECE_BYTES = 4 * 1024 * 1024  # EncodeStream's pieces (the server's STREAM_PIECE_BYTES)
 
 
 @dataclass(frozen=True)
@@ -53,18 +56,29 @@ class EncoderClient:
             self._channel = grpc.aio.insecure_channel(address)
         self._stub = encoder_pb2_grpc.EncoderServiceStub(self._channel)
 
+    def _call(self, item: MediaItem, return_embedding: bool):
+        """Encode, or EncodeStream for a decoded video (its pixels in pieces: no message is large)."""
+        if item.decoded is None:
+            request = encoder_pb2.EncodeRequest(item=_item_proto(item), return_embedding=return_embedding)
+            return self._stub.Encode(request, metadata=self._metadata, timeout=self.timeout_s)
+        header = encoder_pb2.EncodeRequest(item=_item_proto(item, with_pixels=False), return_embedding=return_embedding)
+        pixels = memoryview(np.ascontiguousarray(item.decoded.pixels)).cast("B")
+
+        def pieces():
+            yield encoder_pb2.EncodeChunk(request=header)
+            for start in range(0, len(pixels), PIECE_BYTES):
+                yield encoder_pb2.EncodeChunk(data=bytes(pixels[start:start + PIECE_BYTES]))
+
+        return self._stub.EncodeStream(pieces(), metadata=self._metadata, timeout=self.timeout_s)
+
     async def encode(self, item: MediaItem) -> ItemEmbedding:
         """Encode `item` and stream the embedding back (nothing stays pinned on the server)."""
-        request = encoder_pb2.EncodeRequest(item=_item_proto(item), return_embedding=True)
-        header, tensor = await self._receive(
-            self._stub.Encode(request, metadata=self._metadata, timeout=self.timeout_s)
-        )
+        header, tensor = await self._receive(self._call(item, return_embedding=True))
         return ItemEmbedding.from_wire(tensor, header.key)
 
     async def encode_pinned(self, item: MediaItem) -> EncodedRef:
         """Encode `item` and leave the embedding pinned on the server for one `fetch`."""
-        request = encoder_pb2.EncodeRequest(item=_item_proto(item), return_embedding=False)
-        call = self._stub.Encode(request, metadata=self._metadata, timeout=self.timeout_s)
+        call = self._call(item, return_embedding=False)
         try:
             chunks = [chunk async for chunk in call]
         except grpc.aio.AioRpcError as e:
@@ -94,12 +108,12 @@ class EncoderClient:
         await self._channel.close()
 
 
-def _item_proto(item: MediaItem) -> encoder_pb2.MediaItem:
+def _item_proto(item: MediaItem, with_pixels: bool = True) -> encoder_pb2.MediaItem:
     kind = encoder_pb2.MediaItem.IMAGE if item.kind is MediaKind.IMAGE else encoder_pb2.MediaItem.VIDEO
     decoded = None
     if (video := item.decoded) is not None:
         decoded = encoder_pb2.DecodedVideo(
-            pixels=video.pixels.tobytes(), shape=video.pixels.shape, fps=video.fps,
+            pixels=video.pixels.tobytes() if with_pixels else b"", shape=video.pixels.shape, fps=video.fps,
             total_num_frames=video.total_num_frames, indices=video.indices, content_hash=video.content_hash)
     return encoder_pb2.MediaItem(kind=kind, frames=list(item.frames), fps=item.fps, decoded=decoded)
 

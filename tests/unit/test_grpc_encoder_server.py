@@ -27,12 +27,17 @@ def encoder(tiny_models):
 
 
 @pytest.fixture(scope="module")
-def channel(encoder):
+def server(encoder):
     server = ServerThread(encoder, ResultStore(ttl_s=60),
                           ServerOptions(host="127.0.0.1", chunk_bytes=4096, security=ServerSecurity(token="tok")))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def channel(server):
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as ch:
         yield ch
-    server.stop()
 
 
 def _image_proto(data: bytes) -> encoder_pb2.MediaItem:
@@ -136,26 +141,77 @@ def test_reflection_lists_encoder_and_health(channel):
     assert {"mmserve.v1.EncoderService", "grpc.health.v1.Health"} <= names
 
 
-def test_a_decoded_video_crosses_as_uint8_frames_beyond_4_mib(encoder, channel):
-    """A video_url file's sampled frames (the router's VideoDecoder output) reach a standalone
-    encoder as raw uint8 (one message past gRPC's default 4 MiB) and encode as they do in-process;
-    a shape that does not describe the bytes is INVALID_ARGUMENT."""
+def _decoded_video(frames=8, h=480, w=400):
     import numpy as np
 
     from mmserve.request.media import DecodedVideo
+
+    pixels = np.random.default_rng(0).integers(0, 255, (frames, h, w, 3), dtype=np.uint8)  # 4.6 MB at the default
+    return MediaItem(MediaKind.VIDEO, (), decoded=DecodedVideo((frames, h, w), 10.0, 40,
+                                                               tuple(range(0, 5 * frames, 5)), "h" * 64, pixels))
+
+
+def _pieces(item, piece_bytes=1 << 20, extra=b""):
     from mmserve.rpc.encoder_client import _item_proto
 
-    rng = np.random.default_rng(0)
-    pixels = rng.integers(0, 255, (8, 480, 400, 3), dtype=np.uint8)  # 4.6 MB
-    item = MediaItem(MediaKind.VIDEO, (), decoded=DecodedVideo((8, 480, 400), 10.0, 40, tuple(range(0, 40, 5)), "h" * 64, pixels))
+    data = item.decoded.pixels.tobytes() + extra
+    yield encoder_pb2.EncodeChunk(request=encoder_pb2.EncodeRequest(item=_item_proto(item, with_pixels=False),
+                                                                    return_embedding=True))
+    for start in range(0, len(data), piece_bytes):
+        yield encoder_pb2.EncodeChunk(data=data[start:start + piece_bytes])
+
+
+def test_a_decoded_video_crosses_in_pieces_and_encodes_as_in_process(encoder, server, channel):
+    """A video_url file's sampled frames (the router's VideoDecoder output) reach a standalone
+    encoder as raw uint8 in 1 MiB pieces (no message is large) and encode as they do in-process;
+    the client library sends them so too."""
+    import asyncio
+
+    from mmserve.rpc.encoder_client import EncoderClient
+
+    item = _decoded_video()
     stub = encoder_pb2_grpc.EncoderServiceStub(channel)
-    chunks = list(stub.Encode(encoder_pb2.EncodeRequest(item=_item_proto(item), return_embedding=True),
-                              metadata=TOKEN, timeout=120))
-    header, tensor = from_chunks(chunks)
+    header, tensor = from_chunks(list(stub.EncodeStream(_pieces(item), metadata=TOKEN, timeout=120)))
     [expected] = encoder.encode([item])
     assert torch.equal(tensor, expected.rows) and header.content_hash == "h" * 64
-    bad = _item_proto(item)
-    bad.decoded.shape[:] = [8, 480, 400, 4]
+
+    async def by_client():
+        client = EncoderClient(f"127.0.0.1:{server.port}", token="tok")
+        try:
+            return await client.encode(item)
+        finally:
+            await client.close()
+
+    assert torch.equal(asyncio.run(by_client()).rows, expected.rows)
+
+
+def test_a_streamed_video_is_checked_before_its_pixels_are_read(channel):
+    """No token: refused before a piece is read; a declared shape over the limits or a shape that is
+    not RGB frames: refused from the header; more pixels than declared, or fewer: refused."""
+    stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+    item = _decoded_video(2, 64, 64)
+
+    def code(pieces, metadata=TOKEN):
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.EncodeStream(pieces, metadata=metadata, timeout=60))
+        return e.value.code(), e.value.details()
+
+    assert code(_pieces(item), metadata=())[0] == grpc.StatusCode.UNAUTHENTICATED
+    huge = _pieces(_decoded_video(2, 64, 64))
+    first = next(huge)
+    first.request.item.decoded.shape[:] = [2, 9000, 9000, 3]  # 81 M pixels a frame: over max_pixels_per_image
+    assert code(iter([first])) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                   "video frames of 9000x9000; the limit is 40000000 pixels")
+    first.request.item.decoded.shape[:] = [2, 64, 64, 4]
+    assert "is not (frames, height, width, 3)" in code(iter([first]))[1]
+    assert "more than the 24576 bytes" in code(_pieces(item, extra=b"x"))[1]
+    short = list(_pieces(item, piece_bytes=1000))[:-1]
+    assert "does not describe" in code(iter(short))[1]
+
+
+def test_one_message_is_at_most_the_request_size(channel):
+    """A 70 MB Encode message (beyond the app's 64 MiB request bound) is refused as it arrives."""
+    stub = encoder_pb2_grpc.EncoderServiceStub(channel)
     with pytest.raises(grpc.RpcError) as e:
-        list(stub.Encode(encoder_pb2.EncodeRequest(item=bad), metadata=TOKEN, timeout=60))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "does not describe" in e.value.details()
+        list(stub.Encode(encoder_pb2.EncodeRequest(item=_image_proto(b"\0" * 70_000_000)), metadata=TOKEN, timeout=60))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/mmserve/v1/encoder.proto\x12\nmmserve.v1\"\xb1\x01\n\tMediaItem\x12(\n\x04kind\x18\x01 \x01(\x0e\x32\x1a.mmserve.v1.MediaItem.Kind\x12\x0e\n\x06\x66rames\x18\x02 \x03(\x0c\x12\x0b\n\x03\x66ps\x18\x03 \x01(\x01\x12)\n\x07\x64\x65\x63oded\x18\x04 \x01(\x0b\x32\x18.mmserve.v1.DecodedVideo\"2\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\t\n\x05IMAGE\x10\x01\x12\t\n\x05VIDEO\x10\x02\"{\n\x0c\x44\x65\x63odedVideo\x12\x0e\n\x06pixels\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0b\n\x03\x66ps\x18\x03 \x01(\x01\x12\x18\n\x10total_num_frames\x18\x04 \x01(\r\x12\x0f\n\x07indices\x18\x05 \x03(\r\x12\x14\n\x0c\x63ontent_hash\x18\x06 \x01(\t\"N\n\rEncodeRequest\x12#\n\x04item\x18\x01 \x01(\x0b\x32\x15.mmserve.v1.MediaItem\x12\x18\n\x10return_embedding\x18\x02 \x01(\x08\">\n\x15\x46\x65tchEmbeddingRequest\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\t\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\"e\n\x0f\x45mbeddingHeader\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x0b\n\x03key\x18\x05 \x01(\t\"K\n\x0e\x45mbeddingChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.mmserve.v1.EmbeddingHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x32\xa6\x01\n\x0e\x45ncoderService\x12\x41\n\x06\x45ncode\x12\x19.mmserve.v1.EncodeRequest\x1a\x1a.mmserve.v1.EmbeddingChunk0\x01\x12Q\n\x0e\x46\x65tchEmbedding\x12!.mmserve.v1.FetchEmbeddingRequest\x1a\x1a.mmserve.v1.EmbeddingChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/mmserve/v1/encoder.proto\x12\nmmserve.v1\"\xb1\x01\n\tMediaItem\x12(\n\x04kind\x18\x01 \x01(\x0e\x32\x1a.mmserve.v1.MediaItem.Kind\x12\x0e\n\x06\x66rames\x18\x02 \x03(\x0c\x12\x0b\n\x03\x66ps\x18\x03 \x01(\x01\x12)\n\x07\x64\x65\x63oded\x18\x04 \x01(\x0b\x32\x18.mmserve.v1.DecodedVideo\"2\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\t\n\x05IMAGE\x10\x01\x12\t\n\x05VIDEO\x10\x02\"{\n\x0c\x44\x65\x63odedVideo\x12\x0e\n\x06pixels\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0b\n\x03\x66ps\x18\x03 \x01(\x01\x12\x18\n\x10total_num_frames\x18\x04 \x01(\r\x12\x0f\n\x07indices\x18\x05 \x03(\r\x12\x14\n\x0c\x63ontent_hash\x18\x06 \x01(\t\"N\n\rEncodeRequest\x12#\n\x04item\x18\x01 \x01(\x0b\x32\x15.mmserve.v1.MediaItem\x12\x18\n\x10return_embedding\x18\x02 \x01(\x08\"G\n\x0b\x45ncodeChunk\x12*\n\x07request\x18\x01 \x01(\x0b\x32\x19.mmserve.v1.EncodeRequest\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\">\n\x15\x46\x65tchEmbeddingRequest\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\t\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\"e\n\x0f\x45mbeddingHeader\x12\x14\n\x0c\x63ontent_hash\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x11\n\tnum_bytes\x18\x04 \x01(\x04\x12\x0b\n\x03key\x18\x05 \x01(\t\"K\n\x0e\x45mbeddingChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x1b.mmserve.v1.EmbeddingHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x32\xef\x01\n\x0e\x45ncoderService\x12\x41\n\x06\x45ncode\x12\x19.mmserve.v1.EncodeRequest\x1a\x1a.mmserve.v1.EmbeddingChunk0\x01\x12G\n\x0c\x45ncodeStream\x12\x17.mmserve.v1.EncodeChunk\x1a\x1a.mmserve.v1.EmbeddingChunk(\x01\x30\x01\x12Q\n\x0e\x46\x65tchEmbedding\x12!.mmserve.v1.FetchEmbeddingRequest\x1a\x1a.mmserve.v1.EmbeddingChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,12 +39,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODEDVIDEO']._serialized_end=350
   _globals['_ENCODEREQUEST']._serialized_start=352
   _globals['_ENCODEREQUEST']._serialized_end=430
-  _globals['_FETCHEMBEDDINGREQUEST']._serialized_start=432
-  _globals['_FETCHEMBEDDINGREQUEST']._serialized_end=494
-  _globals['_EMBEDDINGHEADER']._serialized_start=496
-  _globals['_EMBEDDINGHEADER']._serialized_end=597
-  _globals['_EMBEDDINGCHUNK']._serialized_start=599
-  _globals['_EMBEDDINGCHUNK']._serialized_end=674
-  _globals['_ENCODERSERVICE']._serialized_start=677
-  _globals['_ENCODERSERVICE']._serialized_end=843
+  _globals['_ENCODECHUNK']._serialized_start=432
+  _globals['_ENCODECHUNK']._serialized_end=503
+  _globals['_FETCHEMBEDDINGREQUEST']._serialized_start=505
+  _globals['_FETCHEMBEDDINGREQUEST']._serialized_end=567
+  _globals['_EMBEDDINGHEADER']._serialized_start=569
+  _globals['_EMBEDDINGHEADER']._serialized_end=670
+  _globals['_EMBEDDINGCHUNK']._serialized_start=672
+  _globals['_EMBEDDINGCHUNK']._serialized_end=747
+  _globals['_ENCODERSERVICE']._serialized_start=750
+  _globals['_ENCODERSERVICE']._serialized_end=989
 # @@protoc_insertion_point(module_scope)

@@ -51,6 +51,14 @@ class EncodeRequest(_message.Message):
     return_embedding: bool
     def __init__(self, item: _Optional[_Union[MediaItem, _Mapping]] = ..., return_embedding: _Optional[bool] = ...) -> None: ...
 
+class EncodeChunk(_message.Message):
+    __slots__ = ("request", "data")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    request: EncodeRequest
+    data: bytes
+    def __init__(self, request: _Optional[_Union[EncodeRequest, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class FetchEmbeddingRequest(_message.Message):
     __slots__ = ("content_hash", "wait_ms")
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]

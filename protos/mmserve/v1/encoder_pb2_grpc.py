@@ -39,6 +39,11 @@ class EncoderServiceStub:
                 request_serializer=protos_dot_mmserve_dot_v1_dot_encoder__pb2.EncodeRequest.SerializeToString,
                 response_deserializer=protos_dot_mmserve_dot_v1_dot_encoder__pb2.EmbeddingChunk.FromString,
                 _registered_method=True)
+        self.EncodeStream = channel.stream_stream(
+                '/mmserve.v1.EncoderService/EncodeStream',
+                request_serializer=protos_dot_mmserve_dot_v1_dot_encoder__pb2.EncodeChunk.SerializeToString,
+                response_deserializer=protos_dot_mmserve_dot_v1_dot_encoder__pb2.EmbeddingChunk.FromString,
+                _registered_method=True)
         self.FetchEmbedding = channel.unary_stream(
                 '/mmserve.v1.EncoderService/FetchEmbedding',
                 request_serializer=protos_dot_mmserve_dot_v1_dot_encoder__pb2.FetchEmbeddingRequest.SerializeToString,
@@ -58,6 +63,16 @@ class EncoderServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EncodeStream(self, request_iterator, context):
+        """Encode a decoded video sent in pieces, so that no message is large: the first message holds
+        the request (the video's header, its pixels empty), the others its pixels in order, each at
+        most STREAM_PIECE_BYTES. The token is checked before a message is read, the declared shape
+        against the limits before the pixels are.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def FetchEmbedding(self, request, context):
         """Stream a pinned embedding by content hash; NOT_FOUND when it is not (or no longer) there.
         """
@@ -71,6 +86,11 @@ def add_EncoderServiceServicer_to_server(servicer, server):
             'Encode': grpc.unary_stream_rpc_method_handler(
                     servicer.Encode,
                     request_deserializer=protos_dot_mmserve_dot_v1_dot_encoder__pb2.EncodeRequest.FromString,
+                    response_serializer=protos_dot_mmserve_dot_v1_dot_encoder__pb2.EmbeddingChunk.SerializeToString,
+            ),
+            'EncodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.EncodeStream,
+                    request_deserializer=protos_dot_mmserve_dot_v1_dot_encoder__pb2.EncodeChunk.FromString,
                     response_serializer=protos_dot_mmserve_dot_v1_dot_encoder__pb2.EmbeddingChunk.SerializeToString,
             ),
             'FetchEmbedding': grpc.unary_stream_rpc_method_handler(
@@ -105,6 +125,33 @@ class EncoderService:
             target,
             '/mmserve.v1.EncoderService/Encode',
             protos_dot_mmserve_dot_v1_dot_encoder__pb2.EncodeRequest.SerializeToString,
+            protos_dot_mmserve_dot_v1_dot_encoder__pb2.EmbeddingChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EncodeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/mmserve.v1.EncoderService/EncodeStream',
+            protos_dot_mmserve_dot_v1_dot_encoder__pb2.EncodeChunk.SerializeToString,
             protos_dot_mmserve_dot_v1_dot_encoder__pb2.EmbeddingChunk.FromString,
             options,
             channel_credentials,
