@@ -109,31 +109,41 @@ def usage(gen: Generation) -> vlm_pb2.Usage:
 
 
 async def completion(gen: Generation, request_id: str) -> vlm_pb2.GenerateResponse:
-    """The whole answer; `request_id` is the id shown to the client (its own, when it sent one)."""
-    text, tokens, finish = [], [], ""
+    """The whole answer; `request_id` is the id shown to the client (its own, when it sent one).
+    With n > 1, every choice in `choices` and choice 0's in the fields."""
+    text, tokens = [[] for _ in range(gen.n)], [[] for _ in range(gen.n)]
+    finish = [""] * gen.n
     async for delta in gen.deltas():
-        text.append(delta.text)
+        text[delta.index].append(delta.text)
         if delta.token_id is not None:
-            tokens.append(delta.token_id)
-        finish = delta.finish_reason or finish
-    content, calls = "".join(text), []
-    if gen.tools:
-        parsed, calls = parse_calls(content, list(gen.tools))
-        if calls:
-            content, finish = parsed or "", "tool_calls" if finish == "stop" else finish
-    return vlm_pb2.GenerateResponse(
-        request_id=request_id, text=content, token_ids=tokens, finish_reason=finish, usage=usage(gen),
-        tool_calls=_calls(calls),
-    )
+            tokens[delta.index].append(delta.token_id)
+        finish[delta.index] = delta.finish_reason or finish[delta.index]
+    choices = []
+    for i in range(gen.n):
+        content, calls, reason = "".join(text[i]), [], finish[i]
+        if gen.tools:
+            parsed, calls = parse_calls(content, list(gen.tools))
+            if calls:
+                content, reason = parsed or "", "tool_calls" if reason == "stop" else reason
+        choices.append(vlm_pb2.GenerateResponse(request_id=request_id, text=content, token_ids=tokens[i],
+                                                finish_reason=reason, tool_calls=_calls(calls), index=i))
+    response = vlm_pb2.GenerateResponse()
+    response.CopyFrom(choices[0])
+    response.usage.CopyFrom(usage(gen))
+    if gen.n > 1:
+        response.choices.extend(choices)
+    return response
 
 
 async def stream(gen: Generation, request_id: str) -> AsyncIterator[vlm_pb2.GenerateResponse]:
     """One response per delta; the last carries finish_reason and usage (and the tool calls, with
-    tools: the content goes out until a call begins)."""
-    text = ToolText(gen.tools) if gen.tools else None
+    tools: the content goes out until a call begins). With n > 1 each carries its choice's index,
+    each choice's last its finish_reason, and a last response the usage."""
+    texts = [ToolText(gen.tools) for _ in range(gen.n)] if gen.tools else None
     async for delta in gen.deltas():
         content, calls, finish = delta.text, [], delta.finish_reason or ""
-        if text is not None:
+        if texts is not None:
+            text = texts[delta.index]
             events = text.add(delta.text)
             if finish:
                 more, calls = text.end()
@@ -143,11 +153,13 @@ async def stream(gen: Generation, request_id: str) -> AsyncIterator[vlm_pb2.Gene
         response = vlm_pb2.GenerateResponse(
             request_id=request_id, text=content,
             token_ids=[delta.token_id] if delta.token_id is not None else [],
-            finish_reason=finish, tool_calls=_calls(calls),
+            finish_reason=finish, tool_calls=_calls(calls), index=delta.index,
         )
-        if delta.finish_reason:
+        if delta.finish_reason and gen.n == 1:
             response.usage.CopyFrom(usage(gen))
         yield response
+    if gen.n > 1:  # every choice has ended: the usage of them all
+        yield vlm_pb2.GenerateResponse(request_id=request_id, usage=usage(gen))
 
 
 @dataclasses.dataclass

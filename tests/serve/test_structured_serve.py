@@ -154,3 +154,19 @@ def test_over_the_grpc_transport_the_json_is_the_same(secured_url, tiny_models):
         text, tokens = chat_completion(c, "secured", api, MAX_TOKENS, stream, response_format=_format(INVOICE))
         assert tokens == expected
         jsonschema.validate(json.loads(text), INVOICE)
+
+
+def test_n_choices_over_grpc_unary_and_streamed(grpc_target, tiny_models):
+    ref, _ = _case((29,), "Extract the fields as JSON.")
+    expected = reference_constrained(tiny_models["qwen2_vl"], ref, MAX_TOKENS, CHART)
+    messages = [user("Extract the fields as JSON.", images=[ref[0]["content"][0]["bytes"]])]
+    with VLMClient(grpc_target, application="qwen2_vl") as g:
+        unary = g.generate(messages, max_tokens=MAX_TOKENS, json_schema=CHART, n=3)
+        streamed = list(g.stream(messages, max_tokens=MAX_TOKENS, json_schema=CHART, n=3))
+    assert [c.index for c in unary.choices] == [0, 1, 2]
+    assert all(list(c.token_ids) == expected and c.finish_reason == "stop" for c in unary.choices)
+    assert list(unary.token_ids) == expected and unary.usage.completion_tokens == 3 * len(expected)
+    for i in range(3):
+        assert [t for r in streamed if r.index == i for t in r.token_ids] == expected
+        assert [r.finish_reason for r in streamed if r.index == i and r.finish_reason] == ["stop"]
+    assert streamed[-1].usage.completion_tokens == 3 * len(expected)
