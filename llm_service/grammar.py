@@ -82,7 +82,6 @@ class GrammarCompiler:
             self._cache[grammar] = compiled
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-            self._compiling.pop(grammar, None)
         return compiled
 
     def submit(self, grammar: Grammar) -> Future:

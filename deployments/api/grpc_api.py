@@ -33,7 +33,7 @@ from deployments.core.request_core import ChatRequest, RequestCore, new_request_
 from mmserve.errors import InvalidRequest
 from mmserve.request.media import MediaKind, MediaSource
 from mmserve.request.prompt_plan import Message
-from mmserve.request.tools import ToolCall, ToolSpec, ToolText, check_tools, new_call_id, parse_calls
+from mmserve.request.tools import ToolCall, ToolSpec, ToolText, answer, check_tools, finish_with, new_call_id
 from protos.mmserve.v1 import vlm_pb2
 
 logger = logging.getLogger("ray.serve")
@@ -120,12 +120,8 @@ async def completion(gen: Generation, request_id: str) -> vlm_pb2.GenerateRespon
         finish[delta.index] = delta.finish_reason or finish[delta.index]
     choices = []
     for i in range(gen.n):
-        content, calls, reason = "".join(text[i]), [], finish[i]
-        if gen.tools:
-            parsed, calls = parse_calls(content, list(gen.tools))
-            if calls:
-                content, reason = parsed or "", "tool_calls" if reason == "stop" else reason
-        choices.append(vlm_pb2.GenerateResponse(request_id=request_id, text=content, token_ids=tokens[i],
+        content, calls, reason = answer("".join(text[i]), finish[i], gen.tools)
+        choices.append(vlm_pb2.GenerateResponse(request_id=request_id, text=content or "", token_ids=tokens[i],
                                                 finish_reason=reason, tool_calls=_calls(calls), index=i))
     response = vlm_pb2.GenerateResponse()
     response.CopyFrom(choices[0])
@@ -148,7 +144,7 @@ async def stream(gen: Generation, request_id: str) -> AsyncIterator[vlm_pb2.Gene
             if finish:
                 more, calls = text.end()
                 events += more
-                finish = "tool_calls" if calls and finish == "stop" else finish
+                finish = finish_with(finish, calls)
             content = "".join(e[1] for e in events if e[0] == "content")
         response = vlm_pb2.GenerateResponse(
             request_id=request_id, text=content,

@@ -23,7 +23,7 @@ from llm_service.sampling import Grammar
 from mmserve.errors import InvalidRequest
 from mmserve.request.media import MediaKind, MediaSource
 from mmserve.request.prompt_plan import Message
-from mmserve.request.tools import ToolCall, ToolSpec, ToolText, check_tools, new_call_id, parse_calls
+from mmserve.request.tools import ToolCall, ToolSpec, ToolText, answer, check_tools, finish_with, new_call_id
 
 logger = logging.getLogger("ray.serve")
 
@@ -147,13 +147,10 @@ def _logprob_entry(gen: Generation, delta: Delta) -> dict:
 def _message(text: str, finish: str | None, tools) -> tuple[dict, str | None]:
     """The assistant message of a choice's text (its tool calls parsed out when the request has
     tools), and its finish reason (`tool_calls` when it made any)."""
-    if not tools:
-        return {"role": "assistant", "content": text}, finish
-    content, calls = parse_calls(text, list(tools))
+    content, calls, finish = answer(text, finish, tools)
     if not calls:
-        return {"role": "assistant", "content": text}, finish
-    message = {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}
-    return message, "tool_calls" if finish == "stop" else finish
+        return {"role": "assistant", "content": content}, finish
+    return {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}, finish
 
 
 async def completion(gen: Generation, model: str, with_token_ids: bool) -> dict:
@@ -228,8 +225,7 @@ async def sse(gen: Generation, model: str, with_token_ids: bool, include_usage: 
             for piece in pending:  # content; a call's id and name; its arguments, piece by piece
                 yield chunk(delta.index, _tool_delta(piece))
             if delta.finish_reason:
-                yield chunk(delta.index, {}, "tool_calls" if calls and delta.finish_reason == "stop"
-                            else delta.finish_reason)
+                yield chunk(delta.index, {}, finish_with(delta.finish_reason, calls))
         if include_usage:
             yield event({**base, "choices": [], "usage": gen.usage()})
     except Exception as e:

@@ -123,6 +123,19 @@ def parse_calls(text: str, tools: list[ToolSpec]) -> tuple[str | None, list[Tool
     return (content or None) if calls else text, calls
 
 
+def answer(text: str, finish: str | None, tools) -> tuple[str | None, list[ToolCall], str | None]:
+    """(content, calls, finish reason) of a whole choice: with `tools`, its calls parsed out and the
+    reason `tool_calls` when it made any and stopped by itself (the same for every API)."""
+    if not tools:
+        return text, [], finish
+    content, calls = parse_calls(text, list(tools))
+    return content, calls, finish_with(finish, calls)
+
+
+def finish_with(finish: str | None, calls) -> str | None:
+    return "tool_calls" if calls and finish == "stop" else finish
+
+
 def _call(body: str, names: set[str]) -> ToolCall | None:
     try:
         value = json.loads(body)
