@@ -1,0 +1,148 @@
+"""The engine's mixture-of-experts path: the experts of every MoE layer run here, not in
+`transformers`' per-expert loop.
+
+`transformers` 5 keeps a MoE layer's experts in one module holding `gate_up_proj` `(E, 2I, H)` and
+`down_proj` `(E, H, I)`, called as `experts(hidden (T, H), top_k_index (T, k), top_k_weights
+(T, k)) -> (T, H)`: the family's router (softmax or sigmoid top-k, its normalisation and
+correction bias) and its shared expert stay the family's own code around that call, so every
+config's routing rule is the one its checkpoint was trained with. `install(decoder)` binds
+`experts_forward` onto each such module (the classes `use_experts_implementation` decorates, as
+Qwen3-VL-MoE's, and those it does not, as Step3's), as `llm_service.attention` plugs the attention
+in. The forward:
+
+- sorts the step's (token, expert) pairs by expert and counts each expert's rows, on the device
+  and without a host sync where it can (CUDA graphs capture it);
+- CUDA with Triton: `mmserve.kernels.triton_moe.fused_experts`, one grouped GEMM launch for
+  gate/up and one for down over the sorted pairs (static shapes per captured batch size);
+- otherwise grouped PyTorch: `torch._grouped_mm` over all experts at once where torch has it for
+  the dtype and strides, else one GEMM pair per expert that has rows (an expert with none costs
+  nothing), from the counts read once;
+- applies the module's own gate (`_apply_gate`: SiLU(gate) * up, Step3's clamp), weights each pair
+  by its routing weight and sums a token's k pairs in float32 (or wider);
+- adds the counts to the module's `load` `(E,)`: tokens per expert since the engine last read
+  them (`ExpertLoad`, the load-balance metrics).
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def is_experts(module: nn.Module) -> bool:
+    """A `transformers` 5 experts module in the layout this path runs (gate and up concatenated,
+    not transposed, no biases)."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3
+            and down.dim() == 3 and not getattr(module, "is_transposed", False)
+            and not getattr(module, "has_bias", False) and getattr(module, "is_concatenated", True))
+
+
+def install(decoder: nn.Module, triton: bool = False) -> list[nn.Module]:
+    """Bind `experts_forward` onto every experts module of `decoder` (after its weights are loaded
+    and moved); `triton`: the fused kernel on CUDA. Returns the modules, layer order."""
+    modules = [m for m in decoder.modules() if is_experts(m)]
+    for m in modules:
+        m.forward = types.MethodType(experts_forward, m)
+        m.load = torch.zeros(m.gate_up_proj.shape[0], dtype=torch.int64, device=m.gate_up_proj.device)
+        m.use_triton = triton and m.gate_up_proj.is_cuda
+    return modules
+
+
+def route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`order` `(T*k,)`: the flat (token, slot) pairs sorted by expert (stable: token order within
+    an expert); `counts` `(E,)` int64: pairs per expert. Device-side, no host sync."""
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return order, counts
+
+
+def gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """The module's own activation of `(S, 2I)` gate/up rows -> `(S, I)`."""
+    if hasattr(module, "_apply_gate"):
+        return module._apply_gate(gate_up)
+    g, u = gate_up.chunk(2, dim=-1)
+    return module.act_fn(g) * u
+
+
+def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """sum over k of `top_k_weights[t, k] * expert[top_k_index[t, k]](hidden_states[t])`, `(T, H)`."""
+    num_tokens, top_k = top_k_index.shape
+    order, counts = route(top_k_index, self.gate_up_proj.shape[0])
+    self.load.add_(counts)
+    if self.use_triton:
+        from mmserve.kernels.triton_moe import fused_experts
+
+        return fused_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights,
+                             lambda gate_up: gate(self, gate_up))
+    rows = grouped(self, hidden_states[order // top_k], counts)  # (T*k, H), sorted by expert
+    acc = torch.promote_types(hidden_states.dtype, torch.float32)
+    weighted = rows.to(acc) * top_k_weights.reshape(-1)[order, None].to(acc)
+    pairs = torch.empty_like(weighted)
+    pairs[order] = weighted
+    return pairs.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def grouped(module: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Each expert's two GEMMs over its run of the expert-sorted rows `x` `(S, H)`."""
+    gate_up_w, down_w = module.gate_up_proj, module.down_proj
+    if _grouped_mm_fits(x, gate_up_w, down_w):
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = gate(module, torch._grouped_mm(x, gate_up_w.transpose(1, 2), offs=offsets))
+        return torch._grouped_mm(h, down_w.transpose(1, 2), offs=offsets)
+    out = x.new_empty(x.shape[0], down_w.shape[1])
+    start = 0
+    for expert, n in enumerate(counts.tolist()):
+        if n:
+            rows = slice(start, start + n)
+            out[rows] = F.linear(gate(module, F.linear(x[rows], gate_up_w[expert])), down_w[expert])
+            start += n
+    return out
+
+
+def _grouped_mm_fits(x: torch.Tensor, gate_up_w: torch.Tensor, down_w: torch.Tensor) -> bool:
+    """`torch._grouped_mm` takes float32/bf16/fp16 with row strides of whole 16-byte units."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in _GROUPED_MM_DTYPES or x.dtype != gate_up_w.dtype:
+        return False
+    if x.is_cuda and (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 9):
+        return False
+    size = x.element_size()
+    return all(d * size % 16 == 0 for d in (gate_up_w.shape[1], gate_up_w.shape[2], down_w.shape[1]))
+
+
+class ExpertLoad:
+    """Tokens per expert of a decoder's MoE layers since the last `take`, from the modules' `load`."""
+
+    def __init__(self, modules: list[nn.Module]):
+        self.modules = modules
+
+    def take(self) -> torch.Tensor | None:
+        """`(layers, E)` int64 counts on the CPU, and zero the modules' counters; None: no MoE layer."""
+        if not self.modules:
+            return None
+        counts = torch.stack([m.load for m in self.modules]).cpu()
+        for m in self.modules:
+            m.load.zero_()
+        return counts
+
+    def reset(self) -> None:
+        for m in self.modules:
+            m.load.zero_()
+
+
+def imbalance(counts: torch.Tensor) -> float:
+    """max over mean tokens per expert, of the worst layer (1.0: perfectly even; 0.0: no tokens)."""
+    per_layer = counts.float()
+    mean = per_layer.mean(dim=1)
+    busy = mean > 0
+    if not busy.any():
+        return 0.0
+    return float((per_layer.max(dim=1).values[busy] / mean[busy]).max())
