@@ -165,6 +165,7 @@ class LLMEngine:
             raise RuntimeError(f"the warm-up request failed: {failed[0]!r}") from failed[0]
         self._new_bookkeeping()
         self.num_steps = self.num_generated = self.runner.num_forwards = 0
+        self.runner.expert_load.reset(num_forwards=0)
         self.last_progress = time.monotonic()
 
     # -- public API (any thread) -------------------------------------------------------------
@@ -374,6 +375,7 @@ class LLMEngine:
             if seq.status is Status.FINISHED:  # finished (or aborted) after this step was launched
                 continue
             self._postprocess(seq, result.token_ids[j], result.logprobs[j], result.top_logprobs[j])
+        self.runner.expert_load.collect(self.runner.num_forwards)
         return arrived
 
     def _register_full_blocks(self, seq: Sequence, start: int, end: int) -> None:

@@ -25,6 +25,8 @@ in. The forward:
 
 from __future__ import annotations
 
+import threading
+import time
 import types
 
 import torch
@@ -49,7 +51,8 @@ def install(decoder: nn.Module, triton: bool = False) -> list[nn.Module]:
     modules = [m for m in decoder.modules() if is_experts(m)]
     for m in modules:
         m.forward = types.MethodType(experts_forward, m)
-        m.load = torch.zeros(m.gate_up_proj.shape[0], dtype=torch.int64, device=m.gate_up_proj.device)
+        m.register_buffer("load", torch.zeros(m.gate_up_proj.shape[0], dtype=torch.int64,
+                                              device=m.gate_up_proj.device), persistent=False)
         m.use_triton = triton and m.gate_up_proj.is_cuda
     return modules
 
@@ -119,23 +122,50 @@ def _grouped_mm_fits(x: torch.Tensor, gate_up_w: torch.Tensor, down_w: torch.Ten
 
 
 class ExpertLoad:
-    """Tokens per expert of a decoder's MoE layers since the last `take`, from the modules' `load`."""
+    """Tokens per expert of a decoder's MoE layers, for the load-balance metrics.
 
-    def __init__(self, modules: list[nn.Module]):
+    The engine thread calls `collect` after reading a step's sampled ids: at most every
+    `interval_s` it copies the modules' counters to the host (one small copy, which waits for the
+    step in flight) and zeroes them. Any thread `drain`s what was collected. Rows that pad a batch
+    to a captured graph's size are routed and counted too."""
+
+    def __init__(self, modules: list[nn.Module], interval_s: float = 1.0):
         self.modules = modules
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._counts: torch.Tensor | None = None
+        self._forwards = 0
+        self._forwards_seen = 0
+        self._last = time.monotonic()
 
-    def take(self) -> torch.Tensor | None:
-        """`(layers, E)` int64 counts on the CPU, and zero the modules' counters; None: no MoE layer."""
-        if not self.modules:
-            return None
+    def collect(self, num_forwards: int, force: bool = False) -> None:
+        """Engine thread: add the counters to the host tally (`num_forwards`: the runner's count so far)."""
+        if not self.modules or (not force and time.monotonic() - self._last < self.interval_s):
+            return
+        self._last = time.monotonic()
         counts = torch.stack([m.load for m in self.modules]).cpu()
-        for m in self.modules:
-            m.load.zero_()
-        return counts
+        self.reset()
+        with self._lock:
+            self._counts = counts if self._counts is None else self._counts + counts
+            self._forwards += num_forwards - self._forwards_seen
+            self._forwards_seen = num_forwards
 
-    def reset(self) -> None:
+    def drain(self) -> tuple[torch.Tensor, int] | None:
+        """`(layers, E)` tokens per expert and the forwards they came from, since the last drain;
+        None: nothing collected (or no MoE layer)."""
+        with self._lock:
+            if self._counts is None:
+                return None
+            out, self._counts, self._forwards = (self._counts, self._forwards), None, 0
+        return out
+
+    def reset(self, num_forwards: int | None = None) -> None:
+        """Zero the device counters (`num_forwards`: also restart the forward count there, after a warm-up)."""
         for m in self.modules:
             m.load.zero_()
+        if num_forwards is not None:
+            with self._lock:
+                self._counts, self._forwards, self._forwards_seen = None, 0, num_forwards
 
 
 def imbalance(counts: torch.Tensor) -> float:

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from llm_service import attention
+from llm_service import attention, experts
 from llm_service.attention import AttentionBatch
 from llm_service.batch_state import BatchState
 from llm_service.block_manager import BlockManager
@@ -92,6 +92,10 @@ class ModelRunner:
         self.device_decode = self.states is None
         self.arange = torch.arange(config.max_num_seqs + 1, dtype=torch.int32, device=self.device)
         self.num_forwards = 0
+        # the engine's experts path in every MoE layer (the fused kernel where the graphs' Triton
+        # attention runs), before any graph captures them
+        cuda_triton = self.device.type == "cuda" and self.backend == "triton"
+        self.expert_load = experts.ExpertLoad(experts.install(decoder, triton=cuda_triton))
         # the decoder's RMSNorms and SiLU MLPs in fewer kernels, before any graph captures them
         self.fused_ops = {}
         if self.device.type == "cuda" and config.fused_ops and self.backend == "triton":

@@ -26,6 +26,7 @@ from deployments.replica_env import resolve_model_dir, set_cpu_threads
 from deployments.serve.transport import resolve
 from llm_service.config import EngineConfig
 from llm_service.engine import LLMEngine, LLMRequest, TokenEvent
+from llm_service.experts import imbalance
 from llm_service.model import LanguageModel
 from mmserve.device import device_memory, hold_to_share, resolve_device
 from mmserve.errors import EmbeddingsLost, InvalidRequest, QueueFull
@@ -87,6 +88,7 @@ class LLMDeployment:
             self.metrics.tokens_per_s.set((stats.num_generated - last.num_generated) / interval_s)
             last = stats
             self._export_grammar_stats()
+            self._export_expert_load()
 
     def _export_grammar_stats(self) -> None:
         masks, compiler = self.engine.masks, self.engine.grammar_compiler
@@ -95,6 +97,15 @@ class LLMDeployment:
             self._mask_s_exported += spent
         while compiler is not None and compiler.stats.compile_s:
             self.metrics.grammar_compile_ms.observe(compiler.stats.compile_s.pop(0) * 1000)
+
+    def _export_expert_load(self) -> None:
+        """Tokens per expert per forward and the worst layer's imbalance (MoE models only)."""
+        if (load := self.engine.runner.expert_load.drain()) is None:
+            return
+        counts, forwards = load
+        for tokens in (counts.double().mean(dim=0) / max(forwards, 1)).tolist():
+            self.metrics.moe_tokens_per_expert.observe(tokens)
+        self.metrics.moe_load_imbalance.set(imbalance(counts))
 
     def ready(self) -> bool:
         """True: a call reaches a replica only once its constructor returned, the model loaded and

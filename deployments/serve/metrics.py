@@ -111,6 +111,9 @@ class PoolMetrics(PoolListener):
         self.metrics.cache_bytes.set(cache_bytes)
 
 
+_EXPERT_TOKENS = [0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
+
+
 class LLMMetrics:
     def __init__(self):
         self.generated = Counter("mmserve_llm_generated_tokens", "Output tokens generated")
@@ -137,3 +140,8 @@ class LLMMetrics:
                                             "grammar", boundaries=_LATENCY_MS)
         self.grammar_mask_s = Counter("mmserve_llm_grammar_mask_seconds",
                                       "Engine-thread seconds spent filling grammar token masks")
+        self.moe_tokens_per_expert = Histogram(
+            "mmserve_llm_moe_tokens_per_expert", "Tokens an expert received per forward, averaged over the MoE "
+            "layers; one observation per expert per interval (MoE models)", boundaries=_EXPERT_TOKENS)
+        self.moe_load_imbalance = Gauge("mmserve_llm_moe_load_imbalance", "Max over mean tokens per expert over the "
+                                        "last interval, worst MoE layer (1 = even)")

@@ -94,20 +94,22 @@ VIDEO_MAX_PIXELS = FACTOR * FACTOR * 64
 DEEPSTACK_VISUAL_INDEXES = (0, 1)
 
 
-def config(tokenizer):
-    """The tiny `Qwen3VLConfig` for `tokenizer`'s vocabulary."""
+def config(tokenizer, config_class=None, **text_overrides):
+    """The tiny `Qwen3VLConfig` for `tokenizer`'s vocabulary (`config_class` and `text_overrides`:
+    a sibling model type with the same vision side, e.g. Qwen3-VL-MoE)."""
     from transformers import Qwen3VLConfig
 
     ids = tokenizer.convert_tokens_to_ids
     text = text_config(tokenizer, num_hidden_layers=3, head_dim=16, tie_word_embeddings=False, rope_parameters={
-        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True})
+        "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+        **text_overrides)
     vision = dict(
         depth=3, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3, out_hidden_size=64,
         patch_size=PATCH_SIZE, spatial_merge_size=MERGE_SIZE, temporal_patch_size=2,
         num_position_embeddings=64, deepstack_visual_indexes=list(DEEPSTACK_VISUAL_INDEXES),
         initializer_range=0.2,
     )
-    return Qwen3VLConfig(
+    return (config_class or Qwen3VLConfig)(
         text_config=text,
         vision_config=vision,
         image_token_id=ids("<|image_pad|>"),
@@ -118,12 +120,13 @@ def config(tokenizer):
     )
 
 
-def build(name: str, seed: int):
-    """The tiny Qwen3-VL (see `mmserve.tiny` for the contract)."""
+def build(name: str, seed: int, make_config=config):
+    """The tiny Qwen3-VL (see `mmserve.tiny` for the contract); `make_config(tokenizer)`: the
+    model config of a sibling with the same processor (Qwen3-VL-MoE)."""
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
     tokenizer = build_tokenizer(seed, 1024, QWEN3_SPECIAL_TOKENS)
-    model_config = config(tokenizer)
+    model_config = make_config(tokenizer)
     norm = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     sizes = dict(patch_size=PATCH_SIZE, merge_size=MERGE_SIZE, temporal_patch_size=2)
     image_processor = Qwen2VLImageProcessor(

@@ -39,7 +39,10 @@ SERVED = {
                           "minicpmv4_6_grpc", video_seed=23),
     "qwen3_vl": Served({"qwen3_vl": {}, "qwen3_vl_grpc": GRPC}, ("one_image", "video", "image_and_video"),
                        ("one_image", "video"), "qwen3_vl", video_seed=22),
+    "qwen3_vl_moe": Served({"qwen3_vl_moe": {}, "qwen3_vl_moe_grpc": GRPC}, ("text_only", "one_image", "video"),
+                           ("one_image",), "qwen3_vl_moe_grpc", video_seed=24),
 }
+MOE_FAMILIES = ("qwen3_vl_moe", "step3p7")
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +110,19 @@ def test_video_url_equals_monolithic_on_both_transports(served, tiny_checkpoint,
         assert decoder_stats(name)["streamed"] - before["streamed"] == (name == first), name
     with VLMClient(f"127.0.0.1:{serve_ports[1]}", application=spec.grpc_app) as c:
         assert list(c.generate([user(QUESTION, video_files=[data])], max_tokens=max_tokens).token_ids) == expected
+
+
+@pytest.mark.parametrize("served", MOE_FAMILIES, indirect=True)
+def test_concurrent_requests_to_a_moe_model_equal_monolithic(served, tiny_checkpoint):
+    """Every case of a mixture-of-experts family at once: the steps batch the requests' tokens
+    through the same experts (each expert's rows gathered from several requests)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    family, urls = served
+    name, cases = next(iter(SERVED[family].apps)), family_cases(family)
+    max_tokens = CASE_TOKENS[family]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        got = dict(zip(cases, pool.map(lambda m: openai_chat(urls[name], name, m, max_tokens, stream=True)[1],
+                                       cases.values())))
+    for case, messages in cases.items():
+        assert got[case] == reference_generate(tiny_checkpoint(family), messages, max_tokens), case

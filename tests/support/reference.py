@@ -33,7 +33,9 @@ def load_reference(model_dir: str, dtype: torch.dtype = torch.float64, device: s
 def _load_reference(model_dir: str, dtype: torch.dtype, device: str):
     from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    # MoE layers: transformers' own per-expert loop (its grouped kernels take no float64)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype,
+                                                        experts_implementation="eager").to(device).eval()
     return load_processor(model_dir), model
 
 

@@ -1,0 +1,49 @@
+"""LM face of Qwen3-VL-MoE: Qwen3-VL's (interleaved M-RoPE, DeepStack) with the sparse decoder.
+
+Every sparse layer's experts run on the engine's experts path (`llm_service.experts`, bound by
+the model runner); the router (softmax, top-k renormalised) is `transformers`' own.
+
+Checkpoint layouts of the experts: the published checkpoints (Qwen/Qwen3-VL-30B-A3B-*) hold
+`mlp.experts.gate_up_proj` `(E, H, 2I)` and `mlp.experts.down_proj` `(E, I, H)`, transposed
+against `transformers`' modules (`(E, 2I, H)`, `(E, H, I)`), as its `qwen3_vl_moe` conversion
+mapping says; `save_pretrained` writes the modules' layout. Both load: a tensor is transposed when
+its shape is the published one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llm_service.families.base import LanguageModelModules
+from llm_service.families.qwen3_vl import Qwen3VLLMFace
+
+_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+_AS_STORED = "@stored"  # suffix of an experts tensor waiting for its layout check
+
+
+class Qwen3VLMoeLanguageModel(LanguageModelModules):
+    def convert(self, waiting: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        made = {}
+        for key in [k for k in waiting if k.endswith(_AS_STORED)]:
+            name = key[: -len(_AS_STORED)]
+            tensor, shape = waiting.pop(key), self.get_parameter(name).shape
+            made[name] = tensor if tensor.shape == shape else tensor.transpose(1, 2)
+        return made
+
+
+class Qwen3VLMoeLMFace(Qwen3VLLMFace):
+    def rename(self, key: str) -> str | None:
+        name = super().rename(key)
+        return name + _AS_STORED if name is not None and name.endswith(_EXPERTS) else name
+
+    def decoder_class(self) -> type:
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextModel
+
+        return Qwen3VLMoeTextModel
+
+    def build(self, dtype: torch.dtype) -> LanguageModelModules:
+        modules = super().build(dtype)
+        return Qwen3VLMoeLanguageModel(modules.decoder, modules.lm_head, modules.tied)
+
+
+LM_FACE = Qwen3VLMoeLMFace

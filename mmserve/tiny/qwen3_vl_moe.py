@@ -1,0 +1,32 @@
+"""Tiny Qwen3-VL-MoE (`qwen3_vl_moe`).
+
+Qwen3-VL's tiny checkpoint (same ViT, DeepStack, processor, chat template and tokenizer) with the
+decoder of Qwen/Qwen3-VL-30B-A3B-Instruct shrunk: every layer's MLP a sparse block (softmax
+router, top-k renormalised, no shared expert; `decoder_sparse_step` 1, no dense layers), 16
+experts of width 48 and 4 per token, against the real 128, 768 and 8. `save_pretrained` writes
+the experts in transformers' in-memory layout, `gate_up_proj` `(E, 2I, H)` and `down_proj`
+`(E, H, I)`; the published checkpoints hold them transposed, which the LM face reads as well
+(2I and I differ from H here, so the two layouts cannot be confused).
+"""
+
+from __future__ import annotations
+
+from mmserve.tiny import qwen3_vl
+
+VARIANTS: dict[str, str] = {}
+
+NUM_EXPERTS = 16
+EXPERTS_PER_TOKEN = 4
+MOE_INTERMEDIATE_SIZE = 48
+
+
+def config(tokenizer):
+    from transformers import Qwen3VLMoeConfig
+
+    return qwen3_vl.config(tokenizer, Qwen3VLMoeConfig, num_experts=NUM_EXPERTS,
+                           num_experts_per_tok=EXPERTS_PER_TOKEN, moe_intermediate_size=MOE_INTERMEDIATE_SIZE,
+                           decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def build(name: str, seed: int):
+    return qwen3_vl.build(name, seed, config)
