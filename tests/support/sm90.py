@@ -10,9 +10,11 @@ from pathlib import Path
 
 
 def compile_sm90(kernel, constants: dict, pointers: dict, scalars: dict | None = None, num_warps: int = 4,
-                 num_stages: int | None = None) -> int:
+                 num_stages: int | None = None, aligned: tuple[str, ...] = ()) -> int:
     """Bytes of `kernel`'s sm_90 cubin: `constants` its constexprs, `pointers` / `scalars` the
-    types of its other arguments by name (any other: an i32)."""
+    types of its other arguments by name (any other: an i32); `aligned`: arguments known divisible
+    by 16, as a launch specializes 16-byte aligned pointers and such ints (what lets the compiler
+    vectorize the loads and pipeline them)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -20,7 +22,8 @@ def compile_sm90(kernel, constants: dict, pointers: dict, scalars: dict | None =
     types = {**(scalars or {}), **pointers}
     signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in kernel.arg_names}
     source = ASTSource(fn=kernel, signature=signature,
-                       constexprs={(kernel.arg_names.index(n),): v for n, v in constants.items()})
+                       constexprs={(kernel.arg_names.index(n),): v for n, v in constants.items()},
+                       attrs={(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     options = dict(num_warps=num_warps, **({"num_stages": num_stages} if num_stages else {}))
     return len(triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"])
 
