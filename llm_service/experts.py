@@ -79,13 +79,14 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """sum over k of `top_k_weights[t, k] * expert[top_k_index[t, k]](hidden_states[t])`, `(T, H)`."""
     num_tokens, top_k = top_k_index.shape
-    order, counts = route(top_k_index, self.gate_up_proj.shape[0])
-    self.load.add_(counts)
-    if self.use_triton:
+    if self.use_triton:  # it sorts and pads the pairs itself
         from mmserve.kernels.triton_moe import fused_experts
 
+        self.load.scatter_add_(0, top_k_index.reshape(-1), torch.ones_like(top_k_index.reshape(-1)))
         return fused_experts(hidden_states, self.gate_up_proj, self.down_proj, top_k_index, top_k_weights,
                              lambda gate_up: gate(self, gate_up))
+    order, counts = route(top_k_index, self.gate_up_proj.shape[0])
+    self.load.add_(counts)
     rows = grouped(self, hidden_states[order // top_k], counts)  # (T*k, H), sorted by expert
     acc = torch.promote_types(hidden_states.dtype, torch.float32)
     weighted = rows.to(acc) * top_k_weights.reshape(-1)[order, None].to(acc)

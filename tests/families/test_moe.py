@@ -145,3 +145,21 @@ def test_decode_graph_steps_with_moe_layers_equal_monolithic(tiny_checkpoint):
     run_until_done(engine, collector)
     for name in names:
         assert collector.tokens(name) == reference_generate(model_dir, cases[name], 5), name
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("make", [_qwen3_block, _step3_block], ids=["qwen3_vl_moe", "step3p7"])
+def test_the_fused_kernel_path_equals_the_transformers_loop(make):
+    """What a CUDA replica runs (`install(..., triton=True)`): here in Triton's interpreter."""
+    torch.manual_seed(1)
+    block = make(torch.float32)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+    ours = copy.deepcopy(block)
+    [module] = experts.install(ours)
+    module.use_triton = True  # on CUDA only, outside tests
+    hidden = torch.randn(1, 9, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(hidden), block(hidden), rtol=1e-5, atol=1e-5)
+    assert module.load.sum() == 9 * 3

@@ -63,7 +63,7 @@ def random_case(seed, tokens, top_k, hidden, inter, experts, dtype, allowed=None
             top_k_weights.to(DEVICE))
 
 
-CASES = {  # tokens, top_k, hidden, intermediate, experts, allowed experts
+ROUTINGS = {  # tokens, top_k, hidden, intermediate, experts, allowed experts
     "random": (13, 2, 64, 32, 8, None),
     "experts_without_tokens": (9, 2, 64, 32, 8, [1, 6]),
     "one_expert_for_all": (11, 1, 64, 32, 8, [5]),
@@ -75,9 +75,9 @@ CASES = {  # tokens, top_k, hidden, intermediate, experts, allowed experts
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ROUTINGS)
 def test_fused_experts_is_the_per_expert_loop(case, dtype):
-    tokens, top_k, hidden, inter, experts, allowed = CASES[case]
+    tokens, top_k, hidden, inter, experts, allowed = ROUTINGS[case]
     args = random_case(len(case), tokens, top_k, hidden, inter, experts, dtype, allowed)
     out = fused_experts(*args, silu_gate)
     assert out.shape == (tokens, hidden) and out.dtype == dtype
@@ -85,7 +85,7 @@ def test_fused_experts_is_the_per_expert_loop(case, dtype):
 
 
 def test_the_64_row_case_uses_64_row_blocks():
-    tokens, top_k, _, _, experts, _ = CASES["64_row_blocks"]
+    tokens, top_k, _, _, experts, _ = ROUTINGS["64_row_blocks"]
     assert blocks_for(torch.float32, tokens * top_k, experts).m == 64
     assert blocks_for(torch.float32, 13 * 2, 8).m == 16
 
