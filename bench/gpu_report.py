@@ -11,7 +11,10 @@ figures to the run's record; every figure is in every record, null when this run
 it. On CUDA every part fits in 8 minutes on an H100:
 - tests: tests/gpu/test_gpu_app.py (the app on one GPU) -> gpu_app_tests {passed, failed, skipped}.
 - engine: bench/llm.py (Qwen2-VL-2B's LM, random bf16) -> steady decode at batch 1, 64, and 4 over
-  8k tokens, each against its bound: (weight bytes + KV bytes read per step) / peak memory bandwidth.
+  8k tokens, each against its bound: (weight bytes + KV bytes read per step) / peak memory bandwidth;
+  bench/llm.py --moe -> one MoE layer at Qwen3-VL-30B-A3B's sizes (bf16), the engine's experts path
+  (the Triton kernel on CUDA) at batch 1 and 64 against its bound, the weight bytes of the experts the
+  batch touches / peak memory bandwidth, and the grouped PyTorch path against transformers' loop.
 - encoder: bench/encoder.py (the full-size Qwen2-VL vision tower) -> forward images/s and MFU against
   the dense bf16 peak at 448^2 and 1024^2, the pool end to end over the forward alone, the token
   budget over one image per forward.
@@ -70,6 +73,15 @@ FIGURES = (
     Figure("decode_b1_ops_per_step", "kernels per step (CUDA; top-level aten ops on CPU)", "engine"),
     Figure("grammar_b1_step_ratio", "decode step with a 30-property JSON-schema grammar / without, batch 1", "engine"),
     Figure("grammar_b64_step_ratio", "the same at batch 64 (target <= 1.10)", "engine"),
+    Figure("moe_b1_ms", "ms per call of one MoE layer (Qwen3-VL-30B-A3B's), the engine's path (Triton on CUDA)",
+           "engine"),
+    Figure("moe_b64_ms", "the same at batch 64", "engine"),
+    Figure("moe_b1_vs_bandwidth_bound", "x the bound: the touched experts' weight bytes at peak memory bandwidth",
+           "engine"),
+    Figure("moe_b64_vs_bandwidth_bound", "the same at batch 64", "engine"),
+    Figure("moe_b1_grouped_vs_eager", "transformers' per-expert loop ms / the engine's grouped PyTorch path ms",
+           "engine"),
+    Figure("moe_b64_grouped_vs_eager", "the same at batch 64 (target >= 2)", "engine"),
     Figure("vit_forward_448_images_per_s", "images/s", "encoder"),
     Figure("vit_forward_1024_images_per_s", "images/s", "encoder"),
     Figure("vit_mfu_448", "fraction of the dense bf16 peak", "encoder"),
@@ -99,6 +111,7 @@ CPU_ARGS = {
             "--long-context", "0"],
     "breakdown": ["--steps", "4", "--prompt-len", "8"],
     "grammar": ["--prompt-len", "8", "--decode-tokens", "8"],
+    "moe": ["--quick", "--repeats", "2", "--inputs", "2"],
     "encoder": ["--items", "4"],
     "serve": ["--compare", "colocated", "--quick", "--num-prompts", "8", "--unloaded-requests", "2",
               "--request-rate", "1"],
@@ -108,6 +121,7 @@ CUDA_ARGS = {
     "llm": ["--long-context", "8192", "--long-batch", "4"],
     "breakdown": ["--steps", "64"],
     "grammar": [],
+    "moe": [],
     "encoder": ["--workers", "8"],
     "serve": ["--compare", "colocated", "--dtype", "bfloat16", "--num-cpus", "8", "--num-prompts", "100",
               "--input-len", "128", "--output-len", "64"],
@@ -192,12 +206,27 @@ def breakdown_figures(r: dict) -> dict:
             "decode_b1_ops_per_step": r[f"decode_b1_{mode}_ops"]}
 
 
+def moe_figures(r: dict, peak: Peaks) -> dict:
+    """bench/llm.py --moe's result -> the engine's experts path per layer call against its bound, the
+    weight bytes of the experts the batch touches read once at peak memory bandwidth. The engine's
+    path is the Triton kernel on CUDA: null where the run had none, the grouped one on the CPU."""
+    path = "triton" if r["device"] == "cuda" else "grouped"
+    out = {}
+    for b in (1, 64):
+        ms = r.get(f"moe_b{b}_{path}_ms")
+        bound = r[f"moe_b{b}_bytes_touched"] / (peak.memory_gbs * 1e9) * 1e3 if peak.memory_gbs else None
+        out.update({f"moe_b{b}_ms": ms, f"moe_b{b}_vs_bandwidth_bound": ratio(ms, bound, 3),
+                    f"moe_b{b}_grouped_vs_eager": r[f"moe_b{b}_grouped_vs_eager"]})
+    return out
+
+
 def engine_part(ns, peak: Peaks) -> dict:
     figures = engine_figures(bench_json("llm.py", ["--device", ns.device, *ns.sizes["llm"]], ns.timeout), peak)
     breakdown = bench_json("llm.py", ["--device", ns.device, "--breakdown", *ns.sizes["breakdown"]], ns.timeout)
     grammar = bench_json("llm.py", ["--device", ns.device, "--grammar", *ns.sizes["grammar"]], ns.timeout)
+    moe = bench_json("llm.py", ["--device", ns.device, "--moe", *ns.sizes["moe"]], ns.timeout)
     return {**figures, **breakdown_figures(breakdown),
-            **{k: grammar[k] for k in ("grammar_b1_step_ratio", "grammar_b64_step_ratio")}}
+            **{k: grammar[k] for k in ("grammar_b1_step_ratio", "grammar_b64_step_ratio")}, **moe_figures(moe, peak)}
 
 
 def encoder_figures(r: dict, peak: Peaks) -> dict:
@@ -328,6 +357,10 @@ COLUMNS = (
     ("decode host us/step b1 / b64, ops b1", lambda r: ", ".join(
         c for c in (_pair(r, "decode_b1_host_us", "decode_b64_host_us", "{:.0f}"),
                     cell(r, "decode_b1_ops_per_step", "{:.0f} ops")) if c != "–") or "–"),
+    ("MoE layer ms b1 / b64 (x bound)", lambda r: "–" if r.get("moe_b1_ms") is None and r.get("moe_b64_ms") is None
+     else " / ".join(cell(r, f"moe_b{b}_ms", "{:.3f}", f"moe_b{b}_vs_bandwidth_bound", "{:.2f}x") for b in (1, 64))),
+    ("MoE grouped vs eager b1 / b64", lambda r: _pair(r, "moe_b1_grouped_vs_eager", "moe_b64_grouped_vs_eager",
+                                                      "{:.2f}x")),
     ("ViT 448² img/s (MFU)", lambda r: cell(r, "vit_forward_448_images_per_s", "{:.0f}", "vit_mfu_448", "{:.1%}")),
     ("ViT 1024² img/s (MFU)", lambda r: cell(r, "vit_forward_1024_images_per_s", "{:.1f}", "vit_mfu_1024", "{:.1%}")),
     ("pool 448² img/s (of forward)", lambda r: cell(r, "encoder_pool_448_images_per_s", "{:.0f}",
@@ -356,6 +389,10 @@ run. Brackets: the figure against its physical limit, from the device's peaks
   speed reached); 8k b4 = batch 4 over 8,192-token contexts. Qwen2-VL-2B's LM, random bf16 weights.
   Host us/step: the engine's own work around the forward per decode step (`bench/llm.py --breakdown`,
   steps overlapped as on CUDA by default), and kernels per step at batch 1.
+- MoE layer: one Qwen3-VL-30B-A3B MoE layer (128 experts, top 8, random bf16), ms per call of the
+  engine's experts path (the Triton kernel) at batch 1 and 64 against its bound, the weight bytes of the
+  experts the batch routes to at peak memory bandwidth; grouped vs eager: `transformers`' per-expert
+  loop over the engine's grouped PyTorch path (`bench/llm.py --moe`).
 - ViT: forward alone, the full-size Qwen2-VL vision tower (random bf16), MFU against the dense bf16
   peak; pool: the encoder pool end to end (preprocessing included) over the forward alone; budget: the
   token-budget batcher over one image per forward.

@@ -8,6 +8,7 @@
     python bench/llm.py --hybrid-prefix --quick    # the same, smaller prompt (seconds)
     python bench/llm.py --breakdown          # per-step time by phase, overlap off and on
     python bench/llm.py --grammar [--device cuda]   # step time with a JSON-schema grammar on every row
+    python bench/llm.py --moe [--quick] [--dtype float32] [--device cuda]   # one MoE layer (bench/moe.py)
 
 (a) `generate` serves the requests one at a time (what a replica without batching does);
 (b) the engine gets all of them at once. The last line printed is one JSON object.
@@ -35,14 +36,20 @@ over a few more steps: CUDA kernels on a GPU, top-level aten ops on the CPU.
 tokenizer of `mmserve.loadgen.vocab`), steady decode at batch 1 and 64 with the 30-property invoice
 schema (`mmserve.loadgen.grammar.SCHEMA`) on every row against none, side by side; the grammar is
 compiled once before (the LRU). Prints the ratios and the engine-thread time spent filling masks.
+
+--moe: one MoE layer at Qwen3-VL-30B-A3B's sizes, the engine's experts path (`llm_service.experts`)
+against `transformers`' per-expert loop at batch 1 and 64, beside the floor of reading the touched
+experts' weights: bench/moe.py runs in this process's place with the other arguments (its own options).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -443,7 +450,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32, help="--breakdown: steps measured per case")
     ap.add_argument("--grammar", action="store_true",
                     help="step time with a 30-property JSON-schema grammar on every row vs none, batch 1 and 64")
-    args = ap.parse_args()
+    ap.add_argument("--moe", action="store_true", help="one MoE layer, engine experts path vs transformers' loop: "
+                    "bench/moe.py with the other arguments (--device, --dtype, --quick, --repeats, --inputs)")
+    argv = sys.argv[1:]
+    if "--moe" in argv:  # its own script and options (one bench imports no other)
+        sys.stdout.flush()
+        os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve().parent / "moe.py"),
+                                  *(a for a in argv if a != "--moe")])
+    args = ap.parse_args(argv)
     if args.grammar:
         bench_grammar(args)
         return

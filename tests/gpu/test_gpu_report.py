@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_report import FIGURES, engine_figures, read_records, render, serve_figures
+from bench.gpu_report import FIGURES, engine_figures, moe_figures, read_records, render, serve_figures
 from mmserve.loadgen.device_peaks import Peaks, peaks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,10 +51,11 @@ def test_cpu_run_of_two_parts_appends_one_record_with_every_figure(tmp_path):
     assert (tests["passed"], tests["failed"]) == (0, 0) and tests["skipped"] > 0  # no CUDA: all skipped
     assert record["decode_b1_ms"] > 0 and record["decode_b64_ms"] > 0
     assert 0 < record["decode_b1_host_us"] < record["decode_b64_host_us"] and record["decode_b1_ops_per_step"] > 0
+    assert record["moe_b1_ms"] > 0 and record["moe_b64_ms"] > 0 and record["moe_b64_grouped_vs_eager"] > 0
     # no memory bandwidth known for a CPU, no 8k context at CPU sizes, parts not run: null
     unmeasured = [f.name for f in FIGURES if f.part in ("encoder", "serve")] + [
         "decode_b1_bound_ms", "decode_b1_ratio_to_bound", "decode_b64_frac_of_bound", "decode_8k_b4_ms",
-        "decode_8k_b4_ratio_to_bound"]
+        "decode_8k_b4_ratio_to_bound", "moe_b1_vs_bandwidth_bound", "moe_b64_vs_bandwidth_bound"]
     assert all(record[name] is None for name in unmeasured)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == record
     assert page.read_text() == render([record])
@@ -75,6 +76,21 @@ def test_decode_bounds_read_the_weights_once_and_every_sequences_kv():
     other_context = engine_figures({**bench, "long_context": 4096}, Peaks(3000, 989))
     assert other_context["decode_8k_b4_ms"] is None  # only an 8k, batch-4 run is that figure
     assert engine_figures(bench, Peaks(None, None))["decode_b1_ratio_to_bound"] is None
+
+
+def test_moe_layer_is_set_against_reading_the_touched_experts_at_peak_bandwidth():
+    bench = {"device": "cuda", "moe_b1_bytes_touched": 75_497_472, "moe_b64_bytes_touched": 1_189_085_184,
+             "moe_b1_triton_ms": 0.05, "moe_b64_triton_ms": 0.5, "moe_b1_grouped_ms": 0.2, "moe_b64_grouped_ms": 0.9,
+             "moe_b1_grouped_vs_eager": 3.0, "moe_b64_grouped_vs_eager": 2.5}
+    f = moe_figures(bench, Peaks(3350, 989))
+    assert (f["moe_b1_ms"], f["moe_b64_ms"]) == (0.05, 0.5)  # the engine's CUDA path: the Triton kernel
+    assert f["moe_b1_vs_bandwidth_bound"] == pytest.approx(0.05 / (75_497_472 / 3.35e12 * 1e3), rel=1e-2)
+    assert f["moe_b64_vs_bandwidth_bound"] == pytest.approx(0.5 / (1_189_085_184 / 3.35e12 * 1e3), rel=1e-2)
+    assert (f["moe_b1_grouped_vs_eager"], f["moe_b64_grouped_vs_eager"]) == (3.0, 2.5)
+    no_triton = moe_figures({k: v for k, v in bench.items() if "triton" not in k}, Peaks(3350, 989))
+    assert no_triton["moe_b64_ms"] is None and no_triton["moe_b64_vs_bandwidth_bound"] is None
+    cpu = moe_figures({**bench, "device": "cpu"}, Peaks(None, None))
+    assert cpu["moe_b64_ms"] == 0.9 and cpu["moe_b64_vs_bandwidth_bound"] is None
 
 
 def test_transfer_is_set_against_the_memory_bandwidth():

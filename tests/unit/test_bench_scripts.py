@@ -41,7 +41,8 @@ ELSEWHERE = {"serve.py": "tests/serve/test_bench_serve.py",
              "transfer.py": "tests/gpu/test_gpu_report.py (the report's serve part runs its smallest run)",
              "gpu_report.py": "tests/gpu/test_gpu_report.py (its runs append to a results file)",
              "serve_routing.py": "minutes (two apps a workload): bench/serve.py --compare routing runs it",
-             "serve_video.py": "minutes (720p clips): bench/serve.py --video runs it"}
+             "serve_video.py": "minutes (720p clips): bench/serve.py --video runs it",
+             "moe.py": "test_moe_quick_run_times_both_paths_once_they_agree runs it as bench/llm.py --moe"}
 
 
 def _run(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -106,6 +107,24 @@ def test_hybrid_prefix_quick_run_resumes_the_second_request():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["cached_tokens_second_on"] == result["system_tokens"] + result["image_tokens"]
     assert result["hybrid_prefix_ttft_speedup"] > 0 and result["snapshot_mb"] > 0
+
+
+def test_moe_quick_run_times_both_paths_once_they_agree():
+    """`llm.py --moe --quick` (seconds; bench/moe.py in its place): the engine's grouped experts and
+    transformers' loop agree on the layer's output, then both are timed at batch 1 and 64 beside the
+    floor of reading the touched experts' weights."""
+    out = _run("llm.py", "--moe", "--quick", "--repeats", "1", "--inputs", "2", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["moe_paths_agree"] is True and result["moe_engine_path"] == "grouped"
+    for batch in (1, 64):
+        assert result[f"moe_b{batch}_eager_ms"] > 0 and result[f"moe_b{batch}_grouped_ms"] > 0
+        assert result[f"moe_b{batch}_grouped_vs_eager"] == pytest.approx(
+            result[f"moe_b{batch}_eager_ms"] / result[f"moe_b{batch}_grouped_ms"], rel=0.01)
+        assert result[f"moe_b{batch}_floor_ms"] > 0
+    per_expert = result["expert_weight_bytes"] // result["num_experts"]
+    assert result["moe_b1_bytes_touched"] == result["num_experts_per_tok"] * per_expert  # one token: its top k
+    assert result["moe_b1_bytes_touched"] < result["moe_b64_bytes_touched"] <= result["expert_weight_bytes"]
 
 
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat (Linux)")
