@@ -33,7 +33,8 @@ class Served:
 SERVED = {
     "llava": Served({"llava": {}}, ("one_image", "three_images"), ("one_image",), "llava"),
     "llava_siglip": Served({"llava_siglip": {}}, ("one_image", "three_images"), ("one_image",), "llava_siglip"),
-    "step3p7": Served({"step3p7": {}}, ("text_only", "three_images", "long_prompt")),
+    "step3p7": Served({"step3p7": {}, "step3p7_grpc": GRPC}, ("text_only", "one_image", "three_images",
+                                                               "long_prompt"), ("one_image",), "step3p7_grpc"),
     "minicpmv4_6": Served({"minicpmv4_6": {}, "minicpmv4_6_grpc": GRPC},
                           ("text_only", "one_image", "sliced_images", "video", "long_prompt"), ("one_image",),
                           "minicpmv4_6_grpc", video_seed=23),
