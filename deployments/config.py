@@ -418,7 +418,7 @@ class EngineArgs(_Args):
 
 
 class RoutingArgs(_Args):
-    """How the router picks encoder and LLM replicas (`deployments.core.affinity`).
+    """How the router picks encoder and LLM replicas (`mmserve.routing.affinity`).
 
     `affinity`: an item goes to the encoder replica owning its content hash, a request to the LLM
     replica that got its longest prompt prefix, each within (1 + epsilon) x the mean load

@@ -20,7 +20,7 @@ from pathlib import Path
 from cachetools import LRUCache
 
 from deployments.core.llm_inputs import EmbeddingHandle, LocalMedia, PinnedEmbedding, StoredEmbedding
-from mmserve.request.encode_calls import spread
+from mmserve.request.encode_calls import affinity_spread, spread
 from mmserve.request.media import EncodeItem
 
 
@@ -64,11 +64,10 @@ class EncoderPoolDispatcher(MediaDispatcher):
         if not self.affinity:
             return spread([m.cost for m in media])
         keys = [m.item.content_hash for m in media]
-        seen = [[i] for i, key in enumerate(keys) if key in self._sent]
-        cold = [i for i, key in enumerate(keys) if key not in self._sent]
+        seen = [key in self._sent for key in keys]
         for key in keys:
             self._sent[key] = None
-        return seen + [[cold[j] for j in group] for group in spread([media[i].cost for i in cold])]
+        return affinity_spread([m.cost for m in media], seen)
 
 
 class ExternalEncoderDispatcher(MediaDispatcher):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from deployments.config import CHARS_PER_TOKEN, AppArgs, LimitArgs
-from deployments.core.affinity import prefix_hashes
+from mmserve.routing.affinity import prefix_hashes
 from deployments.core.dispatch import MediaDispatcher
 from deployments.core.failover import Failover, LLMClient
 from deployments.core.failures import Failure, classify

@@ -164,7 +164,7 @@ class Router:
 
     def routing_stats(self) -> dict[str, int]:
         """This replica's affinity routing decisions, "deployment/outcome" -> requests."""
-        from deployments.core.affinity import DECISIONS
+        from mmserve.routing.affinity import DECISIONS
 
         return {f"{deployment}/{outcome}": n for (deployment, outcome), n in DECISIONS.items()}
 

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None, collect=None) -> int:
     p.add_argument("--transfer-json", help="bench/transfer.py's output: both transports' measured rates")
     p.add_argument("--repeat-share", type=float, default=0.0, help="share of images the encoder cache serves")
     p.add_argument("--burstiness", type=float, default=1.0)
-    p.add_argument("--ttft-p99", type=float, default=20.0, help="SLO, seconds")
+    p.add_argument("--ttft-p99", type=float, default=None, help="SLO, seconds (default 20; --routing-scale: 2)")
     p.add_argument("--tpot-p99", type=float, default=0.1, help="SLO, seconds")
     p.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 512])
     p.add_argument("--cell", type=int, default=8, help="GPUs simulated together (a larger cluster is cells of it)")
@@ -85,7 +85,18 @@ def main(argv: list[str] | None = None, collect=None) -> int:
     v.add_argument("--record", type=Path, metavar="FILE", help="keep the run set here (JSON)")
     v.add_argument("--num-prompts", type=int, default=None, help="requests per held-out rate (default 200; --quick 60)")
     v.add_argument("--quick", action="store_true")
+    r = p.add_argument_group("routing at cluster scale")
+    r.add_argument("--routing-scale", action="store_true", help="instead: Serve's default routing against affinity "
+                   "over the whole cluster (--gpus), with the encoder and prefix caches, for the typical workload "
+                   "and a popularity sweep (mmserve.capacity.routing)")
+    r.add_argument("--zipf", type=float, nargs="+", default=[0.6, 0.8, 1.0, 1.2], help="the sweep's Zipf exponents")
+    r.add_argument("--requests-per-gpu", type=int, default=60, help="arrivals simulated per GPU (half warm the "
+                   "caches): bounds the run time")
     ns = p.parse_args(argv)
+    if ns.routing_scale:
+        ns.ttft_p99 = 2.0 if ns.ttft_p99 is None else ns.ttft_p99
+        return routing_main(ns)
+    ns.ttft_p99 = 20.0 if ns.ttft_p99 is None else ns.ttft_p99
     if ns.validate:
         began = time.perf_counter()
         if ns.runs:
@@ -137,4 +148,40 @@ def main(argv: list[str] | None = None, collect=None) -> int:
         with open(ns.plot, "w") as f:
             f.write(plot_svg(recommendations, profile.source))
     print(json.dumps({"profile": profile.source, "recommendations": [r.as_dict() for r in recommendations]}))
+    return 0
+
+
+def routing_main(ns) -> int:
+    """`mmserve plan --routing-scale`: the table, then one JSON line."""
+    import json
+
+    from mmserve.capacity.routing import TYPICAL, routing_scale, typical_workload
+
+    profile = with_changes(load_profile(ns.profile), ns.set)
+    workloads = {"typical": typical_workload()}
+    workloads.update({f"zipf{z:g}": typical_workload(zipf_exponent=z) for z in ns.zipf if z != 1.0})
+    slo = SLO(ns.ttft_p99, ns.tpot_p99)
+    print(f"profile: {profile.source}")
+    print(f"typical workload: {TYPICAL}; SLOs p99 TTFT <= {ns.ttft_p99} s, p99 TPOT <= {ns.tpot_p99 * 1000:g} ms; "
+          f"{ns.requests_per_gpu} requests per GPU; 1 encoder : 3 LLM replicas")
+    print(f"{'workload':>9} {'GPUs':>5} {'policy':>9} {'goodput/GPU':>12} {'TTFT p99':>9} {'enc hits':>9} "
+          f"{'prefix hits':>12} {'aff/def':>8}")
+
+    def show(row) -> None:
+        for policy, result, rate in (("default", row.default, row.default_goodput),
+                                     ("affinity", row.affinity, row.affinity_goodput)):
+            ttft, enc, pre = ((f"{result.ttft_p99_s:.2f}", f"{result.encoder_hit_ratio:.2f}",
+                               f"{result.prefix_hit_ratio:.2f}") if result else ("-", "-", "-"))
+            ratio = f"{row.ratio:.3f}" if policy == "affinity" else ""
+            print(f"{row.workload:>9} {row.gpus:>5} {policy:>9} {rate / row.gpus:>12.3f} {ttft:>9} {enc:>9} "
+                  f"{pre:>12} {ratio:>8}", flush=True)
+
+    rows = routing_scale(profile, workloads, ns.gpus, slo, ns.requests_per_gpu, ns.seed, progress=show)
+    ratios = {name: {str(r.gpus): round(r.ratio, 3) for r in rows if r.workload == name} for name in workloads}
+    print(json.dumps({"profile": profile.source, "requests_per_gpu": ns.requests_per_gpu,
+                      "ttft_p99_s": ns.ttft_p99, "tpot_p99_s": ns.tpot_p99,
+                      "goodput_per_gpu": {f"{r.workload}/{r.gpus}/{policy}": round(rate / r.gpus, 3) for r in rows
+                                          for policy, rate in (("default", r.default_goodput),
+                                                               ("affinity", r.affinity_goodput))},
+                      "affinity_over_default_goodput": ratios}))
     return 0

@@ -79,6 +79,17 @@ class Workload:
     length_range_ratio: float = 0.0
     repeat_share: float = 0.0  # images served from the encoder cache
     burstiness: float = 1.0
+    # content, for the routing simulation (`mmserve.capacity.routing`; the defaults: every image
+    # unique, no shared prompt, no session): images drawn from `image_pool` by Zipf popularity
+    # (rank k weighs k^-zipf_exponent), `system_prompt_share` of requests opening with one of
+    # `system_prompts` shared prompts of `system_prompt_tokens`, and `multi_turn_share` of requests
+    # the next turn of an earlier one (its prompt, its answer and new text; the same images)
+    image_pool: int = 0
+    zipf_exponent: float = 1.0
+    system_prompts: int = 0
+    system_prompt_share: float = 0.0
+    system_prompt_tokens: int = 512
+    multi_turn_share: float = 0.0
 
     def __post_init__(self):
         if any(tokens < 1 or share < 0 for tokens, share in self.image_mix) or (
@@ -86,6 +97,10 @@ class Workload:
             raise ValueError(f"image_mix needs positive token counts and shares summing above 0: {self.image_mix}")
         if not 0 <= self.length_range_ratio < 1:
             raise ValueError(f"length_range_ratio must be in [0, 1): {self.length_range_ratio}")
+        if self.image_pool < 0 or self.zipf_exponent < 0 or not 0 <= self.system_prompt_share <= 1 or \
+                not 0 <= self.multi_turn_share < 1 or (self.system_prompt_share and self.system_prompts < 1):
+            raise ValueError("content needs image_pool >= 0, zipf_exponent >= 0, shares in [0, 1] (multi_turn_share "
+                             "below 1) and system_prompts >= 1 where system_prompt_share > 0")
 
     def image_sizes(self, images: int, rng: random.Random) -> tuple[int, ...]:
         """Embedding tokens of each of a request's `images` (drawn from `image_mix`, if any)."""

@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mmserve.capacity.caches import PrefixCache
 from mmserve.capacity.events import BatchStation, OneAtATime, SharedCores, Simulator, serving
 from mmserve.capacity.inputs import Profile
 from mmserve.request.encode_calls import spread
@@ -33,6 +34,10 @@ class Request:
     context: int = 0  # tokens to prefill: the prompt, or after a preemption the prompt and its output so far
     kv: int = 0  # tokens it holds in its replica's KV cache
     preemptions: int = 0
+    # with a prefix cache (the routing simulation): the prompt's block hashes, how many it holds
+    block_hashes: tuple[int, ...] = ()
+    held_blocks: int = 0
+    cached_tokens: int = 0  # prompt tokens its replica's prefix cache served (the first admission)
 
     def __post_init__(self):
         self.context = self.prompt_tokens
@@ -44,10 +49,14 @@ class Request:
 
 class LLMReplica:
     """Continuous batching: every step decodes each running sequence and prefills waiting prompts
-    in order within the step's token budget and the KV cache's room."""
+    in order within the step's token budget and the KV cache's room. With a `prefix_cache`, a
+    prompt admitted takes its cached prefix blocks (their prefill skipped; at least one token is
+    computed), holds its whole prompt once prefilled, and frees it when done or preempted;
+    `finished(request)` hears of each request done."""
 
     def __init__(self, sim: Simulator, profile: Profile, cores: SharedCores | OneAtATime | None = None,
-                 encoder: BatchStation | None = None):
+                 encoder: BatchStation | None = None, prefix_cache: PrefixCache | None = None,
+                 block_size: int = 16, finished: Callable[[Request], None] | None = None):
         self.sim, self.profile = sim, profile
         self._serve = serving(sim, cores)
         self.waiting: deque[Request] = deque()
@@ -57,6 +66,7 @@ class LLMReplica:
         self.draining = False  # scaled down: finishes what it holds, takes nothing new
         self.stepping = False
         self.busy_seconds = 0.0
+        self.prefix_cache, self.block_size, self.finished = prefix_cache, block_size, finished
 
     @property
     def in_flight(self) -> int:
@@ -76,11 +86,15 @@ class LLMReplica:
             room += victim.kv
             if victim in decoding:
                 decoding.remove(victim)
+            self._release(victim)
             victim.preempt()
             self.waiting.appendleft(victim)
         room -= len(decoding)
         budget, chunks = p.max_batched_tokens, []
         for request in itertools.chain([r for r in self.running if r.prefilled < r.context], list(self.waiting)):
+            if self.prefix_cache is not None and not (request.prefilled or request.held_blocks) \
+                    and len(self.running) < p.max_num_seqs:
+                self._reuse(request)
             chunk = min(budget, request.context - request.prefilled, room)
             if chunk <= 0:
                 break
@@ -108,13 +122,34 @@ class LLMReplica:
             request.prefilled += chunk
             request.kv += chunk
             if request.prefilled == request.context:  # the prefill samples a token: the first, or the next
+                if self.prefix_cache is not None:
+                    self.prefix_cache.register(request.block_hashes, request.held_blocks)
+                    request.held_blocks = len(request.block_hashes)
                 request.decoded += 1
                 if request.first_token is None:
                     request.first_token = now
         for request in [r for r in self.running if r.decoded >= r.output_tokens]:
             request.finish = now
             self.running.remove(request)
+            self._release(request)
+            if self.finished is not None:
+                self.finished(request)
         self._step()
+
+    def _reuse(self, request: Request) -> None:
+        """A prompt about to be admitted takes its cached prefix (the pool trimmed to make room first)."""
+        cache = self.prefix_cache
+        cache.trim(sum(-(-r.kv // self.block_size) for r in self.running))
+        request.held_blocks = cache.acquire(request.block_hashes)
+        reused = min(request.held_blocks * self.block_size, request.context - 1)
+        request.prefilled = request.kv = reused
+        if not request.preemptions:
+            request.cached_tokens = reused
+
+    def _release(self, request: Request) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(request.block_hashes, request.held_blocks)
+            request.held_blocks = 0
 
 
 class EncoderPool:

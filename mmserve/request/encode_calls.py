@@ -2,7 +2,9 @@
 (`deployments.core.dispatch`), and what the capacity planner (`mmserve.capacity.simulate`) simulates.
 
 A request's items are spread over several calls (so over encoder replicas) only when each call
-still gets at least `SPREAD_MIN_GROUP_TOKENS`; a small request stays one call (one RPC).
+still gets at least `SPREAD_MIN_GROUP_TOKENS`; a small request stays one call (one RPC). With
+affinity routing (`affinity_spread`) an item the router sent before goes alone, so that it can go
+back to the replica holding it.
 """
 
 from __future__ import annotations
@@ -33,3 +35,11 @@ def balanced_groups(sizes: Sequence[int], num_groups: int) -> list[list[int]]:
 def spread(sizes: Sequence[int]) -> list[list[int]]:
     """How the router splits one request's items (token counts `sizes`) into encoder calls."""
     return balanced_groups(sizes, min(SPREAD_MAX_GROUPS, max(1, sum(sizes) // SPREAD_MIN_GROUP_TOKENS)))
+
+
+def affinity_spread(sizes: Sequence[int], seen: Sequence[bool]) -> list[list[int]]:
+    """The split with affinity routing: each item the router sent before (`seen`) alone, first;
+    the cold items spread by size as `spread` does."""
+    cold = [i for i, s in enumerate(seen) if not s]
+    cold_groups = spread([sizes[i] for i in cold])
+    return [[i] for i, s in enumerate(seen) if s] + [[cold[j] for j in group] for group in cold_groups]

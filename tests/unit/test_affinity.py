@@ -1,4 +1,4 @@
-"""Affinity routing's rules (deployments/core/affinity.py), without Ray: consistent hashing with bounded
+"""Affinity routing's rules (mmserve/routing/affinity.py), without Ray: consistent hashing with bounded
 loads, and the prefix record."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deployments.core.affinity import BoundedLoadRing, HolderRecord, PrefixRecord, capacity, power_of_two, prefix_hashes
+from mmserve.routing.affinity import BoundedLoadRing, HolderRecord, PrefixRecord, capacity, power_of_two, prefix_hashes
 from mmserve.request.media import PlaceholderRange
 
 members = st.lists(st.text("abcdefgh", min_size=1, max_size=6), min_size=1, max_size=8, unique=True)
@@ -69,7 +69,8 @@ def test_repeats_go_where_they_went_and_queued_work_stays_within_the_bound(repli
     step. A key sent before goes back to a live replica that got it, at no queued cost (a cache
     hit or an in-flight dedupe there), so each key is encoded by one replica, once; a replica
     taking queued work stays within the bound."""
-    ring, held, loads, in_flight, encodes = BoundedLoadRing(replicas), HolderRecord(), dict.fromkeys(replicas, 0), [], []
+    ring, held, loads = BoundedLoadRing(replicas), HolderRecord(), dict.fromkeys(replicas, 0)
+    in_flight, encodes = [], []
     for step, k in enumerate(stream):
         key = f"img-{k}"
         holders = held.holders(key, replicas)
@@ -94,7 +95,8 @@ def test_holders_are_live_replicas_only():
     held.record("k", "r2")
     held.record("k", "r1")
     assert held.holders("k", ["r1", "r2"]) == ("r1", "r2") and held.holders("k", ["r2", "r3"]) == ("r2",)
-    assert BoundedLoadRing(["r2", "r3"]).owner("k", {"r2": 100, "r3": 0}, 1, 0.0, held.holders("k", ["r2", "r3"])) == "r2"
+    ring = BoundedLoadRing(["r2", "r3"])
+    assert ring.owner("k", {"r2": 100, "r3": 0}, 1, 0.0, held.holders("k", ["r2", "r3"])) == "r2"
     assert held.holders("other", ["r1"]) == ()
 
 

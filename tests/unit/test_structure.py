@@ -109,8 +109,8 @@ def test_runtimes_import_no_other_service_nor_ray_nor_pydantic(runtime):
 
 
 def test_the_request_path_imports_neither_the_planner_nor_the_load_generator():
-    request_path = ("mmserve.request", "mmserve.families", "mmserve.video", "mmserve.rpc", "mmserve.kernels",
-                    "encoder_service", "llm_service", *RAY_FREE, "deployments.serve")
+    request_path = ("mmserve.request", "mmserve.routing", "mmserve.families", "mmserve.video", "mmserve.rpc",
+                    "mmserve.kernels", "encoder_service", "llm_service", *RAY_FREE, "deployments.serve")
     assert _violations(request_path, OFF_THE_REQUEST_PATH) == {}
 
 

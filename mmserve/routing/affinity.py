@@ -15,6 +15,10 @@ LLM replica, never at the cost of load.
   extra call, and is current at once (a digest refreshed per step would lag and cost a call per
   replica); its misses (eviction, another router's sends) cost one prefill, never correctness,
   since these keys only choose a replica and never look up a cache.
+
+`AffinityChooser` composes them into one router's decisions and its view of the loads: the app's
+Serve request router (`deployments/serve/affinity_routing.py`) and the capacity planner
+(`mmserve.capacity.routing`) both call it.
 """
 
 from __future__ import annotations
@@ -139,3 +143,71 @@ def power_of_two(members: Sequence[str], loads: Mapping[str, float], rng: random
         return members[0]
     a, b = rng.sample(list(members), 2)
     return a if loads.get(a, 0.0) <= loads.get(b, 0.0) else b
+
+
+class AffinityChooser:
+    """One router's affinity decisions over the replicas it is offered, and the loads it believes:
+    the tokens it has in flight on each replica (routed, not completed; an item the replica already
+    holds counts none). The caller reports each routing (`*_routed`, which returns the cost it
+    added) and each completion (`completed`, with that cost).
+
+    Attributes: `epsilon` (the bound's slack), `block_size` (tokens per prefix block), `loads`
+    (replica id -> tokens in flight), `record` (`PrefixRecord`), `held` (`HolderRecord`), `ring`
+    (the `BoundedLoadRing` over the replicas last offered, rebuilt when they change)."""
+
+    def __init__(self, epsilon: float, block_size: int, rng: random.Random | None = None):
+        self.epsilon, self.block_size = epsilon, block_size
+        self.ring: BoundedLoadRing | None = None
+        self.record = PrefixRecord()
+        self.held = HolderRecord()
+        self.loads: Counter = Counter()
+        self.rng = rng or random.Random()
+
+    def choose_encoder(self, items: Sequence[tuple[str, int]], ids: Sequence[str]) -> tuple[str, str]:
+        """(replica, outcome) for one encoder call of `items` ((content hash, cost in tokens)), keyed
+        by its first item: a replica holding it ("held"), else its ring owner within the bound
+        ("owner"), else the next in its preference that fits ("overflow")."""
+        if self.ring is None or self.ring.members != tuple(sorted(set(ids))):
+            self.ring = BoundedLoadRing(ids)  # churn: rebuilt over the live replicas
+        key, cost = items[0][0], sum(c for _, c in items)
+        holders = self.held.holders(key, ids)
+        owner = self.ring.owner(key, {i: self.loads[i] for i in ids}, cost, self.epsilon, holders)
+        if owner in holders:
+            return owner, "held"
+        return owner, "owner" if owner == self.ring.preference(key)[0] else "overflow"
+
+    def choose_llm(self, hashes: Sequence[int], prompt_tokens: int, max_tokens: int,
+                   ids: Sequence[str]) -> tuple[str, str, int]:
+        """(replica, outcome, prefix blocks it likely holds) for one LLM request: the replica that
+        got its longest recorded prefix unless over the bound ("prefix_hit"), else power-of-two
+        choices ("overloaded" when a prefix's replica was passed over, "no_prefix")."""
+        loads = {i: self.loads[i] for i in ids}
+        replica, depth = self.record.longest(hashes, ids)
+        cost = self.llm_work(prompt_tokens, max_tokens, depth)
+        if replica is not None and loads[replica] + cost <= capacity(loads, cost, self.epsilon):
+            return replica, "prefix_hit", depth
+        return power_of_two(ids, loads, self.rng), "overloaded" if replica is not None else "no_prefix", 0
+
+    def encoder_routed(self, items: Sequence[tuple[str, int]], replica: str) -> int:
+        """Record a call of `items` sent to `replica`; the tokens it queued there."""
+        cost = sum(c for key, c in items if not self.held.holders(key, (replica,)))  # a held item: a hit there
+        for key, _ in items:
+            self.held.record(key, replica)
+        self.loads[replica] += cost
+        return cost
+
+    def llm_routed(self, hashes: Sequence[int], prompt_tokens: int, max_tokens: int, replica: str) -> int:
+        """Record a request sent to `replica`; the tokens of work it queued there."""
+        cost = self.llm_work(prompt_tokens, max_tokens, self.record.longest(hashes, (replica,))[1])
+        self.record.record(hashes, replica)
+        self.loads[replica] += cost
+        return cost
+
+    def completed(self, replica: str, cost: int) -> None:
+        self.loads[replica] -= cost
+
+    def llm_work(self, prompt_tokens: int, max_tokens: int, cached_blocks: int) -> int:
+        """Tokens an LLM replica still has to run for a request: its prompt less the blocks it
+        likely holds cached, plus the most it decodes (a request holds a decode slot for all of
+        them, so prompt tokens alone would count a long answer as no load)."""
+        return prompt_tokens - min(cached_blocks * self.block_size, prompt_tokens) + max_tokens

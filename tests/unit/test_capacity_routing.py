@@ -1,0 +1,97 @@
+"""The routing simulation (`mmserve plan --routing-scale`, mmserve/capacity/routing.py): its caches
+against reference LRUs, its affinity decisions against the app's ring, the app's defaults, a small run."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import OrderedDict
+
+from mmserve.capacity.caches import ENCODER_CACHE_BYTES, EmbeddingLRU, PrefixCache
+from mmserve.capacity.cli import main
+from mmserve.capacity.inputs import Workload
+from mmserve.capacity.routing import (BLOCK_SIZE, ENCODER_EPSILON, PREFIX_EPSILON, SENT_ITEMS, contents,
+                                      typical_workload)
+from mmserve.routing.affinity import AffinityChooser, BoundedLoadRing
+
+
+def test_the_embedding_cache_equals_a_reference_lru_on_a_recorded_sequence():
+    rng, capacity = random.Random(0), 1000
+    cache, reference = EmbeddingLRU(capacity), OrderedDict()
+    for _ in range(3000):
+        k = rng.randrange(40)
+        key, size = f"k{k}", 50 + 25 * (k % 20)  # one size per key
+        hit = key in reference
+        if hit:
+            reference.move_to_end(key)
+        assert cache.get(key) == hit
+        if not hit and size <= capacity:
+            cache.put(key, size)
+            reference[key] = size
+            while sum(reference.values()) > capacity:
+                reference.popitem(last=False)
+        assert sorted(cache.keys()) == sorted(reference)
+
+
+def test_the_prefix_cache_keeps_freed_blocks_and_evicts_the_least_recently_freed():
+    rng, blocks = random.Random(1), 12
+    cache, reference = PrefixCache(blocks), OrderedDict()  # reference: freed hashes, least recently freed first
+    for _ in range(500):
+        prefix = rng.randrange(4)
+        hashes = tuple(hash((prefix, i)) for i in range(rng.randint(1, 5)))
+        cache.trim(len(hashes))  # room for the prompt about to run
+        while reference and len(reference) + len(hashes) > blocks:
+            reference.popitem(last=False)
+        expected = next((i for i, h in enumerate(hashes) if h not in reference), len(hashes))
+        held = cache.acquire(hashes)
+        assert held == expected
+        for h in hashes:
+            reference.pop(h, None)
+        cache.register(hashes, held)
+        cache.release(hashes, len(hashes))
+        for h in reversed(hashes):  # the engine frees a table last-first
+            reference[h] = None
+        assert all(cache.cached(h) for h in reference) and len(cache._free) == len(reference)
+
+
+def test_the_simulated_affinity_choice_is_the_apps_ring_on_the_same_keys_and_loads():
+    ids = [f"e{i}" for i in range(16)]
+    rules, ring, rng = AffinityChooser(ENCODER_EPSILON, BLOCK_SIZE), BoundedLoadRing(ids), random.Random(2)
+    for step in range(400):
+        key, cost = f"img-{rng.randrange(50)}", rng.choice([400, 800])
+        loads = {i: rules.loads[i] for i in ids}
+        choice, _ = rules.choose_encoder([(key, cost)], ids)
+        assert choice == ring.owner(key, loads, cost, ENCODER_EPSILON, rules.held.holders(key, ids))
+        rules.encoder_routed([(key, cost)], choice)
+        if step % 3 == 2:
+            busy = max(ids, key=lambda i: rules.loads[i])
+            rules.completed(busy, min(rules.loads[busy], 400))
+
+
+def test_the_planner_uses_the_apps_defaults():
+    from deployments.config import EngineArgs, RoutingArgs
+    from encoder_service.pool import PoolConfig
+
+    assert ENCODER_CACHE_BYTES == PoolConfig.cache_bytes and BLOCK_SIZE == EngineArgs().block_size
+    assert (ENCODER_EPSILON, PREFIX_EPSILON) == (RoutingArgs().epsilon, RoutingArgs().prefix_epsilon)
+    assert SENT_ITEMS == 1 << 16
+
+
+def test_default_content_is_all_unique_and_popular_content_repeats():
+    unique = contents(Workload(rate=1.0, images=(1, 4)), 200)
+    keys = [k for c in unique for k, _ in c.images]
+    assert len(keys) == len(set(keys)) and len({c.block_hashes[0] for c in unique}) == 200
+    popular = contents(typical_workload(), 2000)
+    keys = [k for c in popular for k, _ in c.images]
+    assert len(set(keys)) < 0.7 * len(keys)
+    turns = [c for c in popular if c.prompt_tokens > 512 + 4 * 400 + 64]  # only a next turn is this long
+    assert turns
+
+
+def test_a_small_routing_scale_run_ends_with_the_ratio_per_size(capsys):
+    assert main(["--routing-scale", "--gpus", "4", "8", "--zipf", "1.0", "--requests-per-gpu", "16"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(out[-1])
+    assert set(summary["affinity_over_default_goodput"]["typical"]) == {"4", "8"}
+    assert summary["profile"].startswith("hand-written")
+    assert sum(" affinity " in line for line in out) == 2
