@@ -18,6 +18,8 @@ FAMILIES = {
     "qwen2_5_vl": "qwen2_vl",
     "qwen3_vl": "qwen3_vl",
     "qwen3_vl_moe": "qwen3_vl_moe",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5_moe",
     "llava": "llava",
     "step3p7": "step3p7",
     "minicpmv4_6": "minicpmv4_6",

@@ -120,9 +120,9 @@ def config(tokenizer, config_class=None, **text_overrides):
     )
 
 
-def build(name: str, seed: int, make_config=config):
-    """The tiny Qwen3-VL (see `mmserve.tiny` for the contract); `make_config(tokenizer)`: the
-    model config of a sibling with the same processor (Qwen3-VL-MoE)."""
+def build(name: str, seed: int, make_config=config, chat_template: str = QWEN3_CHAT_TEMPLATE):
+    """The tiny Qwen3-VL (see `mmserve.tiny` for the contract); `make_config(tokenizer)` and
+    `chat_template`: those of a sibling with the same processor (Qwen3-VL-MoE, Qwen3.5)."""
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
     tokenizer = build_tokenizer(seed, 1024, QWEN3_SPECIAL_TOKENS)
@@ -140,7 +140,7 @@ def build(name: str, seed: int, make_config=config):
         image_processor=image_processor,
         tokenizer=tokenizer,
         video_processor=video_processor,
-        chat_template=QWEN3_CHAT_TEMPLATE,
+        chat_template=chat_template,
     )
     text = model_config.text_config
     return model_config, processor, [text.eos_token_id, text.bos_token_id], seed

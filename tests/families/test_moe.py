@@ -16,7 +16,7 @@ from tests.support.cases import LONG_TEXT, family_cases, image, text, user
 from tests.support.engine_support import Collector, language_model, make_engine, plan_request, run_until_done
 from tests.support.reference import reference_generate
 
-MOE_FAMILIES = ("qwen3_vl_moe", "step3p7")
+MOE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "step3p7")
 
 
 def _qwen3_block(dtype: torch.dtype):

@@ -101,10 +101,12 @@ def _step3p7() -> dict[str, list[dict]]:
 
 
 _FAMILY_CASES = {"qwen2_vl": cases, "qwen2_5_vl": cases, "llava": _llava, "llava_siglip": _llava,
-                 "minicpmv4_6": _minicpmv, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl, "step3p7": _step3p7}
+                 "minicpmv4_6": _minicpmv, "qwen3_vl": _qwen3_vl, "qwen3_vl_moe": _qwen3_vl,
+                 "qwen3_5": _qwen3_vl, "qwen3_5_moe": _qwen3_vl, "step3p7": _step3p7}
 FAMILIES = tuple(_FAMILY_CASES)  # the tiny checkpoints (`mmserve.tiny.FAMILIES`) the cases are for
+# greedy tokens a family's cases are compared on (the tiny checkpoints run them all)
 CASE_TOKENS = {"qwen2_vl": 12, "qwen2_5_vl": 12, "llava": 8, "llava_siglip": 8, "minicpmv4_6": 12, "qwen3_vl": 8,
-               "qwen3_vl_moe": 8, "step3p7": 8}  # greedy tokens a family's cases are compared on (the tiny checkpoints run them all)
+               "qwen3_vl_moe": 8, "qwen3_5": 8, "qwen3_5_moe": 8, "step3p7": 8}
 
 
 def family_cases(family: str) -> dict[str, list[dict]]:

@@ -17,7 +17,7 @@ from tests.unit.test_video_url import video_models  # noqa: F401  (fixture)
 
 pytest.importorskip("av")
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "minicpmv4_6"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "minicpmv4_6"]
 
 
 def _groups(pool: VideoDecodePool, data: bytes, size: int) -> list[np.ndarray]:

@@ -25,8 +25,8 @@ pytest.importorskip("av")  # the `video` extra: scripts/setup installs it
 
 
 @pytest.fixture(scope="module")
-def video_models(tiny_models, qwen3_dir, minicpmv_dir) -> dict[str, str]:
-    return {**tiny_models, "qwen3_vl": qwen3_dir, "minicpmv4_6": minicpmv_dir}
+def video_models(tiny_models, qwen3_dir, minicpmv_dir, tiny_checkpoint) -> dict[str, str]:
+    return {**tiny_models, "qwen3_vl": qwen3_dir, "minicpmv4_6": minicpmv_dir, "qwen3_5": tiny_checkpoint("qwen3_5")}
 
 
 def decode(pool: VideoDecodePool, data: bytes):

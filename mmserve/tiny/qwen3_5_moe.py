@@ -1,0 +1,33 @@
+"""Tiny Qwen3.5-MoE (`qwen3_5_moe`): Qwen/Qwen3.5-35B-A3B shrunk.
+
+Qwen3.5's tiny checkpoint (same ViT, processor, chat template, tokenizer and hybrid layer pattern:
+3 linear-attention layers of every 4) with every decoder layer's MLP a sparse block as in the
+published MoE configs: a softmax router over 16 experts of width 48, 4 per token renormalised,
+plus a shared expert of width 32 behind a sigmoid gate (the real: 256 experts of 512, 8 per
+token, a shared expert of 512). The experts are saved in `transformers`' layout, `gate_up_proj`
+`(E, 2I, H)` and `down_proj` `(E, H, I)`; 2I and I differ from H so that a transposed layout
+could not be mistaken for it.
+"""
+
+from __future__ import annotations
+
+from mmserve.tiny import qwen3_5
+
+VARIANTS: dict[str, str] = {}
+
+NUM_EXPERTS = 16
+EXPERTS_PER_TOKEN = 4
+MOE_INTERMEDIATE_SIZE = 48
+SHARED_EXPERT_INTERMEDIATE_SIZE = 32
+
+
+def config(tokenizer):
+    from transformers import Qwen3_5MoeConfig
+
+    return qwen3_5.config(tokenizer, Qwen3_5MoeConfig, num_experts=NUM_EXPERTS,
+                          num_experts_per_tok=EXPERTS_PER_TOKEN, moe_intermediate_size=MOE_INTERMEDIATE_SIZE,
+                          shared_expert_intermediate_size=SHARED_EXPERT_INTERMEDIATE_SIZE)
+
+
+def build(name: str, seed: int):
+    return qwen3_5.build(name, seed, config)
