@@ -59,10 +59,10 @@ class PrefillAdder:
         if self._prefix_caching and not seq.block_table:
             hashes = seq.block_hashes(bs)
             cached = self._blocks.cached_prefix(hashes)
-            if self._snapshots is not None:  # K/V alone cannot resume the recurrent state
-                cached = cached[:self._snapshots.deepest(hashes[:len(cached)])]
             if seq.ready is not None:  # leave the first chunk something to compute
                 cached = cached[:(seq.ready_end - 1) // bs]
+            if self._snapshots is not None:  # K/V alone cannot resume the recurrent state (cut last:
+                cached = cached[:self._snapshots.deepest(hashes[:len(cached)])]  # it must end on a snapshot)
         start = len(cached) * bs if cached else seq.num_computed
         pending = chunk_end(seq, start, bs, self._snapshots) - start
         if self._chunked:

@@ -92,14 +92,7 @@ def test_http_and_grpc_equal_monolithic(served, case, tiny_checkpoint, serve_por
         assert "".join(r.text for r in streamed) == text
 
 
-# Known bug (Qwen3.5 only): the public gRPC API's `video_files` request, after the same video went
-# over HTTP to the same (streaming) app, ends in EngineError; HTTP on both transports is exact. Not
-# reproduced at the engine (a streamed video resuming from a state snapshot gives the same tokens).
-_VIDEO_URL_BUGS = {"qwen3_5": pytest.mark.xfail(strict=True, reason="gRPC video_files after a cached HTTP video")}
-
-
-@pytest.mark.parametrize("served", [pytest.param(f, marks=_VIDEO_URL_BUGS.get(f, ()))
-                                    for f, s in SERVED.items() if s.video_seed is not None], indirect=True)
+@pytest.mark.parametrize("served", [f for f, s in SERVED.items() if s.video_seed is not None], indirect=True)
 def test_video_url_equals_monolithic_on_both_transports(served, tiny_checkpoint, serve_ports):
     """A video file (mp4 `video_url`), decoded and sampled on the server at the family's own rate
     (Qwen3-VL: with the timestamps its processor writes from the sampled frames' numbers): streamed

@@ -98,3 +98,29 @@ def test_snapshots_off_computes_every_prompt_in_full(minicpmv_dir):
         run_until_done(engine, collector)
         assert collector.tokens(name) == reference_generate(minicpmv_dir, messages, MAX_TOKENS)
     assert engine.stats().num_cached_tokens == 0 and engine.stats().num_snapshots == 0
+
+
+def test_a_request_whose_inputs_arrive_later_resumes_from_a_snapshot_within_what_is_present(hybrid_dir):
+    """A streamed request (`ready`: its inputs present up to a token) whose cached prefix reaches
+    past what is present: the prefix is cut to what is present first and then to the deepest
+    snapshot within it (cut the other way round, it named a block with no snapshot: KeyError, seen
+    as a gRPC video request after the same video over HTTP)."""
+    engine = make_engine(hybrid_dir, block_size=BLOCK, max_num_batched_tokens=512)
+    messages = _messages(SYSTEM, 1, "What is in this picture? Tell me about its colours and shapes. " * 3)
+    collector = Collector()
+    collector.add(engine, plan_request(hybrid_dir, messages, "first", MAX_TOKENS))
+    run_until_done(engine, collector)
+    request = plan_request(hybrid_dir, messages, "again", MAX_TOKENS)
+    system, image, end = _points(request)
+    ready = image + 2 * BLOCK + 1  # present beyond the image's snapshot, short of the prompt's
+    assert image < (ready - 1) // BLOCK * BLOCK < end
+    before = engine.stats()
+    collector.events["again"] = []
+    engine.add_request(request, collector.events["again"].append, ready)
+    for _ in range(3):
+        engine.step()
+    assert engine.stats().num_cached_tokens - before.num_cached_tokens == image  # the deepest snapshot within
+    engine.extend("again", None)
+    run_until_done(engine, collector)
+    assert collector.tokens("again") == collector.tokens("first") == reference_generate(hybrid_dir, messages,
+                                                                                         MAX_TOKENS)
