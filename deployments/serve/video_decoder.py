@@ -20,10 +20,10 @@ from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from deployments.serve.autoscaling import QUEUED_DECODE_S
-from deployments.replica_env import resolve_model_dir
+from deployments.replica_env import decode_threads, resolve_model_dir
 from mmserve.errors import InvalidRequest
 from mmserve.request.media import DecodedVideo
-from mmserve.video.container import FrameSampler, VideoLimits, pyav_available
+from mmserve.video.container import DecodeOptions, FrameSampler, VideoLimits, pyav_available
 from mmserve.video.workers import VideoDecodePool
 
 if TYPE_CHECKING:
@@ -56,10 +56,13 @@ class VideoMetrics:
 
 @serve.deployment
 class VideoDecoder:
-    def __init__(self, model_dir: str | None, limits: VideoLimits, workers: int):
-        """`limits`: `LimitArgs.video_limits()`; `workers`: `video_decode.workers`. The checkpoint's
+    def __init__(self, model_dir: str | None, limits: VideoLimits, workers: int, threads: int | None = None,
+                 skip_unsampled: bool = True, replicas: int = 1):
+        """`limits`: `LimitArgs.video_limits()`; `workers`, `threads`, `skip_unsampled`: `video_decode`'s
+        (`threads` resolved here, on the replica's node, with `replicas` at start). The checkpoint's
         sampler loads with the first video."""
-        self.pool = VideoDecodePool(FrameSampler(resolve_model_dir(model_dir)), limits, workers)
+        options = DecodeOptions(decode_threads(threads, replicas, workers), skip_unsampled)
+        self.pool = VideoDecodePool(FrameSampler(resolve_model_dir(model_dir)), limits, workers, options)
         self.metrics = VideoMetrics()
         if not pyav_available():
             logger.warning("PyAV is not installed: video_url requests get 400 (install mmserve[video])")

@@ -34,7 +34,8 @@ import numpy as np
 from mmserve.errors import InvalidRequest
 from mmserve.request.media import DecodedVideo
 from mmserve.video.container import (
-    PYAV_MISSING, ContainerReader, FrameSampler, VideoLimits, decoded_frame_count, pyav_available, video_content_hash,
+    PYAV_MISSING, ContainerReader, DecodeOptions, FrameSampler, VideoLimits, decoded_frame_count, pyav_available,
+    video_content_hash,
 )
 
 logger = logging.getLogger("ray.serve")
@@ -101,7 +102,7 @@ def main() -> None:
                 reader = None
                 reader = ContainerReader(*args)
                 reply = ("ok", reader.probe)
-            elif op == "decode":  # (indices, group_size): one ("frames", array) per group, then ("ok", None)
+            elif op == "decode":  # (indices, group_size, options): one ("frames", array) per group, then ("ok", None)
                 if reader is None:
                     raise RuntimeError("decode before probe")
                 try:
@@ -194,11 +195,14 @@ class DecodeStats:
 class VideoDecodePool:
     """Decodes one request's video file to its sampled frames in one of `workers` processes:
     `probe` (the header: what the router plans with), `decode` (all frames), or `frames` (groups
-    of frames as they are decoded, for a video streamed through the pipeline)."""
+    of frames as they are decoded, for a video streamed through the pipeline), each decoded as
+    `options` says (`SEQUENTIAL`: the decode before them)."""
 
-    def __init__(self, sampler: FrameSampler, limits: VideoLimits, workers: int):
+    def __init__(self, sampler: FrameSampler, limits: VideoLimits, workers: int,
+                 options: DecodeOptions = DecodeOptions()):
         self.sampler = sampler
         self.limits = limits
+        self.options = options
         self.stats = DecodeStats()
         self._idle: list[DecodeWorker] = []
         self._slots = asyncio.Semaphore(workers)
@@ -310,7 +314,7 @@ class VideoDecodePool:
                       into: Callable[[int], np.ndarray] | None = None) -> AsyncIterator[np.ndarray]:
         """The worker's groups (read into `into`, see `_receive`); the next one is read while the
         caller holds this one, so the worker decodes on instead of waiting on a full pipe."""
-        message = ("decode", worker.pending, group_size)
+        message = ("decode", worker.pending, group_size, self.options)
         worker.pending = None
         reply = asyncio.ensure_future(self._call(worker, message, deadline, "frames", into=into))
         try:
