@@ -23,7 +23,7 @@ from deployments.serve.autoscaling import QUEUED_DECODE_S
 from deployments.replica_env import decode_threads, resolve_model_dir
 from mmserve.errors import InvalidRequest
 from mmserve.request.media import DecodedVideo
-from mmserve.video.container import DecodeOptions, FrameSampler, VideoLimits, pyav_available
+from mmserve.video.container import DecodeOptions, FrameSampler, VideoLimits, VideoSampling, pyav_available
 from mmserve.video.workers import VideoDecodePool
 
 if TYPE_CHECKING:
@@ -67,10 +67,10 @@ class VideoDecoder:
         if not pyav_available():
             logger.warning("PyAV is not installed: video_url requests get 400 (install mmserve[video])")
 
-    async def decode(self, data: bytes, request_id: str = "-") -> DecodedVideo:
+    async def decode(self, data: bytes, request_id: str = "-", sampling: VideoSampling | None = None) -> DecodedVideo:
         start = time.perf_counter()
         try:
-            video = await self.pool.decode(data, request_id)
+            video = await self.pool.decode(data, request_id, sampling)
         except InvalidRequest:
             self.metrics.refused.inc()
             raise
@@ -79,20 +79,21 @@ class VideoDecoder:
         self.metrics.decode_ms.observe((time.perf_counter() - start) * 1000)
         return video
 
-    async def probe(self, data: bytes, request_id: str = "-") -> DecodedVideo:
+    async def probe(self, data: bytes, request_id: str = "-", sampling: VideoSampling | None = None) -> DecodedVideo:
         """The video's header (what the router plans with), nothing decoded."""
         try:
-            return await self.pool.probe(data, request_id)
+            return await self.pool.probe(data, request_id, sampling)
         except InvalidRequest:
             self.metrics.refused.inc()
             raise
 
-    async def frames(self, data: bytes, request_id: str = "-", group_size: int = 1) -> AsyncIterator[np.ndarray]:
-        """The sampled frames in groups of `group_size`, each as soon as it is decoded (a
-        streaming call: `handle.options(stream=True).frames.remote(...)`)."""
+    async def frames(self, data: bytes, request_id: str = "-", group_size: int = 1,
+                     indices: tuple[int, ...] | None = None) -> AsyncIterator[np.ndarray]:
+        """The sampled frames (`indices`: the header's) in groups of `group_size`, each as soon as it
+        is decoded (a streaming call: `handle.options(stream=True).frames.remote(...)`)."""
         start, count = time.perf_counter(), 0
         try:
-            async for group in self.pool.frames(data, request_id, group_size):
+            async for group in self.pool.frames(data, request_id, group_size, indices):
                 count += len(group)
                 yield group
         except InvalidRequest:
@@ -123,8 +124,8 @@ class ServeVideoClient:
     def __init__(self, handle):
         self.handle = handle
 
-    async def decode(self, data: bytes, request_id: str) -> DecodedVideo:
-        return await self.handle.decode.remote(data, request_id)
+    async def decode(self, data: bytes, request_id: str, sampling: VideoSampling | None = None) -> DecodedVideo:
+        return await self.handle.decode.remote(data, request_id, sampling)
 
-    async def probe(self, data: bytes, request_id: str) -> DecodedVideo:
-        return await self.handle.probe.remote(data, request_id)
+    async def probe(self, data: bytes, request_id: str, sampling: VideoSampling | None = None) -> DecodedVideo:
+        return await self.handle.probe.remote(data, request_id, sampling)

@@ -118,6 +118,28 @@ class VideoProbe:
         return self.total_num_frames / self.fps  # as `read_video_pyav` computes it
 
 
+@dataclass(frozen=True)
+class VideoSampling:
+    """A request's own sampling of its video files, as vLLM's `mm_processor_kwargs` carries it to the
+    processor's `sample_frames`: `fps` or `num_frames` (None: the model's own)."""
+
+    fps: float | None = None
+    num_frames: int | None = None
+
+    def check(self, max_frames: int) -> None:
+        """InvalidRequest naming the field when a value is out of range (`max_frames`: max_frames_per_video)."""
+        if self.fps is not None and self.num_frames is not None:
+            raise InvalidRequest("mm_processor_kwargs: fps and num_frames are mutually exclusive; send one")
+        if self.fps is not None and not 0 < self.fps <= MAX_STREAM_FPS:
+            raise InvalidRequest(f"mm_processor_kwargs.fps must be in (0, {MAX_STREAM_FPS:g}]; got {self.fps:g}")
+        if self.num_frames is not None and not 1 <= self.num_frames <= max_frames:
+            raise InvalidRequest(f"mm_processor_kwargs.num_frames must be in [1, {max_frames}] "
+                                 f"(max_frames_per_video); got {self.num_frames}")
+
+    def kwargs(self) -> dict:
+        return {k: v for k, v in (("fps", self.fps), ("num_frames", self.num_frames)) if v is not None}
+
+
 def decoded_frame_count(indices) -> int:
     """Frames a decode keeps for `indices`: each sampled frame once (a sampler may repeat one)."""
     return len(set(indices))
@@ -366,14 +388,24 @@ class FrameSampler:
         unset = getattr(self.processor, "fps", None) is None and getattr(self.processor, "num_frames", None) is None
         return {"fps": DEFAULT_SAMPLE_FPS} if takes_fps and unset else {}
 
-    def indices(self, probe: VideoProbe) -> list[int]:
-        """Sampled frame indices; InvalidRequest when the sampler cannot sample this video."""
+    def indices(self, probe: VideoProbe, sampling: VideoSampling | None = None) -> list[int]:
+        """Sampled frame indices, by the request's `sampling` where it sets one; InvalidRequest when
+        the sampler cannot sample this video (or takes no such argument)."""
         from transformers.video_utils import VideoMetadata
+
+        kwargs = sampling.kwargs() if sampling is not None else {}
+        if kwargs:
+            takes = inspect.signature(self.processor.sample_frames).parameters
+            for name in kwargs:
+                if name not in takes:
+                    raise InvalidRequest(f"mm_processor_kwargs.{name}: this model's video sampler takes no {name}")
+        else:
+            kwargs = self.kwargs
 
         metadata = VideoMetadata(total_num_frames=probe.total_num_frames, fps=probe.fps, width=probe.width,
                                  height=probe.height, duration=probe.duration, video_backend="pyav")
         try:
-            picked = self.processor.sample_frames(metadata, **self.kwargs)
+            picked = self.processor.sample_frames(metadata, **kwargs)
         except (ValueError, ZeroDivisionError) as e:
             raise InvalidRequest(f"video of {probe.total_num_frames} frames at {probe.fps:g} fps cannot be sampled "
                                  f"for this model: {e}") from None

@@ -34,8 +34,8 @@ import numpy as np
 from mmserve.errors import InvalidRequest
 from mmserve.request.media import DecodedVideo
 from mmserve.video.container import (
-    PYAV_MISSING, ContainerReader, DecodeOptions, FrameSampler, VideoLimits, decoded_frame_count, pyav_available,
-    video_content_hash,
+    PYAV_MISSING, ContainerReader, DecodeOptions, FrameSampler, VideoLimits, VideoSampling, decoded_frame_count,
+    pyav_available, video_content_hash,
 )
 
 logger = logging.getLogger("ray.serve")
@@ -221,15 +221,16 @@ class VideoDecodePool:
         now = time.monotonic()
         return sum(now - t for t in self._running.values()) + self.waiting * self._mean_s
 
-    async def probe(self, data: bytes, request_id: str = "-") -> DecodedVideo:
-        """The video's header: what its frames will be (shape, sampled indices), none decoded."""
-        async with self._session(data, request_id) as (worker, header, deadline):
+    async def probe(self, data: bytes, request_id: str = "-", sampling: VideoSampling | None = None) -> DecodedVideo:
+        """The video's header: what its frames will be (shape, sampled indices), none decoded;
+        `sampling`: the request's own (None: the model's)."""
+        async with self._session(data, request_id, sampling) as (worker, header, deadline):
             await self._call(worker, ("close",), deadline)
             worker.pending = None
             return header
 
-    async def decode(self, data: bytes, request_id: str = "-") -> DecodedVideo:
-        async with self._session(data, request_id) as (worker, header, deadline):
+    async def decode(self, data: bytes, request_id: str = "-", sampling: VideoSampling | None = None) -> DecodedVideo:
+        async with self._session(data, request_id, sampling) as (worker, header, deadline):
             # the groups are read straight into the video's one array (no concatenation after)
             pixels = np.empty((*header.shape, 3), dtype=np.uint8)
             flat, filled = pixels.reshape(-1), 0
@@ -246,16 +247,19 @@ class VideoDecodePool:
                 raise RuntimeError(f"the decode worker sent {filled} of its video's {flat.size} pixel bytes")
             return header.with_pixels(pixels)
 
-    async def frames(self, data: bytes, request_id: str = "-", group_size: int = 1) -> AsyncIterator[np.ndarray]:
+    async def frames(self, data: bytes, request_id: str = "-", group_size: int = 1,
+                     indices: tuple[int, ...] | None = None) -> AsyncIterator[np.ndarray]:
         """The sampled frames in groups of `group_size` (the last may be shorter), each as soon as
-        it is decoded. Closing the iterator early kills its worker (it may be mid-video)."""
-        async with self._session(data, request_id) as (worker, header, deadline):
+        it is decoded; `indices`: those of the video's header (`probe`), else the model's sampler
+        picks them. Closing the iterator early kills its worker (it may be mid-video)."""
+        async with self._session(data, request_id, indices=indices) as (worker, header, deadline):
             async for group in self._frames(worker, group_size, deadline):
                 yield group
             self.stats.streamed += 1
 
     @contextlib.asynccontextmanager
-    async def _session(self, data: bytes, request_id: str):
+    async def _session(self, data: bytes, request_id: str, sampling: VideoSampling | None = None,
+                       indices: tuple[int, ...] | None = None):
         """A worker with the video opened and checked: yields (worker, header, deadline)."""
         if not pyav_available():
             raise InvalidRequest(PYAV_MISSING)
@@ -273,7 +277,7 @@ class VideoDecodePool:
         self._running[token] = start
         try:
             worker = worker if worker is not None and worker.alive else await asyncio.to_thread(DecodeWorker)
-            yield worker, await self._header(worker, data, deadline), deadline
+            yield worker, await self._header(worker, data, deadline, sampling, indices), deadline
             self.stats.decoded += 1
         except InvalidRequest:
             self.stats.refused += 1
@@ -295,11 +299,15 @@ class VideoDecodePool:
             self._slots.release()
             logger.info("request %s: video of %d bytes, %.3f s in a decoder", request_id, len(data), elapsed)
 
-    async def _header(self, worker: DecodeWorker, data: bytes, deadline: float) -> DecodedVideo:
+    async def _header(self, worker: DecodeWorker, data: bytes, deadline: float, sampling: VideoSampling | None,
+                      indices: tuple[int, ...] | None) -> DecodedVideo:
         probe = await self._call(worker, ("probe", data, self.limits), deadline)
-        indices = await asyncio.to_thread(self.sampler.indices, probe)  # the first loads the processor
+        if indices is None:  # the first loads the processor
+            indices = await asyncio.to_thread(self.sampler.indices, probe, sampling)
+        indices = [int(i) for i in indices]
         if len(indices) > self.limits.max_frames:
-            raise InvalidRequest(f"video samples to {len(indices)} frames for this model; the limit is "
+            asked = f" at mm_processor_kwargs.fps {sampling.fps:g}" if sampling and sampling.fps else ""
+            raise InvalidRequest(f"video samples to {len(indices)} frames for this model{asked}; the limit is "
                                  f"{self.limits.max_frames} (max_frames_per_video)")
         shape = (decoded_frame_count(indices), probe.height, probe.width)
         if shape[0] * shape[1] * shape[2] > self.limits.max_decoded_pixels:
