@@ -49,6 +49,8 @@ class VideoMetrics:
         self.videos = Counter("mmserve_video_decoded", "Video files decoded to their sampled frames")
         self.frames = Counter("mmserve_video_frames", "Frames sampled from decoded videos")
         self.refused = Counter("mmserve_video_refused", "Video files refused (bad, over a limit, past the deadline)")
+        self.skip_fallbacks = Counter("mmserve_video_skip_fallbacks", "Videos whose frames did not follow their "
+                                      "timestamps, decoded again with nothing skipped")
         self.decode_ms = Histogram("mmserve_video_decode_ms", "Probe + sample + decode time per video (queue included)",
                                    boundaries=_LATENCY_MS)
         self.queued_s = Gauge("mmserve_video_queued_decode_s", "Decode seconds running or waiting on this replica")
@@ -64,6 +66,7 @@ class VideoDecoder:
         options = DecodeOptions(decode_threads(threads, replicas, workers), skip_unsampled)
         self.pool = VideoDecodePool(FrameSampler(resolve_model_dir(model_dir)), limits, workers, options)
         self.metrics = VideoMetrics()
+        self._fallbacks_reported = 0
         if not pyav_available():
             logger.warning("PyAV is not installed: video_url requests get 400 (install mmserve[video])")
 
@@ -74,8 +77,7 @@ class VideoDecoder:
         except InvalidRequest:
             self.metrics.refused.inc()
             raise
-        self.metrics.videos.inc()
-        self.metrics.frames.inc(len(video.indices))
+        self._count(len(video.indices))
         self.metrics.decode_ms.observe((time.perf_counter() - start) * 1000)
         return video
 
@@ -99,9 +101,15 @@ class VideoDecoder:
         except InvalidRequest:
             self.metrics.refused.inc()
             raise
-        self.metrics.videos.inc()
-        self.metrics.frames.inc(count)
+        self._count(count)
         self.metrics.decode_ms.observe((time.perf_counter() - start) * 1000)
+
+    def _count(self, frames: int) -> None:
+        self.metrics.videos.inc()
+        self.metrics.frames.inc(frames)
+        if fallbacks := self.pool.stats.skip_fallbacks - self._fallbacks_reported:
+            self.metrics.skip_fallbacks.inc(fallbacks)
+            self._fallbacks_reported += fallbacks
 
     def stats(self) -> dict:
         """The pool's counters and which replica answered (tests, benches, debugging)."""

@@ -163,6 +163,7 @@ class ContainerReader:
             raise InvalidRequest("video is empty (0 bytes)")
         self.limits = limits
         self.decoded = 0  # frames the decoder put out (skipped ones are not)
+        self.fell_back = False  # skipping was given up for the plain decode (`_picked`)
         try:
             self.container = av.open(io.BytesIO(data), mode="r")
         except av.error.FFmpegError as e:
@@ -275,6 +276,7 @@ class ContainerReader:
                 raise InvalidRequest("video frames do not come out of the decoder in the order of their "
                                      "timestamps") from None
             self.container.streams.video[0].codec_context.skip_frame = "DEFAULT"
+            self.fell_back = True
             yield from self._in_order(wanted, end)
 
     def _in_order(self, wanted: set[int], end: int) -> Iterator[np.ndarray]:

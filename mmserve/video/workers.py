@@ -102,13 +102,14 @@ def main() -> None:
                 reader = None
                 reader = ContainerReader(*args)
                 reply = ("ok", reader.probe)
-            elif op == "decode":  # (indices, group_size, options): one ("frames", array) per group, then ("ok", None)
+            elif op == "decode":  # (indices, group_size, options): one ("frames", array) per group, then
+                # ("ok", whether skipping fell back to the plain decode)
                 if reader is None:
                     raise RuntimeError("decode before probe")
                 try:
                     for group in reader.decode(*args):
                         _send(replies, ("frames", group))
-                    reply = ("ok", None)
+                    reply = ("ok", reader.fell_back)
                 finally:
                     reader.close()
                     reader = None
@@ -190,6 +191,7 @@ class DecodeStats:
     refused: int = 0  # bad input (400)
     killed: int = 0  # workers killed at a deadline or found dead
     busy_s: float = 0.0  # seconds workers spent on videos
+    skip_fallbacks: int = 0  # videos whose frames did not follow their timestamps: decoded again, nothing skipped
 
 
 class VideoDecodePool:
@@ -329,6 +331,7 @@ class VideoDecodePool:
             while True:
                 status, value = await reply
                 if status == "ok":
+                    self.stats.skip_fallbacks += bool(value)
                     return
                 reply = asyncio.ensure_future(self._call(worker, None, deadline, "frames", into=into))
                 yield value

@@ -44,12 +44,15 @@ def _encoded(name: str) -> bytes:
     return video_file(FRAMES / 24, 24, 64, 96, seed=7, container=container, audio=False, codec=codec, options=options)
 
 
-def _decode(data: bytes, indices: list[int], options: DecodeOptions, pts_shift: int = 0) -> tuple[np.ndarray, int]:
+def _decode(data: bytes, indices: list[int], options: DecodeOptions, pts_shift: int = 0,
+            fell_back: bool = False) -> tuple[np.ndarray, int]:
     reader = ContainerReader(data, VideoLimits())
     if pts_shift:  # timestamps that match no frame: the decode must notice and fall back
         reader.probe = dataclasses.replace(reader.probe, pts=tuple(p + pts_shift for p in reader.probe.pts))
     try:
-        return np.concatenate(list(reader.decode(indices, 4, options))), reader.decoded
+        frames = np.concatenate(list(reader.decode(indices, 4, options)))
+        assert reader.fell_back == fell_back
+        return frames, reader.decoded
     finally:
         reader.close()
 
@@ -77,5 +80,6 @@ def test_skipping_leaves_unreferenced_b_frames_undecoded(name):
 def test_frames_off_their_timestamps_fall_back_to_the_plain_decode():
     data = _encoded("h264-mp4")
     plain, decoded = _decode(data, PICKS["odd, to mid-stream"], SEQUENTIAL)
-    frames, fallback = _decode(data, PICKS["odd, to mid-stream"], DecodeOptions(threads=2), pts_shift=1)
+    frames, fallback = _decode(data, PICKS["odd, to mid-stream"], DecodeOptions(threads=2), pts_shift=1,
+                               fell_back=True)
     assert np.array_equal(frames, plain) and fallback == decoded
