@@ -259,6 +259,16 @@ class VideoDecodeArgs(_QueuedWorkScaling):
     (`deployments.serve.autoscaling.QueuedWorkPolicy`) and `video_decoder.num_replicas` is ignored."""
 
     workers: int = Field(default=2, ge=1, description="decoding processes per replica (one video each)")
+    decode_threads: int | None = Field(
+        default=None, ge=1, description="FFmpeg threads decoding one video (frame threading; the frames are the "
+        "same bit for bit); default: the node's cores (its CPU quota in a container) divided among the decoder "
+        "replicas at start and their workers, at least 1. 1 with skip_unsampled off is the decode before these "
+        "options (the bench's baseline)",
+    )
+    skip_unsampled: bool = Field(
+        default=True, description="frames that are neither sampled nor referenced by another frame are not "
+        "decoded (FFmpeg's skip_frame, packet by packet; the sampled frames are the same bit for bit)",
+    )
     stream: bool = Field(
         default=True, description="stream video_url frames through the pipeline: each group of frames goes to "
         "the encoder as it is decoded, and the LLM prefills behind them (off: decode, then encode, then prefill; "
@@ -515,11 +525,14 @@ class AppArgs(_Args):
     grpc: GrpcArgs = Field(default=GrpcArgs(), description="embedding transfer over gRPC; a standalone encoder")
     engine: EngineArgs = Field(default=EngineArgs(), description="the LLM replicas' engine")
 
-    def replicas_at_start(self, deployment: Literal["encoder", "llm"]) -> int:
-        """Replicas of the Encoder or LLM deployment when the app starts (autoscaling: its minimum,
-        at least 1); the default `cpu_threads` divides a node's cores among them."""
+    def replicas_at_start(self, deployment: Literal["encoder", "llm", "video_decoder"]) -> int:
+        """Replicas of the Encoder, LLM or VideoDecoder deployment when the app starts (autoscaling:
+        its minimum, at least 1); the default `cpu_threads` (`decode_threads`) divides a node's cores among them."""
         if deployment == "llm":
             count = self.llm.autoscaling.min_replicas if self.llm.autoscaling else self.llm.num_replicas
+        elif deployment == "video_decoder":
+            decode = self.video_decode
+            count = decode.min_replicas if decode.autoscale else self.video_decoder.num_replicas
         else:
             count = self.encoder_pool.min_replicas if self.encoder_pool.autoscale else self.encoder.num_replicas
         return max(count, 1)

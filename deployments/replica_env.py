@@ -81,6 +81,16 @@ def node_cores() -> int:
     return cores
 
 
+def decode_threads(configured: int | None, replicas: int, workers: int) -> int:
+    """FFmpeg threads for one video on a VideoDecoder replica: `configured`, else this node's cores
+    divided among the deployment's `replicas` and each one's `workers` (at least 1): a worker's
+    share of the node, which it uses only while it decodes."""
+    threads = configured or max(1, node_cores() // max(replicas * workers, 1))
+    logger.info("VideoDecoder replica: %d FFmpeg threads per video (%s)", threads, "decode_threads" if configured
+                else f"{node_cores()} cores / {replicas} replicas / {workers} workers")
+    return threads
+
+
 def set_cpu_threads(configured: int | None, replicas: int, role: str) -> int:
     """torch's intra-op threads for a replica that runs a model: `configured`, else this node's
     cores divided among the deployment's `replicas` (at least 1).

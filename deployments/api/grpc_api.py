@@ -31,6 +31,7 @@ from grpc_health.v1 import health_pb2
 from deployments.core.generation import Generation, GenerationOptions, client_request_id, response_format
 from deployments.core.request_core import ChatRequest, RequestCore, new_request_id
 from mmserve.errors import InvalidRequest
+from mmserve.video.container import VideoSampling
 from mmserve.request.media import MediaKind, MediaSource
 from mmserve.request.prompt_plan import Message
 from mmserve.request.tools import ToolCall, ToolSpec, ToolText, answer, check_tools, finish_with, new_call_id
@@ -80,8 +81,13 @@ def chat_request(request: vlm_pb2.GenerateRequest) -> ChatRequest:
     if choice != "none" and not tools:
         raise InvalidRequest(f"tool_choice {choice!r} needs tools")
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
+    sampling = None
+    if request.HasField("mm_processor_kwargs"):
+        k = request.mm_processor_kwargs
+        sampling = VideoSampling(k.fps if k.HasField("fps") else None,
+                                 k.num_frames if k.HasField("num_frames") else None)
     return ChatRequest(tuple(message(i, m) for i, m in enumerate(request.messages)), options(request),
-                       request.model or None, tools, choice, parallel)
+                       request.model or None, tools, choice, parallel, sampling)
 
 
 def _parameters(tool: vlm_pb2.Tool) -> dict | None:

@@ -24,6 +24,7 @@ from mmserve.errors import InvalidRequest
 from mmserve.request.media import MediaKind, MediaSource
 from mmserve.request.prompt_plan import Message
 from mmserve.request.tools import ToolCall, ToolSpec, ToolText, answer, check_tools, finish_with, new_call_id
+from mmserve.video.container import VideoSampling
 
 logger = logging.getLogger("ray.serve")
 
@@ -129,8 +130,10 @@ def chat_request(request: ChatCompletionRequest) -> ChatRequest:
         choice = "auto" if tools else "none"
     if choice != "none" and not tools:
         raise InvalidRequest(f"tool_choice {choice!r} needs tools")
+    kwargs = request.mm_processor_kwargs
+    sampling = None if kwargs is None else VideoSampling(kwargs.fps, kwargs.num_frames)
     return ChatRequest(tuple(message(m) for m in request.messages), options(request), request.model, tools, choice,
-                       request.parallel_tool_calls)
+                       request.parallel_tool_calls, sampling)
 
 
 def _logprob_entry(gen: Generation, delta: Delta) -> dict:

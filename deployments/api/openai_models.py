@@ -41,6 +41,14 @@ class VideoURLPart(_Model):
     video_url: ImageURL
 
 
+class MMProcessorKwargs(_Model):
+    """vLLM's `mm_processor_kwargs`, as far as they reach video files: the frames the processor's
+    `sample_frames` picks, at `fps` or `num_frames` (one of them; ranges checked by the core)."""
+
+    fps: float | None = None
+    num_frames: int | None = None
+
+
 ContentPart = Annotated[Union[TextPart, ImageURLPart, VideoPart, VideoURLPart], Field(discriminator="type")]
 
 
@@ -140,3 +148,4 @@ class ChatCompletionRequest(_Model):
     tools: list[ToolModel] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    mm_processor_kwargs: MMProcessorKwargs | None = None  # vLLM extension: video files' sampling

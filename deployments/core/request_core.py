@@ -39,6 +39,7 @@ from mmserve.errors import InvalidRequest, NotReady, QueueFull, RequestTooLarge,
 from mmserve.request.media import DecodedVideo, EncodeItem, MediaItem, MediaSource, warm_up_image
 from mmserve.request.prompt_plan import Message, RequestPlanner
 from mmserve.request.tools import ToolFormat, ToolSpec
+from mmserve.video.container import VideoSampling
 
 logger = logging.getLogger("ray.serve")
 ROLES = ("system", "user", "assistant", "tool")
@@ -56,6 +57,7 @@ class ChatRequest:
     # function's name it must call
     tool_choice: str = "auto"
     parallel_tool_calls: bool = True
+    video_sampling: VideoSampling | None = None  # of its video files (`mm_processor_kwargs`); None: the model's
 
     def tool_grammar(self, tokenizer) -> Grammar | None:
         """The grammar forcing a call (`required` or a named function), None otherwise."""
@@ -105,9 +107,9 @@ class VideoDecoding(Protocol):
     """Video files to their sampled frames: the VideoDecoder deployment's client, or a
     `mmserve.video.workers.VideoDecodePool` in-process."""
 
-    async def decode(self, data: bytes, request_id: str) -> DecodedVideo: ...
+    async def decode(self, data: bytes, request_id: str, sampling: VideoSampling | None = None) -> DecodedVideo: ...
 
-    async def probe(self, data: bytes, request_id: str) -> DecodedVideo:
+    async def probe(self, data: bytes, request_id: str, sampling: VideoSampling | None = None) -> DecodedVideo:
         """The video's header (no pixels): what to plan a streamed video with."""
 
 
@@ -263,6 +265,8 @@ class RequestCore:
             if message.role not in ROLES:
                 raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {message.role!r}")
         self.planner.limits.check(media_of(request.messages))  # counts, before anything is fetched
+        if request.video_sampling is not None:
+            request.video_sampling.check(self.settings.limits.max_frames_per_video)
 
     async def _load_media(self, request: ChatRequest, request_id: str) -> list[Message[MediaItem]]:
         """The messages with every media source loaded: all URLs of the request fetched at once,
@@ -282,11 +286,12 @@ class RequestCore:
             # headers first and bounded together before any is decoded
             headers = stream or len(files) > 1
             read = self.videos.probe if headers else self.videos.decode
-            decoded = dict(zip(files, await _all_or_none([read(frames[i][0], request_id) for i in files])))
+            sampling = request.video_sampling
+            decoded = dict(zip(files, await _all_or_none([read(frames[i][0], request_id, sampling) for i in files])))
             if headers:
                 self._check_decoded_pixels(list(decoded.values()))
             if not stream and len(files) > 1:
-                decoded = dict(zip(files, await _all_or_none([self.videos.decode(frames[i][0], request_id)
+                decoded = dict(zip(files, await _all_or_none([self.videos.decode(frames[i][0], request_id, sampling)
                                                               for i in files])))
         items = iter([MediaItem(source.kind, frames[i] if stream or i not in decoded else (), fps=source.fps,
                                 decoded=decoded.get(i)) for i, source in enumerate(sources)])

@@ -32,7 +32,8 @@ from mmserve.request.media import EncodeItem, MediaItem, MediaKind, PlaceholderR
 logger = logging.getLogger("ray.serve")
 ENCODE_TRIES = 3  # a group whose encoder replica is lost is encoded again, twice at most
 
-Frames = Callable[[bytes, str, int], AsyncIterator[np.ndarray]]  # (file, request id, group size) -> groups
+# (file, request id, group size, the header's sampled indices) -> groups
+Frames = Callable[[bytes, str, int, tuple[int, ...]], AsyncIterator[np.ndarray]]
 Encode = Callable[[EncodeItem], Awaitable[ItemEmbedding]]
 
 
@@ -89,7 +90,8 @@ class VideoStream:
         tasks: list[asyncio.Task] = []
         first, row = 0, 0
         try:
-            async with contextlib.aclosing(self._frames(video.data, self.request_id, video.groups[0].frames)) as groups:
+            async with contextlib.aclosing(self._frames(video.data, self.request_id, video.groups[0].frames,
+                                                     video.header.indices)) as groups:
                 async for pixels in groups:
                     k = len(tasks)
                     if k >= len(video.groups) or len(pixels) != video.groups[k].frames:

@@ -176,9 +176,9 @@ class LLMDeployment:
             self.waiting_tokens -= cost
             await events.aclose()  # aborts the engine request when the caller went away
 
-    async def _frames(self, data: bytes, request_id: str, group_size: int) -> AsyncIterator:
-        """A streamed video's frame groups from the VideoDecoder, as it decodes them."""
-        groups = self.video.options(stream=True).frames.remote(data, request_id, group_size)
+    async def _frames(self, data: bytes, request_id: str, group_size: int, indices: tuple[int, ...]) -> AsyncIterator:
+        """A streamed video's frame groups (`indices`: its header's) from the VideoDecoder, as it decodes them."""
+        groups = self.video.options(stream=True).frames.remote(data, request_id, group_size, indices)
         try:
             async for group in groups:
                 yield group

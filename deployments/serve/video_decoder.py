@@ -20,10 +20,10 @@ from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from deployments.serve.autoscaling import QUEUED_DECODE_S
-from deployments.replica_env import resolve_model_dir
+from deployments.replica_env import decode_threads, resolve_model_dir
 from mmserve.errors import InvalidRequest
 from mmserve.request.media import DecodedVideo
-from mmserve.video.container import FrameSampler, VideoLimits, pyav_available
+from mmserve.video.container import DecodeOptions, FrameSampler, VideoLimits, VideoSampling, pyav_available
 from mmserve.video.workers import VideoDecodePool
 
 if TYPE_CHECKING:
@@ -49,6 +49,8 @@ class VideoMetrics:
         self.videos = Counter("mmserve_video_decoded", "Video files decoded to their sampled frames")
         self.frames = Counter("mmserve_video_frames", "Frames sampled from decoded videos")
         self.refused = Counter("mmserve_video_refused", "Video files refused (bad, over a limit, past the deadline)")
+        self.skip_fallbacks = Counter("mmserve_video_skip_fallbacks", "Videos whose frames did not follow their "
+                                      "timestamps, decoded again with nothing skipped")
         self.decode_ms = Histogram("mmserve_video_decode_ms", "Probe + sample + decode time per video (queue included)",
                                    boundaries=_LATENCY_MS)
         self.queued_s = Gauge("mmserve_video_queued_decode_s", "Decode seconds running or waiting on this replica")
@@ -56,48 +58,58 @@ class VideoMetrics:
 
 @serve.deployment
 class VideoDecoder:
-    def __init__(self, model_dir: str | None, limits: VideoLimits, workers: int):
-        """`limits`: `LimitArgs.video_limits()`; `workers`: `video_decode.workers`. The checkpoint's
+    def __init__(self, model_dir: str | None, limits: VideoLimits, workers: int, threads: int | None = None,
+                 skip_unsampled: bool = True, replicas: int = 1):
+        """`limits`: `LimitArgs.video_limits()`; `workers`, `threads`, `skip_unsampled`: `video_decode`'s
+        (`threads` resolved here, on the replica's node, with `replicas` at start). The checkpoint's
         sampler loads with the first video."""
-        self.pool = VideoDecodePool(FrameSampler(resolve_model_dir(model_dir)), limits, workers)
+        options = DecodeOptions(decode_threads(threads, replicas, workers), skip_unsampled)
+        self.pool = VideoDecodePool(FrameSampler(resolve_model_dir(model_dir)), limits, workers, options)
         self.metrics = VideoMetrics()
+        self._fallbacks_reported = 0
         if not pyav_available():
             logger.warning("PyAV is not installed: video_url requests get 400 (install mmserve[video])")
 
-    async def decode(self, data: bytes, request_id: str = "-") -> DecodedVideo:
+    async def decode(self, data: bytes, request_id: str = "-", sampling: VideoSampling | None = None) -> DecodedVideo:
         start = time.perf_counter()
         try:
-            video = await self.pool.decode(data, request_id)
+            video = await self.pool.decode(data, request_id, sampling)
         except InvalidRequest:
             self.metrics.refused.inc()
             raise
-        self.metrics.videos.inc()
-        self.metrics.frames.inc(len(video.indices))
+        self._count(len(video.indices))
         self.metrics.decode_ms.observe((time.perf_counter() - start) * 1000)
         return video
 
-    async def probe(self, data: bytes, request_id: str = "-") -> DecodedVideo:
+    async def probe(self, data: bytes, request_id: str = "-", sampling: VideoSampling | None = None) -> DecodedVideo:
         """The video's header (what the router plans with), nothing decoded."""
         try:
-            return await self.pool.probe(data, request_id)
+            return await self.pool.probe(data, request_id, sampling)
         except InvalidRequest:
             self.metrics.refused.inc()
             raise
 
-    async def frames(self, data: bytes, request_id: str = "-", group_size: int = 1) -> AsyncIterator[np.ndarray]:
-        """The sampled frames in groups of `group_size`, each as soon as it is decoded (a
-        streaming call: `handle.options(stream=True).frames.remote(...)`)."""
+    async def frames(self, data: bytes, request_id: str = "-", group_size: int = 1,
+                     indices: tuple[int, ...] | None = None) -> AsyncIterator[np.ndarray]:
+        """The sampled frames (`indices`: the header's) in groups of `group_size`, each as soon as it
+        is decoded (a streaming call: `handle.options(stream=True).frames.remote(...)`)."""
         start, count = time.perf_counter(), 0
         try:
-            async for group in self.pool.frames(data, request_id, group_size):
+            async for group in self.pool.frames(data, request_id, group_size, indices):
                 count += len(group)
                 yield group
         except InvalidRequest:
             self.metrics.refused.inc()
             raise
-        self.metrics.videos.inc()
-        self.metrics.frames.inc(count)
+        self._count(count)
         self.metrics.decode_ms.observe((time.perf_counter() - start) * 1000)
+
+    def _count(self, frames: int) -> None:
+        self.metrics.videos.inc()
+        self.metrics.frames.inc(frames)
+        if fallbacks := self.pool.stats.skip_fallbacks - self._fallbacks_reported:
+            self.metrics.skip_fallbacks.inc(fallbacks)
+            self._fallbacks_reported += fallbacks
 
     def stats(self) -> dict:
         """The pool's counters and which replica answered (tests, benches, debugging)."""
@@ -120,8 +132,8 @@ class ServeVideoClient:
     def __init__(self, handle):
         self.handle = handle
 
-    async def decode(self, data: bytes, request_id: str) -> DecodedVideo:
-        return await self.handle.decode.remote(data, request_id)
+    async def decode(self, data: bytes, request_id: str, sampling: VideoSampling | None = None) -> DecodedVideo:
+        return await self.handle.decode.remote(data, request_id, sampling)
 
-    async def probe(self, data: bytes, request_id: str) -> DecodedVideo:
-        return await self.handle.probe.remote(data, request_id)
+    async def probe(self, data: bytes, request_id: str, sampling: VideoSampling | None = None) -> DecodedVideo:
+        return await self.handle.probe.remote(data, request_id, sampling)

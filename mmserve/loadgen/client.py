@@ -150,6 +150,7 @@ def serve_bench_args(description: str, argv: list[str] | None) -> argparse.Names
                    "B (one hot image) (bench/serve_routing.py); ingress: Serve's ingress modes, small requests and the 256 "
                    "burst (bench/ingress.py)")
     p.add_argument("--video", action="store_true", help="video_url TTFT on 720p clips (bench/serve_video.py)")
+    p.add_argument("--decode-only", action="store_true", help="with --video: the decode pool alone, no app")
     p.add_argument("--colocated", action="store_true", help="start the app here in colocated mode")
     p.add_argument("--num-cpus", type=float, default=2.0, help="total CPUs of the app started here")
     p.add_argument("--cpu-threads", type=int, help="torch threads of the model replicas started here (default: the "

@@ -17,6 +17,17 @@ every limit checked before the work it bounds:
    the first), and the picked frames' pixels together are bounded (`max_decoded_pixels`) before
    any is decoded.
 
+How step 4 decodes is `DecodeOptions`: FFmpeg's own threads (frame threading, `threads`), and
+`skip_unsampled`, which hands the decoder each packet of a frame that is not sampled with
+`skip_frame = NONREF`, so such a frame is not decoded at all when no other frame refers to it.
+Frames are then picked by their timestamps: the k-th frame in display order is the one with the
+k-th smallest packet pts (counted in step 2), and every frame that does come out is checked
+against that order, so a decoder that drops a frame of its own (leading frames of an open GOP at
+the start of a stream) is noticed and the video decoded again with nothing skipped. Reference
+frames are decoded exactly as without skipping, so the sampled frames are bit-identical
+(`tests/unit/test_video_decode.py`). `SEQUENTIAL` (one thread, nothing skipped) is the decode
+before these options, kept as the benchmark's baseline.
+
 Steps 1-2 and 4 run in a worker process (`mmserve.video.workers`), under a deadline, so a decoder
 that hangs or crashes on a hostile file takes only its own request down.
 """
@@ -28,6 +39,7 @@ import hashlib
 import inspect
 import io
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +81,26 @@ class VideoLimits:
 
 
 @dataclass(frozen=True)
+class DecodeOptions:
+    """How a worker decodes a video's frames (the sampled frames are the same bit for bit)."""
+
+    threads: int = 1  # FFmpeg threads for one video (frame threading); 1: the calling thread only
+    skip_unsampled: bool = True  # frames neither sampled nor referenced are not decoded
+
+    def usable_threads(self) -> int:
+        """`threads`, never more than the cores this process may run on."""
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(self.threads, cores))
+
+
+SEQUENTIAL = DecodeOptions(threads=1, skip_unsampled=False)  # one thread, every frame up to the last sampled
+
+
+class _Unaligned(Exception):
+    """A frame came out of the decoder out of its timestamps' order (or one it dropped itself)."""
+
+
+@dataclass(frozen=True)
 class VideoProbe:
     """A video stream as its container declares it, with the frame count checked by demuxing."""
 
@@ -77,10 +109,35 @@ class VideoProbe:
     width: int
     height: int
     codec: str
+    # the video packets' pts, ascending: the display-order frame k has the k-th; () where a packet
+    # has none or two share one (then nothing is skipped)
+    pts: tuple[int, ...] = ()
 
     @property
     def duration(self) -> float:
         return self.total_num_frames / self.fps  # as `read_video_pyav` computes it
+
+
+@dataclass(frozen=True)
+class VideoSampling:
+    """A request's own sampling of its video files, as vLLM's `mm_processor_kwargs` carries it to the
+    processor's `sample_frames`: `fps` or `num_frames` (None: the model's own)."""
+
+    fps: float | None = None
+    num_frames: int | None = None
+
+    def check(self, max_frames: int) -> None:
+        """InvalidRequest naming the field when a value is out of range (`max_frames`: max_frames_per_video)."""
+        if self.fps is not None and self.num_frames is not None:
+            raise InvalidRequest("mm_processor_kwargs: fps and num_frames are mutually exclusive; send one")
+        if self.fps is not None and not 0 < self.fps <= MAX_STREAM_FPS:
+            raise InvalidRequest(f"mm_processor_kwargs.fps must be in (0, {MAX_STREAM_FPS:g}]; got {self.fps:g}")
+        if self.num_frames is not None and not 1 <= self.num_frames <= max_frames:
+            raise InvalidRequest(f"mm_processor_kwargs.num_frames must be in [1, {max_frames}] "
+                                 f"(max_frames_per_video); got {self.num_frames}")
+
+    def kwargs(self) -> dict:
+        return {k: v for k, v in (("fps", self.fps), ("num_frames", self.num_frames)) if v is not None}
 
 
 def decoded_frame_count(indices) -> int:
@@ -105,6 +162,8 @@ class ContainerReader:
         if not data:
             raise InvalidRequest("video is empty (0 bytes)")
         self.limits = limits
+        self.decoded = 0  # frames the decoder put out (skipped ones are not)
+        self.fell_back = False  # skipping was given up for the plain decode (`_picked`)
         try:
             self.container = av.open(io.BytesIO(data), mode="r")
         except av.error.FFmpegError as e:
@@ -138,7 +197,7 @@ class ContainerReader:
         declared = _declared_seconds(stream, container)
         if declared is not None and declared > self.limits.max_seconds:
             raise InvalidRequest(f"video is {declared:.1f} s long; the limit is {self.limits.max_seconds:g} s")
-        counted = self._count_frames(stream, fps)
+        counted, pts = self._count_frames(stream, fps)
         header = int(stream.frames or 0)
         if header and header != counted:
             raise InvalidRequest(f"video is truncated or inconsistent: its header declares {header} frames, "
@@ -148,32 +207,39 @@ class ContainerReader:
         if declared is not None and declared - counted / fps > max(1.0, TRUNCATED_SHARE * declared):
             raise InvalidRequest(f"video is truncated: its header declares {declared:.1f} s, its stream holds "
                                  f"{counted / fps:.1f} s")
-        return VideoProbe(header or counted, fps, width, height, codec)
+        return VideoProbe(header or counted, fps, width, height, codec, pts)
 
-    def _count_frames(self, stream, fps: float) -> int:
-        """Packets of the stream, counted no further than the duration limit allows."""
+    def _count_frames(self, stream, fps: float) -> tuple[int, tuple[int, ...]]:
+        """Packets of the stream, counted no further than the duration limit allows, and their pts
+        in ascending order (() where one has none or two share one)."""
         import av
 
         cap = math.floor(self.limits.max_seconds * fps) + 1
         count = 0
+        pts: list[int] | None = []
         try:
             for packet in self.container.demux(stream):
                 if packet.size == 0:  # the demuxer's flush packet
                     continue
                 count += 1
+                if pts is not None:
+                    pts = None if packet.pts is None else pts
+                    if pts is not None:
+                        pts.append(packet.pts)
                 if count > cap:
                     raise InvalidRequest(f"video is longer than the limit of {self.limits.max_seconds:g} s "
                                          f"(more than {cap - 1} frames at {fps:g} fps), whatever its header says")
         except av.error.FFmpegError as e:
             raise InvalidRequest(f"video is truncated or corrupt after {count} frames ({_reason(e)})") from None
-        return count
+        ordered = tuple(sorted(pts or ()))
+        unique = len(ordered) == count and len(set(ordered)) == count
+        return count, ordered if unique else ()
 
-    def decode(self, indices: list[int], group_size: int = 0) -> Iterator[np.ndarray]:
+    def decode(self, indices: list[int], group_size: int = 0, options: DecodeOptions = SEQUENTIAL
+               ) -> Iterator[np.ndarray]:
         """The frames at `indices` in decode order (each frame once, as `transformers` keeps them),
         (frames, height, width, 3) uint8 RGB, in groups of `group_size` frames as they are decoded
-        (0: all in one)."""
-        import av
-
+        (0: all in one), decoded as `options` says."""
         probe = self.probe
         if not indices:
             raise InvalidRequest("the model's sampler picked no frames of this video")
@@ -181,27 +247,98 @@ class ContainerReader:
             raise InvalidRequest(f"sampled frame indices fall outside the video's {probe.total_num_frames} frames")
         wanted, end = set(indices), max(indices)
         group_size = group_size or len(wanted)
+        threads = options.usable_threads()
+        if threads > 1:  # before the decoder opens (its first packet)
+            context = self.container.streams.video[0].codec_context
+            context.thread_type, context.thread_count = "AUTO", threads
         frames: list[np.ndarray] = []
+        for frame in self._picked(wanted, end, options.skip_unsampled and len(probe.pts) == probe.total_num_frames):
+            frames.append(frame)
+            if len(frames) == group_size:
+                yield np.stack(frames)
+                frames = []
+        if frames:
+            yield np.stack(frames)
+
+    def _picked(self, wanted: set[int], end: int, skip: bool) -> Iterator[np.ndarray]:
+        """The picked frames, RGB, in order; by their timestamps when `skip`, falling back to the
+        plain decode when the decoder's frames do not follow them (before any frame was picked)."""
+        if not skip:
+            yield from self._in_order(wanted, end)
+            return
+        picked = 0
+        try:
+            for frame in self._by_pts(wanted, end):
+                picked += 1
+                yield frame
+        except _Unaligned:
+            if picked:
+                raise InvalidRequest("video frames do not come out of the decoder in the order of their "
+                                     "timestamps") from None
+            self.container.streams.video[0].codec_context.skip_frame = "DEFAULT"
+            self.fell_back = True
+            yield from self._in_order(wanted, end)
+
+    def _in_order(self, wanted: set[int], end: int) -> Iterator[np.ndarray]:
+        """Every frame up to `end`, counted as they come out of the decoder (`read_video_pyav`)."""
+        import av
+
         i = -1
         try:
             self.container.seek(0)
             for i, frame in enumerate(self.container.decode(video=0)):
                 if i > end:
                     break
-                if (frame.width, frame.height) != (probe.width, probe.height):  # picked or not
-                    raise InvalidRequest(f"video frame {i} is {frame.width}x{frame.height}; the stream "
-                                         f"declares {probe.width}x{probe.height}")
+                self.decoded += 1
+                self._check_size(i, frame)
                 if i in wanted:
-                    frames.append(frame.to_ndarray(format="rgb24"))
-                    if len(frames) == group_size:
-                        yield np.stack(frames)
-                        frames = []
+                    yield frame.to_ndarray(format="rgb24")
         except av.error.FFmpegError as e:
-            raise InvalidRequest(f"cannot decode video ({probe.codec}) at frame {i + 1}: {_reason(e)}") from None
+            raise InvalidRequest(f"cannot decode video ({self.probe.codec}) at frame {i + 1}: {_reason(e)}") from None
         if i < end:
-            raise InvalidRequest(f"video is truncated: {i + 1} of its {probe.total_num_frames} frames decode")
-        if frames:
-            yield np.stack(frames)
+            raise InvalidRequest(f"video is truncated: {i + 1} of its {self.probe.total_num_frames} frames decode")
+
+    def _by_pts(self, wanted: set[int], end: int) -> Iterator[np.ndarray]:
+        """The picked frames found by pts, each packet of an unpicked frame handed to the decoder with
+        `skip_frame = NONREF` (decoded only if another frame refers to it). Nothing is skipped until
+        the stream's first frame came out; a frame out of order, or a gap not made of skipped
+        packets, raises `_Unaligned`."""
+        import av
+
+        pts = self.probe.pts
+        position = {p: k for k, p in enumerate(pts)}
+        wanted_pts = {pts[k] for k in wanted}
+        stream = self.container.streams.video[0]
+        context = stream.codec_context
+        skipped: set[int] = set()  # positions handed to the decoder as skippable
+        after, skipping = 0, False  # the next position expected out; whether skipping has begun
+        try:
+            self.container.seek(0)
+            for packet in self.container.demux(stream):
+                skip = skipping and packet.size > 0 and packet.pts not in wanted_pts and packet.pts in position
+                context.skip_frame = "NONREF" if skip else "DEFAULT"
+                if skip:
+                    skipped.add(position[packet.pts])
+                for frame in packet.decode():
+                    k = position.get(frame.pts, -1)
+                    if k < after or not skipped.issuperset(range(after, k)):
+                        raise _Unaligned
+                    after, skipping = k + 1, True
+                    self.decoded += 1
+                    self._check_size(k, frame)
+                    if k in wanted:
+                        yield frame.to_ndarray(format="rgb24")
+                    if k >= end:
+                        return
+        except av.error.FFmpegError as e:
+            raise InvalidRequest(f"cannot decode video ({self.probe.codec}) at frame {after}: {_reason(e)}") from None
+        raise InvalidRequest(f"video is truncated: {after} of its {self.probe.total_num_frames} frames decode")
+
+    def _check_size(self, i: int, frame) -> None:
+        probe = self.probe
+        if (frame.width, frame.height) != (probe.width, probe.height):  # picked or not
+            raise InvalidRequest(f"video frame {i} is {frame.width}x{frame.height}; the stream "
+                                 f"declares {probe.width}x{probe.height}")
 
     def close(self) -> None:
         self.container.close()
@@ -253,14 +390,24 @@ class FrameSampler:
         unset = getattr(self.processor, "fps", None) is None and getattr(self.processor, "num_frames", None) is None
         return {"fps": DEFAULT_SAMPLE_FPS} if takes_fps and unset else {}
 
-    def indices(self, probe: VideoProbe) -> list[int]:
-        """Sampled frame indices; InvalidRequest when the sampler cannot sample this video."""
+    def indices(self, probe: VideoProbe, sampling: VideoSampling | None = None) -> list[int]:
+        """Sampled frame indices, by the request's `sampling` where it sets one; InvalidRequest when
+        the sampler cannot sample this video (or takes no such argument)."""
         from transformers.video_utils import VideoMetadata
+
+        kwargs = sampling.kwargs() if sampling is not None else {}
+        if kwargs:
+            takes = inspect.signature(self.processor.sample_frames).parameters
+            for name in kwargs:
+                if name not in takes:
+                    raise InvalidRequest(f"mm_processor_kwargs.{name}: this model's video sampler takes no {name}")
+        else:
+            kwargs = self.kwargs
 
         metadata = VideoMetadata(total_num_frames=probe.total_num_frames, fps=probe.fps, width=probe.width,
                                  height=probe.height, duration=probe.duration, video_backend="pyav")
         try:
-            picked = self.processor.sample_frames(metadata, **self.kwargs)
+            picked = self.processor.sample_frames(metadata, **kwargs)
         except (ValueError, ZeroDivisionError) as e:
             raise InvalidRequest(f"video of {probe.total_num_frames} frames at {probe.fps:g} fps cannot be sampled "
                                  f"for this model: {e}") from None

@@ -34,7 +34,8 @@ import numpy as np
 from mmserve.errors import InvalidRequest
 from mmserve.request.media import DecodedVideo
 from mmserve.video.container import (
-    PYAV_MISSING, ContainerReader, FrameSampler, VideoLimits, decoded_frame_count, pyav_available, video_content_hash,
+    PYAV_MISSING, ContainerReader, DecodeOptions, FrameSampler, VideoLimits, VideoSampling, decoded_frame_count,
+    pyav_available, video_content_hash,
 )
 
 logger = logging.getLogger("ray.serve")
@@ -101,13 +102,14 @@ def main() -> None:
                 reader = None
                 reader = ContainerReader(*args)
                 reply = ("ok", reader.probe)
-            elif op == "decode":  # (indices, group_size): one ("frames", array) per group, then ("ok", None)
+            elif op == "decode":  # (indices, group_size, options): one ("frames", array) per group, then
+                # ("ok", whether skipping fell back to the plain decode)
                 if reader is None:
                     raise RuntimeError("decode before probe")
                 try:
                     for group in reader.decode(*args):
                         _send(replies, ("frames", group))
-                    reply = ("ok", None)
+                    reply = ("ok", reader.fell_back)
                 finally:
                     reader.close()
                     reader = None
@@ -189,16 +191,20 @@ class DecodeStats:
     refused: int = 0  # bad input (400)
     killed: int = 0  # workers killed at a deadline or found dead
     busy_s: float = 0.0  # seconds workers spent on videos
+    skip_fallbacks: int = 0  # videos whose frames did not follow their timestamps: decoded again, nothing skipped
 
 
 class VideoDecodePool:
     """Decodes one request's video file to its sampled frames in one of `workers` processes:
     `probe` (the header: what the router plans with), `decode` (all frames), or `frames` (groups
-    of frames as they are decoded, for a video streamed through the pipeline)."""
+    of frames as they are decoded, for a video streamed through the pipeline), each decoded as
+    `options` says (`SEQUENTIAL`: the decode before them)."""
 
-    def __init__(self, sampler: FrameSampler, limits: VideoLimits, workers: int):
+    def __init__(self, sampler: FrameSampler, limits: VideoLimits, workers: int,
+                 options: DecodeOptions = DecodeOptions()):
         self.sampler = sampler
         self.limits = limits
+        self.options = options
         self.stats = DecodeStats()
         self._idle: list[DecodeWorker] = []
         self._slots = asyncio.Semaphore(workers)
@@ -217,15 +223,16 @@ class VideoDecodePool:
         now = time.monotonic()
         return sum(now - t for t in self._running.values()) + self.waiting * self._mean_s
 
-    async def probe(self, data: bytes, request_id: str = "-") -> DecodedVideo:
-        """The video's header: what its frames will be (shape, sampled indices), none decoded."""
-        async with self._session(data, request_id) as (worker, header, deadline):
+    async def probe(self, data: bytes, request_id: str = "-", sampling: VideoSampling | None = None) -> DecodedVideo:
+        """The video's header: what its frames will be (shape, sampled indices), none decoded;
+        `sampling`: the request's own (None: the model's)."""
+        async with self._session(data, request_id, sampling) as (worker, header, deadline):
             await self._call(worker, ("close",), deadline)
             worker.pending = None
             return header
 
-    async def decode(self, data: bytes, request_id: str = "-") -> DecodedVideo:
-        async with self._session(data, request_id) as (worker, header, deadline):
+    async def decode(self, data: bytes, request_id: str = "-", sampling: VideoSampling | None = None) -> DecodedVideo:
+        async with self._session(data, request_id, sampling) as (worker, header, deadline):
             # the groups are read straight into the video's one array (no concatenation after)
             pixels = np.empty((*header.shape, 3), dtype=np.uint8)
             flat, filled = pixels.reshape(-1), 0
@@ -242,16 +249,19 @@ class VideoDecodePool:
                 raise RuntimeError(f"the decode worker sent {filled} of its video's {flat.size} pixel bytes")
             return header.with_pixels(pixels)
 
-    async def frames(self, data: bytes, request_id: str = "-", group_size: int = 1) -> AsyncIterator[np.ndarray]:
+    async def frames(self, data: bytes, request_id: str = "-", group_size: int = 1,
+                     indices: tuple[int, ...] | None = None) -> AsyncIterator[np.ndarray]:
         """The sampled frames in groups of `group_size` (the last may be shorter), each as soon as
-        it is decoded. Closing the iterator early kills its worker (it may be mid-video)."""
-        async with self._session(data, request_id) as (worker, header, deadline):
+        it is decoded; `indices`: those of the video's header (`probe`), else the model's sampler
+        picks them. Closing the iterator early kills its worker (it may be mid-video)."""
+        async with self._session(data, request_id, indices=indices) as (worker, header, deadline):
             async for group in self._frames(worker, group_size, deadline):
                 yield group
             self.stats.streamed += 1
 
     @contextlib.asynccontextmanager
-    async def _session(self, data: bytes, request_id: str):
+    async def _session(self, data: bytes, request_id: str, sampling: VideoSampling | None = None,
+                       indices: tuple[int, ...] | None = None):
         """A worker with the video opened and checked: yields (worker, header, deadline)."""
         if not pyav_available():
             raise InvalidRequest(PYAV_MISSING)
@@ -269,7 +279,7 @@ class VideoDecodePool:
         self._running[token] = start
         try:
             worker = worker if worker is not None and worker.alive else await asyncio.to_thread(DecodeWorker)
-            yield worker, await self._header(worker, data, deadline), deadline
+            yield worker, await self._header(worker, data, deadline, sampling, indices), deadline
             self.stats.decoded += 1
         except InvalidRequest:
             self.stats.refused += 1
@@ -291,11 +301,15 @@ class VideoDecodePool:
             self._slots.release()
             logger.info("request %s: video of %d bytes, %.3f s in a decoder", request_id, len(data), elapsed)
 
-    async def _header(self, worker: DecodeWorker, data: bytes, deadline: float) -> DecodedVideo:
+    async def _header(self, worker: DecodeWorker, data: bytes, deadline: float, sampling: VideoSampling | None,
+                      indices: tuple[int, ...] | None) -> DecodedVideo:
         probe = await self._call(worker, ("probe", data, self.limits), deadline)
-        indices = await asyncio.to_thread(self.sampler.indices, probe)  # the first loads the processor
+        if indices is None:  # the first loads the processor
+            indices = await asyncio.to_thread(self.sampler.indices, probe, sampling)
+        indices = [int(i) for i in indices]
         if len(indices) > self.limits.max_frames:
-            raise InvalidRequest(f"video samples to {len(indices)} frames for this model; the limit is "
+            asked = f" at mm_processor_kwargs.fps {sampling.fps:g}" if sampling and sampling.fps else ""
+            raise InvalidRequest(f"video samples to {len(indices)} frames for this model{asked}; the limit is "
                                  f"{self.limits.max_frames} (max_frames_per_video)")
         shape = (decoded_frame_count(indices), probe.height, probe.width)
         if shape[0] * shape[1] * shape[2] > self.limits.max_decoded_pixels:
@@ -310,13 +324,14 @@ class VideoDecodePool:
                       into: Callable[[int], np.ndarray] | None = None) -> AsyncIterator[np.ndarray]:
         """The worker's groups (read into `into`, see `_receive`); the next one is read while the
         caller holds this one, so the worker decodes on instead of waiting on a full pipe."""
-        message = ("decode", worker.pending, group_size)
+        message = ("decode", worker.pending, group_size, self.options)
         worker.pending = None
         reply = asyncio.ensure_future(self._call(worker, message, deadline, "frames", into=into))
         try:
             while True:
                 status, value = await reply
                 if status == "ok":
+                    self.stats.skip_fallbacks += bool(value)
                     return
                 reply = asyncio.ensure_future(self._call(worker, None, deadline, "frames", into=into))
                 yield value

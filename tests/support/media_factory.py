@@ -35,18 +35,20 @@ VIDEO_FORMATS = {  # container -> (PyAV format, video codec, audio codec, file s
 
 
 def video_file(seconds: float, fps: int, height: int, width: int, seed: int, container: str = "mp4",
-               audio: bool = True) -> bytes:
+               audio: bool = True, codec: str | None = None, options: dict[str, str] | None = None) -> bytes:
     """A video file made with PyAV: smooth moving colours (so frames differ), optionally a silent
-    audio track; `seconds * fps` frames."""
+    audio track; `seconds * fps` frames. `codec` and its encoder `options` replace the container's
+    usual video encoder."""
     import av
 
-    fmt, codec, audio_codec, _ = VIDEO_FORMATS[container]
+    fmt, usual, audio_codec, _ = VIDEO_FORMATS[container]
+    codec = codec or usual
     rng = np.random.default_rng(seed)
     base = rng.integers(0, 255, (max(2, height // 8), max(2, width // 8), 3), dtype=np.uint8)
     start = np.asarray(Image.fromarray(base).resize((width, height), Image.BILINEAR), dtype=np.int16)
     buf = io.BytesIO()
     with av.open(buf, mode="w", format=fmt) as out:
-        stream = out.add_stream(codec, rate=fps)
+        stream = out.add_stream(codec, rate=fps, options=options or {})
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         sound = out.add_stream(audio_codec, rate=48000) if audio else None
         for i in range(round(seconds * fps)):

@@ -86,10 +86,11 @@ def reference_inputs(model_dir: str, messages: list[dict]):
     return processor(text=[text], return_tensors="pt", **kwargs)
 
 
-def load_video_file(model_dir: str, data: bytes):
+def load_video_file(model_dir: str, data: bytes, **sampling):
     """Frames and metadata of a video file as `transformers`' own loader gives them: PyAV, sampled
-    by the checkpoint's `video_processor.sample_frames`. Where the processor's config names no
-    rate (Qwen2-VL's), at 2 fps: the rate the server documents (`mmserve.video.container.DEFAULT_SAMPLE_FPS`)."""
+    by the checkpoint's `video_processor.sample_frames` (with `sampling`: a request's fps or
+    num_frames, as vLLM passes `mm_processor_kwargs`). Where neither they nor the processor's config
+    name a rate (Qwen2-VL's), at 2 fps: the rate the server documents (`mmserve.video.container.DEFAULT_SAMPLE_FPS`)."""
     import inspect
     import tempfile
 
@@ -98,8 +99,8 @@ def load_video_file(model_dir: str, data: bytes):
     from mmserve.video.container import DEFAULT_SAMPLE_FPS
 
     vp = load_processor(model_dir).video_processor
-    kwargs = {}
-    if (getattr(vp, "fps", None) is None and getattr(vp, "num_frames", None) is None
+    kwargs = dict(sampling)
+    if not sampling and (getattr(vp, "fps", None) is None and getattr(vp, "num_frames", None) is None
             and "fps" in inspect.signature(vp.sample_frames).parameters):
         kwargs["fps"] = DEFAULT_SAMPLE_FPS
     with tempfile.NamedTemporaryFile(suffix=".mp4") as f:

@@ -119,6 +119,15 @@ def test_replicas_at_start_count_each_model_deployment():
     assert (args.replicas_at_start("llm"), args.replicas_at_start("encoder")) == (3, 2)
     assert AppArgs(encoder_pool={"autoscale": True, "min_replicas": 0}).replicas_at_start("encoder") == 1
     assert AppArgs(llm={"autoscaling": {"min_replicas": 2, "max_replicas": 4}}).replicas_at_start("llm") == 2
+    assert AppArgs(video_decoder={"num_replicas": 2}).replicas_at_start("video_decoder") == 2
+    assert AppArgs(video_decode={"autoscale": True, "min_replicas": 3}).replicas_at_start("video_decoder") == 3
+
+
+def test_decode_threads_are_a_workers_share_of_the_node_or_follow_the_setting():
+    cores = replica_env.node_cores()
+    assert replica_env.decode_threads(None, 1, 2) == max(1, cores // 2)
+    assert replica_env.decode_threads(None, cores, 2) == 1
+    assert replica_env.decode_threads(5, 1, 2) == 5
 
 
 def test_cpu_threads_divide_the_node_among_a_deployments_replicas_or_follow_the_setting():

@@ -115,8 +115,8 @@ class Streamed:
 
 def _held_back_last_group(pool: VideoDecodePool, release: asyncio.Event):
     """The real decoder's groups, the last one held until `release` (to see prefill go ahead of it)."""
-    async def frames(data, request_id, size):
-        groups = [g async for g in pool.frames(data, request_id, size)]
+    async def frames(data, request_id, size, indices):
+        groups = [g async for g in pool.frames(data, request_id, size, indices)]
         for group in groups[:-1]:
             yield group
         await release.wait()
@@ -172,9 +172,9 @@ def test_a_fault_mid_stream_leaves_no_blocks_and_no_busy_decoder(tiny_models, fa
     pool = VideoDecodePool(FrameSampler(model_dir), VideoLimits(), workers=1)
     admitted, release = asyncio.Event(), asyncio.Event()
 
-    async def failing(data, request_id, size):  # the real decoder's groups, then a fault at group 2
+    async def failing(data, request_id, size, indices):  # the real decoder's groups, then a fault at group 2
         k = 0
-        async for group in pool.frames(data, request_id, size):
+        async for group in pool.frames(data, request_id, size, indices):
             if k == 2:
                 await admitted.wait()  # once the request is in the engine, prefilling
                 if fault.startswith("decode"):

@@ -16,7 +16,7 @@ import torch
 from mmserve.errors import InvalidRequest
 from mmserve.families import router_face
 from mmserve.request.media import MediaItem, MediaKind
-from mmserve.video.container import FrameSampler, VideoLimits
+from mmserve.video.container import FrameSampler, VideoLimits, VideoSampling
 from mmserve.video.workers import DecodeWorker, VideoDecodePool
 from tests.support.media_factory import audio_only_file, image_bytes, mjpeg_mkv, mkv_declaring, video_file
 from tests.support.reference import load_reference, load_video_file
@@ -47,6 +47,53 @@ def test_decoded_frames_and_metadata_equal_transformers_loader(video_models, fam
     assert list(video.indices) == list(metadata.frames_indices) and 1 < len(video.indices) < 52
     assert (video.fps, video.total_num_frames, video.duration) == (metadata.fps, metadata.total_num_frames,
                                                                   metadata.duration)
+
+
+@pytest.mark.parametrize("sampling", [{"num_frames": 4}, {"fps": 4.0}])
+def test_a_requests_fps_or_num_frames_sample_as_the_processor_does_with_them(tiny_models, sampling):
+    model_dir = tiny_models["qwen2_vl"]
+    data = video_file(4.3, 12, 48, 80, seed=3)
+    pool = VideoDecodePool(FrameSampler(model_dir), VideoLimits(max_frames=64), workers=1)
+    try:
+        video = asyncio.run(pool.decode(data, "test", VideoSampling(**sampling)))
+        default = asyncio.run(pool.probe(data, "test"))
+    finally:
+        pool.close()
+    frames, metadata = load_video_file(model_dir, data, **sampling)
+    assert list(video.indices) == list(metadata.frames_indices) != list(default.indices)
+    assert np.array_equal(video.pixels, frames)
+
+
+@pytest.mark.parametrize("sampling, field", [
+    (VideoSampling(num_frames=65), "mm_processor_kwargs.num_frames must be in \\[1, 64\\]"),
+    (VideoSampling(num_frames=0), "mm_processor_kwargs.num_frames"),
+    (VideoSampling(fps=0.0), "mm_processor_kwargs.fps must be in"),
+    (VideoSampling(fps=2.0, num_frames=8), "fps and num_frames are mutually exclusive"),
+])
+def test_out_of_range_sampling_is_refused_naming_the_field(tiny_models, sampling, field):
+    from deployments.core.request_core import ChatRequest
+    from mmserve.request.media import MediaSource
+    from mmserve.request.prompt import Message
+    from tests.support.core_fakes import make_core
+
+    core = make_core(tiny_models["qwen2_vl"])
+    parts = (MediaSource(MediaKind.VIDEO, (b"file",), container=True), "what?")
+    with pytest.raises(InvalidRequest, match=field):
+        core._check(ChatRequest((Message("user", parts),), None, video_sampling=sampling))
+
+
+def test_sampling_arrives_from_http_and_grpc_as_vllms_mm_processor_kwargs():
+    from deployments.api import grpc_api, openai_api
+    from deployments.api.openai_models import ChatCompletionRequest
+    from mmserve.rpc.vlm_client import request, user
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "mm_processor_kwargs": {"num_frames": 8}}
+    assert openai_api.chat_request(ChatCompletionRequest.model_validate(body)).video_sampling == VideoSampling(
+        num_frames=8)
+    req = request([user("hi")])
+    assert grpc_api.chat_request(req).video_sampling is None
+    req.mm_processor_kwargs.fps = 1.5
+    assert grpc_api.chat_request(req).video_sampling == VideoSampling(fps=1.5)
 
 
 def test_every_container_decodes_to_the_same_sampled_frames(tiny_models):
@@ -262,12 +309,12 @@ class _CountingPool:
     def __init__(self, pool: VideoDecodePool):
         self.pool, self.decoded = pool, 0
 
-    async def probe(self, data: bytes, request_id: str):
-        return await self.pool.probe(data, request_id)
+    async def probe(self, data: bytes, request_id: str, sampling=None):
+        return await self.pool.probe(data, request_id, sampling)
 
-    async def decode(self, data: bytes, request_id: str):
+    async def decode(self, data: bytes, request_id: str, sampling=None):
         self.decoded += 1
-        return await self.pool.decode(data, request_id)
+        return await self.pool.decode(data, request_id, sampling)
 
 
 @pytest.mark.parametrize("stream", [False, True])
