@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import functools
 import queue
+from collections import OrderedDict
 
 from encoder_service import VisionEncoder
 from llm_service.engine import LLMEngine, LLMRequest
@@ -13,15 +13,29 @@ from mmserve.request.media import MediaItem, MediaKind
 from mmserve.request.prompt_plan import Message, RequestPlanner
 
 
-@functools.lru_cache(maxsize=4)
+_RUNTIMES: OrderedDict[tuple[str, str], tuple] = OrderedDict()
+_KEPT = 2
+
+
 def runtimes(model_dir: str, dtype: str = "float64"):
+    """(planner, encoder, started engine) of `model_dir`, kept for the last few checkpoints; the
+    one pushed out has its engine shut down (a running engine thread keeps its model and KV pool
+    alive: an `lru_cache` here held every family's for the whole session, GBs by the end)."""
     from transformers import AutoTokenizer
 
+    key = (str(model_dir), dtype)
+    if key in _RUNTIMES:
+        _RUNTIMES.move_to_end(key)
+        return _RUNTIMES[key]
+    while len(_RUNTIMES) >= _KEPT:
+        _, (_, _, old) = _RUNTIMES.popitem(last=False)
+        old.shutdown()
     planner = RequestPlanner(model_dir, AutoTokenizer.from_pretrained(model_dir))
     encoder = VisionEncoder(model_dir, dtype=dtype)
     engine = LLMEngine(LanguageModel(model_dir, dtype=dtype))
     engine.start()
-    return planner, encoder, engine
+    _RUNTIMES[key] = planner, encoder, engine
+    return _RUNTIMES[key]
 
 
 def to_planner_messages(messages: list[dict]) -> list[Message]:
