@@ -34,9 +34,21 @@ ROOT = Path(__file__).resolve().parents[1]
 MODES = ("proxy", "direct", "haproxy", "proxy-capped")
 
 
-def direct_ports(pid: int) -> tuple[int, int]:
+def direct_ports(pid: int, timeout_s: float = 30.0) -> tuple[int, int]:
     """The Router replica's direct-ingress HTTP and gRPC ports (Serve allocates them from 30000
-    and 40000), found among `pid`'s descendants as a load balancer's health check would."""
+    and 40000), found among `pid`'s descendants as a load balancer's health check would (its gRPC
+    port: the one whose server has the health service), waiting up to `timeout_s` for them."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return _direct_ports(pid)
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
+def _direct_ports(pid: int) -> tuple[int, int]:
     import psutil
 
     for p in psutil.Process(pid).children(recursive=True):
@@ -47,10 +59,24 @@ def direct_ports(pid: int) -> tuple[int, int]:
         except psutil.NoSuchProcess:
             continue
         http = [port for port in ports if 30000 <= port < 31000]
-        grpc = [port for port in ports if 40000 <= port < 41000]
+        grpc = [port for port in sorted(ports) if 40000 <= port < 41000 and _serves_health(port)]
         if http and grpc:
-            return http[0], grpc[0]
+            return min(http), grpc[0]
     raise RuntimeError("no Router replica listens on direct-ingress ports")
+
+
+def _serves_health(port: int) -> bool:
+    """Whether the gRPC server on `port` has the health service: the replica's other gRPC servers
+    (Serve's inter-deployment one) may take a port in the same range, and answer UNIMPLEMENTED."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+        except grpc.RpcError as e:
+            return e.code() != grpc.StatusCode.UNIMPLEMENTED
+    return True
 
 
 def kill_session(sid: int) -> None:
