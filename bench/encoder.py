@@ -303,6 +303,12 @@ def cuda_rows(args) -> dict:
         # the device's own rate: forwards only, prepared once
         prepared = [tower.preprocess(i) for i in items[:16]]
         forward_s = cuda_forward_s(tower, prepared, repeat=3) / len(prepared)
+        if side == 448:  # where the next change to the ViT starts
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                tower.forward(prepared)
+                torch.cuda.synchronize()
+            print(f"top kernels of one forward over {len(prepared)} images of 448^2:")
+            print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10))
         tflops = tower.flops(grid) / forward_s / 1e12
         mfu = tflops / args.peak_tflops
         results[f"cuda_{side}_images_per_s"] = len(items) / seconds
@@ -371,14 +377,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="packed: one attention call per layer per batch; loop: one per item (transformers)")
     p.add_argument("--cuda-items", type=int, default=64)
     p.add_argument("--cuda-batch-tokens", type=int, default=16384)
-    p.add_argument("--graphs", action="store_true", help="with --device cuda: encoder CUDA graphs vs eager per budget")
+    p.add_argument("--graphs", action="store_true",
+                   help="with --device cuda: only encoder CUDA graphs vs eager per budget")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM: 989)")
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     # CUDA: the full-size tower alone (the GPU machine has no Ray for the CPU table's @serve.batch row)
-    result = cuda_rows(args) if args.device == "cuda" else cpu_table(args)
     if args.device == "cuda" and args.graphs:
-        result |= graph_rows(FullSizeTower(torch.bfloat16, args.vit_attention), args)
+        result = graph_rows(FullSizeTower(torch.bfloat16, args.vit_attention), args)
+    else:
+        result = cuda_rows(args) if args.device == "cuda" else cpu_table(args)
     print(json.dumps(result))
     return 0
 

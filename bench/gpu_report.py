@@ -5,6 +5,7 @@ docs/gpu-figures.md regenerated from the whole file.
     python bench/gpu_report.py --only engine serve      # some parts: tests, engine, encoder, serve
     python bench/gpu_report.py --device cpu --only engine   # same shape, CPU sizes: bench/results/cpu.jsonl
     python bench/gpu_report.py --render-only            # docs/gpu-figures.md from gpu.jsonl again
+    python bench/gpu_report.py --from-log DIR           # the record of a `scripts/gpu-check all DIR` run
 
 Each part runs what already measures (subprocesses; their last JSON line is read) and adds its
 figures to the run's record; every figure is in every record, null when this run did not measure
@@ -301,7 +302,8 @@ def device_name(device: str) -> str:
     return name.splitlines()[-1]
 
 
-def new_record(device: str, peak: Peaks) -> dict:
+def new_record(device: str, peak: Peaks, host: dict | None = None) -> dict:
+    """An empty record of this checkout; `host`: the versions of the machine that ran (--from-log)."""
     driver = _out(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]) if device != "cpu" else None
     changes = _out(["git", "status", "--porcelain", "--untracked-files=no"])  # None: not a git checkout
     record = {
@@ -311,8 +313,71 @@ def new_record(device: str, peak: Peaks) -> dict:
         "transformers": _version("transformers"), "peak_gbs": peak.memory_gbs, "peak_tflops": peak.bf16_tflops,
         "parts": [], "failed_parts": {},
     }
+    if host is not None:
+        record.update({k: host.get(k) for k in ("driver", "torch", "triton", "transformers")})
     record.update({f.name: None for f in FIGURES})
     record["units"] = dict(UNITS)
+    return record
+
+
+# -- a `scripts/gpu-check all` run, from its logs ------------------------------------------------
+HOST_LINE = "# host "
+ENGINE_BENCHES = {  # bench/llm.py's runs in the engine part: the key that tells each result apart
+    "bench/llm.py": "decode_ms_per_token_b1", "bench/llm.py --breakdown": "decode_b1_on_host_us",
+    "bench/llm.py --grammar": "grammar_b1_step_ratio", "bench/llm.py --moe": "moe_engine_path",
+}
+
+
+def junit_counts(paths: list[Path], name: str) -> dict | None:
+    """{passed, failed, skipped} of the test cases of file `name` in these junit files (None: none ran)."""
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    for path in paths:
+        for case in ET.parse(path).getroot().iter("testcase"):
+            if name not in (case.get("file") or case.get("classname", "").replace(".", "/")):
+                continue
+            kind = "failed" if case.find("failure") is not None or case.find("error") is not None else \
+                "skipped" if case.find("skipped") is not None else "passed"
+            counts[kind] += 1
+    return counts if sum(counts.values()) else None
+
+
+def record_from_log(folder: Path, peak_gbs: float | None, peak_tflops: float | None) -> dict:
+    """The record of what a `scripts/gpu-check all DIR` run finished: each bench's last JSON line
+    in DIR/bench.log, told apart by its keys; the app tests' counts from DIR/junit-*.xml; the host's
+    versions from the log's first line. A bench that left no result is named in `failed_parts`."""
+    lines = (folder / "bench.log").read_text().splitlines()
+    host = next((json.loads(line.removeprefix(HOST_LINE)) for line in lines if line.startswith(HOST_LINE)), None)
+    if host is None:
+        raise SystemExit(f"{folder / 'bench.log'} has no '{HOST_LINE}' line: not a scripts/gpu-check all log")
+    peak = peaks(host["device"], peak_gbs, peak_tflops)
+    record = new_record(host["device"], peak, host)
+    results = [json.loads(line) for line in lines if line.startswith("{")]
+    found = {bench: next((r for r in reversed(results) if key in r), None) for bench, key in ENGINE_BENCHES.items()}
+    figures = {}
+    if found["bench/llm.py"]:
+        figures |= engine_figures(found["bench/llm.py"], peak)
+    if found["bench/llm.py --breakdown"]:
+        figures |= breakdown_figures(found["bench/llm.py --breakdown"])
+    if r := found["bench/llm.py --grammar"]:
+        figures |= {k: r[k] for k in ("grammar_b1_step_ratio", "grammar_b64_step_ratio")}
+    if found["bench/llm.py --moe"]:
+        figures |= moe_figures(found["bench/llm.py --moe"], peak)
+    if any(found.values()):
+        record["parts"].append("engine")
+        if missing := [bench for bench, r in found.items() if r is None]:
+            record["failed_parts"]["engine"] = "no result in the log from " + ", ".join(missing)
+    encoder = next((r for r in reversed(results) if "cuda_448_forward_images_per_s" in r), None)
+    if encoder:
+        figures |= encoder_figures(encoder, peak)
+        record["parts"].append("encoder")
+    serve = next((r for r in reversed(results) if "serve" in r.get("parts", ())), None)  # gpu_report --only serve
+    if serve:
+        figures |= {f.name: serve[f.name] for f in FIGURES if f.part == "serve"}
+        record["parts"].append("serve")
+    if tests := junit_counts(sorted(folder.glob("junit*.xml")), "test_gpu_app"):
+        figures["gpu_app_tests"] = tests
+        record["parts"].insert(0, "tests")
+    record.update(figures)
     return record
 
 
@@ -427,11 +492,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown", type=Path, default=None, help="default: docs/gpu-figures.md (none on CPU)")
     p.add_argument("--render-only", action="store_true", help="only regenerate the page from --results")
     p.add_argument("--timeout", type=float, default=PART_TIMEOUT_S, help="per subprocess, seconds")
+    p.add_argument("--from-log", type=Path, metavar="DIR",
+                   help="no run: the record of what `scripts/gpu-check all DIR` finished (brought back here)")
+    p.add_argument("--notes", default=None, help="the record's notes (with --from-log)")
     ns = p.parse_args(argv)
     results = ns.results or ROOT / "bench" / "results" / ("gpu.jsonl" if ns.device == "cuda" else "cpu.jsonl")
     markdown = ns.markdown or (ROOT / "docs" / "gpu-figures.md" if ns.device == "cuda" else None)
     failed = {}
-    if not ns.render_only:
+    if ns.from_log:
+        record = record_from_log(ns.from_log, ns.peak_gbs, ns.peak_tflops)
+        if ns.notes:
+            record["notes"] = ns.notes
+        with results.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(json.dumps(record))
+    elif not ns.render_only:
         device = device_name(ns.device)
         peak = peaks(None if device == "cpu" else device, ns.peak_gbs, ns.peak_tflops)
         ns.sizes = CUDA_ARGS if ns.device == "cuda" else CPU_ARGS

@@ -352,6 +352,9 @@ def breakdown_case(engine: LLMEngine, batch: int, context: int, steps: int, mixe
         if cuda:
             torch.cuda.synchronize()
     ops = _count_ops(prof.events(), cuda) / profile_steps
+    if cuda and batch == 1 and not mixed:  # where the next change to the decode path starts
+        print(f"top kernels of {profile_steps} decode steps at batch 1 (overlap {engine.overlap}):")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10))
     for request_id in list(engine._by_id):
         engine.abort(request_id)
     while engine.scheduler.running or engine.scheduler.waiting or engine._launched is not None:

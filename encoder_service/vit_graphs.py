@@ -178,6 +178,7 @@ class TowerGraphs:
                                             graphs.device, warmups=2)
             if check is not None and (why := graphs._differs(*check)):
                 return None, why
+            graphs.runs = 0  # served batches only, not the check
         except Exception as e:  # the encoder stays up, eager
             return None, f"capture failed: {type(e).__name__}: {e}"
         return graphs, f"{len(graphs.budgets)} budgets {graphs.budgets} captured in {time.perf_counter() - start:.1f} s"

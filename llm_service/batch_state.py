@@ -169,4 +169,5 @@ class BatchState:
         self.last_token[index] = tokens
         if self.output_counts is not None:
             self.output_counts.index_put_((index, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
-            self.seen[index, tokens] = True
+            # a device tensor, not `= True`: a Python scalar is copied from the host, which waits
+            self.seen.index_put_((index, tokens), torch.ones_like(tokens, dtype=torch.bool))

@@ -17,8 +17,9 @@ def hold_to_share(device: str | torch.device, share: float) -> None:
     given part of a GPU: past its part it runs out of memory itself, never into its neighbour's);
     nothing off CUDA or for a whole device."""
     device = torch.device(device)
-    if device.type == "cuda" and share < 1:
-        torch.cuda.set_per_process_memory_fraction(share, device)
+    if device.type == "cuda" and share < 1:  # torch takes an index here ("cuda" alone is refused)
+        index = torch.cuda.current_device() if device.index is None else device.index
+        torch.cuda.set_per_process_memory_fraction(share, index)
 
 
 def device_memory(device: str | torch.device) -> dict[str, int]:

@@ -17,6 +17,7 @@ from tests.support.engine_support import Collector, language_model, make_engine,
 from tests.support.reference import reference_generate
 
 MOE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "step3p7")
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # `kernel` tests: Triton's interpreter on CPU
 
 
 def _qwen3_block(dtype: torch.dtype):
@@ -128,13 +129,13 @@ def test_a_repeated_long_prompt_reuses_its_blocks_with_the_moe_layers(tiny_check
 
 @pytest.mark.kernel
 def test_decode_graph_steps_with_moe_layers_equal_monolithic(tiny_checkpoint):
-    """The decode graphs' step (the capture ladder's padded sizes, run uncaptured on CPU through the
+    """The decode graphs' step (the capture ladder's padded sizes, run uncaptured; on CPU through the
     Triton interpreter): the experts path sees padded batches and the tokens stay exact."""
     from llm_service.cuda_graphs import DecodeGraphs
     from llm_service.model import LanguageModel
 
     model_dir = tiny_checkpoint("qwen3_vl_moe")
-    engine = LLMEngine(LanguageModel(model_dir, dtype="float32"), EngineConfig(
+    engine = LLMEngine(LanguageModel(model_dir, dtype="float32", device=KERNEL_DEVICE), EngineConfig(
         attention_backend="triton", num_kv_blocks=48, max_num_seqs=4, max_graph_batch_size=4, cuda_graphs=False))
     engine.runner.graphs = DecodeGraphs.capture(engine.runner, capture=False)
     cases = family_cases("qwen3_vl_moe")
@@ -150,16 +151,16 @@ def test_decode_graph_steps_with_moe_layers_equal_monolithic(tiny_checkpoint):
 @pytest.mark.kernel
 @pytest.mark.parametrize("make", [_qwen3_block, _step3_block], ids=["qwen3_vl_moe", "step3p7"])
 def test_the_fused_kernel_path_equals_the_transformers_loop(make):
-    """What a CUDA replica runs (`install(..., triton=True)`): here in Triton's interpreter."""
+    """What a CUDA replica runs (`install(..., triton=True)`); on CPU in Triton's interpreter."""
     torch.manual_seed(1)
-    block = make(torch.float32)
+    block = make(torch.float32).to(KERNEL_DEVICE)
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(0, 0.3)
     ours = copy.deepcopy(block)
     [module] = experts.install(ours)
     module.use_triton = True  # on CUDA only, outside tests
-    hidden = torch.randn(1, 9, 64)
+    hidden = torch.randn(1, 9, 64).to(KERNEL_DEVICE)
     with torch.no_grad():
         torch.testing.assert_close(ours(hidden), block(hidden), rtol=1e-5, atol=1e-5)
     assert module.load.sum() == 9 * 3

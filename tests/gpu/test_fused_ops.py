@@ -43,7 +43,7 @@ def test_silu_mul_is_silu_of_the_gate_times_up(rows, width, dtype):
 
 
 def test_a_fused_model_keeps_its_greedy_tokens_and_its_weights(tiny_models):
-    """float32 on CPU: the kernels in the interpreter give the unfused model's tokens."""
+    """float32 (on CPU the kernels run in the interpreter): the unfused model's tokens."""
     from llm_service.config import EngineConfig
     from llm_service.engine import LLMEngine
     from llm_service.model import LanguageModel
@@ -52,7 +52,7 @@ def test_a_fused_model_keeps_its_greedy_tokens_and_its_weights(tiny_models):
     model_dir = tiny_models["qwen2_vl"]
     tokens = []
     for fused in (False, True):
-        model = LanguageModel(model_dir, dtype="float32")
+        model = LanguageModel(model_dir, dtype="float32", device=DEVICE)
         params = model.num_parameters
         if fused:
             layers = len(model.modules.decoder.layers)

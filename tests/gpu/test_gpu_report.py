@@ -110,7 +110,7 @@ def test_peaks_by_the_name_cuda_reports():
 
 
 def test_the_page_lists_records_newest_first_with_ratios_and_ranges(tmp_path):
-    (seed,) = read_records(ROOT / "bench" / "results" / "gpu.jsonl")
+    seed = read_records(ROOT / "bench" / "results" / "gpu.jsonl")[0]
     newer = {**seed, "date": "2027-01-05", "commit": "f" * 40, "dirty": True, "source": None, "ranges": None,
              "failed_parts": {"serve": "bench/serve.py exited 1"}, "gpu_app_tests": {"passed": 9, "failed": 1},
              "decode_b64_ms": 6.5, "decode_b64_frac_of_bound": 0.15, "vit_mfu_448": 0.2}
@@ -126,8 +126,11 @@ def test_the_page_lists_records_newest_first_with_ratios_and_ranges(tmp_path):
 
 
 def test_the_seeded_history_is_the_h100_transcription_and_the_page_is_generated():
-    (seed,) = read_records(ROOT / "bench" / "results" / "gpu.jsonl")
+    seed, *measured = read_records(ROOT / "bench" / "results" / "gpu.jsonl")
     _check_shape(seed)
+    for record in measured:  # runs on a GPU since: every figure in each, from a device's run
+        _check_shape(record)
+        assert record["device"].startswith("NVIDIA") and record["parts"] and record["date"] > seed["date"]
     assert (seed["date"], seed["commit"], seed["device"]) == ("2026-11-22", "87982b6", "NVIDIA H100 80GB HBM3")
     assert seed["source"] == "transcribed from docs/attention.md"
     assert (seed["decode_b1_ms"], seed["vit_mfu_1024"], seed["vit_forward_1024_images_per_s"]) == (3.95, 0.215, 17.9)
@@ -167,3 +170,41 @@ def test_cpu_run_of_the_serve_part_fills_the_serve_figures(tmp_path):
     serve = [f.name for f in FIGURES if f.part == "serve" and "frac" not in f.name]
     assert all(record[name] is not None for name in serve)
     assert record["transfer_grpc_frac_of_bandwidth"] is None  # no memory bandwidth known for a CPU
+
+
+def test_a_record_from_the_logs_of_a_gpu_check_all_run(tmp_path):
+    """`scripts/gpu-check all DIR` leaves logs (a device call returns files, not the GPU host's
+    results file): --from-log makes the record of what finished, a bench that left no result named."""
+    llm = {"device": "cuda", "weight_bytes": 3087428608, "kv_bytes_per_token": 28672, "prompt_len": 64,
+           "decode_tokens": 128, "decode_ms_per_token_b1": 2.794, "decode_ms_per_step_b64": 3.29,
+           "engine_tok_s_b64": 17746.4, "long_context": 8192, "long_batch": 4, "decode_ms_per_step_long": 3.457}
+    moe = {"device": "cuda", "moe_engine_path": "triton", "moe_b1_triton_ms": 0.7233, "moe_b64_triton_ms": 0.7278,
+           "moe_b1_bytes_touched": 75497472, "moe_b64_bytes_touched": 1186725888, "moe_b1_grouped_vs_eager": 4.111,
+           "moe_b64_grouped_vs_eager": 47.94}
+    host = {"device": "NVIDIA H200", "driver": "580.159.04", "torch": "2.11.0", "triton": "3.6.0",
+            "transformers": "5.17.0"}
+    (tmp_path / "bench.log").write_text("\n".join([
+        "# host " + json.dumps(host), "== python3 bench/llm.py --device cuda (cap 150 s)", "table lines",
+        json.dumps(llm), "== python3 bench/llm.py --device cuda --moe (cap 60 s)", json.dumps(moe),
+        "== exit 124 after 70 s: python3 bench/llm.py"]) + "\n")
+    (tmp_path / "junit-app.xml").write_text(
+        '<testsuites><testsuite name="pytest" tests="3">'
+        '<testcase classname="tests.gpu.test_gpu_app" name="a"/>'
+        '<testcase classname="tests.gpu.test_gpu_app" name="b"><error message="x"/></testcase>'
+        '<testcase classname="tests.gpu.test_gpu_app" name="c"><skipped message="y"/></testcase>'
+        '<testcase classname="tests.gpu.test_fused_ops" name="d"><failure message="z"/></testcase>'
+        '</testsuite></testsuites>')
+    results = tmp_path / "gpu.jsonl"
+    out = _report("--from-log", str(tmp_path), "--results", str(results), "--markdown", str(tmp_path / "page.md"),
+                  "--notes", "a test")
+    assert out.returncode == 0, out.stderr[-3000:]
+    (record,) = read_records(results)
+    _check_shape(record)
+    assert {k: record[k] for k in host} == host and record["peak_gbs"] == 4800 and record["notes"] == "a test"
+    assert record["parts"] == ["tests", "engine"]
+    assert record["gpu_app_tests"] == {"passed": 1, "failed": 1, "skipped": 1}  # test_gpu_app's cases only
+    assert record["decode_b1_ms"] == 2.794 and record["decode_b1_ratio_to_bound"] == pytest.approx(4.34, abs=0.01)
+    assert record["moe_b64_ms"] == 0.7278 and record["vit_mfu_448"] is None and record["grammar_b1_step_ratio"] is None
+    missing = record["failed_parts"]["engine"]
+    assert "--breakdown" in missing and "--grammar" in missing and "--moe" not in missing
+    assert "NVIDIA H200" in (tmp_path / "page.md").read_text()

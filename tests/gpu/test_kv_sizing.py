@@ -73,11 +73,15 @@ def test_a_replica_on_part_of_a_gpu_is_held_to_its_part(monkeypatch):
     from mmserve.device import hold_to_share
 
     calls = []
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: calls.append(f))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: calls.append((f, device)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     hold_to_share("cuda", 0.5)
+    hold_to_share("cuda:1", 0.25)
     hold_to_share("cuda", 1.0)  # a whole device: no cap
     hold_to_share("cpu", 0.5)
-    assert calls == [0.5]
+    # an index, as torch wants it: torch.device("cuda") raises "Expected a torch.device with a
+    # specified index" there (every GPU replica on part of a device failed to start on an H200)
+    assert calls == [(0.5, 0), (0.25, 1)]
 
 
 def test_a_share_too_small_for_the_weights_fails_at_startup_with_what_to_change(monkeypatch):
