@@ -74,7 +74,7 @@ FIGURES = (
     Figure("decode_b1_ops_per_step", "kernels per step (CUDA; top-level aten ops on CPU)", "engine"),
     Figure("grammar_b1_step_ratio", "decode step with a 30-property JSON-schema grammar / without, batch 1", "engine"),
     Figure("grammar_b64_step_ratio", "the same at batch 64 (target <= 1.10)", "engine"),
-    Figure("moe_b1_ms", "ms per call of one MoE layer (Qwen3-VL-30B-A3B's), the engine's path (Triton on CUDA)",
+    Figure("moe_b1_ms", "ms per call of one MoE layer (Qwen3-VL-30B-A3B's), the engine's path (moe_engine_path)",
            "engine"),
     Figure("moe_b64_ms", "the same at batch 64", "engine"),
     Figure("moe_b1_vs_bandwidth_bound", "x the bound: the touched experts' weight bytes at peak memory bandwidth",
@@ -210,8 +210,8 @@ def breakdown_figures(r: dict) -> dict:
 def moe_figures(r: dict, peak: Peaks) -> dict:
     """bench/llm.py --moe's result -> the engine's experts path per layer call against its bound, the
     weight bytes of the experts the batch touches read once at peak memory bandwidth. The engine's
-    path is the Triton kernel on CUDA: null where the run had none, the grouped one on the CPU."""
-    path = "triton" if r["device"] == "cuda" else "grouped"
+    path is the one the run names (runs before 2026-11-26 name none: the Triton kernel on CUDA)."""
+    path = r.get("moe_engine_path") or ("triton" if r["device"] == "cuda" else "grouped")
     out = {}
     for b in (1, 64):
         ms = r.get(f"moe_b{b}_{path}_ms")
@@ -455,8 +455,8 @@ run. Brackets: the figure against its physical limit, from the device's peaks
   Host us/step: the engine's own work around the forward per decode step (`bench/llm.py --breakdown`,
   steps overlapped as on CUDA by default), and kernels per step at batch 1.
 - MoE layer: one Qwen3-VL-30B-A3B MoE layer (128 experts, top 8, random bf16), ms per call of the
-  engine's experts path (the Triton kernel) at batch 1 and 64 against its bound, the weight bytes of the
-  experts the batch routes to at peak memory bandwidth; grouped vs eager: `transformers`' per-expert
+  engine's experts path (grouped GEMMs; the Triton kernel before 2026-11-26) at batch 1 and 64 against
+  its bound, the weight bytes of the experts the batch routes to at peak memory bandwidth; grouped vs eager: `transformers`' per-expert
   loop over the engine's grouped PyTorch path (`bench/llm.py --moe`).
 - ViT: forward alone, the full-size Qwen2-VL vision tower (random bf16), MFU against the dense bf16
   peak; pool: the encoder pool end to end (preprocessing included) over the forward alone; budget: the

@@ -3,14 +3,15 @@
     python bench/llm.py --moe                    # CPU, bf16, batch 1 and 64 (runs this script)
     python bench/llm.py --moe --dtype float32
     python bench/llm.py --moe --quick            # small dims (hidden 256, 32 experts, top 4): seconds
-    python bench/llm.py --moe --device cuda      # also the Triton fused kernel (the engine's CUDA path)
+    python bench/llm.py --moe --device cuda      # also the Triton fused kernel
 
 The layer is `Qwen3VLMoeTextSparseMoeBlock` (hidden 2048, 128 experts of intermediate 768, top 8;
 its router included) with random normal(0, 0.02) weights. Paths, side by side on the same weights
 and inputs: `eager`, `transformers`' per-expert loop (`_experts_implementation = "eager"`);
 `grouped`, a copy of the block (weights shared) with `llm_service.experts.install` (expert-sorted
-pairs, `torch._grouped_mm` where it fits); on CUDA `triton`, the same with `install(triton=True)`
-(`mmserve.kernels.triton_moe`; skipped, said so, where the checkout lacks it). The paths' outputs
+pairs, `torch._grouped_mm` where it fits); on CUDA also `triton`, the fused kernel
+(`mmserve.kernels.triton_moe`; skipped, said so, where the checkout lacks it), which the engine takes
+only where `torch._grouped_mm` cannot run (`moe_engine_path` says which the engine takes). The paths' outputs
 are compared first (allclose at the dtype's tolerance); then ms per layer call at batch 1 and 64
 (tokens, one decode step's), the median over interleaved repetitions, each a call on every one of
 a few distinct inputs (other experts each call: no cache holds the last call's weights).
@@ -34,7 +35,7 @@ import time
 
 import torch
 
-from llm_service.experts import install
+from llm_service.experts import grouped_mm_runs, install
 
 FULL = dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
 QUICK = dict(hidden_size=256, moe_intermediate_size=128, num_experts=32, num_experts_per_tok=4)
@@ -61,10 +62,18 @@ def moe_block(dims: dict, dtype: torch.dtype, device: str, seed: int = 0) -> tor
 
 
 def engine_block(block: torch.nn.Module, triton: bool) -> torch.nn.Module:
-    """A copy of `block` sharing its weights, the engine's experts path installed."""
+    """A copy of `block` sharing its weights, the engine's experts path installed (`triton`: the
+    fused kernel, also where the engine would take the grouped GEMMs)."""
     engine = copy.deepcopy(block, {id(p): p for p in block.parameters()})
-    install(engine, triton=triton)
+    for module in install(engine):
+        module.use_triton = triton
     return engine
+
+
+def engine_path(block: torch.nn.Module, triton_here: bool) -> str:
+    """The path a CUDA replica's engine takes for `block` (`install(triton=True)`), else the grouped one."""
+    experts = block.experts
+    return "triton" if triton_here and not grouped_mm_runs(experts.gate_up_proj, experts.down_proj) else "grouped"
 
 
 def touched_bytes(block: torch.nn.Module, x: torch.Tensor) -> tuple[int, int]:
@@ -206,7 +215,7 @@ def main() -> None:
     print(f"{dims['num_experts']} experts x {expert_bytes / dims['num_experts'] / 2**20:.2f} MiB ({args.dtype}), "
           f"top {dims['num_experts_per_tok']}; copy bandwidth {bandwidth:.1f} GB/s (read + write)")
     result = {"device": device, "gpu": torch.cuda.get_device_name() if cuda else None, "dtype": args.dtype, **dims,
-              "repeats": repeats, "inputs": n_inputs, "moe_engine_path": "triton" if "triton" in paths else "grouped",
+              "repeats": repeats, "inputs": n_inputs, "moe_engine_path": engine_path(block, "triton" in paths),
               "moe_paths_agree": True, "moe_max_abs_diff": round(worst, 6), "expert_weight_bytes": expert_bytes,
               "copy_gbs": round(bandwidth, 2), **measure(paths, batches, bandwidth, repeats, device)}
     notes.append("x floor: ms over the floor, the touched experts' weight bytes read once at the bandwidth measured "

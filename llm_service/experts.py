@@ -47,13 +47,15 @@ def is_experts(module: nn.Module) -> bool:
 
 def install(decoder: nn.Module, triton: bool = False) -> list[nn.Module]:
     """Bind `experts_forward` onto every experts module of `decoder` (after its weights are loaded
-    and moved); `triton`: the fused kernel on CUDA. Returns the modules, layer order."""
+    and moved); `triton`: on CUDA, the fused kernel for the modules `torch._grouped_mm` cannot take
+    (it measured faster where it runs: one Qwen3-VL-30B-A3B layer in bf16 on an H200, 0.53 vs 0.72 ms
+    at batch 1, 0.60 vs 0.73 ms at 64, `bench/llm.py --moe`). Returns the modules, layer order."""
     modules = [m for m in decoder.modules() if is_experts(m)]
     for m in modules:
         m.forward = types.MethodType(experts_forward, m)
         m.register_buffer("load", torch.zeros(m.gate_up_proj.shape[0], dtype=torch.int64,
                                               device=m.gate_up_proj.device), persistent=False)
-        m.use_triton = triton and m.gate_up_proj.is_cuda
+        m.use_triton = triton and m.gate_up_proj.is_cuda and not grouped_mm_runs(m.gate_up_proj, m.down_proj)
     return modules
 
 
@@ -113,12 +115,18 @@ def grouped(module: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.T
 
 
 def _grouped_mm_fits(x: torch.Tensor, gate_up_w: torch.Tensor, down_w: torch.Tensor) -> bool:
-    """`torch._grouped_mm` takes float32/bf16/fp16 with row strides of whole 16-byte units."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype not in _GROUPED_MM_DTYPES or x.dtype != gate_up_w.dtype:
+    return x.dtype == gate_up_w.dtype and grouped_mm_runs(gate_up_w, down_w)
+
+
+def grouped_mm_runs(gate_up_w: torch.Tensor, down_w: torch.Tensor) -> bool:
+    """`torch._grouped_mm` takes these weights: float32/bf16/fp16 (on CUDA bf16 from Hopper on) with
+    row strides of whole 16-byte units."""
+    dtype = gate_up_w.dtype
+    if not hasattr(torch, "_grouped_mm") or dtype not in _GROUPED_MM_DTYPES:
         return False
-    if x.is_cuda and (x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 9):
+    if gate_up_w.is_cuda and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(gate_up_w.device)[0] < 9):
         return False
-    size = x.element_size()
+    size = gate_up_w.element_size()
     return all(d * size % 16 == 0 for d in (gate_up_w.shape[1], gate_up_w.shape[2], down_w.shape[1]))
 
 
