@@ -6,9 +6,10 @@ bounded strings also admit raw control characters, which no JSON parser takes). 
 compact (no whitespace between tokens, as vLLM's `disable-any-whitespace`), so that a model cannot
 loop on spaces until `max_tokens`; the schema's own bounds (`maxLength`, `maxItems`,
 `minimum`/`maximum`, `enum`) are part of the grammar. A grammar compiles once per schema text:
-`GrammarCompiler` keeps an LRU of compiled grammars (a matcher at its start, copied for each
-sequence) and compiles on its own thread, so a request waits for its grammar outside the batch
-and the engine's step thread never compiles.
+`GrammarCompiler` keeps an LRU of checked grammars and compiles on its own thread, so a request
+waits for its grammar outside the batch and the engine's step thread never compiles the first
+time. Each sequence then makes its own matcher of the checked grammar (~2 ms for a 30-property
+schema, where the sequence is added), so that the pool fills the rows' masks in parallel.
 """
 
 from __future__ import annotations
