@@ -273,7 +273,9 @@ class VideoDecodeArgs(_QueuedWorkScaling):
         default=None, ge=1, description="segments of a clip decoded at once (split at keyframes, each decoded "
         "from its own keyframe in a thread of its own; the frames are the same bit for bit), sharing the "
         "video's decode_threads (each segment's FFmpeg threads: decode_threads // segment_workers, at least 1), "
-        "never more than the cores; default: decode_threads (one FFmpeg thread a segment); 1: off. Only clips "
+        "never more than the cores; default: the node's cores (its CPU quota in a container) divided among the "
+        "decoder replicas at start, at least decode_threads (2 cores, 1 replica: 2 segments of one FFmpeg thread "
+        "each); 1: off. Only clips "
         "whose sampled frames span several GOPs are split; an open-GOP stream decodes in one pass "
         "(mmserve_video_segment_fallbacks)",
     )

@@ -20,7 +20,7 @@ from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from deployments.serve.autoscaling import QUEUED_DECODE_S
-from deployments.replica_env import decode_threads, resolve_model_dir
+from deployments.replica_env import decode_segments, decode_threads, resolve_model_dir
 from mmserve.errors import InvalidRequest
 from mmserve.request.media import DecodedVideo
 from mmserve.video.container import DecodeOptions, FrameSampler, VideoLimits, VideoSampling, pyav_available
@@ -65,10 +65,9 @@ class VideoDecoder:
                  skip_unsampled: bool = True, replicas: int = 1, segments: int | None = None):
         """`limits`: `LimitArgs.video_limits()`; `workers`, `threads`, `skip_unsampled`, `segments`:
         `video_decode`'s (`decode_threads` resolved here, on the replica's node, with `replicas` at start;
-        `segment_workers`, None: as many as those threads). The checkpoint's sampler loads with the first
-        video."""
+        `segment_workers` likewise). The checkpoint's sampler loads with the first video."""
         threads = decode_threads(threads, replicas, workers)
-        options = DecodeOptions(threads, skip_unsampled, segments or threads)
+        options = DecodeOptions(threads, skip_unsampled, decode_segments(segments, replicas, threads))
         self.pool = VideoDecodePool(FrameSampler(resolve_model_dir(model_dir)), limits, workers, options)
         self.metrics = VideoMetrics()
         self._fallbacks_reported = 0
