@@ -372,7 +372,10 @@ class ContainerReader:
             if key is None:
                 container.seek(0)
             else:
-                container.seek(key, stream=stream)  # its keyframe at or before `key` (mp4 seeks by dts)
+                try:  # to its keyframe or one before it (mp4 seeks by dts); the packets up to it are passed over
+                    container.seek(key, stream=stream)
+                except av.error.FFmpegError:  # a container that cannot seek there: decoded in one pass
+                    raise _Unaligned from None
             for packet in container.demux(stream):
                 if stop is not None and stop.is_set():
                     raise _Stopped
