@@ -7,9 +7,11 @@ GOPs, 3 B-frames of which the middle one is a reference (b-pyramid), no adaptive
 slice); the tiny Qwen2-VL samples them at 2 fps (60 and 20 frames).
 
 First the decode alone, in this process (`decode_speedup_30s`): a `VideoDecodePool` of one worker
-decoding the 30 s clip the default way (FFmpeg threads: this machine's cores; unsampled
-unreferenced frames skipped) against `SEQUENTIAL` (one thread, every frame decoded: the decode
-before #47), alternating, median of the runs. `--decode-only` stops there.
+decoding the 30 s clip the default way (this machine's cores as segments decoded at once, split at
+keyframes, one FFmpeg thread each; unsampled unreferenced frames skipped), the same with the cores
+as FFmpeg's frame threads and no segments (`decode_speedup_30s_frame_threads`: the default before
+segment-parallel decoding), and `SEQUENTIAL` (one thread, every frame decoded: the decode before
+#47), alternating, median of the runs. `--decode-only` stops there.
 
 Then two apps on the same CPUs: `default` (streamed, decoded the default way) and `baseline`
 (unstreamed, `SEQUENTIAL`: `decode_threads: 1`, `skip_unsampled: false`), caches off (every request
@@ -75,15 +77,20 @@ MODES = {"default": (True, None, True), "baseline": (False, 1, False)}
 
 
 def decode_speedup(model: str, clip: Path, runs: int) -> dict:
-    """The pool's decode of `clip` the default way against `SEQUENTIAL`, in this process."""
-    from deployments.replica_env import decode_threads
+    """The pool's decode of `clip` the default way, and with its threads as FFmpeg's frame threads
+    only (segments off: the default before segment-parallel decoding), against `SEQUENTIAL`, in
+    this process."""
+    from deployments.replica_env import decode_segments, decode_threads
     from mmserve.video.container import SEQUENTIAL, DecodeOptions, FrameSampler, VideoLimits
     from mmserve.video.workers import VideoDecodePool
 
     data = clip.read_bytes()
-    fast = DecodeOptions(decode_threads(None, 1, 1), skip_unsampled=True)
+    threads = decode_threads(None, 1, 1)
+    fast = DecodeOptions(threads, skip_unsampled=True, segments=decode_segments(None, 1, threads))  # the default
+    variants = {"default": fast, "frame_threads": DecodeOptions(threads, skip_unsampled=True, segments=1),
+                "sequential": SEQUENTIAL}
     pools = {name: VideoDecodePool(FrameSampler(model), VideoLimits(max_frames=64), 1, options)
-             for name, options in (("default", fast), ("sequential", SEQUENTIAL))}
+             for name, options in variants.items()}
     times: dict[str, list[float]] = {name: [] for name in pools}
     try:
         for k in range(runs + 1):
@@ -96,12 +103,19 @@ def decode_speedup(model: str, clip: Path, runs: int) -> dict:
         for pool in pools.values():
             pool.close()
     median = {name: statistics.median(t) for name, t in times.items()}
-    print(f"decode of {clip.name} ({len(video.indices)} frames sampled), median of {runs}: default "
-          f"({fast.threads} threads, skipping) {median['default']:.3f} s, sequential {median['sequential']:.3f} s: "
-          f"{median['sequential'] / median['default']:.2f}x", flush=True)
+    segmented = pools["default"].stats.segmented
+    print(f"decode of {clip.name} ({len(video.indices)} frames sampled), median of {runs}, modes alternating:")
+    for name, options in variants.items():
+        print(f"  {name:>13}: {options.usable_threads()} threads, {options.usable_segments()} segments at once, "
+              f"{'skipping' if options.skip_unsampled else 'every frame'}: {median[name]:.3f} s "
+              f"({median['sequential'] / median[name]:.2f}x sequential)  runs: "
+              f"{' '.join(f'{t:.3f}' for t in times[name])}", flush=True)
     return {"decode_speedup_30s": round(median["sequential"] / median["default"], 3),
+            "decode_speedup_30s_frame_threads": round(median["sequential"] / median["frame_threads"], 3),
             "decode_s_30s_default": round(median["default"], 3),
-            "decode_s_30s_sequential": round(median["sequential"], 3), "decode_threads": fast.threads}
+            "decode_s_30s_frame_threads": round(median["frame_threads"], 3),
+            "decode_s_30s_sequential": round(median["sequential"], 3), "decode_threads": fast.threads,
+            "decode_segments": fast.usable_segments(), "segmented_videos": segmented}
 
 
 def start(model: str, clip_dir: Path, num_cpus: float) -> dict[str, str]:

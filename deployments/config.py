@@ -269,6 +269,16 @@ class VideoDecodeArgs(_QueuedWorkScaling):
         default=True, description="frames that are neither sampled nor referenced by another frame are not "
         "decoded (FFmpeg's skip_frame, packet by packet; the sampled frames are the same bit for bit)",
     )
+    segment_workers: int | None = Field(
+        default=None, ge=1, description="segments of a clip decoded at once (split at keyframes, each decoded "
+        "from its own keyframe in a thread of its own; the frames are the same bit for bit), sharing the "
+        "video's decode_threads (each segment's FFmpeg threads: decode_threads // segment_workers, at least 1), "
+        "never more than the cores; default: the node's cores (its CPU quota in a container) divided among the "
+        "decoder replicas at start, at least decode_threads (2 cores, 1 replica: 2 segments of one FFmpeg thread "
+        "each); 1: off. Only clips "
+        "whose sampled frames span several GOPs are split; an open-GOP stream decodes in one pass "
+        "(mmserve_video_segment_fallbacks)",
+    )
     stream: bool = Field(
         default=True, description="stream video_url frames through the pipeline: each group of frames goes to "
         "the encoder as it is decoded, and the LLM prefills behind them (off: decode, then encode, then prefill; "

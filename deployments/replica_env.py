@@ -91,6 +91,17 @@ def decode_threads(configured: int | None, replicas: int, workers: int) -> int:
     return threads
 
 
+def decode_segments(configured: int | None, replicas: int, threads: int) -> int:
+    """Segments of one video decoded at once on a VideoDecoder replica (`video_decode.segment_workers`):
+    `configured`, else this node's cores divided among the deployment's `replicas` (at least the
+    video's `threads`): a lone video uses the replica's cores, and the workers' videos at once share
+    them (on 2 cores two videos at once took no longer than with one segment each)."""
+    segments = configured or max(threads, node_cores() // max(replicas, 1))
+    logger.info("VideoDecoder replica: up to %d segments of a video at once (%s)", segments, "segment_workers"
+                if configured else f"{node_cores()} cores / {replicas} replicas")
+    return segments
+
+
 def set_cpu_threads(configured: int | None, replicas: int, role: str) -> int:
     """torch's intra-op threads for a replica that runs a model: `configured`, else this node's
     cores divided among the deployment's `replicas` (at least 1).

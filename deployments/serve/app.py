@@ -30,7 +30,7 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         encoder = EncoderDeployment.options(**encoder_options(args.encoder, args.encoder_pool), **encoder_routing).bind(args)
     video = VideoDecoder.options(**video_decoder_options(args.video_decoder, args.video_decode)).bind(
         args.model, args.limits.video_limits(), args.video_decode.workers, args.video_decode.decode_threads,
-        args.video_decode.skip_unsampled, args.replicas_at_start("video_decoder"))
+        args.video_decode.skip_unsampled, args.replicas_at_start("video_decoder"), args.video_decode.segment_workers)
     # an LLM replica at its target runs a full batch (max_num_seqs): more replicas beyond that
     llm_options = args.llm.options("LLM", default_target_ongoing_requests=args.engine.max_num_seqs) | llm_routing
     streamed = (encoder, video) if args.stream_video else (None, None)  # the LLM replica drives streamed videos

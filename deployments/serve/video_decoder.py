@@ -20,7 +20,7 @@ from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from deployments.serve.autoscaling import QUEUED_DECODE_S
-from deployments.replica_env import decode_threads, resolve_model_dir
+from deployments.replica_env import decode_segments, decode_threads, resolve_model_dir
 from mmserve.errors import InvalidRequest
 from mmserve.request.media import DecodedVideo
 from mmserve.video.container import DecodeOptions, FrameSampler, VideoLimits, VideoSampling, pyav_available
@@ -51,6 +51,9 @@ class VideoMetrics:
         self.refused = Counter("mmserve_video_refused", "Video files refused (bad, over a limit, past the deadline)")
         self.skip_fallbacks = Counter("mmserve_video_skip_fallbacks", "Videos whose frames did not follow their "
                                       "timestamps, decoded again with nothing skipped")
+        self.segment_fallbacks = Counter("mmserve_video_segment_fallbacks", "Videos that were to be decoded in "
+                                         "segments at once but were decoded in one pass (open GOPs, or frames "
+                                         "not where the probe put them)")
         self.decode_ms = Histogram("mmserve_video_decode_ms", "Probe + sample + decode time per video (queue included)",
                                    boundaries=_LATENCY_MS)
         self.queued_s = Gauge("mmserve_video_queued_decode_s", "Decode seconds running or waiting on this replica")
@@ -59,14 +62,16 @@ class VideoMetrics:
 @serve.deployment
 class VideoDecoder:
     def __init__(self, model_dir: str | None, limits: VideoLimits, workers: int, threads: int | None = None,
-                 skip_unsampled: bool = True, replicas: int = 1):
-        """`limits`: `LimitArgs.video_limits()`; `workers`, `threads`, `skip_unsampled`: `video_decode`'s
-        (`threads` resolved here, on the replica's node, with `replicas` at start). The checkpoint's
-        sampler loads with the first video."""
-        options = DecodeOptions(decode_threads(threads, replicas, workers), skip_unsampled)
+                 skip_unsampled: bool = True, replicas: int = 1, segments: int | None = None):
+        """`limits`: `LimitArgs.video_limits()`; `workers`, `threads`, `skip_unsampled`, `segments`:
+        `video_decode`'s (`decode_threads` resolved here, on the replica's node, with `replicas` at start;
+        `segment_workers` likewise). The checkpoint's sampler loads with the first video."""
+        threads = decode_threads(threads, replicas, workers)
+        options = DecodeOptions(threads, skip_unsampled, decode_segments(segments, replicas, threads))
         self.pool = VideoDecodePool(FrameSampler(resolve_model_dir(model_dir)), limits, workers, options)
         self.metrics = VideoMetrics()
         self._fallbacks_reported = 0
+        self._segment_fallbacks_reported = 0
         if not pyav_available():
             logger.warning("PyAV is not installed: video_url requests get 400 (install mmserve[video])")
 
@@ -110,6 +115,9 @@ class VideoDecoder:
         if fallbacks := self.pool.stats.skip_fallbacks - self._fallbacks_reported:
             self.metrics.skip_fallbacks.inc(fallbacks)
             self._fallbacks_reported += fallbacks
+        if fallbacks := self.pool.stats.segment_fallbacks - self._segment_fallbacks_reported:
+            self.metrics.segment_fallbacks.inc(fallbacks)
+            self._segment_fallbacks_reported += fallbacks
 
     def stats(self) -> dict:
         """The pool's counters and which replica answered (tests, benches, debugging)."""

@@ -17,9 +17,10 @@ every limit checked before the work it bounds:
    the first), and the picked frames' pixels together are bounded (`max_decoded_pixels`) before
    any is decoded.
 
-How step 4 decodes is `DecodeOptions`: FFmpeg's own threads (frame threading, `threads`), and
-`skip_unsampled`, which hands the decoder each packet of a frame that is not sampled with
-`skip_frame = NONREF`, so such a frame is not decoded at all when no other frame refers to it.
+How step 4 decodes is `DecodeOptions`: FFmpeg's own threads (frame threading, `threads`),
+`segments` (below), and `skip_unsampled`, which hands the decoder each packet of a frame that is
+not sampled with `skip_frame = NONREF`, so such a frame is not decoded at all when no other frame
+refers to it.
 Frames are then picked by their timestamps: the k-th frame in display order is the one with the
 k-th smallest packet pts (counted in step 2), and every frame that does come out is checked
 against that order, so a decoder that drops a frame of its own (leading frames of an open GOP at
@@ -28,12 +29,26 @@ frames are decoded exactly as without skipping, so the sampled frames are bit-id
 (`tests/unit/test_video_decode.py`). `SEQUENTIAL` (one thread, nothing skipped) is the decode
 before these options, kept as the benchmark's baseline.
 
+With `segments` > 1 a clip whose sampled frames lie in more than one GOP is decoded in segments at
+once (`_segmented`): step 2 also notes the keyframes the stream splits at (`VideoProbe.splits`:
+every packet before one shows before it, every one after it after it, i.e. a closed GOP starts
+there); the GOPs holding sampled frames are cut into up to `segments` chunks of about even work,
+and each chunk is decoded in a thread of its own (PyAV decodes without the GIL) from a container
+of its own, seeked to its keyframe, its first frame out checked to be that keyframe and the rest
+against the pts as above; GOPs with no sampled frame are not decoded at all. A closed GOP decodes
+the same from its keyframe as from the stream's start, so the frames are bit-identical
+(`tests/unit/test_video_segments.py`). An open-GOP stream (a keyframe with leading frames, which
+refer to the GOP before: `VideoProbe.open_keys`) is decoded in one pass, and so are the frames
+still to pick when a chunk's frames do not come out where the probe said; both set
+`segment_fell_back` (counted: `mmserve_video_segment_fallbacks`).
+
 Steps 1-2 and 4 run in a worker process (`mmserve.video.workers`), under a deadline, so a decoder
 that hangs or crashes on a hostile file takes only its own request down.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import inspect
@@ -86,11 +101,21 @@ class DecodeOptions:
 
     threads: int = 1  # FFmpeg threads for one video (frame threading); 1: the calling thread only
     skip_unsampled: bool = True  # frames neither sampled nor referenced are not decoded
+    # segments of the clip (split at keyframes) decoded at once, each in a thread of its own from its
+    # keyframe, sharing `threads` (each segment's decoder gets threads // segments, at least 1); 1: off
+    segments: int = 1
 
     def usable_threads(self) -> int:
         """`threads`, never more than the cores this process may run on."""
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, min(self.threads, cores))
+        return max(1, min(self.threads, _cores()))
+
+    def usable_segments(self) -> int:
+        """`segments`, never more than the cores this process may run on."""
+        return max(1, min(self.segments, _cores()))
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 SEQUENTIAL = DecodeOptions(threads=1, skip_unsampled=False)  # one thread, every frame up to the last sampled
@@ -98,6 +123,10 @@ SEQUENTIAL = DecodeOptions(threads=1, skip_unsampled=False)  # one thread, every
 
 class _Unaligned(Exception):
     """A frame came out of the decoder out of its timestamps' order (or one it dropped itself)."""
+
+
+class _Stopped(Exception):
+    """A segment's decode was told to stop (the video's decode ended or fell back)."""
 
 
 @dataclass(frozen=True)
@@ -112,6 +141,12 @@ class VideoProbe:
     # the video packets' pts, ascending: the display-order frame k has the k-th; () where a packet
     # has none or two share one (then nothing is skipped)
     pts: tuple[int, ...] = ()
+    # display positions of the keyframes the stream can be split at (each frame before one is
+    # decoded before it, each after it after it: a closed GOP begins there), `pts` permitting
+    splits: tuple[int, ...] = ()
+    # display positions of the keyframes (past the first packet) with frames on the wrong side of
+    # them: an open GOP's, whose leading frames refer to the GOP before (the stream is not split)
+    open_keys: tuple[int, ...] = ()
 
     @property
     def duration(self) -> float:
@@ -164,6 +199,9 @@ class ContainerReader:
         self.limits = limits
         self.decoded = 0  # frames the decoder put out (skipped ones are not)
         self.fell_back = False  # skipping was given up for the plain decode (`_picked`)
+        self.segment_fell_back = False  # a segmented decode was given up for the one-pass decode
+        self.segments = 0  # segments decoded at once (0: one pass from the stream's start)
+        self.data = data
         try:
             self.container = av.open(io.BytesIO(data), mode="r")
         except av.error.FFmpegError as e:
@@ -197,7 +235,7 @@ class ContainerReader:
         declared = _declared_seconds(stream, container)
         if declared is not None and declared > self.limits.max_seconds:
             raise InvalidRequest(f"video is {declared:.1f} s long; the limit is {self.limits.max_seconds:g} s")
-        counted, pts = self._count_frames(stream, fps)
+        counted, pts, splits, open_keys = self._count_frames(stream, fps)
         header = int(stream.frames or 0)
         if header and header != counted:
             raise InvalidRequest(f"video is truncated or inconsistent: its header declares {header} frames, "
@@ -207,21 +245,25 @@ class ContainerReader:
         if declared is not None and declared - counted / fps > max(1.0, TRUNCATED_SHARE * declared):
             raise InvalidRequest(f"video is truncated: its header declares {declared:.1f} s, its stream holds "
                                  f"{counted / fps:.1f} s")
-        return VideoProbe(header or counted, fps, width, height, codec, pts)
+        return VideoProbe(header or counted, fps, width, height, codec, pts, splits, open_keys)
 
-    def _count_frames(self, stream, fps: float) -> tuple[int, tuple[int, ...]]:
-        """Packets of the stream, counted no further than the duration limit allows, and their pts
-        in ascending order (() where one has none or two share one)."""
+    def _count_frames(self, stream, fps: float) -> tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """Packets of the stream, counted no further than the duration limit allows, their pts in
+        ascending order (() where one has none or two share one), and where the stream splits at
+        keyframes (`VideoProbe.splits`, `open_keys`)."""
         import av
 
         cap = math.floor(self.limits.max_seconds * fps) + 1
         count = 0
         pts: list[int] | None = []
+        keys: list[int] = []  # decode positions of the keyframe packets
         try:
             for packet in self.container.demux(stream):
                 if packet.size == 0:  # the demuxer's flush packet
                     continue
                 count += 1
+                if packet.is_keyframe:
+                    keys.append(count - 1)
                 if pts is not None:
                     pts = None if packet.pts is None else pts
                     if pts is not None:
@@ -233,7 +275,9 @@ class ContainerReader:
             raise InvalidRequest(f"video is truncated or corrupt after {count} frames ({_reason(e)})") from None
         ordered = tuple(sorted(pts or ()))
         unique = len(ordered) == count and len(set(ordered)) == count
-        return count, ordered if unique else ()
+        if not unique:
+            return count, (), (), ()
+        return count, ordered, *_split_points(pts, ordered, keys)
 
     def decode(self, indices: list[int], group_size: int = 0, options: DecodeOptions = SEQUENTIAL
                ) -> Iterator[np.ndarray]:
@@ -251,8 +295,14 @@ class ContainerReader:
         if threads > 1:  # before the decoder opens (its first packet)
             context = self.container.streams.video[0].codec_context
             context.thread_type, context.thread_count = "AUTO", threads
+        skip = options.skip_unsampled and len(probe.pts) == probe.total_num_frames
+        chunks = self._chunks(wanted, options.usable_segments())
+        if len(chunks) > 1:
+            picked = self._segmented(chunks, wanted, end, skip, max(1, threads // len(chunks)))
+        else:
+            picked = self._picked(wanted, end, skip)
         frames: list[np.ndarray] = []
-        for frame in self._picked(wanted, end, options.skip_unsampled and len(probe.pts) == probe.total_num_frames):
+        for frame in picked:
             frames.append(frame)
             if len(frames) == group_size:
                 yield np.stack(frames)
@@ -268,7 +318,7 @@ class ContainerReader:
             return
         picked = 0
         try:
-            for frame in self._by_pts(wanted, end):
+            for _, frame in self._by_pts(wanted, end):
                 picked += 1
                 yield frame
         except _Unaligned:
@@ -298,41 +348,162 @@ class ContainerReader:
         if i < end:
             raise InvalidRequest(f"video is truncated: {i + 1} of its {self.probe.total_num_frames} frames decode")
 
-    def _by_pts(self, wanted: set[int], end: int) -> Iterator[np.ndarray]:
-        """The picked frames found by pts, each packet of an unpicked frame handed to the decoder with
-        `skip_frame = NONREF` (decoded only if another frame refers to it). Nothing is skipped until
-        the stream's first frame came out; a frame out of order, or a gap not made of skipped
-        packets, raises `_Unaligned`."""
+    def _by_pts(self, wanted: set[int], end: int, container=None, start: int = 0, skip: bool = True, stop=None,
+                tally: list[int] | None = None) -> Iterator[tuple[int, np.ndarray]]:
+        """(position, RGB frame) of the picked frames found by pts, each packet of an unpicked frame
+        handed to the decoder with `skip_frame = NONREF` when `skip` (decoded only if another frame
+        refers to it). Nothing is skipped until the first frame came out; a frame out of order, or a
+        gap not made of skipped packets, raises `_Unaligned`. `container` (else the reader's own) is
+        decoded from the stream's start, or with `start` from that keyframe (`VideoProbe.splits`),
+        whose packet must come first and its frame first out; `stop` (an Event) set ends it
+        (`_Stopped`), `tally` counts the frames decoded (else `decoded`)."""
         import av
 
+        container = container or self.container
         pts = self.probe.pts
         position = {p: k for k, p in enumerate(pts)}
         wanted_pts = {pts[k] for k in wanted}
-        stream = self.container.streams.video[0]
+        stream = container.streams.video[0]
         context = stream.codec_context
         skipped: set[int] = set()  # positions handed to the decoder as skippable
-        after, skipping = 0, False  # the next position expected out; whether skipping has begun
+        after, skipping = start, False  # the next position expected out; whether skipping has begun
+        key = pts[start] if start else None  # packets before the keyframe's are not decoded
         try:
-            self.container.seek(0)
-            for packet in self.container.demux(stream):
-                skip = skipping and packet.size > 0 and packet.pts not in wanted_pts and packet.pts in position
-                context.skip_frame = "NONREF" if skip else "DEFAULT"
-                if skip:
+            if key is None:
+                container.seek(0)
+            else:
+                try:  # to its keyframe or one before it (mp4 seeks by dts); the packets up to it are passed over
+                    container.seek(key, stream=stream)
+                except av.error.FFmpegError:  # a container that cannot seek there: decoded in one pass
+                    raise _Unaligned from None
+            for packet in container.demux(stream):
+                if stop is not None and stop.is_set():
+                    raise _Stopped
+                if key is not None:
+                    if packet.pts != key:
+                        if packet.size == 0 or packet.pts is None or packet.pts > key:
+                            raise _Unaligned  # the seek went past the keyframe
+                        continue
+                    key = None
+                drop = skip and skipping and packet.size > 0 and packet.pts not in wanted_pts and packet.pts in position
+                context.skip_frame = "NONREF" if drop else "DEFAULT"
+                if drop:
                     skipped.add(position[packet.pts])
                 for frame in packet.decode():
                     k = position.get(frame.pts, -1)
                     if k < after or not skipped.issuperset(range(after, k)):
                         raise _Unaligned
                     after, skipping = k + 1, True
-                    self.decoded += 1
+                    if tally is None:
+                        self.decoded += 1
+                    else:
+                        tally[0] += 1
                     self._check_size(k, frame)
                     if k in wanted:
-                        yield frame.to_ndarray(format="rgb24")
+                        yield k, frame.to_ndarray(format="rgb24")
                     if k >= end:
                         return
         except av.error.FFmpegError as e:
             raise InvalidRequest(f"cannot decode video ({self.probe.codec}) at frame {after}: {_reason(e)}") from None
         raise InvalidRequest(f"video is truncated: {after} of its {self.probe.total_num_frames} frames decode")
+
+    def _chunks(self, wanted: set[int], segments: int) -> list[list[tuple[int, list[int]]]]:
+        """The sampled frames split into at most `segments` chunks for `_segmented`, each a list of
+        runs (start, the sampled positions from it, ascending): a run is decoded from its start, a
+        keyframe of `VideoProbe.splits` (or the stream's start), to its last sampled frame, over
+        consecutive GOPs that hold sampled frames (GOPs without any are not decoded); chunks are cut
+        at GOPs so their frames to decode are about even. [] where the video is not split: segments
+        off, a single keyframe, every sampled frame in one GOP, or an open-GOP stream (then
+        `segment_fell_back`: it is decoded in one pass, as it would be with segments off)."""
+        probe = self.probe
+        if segments < 2 or len(probe.pts) != probe.total_num_frames:
+            return []
+        starts = sorted({0, *probe.splits, *probe.open_keys})
+        gops: dict[int, list[int]] = {}  # GOP number (in `starts`) -> its sampled positions
+        for k in sorted(wanted):
+            gops.setdefault(bisect.bisect_right(starts, k) - 1, []).append(k)
+        if len(gops) < 2:
+            return []
+        if probe.open_keys:
+            self.segment_fell_back = True
+            return []
+        numbers = sorted(gops)
+        cost = [gops[g][-1] - starts[g] + 1 for g in numbers]  # frames decoded from the GOP's keyframe
+        total, done = sum(cost), 0
+        chunks: list[list[tuple[int, list[int]]]] = [[]]
+        previous = None
+        for g, c in zip(numbers, cost):
+            if chunks[-1] and len(chunks) < segments and done + c / 2 >= total * len(chunks) / segments:
+                chunks.append([])
+            if chunks[-1] and previous == g - 1:  # the run goes on through this GOP
+                chunks[-1][-1][1].extend(gops[g])
+            else:
+                chunks[-1].append((starts[g], list(gops[g])))
+            previous, done = g, done + c
+        return chunks
+
+    def _segmented(self, chunks, wanted: set[int], end: int, skip: bool, threads: int) -> Iterator[np.ndarray]:
+        """The picked frames in order, each chunk decoded in a thread of its own (its own container
+        on the same bytes, seeked to each run's keyframe; PyAV decodes without the GIL). A chunk whose
+        frames do not come out where the probe said (its first not its keyframe, one dropped) stops
+        them all; the frames not yet picked are then decoded in one pass (`segment_fell_back`)."""
+        import queue
+        import threading
+
+        stop = threading.Event()
+        queues = [queue.SimpleQueue() for _ in chunks]
+        tallies = [[0] for _ in chunks]  # frames each chunk's decoder put out
+
+        def work(i: int) -> None:
+            try:
+                for item in self._chunk(chunks[i], skip, threads, stop, tallies[i]):
+                    queues[i].put(("frame", item))
+                queues[i].put(("done", None))
+            except BaseException as e:  # noqa: BLE001 (raised again by the consumer)
+                queues[i].put(("error", e))
+
+        workers = [threading.Thread(target=work, args=(i,), name=f"video-segment-{i}", daemon=True)
+                   for i in range(len(chunks))]
+        for t in workers:
+            t.start()
+        self.segments = len(chunks)
+        picked: set[int] = set()
+        unaligned = False
+        try:
+            for q in queues:
+                kind, value = q.get()
+                while kind == "frame":
+                    picked.add(value[0])
+                    yield value[1]
+                    kind, value = q.get()
+                if kind == "error":
+                    if not isinstance(value, _Unaligned):
+                        raise value
+                    unaligned = True
+                    break
+        finally:
+            stop.set()
+            for t in workers:
+                t.join()
+            self.decoded += sum(t[0] for t in tallies)
+        if unaligned:
+            self.segment_fell_back, self.segments = True, 0
+            if rest := wanted - picked:
+                yield from self._picked(rest, max(rest), skip)
+
+    def _chunk(self, runs, skip: bool, threads: int, stop, tally: list[int]) -> Iterator[tuple[int, np.ndarray]]:
+        """(position, RGB frame) of a chunk's sampled frames, run by run, from a container of its own."""
+        import av
+
+        container = av.open(io.BytesIO(self.data), mode="r")
+        try:
+            if threads > 1:
+                context = container.streams.video[0].codec_context
+                context.thread_type, context.thread_count = "AUTO", threads
+            for start, positions in runs:
+                yield from self._by_pts(set(positions), positions[-1], container, start, skip, stop, tally)
+        finally:
+            container.close()
 
     def _check_size(self, i: int, frame) -> None:
         probe = self.probe
@@ -342,6 +513,25 @@ class ContainerReader:
 
     def close(self) -> None:
         self.container.close()
+
+
+def _split_points(pts: list[int], ordered: tuple[int, ...], keys: list[int]
+                  ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(`VideoProbe.splits`, `VideoProbe.open_keys`) from the packets' pts in decode order, the same ascending,
+    and the decode positions of the keyframe packets: a keyframe splits the stream where every
+    packet before it shows before it and every one after it after it (its display position is its
+    decode position, and none before it shows later)."""
+    splits, open_keys = [], []
+    shown = None  # the largest pts before the packet at hand
+    keyset = set(keys)
+    for d, p in enumerate(pts):
+        if d in keyset and d > 0:
+            if ordered[d] == p and shown is not None and shown < p:
+                splits.append(d)
+            else:
+                open_keys.append(bisect.bisect_left(ordered, p))
+        shown = p if shown is None else max(shown, p)
+    return tuple(splits), tuple(open_keys)
 
 
 def _codec_name(stream) -> str:

@@ -103,13 +103,14 @@ def main() -> None:
                 reader = ContainerReader(*args)
                 reply = ("ok", reader.probe)
             elif op == "decode":  # (indices, group_size, options): one ("frames", array) per group, then
-                # ("ok", whether skipping fell back to the plain decode)
+                # ("ok", (whether skipping fell back to the plain decode, whether a segmented decode fell
+                # back to one pass, segments decoded at once (0: one pass)))
                 if reader is None:
                     raise RuntimeError("decode before probe")
                 try:
                     for group in reader.decode(*args):
                         _send(replies, ("frames", group))
-                    reply = ("ok", reader.fell_back)
+                    reply = ("ok", (reader.fell_back, reader.segment_fell_back, reader.segments))
                 finally:
                     reader.close()
                     reader = None
@@ -192,6 +193,8 @@ class DecodeStats:
     killed: int = 0  # workers killed at a deadline or found dead
     busy_s: float = 0.0  # seconds workers spent on videos
     skip_fallbacks: int = 0  # videos whose frames did not follow their timestamps: decoded again, nothing skipped
+    segmented: int = 0  # videos decoded in segments at once (DecodeOptions.segments)
+    segment_fallbacks: int = 0  # videos that would have been, but were (or their rest was) decoded in one pass
 
 
 class VideoDecodePool:
@@ -331,7 +334,10 @@ class VideoDecodePool:
             while True:
                 status, value = await reply
                 if status == "ok":
-                    self.stats.skip_fallbacks += bool(value)
+                    skip_fallback, segment_fallback, segments = value
+                    self.stats.skip_fallbacks += bool(skip_fallback)
+                    self.stats.segment_fallbacks += bool(segment_fallback)
+                    self.stats.segmented += segments > 1
                     return
                 reply = asyncio.ensure_future(self._call(worker, None, deadline, "frames", into=into))
                 yield value

@@ -130,6 +130,14 @@ def test_decode_threads_are_a_workers_share_of_the_node_or_follow_the_setting():
     assert replica_env.decode_threads(5, 1, 2) == 5
 
 
+def test_decode_segments_are_the_replicas_share_of_the_node_or_follow_the_setting():
+    cores = replica_env.node_cores()
+    assert replica_env.decode_segments(None, 1, 1) == cores
+    assert replica_env.decode_segments(None, cores, 1) == 1
+    assert replica_env.decode_segments(None, cores, 3) == 3  # never fewer than the video's threads
+    assert replica_env.decode_segments(4, 1, 1) == 4
+
+
 def test_cpu_threads_divide_the_node_among_a_deployments_replicas_or_follow_the_setting():
     import torch
 
