@@ -37,10 +37,11 @@ What listens in the default mode (`mmserve serve`, `--host 127.0.0.1`, `--ingres
 - 127.0.0.1:<any>: Ray's Prometheus metrics export; no authentication (metrics only).
 
 `--ingress proxy|direct|haproxy` picks Serve's ingress mode (deployments/cli/ingress_modes.py). Beyond
-loopback, `proxy` gets a header cap in front of its HTTP port, and `direct` and `haproxy` are refused
-(the Router replicas' own HTTP servers bound no header; Serve's HAProxy has an admin socket every
-local user may write, no header deadline, stats and metrics on every interface); on loopback
-`haproxy` starts with a warning about those.
+loopback, `proxy` gets a header cap in front of its HTTP port, and `direct` is refused (the Router
+replicas' own HTTP servers bound no header). `haproxy` is refused everywhere, loopback included
+(HAPROXY_REFUSAL): Serve 2.60 binds HAProxy's stats (8404) and metrics (9101) and its fallback
+proxy's gRPC server (9500) to every interface with no setting to move them, and creates HAProxy's
+admin socket mode 0666 at admin level.
 """
 
 from __future__ import annotations
@@ -151,12 +152,21 @@ def request_bytes_limit(app_args: dict | None) -> int:
         return LimitArgs().max_request_bytes
 
 
+HAPROXY_REFUSAL = (
+    "refusing --ingress haproxy, on loopback too: as Ray Serve 2.60 runs it, HAProxy's stats page (port 8404) and "
+    "Prometheus metrics (9101) listen on every interface with no authentication, whatever --host says, and Serve "
+    "has no setting to bind them to 127.0.0.1 (RAY_SERVE_HAPROXY_STATS_PORT and RAY_SERVE_HAPROXY_METRICS_PORT set "
+    "only the port); its fallback proxy's gRPC server (9500) listens on every interface too; and HAProxy's admin "
+    "socket is created mode 0666 at admin level (any local user can redirect the app's traffic). Use --ingress "
+    "proxy (the default; header-capped beyond loopback), or --ingress direct on 127.0.0.1")
+
+
 def plan_ingress(mode: str, host: str, port: int, per_client: int):
     """(host, port) for Serve's http_options, and the HeaderCap to start in front of it (or None);
-    sets Serve's ingress environment (before Ray is imported). RefusedToStart for `direct` and
-    `haproxy` beyond loopback. The cap closes connections of one source address beyond `per_client`."""
-    from deployments.cli.ingress_modes import (DIRECT_PORTS, EXPERIMENTAL, HeaderCap, environ_for, free_loopback_port,
-                                     haproxy_binary)
+    sets Serve's ingress environment (before Ray is imported). RefusedToStart for `direct` beyond
+    loopback and for `haproxy` anywhere (HAPROXY_REFUSAL). The cap closes connections of one source
+    address beyond `per_client`."""
+    from deployments.cli.ingress_modes import EXPERIMENTAL, HeaderCap, environ_for, free_loopback_port, haproxy_binary
 
     beyond = not is_loopback(host)
     if mode == "direct" and beyond:
@@ -164,19 +174,11 @@ def plan_ingress(mode: str, host: str, port: int, per_client: int):
             f"refusing --ingress direct on {host}: the Router replicas would listen there themselves, and their "
             "HTTP server bounds no header size (a few requests with 100 MB headers stall the app). Keep it on "
             "127.0.0.1 behind a proxy that caps headers, or use --ingress proxy (header-capped beyond loopback)")
-    if mode == "haproxy" and beyond:
-        raise RefusedToStart(
-            f"refusing --ingress haproxy on {host}: as Ray Serve 2.60 runs it, HAProxy's admin socket is writable "
-            "by every local user, it sets no deadline for a client's headers, its stats (8404) and metrics (9101) "
-            f"listen on every interface, and the Router replicas' direct ports ({DIRECT_PORTS}) take headers "
-            "uncapped. Use --ingress proxy (header-capped beyond loopback), or keep haproxy on 127.0.0.1")
+    if mode == "haproxy":
+        raise RefusedToStart(HAPROXY_REFUSAL)
     environ_for(mode)
     if mode in EXPERIMENTAL:
         print(f"ingress {mode}: experimental in Ray Serve 2.60", file=sys.stderr, flush=True)
-    if mode == "haproxy":
-        print("warning: --ingress haproxy listens on every interface on 8404 (HAProxy stats) and 9101 (its "
-              "Prometheus metrics), whatever --host says, and its admin socket is writable by every local user: "
-              "firewall the ports, and use it on a machine of your own", file=sys.stderr, flush=True)
     if mode == "proxy" and beyond:
         try:
             haproxy_binary()

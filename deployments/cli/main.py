@@ -173,9 +173,10 @@ def main(argv: list[str] | None = None) -> int:
                          "max_position_embeddings)")
     serve_p.add_argument("--grpc-port", type=int, default=9000, help="Serve's gRPC proxy port")
     serve_p.add_argument("--ingress", choices=("proxy", "direct", "haproxy"), default="proxy",
-                         help="Serve's ingress: its Python proxy (default; header-capped beyond loopback), the Router "
-                         "replicas listening themselves (direct, loopback only), or HAProxy; the last two are "
-                         "experimental in Serve 2.60 (deployments/cli/ingress_modes.py)")
+                         help="Serve's ingress: its Python proxy (default; header-capped beyond loopback), or the "
+                         "Router replicas listening themselves (direct, loopback only; experimental in Serve 2.60). "
+                         "haproxy is refused: Serve 2.60's HAProxy listens on every interface (stats, metrics) "
+                         "(deployments/cli/ingress_modes.py)")
     serve_p.add_argument("--max-connections-per-client", type=_count, default=256, metavar="N",
                          help="beyond loopback: connections one source address may hold open through the header "
                          "cap (default 256; 0: no limit, e.g. behind a load balancer every request comes from)")
