@@ -290,9 +290,10 @@ def serve_app(ns: argparse.Namespace) -> int:
     check_ray_token_auth()
     key_env = api_key_env(ns)
     if key_env is None:
-        print(f"warning: no API key, and Serve's gRPC proxy listens on every interface (port {ns.grpc_port}) whatever "
-              "--host says: anyone who reaches this machine can call the model there. Set MMSERVE_API_KEY, or "
-              "firewall the port", file=sys.stderr, flush=True)
+        direct = " and the Router replicas' direct gRPC ports (40000-41000)" if ns.ingress == "direct" else ""
+        print(f"warning: no API key, and Serve's gRPC proxy listens on every interface (port {ns.grpc_port}){direct} "
+              "whatever --host says: anyone who reaches this machine can call the model there. Set MMSERVE_API_KEY, "
+              "or firewall the port", file=sys.stderr, flush=True)
     serve_host, serve_port, cap = plan_ingress(ns.ingress, ns.host, ns.http_port, ns.max_connections_per_client)
     use_single_machine_mode(ns)
     stop = StopSignal()

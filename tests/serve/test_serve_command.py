@@ -335,7 +335,9 @@ def test_without_an_api_key_the_grpc_proxy_on_every_interface_is_warned_about(mo
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     assert main(["serve", "--grpc-port", "9123", "--host", "0.0.0.0", "--ingress", "direct"]) == 2  # before Ray
-    assert "no API key, and Serve's gRPC proxy listens on every interface (port 9123)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no API key, and Serve's gRPC proxy listens on every interface (port 9123)" in err
+    assert "the Router replicas' direct gRPC ports (40000-41000)" in err  # [::] too, in direct mode
 
 
 def test_no_header_cap_available_is_refused_before_anything_starts(monkeypatch, tmp_path, capsys):
