@@ -9,8 +9,9 @@ SIGTERM / Ctrl-C, and nothing exposed that the operator did not ask for.
 - Secrets never travel in argv: the API key comes from an environment variable (`--api-key-env
   NAME`, or `MMSERVE_API_KEY` when set) that the replicas read where they run; `--api-key KEY`
   still works, with a warning (every local user sees it in `ps`). With `--config`, the key goes to
-  every application of the file that names none, and `--host` replaces its `http_options.host`
-  (`config_with_flags`), or the combination is refused; the app flags (`--model`, `--dtype`, ...)
+  every application of the file that names none, and `--host`, `--http-port`, `--grpc-port`
+  replace its `http_options.host` / `.port` and `grpc_options.port` (`config_with_flags`), or the
+  combination is refused; the app flags (`--model`, `--dtype`, ...)
   are ignored, as `--help` says.
 - Ray's token authentication must be on (Ray's default; `RAY_AUTH_MODE=disabled` is refused):
   Serve binds some gRPC servers to every interface, whatever `--host` says, with no setting to
@@ -343,11 +344,14 @@ def key_flag(ns: argparse.Namespace) -> str | None:
 
 
 def config_with_flags(raw: dict, path: str, host: str | None, key_env: str | None,
-                      flag: str | None) -> tuple[dict, list[str]]:
+                      flag: str | None, http_port: int | None = None,
+                      grpc_port: int | None = None) -> tuple[dict, list[str]]:
     """The Serve config `raw` (read from `path`) with the command line applied, and a line per
     application saying where its API key comes from.
 
-    `--host` (`host`) replaces `http_options.host` (127.0.0.1 when both are silent). The key, in
+    `--host` (`host`) replaces `http_options.host` (127.0.0.1 when both are silent), `--http-port`
+    `http_options.port`, `--grpc-port` `grpc_options.port` (refused, naming the flag, when the file
+    serves no gRPC: no `grpc_options.grpc_servicer_functions`). The key, in
     environment variable `key_env` (named by `flag`, or MMSERVE_API_KEY set in the environment
     when `flag` is None), goes to every application as `api_key_env`. An application that names its
     own key (`api_key`, `api_key_env`) keeps it when the key came from the environment; a flag naming
@@ -356,6 +360,14 @@ def config_with_flags(raw: dict, path: str, host: str | None, key_env: str | Non
     config = copy.deepcopy(raw)
     http = config.get("http_options") or {}
     config["http_options"] = {**http, "host": host or http.get("host", "127.0.0.1")}
+    if http_port is not None:
+        config["http_options"]["port"] = http_port
+    if grpc_port is not None:
+        grpc = config.get("grpc_options") or {}
+        if not grpc.get("grpc_servicer_functions"):
+            raise RefusedToStart(f"--grpc-port {grpc_port}: {path} serves no gRPC (its grpc_options name no "
+                                 "grpc_servicer_functions); drop the flag, or set grpc_options in the file")
+        config["grpc_options"] = {**grpc, "port": grpc_port}
     if key_env is None:
         return config, []
     source = flag or f"{key_env} (set in the environment)"
@@ -385,14 +397,15 @@ def config_with_flags(raw: dict, path: str, host: str | None, key_env: str | Non
 
 def serve_config(ns: argparse.Namespace) -> int:
     """The Serve config file `serve run` / `serve deploy` / KubeRay's serveConfigV2 take: the same
-    controller builds the apps; every app setting comes from the file, but for the listening host
-    and the API key (`config_with_flags`)."""
+    controller builds the apps; every app setting comes from the file, but for the listening host,
+    the ports and the API key (`config_with_flags`)."""
     import yaml
 
     start = time.perf_counter()
     check_ray_token_auth()
     with open(ns.config) as f:
-        raw, key_lines = config_with_flags(yaml.safe_load(f), ns.config, ns.host, api_key_env(ns), key_flag(ns))
+        raw, key_lines = config_with_flags(yaml.safe_load(f), ns.config, ns.host, api_key_env(ns), key_flag(ns),
+                                           ns.http_port, ns.grpc_port)
     for line in key_lines:
         print(line, flush=True)
     http_options = raw["http_options"]

@@ -387,6 +387,49 @@ def test_with_config_the_host_flag_replaces_the_files_host():
     assert config_with_flags(raw, "x.yaml", None, None, None)[0]["http_options"] == {"host": "127.0.0.1"}
 
 
+def test_with_config_the_port_flags_replace_the_files_ports():
+    raw = yaml.safe_load(CONFIG.read_text())
+    config, _ = config_with_flags(raw, "x.yaml", None, None, None, http_port=8123, grpc_port=9123)
+    assert config["http_options"] == {"host": "0.0.0.0", "port": 8123}
+    assert config["grpc_options"]["port"] == 9123 and config["grpc_options"]["grpc_servicer_functions"]
+    assert raw["http_options"]["port"] == 8000 and raw["grpc_options"]["port"] == 9000  # the file as read: alone
+    untouched, _ = config_with_flags(raw, "x.yaml", None, None, None)
+    assert untouched["http_options"]["port"] == 8000 and untouched["grpc_options"] == raw["grpc_options"]
+
+
+def test_with_config_the_grpc_port_flag_for_a_file_serving_no_grpc_is_refused(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    raw = serve_config("unused", 8000, 9000)
+    del raw["grpc_options"]
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    assert main(["serve", "--config", str(config), "--grpc-port", "9123"]) == 2
+    err = capsys.readouterr().err
+    assert "--grpc-port 9123:" in err and "serves no gRPC" in err
+
+
+def test_with_config_the_http_port_flag_is_where_it_listens(monkeypatch, tmp_path, capsys):
+    """The file says 8000, --http-port 8124: the ingress plan (what Serve's proxy is started on) gets 8124;
+    without the flag, the file's port."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    seen = {}
+    import deployments.cli.local_serve as local_serve
+
+    def plan(mode, host, port, per_client):
+        seen.update(host=host, port=port)
+        raise local_serve.RefusedToStart("stop here")
+
+    monkeypatch.setattr(local_serve, "plan_ingress", plan)
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(serve_config("unused", 8000, 9000)))
+    assert main(["serve", "--config", str(config), "--http-port", "8124"]) == 2
+    assert seen == {"host": "127.0.0.1", "port": 8124}
+    assert main(["serve", "--config", str(config)]) == 2
+    assert seen == {"host": "127.0.0.1", "port": 8000}
+
+
 def test_with_config_the_host_flag_is_where_it_listens(monkeypatch, tmp_path, capsys):
     """The file says 127.0.0.1, --host 0.0.0.0: the check of what listens beyond loopback sees 0.0.0.0."""
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
