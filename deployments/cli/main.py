@@ -202,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument(
         "--config", default=None, metavar="YAML",
         help="a Serve config file (e.g. deployments/serve_config.yaml, the one `serve run` and k8s take); "
-        "--host, --http-port and --grpc-port replace its http_options.host / .port and grpc_options.port, and the API key (--api-key-env, --api-key, MMSERVE_API_KEY) goes "
-        "to every application that names none; the app flags (--model, --dtype, ...) are ignored",
+        "--host, --http-port and --grpc-port replace its http_options.host / .port and grpc_options.port, and "
+        "the API key (--api-key-env, --api-key, MMSERVE_API_KEY) goes to every application that names none; the "
+        "app flags (--model, --dtype, ...) are ignored",
     )
     serve_p.set_defaults(func=_serve)
 
