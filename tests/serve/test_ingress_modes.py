@@ -1,11 +1,11 @@
-"""`mmserve serve --ingress direct|haproxy` (Serve 2.60's experimental ingress modes), each launched
+"""`mmserve serve --ingress direct` (Serve 2.60's experimental ingress mode), launched
 as a user launches it, with the API key in the environment and small admission bounds: auth,
 health and reflection, streaming equal to unary over HTTP and gRPC, a burst that gets 429s with
 Retry-After while the admitted requests give the unloaded tokens, and a drain on SIGTERM.
 
 In `direct` the Router replica listens itself (HTTP from port 30000, gRPC from 40000): the test
-finds its ports as a load balancer would. In `haproxy`, HAProxy listens on the configured ports.
-The default mode (`proxy`, header-capped beyond loopback) is tests/serve/test_serve_command.py's."""
+finds its ports as a load balancer would. `haproxy` is refused (its refusal:
+tests/serve/test_serve_command.py). The default mode (`proxy`, header-capped beyond loopback) is tests/serve/test_serve_command.py's."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ class Served(NamedTuple):
         return self.log.read_text()
 
 
-@pytest.fixture(scope="module", params=["direct", "haproxy"])
+@pytest.fixture(scope="module", params=["direct"])
 def served(request, tiny_models, tmp_path_factory):
     mode = request.param
     http_port, grpc_port = _free_port(), _free_port()
@@ -66,7 +66,7 @@ def served(request, tiny_models, tmp_path_factory):
         if mode == "direct":
             http_port, grpc_port = direct_ports(proc.pid)
         yield Served(mode, proc, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", log)
-    finally:  # the whole session: Serve's HAProxy runs in a process group of its own
+    finally:  # the whole session
         stop(proc)
 
 

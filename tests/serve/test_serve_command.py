@@ -295,19 +295,49 @@ def test_direct_ingress_beyond_loopback_is_refused_even_with_ray_token_auth(monk
     assert "refusing --ingress direct on 0.0.0.0" in err and "bounds no header size" in err
 
 
-def test_haproxy_ingress_beyond_loopback_is_refused(monkeypatch, capsys):
+@pytest.mark.parametrize("argv", [
+    ["serve", "--host", "0.0.0.0", "--ingress", "haproxy"],
+    ["serve", "--ingress", "haproxy"],  # loopback: HAProxy's stats and metrics would listen on every interface
+    ["serve", "--host", "::1", "--ingress", "haproxy"],
+])
+def test_haproxy_ingress_is_refused_on_loopback_too_before_anything_starts(argv, monkeypatch, capsys):
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv(API_KEY_ENV, KEY)
-    assert main(["serve", "--host", "0.0.0.0", "--ingress", "haproxy"]) == 2
+    monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
+    assert main(argv) == 2
     err = capsys.readouterr().err
-    assert "refusing --ingress haproxy on 0.0.0.0" in err and "admin socket is writable by every local user" in err
+    assert "refusing --ingress haproxy, on loopback too" in err
+    assert "stats page (port 8404) and Prometheus metrics (9101) listen on every interface" in err
+    assert "admin socket is created mode 0666" in err
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ  # refused before Serve's environment was set
+
+
+def test_haproxy_ingress_with_a_config_is_refused(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(serve_config("unused", 8000, 9000)))  # on 127.0.0.1
+    assert main(["serve", "--config", str(config), "--ingress", "haproxy"]) == 2
+    assert "refusing --ingress haproxy, on loopback too" in capsys.readouterr().err
+
+
+def test_serve_2_60_still_binds_haproxys_stats_and_metrics_to_every_interface():
+    """What the refusal rests on: if a Serve upgrade binds them to a host, `--ingress haproxy` can
+    come back on loopback (with a test of its listeners)."""
+    from ray.serve._private import haproxy_templates
+
+    template = haproxy_templates.HAPROXY_CONFIG_TEMPLATE
+    assert "bind :{{ config.metrics_port }}" in template and "bind *:{{ config.stats_port }}" in template
+    assert "mode 666 level admin" in template
 
 
 def test_without_an_api_key_the_grpc_proxy_on_every_interface_is_warned_about(monkeypatch, capsys):
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     assert main(["serve", "--grpc-port", "9123", "--host", "0.0.0.0", "--ingress", "direct"]) == 2  # before Ray
-    assert "no API key, and Serve's gRPC proxy listens on every interface (port 9123)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no API key, and Serve's gRPC proxy listens on every interface (port 9123)" in err
+    assert "the Router replicas' direct gRPC ports (40000-41000)" in err  # [::] too, in direct mode
 
 
 def test_no_header_cap_available_is_refused_before_anything_starts(monkeypatch, tmp_path, capsys):
@@ -355,6 +385,49 @@ def test_with_config_the_host_flag_replaces_the_files_host():
     assert config_with_flags(raw, "x.yaml", None, None, None)[0]["http_options"]["host"] == "0.0.0.0"
     del raw["http_options"]
     assert config_with_flags(raw, "x.yaml", None, None, None)[0]["http_options"] == {"host": "127.0.0.1"}
+
+
+def test_with_config_the_port_flags_replace_the_files_ports():
+    raw = yaml.safe_load(CONFIG.read_text())
+    config, _ = config_with_flags(raw, "x.yaml", None, None, None, http_port=8123, grpc_port=9123)
+    assert config["http_options"] == {"host": "0.0.0.0", "port": 8123}
+    assert config["grpc_options"]["port"] == 9123 and config["grpc_options"]["grpc_servicer_functions"]
+    assert raw["http_options"]["port"] == 8000 and raw["grpc_options"]["port"] == 9000  # the file as read: alone
+    untouched, _ = config_with_flags(raw, "x.yaml", None, None, None)
+    assert untouched["http_options"]["port"] == 8000 and untouched["grpc_options"] == raw["grpc_options"]
+
+
+def test_with_config_the_grpc_port_flag_for_a_file_serving_no_grpc_is_refused(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv(API_KEY_ENV, KEY)
+    raw = serve_config("unused", 8000, 9000)
+    del raw["grpc_options"]
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    assert main(["serve", "--config", str(config), "--grpc-port", "9123"]) == 2
+    err = capsys.readouterr().err
+    assert "--grpc-port 9123:" in err and "serves no gRPC" in err
+
+
+def test_with_config_the_http_port_flag_is_where_it_listens(monkeypatch, tmp_path, capsys):
+    """The file says 8000, --http-port 8124: the ingress plan (what Serve's proxy is started on) gets 8124;
+    without the flag, the file's port."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    seen = {}
+    import deployments.cli.local_serve as local_serve
+
+    def plan(mode, host, port, per_client):
+        seen.update(host=host, port=port)
+        raise local_serve.RefusedToStart("stop here")
+
+    monkeypatch.setattr(local_serve, "plan_ingress", plan)
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump(serve_config("unused", 8000, 9000)))
+    assert main(["serve", "--config", str(config), "--http-port", "8124"]) == 2
+    assert seen == {"host": "127.0.0.1", "port": 8124}
+    assert main(["serve", "--config", str(config)]) == 2
+    assert seen == {"host": "127.0.0.1", "port": 8000}
 
 
 def test_with_config_the_host_flag_is_where_it_listens(monkeypatch, tmp_path, capsys):
