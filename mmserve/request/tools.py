@@ -10,9 +10,11 @@ system message in the same words as Qwen's (`fallback_system_text`).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mmserve.errors import InvalidRequest
@@ -63,11 +65,46 @@ def new_call_id() -> str:
 
 
 def check_tools(tools: list[ToolSpec]) -> None:
+    """The request's tools, whatever its `tool_choice`: at most `MAX_TOOLS`, names unique, each
+    one's `parameters` a valid JSON Schema (as llguidance compiles `response_format`'s)."""
     if len(tools) > MAX_TOOLS:
         raise InvalidRequest(f"tools has {len(tools)} functions; the limit is {MAX_TOOLS}")
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise InvalidRequest("tools: function names must be unique")
+    for i, tool in enumerate(tools):
+        if tool.parameters is not None and (problem := _schema_problem(json.dumps(tool.parameters))):
+            raise InvalidRequest(f"tools[{i}].function.parameters (function {tool.name!r}) is not a valid JSON "
+                                 f"Schema: {problem}")
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_problem(schema: str) -> str | None:
+    """What llguidance finds wrong with a JSON Schema's text (None: it compiles): the same
+    translation `response_format` goes through (`llm_service.grammar`), no tokenizer needed."""
+    from llguidance import LLMatcher
+
+    try:
+        problem = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema, defaults={
+            "whitespace_flexible": False}))
+    except ValueError as e:
+        problem = str(e)
+    return " ".join(problem.split())[:300] or None
+
+
+def check_tool_results(messages: Sequence) -> None:
+    """Every `role: "tool"` message answers a call of an earlier assistant message: its
+    `tool_call_id` is one of theirs (InvalidRequest naming it otherwise)."""
+    called: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.role == "assistant":
+            called.update(c.id for c in m.tool_calls)
+        elif m.role == "tool":
+            if not m.tool_call_id:
+                raise InvalidRequest(f"messages[{i}]: a tool message needs the tool_call_id of the call it answers")
+            if m.tool_call_id not in called:
+                raise InvalidRequest(f"messages[{i}]: tool_call_id {m.tool_call_id!r} matches no tool call of an "
+                                     "earlier assistant message")
 
 
 @dataclass(frozen=True)

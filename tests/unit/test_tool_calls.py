@@ -187,3 +187,118 @@ def test_a_malformed_streamed_call_is_content():
     events = text.add('<tool_call>\n{"name": "click", "arguments": {"x": 1\n</tool_call>')
     more, calls = text.end()
     assert not calls and "".join(e[1] for e in events + more if e[0] == "content").startswith("<tool_call>")
+
+
+# -- bad tool input, refused the same over HTTP and gRPC (the request core's checks) ------------------
+
+
+class _Context:
+    """A gRPC context as the adapter uses it."""
+
+    def __init__(self):
+        self.code, self.details = None, None
+
+    def invocation_metadata(self):
+        return ()
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, details):
+        self.details = details
+
+    def set_trailing_metadata(self, md):
+        pass
+
+
+def _http(core, body: dict) -> tuple[int, str]:
+    """(status, error message) of a chat completion posted to the HTTP adapter."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from deployments.api.openai_api import OpenAIAdapter
+
+    data = json.dumps({"max_tokens": 4, **body}).encode()
+
+    async def receive():
+        return {"type": "http.request", "body": data, "more_body": False}
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                       "headers": [(b"content-length", str(len(data)).encode())]}, receive)
+    response = asyncio.run(OpenAIAdapter(core).chat_completions(request))
+    return response.status_code, json.loads(response.body).get("error", {}).get("message", "")
+
+
+def _grpc(core, request) -> tuple[object, str]:
+    """(status code, None when answered; details) of a Generate call to the gRPC adapter."""
+    import asyncio
+
+    from deployments.api.grpc_api import GrpcAdapter
+
+    ctx = _Context()
+    asyncio.run(GrpcAdapter(core).generate(request, ctx))
+    return ctx.code, ctx.details or ""
+
+
+OPENAI_TOOLS = [t.as_openai() for t in TOOLS]
+GRPC_TOOLS = [{"name": t.name, "description": t.description, "parameters": t.schema} for t in TOOLS]
+
+
+def _grpc_conversation(tool_call_id: str):
+    from mmserve.rpc.vlm_client import user as grpc_user
+    from protos.mmserve.v1 import vlm_pb2
+
+    return [grpc_user("Click OK."),
+            vlm_pb2.ChatMessage(role="assistant", tool_calls=[vlm_pb2.ToolCall(id="call_1", name="click",
+                                                                               arguments='{"x":5,"y":7}')]),
+            vlm_pb2.ChatMessage(role="tool", content=[vlm_pb2.ContentPart(text="clicked")], tool_call_id=tool_call_id)]
+
+
+@pytest.mark.parametrize("tool_call_id, refused", [
+    ("call_1", None), ("call_9", "tool_call_id 'call_9' matches no tool call of an earlier assistant message"),
+    ("", "a tool message needs the tool_call_id")], ids=["answers_a_call", "unknown_id", "no_id"])
+def test_a_tool_result_must_answer_a_call_of_an_earlier_assistant_message(tiny_checkpoint, tool_call_id, refused):
+    import grpc
+
+    from mmserve.rpc.vlm_client import request
+    from tests.support.core_fakes import make_core
+
+    core = make_core(tiny_checkpoint("qwen2_vl"))
+    tool = {"role": "tool", "content": "clicked", **({"tool_call_id": tool_call_id} if tool_call_id else {})}
+    messages = [{"role": "user", "content": "Click OK."},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "click", "arguments": '{"x":5,"y":7}'}}]},
+                tool]
+    status, message = _http(core, {"messages": messages, "tools": OPENAI_TOOLS})
+    code, details = _grpc(core, request(_grpc_conversation(tool_call_id), tools=GRPC_TOOLS, max_tokens=4))
+    if refused is None:
+        assert (status, message, code) == (200, "", None)
+    else:
+        assert status == 400 and refused in message and message.startswith("messages[2]: ")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details == message
+
+
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "nope"}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "none", "required", "bad", "click"])
+def test_a_tool_whose_parameters_are_no_json_schema_is_refused_whatever_the_tool_choice(tiny_checkpoint,
+                                                                                          tool_choice):
+    import grpc
+
+    from mmserve.rpc.vlm_client import request, user as grpc_user
+    from tests.support.core_fakes import make_core
+
+    core = make_core(tiny_checkpoint("qwen2_vl"))
+    choice = tool_choice if tool_choice in ("auto", "none", "required") else {
+        "type": "function", "function": {"name": tool_choice}}
+    bad = {"type": "function", "function": {"name": "bad", "parameters": BAD_SCHEMA}}
+    status, message = _http(core, {"messages": [{"role": "user", "content": "hi"}], "tools": [*OPENAI_TOOLS, bad],
+                                   "tool_choice": choice})
+    assert status == 400 and message.startswith("tools[2].function.parameters (function 'bad') is not a valid JSON "
+                                                "Schema"), message
+    assert "Invalid type: nope" in message and "response_format" not in message
+    code, details = _grpc(core, request([grpc_user("hi")], tools=[*GRPC_TOOLS, {"name": "bad", "parameters": BAD_SCHEMA}],
+                                        tool_choice=tool_choice, max_tokens=4))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details == message
