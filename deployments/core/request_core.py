@@ -339,7 +339,7 @@ class RequestCore:
         stream, first = await failover.start()  # errors surface here, before any response is sent
         gen = Generation(request_id, plan, sampling, options.stop, stream, first, self.tokenizer, failover.resume,
                          router_ms, options.n)
-        gen.tools = tools
+        gen.tools, gen.parallel_tool_calls = tools, request.parallel_tool_calls
         self.listener.on_started(gen, (time.perf_counter() - started) * 1000, len(media))
         return gen
 

@@ -160,12 +160,16 @@ def parse_calls(text: str, tools: list[ToolSpec]) -> tuple[str | None, list[Tool
     return (content or None) if calls else text, calls
 
 
-def answer(text: str, finish: str | None, tools) -> tuple[str | None, list[ToolCall], str | None]:
+def answer(text: str, finish: str | None, tools, parallel: bool = True
+           ) -> tuple[str | None, list[ToolCall], str | None]:
     """(content, calls, finish reason) of a whole choice: with `tools`, its calls parsed out and the
-    reason `tool_calls` when it made any and stopped by itself (the same for every API)."""
+    reason `tool_calls` when it made any and stopped by itself (the same for every API). Without
+    `parallel` (`parallel_tool_calls: false`) only the first call is kept; the others are dropped,
+    neither calls nor content (what vLLM's `maybe_filter_parallel_tool_calls` does)."""
     if not tools:
         return text, [], finish
     content, calls = parse_calls(text, list(tools))
+    calls = calls if parallel else calls[:1]
     return content, calls, finish_with(finish, calls)
 
 
@@ -246,16 +250,24 @@ class ToolText:
     `("call", index, ToolCall)` when a call's name is known (its id and name, no arguments yet), and
     `("arguments", index, piece)` as its arguments are generated. Text is content until a
     `<tool_call>` begins (a tail that may be its start is held back); a call in Qwen's layout
-    streams its arguments as they come; anything else is parsed at the choice's end (`end`)."""
+    streams its arguments as they come; anything else is parsed at the choice's end (`end`).
+    Without `parallel`, the events of calls after the first are dropped, as `answer` drops them."""
 
-    def __init__(self, tools):
+    def __init__(self, tools, parallel: bool = True):
         self.tools, self.names = list(tools), {t.name for t in tools}
+        self.parallel = parallel
         self.held = ""  # text not sent yet, from the current call's `<tool_call>` on when `calling`
         self.calling = False
         self.calls: list[ToolCall] = []  # streamed ones
         self.sent = 0  # characters of the current call's arguments sent
 
     def add(self, text: str) -> list[tuple]:
+        return self._kept(self._add(text))
+
+    def _kept(self, events: list[tuple]) -> list[tuple]:
+        return events if self.parallel else [e for e in events if e[0] == "content" or e[1] == 0]
+
+    def _add(self, text: str) -> list[tuple]:
         self.held += text
         events: list[tuple] = []
         while True:
@@ -303,4 +315,4 @@ class ToolText:
         text = (content or "") if calls else self.held
         if text.strip() or (text and not self.calls):
             events.insert(0, ("content", text))
-        return events, self.calls
+        return self._kept(events), self.calls if self.parallel else self.calls[:1]

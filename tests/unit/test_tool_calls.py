@@ -13,7 +13,7 @@ import pytest
 
 from llm_service.sampling import Grammar
 from mmserve.errors import InvalidRequest
-from mmserve.request.tools import ToolFormat, ToolSpec, fallback_system_text, parse_calls, render_call
+from mmserve.request.tools import ToolFormat, ToolSpec, ToolText, answer, fallback_system_text, parse_calls, render_call
 from tests.support.cases import image, text, user
 from tests.support.engine_support import Collector, make_engine, plan_request, run_until_done
 from tests.support.schemas import TOOLS, TYPE
@@ -302,3 +302,79 @@ def test_a_tool_whose_parameters_are_no_json_schema_is_refused_whatever_the_tool
     code, details = _grpc(core, request([grpc_user("hi")], tools=[*GRPC_TOOLS, {"name": "bad", "parameters": BAD_SCHEMA}],
                                         tool_choice=tool_choice, max_tokens=4))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details == message
+
+
+# -- parallel_tool_calls: false under tool_choice auto -------------------------------------------------
+
+TWO_CALLS = ('I will click.\n<tool_call>\n{"name": "click", "arguments": {"x": 1, "y": 2}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "type_text", "arguments": {"text": "hi"}}\n</tool_call>')
+
+
+class _Generation:
+    """A `Generation` as the API adapters read it, whose one choice writes `TWO_CALLS` and stops."""
+
+    def __init__(self, parallel: bool):
+        from types import SimpleNamespace
+
+        self.request_id, self.n, self.tools, self.parallel_tool_calls = "r", 1, tuple(TOOLS), parallel
+        self.sampling = SimpleNamespace(logprobs=None)
+        self.plan, self.num_generated = SimpleNamespace(token_ids=[1, 2], num_media_tokens=0), 0
+
+    async def deltas(self):
+        from deployments.core.generation import Delta
+
+        for i in range(0, len(TWO_CALLS), 5):
+            yield Delta(TWO_CALLS[i:i + 5], None, "stop" if i + 5 >= len(TWO_CALLS) else None)
+
+    def usage(self) -> dict:
+        return {}
+
+
+def _answers(parallel: bool) -> dict:
+    """(content, [(name, arguments)], finish reason) per API path: HTTP whole and streamed, gRPC whole and streamed."""
+    import asyncio
+
+    from deployments.api import grpc_api, openai_api
+
+    async def all_of(chunks):
+        return [c async for c in chunks]
+
+    whole = asyncio.run(openai_api.completion(_Generation(parallel), "m", False))["choices"][0]
+    content, calls, finish = "", {}, None
+    for line in asyncio.run(all_of(openai_api.sse(_Generation(parallel), "m", False, False, None))):
+        if line.startswith("data: {"):
+            choice = json.loads(line[6:])["choices"][0]
+            content += choice["delta"].get("content") or ""
+            for piece in choice["delta"].get("tool_calls") or ():
+                call = calls.setdefault(piece["index"], ["", ""])
+                call[0] += piece["function"].get("name") or ""
+                call[1] += piece["function"].get("arguments") or ""
+            finish = choice["finish_reason"] or finish
+    unary = asyncio.run(grpc_api.completion(_Generation(parallel), "r"))
+    streamed = asyncio.run(all_of(grpc_api.stream(_Generation(parallel), "r")))
+    return {
+        "http": (whole["message"]["content"], [(c["function"]["name"], c["function"]["arguments"])
+                                               for c in whole["message"]["tool_calls"]], whole["finish_reason"]),
+        "http stream": (content.strip(), [tuple(calls[i]) for i in sorted(calls)], finish),
+        "grpc": (unary.text, [(c.name, c.arguments) for c in unary.tool_calls], unary.finish_reason),
+        "grpc stream": ("".join(r.text for r in streamed).strip(), [(c.name, c.arguments)
+                                                                     for c in streamed[-1].tool_calls],
+                        streamed[-1].finish_reason),
+    }
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_tool_calls_false_keeps_the_first_parsed_call_under_auto(parallel):
+    """vLLM's rule (`maybe_filter_parallel_tool_calls`): the calls after the first are dropped, the
+    content stays; the same over every API path."""
+    click, type_text = ("click", '{"x": 1, "y": 2}'), ("type_text", '{"text": "hi"}')
+    expected = ("I will click.", [click, type_text] if parallel else [click], "tool_calls")
+    assert _answers(parallel) == dict.fromkeys(["http", "http stream", "grpc", "grpc stream"], expected)
+    content, calls, finish = answer(TWO_CALLS, "stop", TOOLS, parallel)
+    assert (content, [c.name for c in calls], finish) == ("I will click.", ["click", "type_text"][:1 + parallel],
+                                                         "tool_calls")
+    text = ToolText(TOOLS, parallel)
+    events = text.add(TWO_CALLS)
+    more, streamed = text.end()
+    assert {e[1] for e in events + more if e[0] != "content"} == ({0, 1} if parallel else {0})
+    assert [c.name for c in streamed] == [c.name for c in calls]
