@@ -265,6 +265,7 @@ class RequestCore:
             if message.role not in ROLES:
                 raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {message.role!r}")
         check_tool_results(request.messages)
+        self.planner.check_tools(request.messages, request.tools)
         self.planner.limits.check(media_of(request.messages))  # counts, before anything is fetched
         if request.video_sampling is not None:
             request.video_sampling.check(self.settings.limits.max_frames_per_video)

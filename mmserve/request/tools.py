@@ -23,6 +23,9 @@ START, END = "<tool_call>", "</tool_call>"
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOLS = 128
 MAX_PARALLEL_CALLS = 8  # a forced message holds at most this many calls (a weak model could repeat forever)
+# families whose templates take a call's `arguments` as a mapping and whose models write calls in an
+# XML form (`<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>`): refused (400)
+NO_TOOL_CALLS = ("qwen3_5", "qwen3_5_moe")
 _CALL_RE = re.compile(re.escape(START) + r"\s*(.*?)\s*" + re.escape(END), re.DOTALL)
 
 
@@ -90,6 +93,13 @@ def _schema_problem(schema: str) -> str | None:
     except ValueError as e:
         problem = str(e)
     return " ".join(problem.split())[:300] or None
+
+
+def check_family(model_type: str, messages: Sequence, tools: Sequence[ToolSpec]) -> None:
+    """InvalidRequest when the request has tools, or a conversation of tool calls, for a family in
+    `NO_TOOL_CALLS` (their call format is not parsed nor rendered yet)."""
+    if model_type in NO_TOOL_CALLS and (tools or any(m.tool_calls or m.role == "tool" for m in messages)):
+        raise InvalidRequest(f"tool calls are not supported for model family {model_type} yet")
 
 
 def check_tool_results(messages: Sequence) -> None:

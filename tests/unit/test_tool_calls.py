@@ -13,7 +13,9 @@ import pytest
 
 from llm_service.sampling import Grammar
 from mmserve.errors import InvalidRequest
-from mmserve.request.tools import ToolFormat, ToolSpec, ToolText, answer, fallback_system_text, parse_calls, render_call
+from mmserve.request.tools import (NO_TOOL_CALLS, ToolFormat, ToolSpec, ToolText, answer, fallback_system_text,
+                                   parse_calls, render_call)
+from mmserve.tiny import FAMILIES
 from tests.support.cases import image, text, user
 from tests.support.engine_support import Collector, make_engine, plan_request, run_until_done
 from tests.support.schemas import TOOLS, TYPE
@@ -140,19 +142,33 @@ def test_special_token_strings_in_tools_are_refused(tiny_checkpoint):
         planner.plan([Message("user", ("hi",))], (sneaky,))
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava", "llava_siglip", "minicpmv4_6", "qwen3_vl"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_every_familys_template_takes_a_tool_conversation(tiny_checkpoint, family):
     """Rendered by the template's tools section or in Qwen's words: the calls, the tool result and
-    the tools' names are in the prompt, whatever the family."""
+    the tools' names are in the prompt, an image in the user's turn, for every family of the registry
+    (`mmserve.tiny.FAMILIES`); the families that take no tool calls yet refuse it (400)."""
+    import dataclasses
+
     from transformers import AutoTokenizer
 
+    from mmserve.request.media import MediaItem, MediaKind
     from mmserve.request.prompt_plan import RequestPlanner
+    from mmserve.tiny import _MODEL_TYPES
+    from tests.support.media_factory import image_bytes
 
     model_dir = tiny_checkpoint(family)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ours, _ = _conversation_messages()
-    text = tokenizer.decode(RequestPlanner(model_dir, tokenizer).plan(ours, tuple(TOOLS)).token_ids)
-    assert "type_text" in text and "clicked" in text and '"click"' in text
+    ours[1] = dataclasses.replace(ours[1], parts=(MediaItem(MediaKind.IMAGE, (image_bytes(56, 70, 3),)),
+                                                  *ours[1].parts))
+    planner = RequestPlanner(model_dir, tokenizer)
+    if _MODEL_TYPES[family] in NO_TOOL_CALLS:
+        with pytest.raises(InvalidRequest, match=f"not supported for model family {_MODEL_TYPES[family]} yet"):
+            planner.plan(ours, tuple(TOOLS))
+        return
+    plan = planner.plan(ours, tuple(TOOLS))
+    text = tokenizer.decode(plan.token_ids)
+    assert "type_text" in text and "clicked" in text and '"click"' in text and len(plan.ranges) == 1
 
 
 @pytest.mark.parametrize("step", [1, 3, 7, 1000])
@@ -302,6 +318,29 @@ def test_a_tool_whose_parameters_are_no_json_schema_is_refused_whatever_the_tool
     code, details = _grpc(core, request([grpc_user("hi")], tools=[*GRPC_TOOLS, {"name": "bad", "parameters": BAD_SCHEMA}],
                                         tool_choice=tool_choice, max_tokens=4))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details == message
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_families_without_tool_calls_refuse_them_with_a_400(tiny_checkpoint, family):
+    """Qwen3.5's template takes a call's arguments as a mapping and its models write calls in an XML
+    form: until both are supported, tools (or a conversation of calls) are refused, not a 500."""
+    import grpc
+
+    from mmserve.rpc.vlm_client import request
+    from tests.support.core_fakes import make_core
+
+    core = make_core(tiny_checkpoint(family))
+    expected = f"tool calls are not supported for model family {family} yet"
+    hi = [{"role": "user", "content": "hi"}]
+    assert _http(core, {"messages": hi, "tools": OPENAI_TOOLS}) == (400, expected)
+    assert _http(core, {"messages": hi, "tools": OPENAI_TOOLS, "tool_choice": "required"}) == (400, expected)
+    conversation = [*hi, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "click", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
+    assert _http(core, {"messages": conversation}) == (400, expected)
+    assert _grpc(core, request(_grpc_conversation("call_1"), max_tokens=4)) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                                              expected)
+    assert _http(core, {"messages": hi})[0] == 200  # without tools: served
 
 
 # -- parallel_tool_calls: false under tool_choice auto -------------------------------------------------
