@@ -100,12 +100,14 @@ def _conversation_messages():
     return ours, theirs
 
 
-def test_a_tool_conversation_renders_as_transformers_renders_it_where_the_template_has_tools(tiny_checkpoint):
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
+def test_a_tool_conversation_renders_as_transformers_renders_it_where_the_template_has_tools(tiny_checkpoint,
+                                                                                             family):
     from transformers import AutoTokenizer
 
     from mmserve.request.prompt_plan import RequestPlanner
 
-    model_dir = tiny_checkpoint("qwen3_vl")
+    model_dir = tiny_checkpoint(family)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ours, theirs = _conversation_messages()
     plan = RequestPlanner(model_dir, tokenizer).plan(ours, tuple(TOOLS))
