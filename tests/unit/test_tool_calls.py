@@ -419,3 +419,23 @@ def test_parallel_tool_calls_false_keeps_the_first_parsed_call_under_auto(parall
     more, streamed = text.end()
     assert {e[1] for e in events + more if e[0] != "content"} == ({0, 1} if parallel else {0})
     assert [c.name for c in streamed] == [c.name for c in calls]
+
+
+@pytest.mark.parametrize("api", ["http", "grpc"])
+def test_a_named_tool_choice_sends_the_engine_a_grammar_of_that_function_only(tiny_checkpoint, api):
+    """A named function over gRPC (`tool_choice` the name) as over HTTP: the LLM gets the grammar of
+    calls to it alone (the engine holds to such a grammar: `test_required_and_named_choices_...`)."""
+    from mmserve.rpc.vlm_client import request, user as grpc_user
+    from tests.support.core_fakes import FakeLLM, make_core
+
+    llm = FakeLLM()
+    core = make_core(tiny_checkpoint("qwen3_vl"), llm)
+    if api == "http":
+        assert _http(core, {"messages": [{"role": "user", "content": "Type hi."}], "tools": OPENAI_TOOLS,
+                            "tool_choice": {"type": "function", "function": {"name": "type_text"}}})[0] == 200
+    else:
+        assert _grpc(core, request([grpc_user("Type hi.")], tools=GRPC_TOOLS, tool_choice="type_text",
+                                   max_tokens=4)) == (None, "")
+    grammar = llm.calls[0].sampling.grammar
+    assert grammar.kind == "lark" and '\\"name\\": \\"type_text\\"' in grammar.schema
+    assert "click" not in grammar.schema and "body: fn_0\n" in grammar.schema  # calls of type_text only
