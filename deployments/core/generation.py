@@ -174,6 +174,7 @@ class Generation:
         self.first_token_at = time.perf_counter()  # made when the first token is back
         self.num_generated = 0
         self.tools: tuple = ()  # `ToolSpec`s whose calls the API parses out of the text (tool_choice not none)
+        self.parallel_tool_calls = True  # False: the API keeps a choice's first call only
         self._stop = stop
         self._stream = stream
         self._first = first

@@ -38,7 +38,7 @@ from mmserve.checkpoint import load_config, resolve_max_model_len
 from mmserve.errors import InvalidRequest, NotReady, QueueFull, RequestTooLarge, ShuttingDown, Unauthenticated
 from mmserve.request.media import DecodedVideo, EncodeItem, MediaItem, MediaSource, warm_up_image
 from mmserve.request.prompt_plan import Message, RequestPlanner
-from mmserve.request.tools import ToolFormat, ToolSpec
+from mmserve.request.tools import ToolFormat, ToolSpec, check_tool_results
 from mmserve.video.container import VideoSampling
 
 logger = logging.getLogger("ray.serve")
@@ -264,6 +264,8 @@ class RequestCore:
         for i, message in enumerate(request.messages):
             if message.role not in ROLES:
                 raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {message.role!r}")
+        check_tool_results(request.messages)
+        self.planner.check_tools(request.messages, request.tools)
         self.planner.limits.check(media_of(request.messages))  # counts, before anything is fetched
         if request.video_sampling is not None:
             request.video_sampling.check(self.settings.limits.max_frames_per_video)
@@ -338,7 +340,7 @@ class RequestCore:
         stream, first = await failover.start()  # errors surface here, before any response is sent
         gen = Generation(request_id, plan, sampling, options.stop, stream, first, self.tokenizer, failover.resume,
                          router_ms, options.n)
-        gen.tools = tools
+        gen.tools, gen.parallel_tool_calls = tools, request.parallel_tool_calls
         self.listener.on_started(gen, (time.perf_counter() - started) * 1000, len(media))
         return gen
 

@@ -8,11 +8,12 @@ from pathlib import Path
 
 from mmserve.checkpoint import read_chat_template
 from mmserve.errors import InvalidRequest, RequestTooLarge
-from mmserve.families import router_face
+from mmserve.families import family_of, router_face
 from mmserve.families.base import ItemExpansion
 from mmserve.request.media import EncodeItem, MediaItem, MediaKind, MediaSource, PlaceholderRange
 from mmserve.request.positions import PositionPlan
 from mmserve.request.prompt import Message, PromptBuilder
+from mmserve.request.tools import check_family
 
 __all__ = ["MediaLimits", "Message", "RequestPlan", "RequestPlanner"]
 
@@ -73,6 +74,7 @@ class RequestPlanner:
         if template is None:
             raise ValueError(f"{model_dir} has no chat template")
         self.face = router_face(model_dir)
+        self.model_type = family_of(model_dir)
         self.limits = limits
         self.max_prompt_chars = max_prompt_chars
         self.max_prompt_tokens = max_prompt_tokens
@@ -80,8 +82,13 @@ class RequestPlanner:
         placeholders = {kind: self.face.placeholder(kind) for kind in MediaKind}
         self._builder = PromptBuilder(tokenizer, template, placeholders)
 
+    def check_tools(self, messages: Sequence[Message], tools: Sequence = ()) -> None:
+        """InvalidRequest when the family takes no tool calls (`tools.NO_TOOL_CALLS`) and the request has some."""
+        check_family(self.model_type, messages, tools)
+
     def plan(self, messages: list[Message[MediaItem]], tools: tuple = ()) -> RequestPlan:
         """`tools`: `mmserve.request.tools.ToolSpec`s described to the model."""
+        self.check_tools(messages, tools)
         items = [p for m in messages for p in m.parts if isinstance(p, MediaItem)]
         self.limits.check(items)
         chars = sum(len(p) for m in messages for p in m.parts if isinstance(p, str))

@@ -10,9 +10,11 @@ system message in the same words as Qwen's (`fallback_system_text`).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mmserve.errors import InvalidRequest
@@ -21,6 +23,9 @@ START, END = "<tool_call>", "</tool_call>"
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOLS = 128
 MAX_PARALLEL_CALLS = 8  # a forced message holds at most this many calls (a weak model could repeat forever)
+# families whose templates take a call's `arguments` as a mapping and whose models write calls in an
+# XML form (`<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>`): refused (400)
+NO_TOOL_CALLS = ("qwen3_5", "qwen3_5_moe")
 _CALL_RE = re.compile(re.escape(START) + r"\s*(.*?)\s*" + re.escape(END), re.DOTALL)
 
 
@@ -63,11 +68,53 @@ def new_call_id() -> str:
 
 
 def check_tools(tools: list[ToolSpec]) -> None:
+    """The request's tools, whatever its `tool_choice`: at most `MAX_TOOLS`, names unique, each
+    one's `parameters` a valid JSON Schema (as llguidance compiles `response_format`'s)."""
     if len(tools) > MAX_TOOLS:
         raise InvalidRequest(f"tools has {len(tools)} functions; the limit is {MAX_TOOLS}")
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise InvalidRequest("tools: function names must be unique")
+    for i, tool in enumerate(tools):
+        if tool.parameters is not None and (problem := _schema_problem(json.dumps(tool.parameters))):
+            raise InvalidRequest(f"tools[{i}].function.parameters (function {tool.name!r}) is not a valid JSON "
+                                 f"Schema: {problem}")
+
+
+@functools.lru_cache(maxsize=256)
+def _schema_problem(schema: str) -> str | None:
+    """What llguidance finds wrong with a JSON Schema's text (None: it compiles): the same
+    translation `response_format` goes through (`llm_service.grammar`), no tokenizer needed."""
+    from llguidance import LLMatcher
+
+    try:
+        problem = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema, defaults={
+            "whitespace_flexible": False}))
+    except ValueError as e:
+        problem = str(e)
+    return " ".join(problem.split())[:300] or None
+
+
+def check_family(model_type: str, messages: Sequence, tools: Sequence[ToolSpec]) -> None:
+    """InvalidRequest when the request has tools, or a conversation of tool calls, for a family in
+    `NO_TOOL_CALLS` (their call format is not parsed nor rendered yet)."""
+    if model_type in NO_TOOL_CALLS and (tools or any(m.tool_calls or m.role == "tool" for m in messages)):
+        raise InvalidRequest(f"tool calls are not supported for model family {model_type} yet")
+
+
+def check_tool_results(messages: Sequence) -> None:
+    """Every `role: "tool"` message answers a call of an earlier assistant message: its
+    `tool_call_id` is one of theirs (InvalidRequest naming it otherwise)."""
+    called: set[str] = set()
+    for i, m in enumerate(messages):
+        if m.role == "assistant":
+            called.update(c.id for c in m.tool_calls)
+        elif m.role == "tool":
+            if not m.tool_call_id:
+                raise InvalidRequest(f"messages[{i}]: a tool message needs the tool_call_id of the call it answers")
+            if m.tool_call_id not in called:
+                raise InvalidRequest(f"messages[{i}]: tool_call_id {m.tool_call_id!r} matches no tool call of an "
+                                     "earlier assistant message")
 
 
 @dataclass(frozen=True)
@@ -123,12 +170,16 @@ def parse_calls(text: str, tools: list[ToolSpec]) -> tuple[str | None, list[Tool
     return (content or None) if calls else text, calls
 
 
-def answer(text: str, finish: str | None, tools) -> tuple[str | None, list[ToolCall], str | None]:
+def answer(text: str, finish: str | None, tools, parallel: bool = True
+           ) -> tuple[str | None, list[ToolCall], str | None]:
     """(content, calls, finish reason) of a whole choice: with `tools`, its calls parsed out and the
-    reason `tool_calls` when it made any and stopped by itself (the same for every API)."""
+    reason `tool_calls` when it made any and stopped by itself (the same for every API). Without
+    `parallel` (`parallel_tool_calls: false`) only the first call is kept; the others are dropped,
+    neither calls nor content (what vLLM's `maybe_filter_parallel_tool_calls` does)."""
     if not tools:
         return text, [], finish
     content, calls = parse_calls(text, list(tools))
+    calls = calls if parallel else calls[:1]
     return content, calls, finish_with(finish, calls)
 
 
@@ -209,16 +260,24 @@ class ToolText:
     `("call", index, ToolCall)` when a call's name is known (its id and name, no arguments yet), and
     `("arguments", index, piece)` as its arguments are generated. Text is content until a
     `<tool_call>` begins (a tail that may be its start is held back); a call in Qwen's layout
-    streams its arguments as they come; anything else is parsed at the choice's end (`end`)."""
+    streams its arguments as they come; anything else is parsed at the choice's end (`end`).
+    Without `parallel`, the events of calls after the first are dropped, as `answer` drops them."""
 
-    def __init__(self, tools):
+    def __init__(self, tools, parallel: bool = True):
         self.tools, self.names = list(tools), {t.name for t in tools}
+        self.parallel = parallel
         self.held = ""  # text not sent yet, from the current call's `<tool_call>` on when `calling`
         self.calling = False
         self.calls: list[ToolCall] = []  # streamed ones
         self.sent = 0  # characters of the current call's arguments sent
 
     def add(self, text: str) -> list[tuple]:
+        return self._kept(self._add(text))
+
+    def _kept(self, events: list[tuple]) -> list[tuple]:
+        return events if self.parallel else [e for e in events if e[0] == "content" or e[1] == 0]
+
+    def _add(self, text: str) -> list[tuple]:
         self.held += text
         events: list[tuple] = []
         while True:
@@ -266,4 +325,4 @@ class ToolText:
         text = (content or "") if calls else self.held
         if text.strip() or (text and not self.calls):
             events.insert(0, ("content", text))
-        return events, self.calls
+        return self._kept(events), self.calls if self.parallel else self.calls[:1]

@@ -112,6 +112,15 @@ def test_an_agent_turn_with_a_tool_result_then_a_json_answer(serve_urls):
     ({"tools": OPENAI_TOOLS, "tool_choice": "required",
       "response_format": {"type": "json_object"}}, "cannot be combined"),
     ({"messages": [{"role": "user", "content": None}]}, "needs content"),
+    ({"tools": [*OPENAI_TOOLS, {"type": "function", "function": {
+        "name": "bad", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}]},
+     "tools[2].function.parameters (function 'bad') is not a valid JSON Schema"),
+    ({"tools": OPENAI_TOOLS, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "click", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_2", "content": "clicked"}]},
+     "tool_call_id 'call_2' matches no tool call"),
 ])
 def test_bad_tool_requests_are_400s_naming_the_problem(serve_urls, body, needle):
     url = serve_urls["qwen2_vl"] + "/v1/chat/completions"
@@ -133,15 +142,18 @@ def test_auto_parses_what_the_model_wrote(serve_urls):
     assert CLICK.name in json.dumps(OPENAI_TOOLS)
 
 
-def test_over_grpc_forced_calls_validate_unary_and_streamed(grpc_target):
+@pytest.mark.parametrize("tool_choice", ["required", "type_text"])  # any function; the named one
+def test_over_grpc_forced_calls_validate_unary_and_streamed(grpc_target, tool_choice):
     from mmserve.rpc.vlm_client import VLMClient, user
 
     tools = [{"name": t.name, "description": t.description, "parameters": t.schema} for t in TOOLS]
     messages = [user("Click the OK button on this screen.", images=[image_bytes(64, 96, 45)])]
     with VLMClient(grpc_target, application="qwen2_vl") as g:
-        unary = g.generate(messages, max_tokens=MAX_TOKENS, tools=tools, tool_choice="required")
-        streamed = list(g.stream(messages, max_tokens=MAX_TOKENS, tools=tools, tool_choice="required"))
+        unary = g.generate(messages, max_tokens=MAX_TOKENS, tools=tools, tool_choice=tool_choice)
+        streamed = list(g.stream(messages, max_tokens=MAX_TOKENS, tools=tools, tool_choice=tool_choice))
     assert unary.finish_reason == "tool_calls" and unary.text == "" and unary.tool_calls
+    if tool_choice != "required":
+        assert {c.name for c in unary.tool_calls} == {tool_choice}
     for call in unary.tool_calls:
         spec = next(t for t in TOOLS if t.name == call.name)
         jsonschema.validate(json.loads(call.arguments), spec.schema)

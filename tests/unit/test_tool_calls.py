@@ -13,7 +13,9 @@ import pytest
 
 from llm_service.sampling import Grammar
 from mmserve.errors import InvalidRequest
-from mmserve.request.tools import ToolFormat, ToolSpec, fallback_system_text, parse_calls, render_call
+from mmserve.request.tools import (NO_TOOL_CALLS, ToolFormat, ToolSpec, ToolText, answer, fallback_system_text,
+                                   parse_calls, render_call)
+from mmserve.tiny import FAMILIES
 from tests.support.cases import image, text, user
 from tests.support.engine_support import Collector, make_engine, plan_request, run_until_done
 from tests.support.schemas import TOOLS, TYPE
@@ -98,12 +100,14 @@ def _conversation_messages():
     return ours, theirs
 
 
-def test_a_tool_conversation_renders_as_transformers_renders_it_where_the_template_has_tools(tiny_checkpoint):
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
+def test_a_tool_conversation_renders_as_transformers_renders_it_where_the_template_has_tools(tiny_checkpoint,
+                                                                                             family):
     from transformers import AutoTokenizer
 
     from mmserve.request.prompt_plan import RequestPlanner
 
-    model_dir = tiny_checkpoint("qwen3_vl")
+    model_dir = tiny_checkpoint(family)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ours, theirs = _conversation_messages()
     plan = RequestPlanner(model_dir, tokenizer).plan(ours, tuple(TOOLS))
@@ -140,19 +144,33 @@ def test_special_token_strings_in_tools_are_refused(tiny_checkpoint):
         planner.plan([Message("user", ("hi",))], (sneaky,))
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava", "llava_siglip", "minicpmv4_6", "qwen3_vl"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_every_familys_template_takes_a_tool_conversation(tiny_checkpoint, family):
     """Rendered by the template's tools section or in Qwen's words: the calls, the tool result and
-    the tools' names are in the prompt, whatever the family."""
+    the tools' names are in the prompt, an image in the user's turn, for every family of the registry
+    (`mmserve.tiny.FAMILIES`); the families that take no tool calls yet refuse it (400)."""
+    import dataclasses
+
     from transformers import AutoTokenizer
 
+    from mmserve.request.media import MediaItem, MediaKind
     from mmserve.request.prompt_plan import RequestPlanner
+    from mmserve.tiny import _MODEL_TYPES
+    from tests.support.media_factory import image_bytes
 
     model_dir = tiny_checkpoint(family)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ours, _ = _conversation_messages()
-    text = tokenizer.decode(RequestPlanner(model_dir, tokenizer).plan(ours, tuple(TOOLS)).token_ids)
-    assert "type_text" in text and "clicked" in text and '"click"' in text
+    ours[1] = dataclasses.replace(ours[1], parts=(MediaItem(MediaKind.IMAGE, (image_bytes(56, 70, 3),)),
+                                                  *ours[1].parts))
+    planner = RequestPlanner(model_dir, tokenizer)
+    if _MODEL_TYPES[family] in NO_TOOL_CALLS:
+        with pytest.raises(InvalidRequest, match=f"not supported for model family {_MODEL_TYPES[family]} yet"):
+            planner.plan(ours, tuple(TOOLS))
+        return
+    plan = planner.plan(ours, tuple(TOOLS))
+    text = tokenizer.decode(plan.token_ids)
+    assert "type_text" in text and "clicked" in text and '"click"' in text and len(plan.ranges) == 1
 
 
 @pytest.mark.parametrize("step", [1, 3, 7, 1000])
@@ -187,3 +205,237 @@ def test_a_malformed_streamed_call_is_content():
     events = text.add('<tool_call>\n{"name": "click", "arguments": {"x": 1\n</tool_call>')
     more, calls = text.end()
     assert not calls and "".join(e[1] for e in events + more if e[0] == "content").startswith("<tool_call>")
+
+
+# -- bad tool input, refused the same over HTTP and gRPC (the request core's checks) ------------------
+
+
+class _Context:
+    """A gRPC context as the adapter uses it."""
+
+    def __init__(self):
+        self.code, self.details = None, None
+
+    def invocation_metadata(self):
+        return ()
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, details):
+        self.details = details
+
+    def set_trailing_metadata(self, md):
+        pass
+
+
+def _http(core, body: dict) -> tuple[int, str]:
+    """(status, error message) of a chat completion posted to the HTTP adapter."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from deployments.api.openai_api import OpenAIAdapter
+
+    data = json.dumps({"max_tokens": 4, **body}).encode()
+
+    async def receive():
+        return {"type": "http.request", "body": data, "more_body": False}
+
+    request = Request({"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                       "headers": [(b"content-length", str(len(data)).encode())]}, receive)
+    response = asyncio.run(OpenAIAdapter(core).chat_completions(request))
+    return response.status_code, json.loads(response.body).get("error", {}).get("message", "")
+
+
+def _grpc(core, request) -> tuple[object, str]:
+    """(status code, None when answered; details) of a Generate call to the gRPC adapter."""
+    import asyncio
+
+    from deployments.api.grpc_api import GrpcAdapter
+
+    ctx = _Context()
+    asyncio.run(GrpcAdapter(core).generate(request, ctx))
+    return ctx.code, ctx.details or ""
+
+
+OPENAI_TOOLS = [t.as_openai() for t in TOOLS]
+GRPC_TOOLS = [{"name": t.name, "description": t.description, "parameters": t.schema} for t in TOOLS]
+
+
+def _grpc_conversation(tool_call_id: str):
+    from mmserve.rpc.vlm_client import user as grpc_user
+    from protos.mmserve.v1 import vlm_pb2
+
+    return [grpc_user("Click OK."),
+            vlm_pb2.ChatMessage(role="assistant", tool_calls=[vlm_pb2.ToolCall(id="call_1", name="click",
+                                                                               arguments='{"x":5,"y":7}')]),
+            vlm_pb2.ChatMessage(role="tool", content=[vlm_pb2.ContentPart(text="clicked")], tool_call_id=tool_call_id)]
+
+
+@pytest.mark.parametrize("tool_call_id, refused", [
+    ("call_1", None), ("call_9", "tool_call_id 'call_9' matches no tool call of an earlier assistant message"),
+    ("", "a tool message needs the tool_call_id")], ids=["answers_a_call", "unknown_id", "no_id"])
+def test_a_tool_result_must_answer_a_call_of_an_earlier_assistant_message(tiny_checkpoint, tool_call_id, refused):
+    import grpc
+
+    from mmserve.rpc.vlm_client import request
+    from tests.support.core_fakes import make_core
+
+    core = make_core(tiny_checkpoint("qwen2_vl"))
+    tool = {"role": "tool", "content": "clicked", **({"tool_call_id": tool_call_id} if tool_call_id else {})}
+    messages = [{"role": "user", "content": "Click OK."},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "click", "arguments": '{"x":5,"y":7}'}}]},
+                tool]
+    status, message = _http(core, {"messages": messages, "tools": OPENAI_TOOLS})
+    code, details = _grpc(core, request(_grpc_conversation(tool_call_id), tools=GRPC_TOOLS, max_tokens=4))
+    if refused is None:
+        assert (status, message, code) == (200, "", None)
+    else:
+        assert status == 400 and refused in message and message.startswith("messages[2]: ")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details == message
+
+
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "nope"}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "none", "required", "bad", "click"])
+def test_a_tool_whose_parameters_are_no_json_schema_is_refused_whatever_the_tool_choice(tiny_checkpoint,
+                                                                                          tool_choice):
+    import grpc
+
+    from mmserve.rpc.vlm_client import request, user as grpc_user
+    from tests.support.core_fakes import make_core
+
+    core = make_core(tiny_checkpoint("qwen2_vl"))
+    choice = tool_choice if tool_choice in ("auto", "none", "required") else {
+        "type": "function", "function": {"name": tool_choice}}
+    bad = {"type": "function", "function": {"name": "bad", "parameters": BAD_SCHEMA}}
+    status, message = _http(core, {"messages": [{"role": "user", "content": "hi"}], "tools": [*OPENAI_TOOLS, bad],
+                                   "tool_choice": choice})
+    assert status == 400 and message.startswith("tools[2].function.parameters (function 'bad') is not a valid JSON "
+                                                "Schema"), message
+    assert "Invalid type: nope" in message and "response_format" not in message
+    code, details = _grpc(core, request([grpc_user("hi")], tools=[*GRPC_TOOLS, {"name": "bad", "parameters": BAD_SCHEMA}],
+                                        tool_choice=tool_choice, max_tokens=4))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details == message
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_families_without_tool_calls_refuse_them_with_a_400(tiny_checkpoint, family):
+    """Qwen3.5's template takes a call's arguments as a mapping and its models write calls in an XML
+    form: until both are supported, tools (or a conversation of calls) are refused, not a 500."""
+    import grpc
+
+    from mmserve.rpc.vlm_client import request
+    from tests.support.core_fakes import make_core
+
+    core = make_core(tiny_checkpoint(family))
+    expected = f"tool calls are not supported for model family {family} yet"
+    hi = [{"role": "user", "content": "hi"}]
+    assert _http(core, {"messages": hi, "tools": OPENAI_TOOLS}) == (400, expected)
+    assert _http(core, {"messages": hi, "tools": OPENAI_TOOLS, "tool_choice": "required"}) == (400, expected)
+    conversation = [*hi, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "click", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
+    assert _http(core, {"messages": conversation}) == (400, expected)
+    assert _grpc(core, request(_grpc_conversation("call_1"), max_tokens=4)) == (grpc.StatusCode.INVALID_ARGUMENT,
+                                                                              expected)
+    assert _http(core, {"messages": hi})[0] == 200  # without tools: served
+
+
+# -- parallel_tool_calls: false under tool_choice auto -------------------------------------------------
+
+TWO_CALLS = ('I will click.\n<tool_call>\n{"name": "click", "arguments": {"x": 1, "y": 2}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "type_text", "arguments": {"text": "hi"}}\n</tool_call>')
+
+
+class _Generation:
+    """A `Generation` as the API adapters read it, whose one choice writes `TWO_CALLS` and stops."""
+
+    def __init__(self, parallel: bool):
+        from types import SimpleNamespace
+
+        self.request_id, self.n, self.tools, self.parallel_tool_calls = "r", 1, tuple(TOOLS), parallel
+        self.sampling = SimpleNamespace(logprobs=None)
+        self.plan, self.num_generated = SimpleNamespace(token_ids=[1, 2], num_media_tokens=0), 0
+
+    async def deltas(self):
+        from deployments.core.generation import Delta
+
+        for i in range(0, len(TWO_CALLS), 5):
+            yield Delta(TWO_CALLS[i:i + 5], None, "stop" if i + 5 >= len(TWO_CALLS) else None)
+
+    def usage(self) -> dict:
+        return {}
+
+
+def _answers(parallel: bool) -> dict:
+    """(content, [(name, arguments)], finish reason) per API path: HTTP whole and streamed, gRPC whole and streamed."""
+    import asyncio
+
+    from deployments.api import grpc_api, openai_api
+
+    async def all_of(chunks):
+        return [c async for c in chunks]
+
+    whole = asyncio.run(openai_api.completion(_Generation(parallel), "m", False))["choices"][0]
+    content, calls, finish = "", {}, None
+    for line in asyncio.run(all_of(openai_api.sse(_Generation(parallel), "m", False, False, None))):
+        if line.startswith("data: {"):
+            choice = json.loads(line[6:])["choices"][0]
+            content += choice["delta"].get("content") or ""
+            for piece in choice["delta"].get("tool_calls") or ():
+                call = calls.setdefault(piece["index"], ["", ""])
+                call[0] += piece["function"].get("name") or ""
+                call[1] += piece["function"].get("arguments") or ""
+            finish = choice["finish_reason"] or finish
+    unary = asyncio.run(grpc_api.completion(_Generation(parallel), "r"))
+    streamed = asyncio.run(all_of(grpc_api.stream(_Generation(parallel), "r")))
+    return {
+        "http": (whole["message"]["content"], [(c["function"]["name"], c["function"]["arguments"])
+                                               for c in whole["message"]["tool_calls"]], whole["finish_reason"]),
+        "http stream": (content.strip(), [tuple(calls[i]) for i in sorted(calls)], finish),
+        "grpc": (unary.text, [(c.name, c.arguments) for c in unary.tool_calls], unary.finish_reason),
+        "grpc stream": ("".join(r.text for r in streamed).strip(), [(c.name, c.arguments)
+                                                                     for c in streamed[-1].tool_calls],
+                        streamed[-1].finish_reason),
+    }
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_parallel_tool_calls_false_keeps_the_first_parsed_call_under_auto(parallel):
+    """vLLM's rule (`maybe_filter_parallel_tool_calls`): the calls after the first are dropped, the
+    content stays; the same over every API path."""
+    click, type_text = ("click", '{"x": 1, "y": 2}'), ("type_text", '{"text": "hi"}')
+    expected = ("I will click.", [click, type_text] if parallel else [click], "tool_calls")
+    assert _answers(parallel) == dict.fromkeys(["http", "http stream", "grpc", "grpc stream"], expected)
+    content, calls, finish = answer(TWO_CALLS, "stop", TOOLS, parallel)
+    assert (content, [c.name for c in calls], finish) == ("I will click.", ["click", "type_text"][:1 + parallel],
+                                                         "tool_calls")
+    text = ToolText(TOOLS, parallel)
+    events = text.add(TWO_CALLS)
+    more, streamed = text.end()
+    assert {e[1] for e in events + more if e[0] != "content"} == ({0, 1} if parallel else {0})
+    assert [c.name for c in streamed] == [c.name for c in calls]
+
+
+@pytest.mark.parametrize("api", ["http", "grpc"])
+def test_a_named_tool_choice_sends_the_engine_a_grammar_of_that_function_only(tiny_checkpoint, api):
+    """A named function over gRPC (`tool_choice` the name) as over HTTP: the LLM gets the grammar of
+    calls to it alone (the engine holds to such a grammar: `test_required_and_named_choices_...`)."""
+    from mmserve.rpc.vlm_client import request, user as grpc_user
+    from tests.support.core_fakes import FakeLLM, make_core
+
+    llm = FakeLLM()
+    core = make_core(tiny_checkpoint("qwen3_vl"), llm)
+    if api == "http":
+        assert _http(core, {"messages": [{"role": "user", "content": "Type hi."}], "tools": OPENAI_TOOLS,
+                            "tool_choice": {"type": "function", "function": {"name": "type_text"}}})[0] == 200
+    else:
+        assert _grpc(core, request([grpc_user("Type hi.")], tools=GRPC_TOOLS, tool_choice="type_text",
+                                   max_tokens=4)) == (None, "")
+    grammar = llm.calls[0].sampling.grammar
+    assert grammar.kind == "lark" and '\\"name\\": \\"type_text\\"' in grammar.schema
+    assert "click" not in grammar.schema and "body: fn_0\n" in grammar.schema  # calls of type_text only
