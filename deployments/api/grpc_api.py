@@ -126,7 +126,8 @@ async def completion(gen: Generation, request_id: str) -> vlm_pb2.GenerateRespon
         finish[delta.index] = delta.finish_reason or finish[delta.index]
     choices = []
     for i in range(gen.n):
-        content, calls, reason = answer("".join(text[i]), finish[i], gen.tools, gen.parallel_tool_calls)
+        content, calls, reason = answer("".join(text[i]), finish[i], gen.tools, gen.parallel_tool_calls,
+                                       gen.tool_format)
         choices.append(vlm_pb2.GenerateResponse(request_id=request_id, text=content or "", token_ids=tokens[i],
                                                 finish_reason=reason, tool_calls=_calls(calls), index=i))
     response = vlm_pb2.GenerateResponse()
@@ -141,7 +142,7 @@ async def stream(gen: Generation, request_id: str) -> AsyncIterator[vlm_pb2.Gene
     """One response per delta; the last carries finish_reason and usage (and the tool calls, with
     tools: the content goes out until a call begins). With n > 1 each carries its choice's index,
     each choice's last its finish_reason, and a last response the usage."""
-    texts = [ToolText(gen.tools, gen.parallel_tool_calls) for _ in range(gen.n)] if gen.tools else None
+    texts = [ToolText(gen.tools, gen.parallel_tool_calls, gen.tool_format) for _ in range(gen.n)] if gen.tools else None
     async for delta in gen.deltas():
         content, calls, finish = delta.text, [], delta.finish_reason or ""
         if texts is not None:

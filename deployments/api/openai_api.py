@@ -147,10 +147,11 @@ def _logprob_entry(gen: Generation, delta: Delta) -> dict:
             "top_logprobs": [entry(t, lp) for t, lp in delta.top_logprobs or ()]}
 
 
-def _message(text: str, finish: str | None, tools, parallel: bool = True) -> tuple[dict, str | None]:
-    """The assistant message of a choice's text (its tool calls parsed out when the request has
-    tools, the first only without `parallel`), and its finish reason (`tool_calls` when it made any)."""
-    content, calls, finish = answer(text, finish, tools, parallel)
+def _message(text: str, finish: str | None, gen: Generation) -> tuple[dict, str | None]:
+    """The assistant message of a choice's text (its tool calls parsed out in the family's form
+    when the request has tools, the first only without `parallel_tool_calls`), and its finish
+    reason (`tool_calls` when it made any)."""
+    content, calls, finish = answer(text, finish, gen.tools, gen.parallel_tool_calls, gen.tool_format)
     if not calls:
         return {"role": "assistant", "content": content}, finish
     return {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}, finish
@@ -169,7 +170,7 @@ async def completion(gen: Generation, model: str, with_token_ids: bool) -> dict:
         finish[i] = delta.finish_reason
     choices = []
     for i in range(gen.n):
-        message, finish[i] = _message("".join(text[i]), finish[i], gen.tools, gen.parallel_tool_calls)
+        message, finish[i] = _message("".join(text[i]), finish[i], gen)
         choice = {"index": i, "message": message, "finish_reason": finish[i]}
         if gen.sampling.logprobs is not None:
             choice["logprobs"] = {"content": logprobs[i]}
@@ -206,7 +207,7 @@ async def sse(gen: Generation, model: str, with_token_ids: bool, include_usage: 
 
     for i in range(gen.n):
         yield chunk(i, {"role": "assistant", "content": ""})
-    texts = [ToolText(gen.tools, gen.parallel_tool_calls) for _ in range(gen.n)] if gen.tools else None
+    texts = [ToolText(gen.tools, gen.parallel_tool_calls, gen.tool_format) for _ in range(gen.n)] if gen.tools else None
     try:
         async for delta in gen.deltas():
             extra = {}

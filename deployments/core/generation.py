@@ -14,6 +14,7 @@ from llm_service.sampling import Grammar, SamplingParams
 from mmserve.errors import InvalidRequest
 from mmserve.request.detokenize import IncrementalDetokenizer
 from mmserve.request.prompt_plan import RequestPlan
+from mmserve.request.tools import JSON_FORMAT
 
 logger = logging.getLogger("ray.serve")
 
@@ -175,6 +176,7 @@ class Generation:
         self.num_generated = 0
         self.tools: tuple = ()  # `ToolSpec`s whose calls the API parses out of the text (tool_choice not none)
         self.parallel_tool_calls = True  # False: the API keeps a choice's first call only
+        self.tool_format = JSON_FORMAT  # the family's call form (`RequestPlanner.tool_format`)
         self._stop = stop
         self._stream = stream
         self._first = first

@@ -59,8 +59,9 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     video_sampling: VideoSampling | None = None  # of its video files (`mm_processor_kwargs`); None: the model's
 
-    def tool_grammar(self, tokenizer) -> Grammar | None:
-        """The grammar forcing a call (`required` or a named function), None otherwise."""
+    def tool_grammar(self, fmt: ToolFormat) -> Grammar | None:
+        """The grammar forcing a call (`required` or a named function) in the family's form
+        (`RequestPlanner.tool_format`), None otherwise."""
         if not self.tools or self.tool_choice in ("none", "auto"):
             return None
         tools = self.tools
@@ -70,7 +71,7 @@ class ChatRequest:
                 raise InvalidRequest(f"tool_choice names {self.tool_choice!r}, which is not among the tools")
         if self.options.response_format is not None:
             raise InvalidRequest("response_format and a forced tool_choice cannot be combined")
-        return Grammar("lark", ToolFormat.of(tokenizer).grammar(list(tools), self.parallel_tool_calls))
+        return Grammar("lark", fmt.grammar(list(tools), self.parallel_tool_calls))
 
     @property
     def parses_tools(self) -> bool:
@@ -311,7 +312,7 @@ class RequestCore:
                      request_id: str, received: float) -> Generation:
         started = time.perf_counter()
         options = request.options
-        if (forced := request.tool_grammar(self.tokenizer)) is not None:  # a call the grammar holds to the tools
+        if (forced := request.tool_grammar(self.planner.tool_format)) is not None:  # a call the grammar holds to the tools
             options = dataclasses.replace(options, response_format=forced)
         tools = request.tools if request.parses_tools else ()
         plan = await asyncio.to_thread(self.planner.plan, messages, tools)
@@ -341,6 +342,7 @@ class RequestCore:
         gen = Generation(request_id, plan, sampling, options.stop, stream, first, self.tokenizer, failover.resume,
                          router_ms, options.n)
         gen.tools, gen.parallel_tool_calls = tools, request.parallel_tool_calls
+        gen.tool_format = self.planner.tool_format
         self.listener.on_started(gen, (time.perf_counter() - started) * 1000, len(media))
         return gen
 

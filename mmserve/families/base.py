@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 from mmserve.request.media import MediaItem, MediaKind, PlaceholderRange
 from mmserve.request.positions import PositionPlan
@@ -55,6 +55,10 @@ class StreamGroup(NamedTuple):
 
 class RouterFace(ABC):
     """Prompt layout of a family. Subclasses are immutable and built once per router."""
+
+    # the form the family's models write tool calls in, and its template renders them in
+    # (`mmserve.request.tools`: "json", Qwen's `<tool_call>` JSON; "xml", Qwen3.5's)
+    tool_call_format: ClassVar[str] = "json"
 
     @classmethod
     @abstractmethod

@@ -25,7 +25,7 @@ from typing import Generic, NamedTuple, TypeVar
 from mmserve.errors import InvalidRequest
 from mmserve.families.base import ItemExpansion
 from mmserve.request.media import MediaItem, MediaKind, MediaSource, PlaceholderRange
-from mmserve.request.tools import ToolCall, ToolSpec, fallback_system_text, render_call
+from mmserve.request.tools import JSON_FORMAT, ToolCall, ToolFormat, ToolSpec, fallback_system_text
 
 _SENTINEL = "\ue000{}\ue001"
 _SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
@@ -56,9 +56,13 @@ class Prompt(NamedTuple):
 class PromptBuilder:
     """Renders the checkpoint's chat template and tokenizes it safely (see module docstring)."""
 
-    def __init__(self, tokenizer, chat_template: str, placeholders: dict[MediaKind, str | None]):
-        """`placeholders`: the added token the template writes per media kind (None: kind not taken)."""
+    def __init__(self, tokenizer, chat_template: str, placeholders: dict[MediaKind, str | None],
+                 tool_format: ToolFormat = JSON_FORMAT):
+        """`placeholders`: the added token the template writes per media kind (None: kind not taken);
+        `tool_format`: the family's call form (the XML form's template takes a call's `arguments` as
+        a mapping, the JSON form's as the JSON text)."""
         self._tokenizer = tokenizer
+        self._tool_format = tool_format
         self._template = chat_template
         self.native_tools = "tools" in chat_template  # the template has a tools section (Qwen3-VL's)
         self._plain = copy.deepcopy(tokenizer.backend_tokenizer)
@@ -74,7 +78,7 @@ class PromptBuilder:
     def _render(self, messages: list[Message], add_generation_prompt: bool = True,
                 tools: tuple[ToolSpec, ...] = ()) -> tuple[str, list[str]]:
         if not self.native_tools:
-            messages = _tools_as_text(messages, tools)
+            messages = _tools_as_text(messages, tools, self._tool_format)
             tools = ()
         texts: list[str] = []
         conversation = []
@@ -88,8 +92,8 @@ class PromptBuilder:
                     texts.append(part)
             entry = {"role": message.role, "content": content}
             if message.tool_calls:
-                entry["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                                       for c in message.tool_calls]
+                entry["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": (
+                    _arguments_mapping(c) if self._tool_format.xml else c.arguments)}} for c in message.tool_calls]
             if message.tool_call_id is not None:
                 entry["tool_call_id"] = message.tool_call_id
             conversation.append(entry)
@@ -162,7 +166,14 @@ class PromptBuilder:
         return Prompt(ids, ranges, kinds, system_end)
 
 
-def _tools_as_text(messages: list[Message], tools: tuple[ToolSpec, ...]) -> list[Message]:
+def _arguments_mapping(call: ToolCall) -> dict:
+    """A call's `arguments` (JSON text of an object: `tools.check_call_arguments`) as the mapping
+    the XML form's template iterates."""
+    return json.loads(call.arguments)
+
+
+def _tools_as_text(messages: list[Message], tools: tuple[ToolSpec, ...],
+                   fmt: ToolFormat = JSON_FORMAT) -> list[Message]:
     """For a template without tools: Qwen's tools text in the system message, calls written in an
     assistant's text as Qwen's templates write them, tool results as user turns in
     `<tool_response>` tags."""
@@ -171,7 +182,7 @@ def _tools_as_text(messages: list[Message], tools: tuple[ToolSpec, ...]) -> list
         if m.role == "tool":
             out.append(Message("user", ("<tool_response>\n", *m.parts, "\n</tool_response>")))
         elif m.tool_calls:
-            calls = "\n".join(render_call(c) for c in m.tool_calls)
+            calls = "\n".join(fmt.render(c) for c in m.tool_calls)
             out.append(Message(m.role, (*m.parts, ("\n" if m.parts else "") + calls)))
         else:
             out.append(m)

@@ -13,7 +13,7 @@ from mmserve.families.base import ItemExpansion
 from mmserve.request.media import EncodeItem, MediaItem, MediaKind, MediaSource, PlaceholderRange
 from mmserve.request.positions import PositionPlan
 from mmserve.request.prompt import Message, PromptBuilder
-from mmserve.request.tools import check_family
+from mmserve.request.tools import ToolFormat, check_call_arguments
 
 __all__ = ["MediaLimits", "Message", "RequestPlan", "RequestPlanner"]
 
@@ -80,11 +80,14 @@ class RequestPlanner:
         self.max_prompt_tokens = max_prompt_tokens
         self.tokenizer = tokenizer
         placeholders = {kind: self.face.placeholder(kind) for kind in MediaKind}
-        self._builder = PromptBuilder(tokenizer, template, placeholders)
+        # the family's tool-call form: how calls render, parse and are forced (`mmserve.request.tools`)
+        self.tool_format = ToolFormat.of(tokenizer, self.face.tool_call_format)
+        self._builder = PromptBuilder(tokenizer, template, placeholders, self.tool_format)
 
     def check_tools(self, messages: Sequence[Message], tools: Sequence = ()) -> None:
-        """InvalidRequest when the family takes no tool calls (`tools.NO_TOOL_CALLS`) and the request has some."""
-        check_family(self.model_type, messages, tools)
+        """InvalidRequest when the conversation's calls cannot be rendered in the family's form
+        (`tools.check_call_arguments`)."""
+        check_call_arguments(messages, self.tool_format)
 
     def plan(self, messages: list[Message[MediaItem]], tools: tuple = ()) -> RequestPlan:
         """`tools`: `mmserve.request.tools.ToolSpec`s described to the model."""

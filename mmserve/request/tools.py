@@ -1,11 +1,15 @@
-"""Tool calls in Qwen's format: the tools described to the model, its calls parsed from the text it
+"""Tool calls in Qwen's formats: the tools described to the model, its calls parsed from the text it
 wrote, and the grammar that forces a valid call (`tool_choice` required or a named function).
 
-A call is `<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>`, the layout Qwen's chat
-templates render an assistant's `tool_calls` in (so a call the model made renders back as it was
-written). `<tool_call>` is an added token in Qwen3-VL's tokenizer and plain text in the others;
-`ToolFormat` says which. A family whose template has no tools section gets the tools described in a
-system message in the same words as Qwen's (`fallback_system_text`).
+A call is `<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>` (the JSON form), the
+layout Qwen's chat templates render an assistant's `tool_calls` in (so a call the model made renders
+back as it was written). Qwen3.5 writes its calls in an XML form instead (`XML`, the layout of
+Qwen3-Coder and of Qwen3.5's template, which takes a call's `arguments` as a mapping):
+`<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`,
+a string value written as it is, any other as JSON. The family says which form
+(`RouterFace.tool_call_format`). `<tool_call>` is an added token in Qwen3-VL's tokenizer and plain
+text in the others; `ToolFormat` says which. A family whose template has no tools section gets the
+tools described in a system message in the same words as Qwen's (`fallback_system_text`).
 """
 
 from __future__ import annotations
@@ -23,9 +27,7 @@ START, END = "<tool_call>", "</tool_call>"
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MAX_TOOLS = 128
 MAX_PARALLEL_CALLS = 8  # a forced message holds at most this many calls (a weak model could repeat forever)
-# families whose templates take a call's `arguments` as a mapping and whose models write calls in an
-# XML form (`<tool_call><function=NAME><parameter=K>V</parameter></function></tool_call>`): refused (400)
-NO_TOOL_CALLS = ("qwen3_5", "qwen3_5_moe")
+JSON, XML = "json", "xml"  # the call forms (`RouterFace.tool_call_format`)
 _CALL_RE = re.compile(re.escape(START) + r"\s*(.*?)\s*" + re.escape(END), re.DOTALL)
 
 
@@ -95,11 +97,20 @@ def _schema_problem(schema: str) -> str | None:
     return " ".join(problem.split())[:300] or None
 
 
-def check_family(model_type: str, messages: Sequence, tools: Sequence[ToolSpec]) -> None:
-    """InvalidRequest when the request has tools, or a conversation of tool calls, for a family in
-    `NO_TOOL_CALLS` (their call format is not parsed nor rendered yet)."""
-    if model_type in NO_TOOL_CALLS and (tools or any(m.tool_calls or m.role == "tool" for m in messages)):
-        raise InvalidRequest(f"tool calls are not supported for model family {model_type} yet")
+def check_call_arguments(messages: Sequence, fmt: ToolFormat) -> None:
+    """In the XML form (whose template takes a call's `arguments` as a mapping) every assistant
+    call's `arguments` is the JSON text of an object (InvalidRequest naming the message otherwise)."""
+    if not fmt.xml:
+        return
+    for i, m in enumerate(messages):
+        for call in m.tool_calls:
+            try:
+                arguments = json.loads(call.arguments)
+            except ValueError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                raise InvalidRequest(f"messages[{i}]: tool call {call.id!r}: function.arguments must be the JSON "
+                                     "text of an object")
 
 
 def check_tool_results(messages: Sequence) -> None:
@@ -119,15 +130,19 @@ def check_tool_results(messages: Sequence) -> None:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """How the call markers are tokenized: an added token's id, or None for plain text."""
+    """A family's call form (`xml`: Qwen3.5's, else the JSON one) and how the call markers are
+    tokenized: an added token's id, or None for plain text."""
 
     start_id: int | None = None
     end_id: int | None = None
+    xml: bool = False
 
     @classmethod
-    def of(cls, tokenizer) -> ToolFormat:
+    def of(cls, tokenizer, form: str = JSON) -> ToolFormat:
+        if form not in (JSON, XML):
+            raise ValueError(f"unknown tool call form {form!r}")
         added = tokenizer.get_added_vocab()
-        return cls(added.get(START), added.get(END))
+        return cls(added.get(START), added.get(END), form == XML)
 
     def _marker(self, text: str, token_id: int | None) -> str:
         return f"<[{token_id}]>" if token_id is not None else json.dumps(text)
@@ -135,7 +150,7 @@ class ToolFormat:
     def grammar(self, tools: list[ToolSpec], parallel: bool = True) -> str:
         """Lark (llguidance's dialect) for one call, or up to `MAX_PARALLEL_CALLS` separated by
         newlines with `parallel`, to any of `tools`: the name among theirs, the arguments valid against the
-        chosen one's schema (compact JSON, bounds honoured)."""
+        chosen one's schema (compact JSON, bounds honoured; in the XML form see `_xml_function`)."""
         if not tools:
             raise InvalidRequest("tool_choice needs at least one tool")
         more = f' ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else ""
@@ -143,11 +158,24 @@ class ToolFormat:
                  f"call: {self._marker(START, self.start_id)} \"\\n\" body \"\\n\" {self._marker(END, self.end_id)}",
                  "body: " + " | ".join(f"fn_{i}" for i in range(len(tools)))]
         for i, tool in enumerate(tools):
+            if self.xml:
+                lines += _xml_function(i, tool)
+                continue
             head = json.dumps('{"name": "' + tool.name + '", "arguments": ')
             schema = {**tool.schema, "x-guidance": {"whitespace_flexible": False}}
             lines.append(f"fn_{i}: {head} args_{i} \"}}\"")
             lines.append(f"args_{i}: %json {json.dumps(schema)}")
         return "\n".join(lines) + "\n"
+
+    def parse(self, text: str, tools: list[ToolSpec]) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a model's text in this form (`parse_calls`, `parse_xml_calls`)."""
+        return (parse_xml_calls if self.xml else parse_calls)(text, tools)
+
+    def render(self, call: ToolCall) -> str:
+        return render_xml_call(call) if self.xml else render_call(call)
+
+
+JSON_FORMAT = ToolFormat()
 
 
 def parse_calls(text: str, tools: list[ToolSpec]) -> tuple[str | None, list[ToolCall]]:
@@ -170,7 +198,7 @@ def parse_calls(text: str, tools: list[ToolSpec]) -> tuple[str | None, list[Tool
     return (content or None) if calls else text, calls
 
 
-def answer(text: str, finish: str | None, tools, parallel: bool = True
+def answer(text: str, finish: str | None, tools, parallel: bool = True, fmt: ToolFormat = JSON_FORMAT
            ) -> tuple[str | None, list[ToolCall], str | None]:
     """(content, calls, finish reason) of a whole choice: with `tools`, its calls parsed out and the
     reason `tool_calls` when it made any and stopped by itself (the same for every API). Without
@@ -178,7 +206,7 @@ def answer(text: str, finish: str | None, tools, parallel: bool = True
     neither calls nor content (what vLLM's `maybe_filter_parallel_tool_calls` does)."""
     if not tools:
         return text, [], finish
-    content, calls = parse_calls(text, list(tools))
+    content, calls = fmt.parse(text, list(tools))
     calls = calls if parallel else calls[:1]
     return content, calls, finish_with(finish, calls)
 
@@ -240,6 +268,183 @@ def _raw_object(text: str) -> tuple[str | None, int]:
     return None, len(text)
 
 
+# -- the XML form (Qwen3.5, Qwen3-Coder) ----------------------------------------------------------------
+
+_XML_BLOCK_RE = re.compile(re.escape(START) + r"\n?(.*?)\n?" + re.escape(END), re.DOTALL)
+_XML_FUNCTION_RE = re.compile(r"\s*<function=([A-Za-z0-9_-]{1,64})>\s*(.*?)</function>\s*", re.DOTALL)
+_XML_PARAMETER_RE = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>\s*", re.DOTALL)
+_XML_HEAD_RE = re.compile(re.escape(START) + r"\s*<function=([A-Za-z0-9_-]{1,64})>")
+# what a parameter's text written as it is may not hold (the parser would end the value or the call there)
+_XML_MARKERS = ("</parameter>", "<parameter=", "</function>", "<function=", START, END)
+
+
+def parse_xml_calls(text: str, tools: list[ToolSpec]) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls) of a model's text in the XML form: a `<tool_call>` block holding one
+    `<function=NAME>` of a known tool, closed, with nothing but `<parameter=KEY>` blocks in it, is a
+    call; anything else (text, a malformed block) stays content, None when nothing but calls."""
+    by_name = {t.name: t for t in tools}
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    pos = 0
+    for match in _XML_BLOCK_RE.finditer(text):
+        call = _xml_call(match.group(1), by_name)
+        if call is None:
+            continue  # malformed: stays in the content
+        kept.append(text[pos:match.start()])
+        pos = match.end()
+        calls.append(call)
+    kept.append(text[pos:])
+    content = "".join(kept).strip()
+    return (content or None) if calls else text, calls
+
+
+def _xml_call(body: str, by_name: dict[str, ToolSpec]) -> ToolCall | None:
+    function = _XML_FUNCTION_RE.fullmatch(body)
+    if function is None or function.group(1) not in by_name:
+        return None
+    tool, inner, at = by_name[function.group(1)], function.group(2), 0
+    properties = tool.schema.get("properties") or {}
+    arguments: dict = {}
+    for parameter in _XML_PARAMETER_RE.finditer(inner):
+        if parameter.start() != at or parameter.group(1) in arguments:
+            return None  # text between parameters, or a key twice
+        at = parameter.end()
+        raw = parameter.group(2)
+        raw = raw[1:] if raw.startswith("\n") else raw  # the form's newlines around the value
+        raw = raw[:-1] if raw.endswith("\n") else raw
+        arguments[parameter.group(1)] = xml_value(raw, properties.get(parameter.group(1)))
+    if at != len(inner):
+        return None
+    return ToolCall(new_call_id(), tool.name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _json_types(schema: dict) -> set[str] | None:
+    """The JSON types a parameter's schema allows: its `type`, else its enum's or const's; None: any."""
+    if isinstance(kind := schema.get("type"), str):
+        return {kind}
+    if isinstance(kind, list):
+        return set(kind)
+    values = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
+    return None if values is None else {_type_of(v) for v in values}
+
+
+def _type_of(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "integer" if value.is_integer() else "number"
+    return {str: "string", list: "array", dict: "object"}[type(value)]
+
+
+def xml_value(raw: str, schema: dict | None):
+    """A parameter's value from its text, as Qwen3-Coder's published parser reads it: a parameter
+    the schema does not list, or one of type string, is the text as written (a nullable one's `null`
+    is None); any other is the JSON value the text decodes to when that is of an allowed type (an
+    integer is a number too; `True`/`False` in any case are booleans), else the text as written."""
+    if not isinstance(schema, dict):
+        return raw
+    types = _json_types(schema)
+    if types is not None and raw.lower() == "null" and ("null" in types or "string" not in types):
+        return None
+    if types is not None and types <= {"string", "null"}:
+        return raw
+    if types is not None and "boolean" in types and raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return raw
+    kind = _type_of(value)
+    if types is None or kind in types or (kind == "integer" and "number" in types):
+        return value
+    return raw
+
+
+def render_xml_call(call: ToolCall) -> str:
+    """A call as Qwen3.5's template renders it in an assistant turn (`arguments` a JSON object)."""
+    parameters = "".join(f"<parameter={key}>\n{value if isinstance(value, str) else json.dumps(value)}\n</parameter>\n"
+                         for key, value in json.loads(call.arguments).items())
+    return f"{START}\n<function={call.name}>\n{parameters}</function>\n{END}"
+
+
+def _xml_function(i: int, tool: ToolSpec) -> list[str]:
+    """Lark rules `fn_<i>` of a call to `tool` in the XML form, the template's layout: its
+    schema's properties in their order (the required ones always, the others optional), none
+    other; each value as the parser reads it back (`xml_value`): a string one written as it is
+    (its enum or const, length bounds and pattern honoured, never holding a marker of the form nor
+    being `null`), any other as compact JSON valid against the property's schema."""
+    schema = tool.schema
+    properties = dict(schema.get("properties") or {})
+    for name in schema.get("required") or ():
+        properties.setdefault(name, {})
+    shared = {k: schema[k] for k in ("$defs", "definitions") if k in schema}  # for the properties' $refs
+    required = set(schema.get("required") or ())
+    lines, parts = [], []
+    for j, (name, sub) in enumerate(properties.items()):
+        if not re.fullmatch(r"[^<>\n]{1,256}", name):
+            if name in required:
+                raise InvalidRequest(f"tool {tool.name}: parameter {name!r} cannot be written in this model's "
+                                     "call format")
+            continue
+        rule = f"p_{i}_{j}"
+        parts.append(rule if name in required else f"{rule}?")
+        value, terminals = _xml_value_rule(sub if isinstance(sub, dict) else {}, shared, f"STR_{i}_{j}")
+        lines += [f"{rule}: {json.dumps(f'<parameter={name}>' + chr(10))} {value}", *terminals]
+    head = json.dumps(f"<function={tool.name}>\n")
+    return [f"fn_{i}: {' '.join([head, *parts])} \"</function>\"", *lines]
+
+
+_CLOSE = json.dumps("\n</parameter>\n")
+
+
+def _xml_value_rule(schema: dict, shared: dict, terminal: str) -> tuple[str, list[str]]:
+    """The Lark of one parameter's value and its closing `\\n</parameter>\\n`, and the terminal
+    rules it needs."""
+    types = _json_types(schema)
+    if types is None or "string" not in types:
+        return f"%json {_json_schema(schema, shared)} {_CLOSE}", []
+    raw, terminals = _raw_string(schema, terminal)
+    alternatives = [raw]
+    if "null" in types:
+        alternatives.append(json.dumps("null\n</parameter>\n"))
+    if others := sorted(types - {"string", "null"}):
+        alternatives.append(f"%json {_json_schema({**schema, 'type': others}, shared)} {_CLOSE}")
+    return "(" + " | ".join(alternatives) + ")", terminals
+
+
+def _json_schema(schema: dict, shared: dict) -> str:
+    return json.dumps({**shared, **schema, "x-guidance": {"whitespace_flexible": False}})
+
+
+_RAW_CLOSE = r"\n<\/parameter>\n"
+_NO_MARKER = "~/(?s:.*(" + "|".join(re.escape(m).replace("/", r"\/") for m in _XML_MARKERS) + ").*)" + _RAW_CLOSE + "/"
+
+
+def _raw_string(schema: dict, terminal: str) -> tuple[str, list[str]]:
+    """A string value written as it is, with its closing, as one lexeme (so the value ends where
+    its closing does): its enum's words, or a terminal of the regexes intersected (llguidance's
+    `&` and `~`): the length bounds, the pattern, no marker of the form, not `null`."""
+    values = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
+    if values is not None:
+        words = [v for v in values if isinstance(v, str) and not any(m in v for m in _XML_MARKERS)
+                 and v.lower() != "null"]
+        if not words:
+            raise InvalidRequest("a string enum of a tool parameter has no value this model's call format can write")
+        return "(" + " | ".join(json.dumps(w + "\n</parameter>\n") for w in words) + ")", []
+    low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+    terms = [f"/(?s:.{{{low},{'' if high is None else int(high)}}}){_RAW_CLOSE}/", _NO_MARKER,
+             f"~/(?i:null){_RAW_CLOSE}/"]
+    if isinstance(pattern := schema.get("pattern"), str):  # unanchored, as JSON Schema's
+        head = "" if pattern.startswith("^") else "(?s:.*)"
+        tail = "" if pattern.endswith("$") and not pattern.endswith("\\$") else "(?s:.*)"
+        body = pattern[1 if not head else 0:len(pattern) - (0 if tail else 1)].replace("/", r"\/")
+        terms.append(f"/{head}(?:{body}){tail}{_RAW_CLOSE}/")
+    return terminal, [f"{terminal}: {' & '.join(terms)}"]
+
 def fallback_system_text(tools: list[ToolSpec]) -> str:
     """The tools described as Qwen's templates describe them, for a template without tools."""
     listed = "\n".join(json.dumps(t.as_openai(), ensure_ascii=False) for t in tools)
@@ -259,13 +464,16 @@ class ToolText:
     """One choice's streamed text when the request has tools, as events to send: `("content", text)`,
     `("call", index, ToolCall)` when a call's name is known (its id and name, no arguments yet), and
     `("arguments", index, piece)` as its arguments are generated. Text is content until a
-    `<tool_call>` begins (a tail that may be its start is held back); a call in Qwen's layout
-    streams its arguments as they come; anything else is parsed at the choice's end (`end`).
-    Without `parallel`, the events of calls after the first are dropped, as `answer` drops them."""
+    `<tool_call>` begins (a tail that may be its start is held back); a call in Qwen's JSON layout
+    streams its arguments as they come; one in the XML form (`fmt.xml`) sends its id and name when
+    its `<function=NAME>` is written and its arguments whole when its `</tool_call>` is (their JSON
+    is only known then: a value's type is read from its whole text); anything else is parsed at the
+    choice's end (`end`). Without `parallel`, the events of calls after the first are dropped, as
+    `answer` drops them."""
 
-    def __init__(self, tools, parallel: bool = True):
+    def __init__(self, tools, parallel: bool = True, fmt: ToolFormat = JSON_FORMAT):
         self.tools, self.names = list(tools), {t.name for t in tools}
-        self.parallel = parallel
+        self.parallel, self.fmt = parallel, fmt
         self.held = ""  # text not sent yet, from the current call's `<tool_call>` on when `calling`
         self.calling = False
         self.calls: list[ToolCall] = []  # streamed ones
@@ -294,6 +502,10 @@ class ToolText:
                 if self.held[:at].strip() or (at and not self.calls):
                     events.append(("content", self.held[:at]))
                 self.held, self.calling, self.sent = self.held[at:], True, 0
+            if self.fmt.xml:
+                if not self._xml(events):
+                    return events
+                continue
             head = _HEAD_RE.match(self.held)
             if head is None or head.group(1) not in self.names:
                 return events  # not (yet) a call in Qwen's layout: parsed at the end
@@ -313,12 +525,31 @@ class ToolText:
             self.calls[-1] = ToolCall(self.calls[-1].id, self.calls[-1].name, raw)
             self.held, self.calling, self.sent = args[len(raw) + close.end():], False, 0
 
+    def _xml(self, events: list[tuple]) -> bool:
+        """The current call in the XML form, from its `<tool_call>` in `held`: True when it closed
+        as a call (its text consumed), False to wait for more (or for `end`)."""
+        head = _XML_HEAD_RE.match(self.held)
+        if head is None or head.group(1) not in self.names:
+            return False  # not (yet) a call: parsed at the end
+        if self.sent == 0 and (not self.calls or self.calls[-1].arguments is not None):
+            self.calls.append(ToolCall(new_call_id(), head.group(1), None))  # type: ignore[arg-type]
+            events.append(("call", len(self.calls) - 1, self.calls[-1]))
+            self.sent = 1  # the head is sent
+        block = _XML_BLOCK_RE.match(self.held)
+        call = block and _xml_call(block.group(1), {t.name: t for t in self.tools})
+        if not call or call.name != self.calls[-1].name:
+            return False  # still coming, or malformed (then `end` parses it as text)
+        self.calls[-1] = ToolCall(self.calls[-1].id, call.name, call.arguments)
+        events.append(("arguments", len(self.calls) - 1, call.arguments))
+        self.held, self.calling, self.sent = self.held[block.end():], False, 0
+        return True
+
     def end(self) -> tuple[list[tuple], list[ToolCall]]:
         """The events still to send and every call of the choice."""
         events: list[tuple] = []
         if self.calls and self.calls[-1].arguments is None:  # streamed but never closed: not a call
             self.calls.pop()
-        content, calls = parse_calls(self.held, self.tools)
+        content, calls = self.fmt.parse(self.held, self.tools)
         for call in calls:
             self.calls.append(call)
             events += [("call", len(self.calls) - 1, call), ("arguments", len(self.calls) - 1, call.arguments)]

@@ -1,8 +1,9 @@
-"""Tool calls in Qwen's format (`mmserve.request.tools`): the parser on recorded outputs (a call,
-two calls, text around them, malformed blocks kept as text), and the grammar of `tool_choice`
-required / a named function driving the engine: with an image in the prompt, random weights,
-greedy and sampled, every output parses to calls whose arguments validate, for a tokenizer where
-`<tool_call>` is an added token (Qwen3-VL) and one where it is text (Qwen2-VL)."""
+"""Tool calls in Qwen's formats (`mmserve.request.tools`): the parsers on recorded outputs (a call,
+two calls, text around them, malformed blocks kept as text), of the JSON form and of Qwen3.5's XML
+form, and the grammar of `tool_choice` required / a named function driving the engine: with an
+image in the prompt, random weights, greedy and sampled, every output parses to calls whose
+arguments validate, for a tokenizer where `<tool_call>` is an added token (Qwen3-VL) and one where
+it is text (Qwen2-VL), and in the XML form (Qwen3.5)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import pytest
 
 from llm_service.sampling import Grammar
 from mmserve.errors import InvalidRequest
-from mmserve.request.tools import (NO_TOOL_CALLS, ToolFormat, ToolSpec, ToolText, answer, fallback_system_text,
-                                   parse_calls, render_call)
+from mmserve.request.tools import (JSON_FORMAT, ToolCall, ToolFormat, ToolSpec, ToolText, answer,
+                                   fallback_system_text, parse_calls, parse_xml_calls, render_call, render_xml_call,
+                                   xml_value)
 from mmserve.tiny import FAMILIES
 from tests.support.cases import image, text, user
 from tests.support.engine_support import Collector, make_engine, plan_request, run_until_done
@@ -63,19 +65,23 @@ def _run(model_dir, grammar: str, sampled: dict, n: int = 3):
     return [(collector.tokens(f"r{i}"), collector.finish_reason(f"r{i}")) for i in range(n)]
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_vl"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_vl", "qwen3_5"])
 @pytest.mark.parametrize("sampled", [{}, {"temperature": 1.0, "top_p": 0.95}], ids=["greedy", "sampled"])
 def test_required_and_named_choices_always_give_valid_calls(tiny_checkpoint, family, sampled):
     from transformers import AutoTokenizer
 
+    from mmserve.request.prompt_plan import RequestPlanner
+
     model_dir = tiny_checkpoint(family)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    fmt = ToolFormat.of(tokenizer)
-    assert (fmt.start_id is not None) == (family == "qwen3_vl")
-    for tools, parallel in ((TOOLS, True), ([TYPE], False)):  # required (parallel calls); a named function
+    fmt = RequestPlanner(model_dir, tokenizer).tool_format  # the family's form
+    assert (fmt.start_id is not None) == (family != "qwen2_vl") and fmt.xml == (family == "qwen3_5")
+    # Qwen3.5's form: a string written as it is (bounded), a nullable one, an enum without a type, JSON values
+    tools = [*TOOLS, SEARCH] if fmt.xml else TOOLS
+    for tools, parallel in ((tools, True), ([TYPE], False)):  # required (parallel calls); a named function
         for tokens, reason in _run(model_dir, fmt.grammar(tools, parallel), sampled):
             assert reason == "stop"
-            content, calls = parse_calls(tokenizer.decode(tokens), tools)
+            content, calls = fmt.parse(tokenizer.decode(tokens), tools)
             assert calls and content is None
             assert parallel or len(calls) == 1
             for call in calls:
@@ -83,8 +89,19 @@ def test_required_and_named_choices_always_give_valid_calls(tiny_checkpoint, fam
                 jsonschema.validate(json.loads(call.arguments), spec.schema)
 
 
-def _conversation_messages():
-    """user -> assistant tool call -> tool result, as the planner takes them and as HF's template does."""
+SEARCH = ToolSpec("search", "Search the page", {
+    "type": "object", "properties": {
+        "query": {"type": "string", "minLength": 1, "maxLength": 10, "pattern": "^[a-z ]+$"},
+        "scope": {"type": ["string", "null"], "maxLength": 5}, "limit": {"type": "integer", "minimum": 1, "maximum": 9},
+        "where": {"$ref": "#/$defs/box"}},
+    "required": ["query", "scope", "where"], "additionalProperties": False,
+    "$defs": {"box": {"type": "object", "properties": {"w": {"type": "number"}}, "required": ["w"],
+                      "additionalProperties": False}}})
+
+
+def _conversation_messages(mapping: bool = False):
+    """user -> assistant tool call -> tool result, as the planner takes them and as HF's template does
+    (with `mapping`, the call's arguments as the mapping Qwen3.5's template takes)."""
     from mmserve.request.prompt import Message
     from mmserve.request.tools import ToolCall
 
@@ -94,13 +111,14 @@ def _conversation_messages():
             Message("user", ("Now type hello.",))]
     theirs = [{"role": "system", "content": "You operate a computer."}, {"role": "user", "content": "Click OK."},
               {"role": "assistant", "content": "", "tool_calls": [
-                  {"type": "function", "function": {"name": "click", "arguments": '{"x":5,"y":7}'}}]},
+                  {"type": "function", "function": {"name": "click", "arguments": {"x": 5, "y": 7} if mapping
+                                                    else '{"x":5,"y":7}'}}]},
               {"role": "tool", "content": "clicked", "tool_call_id": "call_1"},
               {"role": "user", "content": "Now type hello."}]
     return ours, theirs
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
 def test_a_tool_conversation_renders_as_transformers_renders_it_where_the_template_has_tools(tiny_checkpoint,
                                                                                              family):
     from transformers import AutoTokenizer
@@ -109,12 +127,14 @@ def test_a_tool_conversation_renders_as_transformers_renders_it_where_the_templa
 
     model_dir = tiny_checkpoint(family)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ours, theirs = _conversation_messages()
+    ours, theirs = _conversation_messages(mapping=family.startswith("qwen3_5"))
     plan = RequestPlanner(model_dir, tokenizer).plan(ours, tuple(TOOLS))
     text = tokenizer.apply_chat_template(theirs, tools=[t.as_openai() for t in TOOLS], tokenize=False,
                                          add_generation_prompt=True)
     assert plan.token_ids == tokenizer(text, add_special_tokens=False).input_ids
     assert "<tools>" in text and "<tool_response>" in text
+    if family.startswith("qwen3_5"):  # the call as the XML form writes it
+        assert "<function=click>\n<parameter=x>\n5\n</parameter>\n<parameter=y>\n7\n</parameter>\n</function>" in text
 
 
 def test_without_a_tools_section_the_tools_and_calls_are_written_as_qwen_writes_them(tiny_checkpoint):
@@ -148,7 +168,7 @@ def test_special_token_strings_in_tools_are_refused(tiny_checkpoint):
 def test_every_familys_template_takes_a_tool_conversation(tiny_checkpoint, family):
     """Rendered by the template's tools section or in Qwen's words: the calls, the tool result and
     the tools' names are in the prompt, an image in the user's turn, for every family of the registry
-    (`mmserve.tiny.FAMILIES`); the families that take no tool calls yet refuse it (400)."""
+    (`mmserve.tiny.FAMILIES`)."""
     import dataclasses
 
     from transformers import AutoTokenizer
@@ -164,13 +184,10 @@ def test_every_familys_template_takes_a_tool_conversation(tiny_checkpoint, famil
     ours[1] = dataclasses.replace(ours[1], parts=(MediaItem(MediaKind.IMAGE, (image_bytes(56, 70, 3),)),
                                                   *ours[1].parts))
     planner = RequestPlanner(model_dir, tokenizer)
-    if _MODEL_TYPES[family] in NO_TOOL_CALLS:
-        with pytest.raises(InvalidRequest, match=f"not supported for model family {_MODEL_TYPES[family]} yet"):
-            planner.plan(ours, tuple(TOOLS))
-        return
     plan = planner.plan(ours, tuple(TOOLS))
     text = tokenizer.decode(plan.token_ids)
     assert "type_text" in text and "clicked" in text and '"click"' in text and len(plan.ranges) == 1
+    assert ("<function=click>" in text) == (_MODEL_TYPES[family] in ("qwen3_5", "qwen3_5_moe"))
 
 
 @pytest.mark.parametrize("step", [1, 3, 7, 1000])
@@ -205,6 +222,87 @@ def test_a_malformed_streamed_call_is_content():
     events = text.add('<tool_call>\n{"name": "click", "arguments": {"x": 1\n</tool_call>')
     more, calls = text.end()
     assert not calls and "".join(e[1] for e in events + more if e[0] == "content").startswith("<tool_call>")
+
+
+# -- Qwen3.5's XML form ------------------------------------------------------------------------------
+
+XML = ToolFormat(xml=True)
+
+
+def _xml(name: str, **values: str) -> str:
+    """A call as Qwen3.5 writes it, each value's text as given."""
+    parameters = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+    return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("output, content, calls", [
+    (_xml("click", x="12", y="40"), None, [("click", {"x": 12, "y": 40})]),
+    ("I will click.\n" + _xml("click", x="1", y="2", button="left") + "\n" + _xml("type_text", text="42") + "\nDone.",
+     "I will click.\n\n\nDone.", [("click", {"x": 1, "y": 2, "button": "left"}), ("type_text", {"text": "42"})]),
+    ("<think>\nA click.\n</think>\n\n" + _xml("type_text", text="two\nlines "), "<think>\nA click.\n</think>",
+     [("type_text", {"text": "two\nlines "})]),  # a string as written, newlines in it kept
+    (_xml("click", x="one", y="2"), None, [("click", {"x": "one", "y": 2})]),  # not an integer: the text
+    (_xml("click", x="1", y="2").replace("</function>\n", ""), None, []),  # malformed: text
+    (_xml("click", x="1").replace("<parameter=x>", "oops <parameter=x>"), None, []),  # text between: text
+    (_xml("scroll", dy="3"), None, []),  # no such tool: text
+    ('<tool_call>\n{"name": "click", "arguments": {"x": 1, "y": 2}}\n</tool_call>', None, []),  # the JSON form
+    ("Just an answer.", None, []),
+])
+def test_the_xml_parser_finds_calls_and_keeps_the_rest_as_text(output, content, calls):
+    got_content, got = parse_xml_calls(output, TOOLS)
+    assert [(c.name, json.loads(c.arguments)) for c in got] == calls
+    assert got_content == (content if calls else output)
+    assert len({c.id for c in got}) == len(got)
+    for call in got:  # a call renders back as Qwen3.5's template writes it, and parses the same
+        assert parse_xml_calls(render_xml_call(call), TOOLS)[1][0].arguments == call.arguments
+    assert answer(output, "stop", TOOLS, fmt=XML)[2] == ("tool_calls" if calls else "stop")
+
+
+@pytest.mark.parametrize("text, schema, value", [
+    ("12", {"type": "integer"}, 12), ("12", {"type": "string"}, "12"), ("12", None, "12"),  # not in the schema
+    ("1.5", {"type": "number"}, 1.5), ("3", {"type": "number"}, 3), ("True", {"type": "boolean"}, True),
+    ("null", {"type": ["string", "null"]}, None), ("null", {"type": "string"}, "null"),
+    ("none", {"type": ["integer", "null"]}, "none"), ('{"w": 1}', {"type": "object"}, {"w": 1}),
+    ("[1, 2]", {"type": "array"}, [1, 2]), ("[1, 2", {"type": "array"}, "[1, 2"),
+    ("left", {"enum": ["left", "right"]}, "left"), ("2", {"enum": [1, 2]}, 2), ("7", {"$ref": "#/$defs/n"}, 7),
+])
+def test_an_xml_parameters_value_is_json_of_its_schemas_type_else_its_text(text, schema, value):
+    assert xml_value(text, schema) == value and type(xml_value(text, schema)) is type(value)
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_streamed_xml_calls_send_the_name_first_and_the_arguments_whole_when_the_call_closes(step):
+    output = "Sure.\n" + _xml("click", x="1", y="2", button="left") + "\n" + _xml("type_text", text="a}<b")
+    text, events = ToolText(TOOLS, fmt=XML), []
+    for i in range(0, len(output), step):
+        events += text.add(output[i:i + step])
+    before_end = list(events)
+    more, calls = text.end()
+    events += more
+    content, parsed = parse_xml_calls(output, TOOLS)
+    assert "".join(e[1] for e in events if e[0] == "content").strip() == content == "Sure."
+    assert [(e[0], e[1]) for e in before_end if e[0] != "content"] == [("call", 0), ("arguments", 0), ("call", 1),
+                                                                        ("arguments", 1)]
+    assert [e[2].name for e in events if e[0] == "call"] == ["click", "type_text"]
+    assert [e[2] for e in events if e[0] == "arguments"] == [c.arguments for c in parsed] == [c.arguments
+                                                                                              for c in calls]
+    assert json.loads(calls[1].arguments) == {"text": "a}<b"}
+
+
+def test_a_malformed_streamed_xml_call_is_content():
+    text = ToolText(TOOLS, fmt=XML)
+    events = text.add(_xml("click", x="1").replace("</function>", "</func>"))
+    more, calls = text.end()
+    assert not calls and "".join(e[1] for e in events + more if e[0] == "content").startswith("<tool_call>")
+
+
+def test_the_xml_grammar_compiles_for_strings_as_written_and_json_values():
+    from llguidance import LLMatcher
+
+    grammar = XML.grammar([*TOOLS, SEARCH])
+    assert LLMatcher.validate_grammar(grammar) == ""
+    assert '"<parameter=button>\\n" (("left\\n</parameter>\\n" | "right\\n</parameter>\\n"))' in grammar
+    assert "p_0_0 p_0_1 p_0_2? " in grammar and "p_2_0 p_2_1 p_2_2? p_2_3 " in grammar  # only optional ones optional
 
 
 # -- bad tool input, refused the same over HTTP and gRPC (the request core's checks) ------------------
@@ -323,26 +421,35 @@ def test_a_tool_whose_parameters_are_no_json_schema_is_refused_whatever_the_tool
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
-def test_families_without_tool_calls_refuse_them_with_a_400(tiny_checkpoint, family):
-    """Qwen3.5's template takes a call's arguments as a mapping and its models write calls in an XML
-    form: until both are supported, tools (or a conversation of calls) are refused, not a 500."""
-    import grpc
-
+def test_qwen3_5_serves_tools_and_conversations_of_calls(tiny_checkpoint, family):
+    """Qwen3.5 (the XML form): tools under every tool_choice and a conversation of calls are served
+    over HTTP and gRPC; a call whose arguments are no JSON object cannot be rendered (400)."""
     from mmserve.rpc.vlm_client import request
     from tests.support.core_fakes import make_core
 
     core = make_core(tiny_checkpoint(family))
-    expected = f"tool calls are not supported for model family {family} yet"
     hi = [{"role": "user", "content": "hi"}]
-    assert _http(core, {"messages": hi, "tools": OPENAI_TOOLS}) == (400, expected)
-    assert _http(core, {"messages": hi, "tools": OPENAI_TOOLS, "tool_choice": "required"}) == (400, expected)
+    for choice in ("auto", "none", "required", {"type": "function", "function": {"name": "click"}}):
+        assert _http(core, {"messages": hi, "tools": OPENAI_TOOLS, "tool_choice": choice}) == (200, "")
     conversation = [*hi, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "click", "arguments": "{}"}}]},
+        {"id": "call_1", "type": "function", "function": {"name": "click", "arguments": '{"x": 1, "y": 2}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
-    assert _http(core, {"messages": conversation}) == (400, expected)
-    assert _grpc(core, request(_grpc_conversation("call_1"), max_tokens=4)) == (grpc.StatusCode.INVALID_ARGUMENT,
-                                                                              expected)
-    assert _http(core, {"messages": hi})[0] == 200  # without tools: served
+    assert _http(core, {"messages": conversation, "tools": OPENAI_TOOLS}) == (200, "")
+    assert _grpc(core, request(_grpc_conversation("call_1"), tools=GRPC_TOOLS, max_tokens=4)) == (None, "")
+    conversation[1]["tool_calls"][0]["function"]["arguments"] = "[1, 2]"
+    assert _http(core, {"messages": conversation}) == (
+        400, "messages[1]: tool call 'call_1': function.arguments must be the JSON text of an object")
+
+
+def test_a_forced_call_in_the_xml_form_reaches_the_engine_as_its_grammar(tiny_checkpoint):
+    from tests.support.core_fakes import FakeLLM, make_core
+
+    llm = FakeLLM()
+    core = make_core(tiny_checkpoint("qwen3_5"), llm)
+    assert _http(core, {"messages": [{"role": "user", "content": "Type hi."}], "tools": OPENAI_TOOLS,
+                        "tool_choice": {"type": "function", "function": {"name": "type_text"}}})[0] == 200
+    grammar = llm.calls[0].sampling.grammar
+    assert grammar.kind == "lark" and '"<function=type_text>\\n"' in grammar.schema and "click" not in grammar.schema
 
 
 # -- parallel_tool_calls: false under tool_choice auto -------------------------------------------------
@@ -358,6 +465,7 @@ class _Generation:
         from types import SimpleNamespace
 
         self.request_id, self.n, self.tools, self.parallel_tool_calls = "r", 1, tuple(TOOLS), parallel
+        self.tool_format = JSON_FORMAT
         self.sampling = SimpleNamespace(logprobs=None)
         self.plan, self.num_generated = SimpleNamespace(token_ids=[1, 2], num_media_tokens=0), 0
 
