@@ -312,7 +312,8 @@ class RequestCore:
                      request_id: str, received: float) -> Generation:
         started = time.perf_counter()
         options = request.options
-        if (forced := request.tool_grammar(self.planner.tool_format)) is not None:  # a call the grammar holds to the tools
+        # a call the grammar holds to the tools, in the family's form
+        if (forced := request.tool_grammar(self.planner.tool_format)) is not None:
             options = dataclasses.replace(options, response_format=forced)
         tools = request.tools if request.parses_tools else ()
         plan = await asyncio.to_thread(self.planner.plan, messages, tools)

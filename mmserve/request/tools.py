@@ -324,8 +324,15 @@ def _json_types(schema: dict) -> set[str] | None:
         return {kind}
     if isinstance(kind, list):
         return set(kind)
-    values = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
+    values = _enum_values(schema)
     return None if values is None else {_type_of(v) for v in values}
+
+
+def _enum_values(schema: dict) -> list | None:
+    """The values a schema's `enum` or `const` allows (None: no such keyword)."""
+    if isinstance(schema.get("enum"), list):
+        return schema["enum"]
+    return [schema["const"]] if "const" in schema else None
 
 
 def _type_of(value) -> str:
@@ -428,7 +435,7 @@ def _raw_string(schema: dict, terminal: str) -> tuple[str, list[str]]:
     """A string value written as it is, with its closing, as one lexeme (so the value ends where
     its closing does): its enum's words, or a terminal of the regexes intersected (llguidance's
     `&` and `~`): the length bounds, the pattern, no marker of the form, not `null`."""
-    values = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else None
+    values = _enum_values(schema)
     if values is not None:
         words = [v for v in values if isinstance(v, str) and not any(m in v for m in _XML_MARKERS)
                  and v.lower() != "null"]
