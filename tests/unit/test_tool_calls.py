@@ -459,27 +459,28 @@ TWO_CALLS = ('I will click.\n<tool_call>\n{"name": "click", "arguments": {"x": 1
 
 
 class _Generation:
-    """A `Generation` as the API adapters read it, whose one choice writes `TWO_CALLS` and stops."""
+    """A `Generation` as the API adapters read it, whose one choice writes `output` (`TWO_CALLS`)
+    and stops, in the tool-call form `fmt`."""
 
-    def __init__(self, parallel: bool):
+    def __init__(self, parallel: bool, output: str = TWO_CALLS, fmt: ToolFormat = JSON_FORMAT):
         from types import SimpleNamespace
 
         self.request_id, self.n, self.tools, self.parallel_tool_calls = "r", 1, tuple(TOOLS), parallel
-        self.tool_format = JSON_FORMAT
+        self.tool_format, self.output = fmt, output
         self.sampling = SimpleNamespace(logprobs=None)
         self.plan, self.num_generated = SimpleNamespace(token_ids=[1, 2], num_media_tokens=0), 0
 
     async def deltas(self):
         from deployments.core.generation import Delta
 
-        for i in range(0, len(TWO_CALLS), 5):
-            yield Delta(TWO_CALLS[i:i + 5], None, "stop" if i + 5 >= len(TWO_CALLS) else None)
+        for i in range(0, len(self.output), 5):
+            yield Delta(self.output[i:i + 5], None, "stop" if i + 5 >= len(self.output) else None)
 
     def usage(self) -> dict:
         return {}
 
 
-def _answers(parallel: bool) -> dict:
+def _answers(parallel: bool, *form) -> dict:
     """(content, [(name, arguments)], finish reason) per API path: HTTP whole and streamed, gRPC whole and streamed."""
     import asyncio
 
@@ -488,9 +489,9 @@ def _answers(parallel: bool) -> dict:
     async def all_of(chunks):
         return [c async for c in chunks]
 
-    whole = asyncio.run(openai_api.completion(_Generation(parallel), "m", False))["choices"][0]
+    whole = asyncio.run(openai_api.completion(_Generation(parallel, *form), "m", False))["choices"][0]
     content, calls, finish = "", {}, None
-    for line in asyncio.run(all_of(openai_api.sse(_Generation(parallel), "m", False, False, None))):
+    for line in asyncio.run(all_of(openai_api.sse(_Generation(parallel, *form), "m", False, False, None))):
         if line.startswith("data: {"):
             choice = json.loads(line[6:])["choices"][0]
             content += choice["delta"].get("content") or ""
@@ -499,8 +500,8 @@ def _answers(parallel: bool) -> dict:
                 call[0] += piece["function"].get("name") or ""
                 call[1] += piece["function"].get("arguments") or ""
             finish = choice["finish_reason"] or finish
-    unary = asyncio.run(grpc_api.completion(_Generation(parallel), "r"))
-    streamed = asyncio.run(all_of(grpc_api.stream(_Generation(parallel), "r")))
+    unary = asyncio.run(grpc_api.completion(_Generation(parallel, *form), "r"))
+    streamed = asyncio.run(all_of(grpc_api.stream(_Generation(parallel, *form), "r")))
     return {
         "http": (whole["message"]["content"], [(c["function"]["name"], c["function"]["arguments"])
                                                for c in whole["message"]["tool_calls"]], whole["finish_reason"]),
@@ -527,6 +528,16 @@ def test_parallel_tool_calls_false_keeps_the_first_parsed_call_under_auto(parall
     more, streamed = text.end()
     assert {e[1] for e in events + more if e[0] != "content"} == ({0, 1} if parallel else {0})
     assert [c.name for c in streamed] == [c.name for c in calls]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_xml_calls_are_answered_alike_over_every_api_path(parallel):
+    """Qwen3.5's form through the adapters (`Generation.tool_format`): the same content, calls and
+    finish reason over HTTP and gRPC, whole and streamed."""
+    output = "I will click.\n" + _xml("click", x="1", y="2") + "\n" + _xml("type_text", text="hi")
+    click, type_text = ("click", '{"x": 1, "y": 2}'), ("type_text", '{"text": "hi"}')
+    expected = ("I will click.", [click, type_text] if parallel else [click], "tool_calls")
+    assert _answers(parallel, output, XML) == dict.fromkeys(["http", "http stream", "grpc", "grpc stream"], expected)
 
 
 @pytest.mark.parametrize("api", ["http", "grpc"])
