@@ -157,7 +157,7 @@ def routing_main(ns) -> int:
     """`mmserve plan --routing-scale`: the table, then one JSON line."""
     import json
 
-    from mmserve.capacity.routing import TYPICAL, routing_scale, typical_workload
+    from mmserve.capacity.routing import MAX_REQUESTS_PER_GPU, TYPICAL, routing_scale, typical_workload
 
     profile = with_changes(load_profile(ns.profile), ns.set)
     workloads = {"typical": typical_workload()}
@@ -186,9 +186,14 @@ def routing_main(ns) -> int:
                          max_requests_per_gpu=ns.max_requests_per_gpu)
     ratios = {name: {str(r.gpus): round(r.ratio, 3) for r in rows if r.workload == name} for name in workloads}
     print(json.dumps({"profile": profile.source, "requests_per_gpu": ns.requests_per_gpu,
+                      "max_requests_per_gpu": ns.max_requests_per_gpu or MAX_REQUESTS_PER_GPU,
                       "ttft_p99_s": ns.ttft_p99, "tpot_p99_s": ns.tpot_p99,
                       "goodput_per_gpu": {f"{r.workload}/{r.gpus}/{policy}": round(rate / r.gpus, 3) for r in rows
                                           for policy, rate in (("default", r.default_goodput),
                                                                ("affinity", r.affinity_goodput))},
+                      # the run at each goodput: its arrivals per GPU, and whether it was long enough to judge
+                      "run_requests_per_gpu": {f"{r.workload}/{r.gpus}/{policy}": (res.requests // r.gpus, res.judged)
+                                               for r in rows for policy, res in (("default", r.default),
+                                                                                 ("affinity", r.affinity)) if res},
                       "affinity_over_default_goodput": ratios}))
     return 0

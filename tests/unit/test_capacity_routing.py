@@ -95,4 +95,5 @@ def test_a_small_routing_scale_run_ends_with_the_ratio_per_size(capsys):
     summary = json.loads(out[-1])
     assert set(summary["affinity_over_default_goodput"]["typical"]) == {"4", "8"}
     assert summary["profile"].startswith("hand-written")
+    assert summary["max_requests_per_gpu"] == 32 and all(n <= 32 for n, _ in summary["run_requests_per_gpu"].values())
     assert sum(" affinity " in line for line in out) == 2
