@@ -90,8 +90,10 @@ def main(argv: list[str] | None = None, collect=None) -> int:
                    "over the whole cluster (--gpus), with the encoder and prefix caches, for the typical workload "
                    "and a popularity sweep (mmserve.capacity.routing)")
     r.add_argument("--zipf", type=float, nargs="+", default=[0.6, 0.8, 1.0, 1.2], help="the sweep's Zipf exponents")
-    r.add_argument("--requests-per-gpu", type=int, default=60, help="arrivals simulated per GPU (half warm the "
-                   "caches): bounds the run time")
+    r.add_argument("--requests-per-gpu", type=int, default=60, help="arrivals simulated per GPU, at least (half "
+                   "warm the caches); a run too short to judge its backlog is run again with twice as many")
+    r.add_argument("--max-requests-per-gpu", type=int, default=None, help="...up to this many (default "
+                   "480): bounds the run time")
     ns = p.parse_args(argv)
     if ns.routing_scale:
         ns.ttft_p99 = 2.0 if ns.ttft_p99 is None else ns.ttft_p99
@@ -155,7 +157,7 @@ def routing_main(ns) -> int:
     """`mmserve plan --routing-scale`: the table, then one JSON line."""
     import json
 
-    from mmserve.capacity.routing import TYPICAL, routing_scale, typical_workload
+    from mmserve.capacity.routing import MAX_REQUESTS_PER_GPU, TYPICAL, routing_scale, typical_workload
 
     profile = with_changes(load_profile(ns.profile), ns.set)
     workloads = {"typical": typical_workload()}
@@ -165,23 +167,33 @@ def routing_main(ns) -> int:
     print(f"typical workload: {TYPICAL}; SLOs p99 TTFT <= {ns.ttft_p99} s, p99 TPOT <= {ns.tpot_p99 * 1000:g} ms; "
           f"{ns.requests_per_gpu} requests per GPU; 1 encoder : 3 LLM replicas")
     print(f"{'workload':>9} {'GPUs':>5} {'policy':>9} {'goodput/GPU':>12} {'TTFT p99':>9} {'enc hits':>9} "
-          f"{'prefix hits':>12} {'aff/def':>8}")
+          f"{'prefix hits':>12} {'backlog/s':>10} {'req/GPU':>8} {'aff/def':>8}")
 
     def show(row) -> None:
         for policy, result, rate in (("default", row.default, row.default_goodput),
                                      ("affinity", row.affinity, row.affinity_goodput)):
-            ttft, enc, pre = ((f"{result.ttft_p99_s:.2f}", f"{result.encoder_hit_ratio:.2f}",
-                               f"{result.prefix_hit_ratio:.2f}") if result else ("-", "-", "-"))
+            # backlog: its growth a second as a share of the rate, at goodput; req/GPU: the run's arrivals
+            # (* : too short to judge at the cap, --max-requests-per-gpu)
+            ttft, enc, pre, grow, run = ((f"{result.ttft_p99_s:.2f}", f"{result.encoder_hit_ratio:.2f}",
+                                          f"{result.prefix_hit_ratio:.2f}", f"{result.backlog_growth:+.3f}",
+                                          f"{result.requests // row.gpus}{'' if result.judged else '*'}")
+                                         if result else ("-",) * 5)
             ratio = f"{row.ratio:.3f}" if policy == "affinity" else ""
             print(f"{row.workload:>9} {row.gpus:>5} {policy:>9} {rate / row.gpus:>12.3f} {ttft:>9} {enc:>9} "
-                  f"{pre:>12} {ratio:>8}", flush=True)
+                  f"{pre:>12} {grow:>10} {run:>8} {ratio:>8}", flush=True)
 
-    rows = routing_scale(profile, workloads, ns.gpus, slo, ns.requests_per_gpu, ns.seed, progress=show)
+    rows = routing_scale(profile, workloads, ns.gpus, slo, ns.requests_per_gpu, ns.seed, progress=show,
+                         max_requests_per_gpu=ns.max_requests_per_gpu)
     ratios = {name: {str(r.gpus): round(r.ratio, 3) for r in rows if r.workload == name} for name in workloads}
     print(json.dumps({"profile": profile.source, "requests_per_gpu": ns.requests_per_gpu,
+                      "max_requests_per_gpu": ns.max_requests_per_gpu or MAX_REQUESTS_PER_GPU,
                       "ttft_p99_s": ns.ttft_p99, "tpot_p99_s": ns.tpot_p99,
                       "goodput_per_gpu": {f"{r.workload}/{r.gpus}/{policy}": round(rate / r.gpus, 3) for r in rows
                                           for policy, rate in (("default", r.default_goodput),
                                                                ("affinity", r.affinity_goodput))},
+                      # the run at each goodput: its arrivals per GPU, and whether it was long enough to judge
+                      "run_requests_per_gpu": {f"{r.workload}/{r.gpus}/{policy}": (res.requests // r.gpus, res.judged)
+                                               for r in rows for policy, res in (("default", r.default),
+                                                                                 ("affinity", r.affinity)) if res},
                       "affinity_over_default_goodput": ratios}))
     return 0

@@ -3,8 +3,11 @@ answer), from runs of the simulation in `mmserve.capacity.simulate`."""
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
+import statistics
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from mmserve.capacity.inputs import SLO, Profile, Workload
@@ -13,6 +16,57 @@ from mmserve.capacity.simulate import Result, simulate
 
 def meets(result: Result, slo: SLO) -> bool:
     return result.ttft_p99_s <= slo.ttft_p99_s and result.tpot_p99_s <= slo.tpot_p99_s
+
+
+GROWTH = 0.05  # a sustainable rate's backlog grows by less than this share of the rate a second
+FILL_LATENCIES = 2  # the backlog is judged from this many median latencies after the first arrival,
+WINDOW_LATENCIES = 4  # over at least this many (a shorter run cannot tell a filling queue from a growing one)
+
+
+@dataclass(frozen=True)
+class Stability:
+    """Whether a run's arrival rate is sustainable, judged by its backlog (requests arrived and not
+    yet finished) over the arrival phase: a queue past its capacity grows without bound, at the
+    rate minus the capacity; a stable one fills for about one latency, then stays level."""
+
+    growth: float  # the backlog's least-squares slope over the window, as a share of the arrival rate a second
+    window_s: float  # the window judged: from the later of `start` and the fill to the last arrival
+    latency_s: float  # the median time in system of the requests arriving in the window
+    judged: bool  # the window lasts WINDOW_LATENCIES median latencies (else: too short to tell)
+
+    @property
+    def keeps_up(self) -> bool:
+        return self.growth < GROWTH
+
+
+def stability(arrivals: Sequence[float], finishes: Sequence[float], start: float | None = None,
+              points: int = 256) -> Stability:
+    """The backlog's growth over the arrival phase, from `start` (default: the first arrival) but
+    no sooner than FILL_LATENCIES median latencies in, to the last arrival. The backlog at a time
+    depends only on what happened before it, so the drain after the last arrival (in which a
+    batching replica speeds up) does not enter, as it does a latency trend or a completion count
+    over a window; and a fit over the window weighs every moment of it, not only its two ends."""
+    a = sorted(arrivals)
+    f = sorted(x for x in finishes if x is not None and math.isfinite(x))
+    first, last = a[0], a[-1]
+    latencies = [y - x for x, y in zip(arrivals, finishes)
+                 if y is not None and math.isfinite(y) and (start is None or x >= start)]
+    latency = statistics.median(latencies) if latencies else math.inf
+    begin = max(first if start is None else start, first + FILL_LATENCIES * latency)
+    judged = last - begin >= WINDOW_LATENCIES * latency
+    if not last - begin > 0:  # no window after the fill: judge the arrival phase's second half
+        begin = (first + last) / 2
+    arrived_in = bisect.bisect_right(a, last) - bisect.bisect_left(a, begin)
+    rate = (arrived_in - 1) / (last - begin) if last > begin and arrived_in > 1 else 0.0
+    ts = [begin + (last - begin) * k / (points - 1) for k in range(points)]
+    backlog = [bisect.bisect_right(a, t) - bisect.bisect_right(f, t) for t in ts]
+    return Stability(_slope(ts, backlog) / rate if rate else math.inf, last - begin, latency, judged)
+
+
+def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
 
 
 RUN_TTFT_SLOS = 10  # a goodput run lasts at least this many TTFT SLOs of arrivals

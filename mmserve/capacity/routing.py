@@ -14,8 +14,11 @@ One router sees every request (a cluster's several Router replicas each keep the
 view is the best case for affinity). The LLM request is routed at dispatch, as the app does (it does
 not wait for its embeddings), and prefills once every embedding has crossed the transport. Caches
 start empty; the first `warmup` share of the arrivals fills them and is left out of the figures.
-The run is bounded by `requests_per_gpu` arrivals per GPU (the content: `contents`, once per
-workload), so a cluster of 512 GPUs simulates 64 times the requests of 8, over the same span."""
+A rate is sustainable when the backlog (requests arrived, not finished) stops growing over the
+arrival phase once the queue has filled (`mmserve.capacity.goodput.stability`: a slope under 5% of
+the rate a second, judged over at least 4 median latencies); a run at least `requests_per_gpu`
+arrivals per GPU long (the content: `contents`, once per workload) that is too short for that is
+run again with twice the arrivals (the same content, extended), up to `max_requests_per_gpu`."""
 
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import itertools
 import math
 import random
 from collections import Counter
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -31,6 +35,7 @@ from cachetools import LRUCache
 
 from mmserve.capacity.caches import ENCODER_CACHE_BYTES, EmbeddingLRU, PrefixCache
 from mmserve.capacity.events import BatchStation, Simulator
+from mmserve.capacity.goodput import GROWTH, WINDOW_LATENCIES, stability
 from mmserve.capacity.inputs import SLO, Profile, Workload
 from mmserve.capacity.replicas import LLMReplica, Request
 from mmserve.capacity.simulate import percentile
@@ -39,6 +44,7 @@ from mmserve.request.media import PlaceholderRange
 from mmserve.routing.affinity import AffinityChooser, power_of_two, prefix_hashes
 
 POLICIES = ("default", "affinity")
+MAX_REQUESTS_PER_GPU = 480  # a run too short to judge is extended up to this (`cluster_goodput`)
 # the app's defaults: `routing.epsilon`, `routing.prefix_epsilon` (deployments/config.py RoutingArgs), the
 # engine's block size (llm_service/config.py EngineConfig), the dispatcher's record of items sent
 ENCODER_EPSILON, PREFIX_EPSILON, BLOCK_SIZE, SENT_ITEMS = 0.25, 0.1, 16, 1 << 16
@@ -142,6 +148,10 @@ class ClusterResult:
     rate: float
     offered: float  # arrivals a second over the measured window (its first to its last arrival)
     throughput: float  # completions a second over the same window (any request's)
+    backlog_growth: float  # the backlog's slope after the fill, a share of the rate a second (`stability`)
+    latency_s: float  # median time in system of the measured requests
+    judged: bool  # the run was long enough to tell a filling queue from a growing one
+    requests: int  # arrivals simulated (warm-up included)
     ttft_p99_s: float
     tpot_p99_s: float
     encoder_hit_ratio: float  # items needing no encode (a cache hit or an encode in flight), of items sent
@@ -247,25 +257,46 @@ def simulate_cluster(profile: Profile, shapes: Sequence[Content], num_encoders: 
     start, end = measured[0].arrival, measured[-1].arrival
     done = sum(1 for r in all_requests if start <= r.finish <= end)
     window = max(end - start, 1e-12)
+    stable = stability([r.arrival for r in all_requests], [r.finish for r in all_requests], start)
     return ClusterResult(policy, num_encoders, num_llms, rate, (len(measured) - 1) / window, done / window,
+                         stable.growth, stable.latency_s, stable.judged, len(shapes),
                          percentile(ttft, 99),
                          percentile(tpot, 99), 1 - misses[0] / items[0] if items[0] else 0.0,
                          sum(r.cached_tokens for r in measured) / sum(r.prompt_tokens for r in measured))
 
 
+@functools.lru_cache(maxsize=4)
+def _contents(workload: Workload, n: int, seed: int) -> list[Content]:
+    return contents(workload, n, seed)  # the first n of a longer run's content are these
+
+
 def cluster_goodput(profile: Profile, shapes: Sequence[Content], slo: SLO, gpus: int, policy: str,
                     workload: Workload, seed: int = 0, iterations: int = 6,
-                    encoder_share: float = ENCODER_SHARE) -> tuple[float, ClusterResult | None]:
+                    encoder_share: float = ENCODER_SHARE,
+                    max_requests: int | None = None) -> tuple[float, ClusterResult | None]:
     """The highest rate (requests/s) at which p99 TTFT and TPOT stay within `slo` and the cluster
-    keeps up (completions >= 0.95 x the rate), by bisection; with the run at that rate."""
+    keeps up (its backlog stops growing: `stability`), by bisection; with the run at that rate.
+    A run too short to judge is run again with twice the arrivals (`contents(workload, ...)`
+    extending `shapes`), up to `max_requests` (default: MAX_REQUESTS_PER_GPU x gpus)."""
     encoders, llms = split(gpus, encoder_share)
+    cap = max(len(shapes), MAX_REQUESTS_PER_GPU * gpus if max_requests is None else max_requests)
 
     def run(rate: float) -> ClusterResult:
-        return simulate_cluster(profile, shapes, encoders, llms, policy, rate, seed, workload.burstiness)
+        n, run_shapes = len(shapes), shapes
+        while True:
+            result = simulate_cluster(profile, run_shapes, encoders, llms, policy, rate, seed, workload.burstiness)
+            if result.judged or n >= cap:
+                return result
+            # the span the window needs (half the arrivals warm the caches), with a margin
+            needed = math.ceil(1.2 * 2 * WINDOW_LATENCIES * result.latency_s * rate)
+            while n < min(needed, cap):
+                n *= 2
+            n = min(n, cap)
+            run_shapes = _contents(workload, n, seed)
 
     def ok(result: ClusterResult) -> bool:
         return (result.ttft_p99_s <= slo.ttft_p99_s and result.tpot_p99_s <= slo.tpot_p99_s
-                and result.throughput >= 0.95 * result.offered)
+                and result.backlog_growth < GROWTH)
 
     low, high, best = 0.0, 4.0 * gpus, None
     while ok(result := run(high)):
@@ -305,14 +336,17 @@ class ScaleRow:
 
 def routing_scale(profile: Profile, workloads: dict[str, Workload], sizes: Sequence[int], slo: SLO,
                   requests_per_gpu: int = 60, seed: int = 0, iterations: int = 6,
-                  progress: Callable[[ScaleRow], None] | None = None) -> list[ScaleRow]:
-    """Each workload at each cluster size under both policies: goodput, and the run at it."""
+                  progress: Callable[[ScaleRow], None] | None = None,
+                  max_requests_per_gpu: int | None = None) -> list[ScaleRow]:
+    """Each workload at each cluster size under both policies: goodput, and the run at it (runs
+    of at least `requests_per_gpu` arrivals per GPU, at most `max_requests_per_gpu`)."""
     rows = []
     for name, workload in workloads.items():
         for gpus in sizes:
             shapes = contents(workload, gpus * requests_per_gpu, seed)
-            (dg, dr), (ag, ar) = (cluster_goodput(profile, shapes, slo, gpus, policy, workload, seed, iterations)
-                                  for policy in POLICIES)
+            cap = gpus * (max_requests_per_gpu or MAX_REQUESTS_PER_GPU)
+            (dg, dr), (ag, ar) = (cluster_goodput(profile, shapes, slo, gpus, policy, workload, seed, iterations,
+                                                  max_requests=cap) for policy in POLICIES)
             rows.append(ScaleRow(name, gpus, dr, ar, dg, ag))
             if progress:
                 progress(rows[-1])

@@ -89,9 +89,11 @@ def test_default_content_is_all_unique_and_popular_content_repeats():
 
 
 def test_a_small_routing_scale_run_ends_with_the_ratio_per_size(capsys):
-    assert main(["--routing-scale", "--gpus", "4", "8", "--zipf", "1.0", "--requests-per-gpu", "16"]) == 0
+    assert main(["--routing-scale", "--gpus", "4", "8", "--zipf", "1.0", "--requests-per-gpu", "16",
+                 "--max-requests-per-gpu", "32"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(out[-1])
     assert set(summary["affinity_over_default_goodput"]["typical"]) == {"4", "8"}
     assert summary["profile"].startswith("hand-written")
+    assert summary["max_requests_per_gpu"] == 32 and all(n <= 32 for n, _ in summary["run_requests_per_gpu"].values())
     assert sum(" affinity " in line for line in out) == 2
