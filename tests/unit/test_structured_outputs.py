@@ -286,7 +286,8 @@ SHORT = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required"
 def test_overlapped_steps_with_constrained_rows_launch_the_next_forward_before_reading(tiny_models, case):
     """With overlap on, a step with constrained rows still launches step N+1's forward before it
     reads step N's sampled ids (then fills the masks and samples): in a batch of constrained rows
-    (one whose grammar completes early, two sampled choices of one prompt) beside plain rows, and a constrained row alone. The tokens equal sequential steps'."""
+    (one whose grammar completes early, two sampled choices of one prompt) beside plain rows, and
+    a constrained row alone. The tokens equal sequential steps'."""
     model_dir = tiny_models["qwen2_vl"]
     invoice = user(text("Extract the invoice as JSON."))
     if case == "alone":
@@ -341,3 +342,26 @@ def test_a_grammar_refused_in_overlapped_steps_ends_only_its_row(tiny_models):
     assert len(collector.tokens("refused")) == 5 and len(accepted) == 6  # the token of step N+1 never reached it
     assert collector.finish_reason("chart") == "stop" and collector.finish_reason("plain") == "length"
     jsonschema.validate(json.loads(_decoded(model_dir, collector.tokens("chart"))), CHART)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_grammar_with_penalties_top_k_and_logprobs(tiny_models, overlap):
+    """A grammar composes with `repetition_penalty`, `top_k` and `logprobs`, greedy and sampled:
+    the output is valid, and every token comes with its (finite) logprob and its top ones."""
+    import math
+
+    model_dir = tiny_models["qwen2_vl"]
+    settings = {"greedy": {"repetition_penalty": 1.3, "logprobs": 3},
+                "sampled": {"temperature": 1.0, "top_k": 5, "repetition_penalty": 1.3, "logprobs": 3, "seed": 11}}
+    engine = make_engine(model_dir, async_scheduling=overlap)
+    collector = Collector()
+    for name, sampling in settings.items():
+        collector.add(engine, plan_request(model_dir, user(text("Read the chart.")), name, MAX_TOKENS,
+                                           grammar=_grammar(CHART), **sampling))
+    run_until_done(engine, collector)
+    for name in settings:
+        assert collector.finish_reason(name) == "stop", name
+        jsonschema.validate(json.loads(_decoded(model_dir, collector.tokens(name))), CHART)
+        sent = [e for e in collector.events[name] if e.token_id is not None]
+        assert sent and all(e.logprob is not None and math.isfinite(e.logprob) and len(e.top_logprobs) == 3
+                            for e in sent), [(e.logprob, e.top_logprobs) for e in sent][:3]
