@@ -365,3 +365,16 @@ def test_a_grammar_with_penalties_top_k_and_logprobs(tiny_models, overlap):
         sent = [e for e in collector.events[name] if e.token_id is not None]
         assert sent and all(e.logprob is not None and math.isfinite(e.logprob) and len(e.top_logprobs) == 3
                             for e in sent), [(e.logprob, e.top_logprobs) for e in sent][:3]
+
+
+def test_a_token_the_grammar_forbids_has_a_json_logprob_over_http():
+    """Under a grammar the logprobs come from the masked logits: the top ones may hold tokens the
+    mask forbids (-inf), which the OpenAI answer reports as -9999 (as vLLM), valid JSON."""
+    from types import SimpleNamespace
+
+    from deployments.api.openai_api import _logprob_entry
+    from deployments.core.generation import Delta
+
+    gen = SimpleNamespace(token_text=lambda t: f"t{t}")
+    entry = _logprob_entry(gen, Delta("t1", 1, None, 0.0, ((1, 0.0), (0, float("-inf")))))
+    assert json.loads(json.dumps(entry, allow_nan=False))["top_logprobs"][1]["logprob"] == -9999.0
