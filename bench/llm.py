@@ -7,7 +7,7 @@
     python bench/llm.py --hybrid-prefix      # hybrid LM: TTFT with state snapshots on vs off
     python bench/llm.py --hybrid-prefix --quick    # the same, smaller prompt (seconds)
     python bench/llm.py --breakdown          # per-step time by phase, overlap off and on
-    python bench/llm.py --grammar [--device cuda]   # step time with a JSON-schema grammar on every row
+    python bench/llm.py --grammar [--device cuda] [--overlap on|off]   # step time, a JSON-schema grammar on every row
     python bench/llm.py --moe [--quick] [--dtype float32] [--device cuda]   # one MoE layer (bench/moe.py)
 
 (a) `generate` serves the requests one at a time (what a replica without batching does);
@@ -36,6 +36,9 @@ over a few more steps: CUDA kernels on a GPU, top-level aten ops on the CPU.
 tokenizer of `mmserve.loadgen.vocab`), steady decode at batch 1 and 64 with the 30-property invoice
 schema (`mmserve.loadgen.grammar.SCHEMA`) on every row against none, side by side; the grammar is
 compiled once before (the LRU). Prints the ratios and the engine-thread time spent filling masks.
+`--overlap on|off`: steps overlapped or not (default: as the engine, on CUDA only); with overlap a
+step with constrained rows fills their masks after launching its forward, while it runs (on a
+CPU the forward has run by then: nothing is hidden, the figure checks the path costs no more).
 
 --moe: one MoE layer at Qwen3-VL-30B-A3B's sizes, the engine's experts path (`llm_service.experts`)
 against `transformers`' per-expert loop at batch 1 and 64, beside the floor of reading the touched
@@ -277,7 +280,8 @@ def bench_grammar(args) -> None:
     model_dir = random_checkpoint("small", dtype, args.device, vocab_size=QWEN2_MODEL_VOCAB)
     qwen_size_tokenizer().save_pretrained(model_dir)  # the grammar compiles for the checkpoint's tokenizer
     lm = LanguageModel(model_dir, dtype=str(dtype).removeprefix("torch."), device=args.device)
-    engine = LLMEngine(lm, EngineConfig(max_num_seqs=64, max_num_batched_tokens=4096))
+    overlap = None if args.overlap is None else args.overlap == "on"
+    engine = LLMEngine(lm, EngineConfig(max_num_seqs=64, max_num_batched_tokens=4096, async_scheduling=overlap))
     engine.start()
     grammar = Grammar("json_schema", json.dumps(SCHEMA))
     start = time.perf_counter()
@@ -285,7 +289,8 @@ def bench_grammar(args) -> None:
     compile_ms = (time.perf_counter() - start) * 1000
     vocab, n = lm.vocab_size, args.decode_tokens
     bench_engine(engine, prompts(2, args.prompt_len, vocab), 4)  # warm up
-    result: dict = {"device": args.device, "vocab": vocab, "compile_ms": round(compile_ms, 1), "decode_tokens": n}
+    result: dict = {"device": args.device, "vocab": vocab, "compile_ms": round(compile_ms, 1), "decode_tokens": n,
+                    "overlap": engine.overlap}
     print(f"{'batch':>5} {'none ms/step':>13} {'grammar ms/step':>16} {'ratio':>6} {'mask ms/step':>13}")
     for batch in (1, 64):
         plain = decode_ms_per_step(engine, batch, args.prompt_len, n, vocab)
@@ -453,6 +458,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32, help="--breakdown: steps measured per case")
     ap.add_argument("--grammar", action="store_true",
                     help="step time with a 30-property JSON-schema grammar on every row vs none, batch 1 and 64")
+    ap.add_argument("--overlap", choices=["on", "off"], default=None,
+                    help="--grammar: steps overlapped (`async_scheduling`) or not (default: on CUDA only)")
     ap.add_argument("--moe", action="store_true", help="one MoE layer, engine experts path vs transformers' loop: "
                     "bench/moe.py with the other arguments (--device, --dtype, --quick, --repeats, --inputs)")
     argv = sys.argv[1:]

@@ -411,7 +411,8 @@ class EngineArgs(_Args):
     )
     async_scheduling: bool | None = Field(
         default=EngineConfig.async_scheduling, description="overlap engine steps (the host prepares step N+1 "
-        "while the device runs step N; stop ids and EOS apply a step late, the extra token is discarded); "
+        "while the device runs step N; stop ids and EOS apply a step late, the extra token is discarded; "
+        "`response_format` masks are filled while the forward runs); "
         "default: on CUDA only",
     )
     split_kv_decode: bool = Field(

@@ -15,7 +15,10 @@ before it postprocesses step N. Stop ids, EOS and `max_tokens` are therefore app
 late (`max_tokens` is known ahead: a sequence with all its tokens sampled is not scheduled
 again); a sequence that finished at step N and was already in step N+1 has that token discarded,
 never sent. Everything the device does stays in stream order, so blocks, slots and rows freed
-while a step that used them is in flight are only reused by work queued after it.
+while a step that used them is in flight are only reused by work queued after it. A step with
+constrained rows (`response_format`) overlaps too: their masks need the tokens of step N, so the
+host reads step N after launching step N+1's forward and before sampling it, then fills the masks
+while that forward runs (`_mask`); a row that finished at step N gets no mask, its token is dropped.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ class StepTimes(NamedTuple):
     launching the sampler, waiting for the sampled ids read here, postprocessing them (stop
     checks, events); `device`: CUDA-event time from the forward's launch to the sampler's end
     of the step read here (None off CUDA). With overlap the step launched and the step read
-    are consecutive ones."""
+    are consecutive ones; a step with constrained rows reads the one before it between its
+    forward and its sampler (`readback` and `postprocess` then, not `sample`)."""
 
     schedule: float
     prepare: float
@@ -108,6 +112,7 @@ class LLMEngine:
         self._stopped = False
         self._in_step: list[Sequence] = []  # the sequences of the step being run
         self._launched: _Launched | None = None  # overlap: the step launched, not read yet
+        self._last_read: tuple[_Launched, float, float, float] | None = None  # this step's read (`step_log`)
         cfg_async = self.config.async_scheduling
         self.overlap = self.model.device.type == "cuda" if cfg_async is None else cfg_async
         self.step_log: list[StepTimes] | None = None  # set to a list to record `StepTimes`
@@ -280,11 +285,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.last_progress = time.monotonic()
         self._in_step = []
-        if self._launched is not None and any(s.matcher is not None for s in self._launched.seqs):
-            # a grammar's next mask needs the token just sampled: steps with a constrained row do
-            # not overlap (its ids are read before the next step is scheduled)
-            launched, self._launched = self._launched, None
-            self._read(launched)
+        self._last_read = None
         self._admit()
         out = self.scheduler.schedule()
         self._in_step = [item.seq for item in out.scheduled]
@@ -299,24 +300,27 @@ class LLMEngine:
         launched = None
         if out.scheduled:
             launched, (t2, t3, t4) = self._launch(out.scheduled)
-        if self.overlap:
+        if self.overlap:  # the step before, unless `_launch` read it already (its masks needed its ids)
             previous, self._launched = self._launched, launched
         else:
             previous = launched
-        t5 = t6 = t4
         if previous is not None:
-            t5 = self._read(previous)
-            t6 = time.perf_counter()
+            self._read(previous)
         if out.scheduled:
             self.num_steps += 1
         self._in_step = []
         self.last_progress = time.monotonic()
-        if self.step_log is not None and (out.scheduled or previous is not None):
-            device = None
-            if previous is not None and previous.began is not None:
-                device = previous.began.elapsed_time(previous.done) / 1000
+        if self.step_log is not None and (out.scheduled or self._last_read is not None):
+            sample, readback, postprocess, device = t4 - t3, 0.0, 0.0, None
+            if self._last_read is not None:
+                read, began, arrived, ended = self._last_read
+                readback, postprocess = arrived - began, ended - arrived
+                if previous is None:  # read inside `_launch`, before the sampler
+                    sample -= ended - began
+                if read.began is not None:
+                    device = read.began.elapsed_time(read.done) / 1000
             decode_only = bool(out.scheduled) and all(s.num_tokens == 1 for s in out.scheduled)
-            self.step_log.append(StepTimes(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, device,
+            self.step_log.append(StepTimes(t1 - t0, t2 - t1, t3 - t2, sample, readback, postprocess, device,
                                            len(out.scheduled), out.num_tokens, decode_only))
 
     def _launch(self, scheduled) -> tuple[_Launched | None, tuple[float, float, float]]:
@@ -345,8 +349,8 @@ class LLMEngine:
                 # a decode samples every row, in order: its staged rows are the index
                 index = step.decode_index[:len(seqs)] if step.decode_index is not None else batch.index(seqs)
                 rows = batch.sampling_rows(seqs, index, settings_dtype(logits))
-                if constrained := [(j, s.matcher) for j, s in enumerate(seqs) if s.matcher is not None]:
-                    self.masks.apply(logits, constrained)
+                if any(s.matcher is not None for s in seqs):
+                    self._mask(logits, seqs)
                 result = sample_rows(logits, rows, self.config.max_logprobs)
                 batch.record(index, result.token_ids)
                 tokens = torch.empty(len(seqs), dtype=torch.long, pin_memory=cuda)
@@ -364,8 +368,27 @@ class LLMEngine:
             launched = _Launched(seqs, rows, tokens, logprobs, done, began)
         return launched, (t2, t3, time.perf_counter())
 
-    def _read(self, launched: _Launched) -> float:
-        """Wait for a launched step's sampled ids and postprocess them; returns when they came."""
+    def _mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Keep, in each constrained row of `logits`, only the tokens its grammar allows next.
+
+        With overlap, a row's matcher needs the row's last token, sampled by the step launched
+        before this one and not read yet: that step is read here, after this step's forward was
+        launched and before its sampler, so the device runs the forward while the host
+        postprocesses the ids and fills the masks (plain rows wait for nothing more). A row that
+        finished at the step just read (its grammar complete or refused, a stop id, an abort) has
+        its token of this step discarded: it gets no mask. The step before is read whenever this
+        one has a constrained row, which also means its mask's copy from the host buffer is done
+        before the buffer is filled again."""
+        if self._launched is not None:
+            self._read(self._launched)
+            self._launched = None
+        if constrained := [(j, s.matcher) for j, s in enumerate(seqs)
+                           if s.matcher is not None and s.status is not Status.FINISHED]:
+            self.masks.apply(logits, constrained)
+
+    def _read(self, launched: _Launched) -> None:
+        """Wait for a launched step's sampled ids and postprocess them (`_last_read`: when)."""
+        began = time.perf_counter()
         if launched.done is not None:
             launched.done.synchronize()
         arrived = time.perf_counter()
@@ -376,7 +399,7 @@ class LLMEngine:
                 continue
             self._postprocess(seq, result.token_ids[j], result.logprobs[j], result.top_logprobs[j])
         self.runner.expert_load.collect(self.runner.num_forwards)
-        return arrived
+        self._last_read = (launched, began, arrived, time.perf_counter())
 
     def _register_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Offer the prompt blocks this step completed to later requests (prefix caching)."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llm_service.sampling import Grammar
+from llm_service.transfer import ints, to_device
 from mmserve.errors import InvalidRequest
 
 COMPILE_TIMEOUT_S = 10.0
@@ -209,13 +210,13 @@ class StepMasks:
 
             allowed = torch.from_numpy(np.unpackbits(host.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab])
             allowed = allowed.bool()
-        else:
+        else:  # copies from pinned memory: the host does not wait for the forward still running
             bits = host.to(device, non_blocking=True)
-            allowed = ((bits.unsqueeze(-1) >> self._bits.to(device)) & 1).flatten(1)[:, :vocab].bool()
+            allowed = ((bits.unsqueeze(-1) >> to_device(self._bits, device)) & 1).flatten(1)[:, :vocab].bool()
         if rows == list(range(len(rows))) and len(rows) == logits.shape[0]:
             logits.masked_fill_(~allowed, float("-inf"))
             return
-        at = torch.tensor(rows, device=device)
+        at = ints(rows, device)
         logits[at] = logits[at].masked_fill(~allowed, float("-inf"))
 
 

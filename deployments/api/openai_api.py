@@ -136,12 +136,15 @@ def chat_request(request: ChatCompletionRequest) -> ChatRequest:
                        request.parallel_tool_calls, sampling)
 
 
+MIN_LOGPROB = -9999.0  # what a token the grammar forbids reports (-inf is no JSON number), as vLLM
+
+
 def _logprob_entry(gen: Generation, delta: Delta) -> dict:
     """OpenAI's `logprobs.content[i]` for one generated token."""
 
     def entry(token_id: int, logprob: float) -> dict:
         text = gen.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": max(logprob, MIN_LOGPROB), "bytes": list(text.encode())}
 
     return {**entry(delta.token_id, delta.logprob),
             "top_logprobs": [entry(t, lp) for t, lp in delta.top_logprobs or ()]}

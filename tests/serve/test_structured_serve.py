@@ -97,6 +97,24 @@ def test_a_bad_schema_is_a_400_naming_it_and_the_next_request_succeeds(serve_url
     assert ok.status_code == 200
 
 
+def test_logprobs_of_a_constrained_answer_are_json_numbers(serve_urls):
+    """Under a grammar the top logprobs hold tokens the mask forbids: they read -9999.0, as vLLM's
+    (-inf made the unstreamed answer a 500 and the streamed chunks no JSON), streamed or not."""
+    def strict(text: str):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in {text[:200]}"))
+
+    url = serve_urls["qwen2_vl"] + "/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": "Read the chart."}], "max_tokens": MAX_TOKENS,
+            "logprobs": True, "top_logprobs": 3, "response_format": _format(CHART)}
+    resp = httpx.post(url, json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    content = strict(resp.text)["choices"][0]["logprobs"]["content"]
+    assert any(top["logprob"] == -9999.0 for entry in content for top in entry["top_logprobs"])
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as streamed:
+        chunks = [strict(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
+    assert chunks and chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
 def _llm_stats(app: str) -> dict:
     from ray import serve
 

@@ -28,9 +28,12 @@ def _grammar(schema: dict | None) -> Grammar:
     return Grammar("json_object") if schema is None else Grammar("json_schema", json.dumps(schema))
 
 
-def _run(model_dir, requests, overlap=False, **config):
-    """{name: (tokens, finish reason)} of [(name, messages, schema or None or "plain", sampling)]."""
+def _run(model_dir, requests, overlap=False, on_engine=None, **config):
+    """{name: (tokens, finish reason)} of [(name, messages, schema or None or "plain", sampling)]
+    (`on_engine`: called with the engine before any request is added)."""
     engine = make_engine(model_dir, async_scheduling=overlap, **config)
+    if on_engine is not None:
+        on_engine(engine)
     collector = Collector()
     for name, messages, schema, sampling in requests:
         grammar = None if schema == "plain" else _grammar(schema)
@@ -57,7 +60,8 @@ def test_greedy_tokens_equal_transformers_with_the_same_mask_beside_plain_rows(t
     plain = user(text("Tell me a story about a cat."))
     requests = [(n, m, s, {}) for n, (m, s) in cases.items()] + [("plain", plain, "plain", {"max_tokens": 12})]
     for overlap in (False, True):
-        out, _ = _run(model_dir, [(n, m, s, dict(x)) for n, m, s, x in requests], overlap)
+        out, engine = _run(model_dir, [(n, m, s, dict(x)) for n, m, s, x in requests], overlap)
+        assert engine.overlap is overlap
         for name, (messages, schema) in cases.items():
             tokens, reason = out[name]
             assert tokens == reference_constrained(model_dir, messages, MAX_TOKENS, schema), name
@@ -237,3 +241,140 @@ def test_constrained_rows_survive_preemption_and_recompute(tiny_models):
                              num_kv_blocks=20, block_size=8, max_num_batched_tokens=32)
         assert engine.scheduler.num_preemptions > 0
         assert tight == roomy
+
+
+def _record_order(engine, events: list) -> None:
+    """Log each forward launched (`("run",)`) and each step read (`("read", its _Launched)`) and
+    launched (`("launched", its _Launched)`) into `events`, in the order they happen."""
+    run, read, launch = engine.runner.run, engine._read, engine._launch
+
+    def recording_run(step):
+        events.append(("run",))
+        return run(step)
+
+    def recording_read(launched):
+        events.append(("read", launched))
+        return read(launched)
+
+    def recording_launch(scheduled):
+        launched, times = launch(scheduled)
+        events.append(("launched", launched))
+        return launched, times
+
+    engine.runner.run, engine._read, engine._launch = recording_run, recording_read, recording_launch
+
+
+def _read_before_the_next_forward(events: list) -> int:
+    """How many steps were read before the forward of the step after them was launched (a step
+    followed by no other forward, or never read, is not counted)."""
+    late = 0
+    for i, (kind, *what) in enumerate(events):
+        if kind != "launched" or what[0] is None:
+            continue
+        next_run = next((j for j in range(i + 1, len(events)) if events[j][0] == "run"), None)
+        read_at = next((j for j in range(i + 1, len(events)) if events[j][0] == "read" and events[j][1] is what[0]),
+                       None)  # None: the requests ended before it was read (its ids are all discarded)
+        late += None not in (next_run, read_at) and read_at < next_run
+    return late
+
+
+SHORT = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+         "additionalProperties": False}  # complete after a few tokens, while the other rows go on
+
+
+@pytest.mark.parametrize("case", ["mixed", "alone"])
+def test_overlapped_steps_with_constrained_rows_launch_the_next_forward_before_reading(tiny_models, case):
+    """With overlap on, a step with constrained rows still launches step N+1's forward before it
+    reads step N's sampled ids (then fills the masks and samples): in a batch of constrained rows
+    (one whose grammar completes early, two sampled choices of one prompt) beside plain rows, and
+    a constrained row alone. The tokens equal sequential steps'."""
+    model_dir = tiny_models["qwen2_vl"]
+    invoice = user(text("Extract the invoice as JSON."))
+    if case == "alone":
+        requests = [("invoice", invoice, INVOICE, {})]
+    else:
+        requests = [("invoice", invoice, INVOICE, {}), ("short", user(text("Is it ok?")), SHORT, {}),
+                    ("plain", user(text("Tell me a story about a cat.")), "plain", {"max_tokens": 40}),
+                    ("sampled_plain", user(text("Say anything.")), "plain",
+                     {"max_tokens": 30, "temperature": 1.0, "seed": 3})]
+        requests += [(f"choice_{i}", user(text("Read the chart.")), CHART, {"temperature": 1.0, "seed": 7 + i})
+                     for i in range(2)]
+    events: list = []
+    out, _ = _run(model_dir, [(n, m, s, dict(x)) for n, m, s, x in requests], True,
+                  lambda e: _record_order(e, events))
+    sequential, _ = _run(model_dir, [(n, m, s, dict(x)) for n, m, s, x in requests], False)
+    assert out == sequential
+    steps = sum(kind == "launched" and what[0] is not None for kind, *what in events)
+    assert steps > 20
+    assert _read_before_the_next_forward(events) == 0
+    for name, messages, schema, _ in requests:
+        tokens, reason = out[name]
+        if schema != "plain":
+            assert reason == "stop", name
+            jsonschema.validate(json.loads(_decoded(model_dir, tokens)), schema)
+    if case == "mixed":
+        assert len(out["short"][0]) < len(out["plain"][0]) - 10  # it completed while the others went on
+
+
+def test_a_grammar_refused_in_overlapped_steps_ends_only_its_row(tiny_models):
+    """Overlap on: a row whose matcher refuses its token at step N ends with an error; it was in
+    step N+1 already (its token there is discarded, with no mask), and the rows beside it, sampled
+    and greedy, constrained and plain, go on to valid ends."""
+    model_dir = tiny_models["qwen2_vl"]
+    engine = make_engine(model_dir, async_scheduling=True)
+    collector = Collector()
+    for name, schema, sampling in (("refused", INVOICE, {}), ("chart", CHART, {"temperature": 1.0, "seed": 1}),
+                                   ("plain", "plain", {"temperature": 1.0, "seed": 2})):
+        grammar = None if schema == "plain" else _grammar(schema)
+        collector.add(engine, plan_request(model_dir, user(text(f"{name}, as JSON")), name, 60 if grammar is None
+                                           else MAX_TOKENS, grammar=grammar, **sampling))
+    refused = next(s for s in engine._new if s.request_id == "refused")
+    accepted = []
+
+    def accept(token, real=refused.matcher.accept):
+        accepted.append(token)
+        return len(accepted) < 6 and real(token)
+
+    refused.matcher.accept = accept
+    run_until_done(engine, collector)
+    event = collector.events["refused"][-1]
+    assert event.finish_reason == "error" and "the grammar allows none" in str(event.error)
+    assert len(collector.tokens("refused")) == 5 and len(accepted) == 6  # the token of step N+1 never reached it
+    assert collector.finish_reason("chart") == "stop" and collector.finish_reason("plain") == "length"
+    jsonschema.validate(json.loads(_decoded(model_dir, collector.tokens("chart"))), CHART)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_grammar_with_penalties_top_k_and_logprobs(tiny_models, overlap):
+    """A grammar composes with `repetition_penalty`, `top_k` and `logprobs`, greedy and sampled:
+    the output is valid, and every token comes with its (finite) logprob and its top ones."""
+    import math
+
+    model_dir = tiny_models["qwen2_vl"]
+    settings = {"greedy": {"repetition_penalty": 1.3, "logprobs": 3},
+                "sampled": {"temperature": 1.0, "top_k": 5, "repetition_penalty": 1.3, "logprobs": 3, "seed": 11}}
+    engine = make_engine(model_dir, async_scheduling=overlap)
+    collector = Collector()
+    for name, sampling in settings.items():
+        collector.add(engine, plan_request(model_dir, user(text("Read the chart.")), name, MAX_TOKENS,
+                                           grammar=_grammar(CHART), **sampling))
+    run_until_done(engine, collector)
+    for name in settings:
+        assert collector.finish_reason(name) == "stop", name
+        jsonschema.validate(json.loads(_decoded(model_dir, collector.tokens(name))), CHART)
+        sent = [e for e in collector.events[name] if e.token_id is not None]
+        assert sent and all(e.logprob is not None and math.isfinite(e.logprob) and len(e.top_logprobs) == 3
+                            for e in sent), [(e.logprob, e.top_logprobs) for e in sent][:3]
+
+
+def test_a_token_the_grammar_forbids_has_a_json_logprob_over_http():
+    """Under a grammar the logprobs come from the masked logits: the top ones may hold tokens the
+    mask forbids (-inf), which the OpenAI answer reports as -9999 (as vLLM), valid JSON."""
+    from types import SimpleNamespace
+
+    from deployments.api.openai_api import _logprob_entry
+    from deployments.core.generation import Delta
+
+    gen = SimpleNamespace(token_text=lambda t: f"t{t}")
+    entry = _logprob_entry(gen, Delta("t1", 1, None, 0.0, ((1, 0.0), (0, float("-inf")))))
+    assert json.loads(json.dumps(entry, allow_nan=False))["top_logprobs"][1]["logprob"] == -9999.0
