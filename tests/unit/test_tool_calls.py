@@ -103,7 +103,6 @@ def _conversation_messages(mapping: bool = False):
     """user -> assistant tool call -> tool result, as the planner takes them and as HF's template does
     (with `mapping`, the call's arguments as the mapping Qwen3.5's template takes)."""
     from mmserve.request.prompt import Message
-    from mmserve.request.tools import ToolCall
 
     call = ToolCall("call_1", "click", '{"x":5,"y":7}')
     ours = [Message("system", ("You operate a computer.",)), Message("user", ("Click OK.",)),
