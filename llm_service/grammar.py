@@ -6,10 +6,11 @@ bounded strings also admit raw control characters, which no JSON parser takes). 
 compact (no whitespace between tokens, as vLLM's `disable-any-whitespace`), so that a model cannot
 loop on spaces until `max_tokens`; the schema's own bounds (`maxLength`, `maxItems`,
 `minimum`/`maximum`, `enum`) are part of the grammar. A grammar compiles once per schema text:
-`GrammarCompiler` keeps an LRU of checked grammars and compiles on its own thread, so a request
-waits for its grammar outside the batch and the engine's step thread never compiles the first
-time. Each sequence then makes its own matcher of the checked grammar (~2 ms for a 30-property
-schema, where the sequence is added), so that the pool fills the rows' masks in parallel.
+`GrammarCompiler` keeps an LRU of checked grammars and compiles on its own threads (a compile
+past its deadline keeps one, the others serve other schemas), so a request waits for its grammar
+outside the batch and the engine's step thread never compiles the first time. Each sequence
+then makes its own matcher of the checked grammar (~2 ms for a 30-property schema, where the
+sequence is added), so that the pool fills the rows' masks in parallel.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from mmserve.errors import InvalidRequest
 COMPILE_TIMEOUT_S = 10.0
 ANY_OBJECT = '{"type": "object"}'  # `json_object`: a JSON object, as OpenAI's JSON mode
 CACHE_SIZE = 128  # compiled grammars kept (LRU), keyed by kind and schema text
+COMPILE_THREADS = 4  # a compile past its deadline runs on (it cannot be interrupted): others keep a thread
 COMPACT = {"whitespace_flexible": False}  # separators "," and ":", no whitespace between tokens
 
 
@@ -56,7 +58,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[Grammar, object] = OrderedDict()
         self._compiling: dict[Grammar, Future] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
         self.cache_size, self.timeout_s = cache_size, timeout_s
         self.stats = GrammarStats()
 

@@ -149,6 +149,34 @@ def test_the_compiled_grammar_is_cached_by_schema_text_and_compiled_off_the_call
     compiler.shutdown()
 
 
+def test_a_slow_compile_does_not_hold_up_another_schemas(tiny_models, monkeypatch):
+    """A compile past its deadline runs on (a native compile cannot be interrupted): a request
+    with another schema still gets its grammar in time."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(tiny_models["qwen2_vl"]), 1000, [0], timeout_s=5.0)
+    slow, quick = _grammar({**CHART, "title": "slow"}), _grammar({**CHART, "title": "quick"})
+    release, compile_ = threading.Event(), compiler._compile
+
+    def held_compile(grammar):
+        if grammar == slow:
+            release.wait(30)
+        return compile_(grammar)
+
+    monkeypatch.setattr(compiler, "_compile", held_compile)
+    running = compiler.submit(slow)
+    try:
+        assert compiler.compile(quick) is not None  # one thread would wait here past the deadline
+        assert not running.done()
+    finally:
+        release.set()
+    assert running.result(timeout=30) is compiler.compile(slow) is not None  # then cached
+    assert compiler.stats.compiles == 2
+    compiler.shutdown()
+
+
 def test_a_resumed_stream_rebuilds_its_matcher_from_the_tokens_it_sent(tiny_models):
     """Failover resubmits prompt + sent tokens with `grammar_prefix`: the rest equals the
     uninterrupted output, and a prefix the grammar refuses is an invalid request."""
