@@ -183,11 +183,17 @@ def parse_calls(text: str, tools: list[ToolSpec]) -> tuple[str | None, list[Tool
     known `name` and object `arguments` is a call; anything else (text, a malformed block) stays
     content, None when nothing but calls."""
     names = {t.name for t in tools}
+    return _split_calls(text, _CALL_RE, lambda body: _call(body, names))
+
+
+def _split_calls(text: str, block: re.Pattern, read) -> tuple[str | None, list[ToolCall]]:
+    """(content, calls): each match of `block` that `read` (its first group -> a call or None)
+    makes a call is cut out of the text; the rest is content, None when nothing but calls."""
     calls: list[ToolCall] = []
     kept: list[str] = []
     pos = 0
-    for match in _CALL_RE.finditer(text):
-        call = _call(match.group(1), names)
+    for match in block.finditer(text):
+        call = read(match.group(1))
         if call is None:
             continue  # malformed: stays in the content
         kept.append(text[pos:match.start()])
@@ -283,19 +289,7 @@ def parse_xml_calls(text: str, tools: list[ToolSpec]) -> tuple[str | None, list[
     `<function=NAME>` of a known tool, closed, with nothing but `<parameter=KEY>` blocks in it, is a
     call; anything else (text, a malformed block) stays content, None when nothing but calls."""
     by_name = {t.name: t for t in tools}
-    calls: list[ToolCall] = []
-    kept: list[str] = []
-    pos = 0
-    for match in _XML_BLOCK_RE.finditer(text):
-        call = _xml_call(match.group(1), by_name)
-        if call is None:
-            continue  # malformed: stays in the content
-        kept.append(text[pos:match.start()])
-        pos = match.end()
-        calls.append(call)
-    kept.append(text[pos:])
-    content = "".join(kept).strip()
-    return (content or None) if calls else text, calls
+    return _split_calls(text, _XML_BLOCK_RE, lambda body: _xml_call(body, by_name))
 
 
 def _xml_call(body: str, by_name: dict[str, ToolSpec]) -> ToolCall | None:
