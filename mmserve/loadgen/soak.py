@@ -219,6 +219,14 @@ class Faults:
             self.started += 1
 
     def run(self) -> None:
+        try:
+            self._run()
+        except Exception as e:  # a failed kill must show in the report, not end the thread silently
+            self.report["error"] = repr(e)
+        finally:
+            self.gate.set()
+
+    def _run(self) -> None:
         import ray
 
         while self.started < self.encoder_at and not self.done.is_set():
@@ -241,14 +249,21 @@ class Faults:
                 # end may finish first; waiting for every stream to be mid-way missed the window
                 # on a slow machine (one prefill with images still running while the others ended)
                 mid_way = sum(2 <= len(t) <= MAX_TOKENS - 8 for t in list(self.live.values()))
+                held, victim = 0, None
                 if mid_way:
                     victim = replicas(self.app, "LLM")[0]
                     held = ongoing(victim)
+                elif not self.live:
+                    # no stream running: an unstreamed request held by a replica is enough (it is
+                    # retried whole); a short run with few streams after `llm_at` killed nothing
+                    held, victim = max(((ongoing(v), v) for v in replicas(self.app, "LLM")),
+                                       key=lambda pair: pair[0], default=(0, None))
+                if victim is not None and (mid_way or held):
                     ray.kill(victim, no_restart=False)
                     self.report.update(llm_held=held, llm_streams_mid_way=mid_way, llm_killed_after=self.started)
                     break
                 if not self.live:
-                    break  # no stream running: let a few more requests in and look again
+                    break  # nothing running: let a few more requests in and look again
                 time.sleep(0.002)
             self.gate.set()
             time.sleep(0.3)
