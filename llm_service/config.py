@@ -39,7 +39,9 @@ class EngineConfig:
     (`mmserve.checkpoint.resolve_max_model_len`, the router's value too). The model runner
     refuses to start when the KV pool cannot hold one sequence that long, except with
     `num_kv_blocks` (tests' tiny pools, taken as given: a prompt over the pool is refused, a
-    sequence that outgrows it alone ends with `length`).
+    sequence that outgrows it alone ends with `length`). `tensor_parallel_size`: the ranks the
+    decoder is split over (`llm_service.tensor_parallel`; the group is the caller's, this says how
+    many); above 1, every step is an eager packed one (no decode graphs, no overlapped steps).
     """
 
     block_size: int = 16
@@ -62,6 +64,7 @@ class EngineConfig:
     split_kv_decode: bool = True
     fused_ops: bool = True
     max_model_len: int | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -80,5 +83,10 @@ class EngineConfig:
             raise ValueError("num_state_snapshots must not be negative")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.async_scheduling:
+            raise ValueError("async_scheduling needs tensor_parallel_size 1: a tensor-parallel step's inputs "
+                             "are sent from the host before it runs")
         if self.attention_backend not in ("auto", "sdpa", "triton"):
             raise ValueError(f"attention_backend must be auto, sdpa or triton, got {self.attention_backend!r}")

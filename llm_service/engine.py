@@ -115,6 +115,8 @@ class LLMEngine:
         self._last_read: tuple[_Launched, float, float, float] | None = None  # this step's read (`step_log`)
         cfg_async = self.config.async_scheduling
         self.overlap = self.model.device.type == "cuda" if cfg_async is None else cfg_async
+        if self.runner.tp is not None:  # every rank's inputs leave the host before its forward
+            self.overlap = False
         self.step_log: list[StepTimes] | None = None  # set to a list to record `StepTimes`
         self.last_progress = time.monotonic()  # a step started or finished, or work arrived while idle
         self._idle = True  # waiting for work (or only for media rows): no step is owed
@@ -249,6 +251,8 @@ class LLMEngine:
             self._cv.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
+        if self._thread is None or not self._thread.is_alive():
+            self.runner.stop_ranks()  # a tensor-parallel replica's other ranks end with it
 
     # -- engine thread -----------------------------------------------------------------------
     def _loop(self) -> None:

@@ -18,7 +18,9 @@ logger = logging.getLogger(__name__)
 class LanguageModel:
     """Loads only the language-model tensors of `model_dir` (decoder, embedding table, lm_head)."""
 
-    def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "cpu"):
+    def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "cpu", tp=None):
+        """`tp`: this process's `TPGroup` when the replica is tensor-parallel; it then holds its
+        rank's shard (`llm_service.tensor_parallel`), and only rank 0 the `lm_head`."""
         from transformers import GenerationConfig
 
         start = time.perf_counter()
@@ -29,10 +31,15 @@ class LanguageModel:
         config = load_config(model_dir)
         self.text_config = config.text_config
         self.face: LMFace = face_class("llm_service.families", self.model_type, "LM_FACE")(config)
-        with torch.device(self.device):  # built where it runs, without initial values
-            modules = self.face.build(self.dtype)
-        self.load_report = load_weights(modules, model_dir, self.face.rename, convert=modules.convert,
-                                 optional=modules.tied_keys())
+        self.tp = tp
+        rename, take = self.face.rename, None
+        if tp is None:
+            with torch.device(self.device):  # built where it runs, without initial values
+                modules = self.face.build(self.dtype)
+        else:
+            modules, rename, take = self._build_shard(tp)
+        self.load_report = load_weights(modules, model_dir, rename, convert=modules.convert,
+                                        optional=modules.tied_keys(), take=take)
         self.modules = modules.to(self.device).eval().requires_grad_(False)
         self.keys_read = self.load_report.keys_read
         try:
@@ -47,6 +54,43 @@ class LanguageModel:
             self.model_dir.name, self.load_report.summary(), self.num_parameters / 1e6, self.dtype, self.device,
             time.perf_counter() - start,
         )
+
+    def _build_shard(self, tp):
+        """This rank's modules: built with parameters on meta, then given storage in their shard's
+        shape; the loader's `rename` (no `lm_head` beyond rank 0) and `take` (the shard of a tensor)."""
+        from llm_service import tensor_parallel
+
+        with torch.device(self.device), tensor_parallel.parameters_on_meta():
+            modules = self.face.build(self.dtype)
+        plan = tensor_parallel.plan_shards(modules.decoder, tp.rank, tp.size)
+        if tp.rank:
+            modules.lm_head, modules.tied = None, False
+        tensor_parallel.materialize(modules, plan, self.device)
+        tensor_parallel.install_all_reduces(modules.decoder, tp)
+        rename = self.face.rename
+        if tp.rank:
+            def rename(key: str, base=self.face.rename) -> str | None:
+                name = base(key)
+                return None if name is None or name.startswith("lm_head.") else name
+        return modules, rename, plan.take
+
+    def state_layers(self):
+        """The face's state layers, in the shapes this process holds (its rank's heads)."""
+        specs = self.face.state_layers()
+        if self.tp is None:
+            return specs
+        from llm_service import tensor_parallel
+
+        return tensor_parallel.local_state_specs(specs, self.modules.decoder)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this process holds (its rank's under tensor parallelism)."""
+        decoder = self.modules.decoder
+        for layer in decoder.layers:
+            if (attn := getattr(layer, "self_attn", None)) is not None:
+                return int(attn.k_proj.weight.shape[0] // attn.head_dim)
+        return int(self.text_config.num_key_value_heads)
 
     @property
     def num_parameters(self) -> int:

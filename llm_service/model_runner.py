@@ -33,8 +33,36 @@ class StepInputs(NamedTuple):
     sample_rows: list[int]
     graph_batch: int | None
     packed: tuple | None = None
+    host: PackedStep | None = None  # a tensor-parallel step: what the other ranks are sent
     decode_index: torch.Tensor | None = None  # a decode from the rows' device state: their rows
     max_context: int = 0  # its longest context (SDPA's key length)
+
+
+class StateOps(NamedTuple):
+    """A packed step's state slots: `fresh` ones zeroed, `resumed` `(snapshot row, slot)` pairs
+    restored, then `slots` (one per sequence) run."""
+
+    fresh: list[int]
+    resumed: list[tuple[int, int]]
+    slots: list[int]
+
+
+class PackedStep(NamedTuple):
+    """An eager step's inputs on the host (`ModelRunner._pack_host`): what rank 0 sends to the
+    other ranks of a tensor-parallel replica, and each rank moves to its device (`_on_device`)."""
+
+    ids: list[int]
+    unread_at: list[int]  # packed indices whose id is a row's last sampled token (on the device)
+    unread_rows: list[int]
+    positions: torch.Tensor
+    slots: torch.Tensor
+    q_lens: list[int]
+    ctx_lens: list[int]
+    tables: torch.Tensor
+    slot_tables: list[torch.Tensor]  # SDPA only
+    sample_rows: list[int]
+    media: list
+    states: StateOps | None
 
 
 class ModelRunner:
@@ -52,7 +80,8 @@ class ModelRunner:
 
     def __init__(self, model: LanguageModel, config: EngineConfig):
         self.model = model
-        self.state_specs = model.face.state_layers()
+        self.tp = model.tp  # None unless this replica's decoder is split over ranks
+        self.state_specs = model.state_layers()
         self.device = model.device
         attention.register()
         decoder = model.modules.decoder
@@ -64,13 +93,16 @@ class ModelRunner:
         attn = decoder.layers[attention_layers[0]].self_attn
         pool_index = {layer: k for k, layer in enumerate(attention_layers)}
         self.kv_layers = tuple(pool_index.get(i) for i in range(self.num_layers)) if state_layers else ()
-        self.num_kv_heads = int(text.num_key_value_heads)
+        self.num_kv_heads = model.num_kv_heads
         self.head_dim = int(attn.head_dim)
         self.backend = attention.choose_backend(config.attention_backend, self.device, model.dtype, self.head_dim)
         block_bytes = bytes_per_block(len(attention_layers), self.num_kv_heads, self.head_dim, config.block_size,
                                       model.dtype)
         self.num_blocks, self.num_slots, self.num_snapshots = pool_sizes(
             config, block_bytes, slot_bytes(self.state_specs, model.dtype), self.device)
+        if self.tp is not None:  # every rank the same pools: what the fullest device holds
+            self.num_blocks, self.num_slots, self.num_snapshots = self.tp.agree_min(
+                (self.num_blocks, self.num_slots, self.num_snapshots))
         self.max_model_len = resolve_max_model_len(text, config.max_model_len)
         if config.num_kv_blocks is None:  # tests' tiny pools are taken as given
             check_holds_a_sequence(self.num_blocks, config.block_size, self.max_model_len)
@@ -89,7 +121,8 @@ class ModelRunner:
                                 config.block_size, self.scratch_block)
         # decode steps from the rows' device state (not with recurrent state, whose slots the
         # packed path handles): the graphs' path too
-        self.device_decode = self.states is None
+        # (nor under tensor parallelism: every step is a packed one, sent to the other ranks)
+        self.device_decode = self.states is None and self.tp is None
         self.arange = torch.arange(config.max_num_seqs + 1, dtype=torch.int32, device=self.device)
         self.num_forwards = 0
         # the engine's experts path in every MoE layer (the fused kernel where the graphs' Triton
@@ -103,7 +136,7 @@ class ModelRunner:
 
             self.fused_ops = fuse_decoder(decoder)
         self.graphs = None
-        if self.device.type == "cuda" and config.cuda_graphs and self.backend == "triton":
+        if self.device.type == "cuda" and config.cuda_graphs and self.backend == "triton" and self.tp is None:
             from llm_service.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs.capture(self)
@@ -133,6 +166,8 @@ class ModelRunner:
     @torch.inference_mode()
     def save_snapshots(self, copies: list[tuple[int, int]]) -> None:
         """Copy each `(slot, snapshot row)` of `copies` (rows distinct)."""
+        if copies and self.tp is not None and self.tp.rank == 0:
+            self.tp.broadcast(("snapshots", copies))
         if copies:
             src, dst = zip(*copies)
             self.states.copy(self._index(src), self._index(dst))
@@ -152,7 +187,8 @@ class ModelRunner:
             padded = self.graphs.padded_size(len(seqs)) if self.graphs is not None else None
             return StepInputs(scheduled, sample_rows, padded, decode_index=self.batch.stage_decode(seqs, padded),
                               max_context=max(s.num_computed for s in seqs) + 1)
-        return StepInputs(scheduled, sample_rows, None, self._pack(scheduled, sample_rows))
+        host = self._pack_host(scheduled, sample_rows)
+        return StepInputs(scheduled, sample_rows, None, self._on_device(host), host=host if self.tp else None)
 
     def _decodes_only(self, scheduled: tuple[ScheduledSeq, ...]) -> bool:
         """Every sequence decodes one token past its prompt (its row's device state is current:
@@ -173,14 +209,40 @@ class ModelRunner:
                 logits = self.decode_forward(step.decode_index, step.max_context)
             self.batch.advance(step.decode_index[:b])
         else:
-            ids, positions, batch, rows, media, extra = step.packed
-            embeds = self.model.modules.decoder.embed_tokens(ids)
-            extra = {**extra, **self.model.face.inject(embeds, media)}
-            logits = self.forward(embeds, positions, batch, rows, **extra)
+            if self.tp is not None:
+                self.tp.broadcast(("step", step.host))
+            logits = self._packed_forward(step.packed)
             if self.device_decode:
                 self.batch.write_back(step.scheduled)
         self.num_forwards += 1
         return logits
+
+    def _packed_forward(self, packed: tuple) -> torch.Tensor | None:
+        ids, positions, batch, rows, media, extra = packed
+        embeds = self.model.modules.decoder.embed_tokens(ids)
+        extra = {**extra, **self.model.face.inject(embeds, media)}
+        return self.forward(embeds, positions, batch, rows, **extra)
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """A tensor-parallel rank other than 0: run the steps rank 0 sends (its shard of each
+        forward) until it stops the group."""
+        while True:
+            kind, body = self.tp.broadcast()
+            if kind == "step":
+                self._packed_forward(self._on_device(body))
+                self.num_forwards += 1
+            elif kind == "snapshots":
+                self.save_snapshots(body)
+            elif kind == "stop":
+                return
+            else:
+                raise RuntimeError(f"unknown tensor-parallel message {kind!r}")
+
+    def stop_ranks(self) -> None:
+        """Rank 0: the other ranks leave `follow` (the group ends)."""
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.broadcast(("stop", None))
 
     def decode_forward(self, index: torch.Tensor, max_context: int | None = None) -> torch.Tensor:
         """Logits of one decode step of rows `index` (padding rows included), its inputs gathered
@@ -201,7 +263,7 @@ class ModelRunner:
         return self.forward(embeds, positions, batch, self.arange[:b])
 
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                rows: torch.Tensor, **extra) -> torch.Tensor:
+                rows: torch.Tensor, **extra) -> torch.Tensor | None:
         """The one model forward: decoder over `(T, hidden)` at `(rows, T)` positions, lm_head on
         `rows`; `extra`: the decoder keyword arguments the LM face's `inject` returned."""
         out = self.model.modules.decoder(
@@ -211,11 +273,13 @@ class ModelRunner:
             use_cache=False,
             **extra,
         )
+        if self.model.modules.lm_head is None:  # a tensor-parallel rank other than 0: rank 0 samples
+            return None
         return self.model.modules.lm_head(out.last_hidden_state[0, rows])
 
-    def token_ids(self, scheduled: tuple[ScheduledSeq, ...]) -> torch.Tensor:
-        """The packed input ids on the device: from the host where it has them, from the rows'
-        last sampled token for an unread one (a decode right after the step that sampled it)."""
+    def _host_ids(self, scheduled: tuple[ScheduledSeq, ...]) -> tuple[list[int], list[int], list[int]]:
+        """The packed input ids the host has, and where a row's last sampled token goes instead
+        (`(packed index, batch row)`: a decode right after the step that sampled it, unread)."""
         ids: list[int] = []
         unread_at, unread_rows = [], []
         for seq, n in scheduled:
@@ -228,14 +292,24 @@ class ModelRunner:
                 unread_at.append(len(ids))
                 unread_rows.append(seq.batch_row)
                 ids.append(0)
+        if unread_at and self.tp is not None:
+            raise RuntimeError("a tensor-parallel step needs every input id on the host (no overlapped steps)")
+        return ids, unread_at, unread_rows
+
+    def token_ids(self, scheduled: tuple[ScheduledSeq, ...]) -> torch.Tensor:
+        """The packed input ids on the device: from the host where it has them, from the rows'
+        last sampled token for an unread one."""
+        ids, unread_at, unread_rows = self._host_ids(scheduled)
+        return self._ids_on_device(ids, unread_at, unread_rows)
+
+    def _ids_on_device(self, ids: list[int], unread_at: list[int], unread_rows: list[int]) -> torch.Tensor:
         out = ints(ids, self.device)
         if unread_at:
             out[self._index(unread_at)] = self.batch.last_token[self._index(unread_rows)]
         return out
 
-    def _pack(self, scheduled: tuple[ScheduledSeq, ...], sample_rows: list[int]):
-        """(ids, positions, `AttentionBatch`, sampling rows, media, decoder keyword arguments) of
-        the scheduled chunks packed into one sequence."""
+    def _pack_host(self, scheduled: tuple[ScheduledSeq, ...], sample_rows: list[int]) -> PackedStep:
+        """The scheduled chunks packed into one sequence, on the host: what every rank needs."""
         bs = self.config.block_size
         num_ids = 0
         positions, slots, media = [], [], []
@@ -251,44 +325,58 @@ class ModelRunner:
             slot_tables.append(ctx_slots)
             q_lens.append(n)
             ctx_lens.append(end)
-        dev = self.device
-        extra = {}
         max_blocks = max(len(s.seq.block_table) for s in scheduled)
         tables = torch.full((len(scheduled), max_blocks), self.scratch_block, dtype=torch.int32)
         for i, s in enumerate(scheduled):
             tables[i, :len(s.seq.block_table)] = torch.tensor(s.seq.block_table, dtype=torch.int32)
-        cu_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        states = None
+        if self.states is not None:
+            if any(s.seq.state_slot is None for s in scheduled):
+                raise RuntimeError("a scheduled sequence holds no state slot")
+            states = StateOps(fresh=[s.seq.state_slot for s in scheduled if s.seq.num_computed == 0],
+                              resumed=[(s.seq.resume_snapshot, s.seq.state_slot) for s in scheduled
+                                       if s.seq.resume_snapshot is not None],
+                              slots=[s.seq.state_slot for s in scheduled])
+        if self.tp is not None:  # sent to the other ranks: media on the host
+            media = [(index, tuple(p.cpu() for p in parts)) for index, parts in media]
+        ids, unread_at, unread_rows = self._host_ids(scheduled)
+        return PackedStep(ids, unread_at, unread_rows, torch.cat(positions, dim=1), torch.cat(slots), q_lens,
+                          ctx_lens, tables, slot_tables if self.backend == "sdpa" else [], sample_rows, media, states)
+
+    def _on_device(self, p: PackedStep):
+        """(ids, positions, `AttentionBatch`, sampling rows, media, decoder keyword arguments) of a
+        packed step on this rank's device; state slots reset / restored as it asks."""
+        dev = self.device
+        extra = {}
+        cu_q = torch.tensor([0] + p.q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         batch = AttentionBatch(
             kv_pool=self.kv_pool,
-            slot_mapping=to_device(torch.cat(slots), dev),
+            slot_mapping=to_device(p.slots, dev),
             cu_seqlens_q=to_device(cu_q, dev),
-            context_lens=ints(ctx_lens, dev, torch.int32),
-            block_tables=to_device(tables, dev),
-            max_query_len=max(q_lens),
-            max_context_len=max(ctx_lens),
+            context_lens=ints(p.ctx_lens, dev, torch.int32),
+            block_tables=to_device(p.tables, dev),
+            max_query_len=max(p.q_lens),
+            max_context_len=max(p.ctx_lens),
             backend=self.backend,
-            kv_splits=self._kv_splits(len(scheduled), max(q_lens), max(ctx_lens)),
+            kv_splits=self._kv_splits(len(p.q_lens), max(p.q_lens), max(p.ctx_lens)),
             windows=self.windows,
             kv_layers=self.kv_layers,
         )
-        if self.states is not None:
-            extra["state_batch"] = self._state_batch(scheduled)
+        if p.states is not None:
+            extra["state_batch"] = self._state_batch(p.states, p.q_lens)
         if self.backend == "sdpa":
-            batch.gather_slots, batch.masks = attention.sdpa_metadata(q_lens, ctx_lens, slot_tables, dev, self.windows)
-        rows = to_device((cu_q[1:] - 1).to(torch.long)[sample_rows], dev)
-        return self.token_ids(scheduled), to_device(torch.cat(positions, dim=1), dev), batch, rows, media, extra
+            batch.gather_slots, batch.masks = attention.sdpa_metadata(p.q_lens, p.ctx_lens, p.slot_tables, dev,
+                                                                      self.windows)
+        rows = to_device((cu_q[1:] - 1).to(torch.long)[p.sample_rows], dev)
+        ids = self._ids_on_device(p.ids, p.unread_at, p.unread_rows)
+        return ids, to_device(p.positions, dev), batch, rows, p.media, extra
 
-    def _state_batch(self, scheduled: tuple[ScheduledSeq, ...]) -> StateBatch:
+    def _state_batch(self, ops: StateOps, q_lens: list[int]) -> StateBatch:
         """The step's state slots; those of sequences starting from their first token are zeroed,
         those of sequences resuming from a cached prefix take its snapshot."""
-        if any(s.seq.state_slot is None for s in scheduled):
-            raise RuntimeError("a scheduled sequence holds no state slot")
-        fresh = [s.seq.state_slot for s in scheduled if s.seq.num_computed == 0]
-        if fresh:
-            self.states.reset(self._index(fresh))
-        resumed = [(s.seq.resume_snapshot, s.seq.state_slot) for s in scheduled if s.seq.resume_snapshot is not None]
-        if resumed:
-            src, dst = zip(*resumed)
+        if ops.fresh:
+            self.states.reset(self._index(ops.fresh))
+        if ops.resumed:
+            src, dst = zip(*ops.resumed)
             self.states.copy(self._index(src), self._index(dst))
-        slots = self._index([s.seq.state_slot for s in scheduled])
-        return StateBatch(self.states, slots, tuple(s.num_tokens for s in scheduled))
+        return StateBatch(self.states, self._index(ops.slots), tuple(q_lens))

@@ -156,7 +156,8 @@ Convert = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 def load_weights(module: nn.Module, model_dir: str | Path, rename: Callable[[str], str | None], *,
                  convert: Convert | None = None, optional: frozenset[str] = frozenset(),
-                 on_read: Callable[[str, torch.Tensor], None] | None = None) -> LoadReport:
+                 on_read: Callable[[str, torch.Tensor], None] | None = None,
+                 take: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> LoadReport:
     """Stream the checkpoint's tensors into `module`'s parameters and buffers, one at a time.
 
     `module` is built with uninitialised storage on its device, in its dtype; each tensor is read
@@ -166,6 +167,8 @@ def load_weights(module: nn.Module, model_dir: str | Path, rename: Callable[[str
     which returns the module tensors it can make from the waiting ones and removes those it used.
     Every parameter and persistent buffer must be loaded except the `optional` ones (tied weights).
     `on_read(key, tensor)` sees each tensor as the file holds it (e.g. to fingerprint the weights).
+    `take(name, tensor)`: the part of a module tensor this process holds (a tensor-parallel
+    shard, `llm_service.tensor_parallel`), applied before it is placed.
     """
     start, rss0 = time.perf_counter(), rss_bytes()
     peak = 0
@@ -176,6 +179,8 @@ def load_weights(module: nn.Module, model_dir: str | Path, rename: Callable[[str
 
     def place(name: str, tensor: torch.Tensor) -> None:
         target = targets[name]
+        if take is not None:
+            tensor = take(name, tensor)
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(f"checkpoint tensor for {name} has shape {tuple(tensor.shape)}, the model "
                              f"expects {tuple(target.shape)}: does config.json match the weights?")

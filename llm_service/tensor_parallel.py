@@ -1,0 +1,305 @@
+"""Tensor parallelism of one LLM replica: its decoder split over N ranks, one process each.
+
+Rank 0 is the replica's own process: it schedules, samples, and sends each step's inputs to the
+other ranks (`TPGroup.broadcast`, one message per step); every rank runs the same forward over
+its shard of the weights (`shard_modules`), joined by one all-reduce after each attention block
+and one after each MLP block (`TPGroup.all_reduce`); only rank 0 holds the `lm_head`.
+
+The split (Megatron's): attention heads and their KV heads over the ranks (a KV head is repeated
+on several ranks when there are fewer KV heads than ranks), Q/K/V (and a gate per head) by
+rows, the output projection by columns; MLP gate/up by rows and down by columns; MoE experts
+by their intermediate dimension (every rank holds every expert, routing replicated); the
+Gated-DeltaNet layers by head (query/key heads as KV heads, value heads as attention heads). The
+embedding table, the norms and the routers are whole on every rank. A rank's KV pool and state
+slots hold its own heads.
+
+Ray-free: `rank_main` is what a rank worker process runs (a Ray actor in the Serve app, a
+plain process in the tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import pickle
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+Rule = Callable[[torch.Tensor], torch.Tensor]
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class TPGroup:
+    """This process's place in a replica's tensor-parallel group (`torch.distributed`: NCCL on
+    CUDA with a gloo group beside it for the step messages, gloo on CPU). Counts its collectives:
+    `counts["all_reduce"]`, `counts["broadcast"]`."""
+
+    def __init__(self, rank: int, size: int, init_method: str, device: torch.device,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        import torch.distributed as dist
+
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is not in a group of {size}")
+        self.rank, self.size, self.device = rank, size, torch.device(device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        self.control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+        self.counts: Counter[str] = Counter()
+        logger.info("tensor-parallel rank %d of %d joined (%s)", rank, size, backend)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        dist.all_reduce(x)
+        self.counts["all_reduce"] += 1
+        return x
+
+    def broadcast(self, message=None):
+        """Rank 0 sends `message` (picklable; tensors on the host), the others return it."""
+        import torch.distributed as dist
+
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        self.counts["broadcast"] += 1
+        return box[0]
+
+    def agree_min(self, values: tuple[int, ...]) -> tuple[int, ...]:
+        """The smallest of each value over the ranks (pool sizes every rank can hold)."""
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
+        return tuple(int(v) for v in t.tolist())
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------- the split
+
+
+def part(total: int, rank: int, size: int) -> tuple[int, int]:
+    """`(first, count)` of the `total` heads rank `rank` holds: an even share when `total` splits
+    over `size`, else (fewer heads than ranks) the one head its rank's group shares."""
+    if total % size == 0:
+        return rank * (total // size), total // size
+    if size % total == 0:
+        return rank // (size // total), 1
+    raise ValueError(f"{total} heads split over neither {size} ranks nor a divisor of them")
+
+
+def rows(blocks: int, first: int, count: int, dim: int = 0) -> Rule:
+    """Blocks `first .. first + count` of `blocks` equal blocks along `dim`."""
+    def take(t: torch.Tensor) -> torch.Tensor:
+        size = t.shape[dim] // blocks
+        return t.narrow(dim, first * size, count * size)
+    return take
+
+
+def segments(sizes: tuple[int, ...], rules: tuple[Rule, ...], dim: int = 0) -> Rule:
+    """A fused tensor of segments `sizes` along `dim` (e.g. [q | k | v]), each split by its rule."""
+    def take(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([rule(piece) for piece, rule in zip(t.split(list(sizes), dim), rules)], dim)
+    return take
+
+
+def zeros_unless(keep: bool) -> Rule:
+    """A row-parallel layer's bias: added once (rank 0), the others hold zeros."""
+    return (lambda t: t) if keep else torch.zeros_like
+
+
+@dataclass
+class ShardPlan:
+    """What rank `rank` of `size` holds: a rule per sharded module key (the full tensor -> this
+    rank's part); keys without one are whole."""
+
+    rank: int
+    size: int
+    rules: dict[str, Rule]
+
+    def take(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        rule = self.rules.get(name)
+        return tensor if rule is None else rule(tensor)
+
+
+def _attention(prefix: str, attn: nn.Module, rank: int, size: int, rules: dict[str, Rule]) -> None:
+    heads = attn.o_proj.weight.shape[1] // attn.head_dim
+    kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
+    q_first, q_count = part(heads, rank, size)
+    kv_first, kv_count = part(kv_heads, rank, size)
+    if heads % size:
+        raise ValueError(f"{heads} attention heads do not split over {size} ranks")
+    q = rows(heads, q_first, q_count)
+    for name in ("q_proj", "g_proj"):  # a per-head gate (Step3) splits as the heads
+        if hasattr(attn, name):
+            rules[f"{prefix}{name}.weight"] = q
+            if getattr(attn, name).bias is not None:
+                rules[f"{prefix}{name}.bias"] = q
+    for name in ("k_proj", "v_proj"):
+        rules[f"{prefix}{name}.weight"] = rows(kv_heads, kv_first, kv_count)
+        if getattr(attn, name).bias is not None:
+            rules[f"{prefix}{name}.bias"] = rows(kv_heads, kv_first, kv_count)
+    rules[f"{prefix}o_proj.weight"] = rows(heads, q_first, q_count, dim=1)
+    if attn.o_proj.bias is not None:
+        rules[f"{prefix}o_proj.bias"] = zeros_unless(rank == 0)
+    for attr, value in (("num_heads", q_count), ("num_attention_heads", q_count),
+                        ("num_key_value_heads", kv_count), ("num_key_value_groups", q_count // kv_count)):
+        if hasattr(attn, attr):
+            setattr(attn, attr, value)
+
+
+def _linear_attention(prefix: str, lin: nn.Module, rank: int, size: int, rules: dict[str, Rule]) -> None:
+    """Gated-DeltaNet: query/key heads (`num_k_heads`) and value heads (`num_v_heads`)."""
+    hk, hv = lin.num_k_heads, lin.num_v_heads
+    k_first, k_count = part(hk, rank, size)
+    v_first, v_count = part(hv, rank, size)
+    if hv % size:
+        raise ValueError(f"{hv} linear-attention value heads do not split over {size} ranks")
+    key, value = rows(hk, k_first, k_count), rows(hv, v_first, v_count)
+    qkv = segments((lin.key_dim, lin.key_dim, lin.value_dim), (key, key, value))
+    rules[f"{prefix}in_proj_qkv.weight"] = qkv
+    rules[f"{prefix}conv1d.weight"] = qkv
+    if lin.conv1d.bias is not None:
+        rules[f"{prefix}conv1d.bias"] = qkv
+    for name in ("in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "dt_bias", "A_log"):
+        rules[prefix + name] = value
+    rules[f"{prefix}out_proj.weight"] = rows(hv, v_first, v_count, dim=1)
+    lin.num_k_heads, lin.num_v_heads = k_count, v_count
+    lin.key_dim, lin.value_dim = k_count * lin.head_k_dim, v_count * lin.head_v_dim
+    lin.conv_dim = 2 * lin.key_dim + lin.value_dim
+
+
+def _mlp(prefix: str, mlp: nn.Module, rank: int, size: int, rules: dict[str, Rule]) -> None:
+    """A dense SiLU MLP, an experts module, or a MoE block of both (experts, shared experts)."""
+    if hasattr(mlp, "gate_proj") and hasattr(mlp, "down_proj"):
+        inter = mlp.gate_proj.weight.shape[0]
+        if inter % size:
+            raise ValueError(f"MLP intermediate size {inter} does not split over {size} ranks")
+        col = rows(size, rank, 1)
+        rules[f"{prefix}gate_proj.weight"] = rules[f"{prefix}up_proj.weight"] = col
+        rules[f"{prefix}down_proj.weight"] = rows(size, rank, 1, dim=1)
+        if mlp.down_proj.bias is not None:
+            rules[f"{prefix}down_proj.bias"] = zeros_unless(rank == 0)
+        return
+    experts = getattr(mlp, "experts", None)
+    if experts is not None and hasattr(experts, "gate_up_proj"):
+        inter = experts.down_proj.shape[2]
+        if inter % size:
+            raise ValueError(f"expert intermediate size {inter} does not split over {size} ranks")
+        half = rows(size, rank, 1, dim=1)
+        rules[f"{prefix}experts.gate_up_proj"] = segments((inter, inter), (half, half), dim=1)
+        rules[f"{prefix}experts.down_proj"] = rows(size, rank, 1, dim=2)
+        if hasattr(experts, "intermediate_dim"):
+            experts.intermediate_dim = inter // size
+    for name in ("shared_expert", "shared_experts"):
+        if (shared := getattr(mlp, name, None)) is not None:
+            _mlp(f"{prefix}{name}.", shared, rank, size, rules)
+
+
+def plan_shards(decoder: nn.Module, rank: int, size: int) -> ShardPlan:
+    """The split of `decoder`'s layers for rank `rank` of `size` (module attributes that count
+    heads are set to this rank's)."""
+    rules: dict[str, Rule] = {}
+    for i, layer in enumerate(decoder.layers):
+        prefix = f"decoder.layers.{i}."
+        if (attn := getattr(layer, "self_attn", None)) is not None:
+            _attention(prefix + "self_attn.", attn, rank, size, rules)
+        if (lin := getattr(layer, "linear_attn", None)) is not None:
+            _linear_attention(prefix + "linear_attn.", lin, rank, size, rules)
+        _mlp(prefix + "mlp.", layer.mlp, rank, size, rules)
+    return ShardPlan(rank, size, rules)
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Modules built inside have their parameters on the meta device (one full-size parameter
+    alive at a time) and their buffers where they are built (rotary tables keep their values)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def materialize(modules: nn.Module, plan: ShardPlan, device: torch.device) -> None:
+    """Give every meta parameter of `modules` storage on `device`: this rank's shape for the
+    sharded ones (the plan's rule applied to a meta tensor of the full shape), whole otherwise."""
+    made: dict[int, nn.Parameter] = {}  # a tied parameter stays one tensor
+    for name, param in list(modules.named_parameters(remove_duplicate=False)):
+        if param.device.type != "meta":
+            continue
+        owner, _, attr = name.rpartition(".")
+        if id(param) not in made:
+            shape = plan.take(name, param).shape
+            made[id(param)] = nn.Parameter(torch.empty(shape, dtype=param.dtype, device=device), requires_grad=False)
+        setattr(modules.get_submodule(owner), attr, made[id(param)])
+    for module in modules.modules():
+        if isinstance(module, nn.Linear):
+            module.out_features, module.in_features = module.weight.shape
+
+
+def install_all_reduces(decoder: nn.Module, group: TPGroup) -> int:
+    """One all-reduce on the output of each attention block (`self_attn`, `linear_attn`) and of
+    each MLP block: the row-parallel layers' partial sums. Returns how many were installed."""
+
+    def reduce(module, args, output):
+        group.all_reduce(output[0] if isinstance(output, tuple) else output)
+        return output
+
+    count = 0
+    for layer in decoder.layers:
+        for name in ("self_attn", "linear_attn", "mlp"):
+            if (block := getattr(layer, name, None)) is not None:
+                block.register_forward_hook(reduce)
+                count += 1
+    return count
+
+
+def local_state_specs(specs: tuple, decoder: nn.Module) -> tuple:
+    """`StateSpec`s of a rank's Gated-DeltaNet layers: its channels and value heads."""
+    from dataclasses import replace
+
+    out = []
+    for spec in specs:
+        lin = decoder.layers[spec.layer_idx].linear_attn
+        out.append(replace(spec, conv_shape=(lin.conv_dim, spec.conv_shape[1]),
+                           recurrent_shape=(lin.num_v_heads, *spec.recurrent_shape[1:])))
+    return tuple(out)
+
+
+def message_bytes(message) -> int:
+    """Pickled size of a step message (what the broadcast carries)."""
+    return len(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def rank_main(rank: int, size: int, init_method: str, model_dir: str, dtype: str, device: str, config) -> dict:
+    """A rank worker (rank >= 1): join the group, load this rank's shard, follow rank 0's steps
+    until it stops the group; returns the group's collective counts."""
+    from llm_service.model import LanguageModel
+    from llm_service.model_runner import ModelRunner
+
+    group = TPGroup(rank, size, init_method, torch.device(device))
+    try:
+        runner = ModelRunner(LanguageModel(model_dir, dtype=dtype, device=device, tp=group), config)
+        runner.follow()
+        return dict(group.counts)
+    finally:
+        group.close()
