@@ -243,14 +243,18 @@ def materialize(modules: nn.Module, plan: ShardPlan, device: torch.device) -> No
     """Give every meta parameter of `modules` storage on `device`: this rank's shape for the
     sharded ones (the plan's rule applied to a meta tensor of the full shape), whole otherwise."""
     made: dict[int, nn.Parameter] = {}  # a tied parameter stays one tensor
+    full_shapes = {}
     for name, param in list(modules.named_parameters(remove_duplicate=False)):
         if param.device.type != "meta":
             continue
         owner, _, attr = name.rpartition(".")
         if id(param) not in made:
             shape = plan.take(name, param).shape
+            if shape != param.shape:
+                full_shapes[name] = tuple(param.shape)
             made[id(param)] = nn.Parameter(torch.empty(shape, dtype=param.dtype, device=device), requires_grad=False)
         setattr(modules.get_submodule(owner), attr, made[id(param)])
+    modules.full_shapes = full_shapes
     for module in modules.modules():
         if isinstance(module, nn.Linear):
             module.out_features, module.in_features = module.weight.shape

@@ -23,6 +23,12 @@ class LanguageModelModules(nn.Module):
         if tied:  # one tensor under both names; the checkpoint's lm_head.weight, if any, is not read
             self.lm_head.weight = decoder.embed_tokens.weight
 
+    full_shapes: dict[str, tuple[int, ...]] = {}  # a tensor-parallel shard's: sharded key -> shape before the split
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of parameter `name` in the whole model (a rank holds a part of some)."""
+        return self.full_shapes.get(name) or tuple(self.get_parameter(name).shape)
+
     def tied_keys(self) -> frozenset[str]:
         """Module keys the loader leaves alone (tied to another tensor)."""
         return frozenset({"lm_head.weight"}) if self.tied else frozenset()

@@ -26,8 +26,8 @@ class Qwen3VLMoeLanguageModel(LanguageModelModules):
         made = {}
         for key in [k for k in waiting if k.endswith(_AS_STORED)]:
             name = key[: -len(_AS_STORED)]
-            tensor, shape = waiting.pop(key), self.get_parameter(name).shape
-            made[name] = tensor if tensor.shape == shape else tensor.transpose(1, 2)
+            tensor, shape = waiting.pop(key), self.full_shape(name)
+            made[name] = tensor if tuple(tensor.shape) == shape else tensor.transpose(1, 2)
         return made
 
 
