@@ -41,7 +41,7 @@ from llm_service.sampling import (DeviceSample, SamplingParams, SamplingRows, ne
                                   settings_dtype)
 from llm_service.scheduler import Scheduler
 from llm_service.sequence import LLMRequest, Sequence, Status, TokenEvent
-from mmserve.errors import EngineError, InvalidRequest, Overloaded
+from mmserve.errors import EngineError, InvalidRequest, Overloaded, ReplicaLost
 
 __all__ = ["EngineStats", "LLMEngine", "LLMRequest", "TokenEvent"]
 logger = logging.getLogger(__name__)
@@ -110,6 +110,7 @@ class LLMEngine:
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self.lost: str | None = None  # why a tensor-parallel replica can serve no more
         self._in_step: list[Sequence] = []  # the sequences of the step being run
         self._launched: _Launched | None = None  # overlap: the step launched, not read yet
         self._last_read: tuple[_Launched, float, float, float] | None = None  # this step's read (`step_log`)
@@ -179,6 +180,8 @@ class LLMEngine:
     def add_request(self, request: LLMRequest, emit: Callable[[TokenEvent], None], ready: int | None = None) -> None:
         """Queue `request`; `ready`: its prompt inputs are present up to that token only (its media
         rows are still being filled: `extend` says when more are)."""
+        if self.lost:
+            raise ReplicaLost(self.lost)
         if request.positions is None:
             request = dataclasses.replace(request, positions=self.model.face.text_positions())
         seq = Sequence(request, emit, next(self._arrivals), new_generator(request.sampling, self.model.device),
@@ -234,6 +237,8 @@ class LLMEngine:
     def health(self, stall_timeout_s: float) -> str | None:
         """Why this engine cannot serve (its thread is dead, or it holds work and no step started
         or finished within `stall_timeout_s`), or None when it is healthy."""
+        if self.lost:
+            return self.lost
         if self._stopped:
             return "the engine was shut down"
         if self._thread is not None and not self._thread.is_alive():
@@ -251,8 +256,11 @@ class LLMEngine:
             self._cv.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout_s)
-        if self._thread is None or not self._thread.is_alive():
-            self.runner.stop_ranks()  # a tensor-parallel replica's other ranks end with it
+        if not self.lost and (self._thread is None or not self._thread.is_alive()):
+            try:
+                self.runner.stop_ranks()  # a tensor-parallel replica's other ranks end with it
+            except Exception:  # a rank already gone: nothing to stop there
+                logger.warning("stopping the tensor-parallel ranks failed", exc_info=True)
 
     # -- engine thread -----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -269,6 +277,9 @@ class LLMEngine:
                 self.step()
             except Exception as e:  # a failed step fails its sequences, never the waiting ones nor the replica
                 logger.exception("engine step failed")
+                if self.runner.tp is not None:  # the group is broken: the replica serves no more
+                    self._lose_replica(e)
+                    return
                 if isinstance(e, torch.OutOfMemoryError):  # resource exhaustion, not a bug
                     event = TokenEvent(None, "error", Overloaded("the language model ran out of device memory"))
                 else:
@@ -282,6 +293,19 @@ class LLMEngine:
                 for seq in failed:
                     self._finish(seq, event)
                 self._in_step = []
+
+    def _lose_replica(self, e: Exception) -> None:
+        """A tensor-parallel step failed (a rank died, or a collective broke): every request here
+        fails with `ReplicaLost`, which the router resubmits elsewhere; the thread ends, so
+        `health` fails the replica as a whole."""
+        self.lost = f"tensor-parallel group broken: {type(e).__name__}: {e}"
+        with self._cv:
+            new, self._new = self._new, []
+        event = TokenEvent(None, "error", ReplicaLost(self.lost))
+        for seq in new:  # not admitted yet
+            seq.send(event)
+        for seq in dict.fromkeys([*self._by_id.values(), *self._in_step]):
+            self._finish(seq, event)
 
     def step(self) -> None:
         """Admit and abort, then schedule -> one forward -> sample; postprocess the sampled ids

@@ -136,10 +136,10 @@ class ShardPlan:
 def _attention(prefix: str, attn: nn.Module, rank: int, size: int, rules: dict[str, Rule]) -> None:
     heads = attn.o_proj.weight.shape[1] // attn.head_dim
     kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
-    q_first, q_count = part(heads, rank, size)
-    kv_first, kv_count = part(kv_heads, rank, size)
     if heads % size:
         raise ValueError(f"{heads} attention heads do not split over {size} ranks")
+    q_first, q_count = part(heads, rank, size)
+    kv_first, kv_count = part(kv_heads, rank, size)
     q = rows(heads, q_first, q_count)
     for name in ("q_proj", "g_proj"):  # a per-head gate (Step3) splits as the heads
         if hasattr(attn, name):
@@ -162,10 +162,10 @@ def _attention(prefix: str, attn: nn.Module, rank: int, size: int, rules: dict[s
 def _linear_attention(prefix: str, lin: nn.Module, rank: int, size: int, rules: dict[str, Rule]) -> None:
     """Gated-DeltaNet: query/key heads (`num_k_heads`) and value heads (`num_v_heads`)."""
     hk, hv = lin.num_k_heads, lin.num_v_heads
-    k_first, k_count = part(hk, rank, size)
-    v_first, v_count = part(hv, rank, size)
     if hv % size:
         raise ValueError(f"{hv} linear-attention value heads do not split over {size} ranks")
+    k_first, k_count = part(hk, rank, size)
+    v_first, v_count = part(hv, rank, size)
     key, value = rows(hk, k_first, k_count), rows(hv, v_first, v_count)
     qkv = segments((lin.key_dim, lin.key_dim, lin.value_dim), (key, key, value))
     rules[f"{prefix}in_proj_qkv.weight"] = qkv

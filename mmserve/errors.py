@@ -37,6 +37,11 @@ class EngineError(RuntimeError):
     """An engine step failed (a bug, not the request's fault): HTTP 500 / gRPC INTERNAL."""
 
 
+class ReplicaLost(RuntimeError):
+    """This replica can no longer serve (a rank of its tensor-parallel group died): the request
+    itself is fine and runs again on another replica, as when the replica's process dies."""
+
+
 class ShuttingDown(RuntimeError):
     """The server is draining before it stops: HTTP 503 / gRPC UNAVAILABLE; retry elsewhere."""
 

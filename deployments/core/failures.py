@@ -16,8 +16,8 @@ from typing import Literal, NamedTuple
 
 import grpc
 
-from mmserve.errors import (InvalidRequest, NotReady, Overloaded, QueueFull, RequestTooLarge, ShuttingDown,
-                            Unauthenticated)
+from mmserve.errors import (InvalidRequest, NotReady, Overloaded, QueueFull, ReplicaLost, RequestTooLarge,
+                            ShuttingDown, Unauthenticated)
 
 Kind = Literal["invalid", "too_large", "unauthenticated", "busy", "overloaded", "lost", "unavailable", "deadline",
                "internal"]
@@ -67,7 +67,7 @@ def _replica_lost() -> tuple[type[BaseException], ...]:
     # ActorDiedError is a RayActorError; Serve raises ReplicaUnavailableError for a replica it
     # cannot reach
     return (ray_exceptions.RayActorError, ray_exceptions.ActorUnavailableError,
-            serve_exceptions.ReplicaUnavailableError)
+            serve_exceptions.ReplicaUnavailableError, ReplicaLost)
 
 
 def replica_lost(e: BaseException) -> bool:

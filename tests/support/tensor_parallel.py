@@ -28,8 +28,9 @@ def _rank(rank, size, init, model_dir, dtype, config, results):
 
 @contextlib.contextmanager
 def tp_engine(model_dir: str, size: int, dtype: str = "float64", **config):
-    """An `LLMEngine` at `tensor_parallel_size` `size` (not started: the test steps it); on exit
-    the other ranks' collective counts are in `engine.rank_counts` ({rank: counts})."""
+    """An `LLMEngine` at `tensor_parallel_size` `size` (not started: the test steps it), the
+    other ranks' process ids in `engine.rank_pids`; on exit their collective counts are in
+    `engine.rank_counts` ({rank: counts}, ranks that ended cleanly)."""
     cfg = EngineConfig(tensor_parallel_size=size, **config)
     init = f"tcp://127.0.0.1:{free_port()}"
     ctx = multiprocessing.get_context("spawn")
@@ -42,6 +43,7 @@ def tp_engine(model_dir: str, size: int, dtype: str = "float64", **config):
     engine = None
     try:
         engine = LLMEngine(LanguageModel(model_dir, dtype=dtype, tp=group), cfg)
+        engine.rank_pids = {r: p.pid for r, p in enumerate(procs, 1)}
         yield engine
     finally:
         if engine is not None:
