@@ -245,7 +245,7 @@ def test_a_decode_graph_step_reads_only_long_lived_tensors_and_gives_the_packed_
         staged = step()[:3]
     assert not foreign, foreign
     runner.kv_pool.copy_(kv_before)  # the packed step writes the same K/V again
-    ids, positions, batch, rows, media, extra = runner._pack(scheduled, [0, 1, 2])
+    ids, positions, batch, rows, media, extra = runner._on_device(runner._pack_host(scheduled, [0, 1, 2]))
     with torch.inference_mode():
         eager = runner.forward(runner.model.modules.decoder.embed_tokens(ids), positions, batch, rows, **extra)
     torch.testing.assert_close(staged, eager, rtol=1e-5, atol=1e-5)
