@@ -20,7 +20,7 @@ class LanguageModel:
 
     def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "cpu", tp=None):
         """`tp`: this process's `TPGroup` when the replica is tensor-parallel; it then holds its
-        rank's shard (`llm_service.tensor_parallel`), and only rank 0 the `lm_head`."""
+        rank's shard (`llm_service.tensor_parallel`)."""
         from transformers import GenerationConfig
 
         start = time.perf_counter()
@@ -57,22 +57,17 @@ class LanguageModel:
 
     def _build_shard(self, tp):
         """This rank's modules: built with parameters on meta, then given storage in their shard's
-        shape; the loader's `rename` (no `lm_head` beyond rank 0) and `take` (the shard of a tensor)."""
+        shape (the embedding table and `lm_head` split by vocabulary); the loader's `rename` and
+        `take` (the shard of a tensor)."""
         from llm_service import tensor_parallel
 
         with torch.device(self.device), tensor_parallel.parameters_on_meta():
             modules = self.face.build(self.dtype)
-        plan = tensor_parallel.plan_shards(modules.decoder, tp.rank, tp.size)
-        if tp.rank:
-            modules.lm_head, modules.tied = None, False
+        plan = tensor_parallel.plan_shards(modules.decoder, tp.rank, tp.size, vocab=self.vocab_size)
         tensor_parallel.materialize(modules, plan, self.device)
+        tensor_parallel.split_embedding(modules.decoder.embed_tokens, tp, self.vocab_size)
         tensor_parallel.install_all_reduces(modules.decoder, tp)
-        rename = self.face.rename
-        if tp.rank:
-            def rename(key: str, base=self.face.rename) -> str | None:
-                name = base(key)
-                return None if name is None or name.startswith("lm_head.") else name
-        return modules, rename, plan.take
+        return modules, self.face.rename, plan.take
 
     def state_layers(self):
         """The face's state layers, in the shapes this process holds (its rank's heads)."""

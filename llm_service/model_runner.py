@@ -273,9 +273,10 @@ class ModelRunner:
             use_cache=False,
             **extra,
         )
-        if self.model.modules.lm_head is None:  # a tensor-parallel rank other than 0: rank 0 samples
-            return None
-        return self.model.modules.lm_head(out.last_hidden_state[0, rows])
+        logits = self.model.modules.lm_head(out.last_hidden_state[0, rows])
+        if self.tp is not None:  # each rank's vocabulary slice, whole on rank 0 (None elsewhere)
+            return self.tp.gather_vocab(logits, self.model.vocab_size)
+        return logits
 
     def _host_ids(self, scheduled: tuple[ScheduledSeq, ...]) -> tuple[list[int], list[int], list[int]]:
         """The packed input ids the host has, and where a row's last sampled token goes instead

@@ -71,6 +71,16 @@ class TPGroup:
         self.counts["broadcast"] += 1
         return box[0]
 
+    def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
+        """Rank 0: the whole `(rows, vocab)` logits from every rank's vocabulary slice; the
+        others send theirs and get None."""
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(logits.contiguous(), parts, dst=0)
+        self.counts["gather"] += 1
+        return torch.cat(parts, dim=-1)[..., :vocab_size] if self.rank == 0 else None
+
     def agree_min(self, values: tuple[int, ...]) -> tuple[int, ...]:
         """The smallest of each value over the ranks (pool sizes every rank can hold)."""
         import torch.distributed as dist
@@ -112,6 +122,39 @@ def segments(sizes: tuple[int, ...], rules: tuple[Rule, ...], dim: int = 0) -> R
     def take(t: torch.Tensor) -> torch.Tensor:
         return torch.cat([rule(piece) for piece, rule in zip(t.split(list(sizes), dim), rules)], dim)
     return take
+
+
+def vocab_rows(vocab: int, rank: int, size: int) -> Rule:
+    """Rank `rank`'s slice of a `(vocab, hidden)` table: `ceil(vocab / size)` rows, the last
+    slice padded with zero rows."""
+    per = -(-vocab // size)
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        piece = t[rank * per:(rank + 1) * per]
+        if piece.shape[0] == per:
+            return piece
+        return torch.cat([piece, piece.new_zeros(per - piece.shape[0], *piece.shape[1:])])
+    return take
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """An embedding table split by vocabulary: each rank looks up the ids in its slice (zeros for
+    the others), one all-reduce sums the slices' rows. Set on `nn.Embedding` by class swap."""
+
+    group: TPGroup
+    first: int  # the first id of this rank's slice
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.first
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.group.all_reduce(rows.masked_fill_(outside.unsqueeze(-1), 0))
+
+
+def split_embedding(embed: nn.Embedding, group: TPGroup, vocab: int) -> None:
+    """`embed` (this rank's slice of rows already) looks up as `VocabParallelEmbedding`."""
+    embed.__class__ = VocabParallelEmbedding
+    embed.group, embed.first = group, group.rank * -(-vocab // group.size)
 
 
 def zeros_unless(keep: bool) -> Rule:
@@ -207,10 +250,13 @@ def _mlp(prefix: str, mlp: nn.Module, rank: int, size: int, rules: dict[str, Rul
             _mlp(f"{prefix}{name}.", shared, rank, size, rules)
 
 
-def plan_shards(decoder: nn.Module, rank: int, size: int) -> ShardPlan:
+def plan_shards(decoder: nn.Module, rank: int, size: int, vocab: int | None = None) -> ShardPlan:
     """The split of `decoder`'s layers for rank `rank` of `size` (module attributes that count
-    heads are set to this rank's)."""
+    heads are set to this rank's); with `vocab`, the embedding table and the `lm_head` too, by
+    vocabulary."""
     rules: dict[str, Rule] = {}
+    if vocab is not None:
+        rules["decoder.embed_tokens.weight"] = rules["lm_head.weight"] = vocab_rows(vocab, rank, size)
     for i, layer in enumerate(decoder.layers):
         prefix = f"decoder.layers.{i}."
         if (attn := getattr(layer, "self_attn", None)) is not None:
