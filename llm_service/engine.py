@@ -277,7 +277,7 @@ class LLMEngine:
                 self.step()
             except Exception as e:  # a failed step fails its sequences, never the waiting ones nor the replica
                 logger.exception("engine step failed")
-                if self.runner.tp is not None:  # the group is broken: the replica serves no more
+                if self.runner.group_broken:  # the ranks are out of step: the replica serves no more
                     self._lose_replica(e)
                     return
                 if isinstance(e, torch.OutOfMemoryError):  # resource exhaustion, not a bug

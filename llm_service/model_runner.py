@@ -81,6 +81,9 @@ class ModelRunner:
     def __init__(self, model: LanguageModel, config: EngineConfig):
         self.model = model
         self.tp = model.tp  # None unless this replica's decoder is split over ranks
+        # a tensor-parallel step failed between its message and its last collective: the ranks
+        # are out of step and the group cannot run another
+        self.tp_broken = False
         self.state_specs = model.state_layers()
         self.device = model.device
         attention.register()
@@ -140,6 +143,11 @@ class ModelRunner:
             from llm_service.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs.capture(self)
+
+    @property
+    def group_broken(self) -> bool:
+        """A tensor-parallel step failed midway or a collective failed: the ranks are out of step."""
+        return self.tp is not None and (self.tp_broken or self.tp.broken)
 
     def _kv_splits(self, num_seqs: int, max_query_len: int, max_context_len: int) -> int:
         """Key slices of a step's attention, once per step: split-K only for all-decode steps on the
@@ -210,8 +218,10 @@ class ModelRunner:
             self.batch.advance(step.decode_index[:b])
         else:
             if self.tp is not None:
+                self.tp_broken = True  # until this step's collectives are through on rank 0
                 self.tp.broadcast(("step", step.host))
             logits = self._packed_forward(step.packed)
+            self.tp_broken = False
             if self.device_decode:
                 self.batch.write_back(step.scheduled)
         self.num_forwards += 1

@@ -53,13 +53,23 @@ class TPGroup:
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
         self.counts: Counter[str] = Counter()
+        self.broken = False  # a collective failed (a rank died): the group can run no other
         logger.info("tensor-parallel rank %d of %d joined (%s)", rank, size, backend)
+
+    @contextlib.contextmanager
+    def _collective(self, name: str):
+        try:
+            yield
+        except Exception:
+            self.broken = True
+            raise
+        self.counts[name] += 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
-        dist.all_reduce(x)
-        self.counts["all_reduce"] += 1
+        with self._collective("all_reduce"):
+            dist.all_reduce(x)
         return x
 
     def broadcast(self, message=None):
@@ -67,8 +77,8 @@ class TPGroup:
         import torch.distributed as dist
 
         box = [message]
-        dist.broadcast_object_list(box, src=0, group=self.control)
-        self.counts["broadcast"] += 1
+        with self._collective("broadcast"):
+            dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
@@ -77,8 +87,8 @@ class TPGroup:
         import torch.distributed as dist
 
         parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(logits.contiguous(), parts, dst=0)
-        self.counts["gather"] += 1
+        with self._collective("gather"):
+            dist.gather(logits.contiguous(), parts, dst=0)
         return torch.cat(parts, dim=-1)[..., :vocab_size] if self.rank == 0 else None
 
     def agree_min(self, values: tuple[int, ...]) -> tuple[int, ...]:
