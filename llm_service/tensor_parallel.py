@@ -49,6 +49,8 @@ class TPGroup:
             raise ValueError(f"rank {rank} is not in a group of {size}")
         self.rank, self.size, self.device = rank, size, torch.device(device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # NCCL's communicator binds to the current device
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD

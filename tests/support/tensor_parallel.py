@@ -21,28 +21,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank, size, init, model_dir, dtype, config, results):
+def _rank(rank, size, init, model_dir, dtype, device, config, results):
     torch.set_num_threads(1)
-    results.put((rank, rank_main(rank, size, init, model_dir, dtype, "cpu", config)))
+    device = f"cuda:{rank}" if device == "cuda" else device
+    results.put((rank, rank_main(rank, size, init, model_dir, dtype, device, config)))
 
 
 @contextlib.contextmanager
-def tp_engine(model_dir: str, size: int, dtype: str = "float64", **config):
+def tp_engine(model_dir: str, size: int, dtype: str = "float64", device: str = "cpu", **config):
     """An `LLMEngine` at `tensor_parallel_size` `size` (not started: the test steps it), the
-    other ranks' process ids in `engine.rank_pids`; on exit their collective counts are in
-    `engine.rank_counts` ({rank: counts}, ranks that ended cleanly)."""
+    other ranks' process ids in `engine.rank_pids` (`device` "cuda": rank r on `cuda:r`); on
+    exit their collective counts are in `engine.rank_counts` ({rank: counts}, ranks that ended
+    cleanly)."""
     cfg = EngineConfig(tensor_parallel_size=size, **config)
     init = f"tcp://127.0.0.1:{free_port()}"
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, size, init, model_dir, dtype, cfg, results), daemon=True)
+    procs = [ctx.Process(target=_rank, args=(r, size, init, model_dir, dtype, device, cfg, results), daemon=True)
              for r in range(1, size)]
     for p in procs:
         p.start()
-    group = TPGroup(0, size, init, torch.device("cpu"), timeout_s=120)
+    device = "cuda:0" if device == "cuda" else device
+    group = TPGroup(0, size, init, torch.device(device), timeout_s=120)
     engine = None
     try:
-        engine = LLMEngine(LanguageModel(model_dir, dtype=dtype, tp=group), cfg)
+        engine = LLMEngine(LanguageModel(model_dir, dtype=dtype, device=device, tp=group), cfg)
         engine.rank_pids = {r: p.pid for r, p in enumerate(procs, 1)}
         yield engine
     finally:
