@@ -391,3 +391,17 @@ class ModelRunner:
             src, dst = zip(*ops.resumed)
             self.states.copy(self._index(src), self._index(dst))
         return StateBatch(self.states, self._index(ops.slots), tuple(q_lens))
+
+
+def rank_main(rank: int, size: int, init_method: str, model_dir: str, dtype: str, device: str,
+              config: EngineConfig) -> dict:
+    """A tensor-parallel rank worker (rank >= 1): join the group, load this rank's shard, follow
+    rank 0's steps until it stops the group; returns the group's collective counts."""
+    from llm_service.tensor_parallel import TPGroup
+
+    group = TPGroup(rank, size, init_method, torch.device(device))
+    try:
+        ModelRunner(LanguageModel(model_dir, dtype=dtype, device=device, tp=group), config).follow()
+        return dict(group.counts)
+    finally:
+        group.close()

@@ -13,8 +13,8 @@ Gated-DeltaNet layers by head (query/key heads as KV heads, value heads as atten
 embedding table, the norms and the routers are whole on every rank. A rank's KV pool and state
 slots hold its own heads.
 
-Ray-free: `rank_main` is what a rank worker process runs (a Ray actor in the Serve app, a
-plain process in the tests).
+Ray-free: `llm_service.model_runner.rank_main` is what a rank worker process runs (a Ray actor
+in the Serve app, a plain process in the tests).
 """
 
 from __future__ import annotations
@@ -350,18 +350,3 @@ def local_state_specs(specs: tuple, decoder: nn.Module) -> tuple:
 def message_bytes(message) -> int:
     """Pickled size of a step message (what the broadcast carries)."""
     return len(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def rank_main(rank: int, size: int, init_method: str, model_dir: str, dtype: str, device: str, config) -> dict:
-    """A rank worker (rank >= 1): join the group, load this rank's shard, follow rank 0's steps
-    until it stops the group; returns the group's collective counts."""
-    from llm_service.model import LanguageModel
-    from llm_service.model_runner import ModelRunner
-
-    group = TPGroup(rank, size, init_method, torch.device(device))
-    try:
-        runner = ModelRunner(LanguageModel(model_dir, dtype=dtype, device=device, tp=group), config)
-        runner.follow()
-        return dict(group.counts)
-    finally:
-        group.close()
