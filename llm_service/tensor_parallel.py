@@ -352,13 +352,14 @@ def message_bytes(message) -> int:
     return len(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def rank_main(rank: int, size: int, init_method: str, model_dir: str, dtype: str, device: str, config) -> dict:
+def rank_main(rank: int, size: int, init_method: str, model_dir: str, dtype: str, device: str, config,
+              timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
     """A rank worker (rank >= 1): join the group, load this rank's shard, follow rank 0's steps
     until it stops the group; returns the group's collective counts."""
     from llm_service.model import LanguageModel
     from llm_service.model_runner import ModelRunner
 
-    group = TPGroup(rank, size, init_method, torch.device(device))
+    group = TPGroup(rank, size, init_method, torch.device(device), timeout_s=timeout_s)
     try:
         runner = ModelRunner(LanguageModel(model_dir, dtype=dtype, device=device, tp=group), config)
         runner.follow()
