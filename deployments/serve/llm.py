@@ -186,9 +186,10 @@ class LLMDeployment:
     def stats(self) -> dict:
         """The engine's counters (queues, KV blocks, preemptions, tokens), the streamed video frame
         groups encoded again after their encoder replica was lost, the torch threads it computes
-        with, and which replica answered: for tests and debugging."""
+        with, its ranks (tensor parallelism) and which replica answered: for tests and debugging."""
         return {**self.engine.stats()._asdict(), "video_groups_reencoded": self.video_groups_reencoded,
-                "torch_threads": self.torch_threads, "replica": serve.get_replica_context().replica_id.unique_id}
+                "torch_threads": self.torch_threads, "replica": serve.get_replica_context().replica_id.unique_id,
+                "tensor_parallel_size": self.engine.config.tensor_parallel_size}
 
     def memory(self) -> dict:
         """This replica's device memory (`mmserve.device.device_memory`), its share of the

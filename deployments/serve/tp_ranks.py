@@ -24,7 +24,14 @@ import time
 import ray
 
 logger = logging.getLogger("ray.serve")  # the replica's lines
+RANK_ACTOR_PREFIX = "mmserve_tp_rank::"
 rank_logger = logging.getLogger(__name__)  # a rank actor's lines: each carries its rank (`TPRank`)
+
+
+def rank_actor_name(replica: str, rank: int) -> str:
+    """The Ray actor name of rank `rank` of replica `replica` (Serve's replica id), in the replica's
+    namespace: the dashboard lists a replica's ranks by it, tests find them."""
+    return f"{RANK_ACTOR_PREFIX}{replica}::{rank}"
 
 
 def free_port(host: str) -> int:
@@ -94,7 +101,7 @@ class RankWorkers:
         for rank in range(1, size):
             bundle = pg.bundle_specs[rank]
             actor = TPRank.options(
-                num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                name=rank_actor_name(replica, rank), num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
             ).remote(rank, size, replica)
             self.actors.append(actor)
