@@ -25,7 +25,7 @@ import ray
 
 logger = logging.getLogger("ray.serve")  # the replica's lines
 RANK_ACTOR_PREFIX = "mmserve_tp_rank::"
-rank_logger = logging.getLogger(__name__)  # a rank actor's lines: each carries its rank (`TPRank`)
+rank_logger = logging.getLogger(__name__)  # a rank actor's lines: its format names the rank (`TPRank`)
 
 
 def rank_actor_name(replica: str, rank: int) -> str:
@@ -66,17 +66,14 @@ class TPRank:
 
         model_dir, device = resolve_model_dir(model), resolve_device(device)
         torch.set_num_threads(threads)
-        rank_logger.info("tensor-parallel rank %d of %d (replica %s): %s on %s, %d torch threads, joining %s",
-                    self.rank, self.size, self.replica, model_dir, device, threads, init_method)
+        rank_logger.info("%s on %s, %d torch threads, joining %s", model_dir, device, threads, init_method)
         try:
             counts = rank_main(self.rank, self.size, init_method, model_dir, dtype, device, config,
                                timeout_s=timeout_s)
         except BaseException:
-            rank_logger.exception("tensor-parallel rank %d of %d (replica %s) failed", self.rank, self.size,
-                                  self.replica)
+            rank_logger.exception("failed")
             raise
-        rank_logger.info("tensor-parallel rank %d of %d (replica %s) stopped: %s", self.rank, self.size,
-                         self.replica, counts)
+        rank_logger.info("stopped by rank 0: %s", counts)
         return counts
 
 

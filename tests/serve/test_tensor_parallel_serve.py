@@ -158,5 +158,10 @@ def test_killing_a_rank_under_load_loses_nothing_and_the_replica_comes_back(serv
         assert killed[0] in before_ranks and killed[0] not in after_ranks
         outputs, errors, _ = _run_all(url, bodies)
         assert not errors and outputs == expected
+        ranks_before_delete = _alive_rank_actors()
     finally:
         serve.delete(FAILOVER)
+    deadline = time.monotonic() + 30
+    while _alive_rank_actors() > ranks_before_delete - 2 and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert _alive_rank_actors() == ranks_before_delete - 2  # the replicas' shutdown ended their ranks
