@@ -328,8 +328,8 @@ class LLMDeployment:
                 if event.error:
                     ranks = self.ranks
                     if ranks is not None and await asyncio.to_thread(ranks.dead, RANK_LOSS_WAIT_S):
-                        # a rank ended: the step failed with it, and the watcher ends this process; the
-                        # caller then sees a lost replica and fails the request over, losing nothing
+                        # a rank ended: the step failed with it (ReplicaLost), and the watcher ends this
+                        # process; the caller sees the replica's death and fails the request over
                         await asyncio.sleep(0 if ranks.stopping else 10 * RANK_LOSS_WAIT_S)
                     raise event.error
                 if not siblings_added:  # choice 0's first event: its prompt blocks are cached

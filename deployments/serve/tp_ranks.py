@@ -4,13 +4,14 @@ one node), each running `llm_service.tensor_parallel.rank_main` until rank 0 (th
 its engine) stops the group.
 
 The replica and its ranks live and die together. A rank that ends (killed, crashed, its node
-gone) breaks the group: rank 0's next collective raises (gloo: the peer closed its connection) or,
-for a rank that hangs, the engine stalls (`engine.stall_timeout_s`, then Serve's health check).
-`RankWorkers.watch` ends the replica's process as soon as Ray reports a rank's end, so that the
-requests it held fail over to another replica as from any lost replica (the router resumes the
-streams) instead of failing with the broken step's error; `check_health` also fails
-(`RankWorkers.dead`). The rank actors are owned by the replica: Ray ends them with it, and
-`RankWorkers.close` kills them on a graceful shutdown.
+gone) breaks the group: rank 0's next collective raises (gloo: the peer closed its connection) and
+the engine fails its requests with `ReplicaLost` (the router resubmits them) and reports itself
+unhealthy; a rank that hangs stalls the engine (`engine.stall_timeout_s`, then Serve's health
+check). `RankWorkers.watch` also ends the replica's process as soon as Ray reports a rank's end:
+its requests fail over as from any lost replica (the router resumes the streams), and no request
+routed to it meanwhile is spent on a replica that can serve no more (Serve's health check comes
+every few seconds); `check_health` fails too (`RankWorkers.dead`). The rank actors are owned by
+the replica: Ray ends them with it, and `RankWorkers.close` kills them on a graceful shutdown.
 """
 
 from __future__ import annotations
