@@ -39,6 +39,7 @@ def _shared(args: BaseModel, runtime: type) -> dict:
 # by queued bytes instead: unbounded here.
 UNBOUNDED_QUEUE = ("Encoder",)
 RETRY_AFTER_S = 1
+MIN_BUNDLE_CPUS = 0.01  # a placement group bundle's CPUs when its deployment asks for none
 
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
@@ -106,7 +107,23 @@ class DeploymentArgs(_Args):
         at 0.5 share a device), else the whole device (`num_gpus` 0: none was asked for)."""
         return self.num_gpus if 0 < self.num_gpus < 1 else 1.0
 
-    def options(self, name: str, default_target_ongoing_requests: float | None = None) -> dict:
+    def placement(self, ranks: int) -> dict:
+        """Serve's per-replica placement group for a replica of `ranks` processes (its own and one
+        per other tensor-parallel rank, all on one node: STRICT_PACK). Serve pins the replica actor to
+        bundle 0, which must hold the actor's resources (`ray_actor_options`); bundles 1.. are the rank
+        workers' (`deployments.serve.tp_ranks`): as many CPUs as the replica, a whole GPU with `num_gpus` 1."""
+        cpus = max(self.num_cpus, MIN_BUNDLE_CPUS)  # a bundle of zeros is refused by Ray
+        gpu = {"GPU": self.num_gpus} if self.num_gpus else {}
+        accelerator = {f"accelerator_type:{self.accelerator_type}": 0.001} if self.accelerator_type else {}
+        first = {"CPU": cpus, **gpu, **self.resources, **accelerator}
+        options = {"placement_group_bundles": [first] + [{"CPU": cpus, **gpu, **accelerator}] * (ranks - 1),
+                   "placement_group_strategy": "STRICT_PACK"}
+        if self.label_selector and _serve_has("placement_group_bundle_label_selector"):
+            options["placement_group_bundle_label_selector"] = [dict(self.label_selector)]  # Serve: every bundle
+        return options
+
+    def options(self, name: str, default_target_ongoing_requests: float | None = None, ranks: int = 1) -> dict:
+        """Serve's deployment options; `ranks` > 1: each replica with its placement group (`placement`)."""
         actor: dict = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
         if self.label_selector:
             actor["label_selector"] = dict(self.label_selector)
@@ -123,6 +140,8 @@ class DeploymentArgs(_Args):
             "max_queued_requests": queued,
             "ray_actor_options": actor,
         }
+        if ranks > 1:
+            options.update(self.placement(ranks))
         if _serve_has("backpressure_config"):  # Serve >= 2.5x; older ones answer 503 without Retry-After
             options["backpressure_config"] = {"status_code": 429, "retry_after_s": RETRY_AFTER_S}
         if self.autoscaling is None:
@@ -431,6 +450,20 @@ class EngineArgs(_Args):
         default=60.0, gt=0, description="an LLM replica holding work with no engine step in this long is "
         "unhealthy (Serve replaces it; its requests fail over)",
     )
+    tensor_parallel_size: int = Field(
+        default=EngineConfig.tensor_parallel_size, ge=1, description="ranks each LLM replica's decoder is split "
+        "over (one process each, on one node: Serve reserves a placement group per replica, STRICT_PACK, one "
+        "bundle per rank; with llm.num_gpus 1 one GPU per rank); above 1 refused with colocated, a fractional "
+        "llm.num_gpus, or async_scheduling: true",
+    )
+
+    @model_validator(mode="after")
+    def _check_tensor_parallel(self) -> "EngineArgs":
+        if self.tensor_parallel_size > 1 and self.async_scheduling:
+            raise ValueError(f"engine.tensor_parallel_size {self.tensor_parallel_size} with engine.async_scheduling: "
+                             "true: a tensor-parallel step's inputs are sent to the other ranks before it runs, so "
+                             "steps cannot overlap; leave async_scheduling unset (off with tensor parallelism)")
+        return self
 
     def resolve(self, device_share: float) -> EngineConfig:
         """The `EngineConfig` of an LLM replica owning `device_share` of its GPU."""
@@ -579,6 +612,25 @@ class AppArgs(_Args):
                     f"llm: target_ongoing_requests ({target:g}) > max_ongoing_requests "
                     f"({self.llm.max_ongoing_requests}): replicas could never reach the target"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _check_tensor_parallel(self) -> "AppArgs":
+        size = self.engine.tensor_parallel_size
+        if size == 1:
+            return self
+        if self.colocated:
+            raise ValueError(f"engine.tensor_parallel_size {size} with colocated: true: a colocated replica encodes "
+                             "in its own process, which the other ranks do not share; run the Encoder deployment "
+                             "(colocated: false) with tensor parallelism")
+        gpus = self.llm.num_gpus
+        if 0 < gpus < 1:
+            raise ValueError(f"engine.tensor_parallel_size {size} with llm.num_gpus {gpus:g}: every rank takes one "
+                             "whole GPU (its share of a device cannot be split over ranks); set llm.num_gpus: 1 "
+                             "(or 0 on CPU)")
+        if gpus > 1:
+            raise ValueError(f"engine.tensor_parallel_size {size} with llm.num_gpus {gpus:g}: llm.num_gpus is each "
+                             f"rank's GPU (1), the replica takes {size} in all; set llm.num_gpus: 1")
         return self
 
     @model_validator(mode="after")

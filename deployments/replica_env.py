@@ -102,9 +102,10 @@ def decode_segments(configured: int | None, replicas: int, threads: int) -> int:
     return segments
 
 
-def set_cpu_threads(configured: int | None, replicas: int, role: str) -> int:
+def set_cpu_threads(configured: int | None, replicas: int, role: str, ranks: int = 1) -> int:
     """torch's intra-op threads for a replica that runs a model: `configured`, else this node's
-    cores divided among the deployment's `replicas` (at least 1).
+    cores divided among the deployment's `replicas` (at least 1), and among each one's `ranks`
+    (a tensor-parallel LLM replica's processes, which compute at once; each rank takes as many).
 
     Ray starts a replica with one thread per whole CPU it reserved (OMP_NUM_THREADS), so a replica
     of `num_cpus: 0.5` would compute on one thread of a many-core machine. One request's work is
@@ -114,8 +115,9 @@ def set_cpu_threads(configured: int | None, replicas: int, role: str) -> int:
     load that keeps both busy their threads contend; `cpu_threads` splits the cores instead."""
     import torch
 
-    threads = configured or max(1, node_cores() // max(replicas, 1))
+    threads = configured or max(1, node_cores() // max(replicas * ranks, 1))
     torch.set_num_threads(threads)
-    logger.info("%s replica: %d torch threads (%s)", role, threads,
-                "cpu_threads" if configured else f"{node_cores()} cores / {replicas} {role} replicas")
+    per_rank = f" / {ranks} ranks each" if ranks > 1 else ""
+    logger.info("%s replica: %d torch threads%s (%s)", role, threads, " per rank" if ranks > 1 else "",
+                "cpu_threads" if configured else f"{node_cores()} cores / {replicas} {role} replicas{per_rank}")
     return threads

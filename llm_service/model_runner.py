@@ -394,12 +394,12 @@ class ModelRunner:
 
 
 def rank_main(rank: int, size: int, init_method: str, model_dir: str, dtype: str, device: str,
-              config: EngineConfig) -> dict:
+              config: EngineConfig, timeout_s: float | None = None) -> dict:
     """A tensor-parallel rank worker (rank >= 1): join the group, load this rank's shard, follow
     rank 0's steps until it stops the group; returns the group's collective counts."""
-    from llm_service.tensor_parallel import TPGroup
+    from llm_service.tensor_parallel import DEFAULT_TIMEOUT_S, TPGroup
 
-    group = TPGroup(rank, size, init_method, torch.device(device))
+    group = TPGroup(rank, size, init_method, torch.device(device), timeout_s=timeout_s or DEFAULT_TIMEOUT_S)
     try:
         ModelRunner(LanguageModel(model_dir, dtype=dtype, device=device, tp=group), config).follow()
         return dict(group.counts)

@@ -300,10 +300,10 @@ def serve_app(ns: argparse.Namespace) -> int:
     stop = StopSignal()
     from ray import serve
 
-    from deployments.config import AppArgs, DeploymentArgs, EngineArgs
     from deployments.serve.app import build_app
     from deployments.serve.router import grpc_options
 
+    args = app_args(ns, key_env)  # flags that do not go together are refused before anything is built
     model_dir = ns.model
     if model_dir is None:
         from mmserve.tiny import default_model_dir, ensure_tiny_model
@@ -314,14 +314,6 @@ def serve_app(ns: argparse.Namespace) -> int:
         check_max_model_len(model_dir, ns.max_model_len)
     if stop.received:
         return stop_during_startup(stop, ray_started=False)
-    cpus = ns.num_cpus
-    args = AppArgs(
-        model=ns.model, dtype=ns.dtype, device=ns.device, api_key_env=key_env,
-        router=DeploymentArgs(num_cpus=0.25 * cpus),
-        encoder=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.encoder_gpus),
-        llm=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.llm_gpus),
-        video_decoder=DeploymentArgs(num_cpus=0.125 * cpus), engine=EngineArgs(max_model_len=ns.max_model_len),
-    )
     limit_grpc_messages(args.limits.max_request_bytes)
     start_ray(ns, stop)
     if stop.received:
@@ -334,6 +326,32 @@ def serve_app(ns: argparse.Namespace) -> int:
              "(Ctrl-C to stop)")
     return serve_once_ready(["mmserve"], ["mmserve"], stop, cap, ns.grace_period,
                             lambda: f"mmserve ready in {time.perf_counter() - start:.1f}s: {where}")
+
+
+def app_args(ns: argparse.Namespace, key_env: str | None):
+    """`AppArgs` from `mmserve serve`'s app flags (without --config); RefusedToStart names the flags
+    that do not go together (`--tensor-parallel-size` with a fractional `--llm-gpus`)."""
+    from pydantic import ValidationError
+
+    from deployments.config import AppArgs, DeploymentArgs, EngineArgs
+
+    cpus, ranks = ns.num_cpus, ns.tensor_parallel_size
+    try:
+        return AppArgs(
+            model=ns.model, dtype=ns.dtype, device=ns.device, api_key_env=key_env,
+            router=DeploymentArgs(num_cpus=0.25 * cpus),
+            encoder=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.encoder_gpus),
+            # a tensor-parallel replica's ranks share the LLM's quarter (each rank reserves its part)
+            llm=DeploymentArgs(num_cpus=0.25 * cpus / ranks, num_gpus=ns.llm_gpus),
+            video_decoder=DeploymentArgs(num_cpus=0.125 * cpus),
+            engine=EngineArgs(max_model_len=ns.max_model_len, tensor_parallel_size=ranks),
+        )
+    except ValidationError as e:
+        flags = {"tensor_parallel_size": "--tensor-parallel-size", "llm.num_gpus": "--llm-gpus"}
+        message = "; ".join(error["msg"].removeprefix("Value error, ") for error in e.errors())
+        for field, flag in flags.items():
+            message = message.replace(f"engine.{field}", flag).replace(field, flag)
+        raise RefusedToStart(message) from None
 
 
 def key_flag(ns: argparse.Namespace) -> str | None:

@@ -174,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument("--max-model-len", type=_positive_int, default=None, metavar="TOKENS",
                          help="longest prompt + max_tokens served (engine.max_model_len; default: the checkpoint's "
                          "max_position_embeddings)")
+    serve_p.add_argument("--tensor-parallel-size", type=_positive_int, default=1, metavar="N",
+                         help="ranks each LLM replica's decoder is split over, one process each on one node "
+                         "(engine.tensor_parallel_size; with --llm-gpus 1, a GPU each; the LLM's CPUs are shared "
+                         "among its ranks); default 1")
     serve_p.add_argument("--grpc-port", type=int, default=None,
                          help="Serve's gRPC proxy port (default 9000; with --config: the file's grpc_options.port)")
     serve_p.add_argument("--ingress", choices=("proxy", "direct", "haproxy"), default="proxy",

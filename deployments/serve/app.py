@@ -32,7 +32,9 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         args.model, args.limits.video_limits(), args.video_decode.workers, args.video_decode.decode_threads,
         args.video_decode.skip_unsampled, args.replicas_at_start("video_decoder"), args.video_decode.segment_workers)
     # an LLM replica at its target runs a full batch (max_num_seqs): more replicas beyond that
-    llm_options = args.llm.options("LLM", default_target_ongoing_requests=args.engine.max_num_seqs) | llm_routing
+    # tensor parallelism: a placement group per replica, a bundle per rank (`DeploymentArgs.placement`)
+    llm_options = args.llm.options("LLM", default_target_ongoing_requests=args.engine.max_num_seqs,
+                                   ranks=args.engine.tensor_parallel_size) | llm_routing
     streamed = (encoder, video) if args.stream_video else (None, None)  # the LLM replica drives streamed videos
     llm = LLMDeployment.options(**llm_options).bind(args, args.engine.resolve(args.llm.device_share), *streamed)
     return Router.options(**args.router.options("Router")).bind(encoder, llm, args, video)

@@ -34,6 +34,7 @@ from mmserve.request.embeddings import ItemEmbedding
 from mmserve.request.media import EncodeItem
 
 logger = logging.getLogger("ray.serve")
+RANK_LOSS_WAIT_S = 5.0  # a tensor-parallel step's error: how long to wait for Ray to report a rank's end
 
 
 @serve.deployment
@@ -44,7 +45,8 @@ class LLMDeployment:
         self.stall_timeout_s = args.engine.stall_timeout_s
         self.max_waiting_tokens = args.engine.max_waiting_tokens
         hold_to_share(device, engine.device_share)  # the KV pool is sized within it too
-        self.torch_threads = set_cpu_threads(args.llm.cpu_threads, args.replicas_at_start("llm"), "LLM")
+        tp = engine.tensor_parallel_size
+        self.torch_threads = set_cpu_threads(args.llm.cpu_threads, args.replicas_at_start("llm"), "LLM", ranks=tp)
         self.waiting_tokens = 0  # prompt tokens of requests admitted here whose first event is not back
         self.pool = None
         if args.colocated:  # encode the media the router hands over, in-process
@@ -56,10 +58,16 @@ class LLMDeployment:
             encoder = VisionEncoder(model_dir, dtype=dtype, device=device)
             encoder.warm_up()
             self.pool = EncoderPool(encoder, args.encoder_pool.resolve(), PoolMetrics(self.encoder_metrics))
-        self.model = LanguageModel(model_dir, dtype=dtype, device=device)
-        self.engine = LLMEngine(self.model, engine)
-        self.engine.warm_up()  # a prefill and decode steps through the real engine, then forgotten
+        self.ranks = None  # a tensor-parallel replica's other ranks (`deployments.serve.tp_ranks`)
+        if tp > 1:
+            self.model, self.engine = self._start_ranks(args, engine, model_dir, device, dtype)
+        else:
+            self.model = LanguageModel(model_dir, dtype=dtype, device=device)
+            self.engine = LLMEngine(self.model, engine)
+            self.engine.warm_up()  # a prefill and decode steps through the real engine, then forgotten
         self.engine.start()
+        if self.ranks is not None:
+            self.ranks.watch()  # a rank that ends ends this replica: its requests fail over
         self.metrics = LLMMetrics()
         self._stats_task: asyncio.Task | None = None
         self._mask_s_exported = 0.0
@@ -70,6 +78,47 @@ class LLMDeployment:
             from deployments.serve.transport import GrpcFetcher
 
             self.fetcher = GrpcFetcher(args.grpc.on_node())
+
+    def _start_ranks(self, args: AppArgs, engine: EngineConfig, model_dir: str, device: str, dtype: str):
+        """(model, warmed-up engine) of rank 0 of a tensor-parallel group, its other ranks started as
+        actors in this replica's placement group. Rank 0 joins and loads in a thread while the ranks
+        are watched: a rank that fails to start fails this replica's start at once (rank 0 would
+        otherwise wait in the group's first collective until `timeout_s`)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        import torch
+
+        from deployments.serve.tp_ranks import RankWorkers
+        from llm_service.tensor_parallel import DEFAULT_TIMEOUT_S, TPGroup
+
+        size = engine.tensor_parallel_size
+        # a collective waits this long for a hung rank (a dead one fails it at once); loading the
+        # shards takes place between the first collectives, so it is long, and the engine's stall
+        # check (stall_timeout_s, then Serve's health check) ends a replica whose step hangs first
+        timeout_s = max(DEFAULT_TIMEOUT_S, 2 * args.engine.stall_timeout_s)
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.ranks = RankWorkers(size, replica, args.model, args.device, dtype, engine, self.torch_threads, timeout_s)
+
+        def rank_0():
+            group = TPGroup(0, size, self.ranks.init_method, torch.device(device), timeout_s=timeout_s)
+            model = LanguageModel(model_dir, dtype=dtype, device=device, tp=group)
+            llm = LLMEngine(model, engine)
+            llm.warm_up()
+            return model, llm
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="tp-rank-0")
+        started = pool.submit(rank_0)
+        pool.shutdown(wait=False)
+        try:
+            while True:
+                try:
+                    return started.result(timeout=1.0)
+                except TimeoutError:
+                    if reason := self.ranks.dead():
+                        raise RuntimeError(f"LLM replica {replica} could not start: {reason}") from None
+        except BaseException:
+            self.ranks.kill()
+            raise
 
     async def _export_stats(self, interval_s: float = 1.0) -> None:
         """Engine gauges (queues, KV blocks, state snapshots, preemptions, tokens/s) every `interval_s`."""
@@ -116,16 +165,31 @@ class LLMDeployment:
     def check_health(self) -> None:
         """Serve's liveness probe: a replica whose engine thread died, or that holds work and made
         no step in `stall_timeout_s`, is replaced (its requests fail over in the router)."""
-        if reason := self.engine.health(self.stall_timeout_s):
+        reason = self.engine.health(self.stall_timeout_s)
+        if reason is None and self.ranks is not None:  # a tensor-parallel replica lives while all its ranks do
+            reason = self.ranks.dead()
+        if reason:
             logger.error("LLM replica unhealthy: %s", reason)
             raise RuntimeError(reason)
+
+    def __del__(self):
+        """Serve's shutdown of a tensor-parallel replica: the engine stops its group, then the rank
+        actors are ended (Ray would end them with this process too: they are its own)."""
+        ranks, self.ranks = getattr(self, "ranks", None), None
+        if ranks is None:
+            return
+        ranks.closing()
+        if (engine := getattr(self, "engine", None)) is not None:
+            engine.shutdown()
+        ranks.close()
 
     def stats(self) -> dict:
         """The engine's counters (queues, KV blocks, preemptions, tokens), the streamed video frame
         groups encoded again after their encoder replica was lost, the torch threads it computes
-        with, and which replica answered: for tests and debugging."""
+        with, its ranks (tensor parallelism) and which replica answered: for tests and debugging."""
         return {**self.engine.stats()._asdict(), "video_groups_reencoded": self.video_groups_reencoded,
-                "torch_threads": self.torch_threads, "replica": serve.get_replica_context().replica_id.unique_id}
+                "torch_threads": self.torch_threads, "replica": serve.get_replica_context().replica_id.unique_id,
+                "tensor_parallel_size": self.engine.config.tensor_parallel_size}
 
     def memory(self) -> dict:
         """This replica's device memory (`mmserve.device.device_memory`), its share of the
@@ -262,6 +326,11 @@ class LLMDeployment:
             while True:
                 event = await events.get()
                 if event.error:
+                    ranks = self.ranks
+                    if ranks is not None and await asyncio.to_thread(ranks.dead, RANK_LOSS_WAIT_S):
+                        # a rank ended: the step failed with it (ReplicaLost), and the watcher ends this
+                        # process; the caller sees the replica's death and fails the request over
+                        await asyncio.sleep(0 if ranks.stopping else 10 * RANK_LOSS_WAIT_S)
                     raise event.error
                 if not siblings_added:  # choice 0's first event: its prompt blocks are cached
                     siblings_added = True
