@@ -23,6 +23,7 @@ import contextlib
 import datetime
 import logging
 import pickle
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,20 +50,26 @@ class TPGroup:
             raise ValueError(f"rank {rank} is not in a group of {size}")
         self.rank, self.size, self.device = rank, size, torch.device(device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # NCCL's communicator binds to the current device
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
         self.counts: Counter[str] = Counter()
+        self.seconds: Counter[str] = Counter()  # host seconds inside each kind (the slowest rank's wait
+        # included; on CUDA an NCCL collective's is its launch)
         self.broken = False  # a collective failed (a rank died): the group can run no other
         logger.info("tensor-parallel rank %d of %d joined (%s)", rank, size, backend)
 
     @contextlib.contextmanager
     def _collective(self, name: str):
+        start = time.perf_counter()
         try:
             yield
         except Exception:
             self.broken = True
             raise
+        self.seconds[name] += time.perf_counter() - start
         self.counts[name] += 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

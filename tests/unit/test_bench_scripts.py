@@ -28,6 +28,7 @@ GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason
 SMALLEST = {
     "encoder.py": (["--items", "4"], []),
     "llm.py": (["--prompt-len", "8", "--max-tokens", "4", "--concurrency", "1", "--decode-tokens", "8"], []),
+    "llm_tp.py": (["--quick"], []),  # TP 2 vs TP 1 on two local ranks (gloo): ~10 s
     "dispatch.py": (["--requests", "2"], [SERVE]),
     "load.py": (["--text-layers", "1", "--vision-depth", "1", "--dtypes", "bfloat16", "--roles", "llm,encoder"], []),
     "vit_attention.py": ([], GPU),
@@ -98,6 +99,21 @@ def test_breakdown_reports_every_phase_for_each_case_both_ways():
             assert 0 < result[f"{case}_{mode}_host_us"] < result[f"{case}_{mode}_step_us"]
             assert result[f"{case}_{mode}_ops"] > 0
     assert "schedule" in out.stdout and "postprocess" in out.stdout
+
+
+def test_tensor_parallel_quick_run_sets_tp2_beside_tp1():
+    """`llm.py --tensor-parallel-size 2 --quick` (~10 s; bench/llm_tp.py in its place): both sizes
+    timed at batch 1 and 64, rank 0 holds part of the weights and half the KV, 2 all-reduces a layer."""
+    out = _run("llm.py", "--tensor-parallel-size", "2", "--quick", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["tensor_parallel_size"] == 2 and result["all_reduces_per_step"] == 2 * 4  # 4 layers
+    assert result["rank0_weight_bytes"] < result["weight_bytes"]
+    assert result["rank0_kv_bytes_per_token"] * 2 == result["kv_bytes_per_token"]
+    for batch in (1, 64):
+        assert result[f"tp1_ms_per_step_b{batch}"] > 0 and result[f"tp2_ms_per_step_b{batch}"] > 0
+        assert 0 < result[f"tp2_collective_share_b{batch}"] < 1
+    assert 0 < result["tp2_message_bytes_b1"] < result["tp2_message_bytes_b64"]
 
 
 def test_hybrid_prefix_quick_run_resumes_the_second_request():
