@@ -28,7 +28,6 @@ GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason
 SMALLEST = {
     "encoder.py": (["--items", "4"], []),
     "llm.py": (["--prompt-len", "8", "--max-tokens", "4", "--concurrency", "1", "--decode-tokens", "8"], []),
-    "llm_tp.py": (["--quick"], []),  # TP 2 vs TP 1 on two local ranks (gloo): ~10 s
     "dispatch.py": (["--requests", "2"], [SERVE]),
     "load.py": (["--text-layers", "1", "--vision-depth", "1", "--dtypes", "bfloat16", "--roles", "llm,encoder"], []),
     "vit_attention.py": ([], GPU),
@@ -43,6 +42,7 @@ ELSEWHERE = {"serve.py": "tests/serve/test_bench_serve.py",
              "gpu_report.py": "tests/gpu/test_gpu_report.py (its runs append to a results file)",
              "serve_routing.py": "minutes (two apps a workload): bench/serve.py --compare routing runs it",
              "serve_video.py": "minutes (720p clips): bench/serve.py --video runs it",
+             "llm_tp.py": "test_tensor_parallel_quick_run_sets_tp2_beside_tp1 runs it as bench/llm.py --tensor-parallel-size 2",
              "moe.py": "test_moe_quick_run_times_both_paths_once_they_agree runs it as bench/llm.py --moe"}
 
 
