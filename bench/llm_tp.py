@@ -9,7 +9,7 @@ ranks 1..N-1 spawned processes running `llm_service.tensor_parallel.rank_main`; 
 the CPU, NCCL on CUDA, rank r on cuda:r). The engines are stepped from this thread (no engine thread):
 `batch` sequences are admitted and prefilled, then `--steps` steady decode steps are timed (ms per
 step). The collectives' share: rank 0's host seconds inside `TPGroup.all_reduce` and
-`TPGroup.broadcast` (`TPGroup.seconds`; waiting for the slowest rank included) over the step time;
+`TPGroup.broadcast` and the logits' `TPGroup.gather_vocab` (`TPGroup.seconds`; waiting for the slowest rank included) over the step time;
 on CUDA an all-reduce's seconds are its launch only (NCCL runs on), so the share is printed for the
 CPU. Message bytes: the pickled step message rank 0 broadcasts (`tensor_parallel.message_bytes`).
 
@@ -88,16 +88,16 @@ def decode_case(engine: LLMEngine, group: TPGroup | None, batch: int, context: i
         engine.step()
     sync()
     step_s = (time.perf_counter() - start) / steps
-    row = {"ms": 1e3 * step_s, "all_reduce_ms": 0.0, "broadcast_ms": 0.0, "message_bytes": 0}
+    row = {"ms": 1e3 * step_s, "all_reduce_ms": 0.0, "broadcast_ms": 0.0, "gather_ms": 0.0, "message_bytes": 0}
     if group is not None:
-        for kind in ("all_reduce", "broadcast"):
+        for kind in ("all_reduce", "broadcast", "gather"):
             row[f"{kind}_ms"] = 1e3 * (group.seconds[kind] - seconds.get(kind, 0.0)) / steps
         sizes, send = [], group.broadcast
         group.broadcast = lambda message=None: (sizes.append(message_bytes(message)), send(message))[1]
         engine.step()  # one more, its message weighed (untimed)
         del group.broadcast
         row["message_bytes"] = max(sizes)
-    row["collective_share"] = (row["all_reduce_ms"] + row["broadcast_ms"]) / row["ms"]
+    row["collective_share"] = (row["all_reduce_ms"] + row["broadcast_ms"] + row["gather_ms"]) / row["ms"]
     for request_id in list(engine._by_id):
         engine.abort(request_id)
     while engine.scheduler.running or engine.scheduler.waiting:
@@ -193,19 +193,20 @@ def main(argv: list[str] | None = None) -> None:
     print(f"decode ms/step, TP 1 vs TP {n} ({args.device}, {args.dtype}, {args.threads} thread(s) per rank, "
           f"{args.steps} steps over {args.prompt_len}-token prompts)")
     print(f"{'batch':>5} {'TP1 ms':>9} {f'TP{n} ms':>9} {'speedup':>8} {'all-reduce ms':>14} {'broadcast ms':>13} "
-          f"{'coll. share':>11} {'msg bytes':>10}")
+          f"{'gather ms':>10} {'coll. share':>11} {'msg bytes':>10}")
     for b in args.batches:
         one, many = base[b], split[b]
         speedup = one["ms"] / many["ms"]
         print(f"{b:>5} {one['ms']:>9.3f} {many['ms']:>9.3f} {speedup:>7.2f}x {many['all_reduce_ms']:>14.3f} "
-              f"{many['broadcast_ms']:>13.3f} {many['collective_share']:>10.1%} {many['message_bytes']:>10}")
+              f"{many['broadcast_ms']:>13.3f} {many['gather_ms']:>10.3f} {many['collective_share']:>10.1%} {many['message_bytes']:>10}")
         result.update({f"tp1_ms_per_step_b{b}": round(one["ms"], 3), f"tp{n}_ms_per_step_b{b}": round(many["ms"], 3),
                        f"tp{n}_speedup_b{b}": round(speedup, 3),
                        f"tp{n}_all_reduce_ms_b{b}": round(many["all_reduce_ms"], 3),
                        f"tp{n}_broadcast_ms_b{b}": round(many["broadcast_ms"], 3),
+                       f"tp{n}_gather_ms_b{b}": round(many["gather_ms"], 3),
                        f"tp{n}_collective_share_b{b}": round(many["collective_share"], 4),
                        f"tp{n}_message_bytes_b{b}": many["message_bytes"]})
-    print(f"{result['all_reduces_per_step']} all-reduces and 1 broadcast per step on each rank; rank 0 holds "
+    print(f"{result['all_reduces_per_step']} all-reduces, 1 broadcast and 1 logits gather per step on each rank; rank 0 holds "
           f"{facts_n['weight_bytes'] / facts1['weight_bytes']:.0%} of the weights")
     print(json.dumps(result))
 

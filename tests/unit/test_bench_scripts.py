@@ -103,11 +103,11 @@ def test_breakdown_reports_every_phase_for_each_case_both_ways():
 
 def test_tensor_parallel_quick_run_sets_tp2_beside_tp1():
     """`llm.py --tensor-parallel-size 2 --quick` (~10 s; bench/llm_tp.py in its place): both sizes
-    timed at batch 1 and 64, rank 0 holds part of the weights and half the KV, 2 all-reduces a layer."""
+    timed at batch 1 and 64, rank 0 holds part of the weights and half the KV, 2 all-reduces a layer and one for the embedding."""
     out = _run("llm.py", "--tensor-parallel-size", "2", "--quick", timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["tensor_parallel_size"] == 2 and result["all_reduces_per_step"] == 2 * 4  # 4 layers
+    assert result["tensor_parallel_size"] == 2 and result["all_reduces_per_step"] == 2 * 4 + 1  # 4 layers, the embedding
     assert result["rank0_weight_bytes"] < result["weight_bytes"]
     assert result["rank0_kv_bytes_per_token"] * 2 == result["kv_bytes_per_token"]
     for batch in (1, 64):
