@@ -239,8 +239,8 @@ def engine_part(ns, peak: Peaks) -> dict:
 
 def tp_figures(r: dict, peak: Peaks) -> dict:
     """bench/llm_tp.py's result -> `tp`: ms per decode step at TP 1 and TP N, the speedup, and each
-    against its bound: TP 1 reads all weights and KV on one device, TP N's rank 0 (the fullest
-    rank: the lm_head is its own) its shard and its heads' KV, at one device's peak bandwidth."""
+    against its bound: TP 1 reads all weights and KV on one device, TP N's rank 0 (its weights,
+    the norms whole, and its vocabulary slice) its shard and its heads' KV, at one device's peak bandwidth."""
     n, context = r["tensor_parallel_size"], r["prompt_len"] + r["steps"] / 2
     out = {"size": n, "device_gbs": peak.memory_gbs}
     for b in (1, 64):
