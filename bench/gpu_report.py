@@ -2,7 +2,7 @@
 docs/gpu-figures.md regenerated from the whole file.
 
     python bench/gpu_report.py                          # every part, on the GPU
-    python bench/gpu_report.py --only engine serve      # some parts: tests, engine, encoder, serve
+    python bench/gpu_report.py --only engine serve      # some parts: tests, engine, encoder, serve, tp
     python bench/gpu_report.py --device cpu --only engine   # same shape, CPU sizes: bench/results/cpu.jsonl
     python bench/gpu_report.py --render-only            # docs/gpu-figures.md from gpu.jsonl again
     python bench/gpu_report.py --from-log DIR           # the record of a `scripts/gpu-check all DIR` run
@@ -23,6 +23,10 @@ it. On CUDA every part fits in 8 minutes on an H100:
   mmserve/loadgen/checkpoints.py; each replica on half the GPU) -> goodput and p99 TTFT of both
   modes; bench/transfer.py -> GB/s of a 20 MB embedding by each transport, against the memory
   bandwidth.
+- tp: bench/llm_tp.py (bench/llm.py --tensor-parallel-size 2) on >= 2 GPUs -> decode ms per step at
+  batch 1 and 64 at TP 2 against TP 1 on the same checkpoint, each against its bound (rank 0's
+  weights + its half of the KV at one device's peak bandwidth: the 2-device bound), in the record's
+  `tp` (not a figure column: {"skipped": "needs >= 2 GPUs, found N"} on fewer GPUs).
 Peaks come from mmserve/loadgen/device_peaks.py by the CUDA device name (--peak-gbs / --peak-tflops
 override). CPU records are for the shape (CI) and are not comparable with GPU ones.
 """
@@ -47,7 +51,8 @@ from mmserve.loadgen.device_peaks import Peaks, peaks
 
 ROOT = Path(__file__).resolve().parents[1]
 
-PARTS = ("tests", "engine", "encoder", "serve")
+PARTS = ("tests", "engine", "encoder", "serve", "tp")
+TP_SIZE = 2
 PART_TIMEOUT_S = 900  # each part is sized for under 8 minutes on an H100
 
 
@@ -117,6 +122,7 @@ CPU_ARGS = {
     "serve": ["--compare", "colocated", "--quick", "--num-prompts", "8", "--unloaded-requests", "2",
               "--request-rate", "1"],
     "transfer": ["--iters", "1", "--ingress-iters", "2"],
+    "tp": ["--quick"],
 }
 CUDA_ARGS = {
     "llm": ["--long-context", "8192", "--long-batch", "4"],
@@ -127,6 +133,7 @@ CUDA_ARGS = {
     "serve": ["--compare", "colocated", "--dtype", "bfloat16", "--num-cpus", "8", "--num-prompts", "100",
               "--input-len", "128", "--output-len", "64"],
     "transfer": [],
+    "tp": [],
 }
 
 
@@ -230,6 +237,35 @@ def engine_part(ns, peak: Peaks) -> dict:
             **{k: grammar[k] for k in ("grammar_b1_step_ratio", "grammar_b64_step_ratio")}, **moe_figures(moe, peak)}
 
 
+def tp_figures(r: dict, peak: Peaks) -> dict:
+    """bench/llm_tp.py's result -> `tp`: ms per decode step at TP 1 and TP N, the speedup, and each
+    against its bound: TP 1 reads all weights and KV on one device, TP N's rank 0 (its weights,
+    the norms whole, and its vocabulary slice) its shard and its heads' KV, at one device's peak bandwidth."""
+    n, context = r["tensor_parallel_size"], r["prompt_len"] + r["steps"] / 2
+    out = {"size": n, "device_gbs": peak.memory_gbs}
+    for b in (1, 64):
+        one, many = r[f"tp1_ms_per_step_b{b}"], r[f"tp{n}_ms_per_step_b{b}"]
+        bounds = [(w + b * context * kv) / (peak.memory_gbs * 1e9) * 1e3 if peak.memory_gbs else None
+                  for w, kv in ((r["weight_bytes"], r["kv_bytes_per_token"]),
+                                (r["rank0_weight_bytes"], r["rank0_kv_bytes_per_token"]))]
+        out.update({f"b{b}_tp1_ms": one, f"b{b}_tp{n}_ms": many, f"b{b}_speedup": ratio(one, many, 3),
+                    f"b{b}_tp1_bound_ms": bounds[0] and round(bounds[0], 4),
+                    f"b{b}_tp{n}_bound_ms": bounds[1] and round(bounds[1], 4),
+                    f"b{b}_tp{n}_ratio_to_bound": ratio(many, bounds[1], 3),
+                    f"b{b}_collective_share": r[f"tp{n}_collective_share_b{b}"],
+                    f"b{b}_message_bytes": r[f"tp{n}_message_bytes_b{b}"]})
+    return {"tp": out}
+
+
+def tp_part(ns, peak: Peaks) -> dict:
+    if ns.device == "cuda":
+        found = len((_out(["nvidia-smi", "-L"]) or "").splitlines())
+        if found < TP_SIZE:
+            return {"tp": {"skipped": f"needs >= {TP_SIZE} GPUs, found {found}"}}
+    args = ["--device", ns.device, "--tensor-parallel-size", str(TP_SIZE), *ns.sizes["tp"]]
+    return tp_figures(bench_json("llm_tp.py", args, ns.timeout), peak)
+
+
 def encoder_figures(r: dict, peak: Peaks) -> dict:
     """bench/encoder.py's CUDA rows -> encoder figures (its CPU table measures other sizes: none)."""
     if "cuda_448_forward_images_per_s" not in r:
@@ -274,7 +310,7 @@ def serve_part(ns, peak: Peaks) -> dict:
     return serve_figures(summary, bench_json("transfer.py", ns.sizes["transfer"], ns.timeout), peak)
 
 
-PART_RUNS = {"tests": tests_part, "engine": engine_part, "encoder": encoder_part, "serve": serve_part}
+PART_RUNS = {"tests": tests_part, "engine": engine_part, "encoder": encoder_part, "serve": serve_part, "tp": tp_part}
 
 
 # -- the record ---------------------------------------------------------------------------------
@@ -316,6 +352,7 @@ def new_record(device: str, peak: Peaks, host: dict | None = None) -> dict:
     if host is not None:
         record.update({k: host.get(k) for k in ("driver", "torch", "triton", "transformers")})
     record.update({f.name: None for f in FIGURES})
+    record["tp"] = None  # tp_part's figures or {"skipped": why}
     record["units"] = dict(UNITS)
     return record
 
@@ -408,6 +445,17 @@ def _pair(r: dict, a: str, b: str, fmt: str) -> str:
     return "–" if r.get(a) is None and r.get(b) is None else f"{_num(r.get(a), fmt)} / {_num(r.get(b), fmt)}"
 
 
+def _tp_cell(r: dict) -> str:
+    t = r.get("tp")
+    if not t:
+        return "–"
+    if "skipped" in t:
+        return "skipped"
+    n = t["size"]
+    return (f"{t[f'b1_tp{n}_ms']:.2f} / {t[f'b64_tp{n}_ms']:.2f} "
+            f"({_num(t['b1_speedup'], '{:.2f}x')} / {_num(t['b64_speedup'], '{:.2f}x')})")
+
+
 COLUMNS = (
     ("date", lambda r: r["date"]),
     ("commit", lambda r: (r.get("commit") or "?")[:9] + ("+" if r.get("dirty") else "")),
@@ -439,6 +487,7 @@ COLUMNS = (
                                                         "transfer_object_store_frac_of_bandwidth", "{:.2%}")),
     ("transfer GB/s gRPC (of HBM)", lambda r: cell(r, "transfer_grpc_gbs", "{:.2f}", "transfer_grpc_frac_of_bandwidth",
                                                    "{:.2%}")),
+    ("TP 2 decode ms b1 / b64 (vs TP 1)", _tp_cell),
     ("notes", lambda r: "; ".join(filter(None, [r.get("source"), *(f"{p} failed: {e}" for p, e in
                                                                    (r.get("failed_parts") or {}).items())]))),
 )
@@ -464,6 +513,8 @@ run. Brackets: the figure against its physical limit, from the device's peaks
 - serve: `bench/serve.py --compare colocated` on one GPU (each replica on half), the best goodput over
   the swept rates and p99 TTFT at the lowest rate; transfer: a 20 MB bf16 embedding between replicas
   (host memory), against the device's memory bandwidth.
+- TP 2: decode ms per step at tensor parallelism 2 on 2 GPUs (`bench/llm_tp.py`), in brackets the
+  speedup over TP 1 on one; the record's `tp` holds both against their bounds (docs/tensor-parallel.md).
 
 Every field of a record, with its unit, is in the record (`units`). CPU runs go to
 `bench/results/cpu.jsonl` and are not comparable.

@@ -9,6 +9,7 @@
     python bench/llm.py --breakdown          # per-step time by phase, overlap off and on
     python bench/llm.py --grammar [--device cuda] [--overlap on|off]   # step time, a JSON-schema grammar on every row
     python bench/llm.py --moe [--quick] [--dtype float32] [--device cuda]   # one MoE layer (bench/moe.py)
+    python bench/llm.py --tensor-parallel-size 2 [--quick] [--device cuda]   # TP 2 vs TP 1 (bench/llm_tp.py)
 
 (a) `generate` serves the requests one at a time (what a replica without batching does);
 (b) the engine gets all of them at once. The last line printed is one JSON object.
@@ -43,6 +44,10 @@ CPU the forward has run by then: nothing is hidden, the figure checks the path c
 --moe: one MoE layer at Qwen3-VL-30B-A3B's sizes, the engine's experts path (`llm_service.experts`)
 against `transformers`' per-expert loop at batch 1 and 64, beside the floor of reading the touched
 experts' weights: bench/moe.py runs in this process's place with the other arguments (its own options).
+
+--tensor-parallel-size N: decode ms per step at batch 1 and 64, TP N against TP 1 on the same
+checkpoint, the collectives' share of rank 0's step and the step message's bytes: bench/llm_tp.py
+runs in this process's place with every argument (its own options).
 """
 
 from __future__ import annotations
@@ -462,11 +467,16 @@ def main() -> None:
                     help="--grammar: steps overlapped (`async_scheduling`) or not (default: on CUDA only)")
     ap.add_argument("--moe", action="store_true", help="one MoE layer, engine experts path vs transformers' loop: "
                     "bench/moe.py with the other arguments (--device, --dtype, --quick, --repeats, --inputs)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=None,
+                    help="decode at TP N vs TP 1: bench/llm_tp.py with every argument (--quick, --steps, --device, ...)")
     argv = sys.argv[1:]
     if "--moe" in argv:  # its own script and options (one bench imports no other)
         sys.stdout.flush()
         os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve().parent / "moe.py"),
                                   *(a for a in argv if a != "--moe")])
+    if any(a.startswith("--tensor-parallel-size") for a in argv):
+        sys.stdout.flush()
+        os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve().parent / "llm_tp.py"), *argv])
     args = ap.parse_args(argv)
     if args.grammar:
         bench_grammar(args)

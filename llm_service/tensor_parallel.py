@@ -23,6 +23,7 @@ import contextlib
 import datetime
 import logging
 import pickle
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,16 +56,20 @@ class TPGroup:
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
         self.counts: Counter[str] = Counter()
+        self.seconds: Counter[str] = Counter()  # host seconds inside each kind (the slowest rank's wait
+        # included; on CUDA an NCCL collective's is its launch)
         self.broken = False  # a collective failed (a rank died): the group can run no other
         logger.info("tensor-parallel rank %d of %d joined (%s)", rank, size, backend)
 
     @contextlib.contextmanager
     def _collective(self, name: str):
+        start = time.perf_counter()
         try:
             yield
         except Exception:
             self.broken = True
             raise
+        self.seconds[name] += time.perf_counter() - start
         self.counts[name] += 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

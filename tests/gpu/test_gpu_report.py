@@ -93,6 +93,44 @@ def test_moe_layer_is_set_against_reading_the_touched_experts_at_peak_bandwidth(
     assert cpu["moe_b64_ms"] == 0.9 and cpu["moe_b64_vs_bandwidth_bound"] is None
 
 
+def test_cpu_run_of_the_tp_part_sets_tp2_beside_tp1(tmp_path):
+    """`--only tp` on the CPU: bench/llm_tp.py's quick run (two local ranks) in the record's `tp`;
+    no bandwidth known for a CPU, so no bounds; the page shows the TP 2 column."""
+    results, page = tmp_path / "cpu.jsonl", tmp_path / "figures.md"
+    out = _report("--device", "cpu", "--only", "tp", "--results", str(results), "--markdown", str(page))
+    assert out.returncode == 0, out.stderr[-3000:]
+    (record,) = read_records(results)
+    _check_shape(record)
+    tp = record["tp"]
+    assert record["parts"] == ["tp"] and tp["size"] == 2
+    for b in (1, 64):
+        assert tp[f"b{b}_tp1_ms"] > 0 and tp[f"b{b}_tp2_ms"] > 0 and tp[f"b{b}_speedup"] > 0
+        assert tp[f"b{b}_tp2_bound_ms"] is None and 0 < tp[f"b{b}_collective_share"] < 1
+    assert "TP 2 decode ms" in page.read_text()
+
+
+def test_tp_part_is_skipped_with_fewer_than_two_gpus_and_bounded_by_rank_0s_share(monkeypatch):
+    from types import SimpleNamespace
+
+    from bench import gpu_report
+
+    monkeypatch.setattr(gpu_report, "_out", lambda cmd: "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-x)")
+    ns = SimpleNamespace(device="cuda", sizes=gpu_report.CUDA_ARGS, timeout=1)
+    assert gpu_report.tp_part(ns, peaks("NVIDIA H100 80GB HBM3")) == {"tp": {"skipped": "needs >= 2 GPUs, found 1"}}
+    r = {"tensor_parallel_size": 2, "prompt_len": 60, "steps": 8, "weight_bytes": 3e9, "kv_bytes_per_token": 1000,
+         "rank0_weight_bytes": 2e9, "rank0_kv_bytes_per_token": 500}
+    for b in (1, 64):
+        r.update({f"tp1_ms_per_step_b{b}": 2.0, f"tp2_ms_per_step_b{b}": 1.6, f"tp2_collective_share_b{b}": 0.2,
+                  f"tp2_message_bytes_b{b}": 100 * b})
+    tp = gpu_report.tp_figures(r, Peaks(memory_gbs=1000.0, bf16_tflops=None))["tp"]
+    assert tp["b1_tp1_bound_ms"] == pytest.approx((3e9 + 64 * 1000) / 1e12 * 1e3, abs=1e-4)  # context 60 + 8 / 2
+    assert tp["b64_tp2_bound_ms"] == pytest.approx((2e9 + 64 * 64 * 500) / 1e12 * 1e3, abs=1e-4)
+    assert tp["b1_speedup"] == 1.25 and tp["b64_tp2_ratio_to_bound"] == pytest.approx(1.6 / tp["b64_tp2_bound_ms"], rel=1e-3)
+    cell = dict(gpu_report.COLUMNS)["TP 2 decode ms b1 / b64 (vs TP 1)"]
+    assert cell({"tp": tp}) == "1.60 / 1.60 (1.25x / 1.25x)" and cell({"tp": {"skipped": "x"}}) == "skipped"
+    assert cell({}) == "–"
+
+
 def test_transfer_is_set_against_the_memory_bandwidth():
     summary = {f"{m}_{k}": 1.0 for m in ("disagg", "colocated") for k in ("goodput_rps", "p99_ttft_ms")}
     f = serve_figures(summary, {"object_store_mb_s_20mb": 2500.0, "grpc_mb_s_20mb": 800.0}, Peaks(3350, 989))

