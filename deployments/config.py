@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
+from deployments.deployment_args import DeploymentArgs, FrozenArgs, serve_has
 from deployments.media.allowlist import parse_allowlist_entry
 from encoder_service.batching import BatchConfig, CostUnit
 from encoder_service.pool import PoolConfig
@@ -21,148 +22,16 @@ from mmserve.request.prompt_plan import MediaLimits
 from mmserve.video.container import VideoLimits
 
 
-class _Args(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 def _shared(args: BaseModel, runtime: type) -> dict:
     """`args`' values of the fields that dataclass `runtime` has under the same names."""
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(runtime) if f.name in type(args).model_fields}
 
 
-# Serve's queue bound per deployment when `max_queued_requests` is left out: as many as a replica
-# runs at once (`max_ongoing_requests`). Serve queues every request a caller has not yet assigned to
-# a replica, even with every replica idle (while it probes their queue lengths, while one restarts),
-# so a bound below the concurrency the app serves sheds good requests under no overload (bench/soak.py
-# lost one of 268 at concurrency 16 to the Router's old bound of 8). The app's own admission
-# (`max_pending_requests`, the LLM's waiting tokens) is what sheds under load. The encoder is bounded
-# by queued bytes instead: unbounded here.
-UNBOUNDED_QUEUE = ("Encoder",)
-RETRY_AFTER_S = 1
-MIN_BUNDLE_CPUS = 0.01  # a placement group bundle's CPUs when its deployment asks for none
-
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
-
-
-class ReplicaAutoscalingArgs(_Args):
-    """Serve's default autoscaling policy: replicas follow the ongoing requests per replica."""
-
-    min_replicas: int = Field(default=1, ge=0, description="fewest replicas")
-    max_replicas: int = Field(default=4, ge=1, description="most replicas")
-    target_ongoing_requests: float | None = Field(
-        default=None, gt=0, description="per replica; default for the LLM: the engine's max_num_seqs"
-    )
-    upscale_delay_s: float = Field(default=30.0, ge=0, description="how long Serve must want more replicas to add one")
-    downscale_delay_s: float = Field(default=600.0, ge=0, description="how long Serve must want fewer to remove one")
-
-    @model_validator(mode="after")
-    def _check_range(self) -> "ReplicaAutoscalingArgs":
-        if self.max_replicas < self.min_replicas:
-            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
-        return self
-
-
-def _serve_has(option: str) -> bool:
-    """Whether this Serve's `serve.deployment` takes `option` (newer Serves add some)."""
-    import inspect
-
-    from ray import serve
-
-    return option in inspect.signature(serve.deployment).parameters
-
-
-class DeploymentArgs(_Args):
-    """One deployment's replicas and where they may run.
-
-    `label_selector`, `resources` and `accelerator_type` go to the replicas' Ray actor options:
-    on KubeRay they pin a deployment to its worker group (the group's `labels` and `resources`),
-    so encoder and LLM replicas never share, or land on, the wrong pods.
-    """
-
-    num_replicas: int = Field(default=1, ge=1, description="replicas (when not autoscaling)")
-    num_cpus: float = Field(default=1.0, ge=0, description="CPUs per replica")
-    num_gpus: float = Field(default=0.0, ge=0, description="GPUs per replica; below 1: that share of one GPU's "
-                            "compute and memory")
-    max_ongoing_requests: int = Field(default=64, ge=1, description="requests one replica handles at once")
-    max_queued_requests: int | None = Field(
-        default=None, ge=-1, description="requests queued for a replica (per caller) before Serve answers "
-        "429 + Retry-After / RESOURCE_EXHAUSTED; -1: unbounded; default: max_ongoing_requests (Router, LLM), "
-        "-1 for the Encoder (bounded by encoder_pool.max_queued_bytes)",
-    )
-    label_selector: dict[str, str] = Field(default_factory=dict, description="Ray node labels a replica needs")
-    resources: dict[str, float] = Field(default_factory=dict, description="custom Ray resources per replica")
-    accelerator_type: str | None = Field(default=None, description="e.g. H100, A100, L4 (Ray accelerator types)")
-    autoscaling: ReplicaAutoscalingArgs | None = Field(
-        default=None, description="autoscale on ongoing requests (num_replicas is then ignored)"
-    )
-    cpu_threads: int | None = Field(
-        default=None, ge=1, description="torch intra-op threads of each replica that runs a model (Encoder, "
-        "LLM); default: the node's cores (its CPU quota in a container) divided among this deployment's replicas "
-        "at start, whatever their num_cpus (docs/operations.md). Set it where other work shares the node",
-    )
-
-    @property
-    def device_share(self) -> float:
-        """The fraction of one GPU a replica owns, memory included: `num_gpus` below 1 (two replicas
-        at 0.5 share a device), else the whole device (`num_gpus` 0: none was asked for)."""
-        return self.num_gpus if 0 < self.num_gpus < 1 else 1.0
-
-    def placement(self, ranks: int) -> dict:
-        """Serve's per-replica placement group for a replica of `ranks` processes (its own and one
-        per other tensor-parallel rank, all on one node: STRICT_PACK). Serve pins the replica actor to
-        bundle 0, which must hold the actor's resources (`ray_actor_options`); bundles 1.. are the rank
-        workers' (`deployments.serve.tp_ranks`): as many CPUs as the replica, a whole GPU with `num_gpus` 1."""
-        cpus = max(self.num_cpus, MIN_BUNDLE_CPUS)  # a bundle of zeros is refused by Ray
-        gpu = {"GPU": self.num_gpus} if self.num_gpus else {}
-        accelerator = {f"accelerator_type:{self.accelerator_type}": 0.001} if self.accelerator_type else {}
-        first = {"CPU": cpus, **gpu, **self.resources, **accelerator}
-        options = {"placement_group_bundles": [first] + [{"CPU": cpus, **gpu, **accelerator}] * (ranks - 1),
-                   "placement_group_strategy": "STRICT_PACK"}
-        if self.label_selector and _serve_has("placement_group_bundle_label_selector"):
-            options["placement_group_bundle_label_selector"] = [dict(self.label_selector)]  # Serve: every bundle
-        return options
-
-    def options(self, name: str, default_target_ongoing_requests: float | None = None, ranks: int = 1) -> dict:
-        """Serve's deployment options; `ranks` > 1: each replica with its placement group (`placement`)."""
-        actor: dict = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
-        if self.label_selector:
-            actor["label_selector"] = dict(self.label_selector)
-        if self.resources:
-            actor["resources"] = dict(self.resources)
-        if self.accelerator_type:
-            actor["accelerator_type"] = self.accelerator_type
-        queued = self.max_queued_requests
-        if queued is None:
-            queued = -1 if name in UNBOUNDED_QUEUE else self.max_ongoing_requests
-        options = {
-            "name": name,
-            "max_ongoing_requests": self.max_ongoing_requests,
-            "max_queued_requests": queued,
-            "ray_actor_options": actor,
-        }
-        if ranks > 1:
-            options.update(self.placement(ranks))
-        if _serve_has("backpressure_config"):  # Serve >= 2.5x; older ones answer 503 without Retry-After
-            options["backpressure_config"] = {"status_code": 429, "retry_after_s": RETRY_AFTER_S}
-        if self.autoscaling is None:
-            options["num_replicas"] = self.num_replicas
-            return options
-        scaling = self.autoscaling
-        target = scaling.target_ongoing_requests or default_target_ongoing_requests
-        options["autoscaling_config"] = {
-            "min_replicas": scaling.min_replicas,
-            "max_replicas": scaling.max_replicas,
-            **({"target_ongoing_requests": target} if target else {}),
-            "upscale_delay_s": scaling.upscale_delay_s,
-            "downscale_delay_s": scaling.downscale_delay_s,
-        }
-        return options
-
-
 CHARS_PER_TOKEN = 16  # max_prompt_chars' default per token of context: far above any tokenizer's average
 
 
-class LimitArgs(_Args):
+class LimitArgs(FrozenArgs):
     """Request limits and media access (see `deployments.media.fetch` for the rules)."""
 
     max_items_per_request: int = Field(default=MediaLimits.max_items_per_request, ge=0,
@@ -235,7 +104,7 @@ class LimitArgs(_Args):
                            self.video_decode_timeout_s, self.max_decoded_pixels_per_video)
 
 
-class _QueuedWorkScaling(_Args):
+class _QueuedWorkScaling(FrozenArgs):
     """Autoscaling on the work queued per replica (`deployments.serve.autoscaling.QueuedWorkPolicy`):
     the encoder pool's on tokens, the video decoders' on decode seconds."""
 
@@ -311,7 +180,7 @@ class VideoDecodeArgs(_QueuedWorkScaling):
                                                      "or running per replica")
 
 
-class GrpcArgs(_Args):
+class GrpcArgs(FrozenArgs):
     """Embedding transfer over gRPC (`transport: grpc`) and the internal EncoderService.
 
     The public gRPC API's port, reflection and timeout are Serve's `grpc_options` (proxy-wide,
@@ -392,7 +261,7 @@ class EncoderPoolArgs(_QueuedWorkScaling):
         return PoolConfig(batch=BatchConfig(**_shared(self, BatchConfig)), **_shared(self, PoolConfig))
 
 
-class EngineArgs(_Args):
+class EngineArgs(FrozenArgs):
     """LLM engine settings (continuous batching, paged KV cache); resolved into `EngineConfig`."""
 
     block_size: int = Field(default=EngineConfig.block_size, ge=1,
@@ -471,7 +340,7 @@ class EngineArgs(_Args):
         return EngineConfig(**_shared(self, EngineConfig), kv_cache_bytes=kv_cache_bytes, device_share=device_share)
 
 
-class RoutingArgs(_Args):
+class RoutingArgs(FrozenArgs):
     """How the router picks encoder and LLM replicas (`mmserve.routing.affinity`).
 
     `affinity`: an item goes to the encoder replica owning its content hash, a request to the LLM
@@ -492,7 +361,7 @@ class RoutingArgs(_Args):
     @property
     def affinity(self) -> bool:
         """Affinity routing, asked for and possible (this Serve has the request-router API)."""
-        return self.policy == "affinity" and _serve_has("request_router_config")
+        return self.policy == "affinity" and serve_has("request_router_config")
 
     def deployment_options(self, block_size: int) -> tuple[dict, dict]:
         """The Encoder's and the LLM's `request_router_config` options ({} without `affinity`)."""
@@ -507,7 +376,7 @@ class RoutingArgs(_Args):
         return options(self.epsilon), options(self.prefix_epsilon)
 
 
-class AppArgs(_Args):
+class AppArgs(FrozenArgs):
     """Arguments of `deployments.serve.app:build_app` (the `args:` of a Serve config YAML)."""
 
     model: str | None = Field(default=None, description="checkpoint directory; default: the embedded tiny model")

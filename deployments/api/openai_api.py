@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from deployments.api.openai_models import (ChatCompletionRequest, ImageURLPart, NamedToolChoice, ResponseFormat,
                                            TextPart, VideoURLPart)
-from deployments.config import RETRY_AFTER_S
+from deployments.deployment_args import RETRY_AFTER_S
 from deployments.core.failures import Failure
 from deployments.core.generation import OPTION_NAMES, Delta, Generation, GenerationOptions, response_format
 from deployments.core.request_core import ChatRequest, RequestCore, new_request_id

@@ -11,7 +11,8 @@ import pytest
 from pydantic import ValidationError
 
 from deployments.cli.local_serve import RefusedToStart, app_args
-from deployments.config import MIN_BUNDLE_CPUS, AppArgs, DeploymentArgs
+from deployments.config import AppArgs
+from deployments.deployment_args import MIN_BUNDLE_CPUS, DeploymentArgs
 from deployments.serve.app import build_app
 
 
