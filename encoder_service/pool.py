@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol
 
@@ -37,6 +38,7 @@ from encoder_service.cache import EmbeddingCache, EncoderIdentity
 from encoder_service.families.base import PreparedItem
 from mmserve.errors import Overloaded
 from mmserve.request.embeddings import ItemEmbedding
+from mmserve.request.encode_timing import EncodeTiming
 from mmserve.request.media import EncodeItem
 
 logger = logging.getLogger(__name__)
@@ -111,6 +113,8 @@ class _Job:
     tokens: int
     outputs: list[tuple[torch.Tensor, ...] | None] = field(default_factory=list)
     remaining: int = 0
+    forward_at: float | None = None  # time.monotonic() at the start of its first piece's forward
+    done_at: float | None = None  # time.monotonic() when its result was set
 
 
 @dataclass(eq=False)
@@ -158,10 +162,14 @@ class EncoderPool:
         cancel shared work.
         """
         self._ensure_started()
-        futures = [self._submit(item) for item in items]
+        began = time.monotonic()
+        submitted = [self._submit(item) for item in items]
+        futures = [f for f, _ in submitted]
         if futures:
             await asyncio.wait(futures)
-        return [f.result() for f in futures]
+        results = [f.result() for f in futures]
+        now, wall = time.monotonic(), time.time()
+        return [dataclasses.replace(r, timing=_timing(job, began, now, wall)) for r, (_, job) in zip(results, submitted)]
 
     def encode_threadsafe(self, items: Sequence[EncodeItem], timeout: float | None = None) -> list[ItemEmbedding]:
         """`encode` from another thread (e.g. a gRPC server with its own loop); blocks that thread.
@@ -210,31 +218,32 @@ class EncoderPool:
             self._wake = asyncio.Event()
             self._scheduler = self._loop.create_task(self._schedule())
 
-    def _submit(self, item: EncodeItem) -> asyncio.Future:
+    def _submit(self, item: EncodeItem) -> tuple[asyncio.Future, _Job | None]:
+        """The item's future, and the job computing it (None: a cache hit, or refused)."""
         loop = asyncio.get_running_loop()
         key = self.encoder.identity.key(item.item)
         job = self._inflight.get(key)
         if job is not None:
             self._dedup_hits += 1
             self.listener.on_lookup("dedup")
-            return job.future
+            return job.future, job
         future = loop.create_future()
         if self.cache is not None and (hit := self.cache.get(key)) is not None:
             self.listener.on_lookup("hit")
             future.set_result(hit)
-            return future
+            return future, None
         self.listener.on_lookup("miss")
         if self._queued_bytes >= self.config.max_queued_bytes:  # full already: do not even preprocess
             self._refused += 1
             future.set_exception(self._overloaded())
-            return future
+            return future, None
         job = _Job(key, future, item.cost)
         self._inflight[key] = job
         self._queued_tokens += item.cost
         self._notify_queue()
         prepared = loop.run_in_executor(self._preprocess, self.encoder.preprocess, item)
         prepared.add_done_callback(lambda f: self._on_prepared(job, f))
-        return future
+        return future, job
 
     def _on_prepared(self, job: _Job, prepared_future: asyncio.Future) -> None:
         if prepared_future.cancelled():
@@ -274,6 +283,7 @@ class EncoderPool:
             assert result is not None
             if self.cache is not None:
                 self.cache.put(job.key, result)
+            job.done_at = time.monotonic()
             job.future.set_result(result)
         self._notify_queue()
 
@@ -323,6 +333,9 @@ class EncoderPool:
         loop = asyncio.get_running_loop()
         start = time.monotonic()
         wait_ms = (start - min(p.enqueued for p in batch)) * 1000
+        for piece in batch:
+            if piece.job.forward_at is None:
+                piece.job.forward_at = start
         try:
             outputs: list[tuple[torch.Tensor, ...] | BaseException] = list(
                 await loop.run_in_executor(self._device, self.encoder.forward, [p.prepared for p in batch])
@@ -361,3 +374,14 @@ class EncoderPool:
         job.remaining -= 1
         if job.remaining == 0:
             self._finish(job, result=ItemEmbedding.concat(job.outputs, job.key))  # type: ignore[arg-type]
+
+
+def _timing(job: _Job | None, began: float, now: float, wall: float) -> EncodeTiming:
+    """An item's `EncodeTiming` for the call that began at `began` and returns at `now` (monotonic;
+    `wall`: now on the wall clock). A caller that joined a job in flight (dedup) counts from its call."""
+    if job is None:
+        return EncodeTiming(0.0, 0.0, True, wall)
+    done = job.done_at if job.done_at is not None else now
+    forward = min(done, job.forward_at) if job.forward_at is not None else done
+    start = max(forward, began)
+    return EncodeTiming((start - began) * 1000, max(0.0, done - start) * 1000, False, wall - (now - done))

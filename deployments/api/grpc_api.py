@@ -107,10 +107,12 @@ def _calls(calls) -> list[vlm_pb2.ToolCall]:
 
 
 def usage(gen: Generation) -> vlm_pb2.Usage:
+    """The usage message; with `return_stage_times`, `stage_ms` as HTTP's usage.stage_ms."""
     prompt = len(gen.plan.token_ids)
     return vlm_pb2.Usage(
         prompt_tokens=prompt, image_tokens=gen.plan.num_media_tokens,
         completion_tokens=gen.num_generated, total_tokens=prompt + gen.num_generated,
+        stage_ms=gen.usage().get("stage_ms", {}),
     )
 
 
@@ -214,7 +216,9 @@ class GrpcAdapter:
             return chat_request(request)
 
         authorization = dict(grpc_context.invocation_metadata()).get("authorization")
-        return await self.core.generate(authorization, read, request_id)
+        gen = await self.core.generate(authorization, read, request_id)
+        gen.report_stages = request.return_stage_times
+        return gen
 
     def _failed(self, e: Exception, request_id: str, shown_id: str, grpc_context) -> vlm_pb2.GenerateResponse:
         failure = self.core.failed(e, request_id)

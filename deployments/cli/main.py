@@ -257,9 +257,10 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(ns, extra)
     if ns.command == "plan":
         from deployments.cli.plan_runs import collect
+        from deployments.cli.routing_runs import collect as collect_routing
         from mmserve.capacity.cli import main as plan
 
-        return plan(extra, collect)
+        return plan(extra, collect, collect_routing)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return ns.func(ns)

@@ -31,6 +31,7 @@ from llm_service.model import LanguageModel
 from mmserve.device import device_memory, hold_to_share, resolve_device
 from mmserve.errors import EmbeddingsLost, InvalidRequest, QueueFull
 from mmserve.request.embeddings import ItemEmbedding
+from mmserve.request.encode_timing import embedding_stages
 from mmserve.request.media import EncodeItem
 
 logger = logging.getLogger("ray.serve")
@@ -275,7 +276,8 @@ class LLMDeployment:
             stream.on_reencode = self._count_reencode
             starting = asyncio.ensure_future(stream.start())  # decoding while the other items resolve
         try:
-            resolved = iter(await self._embeddings(pending, others) if others else [])
+            resolved_list = await self._embeddings(pending, others) if others else []
+            received_at, resolved = time.time(), iter(resolved_list)
             if stream is not None:
                 firsts = await starting
         except BaseException as e:  # a failure, or the caller gone
@@ -321,7 +323,10 @@ class LLMDeployment:
             stream.task.add_done_callback(lambda task: self._stream_ended(task, pending.request_id, events))
         added_at = last_token_at = time.perf_counter()
         first = True
-        stages = {"embeddings_ms": (added_at - began) * 1000}  # encode queue + encode + transfer, as seen here
+        waited_ms = (added_at - began) * 1000  # encode queue + encode + transfer, as seen here
+        stages = {"embeddings_ms": waited_ms}
+        if stream is None:  # the split (`encode_timing.embedding_stages`): the request's last item
+            stages.update(embedding_stages([e.timing for e in resolved_list], waited_ms, received_at))
         try:
             while True:
                 event = await events.get()

@@ -9,6 +9,7 @@ same tensors bit for bit. The router hands the LLM one handle per item (`deploym
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
@@ -53,7 +54,7 @@ class GrpcPublisher:
             wire = embedding.to_wire()
             self.store.put(content_hash, wire)
             dtype = str(wire.dtype).removeprefix("torch.")
-            refs.append(EncodedRef(self.address, content_hash, dtype, tuple(wire.shape), embedding.key))
+            refs.append(EncodedRef(self.address, content_hash, dtype, tuple(wire.shape), embedding.key, embedding.timing))
         return refs
 
     def stop(self) -> None:
@@ -119,7 +120,8 @@ async def resolve(handles: Sequence[EmbeddingHandle], fetcher: GrpcFetcher | Non
             return found
         if fetcher is None:
             raise RuntimeError("an encoder returned a gRPC reference but this replica has no gRPC fetcher")
-        return await fetcher.fetch(found)
+        fetched = await fetcher.fetch(found)
+        return dataclasses.replace(fetched, timing=found.timing) if found.timing is not None else fetched
 
     outcomes = await asyncio.gather(*(one(i, h) for i, h in enumerate(handles)), return_exceptions=True)
     lost = tuple(i for i, o in enumerate(outcomes) if isinstance(o, BaseException) and encoder_lost(o))

@@ -45,8 +45,9 @@ def plot_svg(recommendations: list[Recommendation], source: str) -> str:
             '</svg>')
 
 
-def main(argv: list[str] | None = None, collect=None) -> int:
-    """`collect(num_prompts, seed) -> run set`: runs the app for `--validate` (none: only `--runs`)."""
+def main(argv: list[str] | None = None, collect=None, collect_routing=None) -> int:
+    """`collect(num_prompts, seed) -> run set`: runs the app for `--validate` (none: only `--runs`);
+    `collect_routing`: the same for `--validate-routing`."""
     import argparse
     import json
     import time
@@ -81,6 +82,9 @@ def main(argv: list[str] | None = None, collect=None) -> int:
     v = p.add_argument_group("validation")
     v.add_argument("--validate", action="store_true", help="instead: the model against real runs of the app on this "
                    "machine (minutes), a profile fitted on some of them, the others predicted")
+    v.add_argument("--validate-routing", action="store_true", help="instead: the routing simulation (both "
+                   "policies' hit ratios, TTFT, goodput) against real runs of bench serve --compare routing's app "
+                   "and workload A (mmserve.capacity.routing_fit)")
     v.add_argument("--runs", type=Path, metavar="FILE", help="validate this kept run set instead of running the app")
     v.add_argument("--record", type=Path, metavar="FILE", help="keep the run set here (JSON)")
     v.add_argument("--num-prompts", type=int, default=None, help="requests per held-out rate (default 200; --quick 60)")
@@ -95,6 +99,10 @@ def main(argv: list[str] | None = None, collect=None) -> int:
     r.add_argument("--max-requests-per-gpu", type=int, default=None, help="...up to this many (default "
                    "480): bounds the run time")
     ns = p.parse_args(argv)
+    if ns.validate_routing:
+        from mmserve.capacity.routing_fit import routing_validation_main
+
+        return routing_validation_main(ns, collect_routing, p.error)
     if ns.routing_scale:
         ns.ttft_p99 = 2.0 if ns.ttft_p99 is None else ns.ttft_p99
         return routing_main(ns)

@@ -165,8 +165,11 @@ def split(gpus: int, encoder_share: float = ENCODER_SHARE) -> tuple[int, int]:
 
 def simulate_cluster(profile: Profile, shapes: Sequence[Content], num_encoders: int, num_llms: int, policy: str,
                      rate: float, seed: int = 0, burstiness: float = 1.0, warmup: float = 0.5,
-                     transport: str = "object_store", cache_bytes: int = ENCODER_CACHE_BYTES) -> ClusterResult:
-    """One run of `shapes` arriving at `rate`, routed by `policy` ("default" or "affinity")."""
+                     transport: str = "object_store", cache_bytes: int = ENCODER_CACHE_BYTES,
+                     arrivals: Sequence[float] | None = None, trace: dict | None = None) -> ClusterResult:
+    """One run of `shapes` arriving at `rate`, routed by `policy` ("default" or "affinity").
+    `arrivals`: the shapes' arrival times instead (a real run replayed: `routing_fit`); `trace`: a
+    dict given here gets "requests" (every `Request`) and "misses" (items encoded per request)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, not {policy!r}")
     rng, sim = random.Random(seed), Simulator()
@@ -179,7 +182,7 @@ def simulate_cluster(profile: Profile, shapes: Sequence[Content], num_encoders: 
     sent: LRUCache[str, None] = LRUCache(maxsize=SENT_ITEMS)
     where: dict[int, tuple[str, int]] = {}  # request -> (LLM replica, its routed cost)
     first = math.floor(len(shapes) * warmup)
-    items, misses = [0], [0]
+    items, misses, per_request = [0], [0], Counter()
 
     def finished(request: Request) -> None:
         replica, cost = where.pop(request.index)
@@ -241,15 +244,18 @@ def simulate_cluster(profile: Profile, shapes: Sequence[Content], num_encoders: 
                 if measured:
                     items[0] += 1
                     misses[0] += encoded
+                per_request[request.index] += encoded
 
     t, all_requests = 0.0, []
     for index, shape in enumerate(shapes):
-        t += rng.gammavariate(burstiness, 1 / (rate * burstiness))
+        t = arrivals[index] if arrivals is not None else t + rng.gammavariate(burstiness, 1 / (rate * burstiness))
         request = Request(t, tuple(s for _, s in shape.images), shape.prompt_tokens, shape.output_tokens, index=index,
                           block_hashes=shape.block_hashes)
         all_requests.append(request)
         sim.at(t, lambda request=request, shape=shape: sim.after(profile.router_s, lambda: dispatch(request, shape)))
     sim.run()
+    if trace is not None:
+        trace.update(requests=all_requests, misses=per_request)
 
     measured = all_requests[first:]
     ttft = [r.first_token - r.arrival for r in measured]

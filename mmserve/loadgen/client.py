@@ -63,7 +63,9 @@ def grpc_request(spec: RequestSpec, model_name: str, images: dict[int, bytes], s
     if spec.system is not None:
         text = vlm_pb2.ContentPart(text=system_text(spec.system, system_words))
         messages.insert(0, vlm_pb2.ChatMessage(role="system", content=[text]))
-    return request(messages, model=model_name, max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
+    message = request(messages, model=model_name, max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
+    message.return_stage_times = True
+    return message
 
 
 async def one_request_grpc(stub, message, send_at: float, metadata: tuple = ()) -> RequestRecord:
@@ -73,15 +75,19 @@ async def one_request_grpc(stub, message, send_at: float, metadata: tuple = ()) 
     await asyncio.sleep(max(0.0, send_at - time.perf_counter()))
     sent = time.perf_counter()
     times: list[float] = []
+    stages, prompt_tokens = None, 0
     try:
         async for response in stub.GenerateStream(message, timeout=600.0, metadata=metadata):
             now = time.perf_counter()
             times.extend([now] * len(response.token_ids))
+            if response.HasField("usage"):
+                stages = dict(response.usage.stage_ms) or stages
+                prompt_tokens = response.usage.prompt_tokens or prompt_tokens
     except grpc.aio.AioRpcError as e:
         return RequestRecord(sent, time.perf_counter(), False, e.code().name, tuple(times))
     except Exception as e:  # noqa: BLE001 - a failed request is a data point, not a crash
         return RequestRecord(sent, time.perf_counter(), False, type(e).__name__, tuple(times))
-    return RequestRecord(sent, time.perf_counter(), bool(times), "200", tuple(times))
+    return RequestRecord(sent, time.perf_counter(), bool(times), "200", tuple(times), prompt_tokens, stages)
 
 
 async def run_load(target: str, model_name: str, specs: list[RequestSpec], offsets: list[float],

@@ -26,7 +26,7 @@ class RequestRecord:
     status: str = "200"
     token_times: tuple[float, ...] = field(default_factory=tuple)
     input_tokens: int = 0
-    stage_ms: dict[str, float] | None = None  # the server's usage.stage_ms (HTTP), None where not reported
+    stage_ms: dict[str, float] | None = None  # the server's usage.stage_ms (HTTP or gRPC), None where not reported
 
     def as_json(self, start: float) -> dict:
         """This request for --result-json: times in ms, `send_s` from `start`."""

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from mmserve.request.encode_timing import EncodeTiming
 
 
 @dataclass(frozen=True, eq=False)
@@ -20,6 +22,7 @@ class ItemEmbedding:
 
     parts: tuple[torch.Tensor, ...]
     key: str
+    timing: EncodeTiming | None = field(default=None, repr=False)  # one call's view (`encode_timing`)
 
     def __post_init__(self):
         if not self.parts or any(p.shape[0] != self.parts[0].shape[0] for p in self.parts):

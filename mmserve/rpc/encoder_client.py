@@ -15,6 +15,7 @@ import torch
 
 from mmserve.errors import InvalidRequest, Overloaded
 from mmserve.request.embeddings import ItemEmbedding
+from mmserve.request.encode_timing import EncodeTiming
 from mmserve.request.media import MediaItem, MediaKind
 from mmserve.rpc.embedding_wire import from_chunks
 from protos.mmserve.v1 import encoder_pb2, encoder_pb2_grpc
@@ -31,6 +32,7 @@ class EncodedRef:
     dtype: str
     shape: tuple[int, ...]
     key: str = ""  # the output's identity (`ItemEmbedding.key`)
+    timing: EncodeTiming | None = None  # the encode call's view of the item (an app's encoder replica)
 
     @property
     def num_bytes(self) -> int:

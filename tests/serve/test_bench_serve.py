@@ -129,8 +129,9 @@ def test_the_load_runs_over_http_and_grpc_against_a_served_app(serve_urls, grpc_
     for records in (http, grpc):
         assert [r.status for r in records] == ["200"] * len(specs)
         assert [r.output_tokens for r in records] == [s.max_tokens for s in specs]
-    stages = {"router_ms", "embeddings_ms", "prefill_queue_ms", "prefill_ms", "decode_ms"}
-    assert all(set(r.stage_ms) == stages for r in http)  # each request's stage times, for --result-json
+    stages = {"router_ms", "embeddings_ms", "prefill_queue_ms", "prefill_ms", "decode_ms",
+              "encode_queue_ms", "encode_ms", "embedding_transfer_ms"}
+    assert all(set(r.stage_ms) == stages for r in http + grpc)  # each request's stage times, for --result-json
     row = http[0].as_json(http[0].send_time)
     assert row["send_s"] == 0 and row["stage_ms"] == http[0].stage_ms and row["e2e_ms"] >= row["ttft_ms"] > 0
     refused = asyncio.run(run_load(grpc_target, "no-such-model", specs[:1], [0.0], transport="grpc",

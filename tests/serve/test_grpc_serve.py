@@ -8,7 +8,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from mmserve.rpc.vlm_client import VLMClient, user
 from protos.mmserve.v1 import vlm_pb2
-from tests.serve.test_serve_app import MAX_TOKENS, chat, client, image_case, video_case
+from tests.serve.test_serve_app import MAX_TOKENS, chat, check_embedding_stages, client, image_case, video_case
 from tests.support.cases import proto_messages
 from tests.support.media_factory import image_bytes
 from tests.support.reference import reference_generate
@@ -34,6 +34,23 @@ def test_grpc_equals_http_and_monolithic(serve_urls, grpc_target, family, tiny_m
     assert unary.usage.completion_tokens == len(expected)
     assert 0 < unary.usage.image_tokens < unary.usage.prompt_tokens
     assert all(not r.finish_reason for r in streamed[:-1])
+
+
+def test_grpc_usage_carries_stage_times_when_asked(grpc_target):
+    """`return_stage_times` in the request: usage.stage_ms as HTTP's, the embeddings split into
+    encode queue, encode and transfer; the same image again is a cache hit (no encode)."""
+    from mmserve.rpc.vlm_client import request
+
+    messages = [user("Describe this.", [image_bytes(64, 96, 4802)])]  # an image no other test sends
+    message = request(messages, max_tokens=4, ignore_eos=True)
+    message.return_stage_times = True
+    with VLMClient(grpc_target, application="qwen2_vl") as c:
+        miss = c.stub.Generate(message, metadata=c.metadata, timeout=120).usage.stage_ms
+        streamed = list(c.stub.GenerateStream(message, metadata=c.metadata, timeout=120))
+        assert not c.generate(messages, max_tokens=4).usage.stage_ms  # not asked
+    check_embedding_stages(dict(miss), hit=False)
+    check_embedding_stages(dict(streamed[-1].usage.stage_ms), hit=True)
+    assert miss["decode_ms"] > 0
 
 
 def test_corrupt_image_is_invalid_argument_and_next_request_succeeds(grpc_target):

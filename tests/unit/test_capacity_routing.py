@@ -97,3 +97,37 @@ def test_a_small_routing_scale_run_ends_with_the_ratio_per_size(capsys):
     assert summary["profile"].startswith("hand-written")
     assert summary["max_requests_per_gpu"] == 32 and all(n <= 32 for n, _ in summary["run_requests_per_gpu"].values())
     assert sum(" affinity " in line for line in out) == 2
+
+
+def test_validate_routing_on_a_kept_run_set_reports_both_policies_in_seconds(capsys):
+    """`--validate-routing --runs tests/data/routing_runs.json`: both policies' held-out rates, real
+    against the replayed simulation, and one JSON line with the errors and the real runs' spread."""
+    import time
+    from pathlib import Path
+
+    runs = Path(__file__).resolve().parents[1] / "data" / "routing_runs.json"
+    began = time.perf_counter()
+    assert main(["--validate-routing", "--runs", str(runs)]) == 0
+    assert time.perf_counter() - began < 30
+    out = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(out[-1])
+    for key in ("hit_ratio_rel_error_max", "ttft_p50_rel_error_max", "goodput_rel_error_max", "real_run_spread"):
+        assert isinstance(summary[key], float) and summary[key] >= 0
+    kept = json.loads(runs.read_text())
+    rows = [line.split() for line in out if line.startswith(("default ", "affinity "))]
+    assert len(rows) == 2 * len(kept["rates"]) and {r[0] for r in rows} == {"default", "affinity"}
+
+
+def test_validate_routing_runs_the_collector_it_is_given(tmp_path):
+    from pathlib import Path
+
+    kept = json.loads((Path(__file__).resolve().parents[1] / "data" / "routing_runs.json").read_text())
+    asked = []
+
+    def collect(num_prompts: int, seed: int) -> dict:
+        asked.append((num_prompts, seed))
+        return kept
+
+    record = tmp_path / "runs.json"
+    assert main(["--validate-routing", "--quick", "--record", str(record)], collect_routing=collect) == 0
+    assert asked == [(16, 0)] and json.loads(record.read_text()) == kept

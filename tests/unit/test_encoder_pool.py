@@ -191,3 +191,35 @@ def test_invalid_configs_are_rejected():
         BatchConfig(max_batch_tokens=0)
     with pytest.raises(ValueError):
         PoolConfig(preprocess_workers=0)
+
+
+def test_each_item_reports_its_queue_and_encode_time_and_a_hit_none():
+    """`ItemEmbedding.timing`: a miss waits for its batch (batch_wait_ms) and then its forward; the
+    same item again is a cache hit with zero queue and encode, stamped when the call returns."""
+    encoder = FakeEncoder(forward_s=0.02)
+    config = PoolConfig(BatchConfig(max_batch_tokens=1000, batch_wait_ms=30))
+
+    async def body(pool):
+        before = time.time()
+        [first] = await pool.encode([fake_item(1, 5)])
+        [second] = await pool.encode([fake_item(1, 5)])
+        return before, first.timing, second.timing, time.time()
+
+    before, miss, hit, after = run(with_pool(encoder, config, body))
+    assert not miss.hit and miss.queue_ms >= 25 and miss.encode_ms >= 15
+    assert hit.hit and hit.queue_ms == 0 and hit.encode_ms == 0
+    assert before <= miss.done_at <= hit.done_at <= after
+
+
+def test_a_requests_embedding_stages_are_its_last_items_and_fit_in_its_wait():
+    from mmserve.request.encode_timing import EncodeTiming, embedding_stages
+
+    early, last = EncodeTiming(5.0, 50.0, False, 100.0), EncodeTiming(20.0, 30.0, False, 100.2)
+    stages = embedding_stages([early, last], waited_ms=300.0, received_at=100.25)
+    assert stages == pytest.approx({"encode_queue_ms": 20.0, "encode_ms": 30.0, "embedding_transfer_ms": 50.0})
+    cut = embedding_stages([last], waited_ms=60.0, received_at=100.25)  # the encoder began before the LLM saw it
+    assert cut == pytest.approx({"encode_queue_ms": 0.0, "encode_ms": 10.0, "embedding_transfer_ms": 50.0})
+    hit = embedding_stages([EncodeTiming(0.0, 0.0, True, 100.0)], waited_ms=3.0, received_at=100.001)
+    assert hit["encode_ms"] == 0 and hit["encode_queue_ms"] == 0 and hit["embedding_transfer_ms"] == pytest.approx(1.0)
+    assert embedding_stages([], 1.0, 0.0) == dict.fromkeys(stages, 0.0)
+    assert embedding_stages([None], 1.0, 0.0) == {}

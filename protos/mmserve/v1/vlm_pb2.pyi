@@ -93,7 +93,7 @@ class ResponseFormat(_message.Message):
     def __init__(self, type: _Optional[str] = ..., json_schema: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("messages", "sampling", "request_id", "model", "response_format", "tools", "tool_choice", "parallel_tool_calls", "mm_processor_kwargs")
+    __slots__ = ("messages", "sampling", "request_id", "model", "response_format", "tools", "tool_choice", "parallel_tool_calls", "mm_processor_kwargs", "return_stage_times")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class GenerateRequest(_message.Message):
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     MM_PROCESSOR_KWARGS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_STAGE_TIMES_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     sampling: SamplingParams
     request_id: str
@@ -112,7 +113,8 @@ class GenerateRequest(_message.Message):
     tool_choice: str
     parallel_tool_calls: bool
     mm_processor_kwargs: MMProcessorKwargs
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., mm_processor_kwargs: _Optional[_Union[MMProcessorKwargs, _Mapping]] = ...) -> None: ...
+    return_stage_times: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., model: _Optional[str] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., mm_processor_kwargs: _Optional[_Union[MMProcessorKwargs, _Mapping]] = ..., return_stage_times: _Optional[bool] = ...) -> None: ...
 
 class MMProcessorKwargs(_message.Message):
     __slots__ = ("fps", "num_frames")
@@ -123,16 +125,25 @@ class MMProcessorKwargs(_message.Message):
     def __init__(self, fps: _Optional[float] = ..., num_frames: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "image_tokens", "completion_tokens", "total_tokens")
+    __slots__ = ("prompt_tokens", "image_tokens", "completion_tokens", "total_tokens", "stage_ms")
+    class StageMsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STAGE_MS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     image_tokens: int
     completion_tokens: int
     total_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+    stage_ms: _containers.ScalarMap[str, float]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., image_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., stage_ms: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "usage", "tool_calls", "index", "choices")

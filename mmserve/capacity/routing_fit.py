@@ -1,0 +1,208 @@
+"""The routing simulation against real runs (`mmserve plan --validate-routing`): a routing run set
+(deployments/cli/routing_runs.py collects it; tests/data/routing_runs.json is one) replayed in
+`mmserve.capacity.routing.simulate_cluster`, per policy, against what the app did.
+
+A run set: {"replicas": [E, L], "max_pending_requests": n, "rates": [...], "policies": {policy: {"runs": [
+  {"label": "warm-up" | "fit-unloaded" | "fit-loaded" | "fit-saturated" | "held-out", "rate": r or null,
+   "start_s": when it began on the app's clock, "encoder_hits": embedding hits across it (cache + dedup,
+   all encoder replicas), "cached_tokens": prompt tokens the prefix caches served across it,
+   "requests": [bench serve's records + "images", "image_seeds", "system"]}]}}}
+
+The profile is fitted on the default app's fit runs (`fit.fit_profile`: fresh images, no system
+prompt); the prompt's shape (tokens per image, per system prompt) is read off the requests' token
+counts. Each policy's session is replayed whole, every run at its start and its requests at their
+send times, so that the simulated caches carry over from run to run as the app's did (the same
+popular images, the same system prompts). A request's prompt: its system prompt's tokens (shared by
+every request with that prompt), its images' (keyed by seed), then its own text. Figures per held-out
+run: encoder hit ratio (items needing no encode), prefix hit ratio (prompt tokens served by the
+prefix caches), TTFT p50 and p99, goodput (requests within the SLOs a second, first send to last
+end; SLOs: 3 x the unloaded median TTFT and TPOT, as the bench). Real and simulated figures are
+compared per policy and rate on the mean over the repeats; the real runs' spread is the largest
+relative difference between two repeats of a rate (TTFT p50, goodput)."""
+
+from __future__ import annotations
+
+import statistics
+
+from mmserve.capacity.fit import fit_profile
+from mmserve.capacity.routing import BLOCK_SIZE, Content, simulate_cluster
+from mmserve.capacity.simulate import percentile
+from mmserve.request.media import PlaceholderRange
+from mmserve.routing.affinity import prefix_hashes
+
+FIGURES = ("encoder_hit_ratio", "prefix_hit_ratio", "ttft_p50_s", "ttft_p99_s", "goodput")
+
+
+def _least_squares(rows, targets):
+    import numpy as np
+
+    return [float(x) for x in np.linalg.lstsq(np.asarray(rows, float), np.asarray(targets, float), rcond=None)[0]]
+
+
+def slos(run_set: dict) -> tuple[float, float]:
+    """(TTFT, TPOT) SLOs in seconds: 3 x the unloaded run's medians."""
+    alone = _run(run_set, "default", "fit-unloaded")["requests"]
+    tpot = [(r["e2e_ms"] - r["ttft_ms"]) / 1000 / (r["output_tokens"] - 1) for r in alone if r["output_tokens"] > 1]
+    return 3 * percentile([r["ttft_ms"] / 1000 for r in alone], 50), 3 * percentile(tpot, 50)
+
+
+def _run(run_set: dict, policy: str, label: str) -> dict:
+    return next(r for r in run_set["policies"][policy]["runs"] if r["label"] == label)
+
+
+def prompt_shape(run_set: dict, image_tokens: int) -> int:
+    """Tokens of a system prompt, from the requests' token counts (least squares on images and system)."""
+    rows, targets = [], []
+    for entry in run_set["policies"].values():
+        for run in entry["runs"]:
+            for r in run["requests"]:
+                if r.get("input_tokens"):
+                    rows.append([1, r["images"] * image_tokens, r.get("system") is not None])
+                    targets.append(r["input_tokens"])
+    return max(0, round(_least_squares(rows, targets)[2]))
+
+
+def _content(r: dict, image_tokens: int, system_tokens: int, fresh: list[int]) -> Content:
+    segments, ranges, keys = [], [], []
+    if r.get("system") is not None and system_tokens:
+        base = -(r["system"] + 1) * 100_000
+        segments.append(range(base, base + system_tokens))
+    offset = sum(len(s) for s in segments)
+    for seed in r["image_seeds"]:
+        ranges.append(PlaceholderRange(offset, image_tokens))
+        keys.append(f"img-{seed}")
+        segments.append((0,) * image_tokens)
+        offset += image_tokens
+    text = max(1, (r.get("input_tokens") or offset + 1) - offset)
+    segments.append(range(fresh[0], fresh[0] + text))
+    fresh[0] += text
+    tokens = [t for s in segments for t in s]
+    images = tuple((k, image_tokens) for k in keys)
+    return Content(images, len(tokens), max(1, r["output_tokens"] or 1), prefix_hashes(tokens, ranges, keys, BLOCK_SIZE))
+
+
+def _goodput(rows: list[tuple[float, float | None, float | None, float]], slo: tuple[float, float]) -> float:
+    """rows: (send, ttft, tpot, end) in seconds; requests within both SLOs a second, first send to last end."""
+    span = max(end for *_, end in rows) - min(send for send, *_ in rows)
+    good = sum(1 for _, ttft, tpot, _ in rows if ttft is not None and ttft <= slo[0] and (tpot or 0.0) <= slo[1])
+    return good / max(span, 1e-9)
+
+
+def real_figures(run: dict, slo: tuple[float, float]) -> dict:
+    reqs = run["requests"]
+    done = [r for r in reqs if r.get("ttft_ms") is not None]
+    items = sum(r["images"] for r in reqs)
+    prompt = sum(r.get("input_tokens") or 0 for r in reqs)
+    rows = [(r["send_s"], r["ttft_ms"] / 1000 if r.get("ttft_ms") is not None else None,
+             (r["e2e_ms"] - r["ttft_ms"]) / 1000 / (r["output_tokens"] - 1) if r.get("ttft_ms") is not None
+             and r["output_tokens"] > 1 else None, r["send_s"] + r["e2e_ms"] / 1000) for r in reqs]
+    ttft = [r["ttft_ms"] / 1000 for r in done]
+    return {"encoder_hit_ratio": run["encoder_hits"] / items if items else 0.0,
+            "prefix_hit_ratio": run["cached_tokens"] / prompt if prompt else 0.0,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "goodput": _goodput(rows, slo)}
+
+
+def simulated_figures(run_set: dict, policy: str, profile, image_tokens: int, system_tokens: int,
+                      slo: tuple[float, float], seed: int = 0) -> list[dict]:
+    """Each held-out run's figures, from one replay of the policy's whole session."""
+    encoders, llms = run_set["replicas"]
+    runs = run_set["policies"][policy]["runs"]
+    fresh, shapes, arrivals, owner = [1 << 20], [], [], []
+    for k, run in enumerate(runs):
+        for r in sorted(run["requests"], key=lambda r: r["send_s"]):
+            shapes.append(_content(r, image_tokens, system_tokens, fresh))
+            arrivals.append(run["start_s"] + r["send_s"])
+            owner.append(k)
+    order = sorted(range(len(shapes)), key=arrivals.__getitem__)
+    shapes, arrivals, owner = [shapes[i] for i in order], [arrivals[i] for i in order], [owner[i] for i in order]
+    trace: dict = {}
+    simulate_cluster(profile, shapes, encoders, llms, policy, rate=1.0, seed=seed, warmup=0.0, arrivals=arrivals,
+                     trace=trace)
+    out = []
+    for k, run in enumerate(runs):
+        if run["label"] != "held-out":
+            continue
+        idx = [i for i, o in enumerate(owner) if o == k]
+        reqs = [trace["requests"][i] for i in idx]
+        items = sum(len(shapes[i].images) for i in idx)
+        misses = sum(trace["misses"][i] for i in idx)
+        rows = [(q.arrival, q.first_token - q.arrival if q.first_token is not None else None,
+                 (q.finish - q.first_token) / (q.output_tokens - 1) if q.finish is not None and q.output_tokens > 1
+                 else None, q.finish if q.finish is not None else q.arrival) for q in reqs]
+        ttft = [q.first_token - q.arrival for q in reqs if q.first_token is not None]
+        out.append({"rate": run["rate"],
+                    "encoder_hit_ratio": 1 - misses / items if items else 0.0,
+                    "prefix_hit_ratio": sum(q.cached_tokens for q in reqs) / sum(q.prompt_tokens for q in reqs),
+                    "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+                    "goodput": _goodput(rows, slo)})
+    return out
+
+
+def _rel(model: float, real: float) -> float:
+    return abs(model - real) / real if real else abs(model - real)
+
+
+def validate_routing(run_set: dict) -> dict:
+    """Fit, replay both policies, compare per policy and rate; the summary the command's JSON line prints."""
+    encoders, llms = run_set["replicas"]
+    profile, shape = fit_profile("disaggregated", run_set["policies"]["default"]["runs"], encoders, llms,
+                                 run_set.get("max_pending_requests"))
+    system_tokens = prompt_shape(run_set, shape["image_tokens"])
+    slo = slos(run_set)
+    rows, spreads = [], []
+    for policy, entry in run_set["policies"].items():
+        model_runs = simulated_figures(run_set, policy, profile, shape["image_tokens"], system_tokens, slo)
+        real_runs = [{"rate": run["rate"], **real_figures(run, slo)} for run in entry["runs"] if run["label"] == "held-out"]
+        for rate in sorted({r["rate"] for r in real_runs}):
+            real = [r for r in real_runs if r["rate"] == rate]
+            model = [r for r in model_runs if r["rate"] == rate]
+            mean_real = {k: statistics.fmean(r[k] for r in real) for k in FIGURES}
+            mean_model = {k: statistics.fmean(r[k] for r in model) for k in FIGURES}
+            rows.append({"policy": policy, "rate": rate, "real": mean_real, "model": mean_model,
+                         "rel_error": {k: _rel(mean_model[k], mean_real[k]) for k in FIGURES}})
+            for a, b in zip(real, real[1:]):
+                spreads.append(max(abs(a[k] - b[k]) / max(a[k], b[k], 1e-12) for k in ("ttft_p50_s", "goodput")))
+    return {
+        "rows": rows, "profile": {k: v for k, v in vars(profile).items() if isinstance(v, float)},
+        "system_tokens": system_tokens, "image_tokens": shape["image_tokens"], "slo_s": slo,
+        "hit_ratio_rel_error_max": max(max(r["rel_error"]["encoder_hit_ratio"], r["rel_error"]["prefix_hit_ratio"])
+                                       for r in rows),
+        "ttft_p50_rel_error_max": max(r["rel_error"]["ttft_p50_s"] for r in rows),
+        "goodput_rel_error_max": max(r["rel_error"]["goodput"] for r in rows),
+        "real_run_spread": max(spreads) if spreads else None,
+    }
+
+
+def print_routing_validation(report: dict) -> None:
+    print(f"fitted profile: " + ", ".join(f"{k} {v:.3g}" for k, v in report["profile"].items()))
+    print(f"prompt: {report['image_tokens']} tokens an image, {report['system_tokens']} a system prompt; "
+          f"SLOs TTFT {report['slo_s'][0] * 1000:.0f} ms, TPOT {report['slo_s'][1] * 1000:.0f} ms")
+    names = {"encoder_hit_ratio": "enc hit", "prefix_hit_ratio": "prefix hit", "ttft_p50_s": "TTFT p50 s",
+             "ttft_p99_s": "TTFT p99 s", "goodput": "goodput/s"}
+    print(f"{'policy':<9} {'rate/s':>7} " + " ".join(f"{names[k] + ' real/model (err)':>30}" for k in FIGURES))
+    for r in report["rows"]:
+        cells = [f"{r['real'][k]:.3f}/{r['model'][k]:.3f} ({r['rel_error'][k]:.2f})" for k in FIGURES]
+        print(f"{r['policy']:<9} {r['rate']:>7.3f} " + " ".join(f"{c:>30}" for c in cells))
+
+
+def routing_validation_main(ns, collect_routing, error) -> int:
+    """`--validate-routing [--runs FILE | --record FILE] [--num-prompts N] [--quick]`: validate a kept
+    run set, or run the app here first (`collect_routing`, minutes) and validate that; one JSON line."""
+    import json
+    import time
+
+    began = time.perf_counter()
+    if ns.runs:
+        run_set = json.loads(ns.runs.read_text())
+    elif collect_routing is None:
+        error("--validate-routing runs the app: run it as `mmserve plan --validate-routing`, or give --runs FILE")
+    else:
+        run_set = collect_routing(ns.num_prompts or (16 if ns.quick else 48), ns.seed)
+        if ns.record:
+            ns.record.write_text(json.dumps(run_set))
+    report = validate_routing(run_set)
+    print_routing_validation(report)
+    keys = ("hit_ratio_rel_error_max", "ttft_p50_rel_error_max", "goodput_rel_error_max", "real_run_spread")
+    summary = {k: round(report[k], 4) if isinstance(report[k], float) else report[k] for k in keys}
+    print(json.dumps({**summary, "seconds": round(time.perf_counter() - began, 1)}))
+    return 0
