@@ -92,6 +92,7 @@ class CoreSettings:
     prefix_block_size: int  # tokens per prompt block in `PendingRequest.prefix_hashes`: the engine's block_size
     stream_video: bool  # video files go to the LLM replica to stream through the pipeline (`StreamedVideo`)
     stream_group_frames: int
+    stream_min_frames: int  # a video sampling to fewer frames is decoded whole, not streamed
     max_model_len: int | None  # engine.max_model_len: None is the checkpoint's context
     readiness_wait_s: float
 
@@ -101,7 +102,8 @@ class CoreSettings:
         on its node (`AppArgs.on_node`)."""
         return cls(args.served_model_name, args.limits, args.model, args.api_key, args.llm_retries,
                    args.max_pending_requests, args.max_fetching_requests, args.engine.block_size, args.stream_video,
-                   args.video_decode.stream_group_frames, args.engine.max_model_len, args.readiness_wait_s)
+                   args.video_decode.stream_group_frames, args.video_decode.stream_min_frames,
+                   args.engine.max_model_len, args.readiness_wait_s)
 
 
 class VideoDecoding(Protocol):
@@ -293,11 +295,15 @@ class RequestCore:
             decoded = dict(zip(files, await _all_or_none([read(frames[i][0], request_id, sampling) for i in files])))
             if headers:
                 self._check_decoded_pixels(list(decoded.values()))
-            if not stream and len(files) > 1:
-                decoded = dict(zip(files, await _all_or_none([self.videos.decode(frames[i][0], request_id, sampling)
-                                                              for i in files])))
-        items = iter([MediaItem(source.kind, frames[i] if stream or i not in decoded else (), fps=source.fps,
-                                decoded=decoded.get(i)) for i, source in enumerate(sources)])
+            # streamed only where it pays: a video of fewer sampled frames than stream_min_frames is
+            # decoded whole (its header is read already), as unstreamed
+            whole = [i for i in files if not stream or decoded[i].shape[0] < self.settings.stream_min_frames]
+            if headers and whole:
+                decoded.update(zip(whole, await _all_or_none([self.videos.decode(frames[i][0], request_id, sampling)
+                                                              for i in whole])))
+        # a streamed video keeps its file (the LLM replica decodes it); a decoded one only its frames
+        items = iter([MediaItem(source.kind, () if i in decoded and decoded[i].pixels is not None else frames[i],
+                                fps=source.fps, decoded=decoded.get(i)) for i, source in enumerate(sources)])
         return [dataclasses.replace(m, parts=tuple(p if isinstance(p, str) else next(items) for p in m.parts))
                 for m in request.messages]
 
