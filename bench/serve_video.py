@@ -1,10 +1,10 @@
 """`python bench/serve.py --video [--quick] [--decode-only]` (it runs this script with its arguments):
 TTFT of `video_url` requests, the default path against the one before #47, side by side.
 
-The clips are H.264 at 720p and 30 fps, 30 s and 10 s long, made once with PyAV into the temp
+The clips are H.264 at 720p and 30 fps, 30 s, 10 s and 4 s long, made once with PyAV into the temp
 directory with pinned encoder settings (`X264`: libx264 veryfast, a keyframe every 2 s, closed
 GOPs, 3 B-frames of which the middle one is a reference (b-pyramid), no adaptive B-frames, one
-slice); the tiny Qwen2-VL samples them at 2 fps (60 and 20 frames).
+slice); the tiny Qwen2-VL samples them at 2 fps (60, 20 and 8 frames).
 
 First the decode alone, in this process (`decode_speedup_30s`): a `VideoDecodePool` of one worker
 decoding the 30 s clip the default way (this machine's cores as segments decoded at once, split at
@@ -13,8 +13,11 @@ as FFmpeg's frame threads and no segments (`decode_speedup_30s_frame_threads`: t
 segment-parallel decoding), and `SEQUENTIAL` (one thread, every frame decoded: the decode before
 #47), alternating, median of the runs. `--decode-only` stops there.
 
-Then two apps on the same CPUs: `default` (streamed, decoded the default way) and `baseline`
-(unstreamed, `SEQUENTIAL`: `decode_threads: 1`, `skip_unsampled: false`), caches off (every request
+Then four apps on the same CPUs: `default` (decoded the default way, streamed from
+`stream_min_frames` sampled frames), `streamed` and `unstreamed` (the same decode, every video
+streamed / none: `stream_speedup_<clip>`, unstreamed TTFT p50 over streamed, is what
+`stream_min_frames` is set from) and `baseline` (unstreamed, `SEQUENTIAL`: `decode_threads: 1`,
+`skip_unsampled: false`), caches off (every request
 decodes, encodes and prefills its video again), reading the clips as local files. Requests go one
 at a time, the modes alternating; the decoder's busy seconds per request come from
 `VideoDecoder.stats`. The table gives TTFT p50 / p99 per clip and mode and the share of the TTFT
@@ -75,8 +78,8 @@ def make_clip(path: Path, seconds: int) -> Path:
 # mode -> (video_decode.stream, decode_threads (None: the default), skip_unsampled, stream_min_frames (None:
 # the default)): the default; every video streamed and none, decoded the default way (what
 # stream_min_frames is set from); the path before #47
-MODES = {"default": (True, None, True, None), "streamed": (True, None, True, 1), "unstreamed": (False, None, True, None),
-         "baseline": (False, 1, False, None)}
+MODES = {"default": (True, None, True, None), "streamed": (True, None, True, 1),
+         "unstreamed": (False, None, True, None), "baseline": (False, 1, False, None)}
 
 
 def decode_speedup(model: str, clip: Path, runs: int) -> dict:
@@ -128,14 +131,15 @@ def start(model: str, clip_dir: Path, num_cpus: float) -> dict[str, str]:
     from deployments.serve.app import build_app
 
     port, _ = start_serve(num_cpus)
-    share = {"num_cpus": num_cpus / (4 * len(MODES))}  # the apps' replicas share the CPUs; one request at a time runs
+    share = {"num_cpus": num_cpus / (4 * len(MODES))}  # the apps' replicas share the CPUs; one request at a time
     urls = {}
     for mode, (stream, threads, skip, min_frames) in MODES.items():
         args = {
             "model": model, "served_model_name": mode, "dtype": "float32",
             "router": {"num_cpus": 0}, "encoder": share, "llm": share, "video_decoder": share,
             "video_decode": {"workers": 1, "stream": stream, "decode_threads": threads,
-                             "skip_unsampled": skip, **({} if min_frames is None else {"stream_min_frames": min_frames})},
+                             "skip_unsampled": skip,
+                             **({} if min_frames is None else {"stream_min_frames": min_frames})},
             "encoder_pool": {"cache_bytes": 0}, "engine": {"enable_prefix_caching": False},
             "limits": {"allow_local_media": True, "local_media_dir": str(clip_dir), "max_frames_per_video": 64},
         }
