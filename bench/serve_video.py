@@ -1,10 +1,10 @@
 """`python bench/serve.py --video [--quick] [--decode-only]` (it runs this script with its arguments):
 TTFT of `video_url` requests, the default path against the one before #47, side by side.
 
-The clips are H.264 at 720p and 30 fps, 30 s, 10 s and 4 s long, made once with PyAV into the temp
+The clips are H.264 at 720p and 30 fps, 30 s, 20 s, 10 s and 4 s long, made once with PyAV into the temp
 directory with pinned encoder settings (`X264`: libx264 veryfast, a keyframe every 2 s, closed
 GOPs, 3 B-frames of which the middle one is a reference (b-pyramid), no adaptive B-frames, one
-slice); the tiny Qwen2-VL samples them at 2 fps (60, 20 and 8 frames).
+slice); the tiny Qwen2-VL samples them at 2 fps (60, 40, 20 and 8 frames).
 
 First the decode alone, in this process (`decode_speedup_30s`): a `VideoDecodePool` of one worker
 decoding the 30 s clip the default way (this machine's cores as segments decoded at once, split at
@@ -48,7 +48,7 @@ from pathlib import Path
 from deployments.cli.bench_app import start_serve, stop_app
 from mmserve.loadgen.client import one_request, serve_bench_args
 
-CLIPS = {"30s": 30, "10s": 10, "4s": 4}  # name -> seconds, at 1280x720 and 30 fps
+CLIPS = {"30s": 30, "20s": 20, "10s": 10, "4s": 4}  # name -> seconds, at 1280x720 and 30 fps
 WIDTH, HEIGHT, FPS = 1280, 720, 30
 X264 = {"preset": "veryfast", "x264-params": "keyint=60:min-keyint=60:scenecut=0:open-gop=0:bframes=3:b-adapt=0:"
         "b-pyramid=normal:slices=1"}

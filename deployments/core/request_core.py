@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import math
 import logging
@@ -112,8 +113,10 @@ class VideoDecoding(Protocol):
 
     async def decode(self, data: bytes, request_id: str, sampling: VideoSampling | None = None) -> DecodedVideo: ...
 
-    async def probe(self, data: bytes, request_id: str, sampling: VideoSampling | None = None) -> DecodedVideo:
-        """The video's header (no pixels): what to plan a streamed video with."""
+    async def probe(self, data: bytes, request_id: str, sampling: VideoSampling | None = None,
+                    decode_below: int = 0) -> DecodedVideo:
+        """The video's header (no pixels): what to plan a streamed video with; decoded whole (its
+        pixels) when it samples to fewer than `decode_below` frames, in the same call."""
 
 
 class RequestListener:
@@ -287,18 +290,20 @@ class RequestCore:
             if self.videos is None:
                 raise InvalidRequest("this server does not decode video files; send a video as its frames")
             # streamed: planned from the header; the LLM replica decodes and encodes it (the file goes along).
-            # One video is bounded by its decoder (max_decoded_pixels_per_video); several are read to their
-            # headers first and bounded together before any is decoded
-            headers = stream or len(files) > 1
-            read = self.videos.probe if headers else self.videos.decode
-            sampling = request.video_sampling
+            # Only where that pays: a video sampling to fewer than stream_min_frames is decoded whole, as
+            # unstreamed (a lone one in the same call as its header). One video is bounded by its decoder
+            # (max_decoded_pixels_per_video); several are read to their headers first and bounded together
+            # before any is decoded
+            sampling, min_frames = request.video_sampling, self.settings.stream_min_frames
+            if len(files) == 1:
+                read = functools.partial(self.videos.probe, decode_below=min_frames) if stream else self.videos.decode
+            else:
+                read = self.videos.probe
             decoded = dict(zip(files, await _all_or_none([read(frames[i][0], request_id, sampling) for i in files])))
-            if headers:
+            if len(files) > 1:
                 self._check_decoded_pixels(list(decoded.values()))
-            # streamed only where it pays: a video of fewer sampled frames than stream_min_frames is
-            # decoded whole (its header is read already), as unstreamed
-            whole = [i for i in files if not stream or decoded[i].shape[0] < self.settings.stream_min_frames]
-            if headers and whole:
+            whole = [i for i in files if decoded[i].pixels is None and (not stream or decoded[i].shape[0] < min_frames)]
+            if whole:
                 decoded.update(zip(whole, await _all_or_none([self.videos.decode(frames[i][0], request_id, sampling)
                                                               for i in whole])))
         # a streamed video keeps its file (the LLM replica decodes it); a decoded one only its frames

@@ -309,8 +309,10 @@ class _CountingPool:
     def __init__(self, pool: VideoDecodePool):
         self.pool, self.decoded = pool, 0
 
-    async def probe(self, data: bytes, request_id: str, sampling=None):
-        return await self.pool.probe(data, request_id, sampling)
+    async def probe(self, data: bytes, request_id: str, sampling=None, decode_below: int = 0):
+        video = await self.pool.probe(data, request_id, sampling, decode_below)
+        self.decoded += video.pixels is not None
+        return video
 
     async def decode(self, data: bytes, request_id: str, sampling=None):
         self.decoded += 1
@@ -388,6 +390,14 @@ def test_a_video_streams_only_from_stream_min_frames_and_plans_the_same_either_w
         assert streamed(load(cores[1], short, long)) == [True, True]
         assert streamed(load(cores[100], short, long)) == [False, False]
         assert pool.decoded == decoded + 3
+        # a lone video: a short one decoded in the call that reads its header (one worker session)
+        sessions = pool.pool.stats.decoded
+        [item] = load(cores[8], short)
+        assert item.frames == () and pool.pool.stats.decoded == sessions + 1
+        assert np.array_equal(item.decoded.pixels, asyncio.run(pool.pool.decode(short, "whole")).pixels)
+        sessions += 1
+        [item] = load(cores[8], long)
+        assert item.decoded.pixels is None and item.frames == (long,) and pool.pool.stats.decoded == sessions + 2
         plans = {n: cores[n].planner.plan([Message("user", (*load(core, short, long), "what?"))])
                  for n, core in cores.items()}
         for n in (8, 100):
