@@ -289,10 +289,10 @@ class VideoDecodeArgs(_QueuedWorkScaling):
         "larger groups cost fewer transfers and encoder calls, smaller ones let prefill follow the decoder closer",
     )
     stream_min_frames: int = Field(
-        default=16, ge=1, description="with stream on, a video that samples to fewer frames than this is decoded "
-        "whole and not streamed (its router reads the header, then decodes it): streaming pays where decoding one "
-        "group overlaps encoding another, and on a short clip it only adds steps (bench/serve_video.py measures "
-        "TTFT streamed and not per clip length); 1: stream every video",
+        default=48, ge=1, description="with stream on, a video that samples to fewer frames than this is decoded "
+        "whole and not streamed (a lone one in the same call as its header): streaming paid on 60 sampled frames "
+        "and not reliably on 40 or fewer (bench/serve_video.py's stream_speedup_<clip>, TTFT streamed and not per "
+        "clip length); 1: stream every video",
     )
     target_queued_seconds_per_replica: float = Field(default=4.0, gt=0, description="decode seconds queued "
                                                      "or running per replica")
