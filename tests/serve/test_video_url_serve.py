@@ -137,8 +137,8 @@ def min_frames_url(serve_ports, tiny_models):
 def test_only_a_video_of_stream_min_frames_streams_and_tokens_are_the_same(min_frames_url, tiny_models):
     name = "qwen2_5_vl_min_frames"
     c = openai.OpenAI(base_url=min_frames_url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    # 34 frames at 10 fps sample to 6 (decoded whole), 50 to 10 (streamed)
-    for data, streams in ((video_file(3.4, 10, 56, 84, seed=21), False), (video_file(5, 10, 56, 84, seed=22), True)):
+    # 34 frames at 10 fps sample to 6 (decoded whole), 42 to 8 (streamed; the tests' max_frames_per_video)
+    for data, streams in ((video_file(3.4, 10, 56, 84, seed=21), False), (video_file(4.2, 10, 56, 84, seed=22), True)):
         expected = reference_generate(tiny_models["qwen2_5_vl"], reference_messages(data), MAX_TOKENS)
         before = decoder_stats(name)
         resp = c.chat.completions.create(model=name, messages=video_url_messages(data), max_tokens=MAX_TOKENS,
