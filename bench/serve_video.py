@@ -1,10 +1,10 @@
 """`python bench/serve.py --video [--quick] [--decode-only]` (it runs this script with its arguments):
 TTFT of `video_url` requests, the default path against the one before #47, side by side.
 
-The clips are H.264 at 720p and 30 fps, 30 s and 10 s long, made once with PyAV into the temp
+The clips are H.264 at 720p and 30 fps, 30 s, 20 s, 10 s and 4 s long, made once with PyAV into the temp
 directory with pinned encoder settings (`X264`: libx264 veryfast, a keyframe every 2 s, closed
 GOPs, 3 B-frames of which the middle one is a reference (b-pyramid), no adaptive B-frames, one
-slice); the tiny Qwen2-VL samples them at 2 fps (60 and 20 frames).
+slice); the tiny Qwen2-VL samples them at 2 fps (60, 40, 20 and 8 frames).
 
 First the decode alone, in this process (`decode_speedup_30s`): a `VideoDecodePool` of one worker
 decoding the 30 s clip the default way (this machine's cores as segments decoded at once, split at
@@ -13,8 +13,11 @@ as FFmpeg's frame threads and no segments (`decode_speedup_30s_frame_threads`: t
 segment-parallel decoding), and `SEQUENTIAL` (one thread, every frame decoded: the decode before
 #47), alternating, median of the runs. `--decode-only` stops there.
 
-Then two apps on the same CPUs: `default` (streamed, decoded the default way) and `baseline`
-(unstreamed, `SEQUENTIAL`: `decode_threads: 1`, `skip_unsampled: false`), caches off (every request
+Then four apps on the same CPUs: `default` (decoded the default way, streamed from
+`stream_min_frames` sampled frames), `streamed` and `unstreamed` (the same decode, every video
+streamed / none: `stream_speedup_<clip>`, unstreamed TTFT p50 over streamed, is what
+`stream_min_frames` is set from) and `baseline` (unstreamed, `SEQUENTIAL`: `decode_threads: 1`,
+`skip_unsampled: false`), caches off (every request
 decodes, encodes and prefills its video again), reading the clips as local files. Requests go one
 at a time, the modes alternating; the decoder's busy seconds per request come from
 `VideoDecoder.stats`. The table gives TTFT p50 / p99 per clip and mode and the share of the TTFT
@@ -45,7 +48,7 @@ from pathlib import Path
 from deployments.cli.bench_app import start_serve, stop_app
 from mmserve.loadgen.client import one_request, serve_bench_args
 
-CLIPS = {"30s": 30, "10s": 10}  # name -> seconds, at 1280x720 and 30 fps
+CLIPS = {"30s": 30, "20s": 20, "10s": 10, "4s": 4}  # name -> seconds, at 1280x720 and 30 fps
 WIDTH, HEIGHT, FPS = 1280, 720, 30
 X264 = {"preset": "veryfast", "x264-params": "keyint=60:min-keyint=60:scenecut=0:open-gop=0:bframes=3:b-adapt=0:"
         "b-pyramid=normal:slices=1"}
@@ -72,8 +75,11 @@ def make_clip(path: Path, seconds: int) -> Path:
     return path
 
 
-# mode -> (video_decode.stream, decode_threads (None: the default), skip_unsampled)
-MODES = {"default": (True, None, True), "baseline": (False, 1, False)}
+# mode -> (video_decode.stream, decode_threads (None: the default), skip_unsampled, stream_min_frames (None:
+# the default)): the default; every video streamed and none, decoded the default way (what
+# stream_min_frames is set from); the path before #47
+MODES = {"default": (True, None, True, None), "streamed": (True, None, True, 1),
+         "unstreamed": (False, None, True, None), "baseline": (False, 1, False, None)}
 
 
 def decode_speedup(model: str, clip: Path, runs: int) -> dict:
@@ -125,14 +131,15 @@ def start(model: str, clip_dir: Path, num_cpus: float) -> dict[str, str]:
     from deployments.serve.app import build_app
 
     port, _ = start_serve(num_cpus)
-    share = {"num_cpus": num_cpus / 8}  # the two apps' replicas share the CPUs; one request at a time runs
+    share = {"num_cpus": num_cpus / (4 * len(MODES))}  # the apps' replicas share the CPUs; one request at a time
     urls = {}
-    for mode, (stream, threads, skip) in MODES.items():
+    for mode, (stream, threads, skip, min_frames) in MODES.items():
         args = {
             "model": model, "served_model_name": mode, "dtype": "float32",
             "router": {"num_cpus": 0}, "encoder": share, "llm": share, "video_decoder": share,
             "video_decode": {"workers": 1, "stream": stream, "decode_threads": threads,
-                             "skip_unsampled": skip},
+                             "skip_unsampled": skip,
+                             **({} if min_frames is None else {"stream_min_frames": min_frames})},
             "encoder_pool": {"cache_bytes": 0}, "engine": {"enable_prefix_caching": False},
             "limits": {"allow_local_media": True, "local_media_dir": str(clip_dir), "max_frames_per_video": 64},
         }
@@ -239,10 +246,15 @@ def run(args) -> dict:
     floor = {name: {mode: None if r["cpu_s"] is None else r["ttft_p50_s"] / (r["cpu_s"] / cores)
                     for mode, r in modes.items()} for name, modes in results.items()}
     print(" ".join(f"speedup {name} (p50 baseline / default): {x:.2f}x" for name, x in speedup.items()))
+    # what streaming alone does to a clip of this length (the same decode): what stream_min_frames is set from
+    streaming = {name: modes["unstreamed"]["ttft_p50_s"] / modes["streamed"]["ttft_p50_s"]
+                 for name, modes in results.items()}
+    print(" ".join(f"streaming {name} (p50 unstreamed / streamed): {x:.2f}x" for name, x in streaming.items()))
     print(" ".join(f"{name} {mode}: TTFT {x:.2f}x its CPU floor" for name, modes in floor.items()
                    for mode, x in modes.items() if x))
     summary.update({"video_ttft_speedup_30s": round(speedup["30s"], 3),
                     "video_ttft_speedup_10s": round(speedup["10s"], 3),
+                    **{f"stream_speedup_{name}": round(x, 3) for name, x in streaming.items()},
                     "decode_busy_share": round(results["30s"]["baseline"]["decode_busy_share"], 3),
                     **{f"video_ttft_over_floor_{name}": round(x["default"], 3)
                        for name, x in floor.items() if x["default"]},

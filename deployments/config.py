@@ -176,6 +176,12 @@ class VideoDecodeArgs(_QueuedWorkScaling):
         default=8, ge=1, description="frames per group of a streamed video (at least the model's temporal patch): "
         "larger groups cost fewer transfers and encoder calls, smaller ones let prefill follow the decoder closer",
     )
+    stream_min_frames: int = Field(
+        default=48, ge=1, description="with stream on, a video that samples to fewer frames than this is decoded "
+        "whole and not streamed (a lone one in the same call as its header): streaming paid on 60 sampled frames "
+        "and not reliably on 40 or fewer (bench/serve_video.py's stream_speedup_<clip>, TTFT streamed and not per "
+        "clip length); 1: stream every video",
+    )
     target_queued_seconds_per_replica: float = Field(default=4.0, gt=0, description="decode seconds queued "
                                                      "or running per replica")
 

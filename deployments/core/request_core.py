@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import math
 import logging
@@ -92,6 +93,7 @@ class CoreSettings:
     prefix_block_size: int  # tokens per prompt block in `PendingRequest.prefix_hashes`: the engine's block_size
     stream_video: bool  # video files go to the LLM replica to stream through the pipeline (`StreamedVideo`)
     stream_group_frames: int
+    stream_min_frames: int  # a video sampling to fewer frames is decoded whole, not streamed
     max_model_len: int | None  # engine.max_model_len: None is the checkpoint's context
     readiness_wait_s: float
 
@@ -101,7 +103,8 @@ class CoreSettings:
         on its node (`AppArgs.on_node`)."""
         return cls(args.served_model_name, args.limits, args.model, args.api_key, args.llm_retries,
                    args.max_pending_requests, args.max_fetching_requests, args.engine.block_size, args.stream_video,
-                   args.video_decode.stream_group_frames, args.engine.max_model_len, args.readiness_wait_s)
+                   args.video_decode.stream_group_frames, args.video_decode.stream_min_frames,
+                   args.engine.max_model_len, args.readiness_wait_s)
 
 
 class VideoDecoding(Protocol):
@@ -110,8 +113,10 @@ class VideoDecoding(Protocol):
 
     async def decode(self, data: bytes, request_id: str, sampling: VideoSampling | None = None) -> DecodedVideo: ...
 
-    async def probe(self, data: bytes, request_id: str, sampling: VideoSampling | None = None) -> DecodedVideo:
-        """The video's header (no pixels): what to plan a streamed video with."""
+    async def probe(self, data: bytes, request_id: str, sampling: VideoSampling | None = None,
+                    decode_below: int = 0) -> DecodedVideo:
+        """The video's header (no pixels): what to plan a streamed video with; decoded whole (its
+        pixels) when it samples to fewer than `decode_below` frames, in the same call."""
 
 
 class RequestListener:
@@ -285,19 +290,25 @@ class RequestCore:
             if self.videos is None:
                 raise InvalidRequest("this server does not decode video files; send a video as its frames")
             # streamed: planned from the header; the LLM replica decodes and encodes it (the file goes along).
-            # One video is bounded by its decoder (max_decoded_pixels_per_video); several are read to their
-            # headers first and bounded together before any is decoded
-            headers = stream or len(files) > 1
-            read = self.videos.probe if headers else self.videos.decode
-            sampling = request.video_sampling
+            # Only where that pays: a video sampling to fewer than stream_min_frames is decoded whole, as
+            # unstreamed (a lone one in the same call as its header). One video is bounded by its decoder
+            # (max_decoded_pixels_per_video); several are read to their headers first and bounded together
+            # before any is decoded
+            sampling, min_frames = request.video_sampling, self.settings.stream_min_frames
+            if len(files) == 1:
+                read = functools.partial(self.videos.probe, decode_below=min_frames) if stream else self.videos.decode
+            else:
+                read = self.videos.probe
             decoded = dict(zip(files, await _all_or_none([read(frames[i][0], request_id, sampling) for i in files])))
-            if headers:
+            if len(files) > 1:
                 self._check_decoded_pixels(list(decoded.values()))
-            if not stream and len(files) > 1:
-                decoded = dict(zip(files, await _all_or_none([self.videos.decode(frames[i][0], request_id, sampling)
-                                                              for i in files])))
-        items = iter([MediaItem(source.kind, frames[i] if stream or i not in decoded else (), fps=source.fps,
-                                decoded=decoded.get(i)) for i, source in enumerate(sources)])
+            whole = [i for i in files if decoded[i].pixels is None and (not stream or decoded[i].shape[0] < min_frames)]
+            if whole:
+                decoded.update(zip(whole, await _all_or_none([self.videos.decode(frames[i][0], request_id, sampling)
+                                                              for i in whole])))
+        # a streamed video keeps its file (the LLM replica decodes it); a decoded one only its frames
+        items = iter([MediaItem(source.kind, () if i in decoded and decoded[i].pixels is not None else frames[i],
+                                fps=source.fps, decoded=decoded.get(i)) for i, source in enumerate(sources)])
         return [dataclasses.replace(m, parts=tuple(p if isinstance(p, str) else next(items) for p in m.parts))
                 for m in request.messages]
 

@@ -86,13 +86,20 @@ class VideoDecoder:
         self.metrics.decode_ms.observe((time.perf_counter() - start) * 1000)
         return video
 
-    async def probe(self, data: bytes, request_id: str = "-", sampling: VideoSampling | None = None) -> DecodedVideo:
-        """The video's header (what the router plans with), nothing decoded."""
+    async def probe(self, data: bytes, request_id: str = "-", sampling: VideoSampling | None = None,
+                    decode_below: int = 0) -> DecodedVideo:
+        """The video's header (what the router plans with), nothing decoded; decoded whole when it
+        samples to fewer than `decode_below` frames (`VideoDecodePool.probe`)."""
+        start = time.perf_counter()
         try:
-            return await self.pool.probe(data, request_id, sampling)
+            video = await self.pool.probe(data, request_id, sampling, decode_below)
         except InvalidRequest:
             self.metrics.refused.inc()
             raise
+        if video.pixels is not None:
+            self._count(len(video.indices))
+            self.metrics.decode_ms.observe((time.perf_counter() - start) * 1000)
+        return video
 
     async def frames(self, data: bytes, request_id: str = "-", group_size: int = 1,
                      indices: tuple[int, ...] | None = None) -> AsyncIterator[np.ndarray]:
@@ -143,5 +150,6 @@ class ServeVideoClient:
     async def decode(self, data: bytes, request_id: str, sampling: VideoSampling | None = None) -> DecodedVideo:
         return await self.handle.decode.remote(data, request_id, sampling)
 
-    async def probe(self, data: bytes, request_id: str, sampling: VideoSampling | None = None) -> DecodedVideo:
-        return await self.handle.probe.remote(data, request_id, sampling)
+    async def probe(self, data: bytes, request_id: str, sampling: VideoSampling | None = None,
+                    decode_below: int = 0) -> DecodedVideo:
+        return await self.handle.probe.remote(data, request_id, sampling, decode_below)

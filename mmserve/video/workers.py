@@ -226,31 +226,40 @@ class VideoDecodePool:
         now = time.monotonic()
         return sum(now - t for t in self._running.values()) + self.waiting * self._mean_s
 
-    async def probe(self, data: bytes, request_id: str = "-", sampling: VideoSampling | None = None) -> DecodedVideo:
+    async def probe(self, data: bytes, request_id: str = "-", sampling: VideoSampling | None = None,
+                    decode_below: int = 0) -> DecodedVideo:
         """The video's header: what its frames will be (shape, sampled indices), none decoded;
-        `sampling`: the request's own (None: the model's)."""
+        `sampling`: the request's own (None: the model's). A video sampling to fewer than
+        `decode_below` frames comes decoded (its pixels), in the same call and worker (too short to
+        stream: `video_decode.stream_min_frames`)."""
         async with self._session(data, request_id, sampling) as (worker, header, deadline):
+            if header.shape[0] < decode_below:
+                return await self._whole(worker, header, deadline)
             await self._call(worker, ("close",), deadline)
             worker.pending = None
             return header
 
     async def decode(self, data: bytes, request_id: str = "-", sampling: VideoSampling | None = None) -> DecodedVideo:
         async with self._session(data, request_id, sampling) as (worker, header, deadline):
-            # the groups are read straight into the video's one array (no concatenation after)
-            pixels = np.empty((*header.shape, 3), dtype=np.uint8)
-            flat, filled = pixels.reshape(-1), 0
+            return await self._whole(worker, header, deadline)
 
-            def into(size: int) -> np.ndarray:
-                nonlocal filled
-                start, filled = filled, filled + size
-                # more than the header said: an array of its own, and refused below
-                return flat[start:filled] if filled <= flat.size else np.empty(size, dtype=np.uint8)
+    async def _whole(self, worker: DecodeWorker, header: DecodedVideo, deadline: float) -> DecodedVideo:
+        """The probed video's frames, all of them: `header` with its pixels."""
+        # the groups are read straight into the video's one array (no concatenation after)
+        pixels = np.empty((*header.shape, 3), dtype=np.uint8)
+        flat, filled = pixels.reshape(-1), 0
 
-            async for _ in self._frames(worker, TRANSFER_GROUP_FRAMES, deadline, into):
-                pass
-            if filled != flat.size:
-                raise RuntimeError(f"the decode worker sent {filled} of its video's {flat.size} pixel bytes")
-            return header.with_pixels(pixels)
+        def into(size: int) -> np.ndarray:
+            nonlocal filled
+            start, filled = filled, filled + size
+            # more than the header said: an array of its own, and refused below
+            return flat[start:filled] if filled <= flat.size else np.empty(size, dtype=np.uint8)
+
+        async for _ in self._frames(worker, TRANSFER_GROUP_FRAMES, deadline, into):
+            pass
+        if filled != flat.size:
+            raise RuntimeError(f"the decode worker sent {filled} of its video's {flat.size} pixel bytes")
+        return header.with_pixels(pixels)
 
     async def frames(self, data: bytes, request_id: str = "-", group_size: int = 1,
                      indices: tuple[int, ...] | None = None) -> AsyncIterator[np.ndarray]:

@@ -117,6 +117,36 @@ def test_streaming_off_gives_the_same_tokens(unstreamed_url, tiny_models):
     assert after["decoded"] == before["decoded"] + 1 and after["streamed"] == before["streamed"]
 
 
+@pytest.fixture(scope="module")
+def min_frames_url(serve_ports, tiny_models):
+    """A Qwen2.5-VL app that streams only videos sampling to 8 frames or more (`stream_min_frames`)."""
+    from ray import serve
+
+    from deployments.serve.app import build_app
+    from tests.support.serve_fixtures import _app_args
+
+    name = "qwen2_5_vl_min_frames"
+    args = _app_args(tiny_models["qwen2_5_vl"], name, video_decode={"stream_group_frames": 2, "stream_min_frames": 8})
+    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    try:
+        yield f"http://127.0.0.1:{serve_ports[0]}/{name}"
+    finally:
+        serve.delete(name)
+
+
+def test_only_a_video_of_stream_min_frames_streams_and_tokens_are_the_same(min_frames_url, tiny_models):
+    name = "qwen2_5_vl_min_frames"
+    c = openai.OpenAI(base_url=min_frames_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    # 34 frames at 10 fps sample to 6 (decoded whole), 42 to 8 (streamed; the tests' max_frames_per_video)
+    for data, streams in ((video_file(3.4, 10, 56, 84, seed=21), False), (video_file(4.2, 10, 56, 84, seed=22), True)):
+        expected = reference_generate(tiny_models["qwen2_5_vl"], reference_messages(data), MAX_TOKENS)
+        before = decoder_stats(name)
+        resp = c.chat.completions.create(model=name, messages=video_url_messages(data), max_tokens=MAX_TOKENS,
+                                         extra_body={"return_token_ids": True})
+        assert resp.choices[0].model_extra["token_ids"] == expected
+        assert decoder_stats(name)["streamed"] == before["streamed"] + streams
+
+
 def test_a_client_gone_mid_stream_leaves_no_blocks_and_no_busy_decoder(serve_urls):
     """A streamed video request whose client goes away while the LLM replica holds it waiting for
     frame groups: the replica frees the request's blocks, the decoder's worker is released, and

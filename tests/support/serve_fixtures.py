@@ -39,7 +39,8 @@ def _app_args(model_dir: str, name: str, **extra) -> dict:
     return {
         "model": model_dir, "dtype": "float64", "served_model_name": name,
         "router": _SMALL, "encoder": _SMALL, "llm": _SMALL, "video_decoder": _SMALL, "limits": TEST_LIMITS,
-        "video_decode": {"stream_group_frames": 2}, **extra,  # a streamed test video is several groups
+        # a streamed test video is several groups, and a short one streams too
+        "video_decode": {"stream_group_frames": 2, "stream_min_frames": 1}, **extra,
     }
 
 

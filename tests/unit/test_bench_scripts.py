@@ -31,6 +31,7 @@ SMALLEST = {
     "dispatch.py": (["--requests", "2"], [SERVE]),
     "load.py": (["--text-layers", "1", "--vision-depth", "1", "--dtypes", "bfloat16", "--roles", "llm,encoder"], []),
     "vit_attention.py": ([], GPU),
+    "video_transfer.py": (["--quick"], []),
     "grammar.py": (["--quick"], [pytest.mark.skipif(  # both libraries (only the one chosen is a dependency)
         not all(importlib.util.find_spec(m) for m in ("xgrammar", "llguidance")),
         reason="needs xgrammar and llguidance")]),

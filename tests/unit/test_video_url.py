@@ -309,8 +309,10 @@ class _CountingPool:
     def __init__(self, pool: VideoDecodePool):
         self.pool, self.decoded = pool, 0
 
-    async def probe(self, data: bytes, request_id: str, sampling=None):
-        return await self.pool.probe(data, request_id, sampling)
+    async def probe(self, data: bytes, request_id: str, sampling=None, decode_below: int = 0):
+        video = await self.pool.probe(data, request_id, sampling, decode_below)
+        self.decoded += video.pixels is not None
+        return video
 
     async def decode(self, data: bytes, request_id: str, sampling=None):
         self.decoded += 1
@@ -347,3 +349,63 @@ def test_a_requests_videos_are_bounded_together_before_any_is_decoded(tiny_model
         pool.pool.close()
     with pytest.raises(ValueError, match="max_decoded_pixels_per_request .* < max_decoded_pixels_per_video"):
         LimitArgs(max_decoded_pixels_per_video=10, max_decoded_pixels_per_request=9)
+
+
+def test_a_video_streams_only_from_stream_min_frames_and_plans_the_same_either_way(tiny_models):
+    """`video_decode.stream_min_frames`, per request: a video sampling to fewer frames is decoded
+    whole after its header (frames, no file: the router dispatches it as unstreamed), one sampling to
+    as many or more goes on as a header (file, no frames: the LLM replica streams it); the prompt
+    planned is the same token for token and position for position either way."""
+    from deployments.config import LimitArgs
+    from deployments.core.request_core import ChatRequest, StreamedVideo
+    from mmserve.request.media import MediaSource
+    from mmserve.request.prompt import Message
+    from tests.support.core_fakes import make_core
+
+    short, long = video_file(3, 10, 32, 48, seed=5), video_file(5, 10, 32, 48, seed=6)  # 6 and 10 sampled frames
+    limits = LimitArgs()
+    pool = _CountingPool(VideoDecodePool(FrameSampler(tiny_models["qwen2_vl"]), limits.video_limits(), workers=2))
+    cores = {n: make_core(tiny_models["qwen2_vl"], limits=limits, video_decode={"stream_min_frames": n})
+             for n in (1, 8, 100)}
+    for core in cores.values():
+        core.videos = pool
+
+    def load(core, *videos):
+        parts = tuple(MediaSource(MediaKind.VIDEO, (v,), container=True) for v in videos) + ("what?",)
+        return [p for p in asyncio.run(core._load_media(ChatRequest((Message("user", parts),), None), "t"))[0].parts
+                if isinstance(p, MediaItem)]
+
+    def streamed(items) -> list[bool]:
+        out = []
+        for item, data in zip(items, (short, long)):
+            assert (item.frames == (data,)) == (item.decoded.pixels is None)  # a file, or its frames
+            out.append(item.decoded.pixels is None)
+        return out
+
+    try:
+        assert cores[8].settings.stream_video and cores[8].planner.face.streams_video
+        decoded = pool.decoded
+        assert streamed(load(cores[8], short, long)) == [False, True]  # 6 < 8 <= 10
+        assert pool.decoded == decoded + 1  # only the short one decoded here
+        assert streamed(load(cores[1], short, long)) == [True, True]
+        assert streamed(load(cores[100], short, long)) == [False, False]
+        assert pool.decoded == decoded + 3
+        # a lone video: a short one decoded in the call that reads its header (one worker session)
+        sessions = pool.pool.stats.decoded
+        [item] = load(cores[8], short)
+        assert item.frames == () and pool.pool.stats.decoded == sessions + 1
+        assert np.array_equal(item.decoded.pixels, asyncio.run(pool.pool.decode(short, "whole")).pixels)
+        sessions += 1
+        [item] = load(cores[8], long)
+        assert item.decoded.pixels is None and item.frames == (long,) and pool.pool.stats.decoded == sessions + 2
+        plans = {n: cores[n].planner.plan([Message("user", (*load(core, short, long), "what?"))])
+                 for n, core in cores.items()}
+        for n in (8, 100):
+            assert plans[n].token_ids == plans[1].token_ids and plans[n].ranges == plans[1].ranges
+            length = len(plans[1].token_ids)
+            assert torch.equal(plans[n].positions.positions(0, length), plans[1].positions.positions(0, length))
+        # dispatched: the header-only item as a StreamedVideo, the decoded one to the encoders
+        handles = asyncio.run(cores[8]._dispatch(plans[8].media))
+        assert [isinstance(h, StreamedVideo) for h in handles] == [False, True]
+    finally:
+        pool.pool.close()
