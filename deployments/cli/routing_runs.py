@@ -45,6 +45,19 @@ def _counters() -> tuple[int, int]:
             sum(s["num_cached_tokens"] for s in llms.values()))
 
 
+def template_tokens(model_dir: str) -> int:
+    """Prompt tokens before the first image of a request without a system prompt: the chat
+    template's opening (its default system turn, the user turn's start), shared by every such
+    request and so a prefix-cache hit after the first."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "?"}]}]
+    ids = processor.tokenizer(processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                              add_special_tokens=False)["input_ids"]
+    return ids.index(processor.tokenizer.convert_tokens_to_ids(processor.image_token))
+
+
 def collect(num_prompts: int, seed: int = 0, num_cpus: float = 2.0) -> dict:
     """Runs both policies' apps here (Ray + Serve) and records every run: a routing run set."""
     from deployments.config import AppArgs
@@ -58,7 +71,8 @@ def collect(num_prompts: int, seed: int = 0, num_cpus: float = 2.0) -> dict:
     held_out = [[generate_requests(popular, num_prompts, seed + 10 + k + 100 * r) for r in range(REPEATS)]
                 for k in range(len(RATE_FACTORS))]
     run_set: dict = {"machine": f"{num_cpus:g} CPUs", "replicas": list(REPLICAS), "workload": WORKLOAD,
-                     "max_pending_requests": AppArgs.model_fields["max_pending_requests"].default, "policies": {}}
+                     "max_pending_requests": AppArgs.model_fields["max_pending_requests"].default, "policies": {},
+                     "template_tokens": template_tokens(model)}
     rates = None
     for policy in POLICIES:
         url, _ = start_app(model, False, num_cpus, "float32", replicas=REPLICAS, routing=policy)

@@ -13,7 +13,9 @@ prompt); the prompt's shape (tokens per image, per system prompt) is read off th
 counts. Each policy's session is replayed whole, every run at its start and its requests at their
 send times, so that the simulated caches carry over from run to run as the app's did (the same
 popular images, the same system prompts). A request's prompt: its system prompt's tokens (shared by
-every request with that prompt), its images' (keyed by seed), then its own text. Figures per held-out
+every request with that prompt) or, without one, the chat template's opening (`template_tokens` of
+the run set: its default system turn, shared by every such request), its images' (keyed by seed),
+then its own text. Figures per held-out
 run: encoder hit ratio (items needing no encode), prefix hit ratio (prompt tokens served by the
 prefix caches), TTFT p50 and p99, goodput (requests within the SLOs a second, first send to last
 end; SLOs: 3 x the unloaded median TTFT and TPOT, as the bench). Real and simulated figures are
@@ -62,11 +64,16 @@ def prompt_shape(run_set: dict, image_tokens: int) -> int:
     return max(0, round(_least_squares(rows, targets)[2]))
 
 
-def _content(r: dict, image_tokens: int, system_tokens: int, fresh: list[int]) -> Content:
+TEMPLATE_BASE = -50_000  # the template opening's token ids (apart from the system prompts')
+
+
+def _content(r: dict, image_tokens: int, system_tokens: int, fresh: list[int], template_tokens: int = 0) -> Content:
     segments, ranges, keys = [], [], []
     if r.get("system") is not None and system_tokens:
         base = -(r["system"] + 1) * 100_000
         segments.append(range(base, base + system_tokens))
+    elif template_tokens:  # the template's own opening (its default system turn), the same in every such prompt
+        segments.append(range(TEMPLATE_BASE, TEMPLATE_BASE + template_tokens))
     offset = sum(len(s) for s in segments)
     for seed in r["image_seeds"]:
         ranges.append(PlaceholderRange(offset, image_tokens))
@@ -110,7 +117,7 @@ def simulated_figures(run_set: dict, policy: str, profile, image_tokens: int, sy
     fresh, shapes, arrivals, owner = [1 << 20], [], [], []
     for k, run in enumerate(runs):
         for r in sorted(run["requests"], key=lambda r: r["send_s"]):
-            shapes.append(_content(r, image_tokens, system_tokens, fresh))
+            shapes.append(_content(r, image_tokens, system_tokens, fresh, run_set.get("template_tokens", 0)))
             arrivals.append(run["start_s"] + r["send_s"])
             owner.append(k)
     order = sorted(range(len(shapes)), key=arrivals.__getitem__)

@@ -131,3 +131,21 @@ def test_validate_routing_runs_the_collector_it_is_given(tmp_path):
     record = tmp_path / "runs.json"
     assert main(["--validate-routing", "--quick", "--record", str(record)], collect_routing=collect) == 0
     assert asked == [(16, 0)] and json.loads(record.read_text()) == kept
+
+
+def test_the_template_opening_is_the_planners_tokens_before_the_first_image(tiny_checkpoint):
+    """The run set's `template_tokens` (prompt tokens every request without a system prompt shares)
+    equals where the app's own planner puts a lone image; the replay shares them (one block here)."""
+    from deployments.cli.routing_runs import template_tokens
+    from mmserve.capacity.routing_fit import _content
+    from tests.support.cases import image, text, user
+    from tests.support.pipeline import runtimes, to_planner_messages
+
+    model_dir = tiny_checkpoint("qwen2_vl")
+    planner, _, _ = runtimes(model_dir)
+    plan = planner.plan(to_planner_messages(user(image(56, 56, 1), text("What is it?"))))
+    assert template_tokens(model_dir) == plan.ranges[0].offset == 16
+    request = {"system": None, "image_seeds": [], "input_tokens": 40, "output_tokens": 4}
+    first, second = (_content(request, 70, 122, [1 << 20], template_tokens=16) for _ in range(2))
+    assert first.block_hashes[0] == second.block_hashes[0]  # the opening block: a hit after the first
+    assert _content(request, 70, 122, [1 << 20]).block_hashes[0] != first.block_hashes[0]
