@@ -76,6 +76,19 @@ def test_tp4_repeats_kv_heads_over_ranks_and_keeps_the_tokens(tiny_checkpoint):
     assert len(engine.rank_counts) == 3
 
 
+def test_tp2_chunked_prefill_steps_that_sample_nothing_keep_the_tokens(tiny_checkpoint):
+    """A 3.5k-token prompt in 64-token chunks: most steps sample no row (the logits gather carries
+    nothing), every rank still runs them."""
+    model_dir = tiny_checkpoint("qwen2_vl")
+    messages = family_cases("qwen2_vl")["long_prompt"]
+    with tp_engine(model_dir, 2, max_num_batched_tokens=64, num_kv_blocks=400) as engine:
+        collector = Collector()
+        collector.add(engine, plan_request(model_dir, messages, "long", 8))
+        run_until_done(engine, collector)
+        assert engine.runner.num_forwards > 50
+    assert collector.tokens("long") == reference_generate(model_dir, messages, 8)
+
+
 def test_the_shards_of_every_rank_make_the_whole_weights(tiny_checkpoint):
     """The split rules cut each sharded tensor into pieces that, over the ranks, cover it exactly
     (KV heads repeated where fewer than ranks); the others are whole on every rank."""
