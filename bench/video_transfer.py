@@ -41,11 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from mmserve.video.workers import TRANSFER_GROUP_FRAMES, _receive, _send  # noqa: E402
+from mmserve.video.workers import TRANSFER_GROUP_FRAMES, _receive, _send
 
 FRAMES, HEIGHT, WIDTH = 60, 720, 1280  # 30 s at 2 fps, 720p
 F_SETPIPE_SZ = 1031
