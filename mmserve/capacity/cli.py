@@ -6,7 +6,7 @@ deployments/cli/plan_runs.py, or from a kept run set: `--runs FILE`, seconds, no
 from __future__ import annotations
 
 from mmserve.capacity import simulate as capacity
-from mmserve.capacity.fit import print_validation, validate
+from mmserve.capacity.fit import load_or_collect, print_validation, validate
 from mmserve.capacity.goodput import RUN_TTFT_SLOS, Recommendation, recommend
 from mmserve.capacity.inputs import PROFILES, SLO, TRANSPORTS, Workload, load_profile, with_changes, with_transfer_rates
 
@@ -109,15 +109,7 @@ def main(argv: list[str] | None = None, collect=None, collect_routing=None) -> i
     ns.ttft_p99 = 20.0 if ns.ttft_p99 is None else ns.ttft_p99
     if ns.validate:
         began = time.perf_counter()
-        if ns.runs:
-            run_set = json.loads(ns.runs.read_text())
-        elif collect is None:
-            p.error("--validate runs the app: run it as `mmserve plan --validate`, or give --runs FILE")
-        else:
-            run_set = collect(ns.num_prompts or (60 if ns.quick else 200), ns.seed)
-            if ns.record:
-                ns.record.write_text(json.dumps(run_set))
-        report = validate(run_set)
+        report = validate(load_or_collect(ns, collect, p.error, "--validate", (60, 200)))
         print_validation(report)
         for mode, profile in report["profiles"].items():
             print(f"fitted {mode}: " + ", ".join(f"{k} {v:.3g}" for k, v in profile.items() if isinstance(v, float)))

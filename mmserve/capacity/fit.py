@@ -190,3 +190,19 @@ def print_validation(report: dict) -> None:
               f"{real['throughput']:>9.2f} {model['throughput']:>7.2f} {err['throughput']:>6.2f} "
               f"{real['ttft_p50_s'] * 1000:>12.1f} {model['ttft_p50_s'] * 1000:>7.1f} {err['ttft_p50_s']:>6.2f} "
               f"{real['ttft_p99_s'] * 1000:>12.1f} {model['ttft_p99_s'] * 1000:>7.1f} {err['ttft_p99_s']:>6.2f}")
+
+
+def load_or_collect(ns, collect, error, flag: str, prompts: tuple[int, int]) -> dict:
+    """The run set `--validate` / `--validate-routing` (`flag`) checks: read from `--runs FILE`, or
+    collected here by `collect(num_prompts, seed)` (`--num-prompts`, else `prompts` (quick, full)
+    by `--quick`) and kept in `--record FILE` when given."""
+    import json
+
+    if ns.runs:
+        return json.loads(ns.runs.read_text())
+    if collect is None:
+        error(f"{flag} runs the app: run it as `mmserve plan {flag}`, or give --runs FILE")
+    run_set = collect(ns.num_prompts or (prompts[0] if ns.quick else prompts[1]), ns.seed)
+    if ns.record:
+        ns.record.write_text(json.dumps(run_set))
+    return run_set

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 
-from mmserve.capacity.fit import fit_profile
+from mmserve.capacity.fit import fit_profile, load_or_collect
 from mmserve.capacity.routing import BLOCK_SIZE, Content, simulate_cluster
 from mmserve.capacity.simulate import percentile
 from mmserve.request.media import PlaceholderRange
@@ -181,7 +181,7 @@ def validate_routing(run_set: dict) -> dict:
 
 
 def print_routing_validation(report: dict) -> None:
-    print(f"fitted profile: " + ", ".join(f"{k} {v:.3g}" for k, v in report["profile"].items()))
+    print("fitted profile: " + ", ".join(f"{k} {v:.3g}" for k, v in report["profile"].items()))
     print(f"prompt: {report['image_tokens']} tokens an image, {report['system_tokens']} a system prompt; "
           f"SLOs TTFT {report['slo_s'][0] * 1000:.0f} ms, TPOT {report['slo_s'][1] * 1000:.0f} ms")
     names = {"encoder_hit_ratio": "enc hit", "prefix_hit_ratio": "prefix hit", "ttft_p50_s": "TTFT p50 s",
@@ -199,15 +199,7 @@ def routing_validation_main(ns, collect_routing, error) -> int:
     import time
 
     began = time.perf_counter()
-    if ns.runs:
-        run_set = json.loads(ns.runs.read_text())
-    elif collect_routing is None:
-        error("--validate-routing runs the app: run it as `mmserve plan --validate-routing`, or give --runs FILE")
-    else:
-        run_set = collect_routing(ns.num_prompts or (16 if ns.quick else 48), ns.seed)
-        if ns.record:
-            ns.record.write_text(json.dumps(run_set))
-    report = validate_routing(run_set)
+    report = validate_routing(load_or_collect(ns, collect_routing, error, "--validate-routing", (16, 48)))
     print_routing_validation(report)
     keys = ("hit_ratio_rel_error_max", "ttft_p50_rel_error_max", "goodput_rel_error_max", "real_run_spread")
     summary = {k: round(report[k], 4) if isinstance(report[k], float) else report[k] for k in keys}
