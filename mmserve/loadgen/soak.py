@@ -232,8 +232,9 @@ class Faults:
         while self.started < self.encoder_at and not self.done.is_set():
             time.sleep(0.01)
         # until the LLM's turn: a short run may see no encode call held at a poll
+        encoders = replicas(self.app, "Encoder")  # looked up once: each poll is then one call per replica
         while not self.done.is_set() and "encoder_held" not in self.report and self.started < self.llm_at:
-            for victim in replicas(self.app, "Encoder"):
+            for victim in encoders:
                 if held := ongoing(victim):
                     ray.kill(victim, no_restart=False)
                     self.report.update(encoder_held=held, encoder_killed_after=self.started)
@@ -241,24 +242,18 @@ class Faults:
             time.sleep(0.002)
         while self.started < self.llm_at and not self.done.is_set():
             time.sleep(0.01)
+        llms = replicas(self.app, "LLM")
         while not self.done.is_set() and "llm_held" not in self.report:
             self.gate.clear()  # new requests wait until the kill
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
-                # a stream mid-way is enough: one not started yet is retried whole, one near its
-                # end may finish first; waiting for every stream to be mid-way missed the window
-                # on a slow machine (one prefill with images still running while the others ended)
+                # a stream mid-way is best (it resumes on another replica); else any request the
+                # replica holds (one not streamed, or a stream whose tokens came in one burst, is
+                # retried whole): waiting for a stream seen mid-way missed on a loaded machine
+                # (tiny models stream 40 tokens in a few SSE events)
                 mid_way = sum(2 <= len(t) <= MAX_TOKENS - 8 for t in list(self.live.values()))
-                held, victim = 0, None
-                if mid_way:
-                    victim = replicas(self.app, "LLM")[0]
-                    held = ongoing(victim)
-                elif not self.live:
-                    # no stream running: an unstreamed request held by a replica is enough (it is
-                    # retried whole); a short run with few streams after `llm_at` killed nothing
-                    held, victim = max(((ongoing(v), v) for v in replicas(self.app, "LLM")),
-                                       key=lambda pair: pair[0], default=(0, None))
-                if victim is not None and (mid_way or held):
+                held, victim = max(((ongoing(v), v) for v in llms), key=lambda pair: pair[0], default=(0, None))
+                if victim is not None and (held or mid_way):
                     ray.kill(victim, no_restart=False)
                     self.report.update(llm_held=held, llm_streams_mid_way=mid_way, llm_killed_after=self.started)
                     break
@@ -266,8 +261,7 @@ class Faults:
                     break  # nothing running: let a few more requests in and look again
                 time.sleep(0.002)
             self.gate.set()
-            time.sleep(0.3)
-        self.gate.set()
+            time.sleep(0.05)
 
 
 def run_all(url: str, requests: list[SoakRequest], concurrency: int, faults: Faults | None = None,
