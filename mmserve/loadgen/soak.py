@@ -172,11 +172,13 @@ def replicas(app: str, deployment: str) -> list:
             for a in ray.util.list_named_actors(all_namespaces=True) if f"{app}#{deployment}#" in a["name"]]
 
 
-def ongoing(replica) -> int:
+def ongoing(replica, timeout_s: float = 0.5) -> int:
+    """Requests `replica` holds; 0 when it does not answer within `timeout_s` (a replica killed
+    earlier may still be listed, and a poll that waited seconds on it let the soak end unkilled)."""
     import ray
 
     try:
-        return ray.get(replica.get_num_ongoing_requests.remote(), timeout=5)
+        return ray.get(replica.get_num_ongoing_requests.remote(), timeout=timeout_s)
     except Exception:
         return 0
 
