@@ -37,7 +37,7 @@ def test_weights_load_onto_the_device_without_a_host_copy(tmp_path):
     from mmserve.loadgen.checkpoints import qwen2_vl_2b
 
     path = qwen2_vl_2b(tmp_path / "q2b", text_layers=8, vision_depth=4)
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
     out = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -270,12 +270,13 @@ def test_cuda_overlapped_steps_launch_without_waiting_for_the_device(tiny_models
         engine.step()
     read = engine._read
 
-    def read_allowed_to_wait(launched):
+    def read_allowed_to_wait(launched):  # the one wait a step makes; the mode it found is put back
+        mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode(0)
         try:
             return read(launched)
         finally:
-            torch.cuda.set_sync_debug_mode("error")
+            torch.cuda.set_sync_debug_mode(mode)
 
     monkeypatch.setattr(engine, "_read", read_allowed_to_wait)
     torch.cuda.set_sync_debug_mode("error")
