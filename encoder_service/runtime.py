@@ -92,11 +92,12 @@ class VisionEncoder:
     def split(self, prepared: PreparedItem, budget: int, unit: str) -> list[PreparedItem]:
         return self.face.split(prepared, budget, unit)
 
-    def capture_graphs(self, max_cost: int, unit: str, capture: bool = True) -> str:
-        """CUDA graphs of the tower per budget up to the pool's `max_cost` where the face has them
-        (`capture=False`: the same padded forwards, uncaptured); returns and logs what happened."""
+    def capture_graphs(self, max_cost: int, unit: str, capture: bool = True, max_patches: int | None = None) -> str:
+        """CUDA graphs of the tower per budget up to the pool's `max_cost` and `max_patches` where the
+        face has them (`capture=False`: the same padded forwards, uncaptured); returns and logs what
+        happened. A batch over the largest budget runs eager."""
         with self._lock:
-            what = self.face.capture_graphs(self.tower, max_cost, unit, capture)
+            what = self.face.capture_graphs(self.tower, max_cost, unit, capture, max_patches)
         logger.info("encoder graphs of %s: %s", self.model_dir.name, what)
         return what
 

@@ -41,7 +41,7 @@ class EncoderDeployment:
         self.encoder = VisionEncoder(model_dir, dtype=args.dtype, device=device)
         pool = args.encoder_pool
         if pool.cuda_graphs and torch.device(device).type == "cuda":
-            self.encoder.capture_graphs(pool.max_batch_tokens, pool.cost_unit)
+            self.encoder.capture_graphs(pool.max_batch_tokens, pool.cost_unit, max_patches=pool.cuda_graphs_max_patches)
         self.encoder.warm_up()  # before `ready()` can answer: the first request finds the tower warm
         self.metrics = EncoderMetrics()
         self.pool = EncoderPool(self.encoder, pool.resolve(), PoolMetrics(self.metrics))

@@ -83,9 +83,10 @@ class EncoderFace(ABC):
         `[prepared]` where the family cannot split (the item then runs alone)."""
         return [prepared]
 
-    def capture_graphs(self, tower: nn.Module, max_cost: int, unit: str, capture: bool = True) -> str:
-        """Capture the tower's forward per budget up to the pool's `max_cost` (`unit`s), for
-        `forward` to replay; returns what happened (graphs or why none)."""
+    def capture_graphs(self, tower: nn.Module, max_cost: int, unit: str, capture: bool = True,
+                       max_patches: int | None = None) -> str:
+        """Capture the tower's forward per budget up to the pool's `max_cost` (`unit`s) and
+        `max_patches`, for `forward` to replay; returns what happened (graphs or why none)."""
         return f"no CUDA graphs for {type(self).__name__}"
 
     @abstractmethod

@@ -115,7 +115,8 @@ class QwenVLEncoderFace(EncoderFace):
             merged = module(pixels, grid_thw=grid_thw).pooler_output
         return [(out,) for out in torch.split(merged, [p.num_tokens for p in batch])]
 
-    def capture_graphs(self, tower: nn.Module, max_cost: int, unit: str, capture: bool = True) -> str:
+    def capture_graphs(self, tower: nn.Module, max_cost: int, unit: str, capture: bool = True,
+                       max_patches: int | None = None) -> str:
         """Qwen2-VL and Qwen2.5-VL towers (`encoder_service.vit_graphs`); checked against the eager
         tower on a batch of two items before use."""
         from encoder_service.vit_graphs import TowerGraphs, budget_ladder
@@ -123,7 +124,8 @@ class QwenVLEncoderFace(EncoderFace):
         if self.config.model_type not in ("qwen2_vl", "qwen2_5_vl"):
             return f"no CUDA graphs for {self.config.model_type} (its tower derives more from grid_thw)"
         unit_patches = self.merge * self.merge
-        budgets = budget_ladder(max_cost * (1 if unit == "patches" else unit_patches), unit_patches)
+        top = max_cost * (1 if unit == "patches" else unit_patches)
+        budgets = budget_ladder(min(top, max_patches or top), unit_patches)
         embed = tower.patch_embed
         in_features = embed.in_channels * embed.temporal_patch_size * embed.patch_size ** 2
         grids = [(1, 4 * self.merge, 4 * self.merge), (2, 2 * self.merge, 3 * self.merge)]

@@ -71,6 +71,18 @@ def test_a_full_budget_and_too_many_segments(tiny_models, family):
     assert exact.layout(grids + grids[:1]) is None  # more patches than the largest budget
 
 
+def test_the_patch_cap_bounds_the_ladder_and_a_larger_batch_runs_eager(tiny_models):
+    encoder = _encoder(tiny_models["qwen2_vl"], "float64")
+    prepared = _batch(encoder, seed=2)
+    patches = sum(t * h * w for t, h, w in (p.layout for p in prepared))
+    eager = encoder.forward(prepared)
+    encoder.capture_graphs(max_cost=2048, unit="tokens", capture=False, max_patches=patches // 2)
+    graphs = encoder.face.graphs
+    assert graphs.budgets[-1] <= patches // 2 + 3 and graphs.layout([p.layout for p in prepared]) is None
+    assert all(torch.equal(got[0], want[0]) for got, want in zip(encoder.forward(prepared), eager, strict=True))
+    assert graphs.runs == 0  # over the cap: the eager tower ran
+
+
 def test_families_without_graphs_say_so(qwen3_dir):
     encoder = _encoder(qwen3_dir, "float32")
     assert "no CUDA graphs" in encoder.capture_graphs(max_cost=1024, unit="tokens")
