@@ -130,7 +130,7 @@ CUDA_ARGS = {
     "grammar": [],
     "moe": [],
     "encoder": ["--workers", "8"],
-    "serve": ["--compare", "colocated", "--dtype", "bfloat16", "--num-cpus", "8", "--num-prompts", "100",
+    "serve": ["--compare", "colocated", "--dtype", "bfloat16", "--num-cpus", "8", "--num-prompts", "48",
               "--input-len", "128", "--output-len", "64"],
     "transfer": [],
     "tp": [],
