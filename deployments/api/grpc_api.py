@@ -142,8 +142,9 @@ async def completion(gen: Generation, request_id: str) -> vlm_pb2.GenerateRespon
 
 async def stream(gen: Generation, request_id: str) -> AsyncIterator[vlm_pb2.GenerateResponse]:
     """One response per delta; the last carries finish_reason and usage (and the tool calls, with
-    tools: the content goes out until a call begins). With n > 1 each carries its choice's index,
-    each choice's last its finish_reason, and a last response the usage."""
+    tools: the content goes out as it comes, a `<tool_call>` block held until it closes: `ToolText`).
+    With n > 1 each carries its choice's index, each choice's last its finish_reason, and a last
+    response the usage."""
     texts = [ToolText(gen.tools, gen.parallel_tool_calls, gen.tool_format) for _ in range(gen.n)] if gen.tools else None
     async for delta in gen.deltas():
         content, calls, finish = delta.text, [], delta.finish_reason or ""

@@ -463,98 +463,89 @@ def render_call(call: ToolCall) -> str:
 
 class ToolText:
     """One choice's streamed text when the request has tools, as events to send: `("content", text)`,
-    `("call", index, ToolCall)` when a call's name is known (its id and name, no arguments yet), and
-    `("arguments", index, piece)` as its arguments are generated. Text is content until a
-    `<tool_call>` begins (a tail that may be its start is held back); a call in Qwen's JSON layout
-    streams its arguments as they come; one in the XML form (`fmt.xml`) sends its id and name when
-    its `<function=NAME>` is written and its arguments whole when its `</tool_call>` is (their JSON
-    is only known then: a value's type is read from its whole text); anything else is parsed at the
-    choice's end (`end`). Without `parallel`, the events of calls after the first are dropped, as
-    `answer` drops them."""
+    `("call", index, ToolCall)` (its id and name) and `("arguments", index, piece)`. The rule is that
+    the streamed answer is the unstreamed one (`answer` on the whole text): a `<tool_call>` block is
+    held until its `</tool_call>` is written (text that may be a block's start is held back too), then
+    parsed as `answer` parses it (the first `</tool_call>` after a `<tool_call>` closes it, as the
+    parsers' patterns do). A call sends its id and name, then its arguments: in the JSON form in the
+    pieces the model generated them in, in the XML form whole (their JSON is only known then: a value's
+    type is read from its whole text). A block that is no call, or one never closed (malformed, or cut
+    off by `max_tokens`), is content, sent when it closes or at the end (`end`): no event of a call
+    goes out before the call is known to be one. Whitespace is held until content follows, and dropped
+    at the end when there are calls (the unstreamed content is stripped then); only whitespace at the
+    very start, sent before a call was seen, can differ. Without `parallel`, the events of calls after
+    the first are dropped, as `answer` drops them."""
 
     def __init__(self, tools, parallel: bool = True, fmt: ToolFormat = JSON_FORMAT):
-        self.tools, self.names = list(tools), {t.name for t in tools}
-        self.parallel, self.fmt = parallel, fmt
-        self.held = ""  # text not sent yet, from the current call's `<tool_call>` on when `calling`
-        self.calling = False
-        self.calls: list[ToolCall] = []  # streamed ones
-        self.sent = 0  # characters of the current call's arguments sent
+        self.tools, self.parallel, self.fmt = list(tools), parallel, fmt
+        self.held = ""  # text not read yet: from an open `<tool_call>` on, or a tail that may begin one
+        self.base = 0  # where `held` begins in the choice's text
+        self.marks: list[int] = []  # where in the choice's text the pieces added so far end (of `held`'s)
+        self.blank = ""  # whitespace read as content, not sent yet
+        self.sent = False  # whether any content went out
+        self.calls: list[ToolCall] = []
 
     def add(self, text: str) -> list[tuple]:
-        return self._kept(self._add(text))
+        self.held += text
+        self.marks = [m for m in self.marks if m > self.base] + [self.base + len(self.held)]
+        events: list[tuple] = []
+        while (at := self.held.find(START)) >= 0:
+            self._content(self._take(at), events)
+            close = self.held.find(END, len(START))
+            if close < 0:
+                return self._kept(events)  # an open block: a call or not when it closes
+            start = self.base
+            block = self._take(close + len(END))
+            _, calls = self.fmt.parse(block, self.tools)
+            if not calls:
+                self._content(block, events)  # malformed, or no known function: text
+                continue
+            self.calls.append(calls[0])
+            index = len(self.calls) - 1
+            events.append(("call", index, calls[0]))
+            events += [("arguments", index, piece) for piece in self._pieces(calls[0], block, start)]
+        keep = next((k for k in range(min(len(START) - 1, len(self.held)), 0, -1)
+                     if START.startswith(self.held[-k:])), 0)
+        self._content(self._take(len(self.held) - keep), events)
+        return self._kept(events)
+
+    def _take(self, n: int) -> str:
+        """The first `n` characters of `held`, read."""
+        taken, self.held, self.base = self.held[:n], self.held[n:], self.base + n
+        return taken
+
+    def _content(self, text: str, events: list[tuple]) -> None:
+        """Send `text` as content: whitespace at its end held until content follows."""
+        text = self.blank + text
+        body = text.rstrip()
+        if not body:
+            self.blank = text
+            return
+        self.blank = text[len(body):]
+        if self.calls and not self.sent:  # the unstreamed content is stripped when there are calls
+            body = body.lstrip()
+        events.append(("content", body))
+        self.sent = True
+
+    def _pieces(self, call: ToolCall, block: str, start: int) -> list[str]:
+        """A call's arguments in the pieces they were added in, when they are the model's own text
+        (the JSON form), else whole; `start`: where `block` began in the choice's text."""
+        head = None if self.fmt.xml else _HEAD_RE.match(block)
+        if head is None or not block.startswith(call.arguments, head.end()):
+            return [call.arguments]
+        begin, stop = start + head.end(), start + head.end() + len(call.arguments)
+        edges = [begin, *(m for m in self.marks if begin < m < stop), stop]
+        return [call.arguments[a - begin:b - begin] for a, b in zip(edges, edges[1:])]
 
     def _kept(self, events: list[tuple]) -> list[tuple]:
         return events if self.parallel else [e for e in events if e[0] == "content" or e[1] == 0]
 
-    def _add(self, text: str) -> list[tuple]:
-        self.held += text
-        events: list[tuple] = []
-        while True:
-            if not self.calling:
-                at = self.held.find(START)
-                if at < 0:
-                    keep = next((k for k in range(min(len(START) - 1, len(self.held)), 0, -1)
-                                 if START.startswith(self.held[-k:])), 0)
-                    out = self.held[:len(self.held) - keep]
-                    if out and (out.strip() or not self.calls):  # whitespace after a call: held
-                        events.append(("content", out))
-                        self.held = self.held[len(out):]
-                    return events
-                if self.held[:at].strip() or (at and not self.calls):
-                    events.append(("content", self.held[:at]))
-                self.held, self.calling, self.sent = self.held[at:], True, 0
-            if self.fmt.xml:
-                if not self._xml(events):
-                    return events
-                continue
-            head = _HEAD_RE.match(self.held)
-            if head is None or head.group(1) not in self.names:
-                return events  # not (yet) a call in Qwen's layout: parsed at the end
-            if self.sent == 0 and (not self.calls or self.calls[-1].arguments is not None):
-                self.calls.append(ToolCall(new_call_id(), head.group(1), None))  # type: ignore[arg-type]
-                events.append(("call", len(self.calls) - 1, self.calls[-1]))
-            args = self.held[head.end():]
-            raw, inside = _raw_object(args)
-            if inside > self.sent:
-                events.append(("arguments", len(self.calls) - 1, args[self.sent:inside]))
-                self.sent = inside
-            if raw is None:
-                return events
-            close = re.match(r"\s*\}\s*" + re.escape(END), args[len(raw):])
-            if close is None:
-                return events  # the call's closing text is still coming (or is not there: see end)
-            self.calls[-1] = ToolCall(self.calls[-1].id, self.calls[-1].name, raw)
-            self.held, self.calling, self.sent = args[len(raw) + close.end():], False, 0
-
-    def _xml(self, events: list[tuple]) -> bool:
-        """The current call in the XML form, from its `<tool_call>` in `held`: True when it closed
-        as a call (its text consumed), False to wait for more (or for `end`)."""
-        head = _XML_HEAD_RE.match(self.held)
-        if head is None or head.group(1) not in self.names:
-            return False  # not (yet) a call: parsed at the end
-        if self.sent == 0 and (not self.calls or self.calls[-1].arguments is not None):
-            self.calls.append(ToolCall(new_call_id(), head.group(1), None))  # type: ignore[arg-type]
-            events.append(("call", len(self.calls) - 1, self.calls[-1]))
-            self.sent = 1  # the head is sent
-        block = _XML_BLOCK_RE.match(self.held)
-        call = block and _xml_call(block.group(1), {t.name: t for t in self.tools})
-        if not call or call.name != self.calls[-1].name:
-            return False  # still coming, or malformed (then `end` parses it as text)
-        self.calls[-1] = ToolCall(self.calls[-1].id, call.name, call.arguments)
-        events.append(("arguments", len(self.calls) - 1, call.arguments))
-        self.held, self.calling, self.sent = self.held[block.end():], False, 0
-        return True
-
     def end(self) -> tuple[list[tuple], list[ToolCall]]:
-        """The events still to send and every call of the choice."""
+        """The events still to send (what is held is content: an open block never became a call) and
+        every call of the choice."""
         events: list[tuple] = []
-        if self.calls and self.calls[-1].arguments is None:  # streamed but never closed: not a call
-            self.calls.pop()
-        content, calls = self.fmt.parse(self.held, self.tools)
-        for call in calls:
-            self.calls.append(call)
-            events += [("call", len(self.calls) - 1, call), ("arguments", len(self.calls) - 1, call.arguments)]
-        text = (content or "") if calls else self.held
-        if text.strip() or (text and not self.calls):
-            events.insert(0, ("content", text))
+        self._content(self._take(len(self.held)), events)
+        if self.blank and not self.calls:
+            events.append(("content", self.blank))
+        self.blank = ""
         return self._kept(events), self.calls if self.parallel else self.calls[:1]

@@ -189,38 +189,92 @@ def test_every_familys_template_takes_a_tool_conversation(tiny_checkpoint, famil
     assert ("<function=click>" in text) == (_MODEL_TYPES[family] in ("qwen3_5", "qwen3_5_moe"))
 
 
-@pytest.mark.parametrize("step", [1, 3, 7, 1000])
-def test_streamed_calls_send_their_arguments_as_they_come_and_join_to_the_parsed_ones(step):
-    from mmserve.request.tools import ToolText
-
-    output = ('Sure.\n<tool_call>\n{"name": "click", "arguments": {"x": 1, "y": 2, "button": "left"}}\n</tool_call>\n'
-              '<tool_call>\n{"name": "type_text", "arguments": {"text": "a}\\"b"}}\n</tool_call>')
-    text, events = ToolText(TOOLS), []
+def _streamed(output: str, step: int, parallel: bool = True, fmt: ToolFormat = JSON_FORMAT):
+    """(events, calls) of `output` streamed through `ToolText` `step` characters at a time."""
+    text, events = ToolText(TOOLS, parallel, fmt), []
     for i in range(0, len(output), step):
         events += text.add(output[i:i + step])
     more, calls = text.end()
-    events += more
-    content, parsed = parse_calls(output, TOOLS)
-    assert "".join(e[1] for e in events if e[0] == "content").strip() == content == "Sure."
+    return events + more, calls
+
+
+def _assert_streamed_as_unstreamed(output: str, step: int, parallel: bool = True, fmt: ToolFormat = JSON_FORMAT):
+    """The streamed answer is the unstreamed one (`answer` on the same text): the same calls (one
+    call event per call, its arguments joined from its pieces) and the same content (exactly when
+    there are no calls; with calls the unstreamed content is stripped)."""
+    events, calls = _streamed(output, step, parallel, fmt)
+    content, parsed, _ = answer(output, "length", TOOLS, parallel, fmt)
+    streamed_content = "".join(e[1] for e in events if e[0] == "content")
     heads = [(e[1], e[2].name) for e in events if e[0] == "call"]
-    joined = {}
+    joined: dict[int, str] = {}
     for e in events:
         if e[0] == "arguments":
             joined[e[1]] = joined.get(e[1], "") + e[2]
-    assert heads == [(0, "click"), (1, "type_text")]
-    assert [joined[0], joined[1]] == [c.arguments for c in parsed] == [c.arguments for c in calls]
-    assert json.loads(joined[1]) == {"text": 'a}"b'}
+    assert heads == [(i, c.name) for i, c in enumerate(parsed)], output
+    assert [joined.get(i) for i in range(len(parsed))] == [c.arguments for c in parsed] == [c.arguments
+                                                                                          for c in calls]
+    assert set(joined) == set(range(len(parsed)))
+    if parsed:
+        assert streamed_content.strip() == (content or ""), output
+    else:
+        assert streamed_content == content == output
+    return events
+
+
+@pytest.mark.parametrize("step", [1, 3, 7, 1000])
+def test_streamed_calls_send_their_arguments_in_the_pieces_generated_and_join_to_the_parsed_ones(step):
+    output = ('Sure.\n<tool_call>\n{"name": "click", "arguments": {"x": 1, "y": 2, "button": "left"}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "type_text", "arguments": {"text": "a}\\"b"}}\n</tool_call>')
+    events = _assert_streamed_as_unstreamed(output, step)
+    content, parsed = parse_calls(output, TOOLS)
+    assert "".join(e[1] for e in events if e[0] == "content") == content == "Sure."
+    assert [(e[1], e[2].name) for e in events if e[0] == "call"] == [(0, "click"), (1, "type_text")]
+    assert json.loads(parsed[1].arguments) == {"text": 'a}"b'}
     if step < 10:
         assert sum(e[0] == "arguments" for e in events) > 2  # in pieces
+    for i, e in enumerate(events):  # each call: its id and name first, then its arguments
+        if e[0] == "call":
+            assert e[2].id.startswith("call_") and events[i + 1][:2] == ("arguments", e[1])
 
 
-def test_a_malformed_streamed_call_is_content():
-    from mmserve.request.tools import ToolText
+MALFORMED = [
+    '<tool_call>\n{"name": "click", "arguments": {"x": 1\n</tool_call>',  # arguments never closed
+    '<tool_call>\n{"name": "click", "arguments": {"x": 1, "y": 2}}\n',  # no </tool_call>: cut off
+    '<tool_call>\n{"name": "click", "arguments": {"x": 1, "y": 2}}',
+    '<tool_call>\n{"name": "click", "arguments": {"x": 1, "y"',  # cut off by max_tokens
+    'I will click.\n<tool_call>\n{"name": "click", "arguments": {"x": 1, "y": 2}',
+    '<tool_call>\n{"name": "click", "arguments": {"x": 1, "y": 2}, "extra": }\n</tool_call>\nDone.',
+    '<tool_call>\n{"name": "type_text", "arguments": {"text": "</tool_call>"}}\n</tool_call>',  # closed in a string
+]
 
-    text = ToolText(TOOLS)
-    events = text.add('<tool_call>\n{"name": "click", "arguments": {"x": 1\n</tool_call>')
-    more, calls = text.end()
-    assert not calls and "".join(e[1] for e in events + more if e[0] == "content").startswith("<tool_call>")
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+@pytest.mark.parametrize("output", MALFORMED)
+def test_a_malformed_streamed_call_is_content(output, step):
+    """A block that never becomes a call (malformed, or never closed: cut off by `max_tokens`) sends
+    no event of a call, and its text once, as content: the content the unstreamed answer has."""
+    events, calls = _streamed(output, step)
+    assert not calls and [e for e in events if e[0] != "content"] == []
+    assert "".join(e[1] for e in events) == answer(output, "length", TOOLS)[0] == output
+
+
+@pytest.mark.parametrize("step", [1, 5])
+def test_a_malformed_call_then_a_call_streams_as_unstreamed(step):
+    bad = '<tool_call>\n{"name": "click", "arguments": {"x": 1\n</tool_call>'
+    good = '<tool_call>\n{"name": "type_text", "arguments": {"text": "hi"}}\n</tool_call>'
+    for output in (bad + "\n" + good, "A " + good + " \n " + bad + " B", good + "\n\n" + bad, bad + good + "\n "):
+        events = _assert_streamed_as_unstreamed(output, step)
+        assert [e[2].name for e in events if e[0] == "call"] == ["type_text"]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("step", [1, 6])
+def test_every_cut_of_a_streamed_answer_agrees_with_the_unstreamed_one(step, parallel):
+    """The choice cut off after any character (`finish_reason: length`): streamed and unstreamed
+    give the same calls and content, and an unclosed call sends nothing of a call."""
+    output = TWO_CALLS + "\nDone. "
+    for cut in range(len(output) + 1):
+        _assert_streamed_as_unstreamed(output[:cut], step, parallel)
 
 
 # -- Qwen3.5's XML form ------------------------------------------------------------------------------
@@ -270,7 +324,7 @@ def test_an_xml_parameters_value_is_json_of_its_schemas_type_else_its_text(text,
 
 
 @pytest.mark.parametrize("step", [1, 4, 1000])
-def test_streamed_xml_calls_send_the_name_first_and_the_arguments_whole_when_the_call_closes(step):
+def test_streamed_xml_calls_send_the_name_then_the_arguments_whole_when_the_call_closes(step):
     output = "Sure.\n" + _xml("click", x="1", y="2", button="left") + "\n" + _xml("type_text", text="a}<b")
     text, events = ToolText(TOOLS, fmt=XML), []
     for i in range(0, len(output), step):
@@ -288,11 +342,21 @@ def test_streamed_xml_calls_send_the_name_first_and_the_arguments_whole_when_the
     assert json.loads(calls[1].arguments) == {"text": "a}<b"}
 
 
-def test_a_malformed_streamed_xml_call_is_content():
-    text = ToolText(TOOLS, fmt=XML)
-    events = text.add(_xml("click", x="1").replace("</function>", "</func>"))
-    more, calls = text.end()
-    assert not calls and "".join(e[1] for e in events + more if e[0] == "content").startswith("<tool_call>")
+@pytest.mark.parametrize("step", [1, 1000])
+@pytest.mark.parametrize("output", [_xml("click", x="1").replace("</function>", "</func>"),
+                                    _xml("click", x="1", y="2")[:-len("</tool_call>")],  # never closed
+                                    "Sure.\n" + _xml("click", x="1", y="2")[:40]])  # cut off by max_tokens
+def test_a_malformed_streamed_xml_call_is_content(output, step):
+    events, calls = _streamed(output, step, fmt=XML)
+    assert not calls and [e for e in events if e[0] != "content"] == []
+    assert "".join(e[1] for e in events) == answer(output, "length", TOOLS, fmt=XML)[0] == output
+
+
+@pytest.mark.parametrize("step", [1, 7])
+def test_every_cut_of_a_streamed_xml_answer_agrees_with_the_unstreamed_one(step):
+    output = "I will click.\n" + _xml("click", x="1", y="2") + "\n" + _xml("type_text", text="hi") + "\nDone."
+    for cut in range(len(output) + 1):
+        _assert_streamed_as_unstreamed(output[:cut], step, fmt=XML)
 
 
 def test_the_xml_grammar_compiles_for_strings_as_written_and_json_values():
