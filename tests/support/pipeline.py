@@ -39,6 +39,8 @@ def runtimes(model_dir: str, dtype: str = "float64"):
 
 
 def to_planner_messages(messages: list[dict]) -> list[Message]:
+    """The planner's messages of test messages (transformers' chat shape, media as bytes); an
+    assistant's `tool_calls` (`ToolCall`s) and a tool result's `tool_call_id` pass through."""
     out = []
     for m in messages:
         parts = []
@@ -49,14 +51,16 @@ def to_planner_messages(messages: list[dict]) -> list[Message]:
                 parts.append(MediaItem(MediaKind.VIDEO, tuple(p["frames"]), fps=p.get("fps", 2.0)))
             else:
                 parts.append(p["text"])
-        out.append(Message(m["role"], tuple(parts)))
+        out.append(Message(m["role"], tuple(parts), tuple(m.get("tool_calls", ())), m.get("tool_call_id")))
     return out
 
 
-def plan_request(model_dir: str, messages: list[dict], request_id: str, max_tokens: int, **sampling) -> LLMRequest:
-    """What the router and the encoder make of `messages`: a request ready for the engine."""
+def plan_request(model_dir: str, messages: list[dict], request_id: str, max_tokens: int, tools=(),
+                 **sampling) -> LLMRequest:
+    """What the router and the encoder make of `messages`: a request ready for the engine (`tools`:
+    the `ToolSpec`s described to the model, as the app passes them unless `tool_choice` is none)."""
     planner, encoder, _ = runtimes(model_dir)
-    plan = planner.plan(to_planner_messages(messages))
+    plan = planner.plan(to_planner_messages(messages), tuple(tools))
     embeddings = encoder.encode(plan.media) if plan.items else []
     return LLMRequest(
         request_id=request_id,

@@ -3,7 +3,9 @@ two calls, text around them, malformed blocks kept as text), of the JSON form an
 form, and the grammar of `tool_choice` required / a named function driving the engine: with an
 image in the prompt, random weights, greedy and sampled, every output parses to calls whose
 arguments validate, for a tokenizer where `<tool_call>` is an added token (Qwen3-VL) and one where
-it is text (Qwen2-VL), and in the XML form (Qwen3.5)."""
+it is text (Qwen2-VL), and in the XML form (Qwen3.5); streamed text answers as the whole text does
+(every cut of it included); and, for every family, a whole agent turn in the engine (an image, a
+forced call, its result, an answer under a json_schema)."""
 
 from __future__ import annotations
 
@@ -187,6 +189,45 @@ def test_every_familys_template_takes_a_tool_conversation(tiny_checkpoint, famil
     text = tokenizer.decode(plan.token_ids)
     assert "type_text" in text and "clicked" in text and '"click"' in text and len(plan.ranges) == 1
     assert ("<function=click>" in text) == (_MODEL_TYPES[family] in ("qwen3_5", "qwen3_5_moe"))
+
+
+ANSWER = {"type": "object", "properties": {"done": {"type": "boolean"},
+                                          "next": {"enum": ["click", "type_text", "stop"]}},
+          "required": ["done", "next"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_runs_an_agent_turn_with_a_tool_result_then_a_json_answer(tiny_checkpoint, family):
+    """The whole exchange in the engine, for every family of the registry, the tools described in
+    each turn (as the app plans a request whose `tool_choice` is not none): the user with an image
+    -> the assistant's call (`required`, one call: the family's grammar) -> the tool's result and a
+    user turn with another image -> an answer under a json_schema, which validates."""
+    from transformers import AutoTokenizer
+
+    from mmserve.request.prompt_plan import RequestPlanner
+
+    model_dir = tiny_checkpoint(family)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    fmt = RequestPlanner(model_dir, tokenizer).tool_format
+    ask = user(image(56, 70, 60), text("Click the OK button."))
+    engine, collector = make_engine(model_dir), Collector()
+    collector.add(engine, plan_request(model_dir, ask, "call", 300, tools=TOOLS,
+                                       grammar=Grammar("lark", fmt.grammar(TOOLS, parallel=False))))
+    run_until_done(engine, collector)
+    assert collector.finish_reason("call") == "stop"
+    content, calls = fmt.parse(tokenizer.decode(collector.tokens("call")), TOOLS)
+    assert content is None and len(calls) == 1
+    conversation = [*ask, {"role": "assistant", "content": [], "tool_calls": calls},
+                    {"role": "tool", "content": [text("clicked")], "tool_call_id": calls[0].id},
+                    *user(image(42, 56, 61), text("Is the dialog gone?"))]
+    request = plan_request(model_dir, conversation, "answer", 120, tools=TOOLS,
+                           grammar=Grammar("json_schema", json.dumps(ANSWER)))
+    prompt = tokenizer.decode(request.prompt_token_ids)
+    assert "clicked" in prompt and calls[0].name in prompt and "type_text" in prompt and len(request.media) == 2
+    collector.add(engine, request)
+    run_until_done(engine, collector)
+    assert collector.finish_reason("answer") == "stop"
+    jsonschema.validate(json.loads(tokenizer.decode(collector.tokens("answer"), skip_special_tokens=True)), ANSWER)
 
 
 def _streamed(output: str, step: int, parallel: bool = True, fmt: ToolFormat = JSON_FORMAT):
