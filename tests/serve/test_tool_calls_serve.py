@@ -1,7 +1,9 @@
 """Tool calls served over HTTP with the `openai` client, an image in the request: `required` and a
 named function always give calls whose arguments validate (greedy and sampled), streamed pieces
 join to the unstreamed calls, and a whole agent turn (user with an image -> assistant tool call ->
-tool result -> an answer under a json_schema) is served; bad tool requests are 400s."""
+tool result -> an answer under a json_schema) is served; bad tool requests are 400s. Over gRPC:
+forced calls validate, greedy and sampled (two seeds), unary and streamed alike; a tool_choice naming
+an unknown function is INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ def _check_calls(calls, tools) -> None:
 
 def _streamed(c, **kw):
     """(content, [(id, name, arguments)], finish reason) of a streamed completion; the arguments
-    come in several pieces."""
+    come in several pieces (those they were generated in, sent when the call closes)."""
     content, calls, finish, pieces = "", {}, None, 0
     for chunk in c.chat.completions.create(stream=True, **kw):
         for choice in chunk.choices:
@@ -52,7 +54,7 @@ def _streamed(c, **kw):
                 call["arguments"] += (piece.function.arguments or "") if piece.function else ""
                 pieces += bool(piece.function and piece.function.arguments)
             finish = choice.finish_reason or finish
-    assert pieces > len(calls), "arguments streamed as they are generated"
+    assert pieces > len(calls), "arguments in the pieces they were generated in"
     return content, [(v["id"], v["name"], v["arguments"]) for _, v in sorted(calls.items())], finish
 
 
@@ -142,15 +144,22 @@ def test_auto_parses_what_the_model_wrote(serve_urls):
     assert CLICK.name in json.dumps(OPENAI_TOOLS)
 
 
+GRPC_TOOLS = [{"name": t.name, "description": t.description, "parameters": t.schema} for t in TOOLS]
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 1.0, "seed": 1}, {"temperature": 1.0, "seed": 2}],
+                         ids=["default", "sampled_seed1", "sampled_seed2"])
 @pytest.mark.parametrize("tool_choice", ["required", "type_text"])  # any function; the named one
-def test_over_grpc_forced_calls_validate_unary_and_streamed(grpc_target, tool_choice):
+def test_over_grpc_forced_calls_validate_unary_and_streamed(grpc_target, tool_choice, sampling):
+    """Greedy (the tiny model's default) and sampled with a seed (reproducible: the streamed calls
+    are the unary ones)."""
     from mmserve.rpc.vlm_client import VLMClient, user
 
-    tools = [{"name": t.name, "description": t.description, "parameters": t.schema} for t in TOOLS]
     messages = [user("Click the OK button on this screen.", images=[image_bytes(64, 96, 45)])]
+    kw = dict(max_tokens=MAX_TOKENS, tools=GRPC_TOOLS, tool_choice=tool_choice, **sampling)
     with VLMClient(grpc_target, application="qwen2_vl") as g:
-        unary = g.generate(messages, max_tokens=MAX_TOKENS, tools=tools, tool_choice=tool_choice)
-        streamed = list(g.stream(messages, max_tokens=MAX_TOKENS, tools=tools, tool_choice=tool_choice))
+        unary = g.generate(messages, **kw)
+        streamed = list(g.stream(messages, **kw))
     assert unary.finish_reason == "tool_calls" and unary.text == "" and unary.tool_calls
     if tool_choice != "required":
         assert {c.name for c in unary.tool_calls} == {tool_choice}
@@ -160,3 +169,18 @@ def test_over_grpc_forced_calls_validate_unary_and_streamed(grpc_target, tool_ch
     last = streamed[-1]
     assert last.finish_reason == "tool_calls" and "".join(r.text for r in streamed) == ""
     assert [(c.name, c.arguments) for c in last.tool_calls] == [(c.name, c.arguments) for c in unary.tool_calls]
+
+
+def test_over_grpc_a_tool_choice_naming_an_unknown_function_is_invalid_argument(grpc_target):
+    import grpc
+
+    from mmserve.rpc.vlm_client import VLMClient, user
+
+    messages = [user("Scroll down.", images=[image_bytes(64, 96, 46)])]
+    kw = dict(max_tokens=8, tools=GRPC_TOOLS, tool_choice="scroll")
+    with VLMClient(grpc_target, application="qwen2_vl") as g:
+        for call in (lambda: g.generate(messages, **kw), lambda: list(g.stream(messages, **kw))):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "tool_choice names 'scroll', which is not among the tools" in e.value.details()
