@@ -28,6 +28,16 @@ def _shared(args: BaseModel, runtime: type) -> dict:
 
 
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address, bracketed IPv6 too, or "localhost") is this machine's loopback."""
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 CHARS_PER_TOKEN = 16  # max_prompt_chars' default per token of context: far above any tokenizer's average
 
 
@@ -193,7 +203,10 @@ class GrpcArgs(FrozenArgs):
     set at `serve.start` / in the Serve config), not application arguments.
     """
 
-    bind_host: str = Field(default=ServerOptions.host, description="address each encoder replica's server binds")
+    bind_host: str | None = Field(
+        default=None, description="address each encoder replica's server binds; null: every interface ([::]) "
+        "with a token, loopback (127.0.0.1, one node only) without one. Beyond loopback it needs grpc.token_env",
+    )
     port: int = Field(default=ServerOptions.port, ge=0, le=65535,
                       description="each encoder replica's port; 0 = any free port")
     token: str | None = Field(default=None, description="shared token every EncoderService call must carry")
@@ -221,7 +234,22 @@ class GrpcArgs(FrozenArgs):
     def _check_token(self) -> "GrpcArgs":
         if self.token is not None and self.token_env is not None:
             raise ValueError("set grpc.token or grpc.token_env, not both")
+        if self.bind_host is not None and not is_loopback(self.bind_host) and not self._has_token():
+            raise ValueError(f"grpc.bind_host {self.bind_host!r} is beyond loopback and needs grpc.token_env (or "
+                             "grpc.token): without a token every encoder replica's EncoderService would answer Encode "
+                             "and FetchEmbedding to anyone who reaches its port. Set grpc.token_env (on Kubernetes "
+                             "from a Secret), or leave grpc.bind_host unset on one node (loopback)")
         return self
+
+    def _has_token(self) -> bool:
+        return self.token is not None or self.token_env is not None
+
+    def listen_host(self) -> str:
+        """Where each encoder replica's EncoderService binds: `bind_host`, else every interface with a
+        token (other nodes' LLM replicas fetch from it) and loopback without one (one node only)."""
+        if self.bind_host is not None:
+            return self.bind_host
+        return ServerOptions.host if self._has_token() else "127.0.0.1"
 
     def on_node(self) -> "GrpcArgs":
         """These arguments with `token` read from `token_env` on this node (a replica's)."""

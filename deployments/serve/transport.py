@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from deployments.config import GrpcArgs
+from deployments.config import GrpcArgs, is_loopback
 from deployments.core.failures import replica_lost
 from deployments.core.llm_inputs import EmbeddingHandle, LocalMedia, PinnedEmbedding, StoredEmbedding
 from encoder_service.rpc.result_store import ResultStore
@@ -35,14 +35,33 @@ def advertised_host() -> str:
     return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
+def current_node() -> str:
+    """This process's Ray node id ("" outside Ray)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+
+
+def url_host(host: str) -> str:
+    """`host` as the host part of a host:port address (an IPv6 literal in brackets)."""
+    host = host.strip("[]")
+    return f"[{host}]" if ":" in host else host
+
+
 class GrpcPublisher:
-    """Encoder side: serves this replica's results and pins each one until fetched or expired."""
+    """Encoder side: serves this replica's results and pins each one until fetched or expired.
+
+    It binds `GrpcArgs.listen_host()`: without a token, loopback, advertised as such and marked with
+    this node (`EncodedRef.node`), so that an LLM replica on another node fails saying why."""
 
     def __init__(self, args: GrpcArgs, encoder: Encoder | None = None, host: str | None = None):
         self.store = ResultStore(ttl_s=args.result_ttl_s, max_bytes=args.result_store_bytes)
-        options = ServerOptions(args.bind_host, args.port, args.chunk_bytes, ServerSecurity(token=args.token))
+        bind = args.listen_host()
+        options = ServerOptions(url_host(bind), args.port, args.chunk_bytes, ServerSecurity(token=args.token))
         self._server = ServerThread(encoder, self.store, options)
-        self.address = f"{host or advertised_host()}:{self._server.port}"
+        local = is_loopback(bind)
+        self.node = current_node() if local else ""
+        self.address = f"{host or (url_host(bind) if local else advertised_host())}:{self._server.port}"
 
     def publish(self, items: Sequence[EncodeItem], embeddings: Sequence[ItemEmbedding]) -> list[EncodedRef]:
         """Pin each embedding for one fetch; what to return to the caller instead of the tensors.
@@ -54,7 +73,8 @@ class GrpcPublisher:
             wire = embedding.to_wire()
             self.store.put(content_hash, wire)
             dtype = str(wire.dtype).removeprefix("torch.")
-            refs.append(EncodedRef(self.address, content_hash, dtype, tuple(wire.shape), embedding.key, embedding.timing))
+            refs.append(EncodedRef(self.address, content_hash, dtype, tuple(wire.shape), embedding.key,
+                                   embedding.timing, self.node))
         return refs
 
     def stop(self) -> None:
@@ -82,6 +102,12 @@ class GrpcFetcher:
         return client
 
     async def fetch(self, ref: EncodedRef) -> ItemEmbedding:
+        if ref.node and ref.node != (here := current_node()):
+            raise RuntimeError(
+                f"transport: grpc: the encoder replica that holds this embedding (Ray node {ref.node}) serves it on "
+                f"loopback only ({ref.address}), since the app sets no token; this LLM replica runs on "
+                f"{f'node {here}' if here else 'another node'}. Across nodes set grpc.token_env (on Kubernetes "
+                "from a Secret): encoder replicas then listen on every interface and every call carries the token")
         return await self._client(ref.address).fetch_embedding(ref)
 
     async def close(self) -> None:

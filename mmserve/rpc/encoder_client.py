@@ -33,6 +33,7 @@ class EncodedRef:
     shape: tuple[int, ...]
     key: str = ""  # the output's identity (`ItemEmbedding.key`)
     timing: EncodeTiming | None = None  # the encode call's view of the item (an app's encoder replica)
+    node: str = ""  # the Ray node of a server on loopback (reachable from that node only); "": any
 
     @property
     def num_bytes(self) -> int:

@@ -14,8 +14,9 @@ every limit checked before the work it bounds:
 4. decode up to the last picked frame, keeping the picked ones in decode order (as
    `transformers` does), each converted to RGB `uint8` at once. Every decoded frame, picked or
    not, must have the stream's declared size (so a file whose unpicked frames are huge stops at
-   the first), and the picked frames' pixels together are bounded (`max_decoded_pixels`) before
-   any is decoded.
+   the first) and be coded within the per-frame limit (a stream that crops frames coded far larger
+   than it shows stops at its first frame), and the picked frames' pixels together are bounded
+   (`max_decoded_pixels`) before any is decoded.
 
 How step 4 decodes is `DecodeOptions`: FFmpeg's own threads (frame threading, `threads`),
 `segments` (below), and `skip_unsampled`, which hands the decoder each packet of a frame that is
@@ -336,11 +337,12 @@ class ContainerReader:
         i = -1
         try:
             self.container.seek(0)
+            context = self.container.streams.video[0].codec_context
             for i, frame in enumerate(self.container.decode(video=0)):
                 if i > end:
                     break
                 self.decoded += 1
-                self._check_size(i, frame)
+                self._check_size(i, frame, context)
                 if i in wanted:
                     yield frame.to_ndarray(format="rgb24")
         except av.error.FFmpegError as e:
@@ -398,7 +400,7 @@ class ContainerReader:
                         self.decoded += 1
                     else:
                         tally[0] += 1
-                    self._check_size(k, frame)
+                    self._check_size(k, frame, context)
                     if k in wanted:
                         yield k, frame.to_ndarray(format="rgb24")
                     if k >= end:
@@ -505,11 +507,23 @@ class ContainerReader:
         finally:
             container.close()
 
-    def _check_size(self, i: int, frame) -> None:
+    def _check_size(self, i: int, frame, context) -> None:
+        """Frame `i` (picked or not) has the stream's declared size, and its decoder (`context`)
+        codes it within the per-frame limit: a stream may code frames far larger than it shows
+        (H.264 / HEVC cropping), and the coded size is known only once the decoder has read the
+        stream's parameters (the codec context says 0 before), so the first frame out is checked."""
         probe = self.probe
-        if (frame.width, frame.height) != (probe.width, probe.height):  # picked or not
+        if (frame.width, frame.height) != (probe.width, probe.height):
             raise InvalidRequest(f"video frame {i} is {frame.width}x{frame.height}; the stream "
                                  f"declares {probe.width}x{probe.height}")
+        coded_width, coded_height = int(context.coded_width or 0), int(context.coded_height or 0)
+        # a codec pads a frame to whole blocks (H.264 16 pixels, HEVC up to 64): a frame within the
+        # limit may code a little over it, never further than its size rounded up to 64
+        padded = -(-frame.width // 64) * 64 * (-(-frame.height // 64) * 64)
+        if coded_width * coded_height > max(self.limits.max_pixels_per_frame, padded):
+            raise InvalidRequest(f"video frame {i} is coded at {coded_width}x{coded_height} pixels (shown at "
+                                 f"{frame.width}x{frame.height}), over the limit of "
+                                 f"{self.limits.max_pixels_per_frame} pixels per frame")
 
     def close(self) -> None:
         self.container.close()

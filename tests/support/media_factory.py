@@ -105,6 +105,27 @@ def mjpeg_mkv(sizes: list[tuple[int, int]], fps: int = 10) -> bytes:
     return buf.getvalue()
 
 
+def h264_cropped(coded: tuple[int, int], shown: tuple[int, int], frames: int = 20, fps: int = 10,
+                 keyint: int = 5) -> bytes:
+    """A Matroska file of H.264 frames coded at `coded` (height, width) pixels whose SPS crops each
+    to `shown` (x264's crop-rect): the container, the stream and every decoded frame say `shown`,
+    while the decoder allocates `coded` for each. A keyframe every `keyint` frames (closed GOPs)."""
+    import av
+
+    (h, w), (sh, sw) = coded, shown
+    params = f"crop-rect=0,0,{w - sw},{h - sh}:keyint={keyint}:min-keyint={keyint}:scenecut=0"
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="matroska") as out:
+        stream = out.add_stream("libx264", rate=fps, options={"x264-params": params, "preset": "ultrafast"})
+        stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
+        for i in range(frames):
+            pixels = np.full((h, w, 3), (40 * i) % 256, np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                out.mux(packet)
+        out.mux(stream.encode())
+    return buf.getvalue()
+
+
 def mkv_declaring(data: bytes, seconds: float | None = None, codec_id: bytes | None = None) -> bytes:
     """A Matroska file from `video_file(..., container="mkv")` whose header declares another
     duration (the Segment Info's Duration, in ms) or another video CodecID (same length)."""

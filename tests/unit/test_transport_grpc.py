@@ -1,16 +1,19 @@
 """Transport `grpc` against a real EncoderService server: bit-identical tensors, pinning, auth."""
 
 import asyncio
+import dataclasses
 
+import psutil
 import pytest
 import torch
+from pydantic import ValidationError
 
 from deployments.config import GrpcArgs
 from deployments.core.llm_inputs import PinnedEmbedding
 from deployments.serve.transport import GrpcFetcher, GrpcPublisher, resolve
 from mmserve.request.embeddings import ItemEmbedding
 from mmserve.request.media import EncodeItem, MediaItem, MediaKind
-from mmserve.rpc.encoder_client import EmbeddingNotFound, EncoderClient
+from mmserve.rpc.encoder_client import EmbeddingNotFound, EncodedRef, EncoderClient
 
 
 def _item(i: int) -> EncodeItem:
@@ -120,3 +123,86 @@ def test_wrong_token_is_unauthenticated(publisher):
         asyncio.run(steal())
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert ref.content_hash in publisher.store  # still pinned for the rightful fetch
+
+
+def _listening(port: int) -> set[str]:
+    """The addresses this process listens on at `port` (an IPv4 one mapped into a dual-stack socket as IPv4)."""
+    return {c.laddr.ip.removeprefix("::ffff:") for c in psutil.Process().net_connections("inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+
+
+def _ipv6_loopback() -> bool:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+def test_without_a_token_each_encoder_replicas_server_listens_on_loopback_only():
+    """`transport: grpc` with neither grpc.token nor grpc.token_env: the EncoderService (Encode,
+    FetchEmbedding) binds 127.0.0.1 and says so in its refs, so a one-node app (`mmserve serve`, the
+    serve tests) works and nothing unauthenticated listens beyond loopback; with a token it binds
+    every interface and advertises the node's address, as across nodes (k8s)."""
+    open_ = GrpcPublisher(GrpcArgs())
+    try:
+        port = int(open_.address.rsplit(":", 1)[1])
+        assert _listening(port) == {"127.0.0.1"} and open_.address == f"127.0.0.1:{port}"
+        tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        [ref] = open_.publish([_item(0)], [ItemEmbedding((tensor,), "k")])
+        fetcher = GrpcFetcher(GrpcArgs())
+
+        async def fetch():
+            try:
+                return await fetcher.fetch(ref)
+            finally:
+                await fetcher.close()
+
+        assert torch.equal(asyncio.run(fetch()).rows, tensor)  # one node: fetched over loopback
+    finally:
+        open_.stop()
+    if _ipv6_loopback():
+        six = GrpcPublisher(GrpcArgs(bind_host="::1"))
+        try:
+            port = int(six.address.rsplit(":", 1)[1])
+            assert _listening(port) == {"::1"} and six.address == f"[::1]:{port}"
+        finally:
+            six.stop()
+    for args in (GrpcArgs(token="s3cret"), GrpcArgs(bind_host="0.0.0.0", token="s3cret")):
+        secured = GrpcPublisher(args, host="10.0.0.5")
+        try:
+            port = int(secured.address.rsplit(":", 1)[1])
+            assert _listening(port) & {"::", "0.0.0.0"} and secured.address == f"10.0.0.5:{port}"
+        finally:
+            secured.stop()
+
+
+@pytest.mark.parametrize("host", ["[::]", "::", "0.0.0.0", "10.1.2.3", "encoder.example"])
+def test_a_bind_beyond_loopback_without_a_token_is_refused_naming_token_env(host):
+    with pytest.raises(ValidationError, match=r"grpc.bind_host .* needs grpc.token_env"):
+        GrpcArgs(bind_host=host)
+    assert GrpcArgs(bind_host=host, token_env="MMSERVE_GRPC_TOKEN").listen_host() == host
+    assert GrpcArgs(bind_host=host, token="s3cret").listen_host() == host
+    for loopback in ("127.0.0.1", "::1", "[::1]", "localhost"):
+        assert GrpcArgs(bind_host=loopback).listen_host() == loopback
+    assert GrpcArgs().listen_host() == "127.0.0.1"
+    assert GrpcArgs(token_env="MMSERVE_GRPC_TOKEN").listen_host() == "[::]"
+
+
+def test_a_loopback_ref_from_another_node_fails_saying_to_set_token_env():
+    """Across nodes without a token the encoder's loopback address is not this node's: the LLM
+    replica says so instead of fetching from its own loopback."""
+    ref = dataclasses.replace(EncodedRef("127.0.0.1:1", "hash", "float32", (2, 2)), node="another-node")
+    fetcher = GrpcFetcher(GrpcArgs())
+
+    async def fetch():
+        try:
+            return await fetcher.fetch(ref)
+        finally:
+            await fetcher.close()
+
+    with pytest.raises(RuntimeError, match="loopback only .* grpc.token_env"):
+        asyncio.run(fetch())

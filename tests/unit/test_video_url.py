@@ -17,9 +17,10 @@ import torch
 from mmserve.errors import InvalidRequest
 from mmserve.families import router_face
 from mmserve.request.media import MediaItem, MediaKind
-from mmserve.video.container import FrameSampler, VideoLimits, VideoSampling
+from mmserve.video.container import SEQUENTIAL, ContainerReader, DecodeOptions, FrameSampler, VideoLimits, VideoSampling
 from mmserve.video.workers import DecodeWorker, VideoDecodePool
-from tests.support.media_factory import audio_only_file, image_bytes, mjpeg_mkv, mkv_declaring, video_file
+from tests.support.media_factory import (audio_only_file, h264_cropped, image_bytes, mjpeg_mkv, mkv_declaring,
+                                         video_file)
 from tests.support.reference import load_reference, load_video_file
 
 pytest.importorskip("av")  # the `video` extra: scripts/setup installs it
@@ -231,6 +232,38 @@ def test_unsampled_frames_are_size_checked_too_and_decoding_stops_at_the_first_o
         assert pool.stats.refused == 1 and len(decode(pool, small).indices) == len(indices)
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("options", [SEQUENTIAL, DecodeOptions(), DecodeOptions(threads=4, segments=2)],
+                         ids=["sequential", "default", "threads-segments"])
+def test_a_streams_coded_size_is_checked_not_only_the_size_it_shows(options):
+    """An H.264 stream whose SPS codes every frame at 1200x1200 (1.44x the per-frame limit here) and
+    crops it to 32x32: the header, the stream and every frame say 32x32 while the decoder allocates
+    1200x1200 a frame. The coded size is known only once the decoder has read the stream's parameters
+    (PyAV's codec context says 0 before): refused at the first frame out, nothing more decoded."""
+    data = h264_cropped((1200, 1200), (32, 32), frames=20)
+    reader = ContainerReader(data, BAD_LIMITS)
+    try:
+        assert (reader.probe.width, reader.probe.height) == (32, 32)
+        with pytest.raises(InvalidRequest, match="video frame 0 is coded at 1200x1200 pixels .*shown at 32x32.*"
+                                                 "over the limit of 1000000 pixels per frame"):
+            list(reader.decode(list(range(0, 20, 3)), options=options))
+        assert reader.decoded <= 2  # the first frame out (a segment's thread may have put out its own)
+    finally:
+        reader.close()
+    within = dataclasses.replace(BAD_LIMITS, max_pixels_per_frame=1200 * 1200)
+    reader = ContainerReader(data, within)
+    try:
+        assert [g.shape for g in reader.decode([0, 19])] == [(2, 32, 32, 3)]
+    finally:
+        reader.close()
+    # a frame at the limit that its codec pads to whole blocks (50x30 coded at 64x32) is not refused for it
+    at_limit = dataclasses.replace(BAD_LIMITS, max_pixels_per_frame=50 * 30)
+    reader = ContainerReader(video_file(0.5, 10, 30, 50, seed=6, container="mkv"), at_limit)
+    try:
+        assert [g.shape for g in reader.decode([0, 4], options=options)] == [(2, 30, 50, 3)]
+    finally:
+        reader.close()
 
 
 def test_a_videos_sampled_pixels_are_bounded_before_decoding(tiny_models):
