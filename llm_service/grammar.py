@@ -16,7 +16,6 @@ sequence is added), so that the pool fills the rows' masks in parallel.
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -52,6 +51,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int], cache_size: int = CACHE_SIZE,
                  timeout_s: float = COMPILE_TIMEOUT_S):
         import llguidance.hf
+        import llguidance.torch  # noqa: F401  ~2 s on first import: here, not in the first constrained step
 
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(stop_token_ids))
@@ -185,7 +185,7 @@ class StepMasks:
         self.vocab_size = vocab_size
         self._host = _bitmask(1, vocab_size)
         self._bits = torch.arange(32, dtype=torch.int32)
-        self._threads = threads or min(8, os.cpu_count() or 1)
+        self._threads = threads  # default: torch's intra-op threads when the pool is made (the replica's share)
         self._executor = None  # llguidance's thread pool for many rows (made on first use)
         self.fill_s = 0.0  # seconds spent filling masks, drained by metrics
 
@@ -202,7 +202,7 @@ class StepMasks:
             if self._executor is None:
                 from llguidance import LLExecutor
 
-                self._executor = LLExecutor(num_threads=self._threads)
+                self._executor = LLExecutor(num_threads=self._threads or max(1, torch.get_num_threads()))
             Matcher.fill_all(self._executor, [m for _, m in matchers], host)
         rows = [i for i, _ in matchers]
         self.fill_s += time.perf_counter() - start
