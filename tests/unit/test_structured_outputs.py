@@ -406,3 +406,29 @@ def test_a_token_the_grammar_forbids_has_a_json_logprob_over_http():
     gen = SimpleNamespace(token_text=lambda t: f"t{t}")
     entry = _logprob_entry(gen, Delta("t1", 1, None, 0.0, ((1, 0.0), (0, float("-inf")))))
     assert json.loads(json.dumps(entry, allow_nan=False))["top_logprobs"][1]["logprob"] == -9999.0
+
+
+def test_the_finer_token_slices_give_the_default_slices_masks(tiny_models):
+    """`SLICES` only speeds the fill: along a document of the invoice schema (strings near their
+    `maxLength` included) each mask equals the one llguidance's default slices give."""
+    import llguidance.hf
+    import torch
+    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+    from transformers import AutoTokenizer
+
+    from mmserve.loadgen.grammar import SCHEMA, dumps, instance
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["qwen2_vl"])
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    compiled = compiler.compile(_grammar(SCHEMA))
+    default = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=[tokenizer.eos_token_id])
+    ours, theirs = Matcher(compiled), llguidance.LLMatcher(default, compiled.text, log_level=0)
+    a, b = allocate_token_bitmask(1, len(tokenizer)), allocate_token_bitmask(1, len(tokenizer))
+    ids = tokenizer.encode(dumps(instance(1)), add_special_tokens=False)
+    for token in ids:
+        ours.fill(a, 0)
+        fill_next_token_bitmask(theirs, b, 0)
+        assert torch.equal(a, b)
+        assert ours.accept(token) and theirs.consume_token(token)
+    assert ours.complete and len(ids) > 100
+    compiler.shutdown()
