@@ -45,6 +45,32 @@ def plot_svg(recommendations: list[Recommendation], source: str) -> str:
             '</svg>')
 
 
+def routing_plot_svg(rows: list, source: str) -> str:
+    """Goodput per GPU under Serve's default routing and under affinity, per workload and cluster size:
+    an SVG bar chart (`mmserve plan --routing-scale --plot`)."""
+    width, height, top, bottom, left = max(560, 70 * len(rows) + 80), 320, 44, 64, 60
+    peak = max((max(r.default_goodput, r.affinity_goodput) / r.gpus for r in rows), default=0.0) or 1.0
+    slot = (width - left - 20) / max(len(rows), 1)
+    bars = []
+    for i, row in enumerate(rows):
+        for j, (rate, colour) in enumerate(((row.default_goodput, "#4c72b0"), (row.affinity_goodput, "#55a868"))):
+            per_gpu = rate / row.gpus
+            h = (height - top - bottom) * per_gpu / peak
+            x = left + i * slot + 6 + j * (slot - 12) / 2
+            bars.append(f'<rect x="{x:.1f}" y="{height - bottom - h:.1f}" width="{(slot - 12) / 2 - 3:.1f}" '
+                        f'height="{h:.1f}" fill="{colour}"/><text x="{x:.1f}" y="{height - bottom - h - 4:.1f}" '
+                        f'font-size="9">{per_gpu:.2f}</text>')
+        bars.append(f'<text x="{left + i * slot + 6:.1f}" y="{height - bottom + 14}" font-size="10">{row.workload}</text>'
+                    f'<text x="{left + i * slot + 6:.1f}" y="{height - bottom + 26}" font-size="10">{row.gpus} GPUs '
+                    f'{row.ratio:.2f}x</text>')
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif">'
+            f'<text x="{left}" y="16" font-size="13">Goodput per GPU (req/s within the SLOs): Serve\'s default '
+            f'(blue) vs affinity (green), affinity / default below</text>'
+            f'<text x="{left}" y="30" font-size="9">{source}</text>{"".join(bars)}'
+            f'<text x="{left}" y="{height - 12}" font-size="10">mmserve plan --routing-scale (a simulation, not a '
+            'measurement)</text></svg>')
+
+
 def main(argv: list[str] | None = None, collect=None, collect_routing=None) -> int:
     """`collect(num_prompts, seed) -> run set`: runs the app for `--validate` (none: only `--runs`);
     `collect_routing`: the same for `--validate-routing`."""
@@ -185,6 +211,9 @@ def routing_main(ns) -> int:
     rows = routing_scale(profile, workloads, ns.gpus, slo, ns.requests_per_gpu, ns.seed, progress=show,
                          max_requests_per_gpu=ns.max_requests_per_gpu)
     ratios = {name: {str(r.gpus): round(r.ratio, 3) for r in rows if r.workload == name} for name in workloads}
+    if ns.plot:
+        with open(ns.plot, "w") as f:
+            f.write(routing_plot_svg(rows, profile.source))
     print(json.dumps({"profile": profile.source, "requests_per_gpu": ns.requests_per_gpu,
                       "max_requests_per_gpu": ns.max_requests_per_gpu or MAX_REQUESTS_PER_GPU,
                       "ttft_p99_s": ns.ttft_p99, "tpot_p99_s": ns.tpot_p99,

@@ -88,15 +88,18 @@ def test_default_content_is_all_unique_and_popular_content_repeats():
     assert turns
 
 
-def test_a_small_routing_scale_run_ends_with_the_ratio_per_size(capsys):
+def test_a_small_routing_scale_run_ends_with_the_ratio_per_size(capsys, tmp_path):
+    plot = tmp_path / "routing.svg"
     assert main(["--routing-scale", "--gpus", "4", "8", "--zipf", "1.0", "--requests-per-gpu", "16",
-                 "--max-requests-per-gpu", "32"]) == 0
+                 "--max-requests-per-gpu", "32", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(out[-1])
     assert set(summary["affinity_over_default_goodput"]["typical"]) == {"4", "8"}
     assert summary["profile"].startswith("hand-written")
     assert summary["max_requests_per_gpu"] == 32 and all(n <= 32 for n, _ in summary["run_requests_per_gpu"].values())
     assert sum(" affinity " in line for line in out) == 2
+    svg = plot.read_text()  # two bars (default, affinity) a size, each labelled with its goodput per GPU
+    assert svg.startswith("<svg") and svg.count("<rect") == 4 and "4 GPUs" in svg and "8 GPUs" in svg
 
 
 def test_validate_routing_on_a_kept_run_set_reports_both_policies_in_seconds(capsys):
