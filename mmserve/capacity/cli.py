@@ -22,53 +22,46 @@ def image_tokens_arg(values: list[str]) -> dict:
     return {"image_tokens": round(sum(t * s for t, s in mix) / sum(s for _, s in mix)), "image_mix": tuple(mix)}
 
 
-def plot_svg(recommendations: list[Recommendation], source: str) -> str:
-    """Goodput per GPU, disaggregated (best split) and colocated, at each cluster size: an SVG bar chart."""
-    width, height, top, bottom, left = 560, 300, 40, 50, 60
-    peak = max(max(r.disaggregated.per_gpu, r.colocated.per_gpu) for r in recommendations) or 1.0
-    slot = (width - left - 20) / len(recommendations)
-    bars = []
-    for i, rec in enumerate(recommendations):
-        for j, (split, colour) in enumerate(((rec.disaggregated, "#4c72b0"), (rec.colocated, "#dd8452"))):
-            h = (height - top - bottom) * split.per_gpu / peak
-            x = left + i * slot + 10 + j * (slot - 20) / 2
-            bars.append(f'<rect x="{x:.1f}" y="{height - bottom - h:.1f}" width="{(slot - 20) / 2 - 4:.1f}" '
-                        f'height="{h:.1f}" fill="{colour}"/><text x="{x:.1f}" y="{height - bottom - h - 4:.1f}" '
-                        f'font-size="10">{split.per_gpu:.2f}</text>')
-        label = f"{rec.gpus} GPUs ({rec.disaggregated.num_encoders}E:{rec.disaggregated.num_llms}L)"
-        bars.append(f'<text x="{left + i * slot + 10:.1f}" y="{height - bottom + 16}" font-size="11">{label}</text>')
+def bars_svg(groups: list[tuple[list[str], list[tuple[float, str]]]], title: str, source: str, footer: str) -> str:
+    """An SVG bar chart: per group its bars ((value, colour), each labelled with its value) and, below,
+    its label lines."""
+    extra = 12 * (max((len(lines) for lines, _ in groups), default=1) - 1)  # label lines past the first
+    width, height, top, bottom, left = max(560, 70 * len(groups) + 80), 300 + extra, 40, 50 + extra, 60
+    peak = max((v for _, bars in groups for v, _ in bars), default=0.0) or 1.0
+    slot = (width - left - 20) / max(len(groups), 1)
+    out = []
+    for i, (lines, bars) in enumerate(groups):
+        for j, (value, colour) in enumerate(bars):
+            h = (height - top - bottom) * value / peak
+            x = left + i * slot + 6 + j * (slot - 12) / len(bars)
+            out.append(f'<rect x="{x:.1f}" y="{height - bottom - h:.1f}" width="{(slot - 12) / len(bars) - 3:.1f}" '
+                       f'height="{h:.1f}" fill="{colour}"/><text x="{x:.1f}" y="{height - bottom - h - 4:.1f}" '
+                       f'font-size="9">{value:.2f}</text>')
+        out += [f'<text x="{left + i * slot + 6:.1f}" y="{height - bottom + 14 + 12 * k}" font-size="10">{line}</text>'
+                for k, line in enumerate(lines)]
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif">'
-            f'<text x="{left}" y="16" font-size="13">Goodput per GPU (req/s within the SLOs): '
-            f'disaggregated (blue) vs colocated (orange)</text>'
-            f'<text x="{left}" y="30" font-size="9">{source}</text>{"".join(bars)}'
-            f'<text x="{left}" y="{height - 12}" font-size="10">mmserve plan (a simulation, not a measurement)</text>'
-            '</svg>')
+            f'<text x="{left}" y="16" font-size="13">{title}</text>'
+            f'<text x="{left}" y="30" font-size="9">{source}</text>'
+            f'{"".join(out)}<text x="{left}" y="{height - 12}" font-size="10">{footer}</text></svg>')
+
+
+def plot_svg(recommendations: list[Recommendation], source: str) -> str:
+    """Goodput per GPU, disaggregated (best split) and colocated, at each cluster size."""
+    groups = [([f"{r.gpus} GPUs ({r.disaggregated.num_encoders}E:{r.disaggregated.num_llms}L)"],
+               [(r.disaggregated.per_gpu, "#4c72b0"), (r.colocated.per_gpu, "#dd8452")]) for r in recommendations]
+    return bars_svg(groups, "Goodput per GPU (req/s within the SLOs): disaggregated (blue) vs colocated (orange)",
+                    source, "mmserve plan (a simulation, not a measurement)")
 
 
 def routing_plot_svg(rows: list, source: str) -> str:
-    """Goodput per GPU under Serve's default routing and under affinity, per workload and cluster size:
-    an SVG bar chart (`mmserve plan --routing-scale --plot`)."""
-    width, height, top, bottom, left = max(560, 70 * len(rows) + 80), 320, 44, 64, 60
-    peak = max((max(r.default_goodput, r.affinity_goodput) / r.gpus for r in rows), default=0.0) or 1.0
-    slot = (width - left - 20) / max(len(rows), 1)
-    bars = []
-    for i, row in enumerate(rows):
-        for j, (rate, colour) in enumerate(((row.default_goodput, "#4c72b0"), (row.affinity_goodput, "#55a868"))):
-            per_gpu = rate / row.gpus
-            h = (height - top - bottom) * per_gpu / peak
-            x = left + i * slot + 6 + j * (slot - 12) / 2
-            bars.append(f'<rect x="{x:.1f}" y="{height - bottom - h:.1f}" width="{(slot - 12) / 2 - 3:.1f}" '
-                        f'height="{h:.1f}" fill="{colour}"/><text x="{x:.1f}" y="{height - bottom - h - 4:.1f}" '
-                        f'font-size="9">{per_gpu:.2f}</text>')
-        bars.append(f'<text x="{left + i * slot + 6:.1f}" y="{height - bottom + 14}" font-size="10">{row.workload}</text>'
-                    f'<text x="{left + i * slot + 6:.1f}" y="{height - bottom + 26}" font-size="10">{row.gpus} GPUs '
-                    f'{row.ratio:.2f}x</text>')
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif">'
-            f'<text x="{left}" y="16" font-size="13">Goodput per GPU (req/s within the SLOs): Serve\'s default '
-            f'(blue) vs affinity (green), affinity / default below</text>'
-            f'<text x="{left}" y="30" font-size="9">{source}</text>{"".join(bars)}'
-            f'<text x="{left}" y="{height - 12}" font-size="10">mmserve plan --routing-scale (a simulation, not a '
-            'measurement)</text></svg>')
+    """Goodput per GPU under Serve's default routing and under affinity, per workload and cluster size
+    (`mmserve plan --routing-scale --plot`)."""
+    groups = [([row.workload, f"{row.gpus} GPUs {row.ratio:.2f}x"],
+               [(row.default_goodput / row.gpus, "#4c72b0"), (row.affinity_goodput / row.gpus, "#55a868")])
+              for row in rows]
+    return bars_svg(groups, "Goodput per GPU (req/s within the SLOs): Serve's default (blue) vs affinity (green), "
+                    "affinity / default below", source,
+                    "mmserve plan --routing-scale (a simulation, not a measurement)")
 
 
 def main(argv: list[str] | None = None, collect=None, collect_routing=None) -> int:

@@ -153,15 +153,7 @@ def test_without_a_token_each_encoder_replicas_server_listens_on_loopback_only()
         assert _listening(port) == {"127.0.0.1"} and open_.address == f"127.0.0.1:{port}"
         tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3)
         [ref] = open_.publish([_item(0)], [ItemEmbedding((tensor,), "k")])
-        fetcher = GrpcFetcher(GrpcArgs())
-
-        async def fetch():
-            try:
-                return await fetcher.fetch(ref)
-            finally:
-                await fetcher.close()
-
-        assert torch.equal(asyncio.run(fetch()).rows, tensor)  # one node: fetched over loopback
+        assert torch.equal(_fetch_once(ref).rows, tensor)  # one node: fetched over loopback
     finally:
         open_.stop()
     if _ipv6_loopback():
@@ -196,6 +188,12 @@ def test_a_loopback_ref_from_another_node_fails_saying_to_set_token_env():
     """Across nodes without a token the encoder's loopback address is not this node's: the LLM
     replica says so instead of fetching from its own loopback."""
     ref = dataclasses.replace(EncodedRef("127.0.0.1:1", "hash", "float32", (2, 2)), node="another-node")
+    with pytest.raises(RuntimeError, match="loopback only .* grpc.token_env"):
+        _fetch_once(ref)
+
+
+def _fetch_once(ref):
+    """`ref` fetched by a new untokened fetcher, closed after."""
     fetcher = GrpcFetcher(GrpcArgs())
 
     async def fetch():
@@ -204,5 +202,4 @@ def test_a_loopback_ref_from_another_node_fails_saying_to_set_token_env():
         finally:
             await fetcher.close()
 
-    with pytest.raises(RuntimeError, match="loopback only .* grpc.token_env"):
-        asyncio.run(fetch())
+    return asyncio.run(fetch())
