@@ -38,6 +38,8 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return host == "localhost"
+
+
 CHARS_PER_TOKEN = 16  # max_prompt_chars' default per token of context: far above any tokenizer's average
 
 
