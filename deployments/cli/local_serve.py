@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ipaddress
 import os
 import signal
 import sys
@@ -63,13 +62,6 @@ SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's node addr
 
 class RefusedToStart(Exception):
     """A configuration `mmserve serve` will not start with; the message says why and what to do."""
-
-
-def is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def ray_token_auth_on() -> bool:
@@ -168,6 +160,7 @@ def plan_ingress(mode: str, host: str, port: int, per_client: int):
     loopback and for `haproxy` anywhere (HAPROXY_REFUSAL). The cap closes connections of one source
     address beyond `per_client`."""
     from deployments.cli.ingress_modes import EXPERIMENTAL, HeaderCap, environ_for, free_loopback_port, haproxy_binary
+    from deployments.config import is_loopback
 
     beyond = not is_loopback(host)
     if mode == "direct" and beyond:

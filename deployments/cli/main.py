@@ -70,7 +70,7 @@ def _encoder_server(ns: argparse.Namespace) -> int:
     from encoder_service.pool import EncoderPool
     from encoder_service.rpc.server import PooledEncoder, ServerOptions, ServerSecurity, serve_forever
 
-    from deployments.cli.local_serve import is_loopback
+    from deployments.config import is_loopback
     from mmserve.request.prompt_plan import MediaLimits
 
     if not is_loopback(ns.host) and not ns.token:
