@@ -359,6 +359,11 @@ class EngineArgs(FrozenArgs):
         default=60.0, gt=0, description="an LLM replica holding work with no engine step in this long is "
         "unhealthy (Serve replaces it; its requests fail over)",
     )
+    grammar_compile_timeout_s: float = Field(
+        default=EngineConfig.grammar_compile_timeout_s, gt=0, description="response_format: how long a request "
+        "waits for its JSON schema's grammar to compile (once per schema text, cached); past it the request is "
+        "refused (400 / INVALID_ARGUMENT) and the compile runs on, cached when it ends",
+    )
     tensor_parallel_size: int = Field(
         default=EngineConfig.tensor_parallel_size, ge=1, description="ranks each LLM replica's decoder is split "
         "over (one process each, on one node: Serve reserves a placement group per replica, STRICT_PACK, one "

@@ -42,6 +42,9 @@ class EngineConfig:
     sequence that outgrows it alone ends with `length`). `tensor_parallel_size`: the ranks the
     decoder is split over (`llm_service.tensor_parallel`; the group is the caller's, this says how
     many); above 1, every step is an eager packed one (no decode graphs, no overlapped steps).
+    `grammar_compile_timeout_s`: how long a request waits for its `response_format` grammar to
+    compile (`llm_service.grammar.GrammarCompiler`); past it the request is refused (the compile
+    runs on and is cached when it ends).
     """
 
     block_size: int = 16
@@ -65,6 +68,7 @@ class EngineConfig:
     fused_ops: bool = True
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
+    grammar_compile_timeout_s: float = 10.0
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -88,5 +92,7 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.async_scheduling:
             raise ValueError("async_scheduling needs tensor_parallel_size 1: a tensor-parallel step's inputs "
                              "are sent from the host before it runs")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be positive, got {self.grammar_compile_timeout_s}")
         if self.attention_backend not in ("auto", "sdpa", "triton"):
             raise ValueError(f"attention_backend must be auto, sdpa or triton, got {self.attention_backend!r}")

@@ -135,7 +135,8 @@ class LLMEngine:
                 from transformers import AutoTokenizer
 
                 tokenizer = AutoTokenizer.from_pretrained(self.model.model_dir)
-                self.grammar_compiler = GrammarCompiler(tokenizer, self.model.vocab_size, self.model.eos_token_ids)
+                self.grammar_compiler = GrammarCompiler(tokenizer, self.model.vocab_size, self.model.eos_token_ids,
+                                                        timeout_s=self.config.grammar_compile_timeout_s)
             return self.grammar_compiler
 
     def _new_bookkeeping(self) -> None:

@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llm_service.config import EngineConfig
 from llm_service.sampling import Grammar
 from llm_service.transfer import ints, to_device
 from mmserve.errors import InvalidRequest
 
-COMPILE_TIMEOUT_S = 10.0
+COMPILE_TIMEOUT_S = EngineConfig.grammar_compile_timeout_s  # the engine passes its `grammar_compile_timeout_s`
 ANY_OBJECT = '{"type": "object"}'  # `json_object`: a JSON object, as OpenAI's JSON mode
 CACHE_SIZE = 128  # compiled grammars kept (LRU), keyed by kind and schema text
 COMPILE_THREADS = 4  # a compile past its deadline runs on (it cannot be interrupted): others keep a thread

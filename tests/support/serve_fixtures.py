@@ -5,7 +5,8 @@
 from an environment variable by its replicas, never in the Serve config) and
 the router awaiting embeddings before it calls the LLM (the non-default hand-off), and a KV pool
 of 1 MiB (1,024 float64 tokens of the tiny model), so `engine.max_model_len` 1,024 below the
-checkpoint's 4,096 tokens.
+checkpoint's 4,096 tokens, and a `response_format` compile deadline of `SECURED_COMPILE_TIMEOUT_S`
+(a schema's grammar compiles in ~1 ms; tests/serve/test_structured_serve.py sends one over it).
 
 The session's Ray node has one unit of each of `GATES`, custom resources no app asks for unless a
 test says so: `hold` takes one, so a replica that needs it cannot be scheduled until the holder is
@@ -25,6 +26,7 @@ TEST_LIMITS = {"max_items_per_request": 4, "max_pixels_per_image": 1_000_000, "m
                "max_video_seconds": 20, "max_pixels_per_video_frame": 1_000_000}
 TEST_API_KEY = "test-key"
 TEST_API_KEY_ENV = "MMSERVE_TEST_API_KEY"  # the secured app reads its key from here, as deployments should
+SECURED_COMPILE_TIMEOUT_S = 0.25  # the secured app's engine.grammar_compile_timeout_s (default 10)
 _SMALL = {"num_cpus": 0.1}
 GATES = ("mmserve_test_gate_llm", "mmserve_test_gate_encoder")
 
@@ -108,7 +110,8 @@ def secured_url(serve_ports, tiny_models) -> str:
     from deployments.serve.router import wait_until_ready
 
     args = _app_args(tiny_models["qwen2_vl"], "secured", transport="grpc", api_key_env=TEST_API_KEY_ENV,
-                     await_embeddings_in_router=True, engine={"kv_cache_memory_mb": 1, "max_model_len": 1024})
+                     await_embeddings_in_router=True, engine={"kv_cache_memory_mb": 1, "max_model_len": 1024,
+                                                              "grammar_compile_timeout_s": SECURED_COMPILE_TIMEOUT_S})
     serve.run(build_app(args), name="secured", route_prefix="/secured")
     wait_until_ready("secured")
     return f"http://127.0.0.1:{serve_ports[0]}/secured"

@@ -1,9 +1,9 @@
 """Structured outputs in the engine (`response_format`): greedy tokens equal `transformers`' generate
 with the same library's mask applied step by step, with and without images and beside
 unconstrained rows (whose tokens do not change); every output of bounded schemas (hypothesis) is
-valid, greedy or sampled, steps overlapped or not; bad schemas are refused by name; a resumed
-stream's matcher is rebuilt from the tokens it had sent. The tiny models have random weights: only
-the grammar makes their output valid JSON."""
+valid, greedy or sampled, after text, one image or two, steps overlapped or not; bad schemas are
+refused by name; a resumed stream's matcher is rebuilt from the tokens it had sent. The tiny models
+have random weights: only the grammar makes their output valid JSON."""
 
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from mmserve.errors import InvalidRequest
 from tests.support.cases import image, text, user
 from tests.support.engine_support import Collector, make_engine, plan_request, run_until_done
 from tests.support.reference import reference_constrained
-from tests.support.schemas import CHART, INVOICE
+from tests.support.schemas import BOUNDED, CHART, INVOICE
 
-MAX_TOKENS = 400  # above what any bounded schema here can take: a valid output always fits
+MAX_TOKENS = 400  # above what any bounded schema here can take (`schemas.FITS`): a valid output always fits
 
 def _grammar(schema: dict | None) -> Grammar:
     return Grammar("json_object") if schema is None else Grammar("json_schema", json.dumps(schema))
@@ -75,50 +75,30 @@ def test_greedy_tokens_equal_transformers_with_the_same_mask_beside_plain_rows(t
         assert out["plain"] == alone["plain"]  # a plain row beside constrained ones is unchanged
 
 
-_SCALARS = st.one_of(
-    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 8)),
-    st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
-              st.integers(-1000, 1000), st.integers(0, 5000)),
-    st.builds(lambda values: {"enum": values}, st.lists(st.text("abcxyz", min_size=1, max_size=4), min_size=1,
-                                                          max_size=4, unique=True)),
-    st.just({"type": "boolean"}),
-)
-
-
-def _object(children) -> st.SearchStrategy:
-    names = st.lists(st.text("abcdefgh", min_size=1, max_size=5), min_size=1, max_size=4, unique=True)
-
-    @st.composite
-    def build(draw):
-        keys = draw(names)
-        props = {k: draw(children) for k in keys}
-        required = [k for k in keys if draw(st.booleans())]
-        return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
-
-    return build()
-
-
-_ARRAY = lambda inner: st.builds(lambda item, n: {"type": "array", "items": item, "maxItems": n},  # noqa: E731
-                                 inner, st.integers(0, 3))
-_VALUES = st.recursive(_SCALARS, lambda inner: st.one_of(_object(inner), _ARRAY(inner)), max_leaves=6)
-SCHEMAS = _object(_VALUES)
+def _form_prompts() -> dict[str, list[dict]]:
+    return {"text": user(text("Fill in the form.")),
+            "one_image": user(image(56, 56, 31), text("Fill in the form.")),
+            "two_images": user(image(56, 42, 32), image(42, 70, 33), text("Fill in the form from both."))}
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(schemas=st.lists(SCHEMAS, min_size=3, max_size=3), seed=st.integers(0, 2**31 - 1))
+@given(schemas=st.lists(BOUNDED, min_size=3, max_size=3), seed=st.integers(0, 2**31 - 1))
 def test_every_output_of_bounded_schemas_is_valid_greedy_or_sampled(tiny_models, schemas, seed):
+    """Each schema is decoded after a text prompt, one image and two images, greedy and sampled,
+    in one batch: every output validates and ends with `stop`."""
     model_dir = tiny_models["qwen2_vl"]
-    messages = user(text("Fill in the form."))
-    requests = [(f"greedy_{i}", messages, s, {}) for i, s in enumerate(schemas)]
-    requests += [(f"sampled_{i}", messages, s, {"temperature": 1.0, "top_p": 0.95, "seed": seed + i})
-                 for i, s in enumerate(schemas)]
-    out, engine = _run(model_dir, requests, overlap=bool(seed % 2))
+    requests = []
     for i, schema in enumerate(schemas):
-        for name in (f"greedy_{i}", f"sampled_{i}"):
-            tokens, reason = out[name]
-            assert reason == "stop", (name, schema, _decoded(model_dir, tokens))
-            jsonschema.validate(json.loads(_decoded(model_dir, tokens)), schema)
-    assert engine.grammar_compiler.stats.cache_hits >= 3  # each schema compiled once for its two rows
+        for prompt, messages in _form_prompts().items():
+            requests.append((f"{prompt}_greedy_{i}", messages, schema, {}))
+            requests.append((f"{prompt}_sampled_{i}", messages, schema,
+                             {"temperature": 1.0, "top_p": 0.95, "seed": seed + i}))
+    out, engine = _run(model_dir, requests, overlap=bool(seed % 2))
+    for name, _, schema, _ in requests:
+        tokens, reason = out[name]
+        assert reason == "stop", (name, schema, _decoded(model_dir, tokens))
+        jsonschema.validate(json.loads(_decoded(model_dir, tokens)), schema)
+    assert engine.grammar_compiler.stats.cache_hits >= 3 * 5  # each schema compiled once for its six rows
 
 
 @pytest.mark.parametrize("schema, message", [
@@ -126,7 +106,8 @@ def test_every_output_of_bounded_schemas_is_valid_greedy_or_sampled(tiny_models,
     ({"type": "string", "pattern": "(unclosed"}, "unclosed group"),
 ])
 def test_a_bad_schema_is_an_invalid_request_naming_the_problem(tiny_models, schema, message):
-    engine = make_engine(tiny_models["qwen2_vl"])
+    engine = make_engine(tiny_models["qwen2_vl"], grammar_compile_timeout_s=7.5)
+    assert engine.grammars.timeout_s == 7.5  # the engine's deadline (`engine.grammar_compile_timeout_s`)
     with pytest.raises(InvalidRequest, match="response_format: the JSON schema cannot be compiled") as err:
         engine.grammars.compile(_grammar(schema))
     assert message in str(err.value)
