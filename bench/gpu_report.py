@@ -131,8 +131,8 @@ CUDA_ARGS = {
     "moe": [],
     "encoder": ["--workers", "8"],
     "serve": ["--compare", "colocated", "--dtype", "bfloat16", "--num-cpus", "8", "--num-prompts", "48",
-              "--input-len", "128", "--output-len", "64"],
-    "transfer": [],
+              "--unloaded-requests", "4", "--input-len", "128", "--output-len", "64"],
+    "transfer": ["--iters", "8", "--ingress-iters", "16"],  # host-side figures: a short run fits a device call
     "tp": [],
 }
 
@@ -301,6 +301,8 @@ def serve_figures(summary: dict, transfer: dict, peak: Peaks) -> dict:
 def serve_part(ns, peak: Peaks) -> dict:
     with tempfile.TemporaryDirectory() as plots:
         args = [*ns.sizes["serve"], "--plot-dir", plots]
+        if ns.serve_requests:  # each request's client and server stage times
+            args += ["--result-json", str(ns.serve_requests)]
         if ns.device == "cuda":
             from mmserve.loadgen.checkpoints import qwen2_vl_2b
 
@@ -546,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from-log", type=Path, metavar="DIR",
                    help="no run: the record of what `scripts/gpu-check all DIR` finished (brought back here)")
     p.add_argument("--notes", default=None, help="the record's notes (with --from-log)")
+    p.add_argument("--serve-requests", type=Path, default=None,
+                   help="the serve part's per-request times and stage times: bench/serve.py --result-json")
     ns = p.parse_args(argv)
     results = ns.results or ROOT / "bench" / "results" / ("gpu.jsonl" if ns.device == "cuda" else "cpu.jsonl")
     markdown = ns.markdown or (ROOT / "docs" / "gpu-figures.md" if ns.device == "cuda" else None)

@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.url or args.grpc_target):
         model = args.model or bench_checkpoint()
         vit = vit_seconds(model, unloaded_specs, args.dtype, int(args.num_cpus / 2), args.device)
+        print(f"in-process ViT times of the unloaded requests measured ({time.perf_counter() - began:.0f} s)")
     slo = SLO.parse(args.goodput)
     rates = args.request_rate
     runs: dict[str, list[tuple[float, dict, list[RequestRecord]]]] = {}
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             url, grpc_target = start_app(model, mode == "colocated", args.num_cpus, args.dtype, args.device,
                                          args.gpus_per_replica if args.device == "cuda" else 0.0,
                                          cpu_threads=args.cpu_threads)
+            print(f"{mode} app up ({time.perf_counter() - began:.0f} s)")
         target = grpc_target if args.transport == "grpc" else url
         try:
             asyncio.run(run_load(target, args.model_name, warm_specs, [0.0] * len(warm_specs), "warm-up", concurrency=2,
