@@ -130,7 +130,7 @@ CUDA_ARGS = {
     "grammar": [],
     "moe": [],
     "encoder": ["--workers", "8"],
-    "serve": ["--compare", "colocated", "--dtype", "bfloat16", "--num-cpus", "8", "--num-prompts", "48",
+    "serve": ["--compare", "colocated", "--dtype", "bfloat16", "--num-cpus", "8", "--num-prompts", "32",
               "--unloaded-requests", "4", "--input-len", "128", "--output-len", "64"],
     "transfer": ["--iters", "8", "--ingress-iters", "16"],  # host-side figures: a short run fits a device call
     "tp": [],
