@@ -403,8 +403,12 @@ def record_from_log(folder: Path, peak_gbs: float | None, peak_tflops: float | N
         figures |= moe_figures(found["bench/llm.py --moe"], peak)
     if any(found.values()):
         record["parts"].append("engine")
-        if missing := [bench for bench, r in found.items() if r is None]:
-            record["failed_parts"]["engine"] = "no result in the log from " + ", ".join(missing)
+        # a bench the log shows started and left no result failed; one it never started was not asked for
+        modes = {"--breakdown", "--grammar", "--moe"}
+        started = [set(line.split()) for line in lines if line.startswith("== python3 bench/llm.py")]
+        ran = {bench: any(modes & words == set(bench.split()[1:]) for words in started) for bench in found}
+        if failed := [bench for bench, r in found.items() if r is None and ran[bench]]:
+            record["failed_parts"]["engine"] = "no result in the log from " + ", ".join(failed)
     encoder = next((r for r in reversed(results) if "cuda_448_forward_images_per_s" in r), None)
     if encoder:
         figures |= encoder_figures(encoder, peak)
@@ -413,6 +417,9 @@ def record_from_log(folder: Path, peak_gbs: float | None, peak_tflops: float | N
     if serve:
         figures |= {f.name: serve[f.name] for f in FIGURES if f.part == "serve"}
         record["parts"].append("serve")
+    elif failed := next((r["failed_parts"]["serve"] for r in reversed(results) if "serve" in r.get("failed_parts", {})),
+                        None):
+        record["failed_parts"]["serve"] = failed
     if tests := junit_counts(sorted(folder.glob("junit*.xml")), "test_gpu_app"):
         figures["gpu_app_tests"] = tests
         record["parts"].insert(0, "tests")

@@ -14,11 +14,29 @@ def start_serve(num_cpus: float, grpc: bool = False) -> tuple[int, int | None]:
 
     from deployments.serve.router import grpc_options
 
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    except Exception:
+        print_ray_logs()
+        raise
     port, grpc_port = free_loopback_port(), free_loopback_port() if grpc else None
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 grpc_options=grpc_options(port=grpc_port) if grpc else None)
     return port, grpc_port
+
+
+def print_ray_logs(lines: int = 15) -> None:
+    """The last lines of the Ray session's own logs (raylet, GCS, agents) on stderr: why a node
+    that timed out starting did (seen on a GPU host from bench/serve.py only, 2026-11-26)."""
+    import sys
+    from pathlib import Path
+
+    logs = Path("/tmp/ray/session_latest/logs")
+    for path in sorted(logs.glob("*")) if logs.is_dir() else []:
+        if path.is_file() and path.suffix in (".err", ".out", ".log") and not path.name.startswith("python-core"):
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            if tail:
+                print(f"--- {path}", *tail, sep="\n", file=sys.stderr)
 
 
 def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: str = "cpu",

@@ -54,7 +54,8 @@ def _run(run_set: dict, policy: str, label: str) -> dict:
 
 
 def prompt_shape(run_set: dict, image_tokens: int) -> int:
-    """Tokens of a system prompt, from the requests' token counts (least squares on images and system)."""
+    """Tokens a system prompt adds to a prompt (its turn replaces the template's default one), from the
+    requests' token counts (least squares on images and system)."""
     rows, targets = [], []
     for entry in run_set["policies"].values():
         for run in entry["runs"]:
@@ -70,9 +71,9 @@ TEMPLATE_BASE = -50_000  # the template opening's token ids (apart from the syst
 
 def _content(r: dict, image_tokens: int, system_tokens: int, fresh: list[int], template_tokens: int = 0) -> Content:
     segments, ranges, keys = [], [], []
-    if r.get("system") is not None and system_tokens:
-        base = -(r["system"] + 1) * 100_000
-        segments.append(range(base, base + system_tokens))
+    if r.get("system") is not None and system_tokens:  # its turn in place of the template's default one:
+        base = -(r["system"] + 1) * 100_000  # the opening's tokens, and the system prompt's beyond them
+        segments.append(range(base, base + template_tokens + system_tokens))
     elif template_tokens:  # the template's own opening (its default system turn), the same in every such prompt
         segments.append(range(TEMPLATE_BASE, TEMPLATE_BASE + template_tokens))
     offset = sum(len(s) for s in segments)

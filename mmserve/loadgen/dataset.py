@@ -71,6 +71,11 @@ class RequestSpec:
     max_tokens: int
     images: tuple[ImageSpec, ...] = field(default_factory=tuple)
     system: int | None = None  # which shared system prompt opens the request (None: none)
+    text_seed: int = 0  # draws the request's words: no two requests' texts share a prefix by accident
+
+
+WORDS = ("describe", "the", "picture", "in", "detail", "and", "count", "objects", "colors", "shapes", "left",
+         "right", "top", "bottom", "text", "people")
 
 
 def _spread(rng: random.Random, mean: int, ratio: float) -> int:
@@ -81,6 +86,7 @@ def _spread(rng: random.Random, mean: int, ratio: float) -> int:
 
 def generate_requests(config: DatasetConfig, num_requests: int, seed: int) -> list[RequestSpec]:
     rng = random.Random(seed)
+    text_rng = random.Random(seed ^ 0x7E47)  # apart from `rng`: the same images, lengths and prompts as before
     weights = [bucket.probability for bucket in config.buckets]
     pool_rng = random.Random(0x9001)  # the popular images do not depend on the run's seed
     pool = [ImageSpec(b.height, b.width, 900_000_000 + k)
@@ -106,6 +112,7 @@ def generate_requests(config: DatasetConfig, num_requests: int, seed: int) -> li
             max_tokens=_spread(rng, config.output_len, config.range_ratio),
             images=tuple(images),
             system=rng.randrange(config.system_prompts) if rng.random() < config.system_share else None,
+            text_seed=text_rng.getrandbits(32),
         ))
     return requests
 
@@ -177,5 +184,8 @@ def system_text(index: int, words: int) -> str:
 
 
 def prompt_text(spec: RequestSpec) -> str:
-    words = ("describe", "the", "picture", "in", "detail", "and", "count", "objects")
-    return " ".join(words[(spec.index + i) % len(words)] for i in range(spec.prompt_words))
+    """The request's words, drawn by its `text_seed`: only what the workload shares (system prompts,
+    repeated images) makes prefix-cache hits. Words cycled from the request's index gave every
+    run's request k the text of every other run's request k: hits no workload asked for."""
+    rng = random.Random(spec.text_seed)
+    return " ".join(rng.choice(WORDS) for _ in range(spec.prompt_words))

@@ -212,7 +212,8 @@ def test_cpu_run_of_the_serve_part_fills_the_serve_figures(tmp_path):
 
 def test_a_record_from_the_logs_of_a_gpu_check_all_run(tmp_path):
     """`scripts/gpu-check all DIR` leaves logs (a device call returns files, not the GPU host's
-    results file): --from-log makes the record of what finished, a bench that left no result named."""
+    results file): --from-log makes the record of what finished; a bench that started and left no
+    result is named as failed, one that never started (not in the call's list) is not."""
     llm = {"device": "cuda", "weight_bytes": 3087428608, "kv_bytes_per_token": 28672, "prompt_len": 64,
            "decode_tokens": 128, "decode_ms_per_token_b1": 2.794, "decode_ms_per_step_b64": 3.29,
            "engine_tok_s_b64": 17746.4, "long_context": 8192, "long_batch": 4, "decode_ms_per_step_long": 3.457}
@@ -224,7 +225,11 @@ def test_a_record_from_the_logs_of_a_gpu_check_all_run(tmp_path):
     (tmp_path / "bench.log").write_text("\n".join([
         "# host " + json.dumps(host), "== python3 bench/llm.py --device cuda (cap 150 s)", "table lines",
         json.dumps(llm), "== python3 bench/llm.py --device cuda --moe (cap 60 s)", json.dumps(moe),
-        "== exit 124 after 70 s: python3 bench/llm.py"]) + "\n")
+        "== python3 bench/llm.py --device cuda --breakdown --steps 64 (cap 45 s)",
+        "== exit 124 after 45 s: python3 bench/llm.py",
+        "== python3 bench/gpu_report.py --only serve --results r --markdown /dev/null (cap 300 s)",
+        json.dumps({"parts": [], "failed_parts": {"serve": "bench/serve.py exited 1 without its JSON line"}}),
+        "== exit 1 after 68 s: python3 bench/gpu_report.py --only"]) + "\n")
     (tmp_path / "junit-app.xml").write_text(
         '<testsuites><testsuite name="pytest" tests="3">'
         '<testcase classname="tests.gpu.test_gpu_app" name="a"/>'
@@ -244,5 +249,6 @@ def test_a_record_from_the_logs_of_a_gpu_check_all_run(tmp_path):
     assert record["decode_b1_ms"] == 2.794 and record["decode_b1_ratio_to_bound"] == pytest.approx(4.34, abs=0.01)
     assert record["moe_b64_ms"] == 0.7278 and record["vit_mfu_448"] is None and record["grammar_b1_step_ratio"] is None
     missing = record["failed_parts"]["engine"]
-    assert "--breakdown" in missing and "--grammar" in missing and "--moe" not in missing
+    assert "--breakdown" in missing and "--grammar" not in missing and "--moe" not in missing
+    assert record["failed_parts"]["serve"] == "bench/serve.py exited 1 without its JSON line"
     assert "NVIDIA H200" in (tmp_path / "page.md").read_text()

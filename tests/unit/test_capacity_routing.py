@@ -152,3 +152,24 @@ def test_the_template_opening_is_the_planners_tokens_before_the_first_image(tiny
     first, second = (_content(request, 70, 122, [1 << 20], template_tokens=16) for _ in range(2))
     assert first.block_hashes[0] == second.block_hashes[0]  # the opening block: a hit after the first
     assert _content(request, 70, 122, [1 << 20]).block_hashes[0] != first.block_hashes[0]
+
+
+def test_a_system_prompts_turn_is_shared_whole_in_the_replay(tiny_checkpoint):
+    """A system prompt's turn replaces the template's default one: the tokens before a lone image
+    are the opening's plus what the system prompt adds (what `prompt_shape`'s least squares fits),
+    and two requests with the same system prompt and different images share all their whole blocks."""
+    from mmserve.capacity.routing_fit import _content
+    from mmserve.loadgen.dataset import system_text
+    from tests.support.cases import image, text, user
+    from tests.support.pipeline import runtimes, to_planner_messages
+
+    planner, _, _ = runtimes(tiny_checkpoint("qwen2_vl"))
+    opening = planner.plan(to_planner_messages(user(image(56, 56, 1), text("What is it?")))).ranges[0].offset
+    system = [{"role": "system", "content": [text(system_text(3, 40))]}]
+    before = planner.plan(to_planner_messages(system + user(image(56, 56, 1), text("What is it?")))).ranges[0].offset
+    added = before - opening  # what the fitted system share measures
+    assert added > BLOCK_SIZE
+    first, second = (_content({"system": 3, "image_seeds": [seed], "input_tokens": before + 90, "output_tokens": 4},
+                              70, added, [1 << 20], template_tokens=opening) for seed in (1, 2))
+    shared = next(k for k, (a, b) in enumerate(zip(first.block_hashes, second.block_hashes)) if a != b)
+    assert shared == before // BLOCK_SIZE
