@@ -38,6 +38,7 @@ class Request:
     block_hashes: tuple[int, ...] = ()
     held_blocks: int = 0
     cached_tokens: int = 0  # prompt tokens its replica's prefix cache served (the first admission)
+    embedded: float | None = None  # when it reached its LLM replica (its images encoded and sent)
 
     def __post_init__(self):
         self.context = self.prompt_tokens

@@ -209,8 +209,12 @@ def simulate_cluster(profile: Profile, shapes: Sequence[Content], num_encoders: 
             requests[llm] += 1
             where[request.index] = llm, 0
             groups = spread([t for _, t in shape.images])
-        if not groups:
+        def to_llm() -> None:
+            request.embedded = sim.now
             llms[llm].add(request)
+
+        if not groups:
+            to_llm()
             return
         left = [len(groups)]
         tokens = sum(t for _, t in shape.images)
@@ -222,7 +226,7 @@ def simulate_cluster(profile: Profile, shapes: Sequence[Content], num_encoders: 
                 calls[encoder] -= 1
             left[0] -= 1
             if not left[0]:
-                sim.after(profile.transfer_seconds(tokens, transport), lambda: llms[llm].add(request))
+                sim.after(profile.transfer_seconds(tokens, transport), to_llm)
 
         for group in groups:
             call = [shape.images[i] for i in group]

@@ -33,6 +33,9 @@ from mmserve.request.media import PlaceholderRange
 from mmserve.routing.affinity import prefix_hashes
 
 FIGURES = ("encoder_hit_ratio", "prefix_hit_ratio", "ttft_p50_s", "ttft_p99_s", "goodput")
+# the stages the simulation models apart, medians: router to LLM replica (encode queue, encode, transfer;
+# requests with images) and LLM replica to first token (prefill queue, prefill); real ones from `stage_ms`
+STAGES = ("embeddings_p50_s", "prefill_p50_s")
 MODEL_SEEDS = 8  # replays of each policy's session, averaged
 
 
@@ -106,9 +109,14 @@ def real_figures(run: dict, slo: tuple[float, float]) -> dict:
              (r["e2e_ms"] - r["ttft_ms"]) / 1000 / (r["output_tokens"] - 1) if r.get("ttft_ms") is not None
              and r["output_tokens"] > 1 else None, r["send_s"] + r["e2e_ms"] / 1000) for r in reqs]
     ttft = [r["ttft_ms"] / 1000 for r in done]
+    staged = [r for r in done if r.get("stage_ms")]
+    embeddings = [r["stage_ms"].get("embeddings_ms", 0.0) / 1000 for r in staged if r["images"]]
+    prefill = [(r["stage_ms"].get("prefill_queue_ms", 0.0) + r["stage_ms"].get("prefill_ms", 0.0)) / 1000 for r in staged]
     return {"encoder_hit_ratio": run["encoder_hits"] / items if items else 0.0,
             "prefix_hit_ratio": run["cached_tokens"] / prompt if prompt else 0.0,
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "goodput": _goodput(rows, slo)}
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "goodput": _goodput(rows, slo),
+            "embeddings_p50_s": percentile(embeddings, 50) if embeddings else 0.0,
+            "prefill_p50_s": percentile(prefill, 50) if prefill else 0.0}
 
 
 def simulated_figures(run_set: dict, policy: str, profile, image_tokens: int, system_tokens: int,
@@ -139,11 +147,15 @@ def simulated_figures(run_set: dict, policy: str, profile, image_tokens: int, sy
                  (q.finish - q.first_token) / (q.output_tokens - 1) if q.finish is not None and q.output_tokens > 1
                  else None, q.finish if q.finish is not None else q.arrival) for q in reqs]
         ttft = [q.first_token - q.arrival for q in reqs if q.first_token is not None]
+        embeddings = [q.embedded - q.arrival - profile.router_s for q in reqs if q.image_sizes and q.embedded is not None]
+        prefill = [q.first_token - q.embedded for q in reqs if q.first_token is not None and q.embedded is not None]
         out.append({"rate": run["rate"],
                     "encoder_hit_ratio": 1 - misses / items if items else 0.0,
                     "prefix_hit_ratio": sum(q.cached_tokens for q in reqs) / sum(q.prompt_tokens for q in reqs),
                     "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-                    "goodput": _goodput(rows, slo)})
+                    "goodput": _goodput(rows, slo),
+                    "embeddings_p50_s": percentile(embeddings, 50) if embeddings else 0.0,
+                    "prefill_p50_s": percentile(prefill, 50) if prefill else 0.0})
     return out
 
 
@@ -168,10 +180,10 @@ def validate_routing(run_set: dict) -> dict:
         for rate in sorted({r["rate"] for r in real_runs}):
             real = [r for r in real_runs if r["rate"] == rate]
             model = [r for r in model_runs if r["rate"] == rate]
-            mean_real = {k: statistics.fmean(r[k] for r in real) for k in FIGURES}
-            mean_model = {k: statistics.fmean(r[k] for r in model) for k in FIGURES}
+            mean_real = {k: statistics.fmean(r[k] for r in real) for k in (*FIGURES, *STAGES)}
+            mean_model = {k: statistics.fmean(r[k] for r in model) for k in (*FIGURES, *STAGES)}
             rows.append({"policy": policy, "rate": rate, "real": mean_real, "model": mean_model,
-                         "rel_error": {k: _rel(mean_model[k], mean_real[k]) for k in FIGURES}})
+                         "rel_error": {k: _rel(mean_model[k], mean_real[k]) for k in (*FIGURES, *STAGES)}})
             for a, b in zip(real, real[1:]):
                 spreads.append(max(abs(a[k] - b[k]) / max(a[k], b[k], 1e-12) for k in ("ttft_p50_s", "goodput")))
     return {
@@ -182,6 +194,7 @@ def validate_routing(run_set: dict) -> dict:
         "ttft_p50_rel_error_max": max(r["rel_error"]["ttft_p50_s"] for r in rows),
         "goodput_rel_error_max": max(r["rel_error"]["goodput"] for r in rows),
         "real_run_spread": max(spreads) if spreads else None,
+        "stage_p50_rel_error_max": {k: max(r["rel_error"][k] for r in rows) for k in STAGES},
     }
 
 
@@ -195,6 +208,10 @@ def print_routing_validation(report: dict) -> None:
     for r in report["rows"]:
         cells = [f"{r['real'][k]:.3f}/{r['model'][k]:.3f} ({r['rel_error'][k]:.2f})" for k in FIGURES]
         print(f"{r['policy']:<9} {r['rate']:>7.3f} " + " ".join(f"{c:>30}" for c in cells))
+    print(f"{'stages':<9} {'rate/s':>7} " + " ".join(f"{k + ' real/model (err)':>36}" for k in STAGES))
+    for r in report["rows"]:
+        cells = [f"{r['real'][k]:.4f}/{r['model'][k]:.4f} ({r['rel_error'][k]:.2f})" for k in STAGES]
+        print(f"{r['policy']:<9} {r['rate']:>7.3f} " + " ".join(f"{c:>36}" for c in cells))
 
 
 def routing_validation_main(ns, collect_routing, error) -> int:
@@ -206,7 +223,10 @@ def routing_validation_main(ns, collect_routing, error) -> int:
     began = time.perf_counter()
     report = validate_routing(load_or_collect(ns, collect_routing, error, "--validate-routing", (16, 48)))
     print_routing_validation(report)
-    keys = ("hit_ratio_rel_error_max", "ttft_p50_rel_error_max", "goodput_rel_error_max", "real_run_spread")
-    summary = {k: round(report[k], 4) if isinstance(report[k], float) else report[k] for k in keys}
+    keys = ("hit_ratio_rel_error_max", "ttft_p50_rel_error_max", "goodput_rel_error_max", "real_run_spread",
+            "stage_p50_rel_error_max")
+    summary = {k: round(report[k], 4) if isinstance(report[k], float)
+               else {s: round(v, 4) for s, v in report[k].items()} if isinstance(report[k], dict) else report[k]
+               for k in keys}
     print(json.dumps({**summary, "seconds": round(time.perf_counter() - began, 1)}))
     return 0

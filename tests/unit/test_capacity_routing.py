@@ -116,9 +116,12 @@ def test_validate_routing_on_a_kept_run_set_reports_both_policies_in_seconds(cap
     summary = json.loads(out[-1])
     for key in ("hit_ratio_rel_error_max", "ttft_p50_rel_error_max", "goodput_rel_error_max", "real_run_spread"):
         assert isinstance(summary[key], float) and summary[key] >= 0
+    # the stages the simulation models apart, against the real requests' stage_ms
+    assert set(summary["stage_p50_rel_error_max"]) == {"embeddings_p50_s", "prefill_p50_s"}
+    assert all(isinstance(v, float) and v >= 0 for v in summary["stage_p50_rel_error_max"].values())
     kept = json.loads(runs.read_text())
     rows = [line.split() for line in out if line.startswith(("default ", "affinity "))]
-    assert len(rows) == 2 * len(kept["rates"]) and {r[0] for r in rows} == {"default", "affinity"}
+    assert len(rows) == 2 * 2 * len(kept["rates"]) and {r[0] for r in rows} == {"default", "affinity"}  # + stages
 
 
 def test_validate_routing_runs_the_collector_it_is_given(tmp_path):
