@@ -107,14 +107,32 @@ class GrammarCompiler:
                 done: Future = Future()
                 done.set_result(compiled)
                 return done
-            if (running := self._compiling.get(grammar)) is None:
-                running = self._compiling[grammar] = self._pool.submit(self._compile, grammar)
-                running.add_done_callback(lambda _: self._forget(grammar))
-            return running
+            if (running := self._compiling.get(grammar)) is not None:
+                return running
+            running = self._compiling[grammar] = Future()
+        # started outside the lock: a compile that ends at once (a bad schema fails in microseconds)
+        # settles its future on whichever thread runs it, and never under the lock this call held
+        # (a done-callback added under it ran inline on a finished future and took the lock again)
+        try:
+            self._pool.submit(self._settle, grammar, running)
+        except RuntimeError as e:  # shut down
+            with self._lock:
+                self._compiling.pop(grammar, None)
+            running.set_exception(e)
+        return running
 
-    def _forget(self, grammar: Grammar) -> None:
-        with self._lock:
-            self._compiling.pop(grammar, None)
+    def _settle(self, grammar: Grammar, future: Future) -> None:
+        """Compile `grammar` into `future`, no longer compiling by then (a failure is retried by the next submit)."""
+        try:
+            result = self._compile(grammar)
+        except BaseException as e:  # noqa: BLE001  the caller's future carries it
+            with self._lock:
+                self._compiling.pop(grammar, None)
+            future.set_exception(e)
+        else:
+            with self._lock:
+                self._compiling.pop(grammar, None)
+            future.set_result(result)
 
     def compile(self, grammar: Grammar):
         """The compiled grammar, waiting here (InvalidRequest: a bad schema, or over the deadline)."""

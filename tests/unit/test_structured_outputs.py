@@ -113,6 +113,43 @@ def test_a_bad_schema_is_an_invalid_request_naming_the_problem(tiny_models, sche
     assert message in str(err.value)
 
 
+def test_a_compile_that_ends_at_once_settles_without_a_deadlock(tiny_models):
+    """A bad schema fails in microseconds, sometimes before `submit` has returned: with an executor
+    that compiles inline (the extreme of that race) a bad schema is refused and a good one compiles,
+    each within seconds, and nothing stays marked as compiling. (A done-callback added under the
+    compiler's lock ran inline on a finished future and took the lock again: CI hung there.)"""
+    import threading
+    from concurrent.futures import Future
+
+    from transformers import AutoTokenizer
+
+    class Inline:
+        def submit(self, fn, *args):
+            fn(*args)
+            return Future()
+
+        def shutdown(self, **_):
+            pass
+
+    compiler = GrammarCompiler(AutoTokenizer.from_pretrained(tiny_models["qwen2_vl"]), 1000, [0])
+    compiler._pool = Inline()
+    outcome = {}
+
+    def run():
+        try:
+            compiler.compile(_grammar({"type": "objectx"}))
+        except InvalidRequest as e:
+            outcome["bad"] = str(e)
+        outcome["good"] = compiler.compile(_grammar(CHART))
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert not worker.is_alive(), "the compiler deadlocked"
+    assert "Invalid type: objectx" in outcome["bad"] and outcome["good"] is compiler.compile(_grammar(CHART))
+    assert not compiler._compiling
+
+
 def test_the_compiled_grammar_is_cached_by_schema_text_and_compiled_off_the_caller(tiny_models):
     from transformers import AutoTokenizer
 
