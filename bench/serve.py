@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                 stop_app()
     if model:
         # the ViT's share of each unloaded image request, median over them (one request slowed by a
-        # noisy neighbour would swing a ratio of sums); timed in this process after the apps are
-        # down: on a GPU host, Ray started after this process had used CUDA timed out starting
+        # noisy neighbour would swing a ratio of sums); timed in this process once the apps are down,
+        # so that the apps' replicas have the device to themselves
         vit = vit_seconds(model, unloaded_specs, args.dtype, int(args.num_cpus / 2), args.device)
         shares = [v / r.e2el for r, s, v in zip(unloaded, unloaded_specs, vit) if s.images and r.ok]
         summary["vit_share"] = statistics.median(shares) if shares else None

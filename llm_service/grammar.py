@@ -124,15 +124,15 @@ class GrammarCompiler:
     def _settle(self, grammar: Grammar, future: Future) -> None:
         """Compile `grammar` into `future`, no longer compiling by then (a failure is retried by the next submit)."""
         try:
-            result = self._compile(grammar)
+            result, error = self._compile(grammar), None
         except BaseException as e:  # noqa: BLE001  the caller's future carries it
-            with self._lock:
-                self._compiling.pop(grammar, None)
-            future.set_exception(e)
-        else:
-            with self._lock:
-                self._compiling.pop(grammar, None)
+            result, error = None, e
+        with self._lock:
+            self._compiling.pop(grammar, None)
+        if error is None:
             future.set_result(result)
+        else:
+            future.set_exception(error)
 
     def compile(self, grammar: Grammar):
         """The compiled grammar, waiting here (InvalidRequest: a bad schema, or over the deadline)."""

@@ -100,6 +100,10 @@ def _goodput(rows: list[tuple[float, float | None, float | None, float]], slo: t
     return good / max(span, 1e-9)
 
 
+def _median(values: list[float]) -> float:
+    return percentile(values, 50) if values else 0.0
+
+
 def real_figures(run: dict, slo: tuple[float, float]) -> dict:
     reqs = run["requests"]
     done = [r for r in reqs if r.get("ttft_ms") is not None]
@@ -115,8 +119,7 @@ def real_figures(run: dict, slo: tuple[float, float]) -> dict:
     return {"encoder_hit_ratio": run["encoder_hits"] / items if items else 0.0,
             "prefix_hit_ratio": run["cached_tokens"] / prompt if prompt else 0.0,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "goodput": _goodput(rows, slo),
-            "embeddings_p50_s": percentile(embeddings, 50) if embeddings else 0.0,
-            "prefill_p50_s": percentile(prefill, 50) if prefill else 0.0}
+            "embeddings_p50_s": _median(embeddings), "prefill_p50_s": _median(prefill)}
 
 
 def simulated_figures(run_set: dict, policy: str, profile, image_tokens: int, system_tokens: int,
@@ -154,8 +157,7 @@ def simulated_figures(run_set: dict, policy: str, profile, image_tokens: int, sy
                     "prefix_hit_ratio": sum(q.cached_tokens for q in reqs) / sum(q.prompt_tokens for q in reqs),
                     "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
                     "goodput": _goodput(rows, slo),
-                    "embeddings_p50_s": percentile(embeddings, 50) if embeddings else 0.0,
-                    "prefill_p50_s": percentile(prefill, 50) if prefill else 0.0})
+                    "embeddings_p50_s": _median(embeddings), "prefill_p50_s": _median(prefill)})
     return out
 
 
