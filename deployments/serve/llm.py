@@ -142,7 +142,7 @@ class LLMDeployment:
 
     def _export_grammar_stats(self) -> None:
         masks, compiler = self.engine.masks, self.engine.grammar_compiler
-        if (spent := masks.fill_s - self._mask_s_exported) > 0:
+        if (spent := masks.mask_s - self._mask_s_exported) > 0:
             self.metrics.grammar_mask_s.inc(spent)
             self._mask_s_exported += spent
         while compiler is not None and compiler.stats.compile_s:

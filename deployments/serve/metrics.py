@@ -139,7 +139,7 @@ class LLMMetrics:
         self.grammar_compile_ms = Histogram("mmserve_llm_grammar_compile_ms", "Compile time of a response_format "
                                             "grammar", boundaries=_LATENCY_MS)
         self.grammar_mask_s = Counter("mmserve_llm_grammar_mask_seconds",
-                                      "Engine-thread seconds spent filling grammar token masks")
+                                      "Engine-thread seconds spent filling and applying grammar token masks")
         self.moe_tokens_per_expert = Histogram(
             "mmserve_llm_moe_tokens_per_expert", "Tokens an expert received per forward, averaged over the MoE "
             "layers; one observation per expert per interval (MoE models)", boundaries=_EXPERT_TOKENS)

@@ -450,3 +450,36 @@ def test_the_finer_token_slices_give_the_default_slices_masks(tiny_models):
         assert ours.accept(token) and theirs.consume_token(token)
     assert ours.complete and len(ids) > 100
     compiler.shutdown()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_masks_added_as_values_forbid_exactly_the_bitmasks_zero_bits(dtype, monkeypatch):
+    """On the CPU a mask is added (0 or -inf per token, from a byte table): each row equals the
+    logits with `masked_fill` of the bitmask's zero bits, whole batches and some rows alike."""
+    import torch
+
+    from llm_service.grammar import StepMasks
+
+    class Bits:  # a matcher whose next tokens are fixed random bits
+        def __init__(self, words):
+            self.words = words
+
+        def fill(self, bitmask, row):
+            bitmask[row] = self.words
+
+    vocab, gen = 1000, torch.Generator().manual_seed(0)  # 1000: the last word is part padding
+    words = [torch.randint(-2**31, 2**31 - 1, ((vocab + 31) // 32,), dtype=torch.int32, generator=gen)
+             for _ in range(3)]
+    logits = torch.randn(4, vocab, generator=gen).to(getattr(torch, dtype))
+    masks = StepMasks(vocab)
+    monkeypatch.setattr(Matcher, "fill_all",
+                        staticmethod(lambda _, ms, bitmask: [m.fill(bitmask, j) for j, m in enumerate(ms)]))
+    for rows in ([2], [0, 1, 2, 3], [1, 3]):
+        got = logits.clone()
+        masks.apply(got, [(i, Bits(words[k % 3])) for k, i in enumerate(rows)])
+        want = logits.clone()
+        for k, i in enumerate(rows):
+            word = [int(w) for w in words[k % 3]]
+            allowed = torch.tensor([(word[t // 32] >> (t % 32)) & 1 for t in range(vocab)], dtype=torch.bool)
+            want[i] = want[i].masked_fill(~allowed, float("-inf"))
+        assert torch.equal(got, want), rows
