@@ -116,7 +116,7 @@ CPU_ARGS = {
     "llm": ["--prompt-len", "8", "--max-tokens", "4", "--concurrency", "1", "--decode-tokens", "16",
             "--long-context", "0"],
     "breakdown": ["--steps", "4", "--prompt-len", "8"],
-    "grammar": ["--prompt-len", "8", "--decode-tokens", "8"],
+    "grammar": ["--prompt-len", "8", "--decode-tokens", "8", "--grammar-rounds", "1"],
     "moe": ["--quick", "--repeats", "2", "--inputs", "2"],
     "encoder": ["--items", "4"],
     "serve": ["--compare", "colocated", "--quick", "--num-prompts", "8", "--unloaded-requests", "2",
