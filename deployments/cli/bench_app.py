@@ -16,13 +16,35 @@ def start_serve(num_cpus: float, grpc: bool = False) -> tuple[int, int | None]:
 
     try:
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    except Exception:
+    except Exception as e:  # noqa: BLE001  the node did not start: its logs, then one start from a thin process
         print_ray_logs()
-        raise
+        start_head_apart(num_cpus, e)
+        ray.init(address="auto", log_to_driver=False, logging_level="ERROR")
     port, grpc_port = free_loopback_port(), free_loopback_port() if grpc else None
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 grpc_options=grpc_options(port=grpc_port) if grpc else None)
     return port, grpc_port
+
+
+_HEAD_APART = False  # the node was started by `ray start` (stopped by `ray stop`)
+
+
+def start_head_apart(num_cpus: float, error: Exception) -> None:
+    """Starts the node with `ray start --head` in a process of its own. On an H200 host,
+    bench/serve.py's in-process start timed out three times (the raylet did not register within
+    Ray's fixed 30 s) while the same `ray.init` from a thin process started in 10-21 s."""
+    import subprocess
+    import sys
+
+    import ray
+
+    global _HEAD_APART
+    print(f"ray.init failed ({error}); starting the node with `ray start --head`", file=sys.stderr)
+    ray.shutdown()  # what the failed start left in this process
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--num-cpus={num_cpus:g}",
+                    f"--port={free_loopback_port()}", "--include-dashboard=false", "--disable-usage-stats"],
+                   check=True, timeout=180, stdout=sys.stderr)  # stdout: the bench's JSON line only
+    _HEAD_APART = True
 
 
 def print_ray_logs(lines: int = 15) -> None:
@@ -73,5 +95,13 @@ def stop_app() -> None:
     import ray
     from ray import serve
 
+    global _HEAD_APART
     serve.shutdown()
     ray.shutdown()
+    if _HEAD_APART:
+        import subprocess
+        import sys
+
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True,
+                       timeout=60)
+        _HEAD_APART = False
