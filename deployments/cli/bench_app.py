@@ -33,7 +33,6 @@ def start_head_apart(num_cpus: float, error: Exception) -> None:
     """Starts the node with `ray start --head` in a process of its own. On an H200 host,
     bench/serve.py's in-process start timed out three times (the raylet did not register within
     Ray's fixed 30 s) while the same `ray.init` from a thin process started in 10-21 s."""
-    import subprocess
     import sys
 
     import ray
@@ -41,10 +40,19 @@ def start_head_apart(num_cpus: float, error: Exception) -> None:
     global _HEAD_APART
     print(f"ray.init failed ({error}); starting the node with `ray start --head`", file=sys.stderr)
     ray.shutdown()  # what the failed start left in this process
-    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--num-cpus={num_cpus:g}",
-                    f"--port={free_loopback_port()}", "--include-dashboard=false", "--disable-usage-stats"],
-                   check=True, timeout=180, stdout=sys.stderr)  # stdout: the bench's JSON line only
+    _ray_cli("start", "--head", f"--num-cpus={num_cpus:g}", f"--port={free_loopback_port()}",
+             "--include-dashboard=false", "--disable-usage-stats", check=True, timeout=180)
     _HEAD_APART = True
+
+
+def _ray_cli(*args: str, **run_kwargs) -> None:
+    """The `ray` command line from this interpreter, its output on stderr (a bench's stdout ends
+    with its JSON line)."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", *args], stdout=sys.stderr, stderr=sys.stderr,
+                   **run_kwargs)
 
 
 def print_ray_logs(lines: int = 15) -> None:
@@ -99,9 +107,5 @@ def stop_app() -> None:
     serve.shutdown()
     ray.shutdown()
     if _HEAD_APART:
-        import subprocess
-        import sys
-
-        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"], capture_output=True,
-                       timeout=60)
+        _ray_cli("stop", "--force", timeout=60)
         _HEAD_APART = False
