@@ -378,9 +378,10 @@ class LLMEngine:
                 # a decode samples every row, in order: its staged rows are the index
                 index = step.decode_index[:len(seqs)] if step.decode_index is not None else batch.index(seqs)
                 rows = batch.sampling_rows(seqs, index, settings_dtype(logits))
-                if any(s.matcher is not None for s in seqs):
-                    self._mask(logits, seqs)
+                greedy_constrained = self._mask(logits, seqs) if any(s.matcher is not None for s in seqs) else []
                 result = sample_rows(logits, rows, self.config.max_logprobs)
+                if greedy_constrained:
+                    self.masks.correct(logits, result.token_ids, greedy_constrained)
                 batch.record(index, result.token_ids)
                 tokens = torch.empty(len(seqs), dtype=torch.long, pin_memory=cuda)
                 tokens.copy_(result.token_ids, non_blocking=True)
@@ -397,8 +398,10 @@ class LLMEngine:
             launched = _Launched(seqs, rows, tokens, logprobs, done, began)
         return launched, (t2, t3, time.perf_counter())
 
-    def _mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Keep, in each constrained row of `logits`, only the tokens its grammar allows next.
+    def _mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, Matcher]]:
+        """Keep, in each constrained row of `logits`, only the tokens its grammar allows next;
+        returns the rows masked after sampling instead (`StepMasks.correct`): on CPU logits, the
+        greedy rows that want neither logprobs nor penalties.
 
         With overlap, a row's matcher needs the row's last token, sampled by the step launched
         before this one and not read yet: that step is read here, after this step's forward was
@@ -411,9 +414,16 @@ class LLMEngine:
         if self._launched is not None:
             self._read(self._launched)
             self._launched = None
-        if constrained := [(j, s.matcher) for j, s in enumerate(seqs)
-                           if s.matcher is not None and s.status is not Status.FINISHED]:
-            self.masks.apply(logits, constrained)
+        constrained = [(j, s) for j, s in enumerate(seqs) if s.matcher is not None and s.status is not Status.FINISHED]
+        cpu = logits.device.type == "cpu"
+        after, before = [], []
+        for j, s in constrained:
+            p = s.request.sampling
+            lazy = cpu and p.greedy and p.logprobs is None and not p.has_penalties
+            (after if lazy else before).append((j, s.matcher))
+        if before:
+            self.masks.apply(logits, before)
+        return after
 
     def _read(self, launched: _Launched) -> None:
         """Wait for a launched step's sampled ids and postprocess them (`_last_read`: when)."""

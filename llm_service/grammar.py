@@ -10,7 +10,10 @@ loop on spaces until `max_tokens`; the schema's own bounds (`maxLength`, `maxIte
 past its deadline keeps one, the others serve other schemas), so a request waits for its grammar
 outside the batch and the engine's step thread never compiles the first time. Each sequence
 then makes its own matcher of the checked grammar (~2 ms for a 30-property schema, where the
-sequence is added), so that the pool fills the rows' masks in parallel.
+sequence is added), so that the pool fills the rows' masks in parallel. On a CPU, where the same
+cores fill the masks and run the forward, a greedy row is masked after sampling instead
+(`StepMasks.correct`): its mask is filled only when neither its own token nor one of its highest
+logits is one its matcher can vouch for.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ _STRING_RUN = '[^"\\\\\\x00-\\x1F\\x7F]'  # characters a JSON string holds unesc
 # instead of 0.24 (2 CPU cores; the most expensive states, short strings near their bound, stay ~2 ms)
 SLICES = ("[\\x20\\x0A\\x0D\\x09]+", *(f"{_STRING_RUN}{{1,{n}}}" for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)),
           f"{_STRING_RUN}+")
+CANDIDATES = 32  # `StepMasks.correct`: a refused row's highest logits checked before its mask is filled
+SPARSE_WORDS = 1024  # `StepMasks.correct`: a refused row with at most this many nonzero mask words reads only theirs
 
 
 @dataclass
@@ -186,6 +191,23 @@ class Matcher:
         """Advance by `token`; False when the grammar does not allow it."""
         return self._m.consume_token(token)
 
+    def allows(self, token: int) -> bool:
+        """Whether `fill`'s mask allows `token` next, where the matcher is `free` (the matcher does
+        not move); elsewhere False, and the mask decides."""
+        return self.free and self.takes(token)
+
+    def takes(self, token: int) -> bool:
+        """llguidance's parser takes `token` next (the mask's bit, where the matcher is `free`)."""
+        return self._m.validate_tokens([token]) == 1
+
+    @property
+    def free(self) -> bool:
+        """Neither bytes forced next nor a stop token allowed: where llguidance's parser takes the
+        tokens its mask allows. With bytes forced (a key, a separator) the mask allows only their
+        canonical tokens while the parser takes any split of them ('i' before "nvoice"), and the
+        parser does not take a stop token that the mask allows."""
+        return not self._m.compute_ff_bytes() and not self._m.is_accepting()
+
     @property
     def complete(self) -> bool:
         """The output is whole: only a stop token may follow (or one was accepted)."""
@@ -255,6 +277,67 @@ class StepMasks:
             else:
                 logits[at] = logits[at].masked_fill(~allowed, float("-inf"))
         self.mask_s += time.perf_counter() - start
+
+    def correct(self, logits: torch.Tensor, tokens: torch.Tensor, matchers: Sequence[tuple[int, Matcher]]) -> None:
+        """Masks after a greedy sampler, for CPU logits: row `i` of each `(i, matcher)` was sampled
+        unmasked (`tokens[i]`, the argmax of its logits) and gets the masked argmax, the first of
+        its highest allowed logits. A token its matcher `allows` stays; a refused row takes the
+        first allowed of its highest logits (`_among_highest`); only the rest have their masks
+        filled (a row allowing nothing keeps its token, which the matcher then refuses). On the CPU
+        the same cores fill the masks and run the forward, and the dearest fill, inside a long
+        string (~1 ms at Qwen's vocabulary), is the one most often spared."""
+        start = time.perf_counter()
+        sampled = tokens.tolist()
+        refused = [(i, m) for i, m in matchers if not m.allows(sampled[i])]
+        refused = [(i, m) for i, m in refused if not self._among_highest(logits, tokens, i, m)]
+        if refused:
+            rows = [i for i, _ in refused]
+            best = self._allowed_argmax(logits, rows, self.fill([m for _, m in refused]))
+            at = torch.tensor(rows)
+            tokens[at] = torch.where(best >= 0, best, tokens[at])
+        self.mask_s += time.perf_counter() - start
+
+    @staticmethod
+    def _among_highest(logits: torch.Tensor, tokens: torch.Tensor, i: int, matcher: Matcher) -> bool:
+        """Row `i`'s masked argmax found among its `CANDIDATES` highest logits without a mask
+        (`tokens[i]` set): the first one its grammar allows, or the lowest id of those equal to it;
+        False where the grammar forces bytes, none of them is allowed, or equals may lie further."""
+        if not matcher.free:
+            return False
+        top, ids = logits[i].topk(min(CANDIDATES, logits.shape[-1]))  # highest first
+        top, ids = top.tolist(), ids.tolist()
+        j = next((j for j, t in enumerate(ids) if matcher.takes(t)), None)
+        if j is None or top[-1] == top[j]:
+            return False
+        tokens[i] = min(t for v, t in zip(top, ids) if v == top[j] and matcher.takes(t))
+        return True
+
+    def _allowed_argmax(self, logits: torch.Tensor, rows: list[int], host: torch.Tensor) -> torch.Tensor:
+        """For each of `rows`, the first token of highest logit among those its bitmask row allows
+        (-1: none). A row allowing tokens in at most `SPARSE_WORDS` mask words reads only their
+        logits; a denser one is masked in place (`_addends`, as `apply`), then its argmax taken."""
+        vocab, n = logits.shape[-1], len(rows)
+        at = torch.tensor(rows)
+        sparse = (host != 0).sum(-1) <= SPARSE_WORDS
+        best = torch.full((n,), -1)
+        if (dense := (~sparse).nonzero().flatten().tolist()):  # masked in place: nothing reads these logits again
+            add = self._addends(host[dense], logits.dtype)
+            for k, j in enumerate(dense):
+                best[j] = logits[rows[j]].add_(add[k, :vocab]).argmax()
+        row, word = (host * sparse.unsqueeze(-1)).nonzero(as_tuple=True)  # by row, then word: token order
+        if not len(row):
+            return best
+        ids = word.unsqueeze(-1) * 32 + torch.arange(32)  # (P, 32)
+        allowed = ((host[row, word].unsqueeze(-1) >> self._bits) & 1).bool() & (ids < vocab)
+        values = logits[at[row].unsqueeze(-1), ids.clamp(max=vocab - 1)].float().masked_fill_(~allowed, float("-inf"))
+        bit = values.argmax(-1)  # the first highest in its word
+        top = values.gather(1, bit.unsqueeze(-1)).squeeze(-1)
+        high = torch.full((n,), float("-inf")).scatter_reduce_(0, row, top, "amax")
+        hits = (top == high[row]).nonzero().flatten()  # the words holding their row's highest, in order
+        first = torch.full((n,), len(row)).scatter_reduce_(0, row[hits], hits, "amin")
+        found = first < len(row)
+        first = first.clamp(max=len(row) - 1)
+        return torch.where(found, ids[first, bit[first]], best)
 
     def _addends(self, host: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The bitmask rows as values to add to CPU logits: 0 where a token is allowed, -inf

@@ -483,3 +483,109 @@ def test_cpu_masks_added_as_values_forbid_exactly_the_bitmasks_zero_bits(dtype, 
             allowed = torch.tensor([(word[t // 32] >> (t % 32)) & 1 for t in range(vocab)], dtype=torch.bool)
             want[i] = want[i].masked_fill(~allowed, float("-inf"))
         assert torch.equal(got, want), rows
+
+
+def test_allows_says_yes_exactly_to_the_tokens_the_mask_allows_where_the_matcher_is_free(tiny_models):
+    """`Matcher.allows` (the check that spares a greedy CPU row its mask) agrees with the filled
+    mask on every token wherever the matcher is `free`, and says no elsewhere (bytes forced, or a
+    stop token allowed), at every step of documents of the invoice schema."""
+    import torch
+    from llguidance.torch import allocate_token_bitmask
+    from transformers import AutoTokenizer
+
+    from mmserve.loadgen.grammar import SCHEMA, dumps, instance
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models["qwen2_vl"])
+    vocab = len(tokenizer)
+    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
+    compiled = compiler.compile(_grammar(SCHEMA))
+    mask = allocate_token_bitmask(1, vocab)
+    free = wide = 0
+    for seed in (2, 3):
+        matcher = Matcher(compiled)
+        for token in tokenizer.encode(dumps(instance(seed)), add_special_tokens=False) + [tokenizer.eos_token_id]:
+            matcher.fill(mask, 0)
+            bits = ((mask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:vocab].tolist()
+            says = [int(matcher.allows(t)) for t in range(vocab)]
+            if matcher.free:
+                assert says == bits
+                free += 1
+                wide += sum(bits) > vocab // 2  # inside a string
+            else:
+                assert not any(says)
+            assert matcher.accept(token)
+    assert 10 < free < sum(len(tokenizer.encode(dumps(instance(s)))) for s in (2, 3)) and wide > 10
+    compiler.shutdown()
+
+
+def test_greedy_cpu_rows_corrected_after_sampling_equal_the_masked_argmax(monkeypatch):
+    """`StepMasks.correct` gives each row the masked argmax (the first highest allowed logit), and
+    fills a mask only where the matcher alone cannot say which that is: a sampled token the grammar
+    allows stays; a free row whose first allowed logit is among its highest gets it; a row with
+    bytes forced, no allowed token among its highest, or equals beyond them is masked, whether it
+    allows a few words of tokens or many; a row allowing nothing keeps its token."""
+    import torch
+
+    import llm_service.grammar as grammar
+    from llm_service.grammar import StepMasks
+
+    filled = []
+
+    class Bits:  # a matcher whose next tokens are fixed bits
+        def __init__(self, words, free=True):
+            self.words, self.free = words, free
+
+        def takes(self, token):
+            return bool((int(self.words[token // 32]) >> (token % 32)) & 1)
+
+        def allows(self, token):
+            return self.free and self.takes(token)
+
+        def fill(self, bitmask, row):
+            filled.append(self)
+            bitmask[row] = self.words
+
+    def bit(words, token):
+        return bool((int(words[token // 32]) >> (token % 32)) & 1)
+
+    monkeypatch.setattr(Matcher, "fill_all",
+                        staticmethod(lambda _, ms, bitmask: [m.fill(bitmask, j) for j, m in enumerate(ms)]))
+    monkeypatch.setattr(grammar, "SPARSE_WORDS", 4)
+    monkeypatch.setattr(grammar, "CANDIDATES", 4)
+    vocab, gen = 1000, torch.Generator().manual_seed(0)  # 1000: the last word is part padding
+    words = (vocab + 31) // 32
+    logits = torch.randn(9, vocab, generator=gen).round(decimals=1)  # ties within rows
+    logits[3, [500, 200, 300]] = 50.0  # row 3: equal highest logits, 200 forbidden: 300 wins, whatever topk's order
+    logits[8, [700, 500, 900, 300, 200, 10]] = 50.0  # row 8: more equals than candidates, 10 forbidden: 200 wins
+    dense = torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, generator=gen)
+    sparse = torch.zeros(words, dtype=torch.int32)
+    # bit 8 of word 31: id 1000, padding
+    sparse[[3, 17, 31]] = torch.tensor([0x00F0, -2**31, 0x01F1], dtype=torch.int32)
+    logits[2, 30 * 32:] = 9.0  # row 2: ties at its highest allowed logits (992, 996-999), the first wins
+    def forbid(words, ids):
+        words = words.clone()
+        for t in ids:
+            words[t // 32] &= ~(1 << (t % 32)) if t % 32 < 31 else 2**31 - 1
+        return words
+
+    rows = {0: Bits(forbid(dense, [int(logits[0].argmax())])), 1: Bits(sparse), 2: Bits(sparse),
+            4: Bits(torch.zeros(words, dtype=torch.int32)),
+            5: Bits(dense), 6: Bits(dense, free=False),
+            7: Bits(forbid(dense, logits[7].topk(4).indices.tolist())),  # row 7: its four highest forbidden
+            3: Bits(forbid(torch.full((words,), -1, dtype=torch.int32), [200])),
+            8: Bits(forbid(torch.full((words,), -1, dtype=torch.int32), [10]))}
+    tokens = logits.argmax(-1)
+    keep = next(t for t in range(vocab) if bit(dense, t))
+    logits[5, keep] = 99.0  # row 5's own argmax is allowed
+    tokens[5] = keep
+    want = tokens.clone()
+    for i, m in rows.items():
+        allowed = ((m.words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:vocab].bool()
+        if allowed.any():
+            want[i] = logits[i].masked_fill(~allowed, float("-inf")).argmax()
+    assert want[0] != tokens[0] and int(want[0]) in logits[0].topk(4).indices
+    assert want[5] == keep and want[2] == 992 and want[7] != tokens[7] and want[3] == 300 and want[8] == 200
+    got = tokens.clone()
+    StepMasks(vocab).correct(logits.clone(), got, list(rows.items()))
+    assert torch.equal(got, want)
+    assert filled == [rows[i] for i in (1, 2, 4, 6, 7, 8)]  # not rows 0, 3 and 5
