@@ -191,21 +191,17 @@ class Matcher:
         """Advance by `token`; False when the grammar does not allow it."""
         return self._m.consume_token(token)
 
-    def allows(self, token: int) -> bool:
-        """Whether `fill`'s mask allows `token` next, where the matcher is `free` (the matcher does
-        not move); elsewhere False, and the mask decides."""
-        return self.free and self.takes(token)
-
     def takes(self, token: int) -> bool:
-        """llguidance's parser takes `token` next (the mask's bit, where the matcher is `free`)."""
+        """llguidance's parser takes `token` next (the mask's bit, where the matcher is `free`; the
+        matcher does not move)."""
         return self._m.validate_tokens([token]) == 1
 
     @property
     def free(self) -> bool:
-        """Neither bytes forced next nor a stop token allowed: where llguidance's parser takes the
-        tokens its mask allows. With bytes forced (a key, a separator) the mask allows only their
-        canonical tokens while the parser takes any split of them ('i' before "nvoice"), and the
-        parser does not take a stop token that the mask allows."""
+        """Neither bytes forced next nor a stop token allowed: where llguidance's parser takes
+        exactly the tokens its mask allows (`takes`). With bytes forced (a key, a separator) the
+        mask allows only their canonical tokens while the parser takes any split of them ('i'
+        before "nvoice"), and the parser does not take a stop token that the mask allows."""
         return not self._m.compute_ff_bytes() and not self._m.is_accepting()
 
     @property
@@ -281,15 +277,15 @@ class StepMasks:
     def correct(self, logits: torch.Tensor, tokens: torch.Tensor, matchers: Sequence[tuple[int, Matcher]]) -> None:
         """Masks after a greedy sampler, for CPU logits: row `i` of each `(i, matcher)` was sampled
         unmasked (`tokens[i]`, the argmax of its logits) and gets the masked argmax, the first of
-        its highest allowed logits. A token its matcher `allows` stays; a refused row takes the
-        first allowed of its highest logits (`_among_highest`); only the rest have their masks
-        filled (a row allowing nothing keeps its token, which the matcher then refuses). On the CPU
-        the same cores fill the masks and run the forward, and the dearest fill, inside a long
-        string (~1 ms at Qwen's vocabulary), is the one most often spared."""
+        its highest allowed logits. Where the matcher is `free`, a token it `takes` stays, and a
+        refused row takes the first allowed of its highest logits (`_among_highest`); only the
+        other rows have their masks filled (a row allowing nothing keeps its token, which the
+        matcher then refuses). On the CPU the same cores fill the masks and run the forward, and
+        the dearest fill, inside a long string (~1 ms at Qwen's vocabulary), is the one most often spared."""
         start = time.perf_counter()
         sampled = tokens.tolist()
-        refused = [(i, m) for i, m in matchers if not m.allows(sampled[i])]
-        refused = [(i, m) for i, m in refused if not self._among_highest(logits, tokens, i, m)]
+        refused = [(i, m) for i, m in matchers
+                   if not (m.free and (m.takes(sampled[i]) or self._among_highest(logits, tokens, i, m)))]
         if refused:
             rows = [i for i, _ in refused]
             best = self._allowed_argmax(logits, rows, self.fill([m for _, m in refused]))
@@ -300,10 +296,8 @@ class StepMasks:
     @staticmethod
     def _among_highest(logits: torch.Tensor, tokens: torch.Tensor, i: int, matcher: Matcher) -> bool:
         """Row `i`'s masked argmax found among its `CANDIDATES` highest logits without a mask
-        (`tokens[i]` set): the first one its grammar allows, or the lowest id of those equal to it;
-        False where the grammar forces bytes, none of them is allowed, or equals may lie further."""
-        if not matcher.free:
-            return False
+        (`tokens[i]` set; `matcher` is `free`): the first one its grammar allows, or the lowest id
+        of those equal to it; False where none of them is allowed or equals may lie further."""
         top, ids = logits[i].topk(min(CANDIDATES, logits.shape[-1]))  # highest first
         top, ids = top.tolist(), ids.tolist()
         j = next((j for j, t in enumerate(ids) if matcher.takes(t)), None)
