@@ -37,6 +37,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -138,7 +139,11 @@ CUDA_ARGS = {
 
 
 class PartFailed(Exception):
-    pass
+    """A part that did not finish; `figures`: what it measured before (kept in the record)."""
+
+    def __init__(self, message: str, figures: dict | None = None):
+        super().__init__(message)
+        self.figures = figures or {}
 
 
 def ratio(a: float | None, b: float | None, digits: int = 4) -> float | None:
@@ -288,9 +293,15 @@ def encoder_part(ns, peak: Peaks) -> dict:
                                       ns.timeout), peak)
 
 
-def serve_figures(summary: dict, transfer: dict, peak: Peaks) -> dict:
-    out = {f"serve_{mode}_{k}": summary[f"{mode}_{k}"] for mode in ("disagg", "colocated")
-           for k in ("goodput_rps", "p99_ttft_ms")}
+def serve_figures(summary: dict) -> dict:
+    """bench/serve.py's result -> goodput and p99 TTFT of both modes."""
+    return {f"serve_{mode}_{k}": summary[f"{mode}_{k}"] for mode in ("disagg", "colocated")
+            for k in ("goodput_rps", "p99_ttft_ms")}
+
+
+def transfer_figures(transfer: dict, peak: Peaks) -> dict:
+    """bench/transfer.py's result -> GB/s of a 20 MB embedding by each transport, and of the bandwidth."""
+    out = {}
     for transport in ("object_store", "grpc"):
         gbs = round(transfer[f"{transport}_mb_s_20mb"] / 1000, 3)
         out[f"transfer_{transport}_gbs"] = gbs
@@ -311,8 +322,11 @@ def serve_part(ns, peak: Peaks) -> dict:
             if built.returncode != 0:
                 raise PartFailed(f"building the full-size checkpoint: {built.stderr[-500:]}")
             args += ["--device", "cuda", "--model", built.stdout.strip().splitlines()[-1]]
-        summary = bench_json("serve.py", args, ns.timeout)
-    return serve_figures(summary, bench_json("transfer.py", ns.sizes["transfer"], ns.timeout), peak)
+        figures = serve_figures(bench_json("serve.py", args, ns.timeout))
+    try:
+        return figures | transfer_figures(bench_json("transfer.py", ns.sizes["transfer"], ns.timeout), peak)
+    except PartFailed as e:  # the serve figures stand without the transfer ones
+        raise PartFailed(str(e), figures) from e
 
 
 PART_RUNS = {"tests": tests_part, "engine": engine_part, "encoder": encoder_part, "serve": serve_part, "tp": tp_part}
@@ -416,18 +430,53 @@ def record_from_log(folder: Path, peak_gbs: float | None, peak_tflops: float | N
     if encoder:
         figures |= encoder_figures(encoder, peak)
         record["parts"].append("encoder")
-    serve = next((r for r in reversed(results) if "serve" in r.get("parts", ())), None)  # gpu_report --only serve
-    if serve:
-        figures |= {f.name: serve[f.name] for f in FIGURES if f.part == "serve"}
-        record["parts"].append("serve")
-    elif failed := next((r["failed_parts"]["serve"] for r in reversed(results) if "serve" in r.get("failed_parts", {})),
-                        None):
-        record["failed_parts"]["serve"] = failed
-    if tests := junit_counts(sorted(folder.glob("junit*.xml")), "test_gpu_app"):
+    _serve_from_log(results, lines, record, figures, peak)
+    if tests := junit_counts(sorted(folder.glob("junit*.xml")), "test_gpu_app") or app_progress(folder):
         figures["gpu_app_tests"] = tests
         record["parts"].insert(0, "tests")
     record.update(figures)
     return record
+
+
+def _serve_from_log(results: list[dict], lines: list[str], record: dict, figures: dict, peak: Peaks) -> None:
+    """The serve part's figures: its record (gpu_report --only serve) where it finished, else the
+    lines bench/serve.py and bench/transfer.py printed before the part was cut at its cap."""
+    report = next((r for r in reversed(results) if "serve" in (*r.get("parts", ()), *r.get("failed_parts", {}))),
+                  None)
+    serve = next((r for r in reversed(results) if "disagg_goodput_rps" in r), None)
+    transfer = next((r for r in reversed(results) if "object_store_mb_s_20mb" in r), None)
+    if report and "serve" in report["parts"]:
+        figures |= {f.name: report[f.name] for f in FIGURES if f.part == "serve" and report[f.name] is not None}
+    else:
+        figures |= (serve_figures(serve) if serve else {}) | (transfer_figures(transfer, peak) if transfer else {})
+    if any(f.name in figures for f in FIGURES if f.part == "serve"):
+        record["parts"].append("serve")
+    if report and "serve" in report["failed_parts"]:
+        record["failed_parts"]["serve"] = report["failed_parts"]["serve"]
+    elif serve and not transfer:
+        record["failed_parts"]["serve"] = "no result in the log from bench/transfer.py (cut at the part's cap)"
+    elif not serve and any(line.startswith("== python3 bench/gpu_report.py --only serve") for line in lines):
+        record["failed_parts"]["serve"] = "no result in the log from bench/serve.py (cut at the part's cap)"
+
+
+def app_progress(folder: Path) -> dict | None:
+    """{passed, failed, skipped, cut} read off pytest's progress line for tests/gpu/test_gpu_app.py in
+    DIR/tests.log, where the run was cut at its cap before its junit file was written."""
+    log = folder / "tests.log"
+    lines = log.read_text().splitlines() if log.exists() else []
+    start = next((i for i, line in enumerate(lines) if line.startswith("== ") and "test_gpu_app.py" in line), None)
+    if start is None:
+        return None
+    marks = ""
+    for line in lines[start + 1:]:
+        body = re.sub(r"\[\s*\d+%\]", "", line.split("==")[0]).strip()  # pytest's "[ 50%]"; "== exit" after a cut
+        if not body or set(body) - set(".FEsxX"):
+            break
+        marks += body
+        if "==" in line:
+            break
+    return {"passed": marks.count("."), "failed": marks.count("F") + marks.count("E"), "skipped": marks.count("s"),
+            "cut": True} if marks else None
 
 
 # -- the page -----------------------------------------------------------------------------------
@@ -450,7 +499,7 @@ def cell(r: dict, name: str, fmt: str, beside: str | None = None, beside_fmt: st
 def _tests_cell(r: dict) -> str:
     t = r.get("gpu_app_tests")
     return "–" if t is None else f"{t['passed']} passed, {t['failed']} failed" + (
-        f", {t['skipped']} skipped" if t.get("skipped") else "")
+        f", {t['skipped']} skipped" if t.get("skipped") else "") + (" (cut at its cap)" if t.get("cut") else "")
 
 
 def _pair(r: dict, a: str, b: str, fmt: str) -> str:
@@ -558,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--from-log", type=Path, metavar="DIR",
                    help="no run: the record of what `scripts/gpu-check all DIR` finished (brought back here)")
     p.add_argument("--notes", default=None, help="the record's notes (with --from-log)")
+    p.add_argument("--commit", default=None,
+                   help="with --from-log: the commit the run was at, when this checkout has moved on (default: HEAD)")
     p.add_argument("--serve-requests", type=Path, default=None,
                    help="the serve part's per-request times and stage times: bench/serve.py --result-json")
     ns = p.parse_args(argv)
@@ -568,6 +619,11 @@ def main(argv: list[str] | None = None) -> int:
         record = record_from_log(ns.from_log, ns.peak_gbs, ns.peak_tflops)
         if ns.notes:
             record["notes"] = ns.notes
+        if ns.commit:
+            commit = _out(["git", "rev-parse", "--verify", f"{ns.commit}^{{commit}}"])
+            if commit is None:
+                raise SystemExit(f"--commit {ns.commit}: not a commit of this checkout")
+            record.update(commit=commit, dirty=False)
         with results.open("a") as f:
             f.write(json.dumps(record) + "\n")
         print(json.dumps(record))
@@ -580,8 +636,13 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 record.update(PART_RUNS[part](ns, peak))
                 record["parts"].append(part)
-            except (PartFailed, KeyError, ValueError) as e:
-                record["failed_parts"][part] = f"{type(e).__name__}: {e}" if not isinstance(e, PartFailed) else str(e)
+            except PartFailed as e:
+                record["failed_parts"][part] = str(e)
+                if e.figures:  # measured in part
+                    record.update(e.figures)
+                    record["parts"].append(part)
+            except (KeyError, ValueError) as e:
+                record["failed_parts"][part] = f"{type(e).__name__}: {e}"
         results.parent.mkdir(parents=True, exist_ok=True)
         with results.open("a") as f:
             f.write(json.dumps(record) + "\n")

@@ -3,22 +3,29 @@ benches (bench/) and `mmserve plan --validate` (deployments/cli/plan_runs.py) ru
 
 from __future__ import annotations
 
+import sys
+
 from deployments.cli.ingress_modes import free_loopback_port
 
 
-def start_serve(num_cpus: float, grpc: bool = False) -> tuple[int, int | None]:
+def start_serve(num_cpus: float, grpc: bool = False, apart: bool = False) -> tuple[int, int | None]:
     """A quiet Ray (no dashboard) and Serve on free loopback ports: (HTTP port, gRPC port or None);
-    apps are then `serve.run` on it. Stop with `stop_app`."""
+    apps are then `serve.run` on it. `apart`: the node started by `ray start --head` at once (on GPU
+    hosts, where the in-process start has timed out every time). Stop with `stop_app`."""
     import ray
     from ray import serve
 
     from deployments.serve.router import grpc_options
 
-    try:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    except Exception as e:  # noqa: BLE001  the node did not start: its logs, then one start from a thin process
-        print_ray_logs()
-        start_head_apart(num_cpus, e)
+    if not apart:
+        try:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        except Exception as e:  # noqa: BLE001  the node did not start: its logs, then one start from a thin process
+            print_ray_logs()
+            print(f"ray.init failed ({e})", file=sys.stderr)
+            apart = True
+    if apart:
+        start_head_apart(num_cpus)
         ray.init(address="auto", log_to_driver=False, logging_level="ERROR")
     port, grpc_port = free_loopback_port(), free_loopback_port() if grpc else None
     serve.start(http_options={"host": "127.0.0.1", "port": port},
@@ -29,16 +36,13 @@ def start_serve(num_cpus: float, grpc: bool = False) -> tuple[int, int | None]:
 _HEAD_APART = False  # the node was started by `ray start` (stopped by `ray stop`)
 
 
-def start_head_apart(num_cpus: float, error: Exception) -> None:
-    """Starts the node with `ray start --head` in a process of its own. On an H200 host,
-    bench/serve.py's in-process start timed out three times (the raylet did not register within
-    Ray's fixed 30 s) while the same `ray.init` from a thin process started in 10-21 s."""
-    import sys
-
+def start_head_apart(num_cpus: float) -> None:
+    """Starts the node with `ray start --head` in a process of its own. On H200 hosts, bench/serve.py's
+    in-process start timed out five times of five in two sessions (the raylet did not register within
+    Ray's fixed 30 s) while `ray start --head` then started it in 6 s (2026-11-26)."""
     import ray
 
     global _HEAD_APART
-    print(f"ray.init failed ({error}); starting the node with `ray start --head`", file=sys.stderr)
     ray.shutdown()  # what the failed start left in this process
     _ray_cli("start", "--head", f"--num-cpus={num_cpus:g}", f"--port={free_loopback_port()}",
              "--include-dashboard=false", "--disable-usage-stats", check=True, timeout=180)
@@ -49,7 +53,6 @@ def _ray_cli(*args: str, **run_kwargs) -> None:
     """The `ray` command line from this interpreter, its output on stderr (a bench's stdout ends
     with its JSON line)."""
     import subprocess
-    import sys
 
     subprocess.run([sys.executable, "-m", "ray.scripts.scripts", *args], stdout=sys.stderr, stderr=sys.stderr,
                    **run_kwargs)
@@ -58,7 +61,6 @@ def _ray_cli(*args: str, **run_kwargs) -> None:
 def print_ray_logs(lines: int = 15) -> None:
     """The last lines of the Ray session's own logs (raylet, GCS, agents) on stderr: why a node
     that timed out starting did (seen on a GPU host from bench/serve.py only, 2026-11-26)."""
-    import sys
     from pathlib import Path
 
     logs = Path("/tmp/ray/session_latest/logs")
@@ -83,7 +85,7 @@ def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: 
     from deployments.serve.router import wait_until_ready
 
     half = num_cpus / 2
-    port, grpc_port = start_serve(num_cpus, grpc=True)
+    port, grpc_port = start_serve(num_cpus, grpc=True, apart=device != "cpu")
     big = {"max_ongoing_requests": 256, "max_queued_requests": -1}
     encoders, llms = replicas or (1, 2 if colocated else 1)
     args = AppArgs(

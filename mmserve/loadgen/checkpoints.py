@@ -12,6 +12,7 @@ checkpoints' flat layout. The GPU figures (bench/gpu_report.py) and the GPU app 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import tempfile
 from pathlib import Path
@@ -95,6 +96,22 @@ def qwen2_5_vl_3b(out: str | Path, seed: int = 0, text_layers: int | None = None
 
 def _full_size(arch: _Architecture, out: str | Path, seed: int, text_layers: int | None, vision_depth: int | None,
                flat: bool) -> str:
+    out = Path(out)
+    settings = {"architecture": arch.name, "seed": seed, "text_layers": text_layers, "vision_depth": vision_depth}
+    if flat:
+        settings["layout"] = "flat"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # one builder at a time (scripts/gpu-check builds it in the background while the tests that need it start):
+    # a second caller waits, then finds it built
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not ((out / MARKER).exists() and json.loads((out / MARKER).read_text()) == settings):
+            _build(arch, out, seed, settings, text_layers, vision_depth, flat)
+    return str(out)
+
+
+def _build(arch: _Architecture, out: Path, seed: int, settings: dict, text_layers: int | None,
+           vision_depth: int | None, flat: bool) -> None:
     import torch
     import transformers
     from transformers import AutoModelForImageTextToText, GenerationConfig, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
@@ -103,12 +120,6 @@ def _full_size(arch: _Architecture, out: str | Path, seed: int, text_layers: int
     from mmserve.tiny.qwen2_vl import published_layout
     from mmserve.tiny.tokenizer import build_tokenizer, text_config
 
-    out = Path(out)
-    settings = {"architecture": arch.name, "seed": seed, "text_layers": text_layers, "vision_depth": vision_depth}
-    if flat:
-        settings["layout"] = "flat"
-    if (out / MARKER).exists() and json.loads((out / MARKER).read_text()) == settings:
-        return str(out)
     tokenizer = build_tokenizer(seed, vocab_size=1024)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     text = text_config(tokenizer, **arch.text, initializer_range=0.02, tie_word_embeddings=True,
@@ -133,4 +144,3 @@ def _full_size(arch: _Architecture, out: str | Path, seed: int, text_layers: int
         chat_template=CHAT_TEMPLATE,
     )
     save_checkpoint(model, processor, out, MARKER, settings, published_layout if flat else None)
-    return str(out)

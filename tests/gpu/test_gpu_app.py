@@ -18,8 +18,10 @@ set (README, "GPU"): no `openai` client, plain httpx and the project's gRPC clie
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -90,9 +92,15 @@ def gpu_app(request, serve_ports, tiny_models) -> App:
     from deployments.serve.app import build_app
 
     variant = request.param
-    model_dir = request.getfixturevalue("full_size_dir") if variant == "full_size" else tiny_models["qwen2_vl"]
     name = f"gpu-{variant.replace('_', '-')}"
-    serve.run(build_app(_app_args(model_dir, name, **VARIANTS[variant])), name=name, route_prefix=f"/{name}")
+    try:
+        model_dir = request.getfixturevalue("full_size_dir") if variant == "full_size" else tiny_models["qwen2_vl"]
+        serve.run(build_app(_app_args(model_dir, name, **VARIANTS[variant])), name=name, route_prefix=f"/{name}")
+    except BaseException as e:  # at once, past pytest's capture: a device run cut at its cap has no summary
+        print(f"gpu_app {variant}: {type(e).__name__}: {e}", file=sys.__stderr__, flush=True)
+        with contextlib.suppress(Exception):  # what serve.run left of it
+            serve.delete(name)
+        raise
     try:
         yield App(name, f"http://127.0.0.1:{serve_ports[0]}/{name}", f"127.0.0.1:{serve_ports[1]}", model_dir,
                   bool(VARIANTS[variant].get("colocated")))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_report import FIGURES, engine_figures, moe_figures, read_records, render, serve_figures
+from bench.gpu_report import FIGURES, engine_figures, moe_figures, read_records, render, transfer_figures
 from mmserve.loadgen.device_peaks import Peaks, peaks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,8 +132,7 @@ def test_tp_part_is_skipped_with_fewer_than_two_gpus_and_bounded_by_rank_0s_shar
 
 
 def test_transfer_is_set_against_the_memory_bandwidth():
-    summary = {f"{m}_{k}": 1.0 for m in ("disagg", "colocated") for k in ("goodput_rps", "p99_ttft_ms")}
-    f = serve_figures(summary, {"object_store_mb_s_20mb": 2500.0, "grpc_mb_s_20mb": 800.0}, Peaks(3350, 989))
+    f = transfer_figures({"object_store_mb_s_20mb": 2500.0, "grpc_mb_s_20mb": 800.0}, Peaks(3350, 989))
     assert (f["transfer_object_store_gbs"], f["transfer_grpc_gbs"]) == (2.5, 0.8)
     assert f["transfer_object_store_frac_of_bandwidth"] == pytest.approx(2.5 / 3350, rel=1e-3)
 
@@ -178,15 +177,24 @@ def test_the_seeded_history_is_the_h100_transcription_and_the_page_is_generated(
     assert (ROOT / "docs" / "gpu-figures.md").read_text() == render(read_records(ROOT / "bench" / "results" / "gpu.jsonl"))
 
 
-def test_the_full_size_checkpoint_has_qwen2_vl_2bs_shapes_and_serves(tmp_path):
-    """Shrunk in depth (CPU): the builder's config, processor and tokenizer load as the app loads them."""
+def test_the_full_size_checkpoint_has_qwen2_vl_2bs_shapes_and_serves(tmp_path, monkeypatch):
+    """Shrunk in depth (CPU): the builder's config, processor and tokenizer load as the app loads them.
+    Two callers at once (scripts/gpu-check's background build and a test's fixture): one builds."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from transformers import AutoConfig, AutoProcessor
 
+    import mmserve.loadgen.checkpoints as checkpoints
     from encoder_service import VisionEncoder
     from llm_service.model import LanguageModel
     from mmserve.loadgen.checkpoints import QWEN2_VL_2B_TEXT, qwen2_vl_2b
 
-    path = qwen2_vl_2b(tmp_path / "q2b", text_layers=1, vision_depth=1)
+    builds, build = [], checkpoints._build
+    monkeypatch.setattr(checkpoints, "_build", lambda *a, **k: builds.append(1) or build(*a, **k))
+    with ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda _: qwen2_vl_2b(tmp_path / "q2b", text_layers=1, vision_depth=1), range(2)))
+    assert len(builds) == 1 and paths[0] == paths[1]
+    path = paths[0]
     config = AutoConfig.from_pretrained(path)
     assert {k: getattr(config.text_config, k) for k in QWEN2_VL_2B_TEXT} == {**QWEN2_VL_2B_TEXT, "num_hidden_layers": 1}
     assert (config.vision_config.embed_dim, config.vision_config.hidden_size) == (1280, 1536)
@@ -252,3 +260,34 @@ def test_a_record_from_the_logs_of_a_gpu_check_all_run(tmp_path):
     assert "--breakdown" in missing and "--grammar" not in missing and "--moe" not in missing
     assert record["failed_parts"]["serve"] == "bench/serve.py exited 1 without its JSON line"
     assert "NVIDIA H200" in (tmp_path / "page.md").read_text()
+
+
+def test_a_record_from_a_run_cut_at_its_caps(tmp_path):
+    """The H200 run of 2026-11-26: the app tests cut before their junit file (counts read off the
+    progress line), the serve part cut in bench/transfer.py after bench/serve.py printed its line (the
+    serve figures are kept, the transfer ones named missing); --commit: the run's commit."""
+    host = {"device": "NVIDIA H200", "driver": "580.159.04", "torch": "2.11.0", "triton": "3.6.0",
+            "transformers": "5.17.0"}
+    serve = {"disagg_goodput_rps": 6.38, "disagg_p99_ttft_ms": 254.4, "colocated_goodput_rps": 3.9,
+             "colocated_p99_ttft_ms": 333.3, "device": "cuda"}
+    (tmp_path / "tests.log").write_text("\n".join([
+        "# host " + json.dumps(host), "== python3 -m pytest -q tests/gpu/test_gpu_app.py (cap 270 s)",
+        "." * 21 + "EEEEEEE== exit 124 after 273 s: python3 -m pytest"]) + "\n")
+    (tmp_path / "bench.log").write_text("\n".join([
+        "# host " + json.dumps(host),
+        "== python3 bench/gpu_report.py --only serve --results r --markdown /dev/null (cap 289 s)",
+        json.dumps(serve), "== exit 124 after 289 s: python3 bench/gpu_report.py --only"]) + "\n")
+    results = tmp_path / "gpu.jsonl"
+    first = subprocess.run(["git", "rev-list", "--max-parents=0", "HEAD"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.split()[0]
+    out = _report("--from-log", str(tmp_path), "--results", str(results), "--markdown", str(tmp_path / "page.md"),
+                  "--commit", first[:9])
+    assert out.returncode == 0, out.stderr[-3000:]
+    (record,) = read_records(results)
+    _check_shape(record)
+    assert record["commit"] == first and record["dirty"] is False
+    assert record["parts"] == ["tests", "serve"]
+    assert record["gpu_app_tests"] == {"passed": 21, "failed": 7, "skipped": 0, "cut": True}
+    assert (record["serve_disagg_goodput_rps"], record["serve_colocated_p99_ttft_ms"]) == (6.38, 333.3)
+    assert record["transfer_grpc_gbs"] is None and "bench/transfer.py" in record["failed_parts"]["serve"]
+    assert "21 passed, 7 failed (cut at its cap)" in (tmp_path / "page.md").read_text()

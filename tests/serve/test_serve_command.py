@@ -197,22 +197,25 @@ def _flood(port: int, header_mb: int, until: float, cut: list) -> None:
 
 
 @pytest.mark.serve
-def test_a_header_flood_leaves_health_answering_within_a_second(served):
+def test_a_header_flood_leaves_health_answering_throughout(served):
     """8 concurrent requests with 16 MB headers, again and again for 8 s (the attack used 100 MB):
-    the header cap answers them at 16 KiB, and /health answers within 1 s throughout."""
+    the header cap answers them at 16 KiB, and /health keeps answering while they run. The bound is
+    loose (3 s, on a 2-core host that also runs the flooders; 1.6 s seen in CI): a blocked event loop
+    answers only when the flood ends, 8 s later, or not at all."""
     until, cut = time.monotonic() + 8, []
     flooders = [threading.Thread(target=_flood, args=(served.http_port, 16, until, cut)) for _ in range(8)]
     for t in flooders:
         t.start()
-    worst = 0.0
+    worst, answered = 0.0, 0
     while time.monotonic() < until:
         began = time.monotonic()
         assert httpx.get(f"http://127.0.0.1:{served.http_port}/health", timeout=5).status_code == 200
         worst = max(worst, time.monotonic() - began)
+        answered += time.monotonic() < until  # an answer while the flood still ran
         time.sleep(0.1)
     for t in flooders:
         t.join()
-    assert worst < 1.0 and len(cut) >= 8, (worst, len(cut))
+    assert worst < 3.0 and answered >= 3 and len(cut) >= 8, (worst, answered, len(cut))
 
 
 @pytest.mark.serve
