@@ -439,24 +439,19 @@ def record_from_log(folder: Path, peak_gbs: float | None, peak_tflops: float | N
 
 
 def _serve_from_log(results: list[dict], lines: list[str], record: dict, figures: dict, peak: Peaks) -> None:
-    """The serve part's figures: its record (gpu_report --only serve) where it finished, else the
-    lines bench/serve.py and bench/transfer.py printed before the part was cut at its cap."""
-    report = next((r for r in reversed(results) if "serve" in (*r.get("parts", ()), *r.get("failed_parts", {}))),
-                  None)
+    """The serve part's figures from the lines bench/serve.py and bench/transfer.py printed (gpu_report
+    echoes them), whether the part finished or was cut at its cap; its failure from its own record."""
     serve = next((r for r in reversed(results) if "disagg_goodput_rps" in r), None)
     transfer = next((r for r in reversed(results) if "object_store_mb_s_20mb" in r), None)
-    if report and "serve" in report["parts"]:
-        figures |= {f.name: report[f.name] for f in FIGURES if f.part == "serve" and report[f.name] is not None}
-    else:
-        figures |= (serve_figures(serve) if serve else {}) | (transfer_figures(transfer, peak) if transfer else {})
-    if any(f.name in figures for f in FIGURES if f.part == "serve"):
+    figures |= (serve_figures(serve) if serve else {}) | (transfer_figures(transfer, peak) if transfer else {})
+    if serve or transfer:
         record["parts"].append("serve")
-    if report and "serve" in report["failed_parts"]:
-        record["failed_parts"]["serve"] = report["failed_parts"]["serve"]
-    elif serve and not transfer:
-        record["failed_parts"]["serve"] = "no result in the log from bench/transfer.py (cut at the part's cap)"
-    elif not serve and any(line.startswith("== python3 bench/gpu_report.py --only serve") for line in lines):
-        record["failed_parts"]["serve"] = "no result in the log from bench/serve.py (cut at the part's cap)"
+    if failed := next((r["failed_parts"]["serve"] for r in reversed(results) if "serve" in r.get("failed_parts", {})),
+                      None):
+        record["failed_parts"]["serve"] = failed
+    elif any(line.startswith("== python3 bench/gpu_report.py --only serve") for line in lines) and not transfer:
+        record["failed_parts"]["serve"] = "no result in the log from " + (
+            "bench/transfer.py" if serve else "bench/serve.py") + " (cut at the part's cap)"
 
 
 def app_progress(folder: Path) -> dict | None:
