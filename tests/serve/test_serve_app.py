@@ -66,10 +66,16 @@ EMBEDDING_STAGES = {"encode_queue_ms", "encode_ms", "embedding_transfer_ms"}  # 
 
 
 def check_embedding_stages(stages: dict, hit: bool) -> None:
-    """The split of embeddings_ms: non-negative, at most the total; a cache hit encodes nothing."""
+    """The split of embeddings_ms: non-negative, at most the total; a cache hit encodes nothing. A
+    miss shows its encode, unless the LLM replica's whole wait was the transfer: the stages are cut to
+    that wait from its end, and on a slow host the encode may finish before the replica asks."""
     assert set(stages) == STAGES | EMBEDDING_STAGES and all(v >= 0 for v in stages.values())
     assert sum(stages[k] for k in EMBEDDING_STAGES) <= stages["embeddings_ms"] + 1e-3  # rounded to 1 us
-    assert (stages["encode_ms"] == 0) if hit else (stages["encode_ms"] > 0)
+    if hit:
+        assert stages["encode_ms"] == 0
+    else:
+        whole_wait_was_transfer = stages["embedding_transfer_ms"] >= stages["embeddings_ms"] - 1e-3
+        assert stages["encode_ms"] > 0 or whole_wait_was_transfer, stages
 
 
 def test_stage_times_cover_the_request_and_are_asked_for(serve_urls):
