@@ -38,6 +38,10 @@ tokenizer of `mmserve.loadgen.vocab`), steady decode at batch 1 and 64 with the 
 schema (`mmserve.loadgen.grammar.SCHEMA`) on every row against none, side by side; the grammar is
 compiled once before (the LRU). Each side runs `--grammar-rounds` times, alternated, and the ratio
 is of the medians. Prints the ratios and the engine thread's time in masks (filling and applying).
+Without overlap (the CPU's default) the forward runs inside the engine's `step()`, and its time
+swings by ±20% between runs on a shared 2-core host while the work is the same on both sides: the
+`same_forward` ratio gives both sides the median forward of all runs and keeps each side's own
+rest of the step (scheduling, inputs, sampling and masks, postprocessing; medians from `step_log`).
 `--overlap on|off`: steps overlapped or not (default: as the engine, on CUDA only); with overlap a
 step with constrained rows fills their masks after launching its forward, while it runs (on a
 CPU the forward has run by then: nothing is hidden, the figure checks the path costs no more).
@@ -277,6 +281,20 @@ def decode_ms_per_step(engine: LLMEngine, batch: int, context: int, tokens: int,
     return 1000 * sum(gaps) / max(len(gaps), 1)
 
 
+def decode_split_ms(engine: LLMEngine, batch: int, context: int, tokens: int, vocab: int,
+                    grammar: Grammar | None = None) -> tuple[float, float, float]:
+    """`decode_ms_per_step`, and the medians over its steady steps (`step_log`) of the forward's
+    time (`launch`: on the CPU without overlap the forward runs there) and of the rest of `step()`."""
+    engine.step_log = []
+    try:
+        ms = decode_ms_per_step(engine, batch, context, tokens, vocab, grammar)
+        log = [t for t in engine.step_log if t.decode_only and t.num_seqs == batch]
+    finally:
+        engine.step_log = None
+    rest = statistics.median(t.schedule + t.prepare + t.sample + t.readback + t.postprocess for t in log)
+    return ms, statistics.median(t.launch for t in log) * 1000, rest * 1000
+
+
 # -- --grammar ------------------------------------------------------------------------------------
 def bench_grammar(args) -> None:
     from mmserve.loadgen.grammar import SCHEMA
@@ -300,18 +318,30 @@ def bench_grammar(args) -> None:
     bench_engine(engine, prompts(2, args.prompt_len, vocab), 4)  # warm up
     result: dict = {"device": args.device, "vocab": vocab, "compiler_setup_ms": round(setup_ms, 1),
                     "compile_ms": round(compile_ms, 1), "decode_tokens": n, "overlap": engine.overlap}
-    print(f"{'batch':>5} {'none ms/step':>13} {'grammar ms/step':>16} {'ratio':>6} {'mask ms/step':>13}")
+    cpu = not engine.overlap  # the forward runs inside `step()`: its time is apart from the rest
+    print(f"{'batch':>5} {'none ms/step':>13} {'grammar ms/step':>16} {'ratio':>6} {'mask ms/step':>13}"
+          + (f" {'forward ms':>11} {'none rest':>10} {'grammar rest':>13} {'same-forward ratio':>19}" if cpu else ""))
     for batch in (1, 64):
-        plain, constrained, mask = [], [], []
+        plain, constrained, mask, forward, plain_rest, constrained_rest = [], [], [], [], [], []
         for _ in range(args.grammar_rounds):  # alternated: a drift in the host's speed falls on both
-            plain.append(decode_ms_per_step(engine, batch, args.prompt_len, n, vocab))
+            ms, fwd, rest = decode_split_ms(engine, batch, args.prompt_len, n, vocab)
+            plain.append(ms), forward.append(fwd), plain_rest.append(rest)
             steps_before, mask_before = engine.num_steps, engine.masks.mask_s
-            constrained.append(decode_ms_per_step(engine, batch, args.prompt_len, n, vocab, grammar))
+            ms, fwd, rest = decode_split_ms(engine, batch, args.prompt_len, n, vocab, grammar)
+            constrained.append(ms), forward.append(fwd), constrained_rest.append(rest)
             mask.append((engine.masks.mask_s - mask_before) * 1000 / max(engine.num_steps - steps_before, 1))
         p, c, m = statistics.median(plain), statistics.median(constrained), statistics.median(mask)
         result.update({f"none_ms_per_step_b{batch}": round(p, 3), f"grammar_ms_per_step_b{batch}": round(c, 3),
                        f"grammar_b{batch}_step_ratio": round(c / p, 3), f"mask_ms_per_step_b{batch}": round(m, 3)})
-        print(f"{batch:>5} {p:>13.3f} {c:>16.3f} {c / p:>6.2f} {m:>13.3f}")
+        line = f"{batch:>5} {p:>13.3f} {c:>16.3f} {c / p:>6.2f} {m:>13.3f}"
+        if cpu:  # the same forward on both sides (the median of all runs'): only the engine's own work differs
+            f, pr, cr = statistics.median(forward), statistics.median(plain_rest), statistics.median(constrained_rest)
+            ratio = (f + cr) / (f + pr)
+            result.update({f"forward_ms_b{batch}": round(f, 3), f"none_rest_ms_b{batch}": round(pr, 3),
+                           f"grammar_rest_ms_b{batch}": round(cr, 3),
+                           f"grammar_b{batch}_same_forward_ratio": round(ratio, 3)})
+            line += f" {f:>11.3f} {pr:>10.3f} {cr:>13.3f} {ratio:>19.3f}"
+        print(line)
     engine.shutdown()
     shutil.rmtree(model_dir, ignore_errors=True)
     print(json.dumps(result))

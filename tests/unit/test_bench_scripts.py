@@ -102,6 +102,23 @@ def test_breakdown_reports_every_phase_for_each_case_both_ways():
     assert "schedule" in out.stdout and "postprocess" in out.stdout
 
 
+def test_grammar_run_sets_both_ratios_with_the_grammars_own_work_apart():
+    """`llm.py --grammar` (~20 s with one round of 6 tokens): both step ratios per batch, and on the
+    CPU the same-forward ratio made of the printed medians, the constrained rows' rest of the step
+    (sampling and masks) dearer than the plain rows'."""
+    out = _run("llm.py", "--grammar", "--grammar-rounds", "1", "--decode-tokens", "6", "--prompt-len", "8", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["vocab"] == 151936 and not r["overlap"]
+    for b in (1, 64):
+        wall = r[f"grammar_ms_per_step_b{b}"] / r[f"none_ms_per_step_b{b}"]
+        assert r[f"grammar_b{b}_step_ratio"] == pytest.approx(wall, abs=2e-3)
+        f, plain, constrained = r[f"forward_ms_b{b}"], r[f"none_rest_ms_b{b}"], r[f"grammar_rest_ms_b{b}"]
+        assert r[f"grammar_b{b}_same_forward_ratio"] == pytest.approx((f + constrained) / (f + plain), abs=2e-3)
+        assert f > 0 and plain > 0
+    assert r["grammar_rest_ms_b64"] > r["none_rest_ms_b64"] and r["mask_ms_per_step_b64"] > 0
+
+
 def test_tensor_parallel_quick_run_sets_tp2_beside_tp1():
     """`llm.py --tensor-parallel-size 2 --quick` (~10 s; bench/llm_tp.py in its place): both sizes
     timed at batch 1 and 64, rank 0 holds part of the weights and half the KV, 2 all-reduces a layer and one for the embedding."""
