@@ -38,7 +38,7 @@ tokenizer of `mmserve.loadgen.vocab`), steady decode at batch 1 and 64 with the 
 schema (`mmserve.loadgen.grammar.SCHEMA`) on every row against none, side by side; the grammar is
 compiled once before (the LRU). Each side runs `--grammar-rounds` times, alternated, and the ratio
 is of the medians. Prints the ratios and the engine thread's time in masks (filling and applying).
-Without overlap (the CPU's default) the forward runs inside the engine's `step()`, and its time
+On the CPU without overlap (its default) the forward runs inside the engine's `step()`, and its time
 swings by ±20% between runs on a shared 2-core host while the work is the same on both sides: the
 `same_forward` ratio gives both sides the median forward of all runs and keeps each side's own
 rest of the step (scheduling, inputs, sampling and masks, postprocessing; medians from `step_log`).
@@ -318,7 +318,7 @@ def bench_grammar(args) -> None:
     bench_engine(engine, prompts(2, args.prompt_len, vocab), 4)  # warm up
     result: dict = {"device": args.device, "vocab": vocab, "compiler_setup_ms": round(setup_ms, 1),
                     "compile_ms": round(compile_ms, 1), "decode_tokens": n, "overlap": engine.overlap}
-    cpu = not engine.overlap  # the forward runs inside `step()`: its time is apart from the rest
+    cpu = args.device == "cpu" and not engine.overlap  # the forward runs inside `step()`, apart from the rest
     print(f"{'batch':>5} {'none ms/step':>13} {'grammar ms/step':>16} {'ratio':>6} {'mask ms/step':>13}"
           + (f" {'forward ms':>11} {'none rest':>10} {'grammar rest':>13} {'same-forward ratio':>19}" if cpu else ""))
     for batch in (1, 64):
