@@ -291,7 +291,8 @@ def decode_split_ms(engine: LLMEngine, batch: int, context: int, tokens: int, vo
     try:
         ms = decode_ms_per_step(engine, batch, context, tokens, vocab, grammar)
         decode = [t for t in engine.step_log if t.decode_only]
-        log = [t for t in decode if t.num_seqs == max(s.num_seqs for s in decode)]
+        widest = max(t.num_seqs for t in decode)
+        log = [t for t in decode if t.num_seqs == widest]
     finally:
         engine.step_log = None
     rest = statistics.median(t.schedule + t.prepare + t.sample + t.readback + t.postprocess for t in log)
