@@ -1,10 +1,14 @@
 """Chat messages -> prompt token ids with each media placeholder replaced by its expansion.
 
 User text is tokenized as text: a user who types `<|image_pad|>` or `<|im_start|>` gets those
-characters, never a placeholder or a new turn. The chat template is rendered with each user text
-replaced by a sentinel; the rendered string is split at the (template-owned) added tokens, exactly
-as the tokenizer splits a whole string, and each piece between them is tokenized with added
-tokens disabled. Without special strings in user text this equals tokenizing the whole string.
+characters, never a placeholder or a new turn. The chat template is rendered with the user's own
+text, in which each added-token string is escaped (a private-use sentinel stands for it); the
+rendered string is split at the added tokens, all of them the template's own, exactly as the
+tokenizer splits a whole string, and each piece between them is tokenized with added tokens
+disabled, its sentinels back to what the user wrote. Without special strings in user text this
+equals tokenizing the whole string, whatever the template does to the text (Qwen3.5's trims
+each message's content). Text the project writes into the conversation itself (tool calls and
+results for a template without tools, `TemplateText`) is not escaped: its tags are the model's.
 The tokenizer's own special tokens (a Llama tokenizer's BOS) wrap the result, as the processor's
 `tokenizer(text)` adds them.
 
@@ -29,6 +33,11 @@ from mmserve.request.tools import JSON_FORMAT, ToolCall, ToolFormat, ToolSpec, f
 
 _SENTINEL = "\ue000{}\ue001"
 _SENTINEL_RE = re.compile("\ue000(\\d+)\ue001")
+
+
+class TemplateText(str):
+    """Conversation text the project wrote, not the user (tags of tool calls and results for a
+    template without tools): rendered as the template would render it, added tokens included."""
 
 
 Media = TypeVar("Media", MediaSource, MediaItem)
@@ -70,6 +79,9 @@ class PromptBuilder:
         added = sorted(tokenizer.get_added_vocab().items(), key=lambda kv: -len(kv[0]))
         self._added_ids = dict(added)
         self._added_re = re.compile("|".join(re.escape(tok) for tok, _ in added))
+        # what a user's text may not bring into the rendering as it is: added-token strings, and
+        # the sentinel's own marks (so that a typed sentinel stays text too)
+        self._escaped_re = re.compile("|".join([*(re.escape(tok) for tok, _ in added), "\ue000", "\ue001"]))
         self._placeholder_ids = {
             kind: tokenizer.convert_tokens_to_ids(tok) for kind, tok in placeholders.items() if tok is not None
         }
@@ -77,10 +89,20 @@ class PromptBuilder:
 
     def _render(self, messages: list[Message], add_generation_prompt: bool = True,
                 tools: tuple[ToolSpec, ...] = ()) -> tuple[str, list[str]]:
+        calls = [(c.name, c.arguments) for m in messages for c in m.tool_calls]
+        # the template (or `_tools_as_text`) writes these as they are: a special token in them would be one in the prompt
+        if self._added_re.pattern and self._added_re.search(json.dumps(([t.as_openai() for t in tools], calls),
+                                                                        ensure_ascii=False)):
+            raise InvalidRequest("tools and tool calls may not contain the tokenizer's special token strings")
         if not self.native_tools:
             messages = _tools_as_text(messages, tools, self._tool_format)
             tools = ()
-        texts: list[str] = []
+        escaped: list[str] = []
+
+        def escape(match: re.Match) -> str:
+            escaped.append(match.group(0))
+            return _SENTINEL.format(len(escaped) - 1)
+
         conversation = []
         for message in messages:
             content = []
@@ -88,8 +110,8 @@ class PromptBuilder:
                 if not isinstance(part, str):
                     content.append({"type": part.kind.value})
                 else:
-                    content.append({"type": "text", "text": _SENTINEL.format(len(texts))})
-                    texts.append(part)
+                    text = part if isinstance(part, TemplateText) else self._escaped_re.sub(escape, part)
+                    content.append({"type": "text", "text": text})
             entry = {"role": message.role, "content": content}
             if message.tool_calls:
                 entry["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": (
@@ -97,15 +119,11 @@ class PromptBuilder:
             if message.tool_call_id is not None:
                 entry["tool_call_id"] = message.tool_call_id
             conversation.append(entry)
-        for rendered_by_template in ([t.as_openai() for t in tools], [e.get("tool_calls", ()) for e in conversation]):
-            # the template writes these as they are: a special token in them would be one in the prompt
-            if self._added_re.pattern and self._added_re.search(json.dumps(rendered_by_template, ensure_ascii=False)):
-                raise InvalidRequest("tools and tool calls may not contain the tokenizer's special token strings")
         rendered = self._tokenizer.apply_chat_template(
             conversation, tools=[t.as_openai() for t in tools] or None, chat_template=self._template, tokenize=False,
             add_generation_prompt=add_generation_prompt,
         )
-        return rendered, texts
+        return rendered, escaped
 
     def _system_end(self, messages: list[Message], rendered: str) -> int | None:
         """Characters of `rendered` (sentinels in) that render the leading system message alone."""
@@ -117,8 +135,8 @@ class PromptBuilder:
             return None
         return len(head) if head and rendered.startswith(head) else None
 
-    def _encode_plain(self, text: str, user_texts: list[str]) -> list[int]:
-        text = _SENTINEL_RE.sub(lambda m: user_texts[int(m.group(1))], text)
+    def _encode_plain(self, text: str, escaped: list[str]) -> list[int]:
+        text = _SENTINEL_RE.sub(lambda m: escaped[int(m.group(1))], text)
         # `encode_batch` releases the GIL while it tokenizes (`encode` holds it throughout), so a
         # long prompt planned in a worker thread never stalls the router's event loop
         return self._plain.encode_batch([text], add_special_tokens=False)[0].ids if text else []
@@ -127,7 +145,7 @@ class PromptBuilder:
               tools: tuple[ToolSpec, ...] = ()) -> Prompt:
         """Token ids with the i-th media placeholder replaced by `expansions[i]`; `tools` described
         to the model (by the template's tools section, else in a system message)."""
-        rendered, user_texts = self._render(messages, tools=tools)
+        rendered, escaped = self._render(messages, tools=tools)
         stop = None if tools else self._system_end(messages, rendered)
         system_end = None
         ids: list[int] = []
@@ -136,7 +154,7 @@ class PromptBuilder:
         placeholder_kind = {v: k for k, v in self._placeholder_ids.items()}
         pos = 0
         for match in self._added_re.finditer(rendered):
-            ids += self._encode_plain(rendered[pos:match.start()], user_texts)
+            ids += self._encode_plain(rendered[pos:match.start()], escaped)
             if match.start() == stop:
                 system_end = len(ids)
             token_id = self._added_ids[match.group(0)]
@@ -153,7 +171,7 @@ class PromptBuilder:
             if match.end() == stop:
                 system_end = len(ids)
             pos = match.end()
-        ids += self._encode_plain(rendered[pos:], user_texts)
+        ids += self._encode_plain(rendered[pos:], escaped)
         if self._prefix:
             ranges = [r._replace(offset=r.offset + len(self._prefix)) for r in ranges]
         ids = self._prefix + ids + self._suffix
@@ -180,18 +198,19 @@ def _tools_as_text(messages: list[Message], tools: tuple[ToolSpec, ...],
     out = []
     for m in messages:
         if m.role == "tool":
-            out.append(Message("user", ("<tool_response>\n", *m.parts, "\n</tool_response>")))
+            out.append(Message("user", (TemplateText("<tool_response>\n"), *m.parts,
+                                        TemplateText("\n</tool_response>"))))
         elif m.tool_calls:
             calls = "\n".join(fmt.render(c) for c in m.tool_calls)
-            out.append(Message(m.role, (*m.parts, ("\n" if m.parts else "") + calls)))
+            out.append(Message(m.role, (*m.parts, TemplateText(("\n" if m.parts else "") + calls))))
         else:
             out.append(m)
     if tools:
         described = fallback_system_text(list(tools))
         if out and out[0].role == "system":
-            out[0] = Message("system", (*out[0].parts, "\n\n" + described))
+            out[0] = Message("system", (*out[0].parts, TemplateText("\n\n" + described)))
         else:
-            out.insert(0, Message("system", (described,)))
+            out.insert(0, Message("system", (TemplateText(described),)))
     return out
 
 

@@ -207,6 +207,26 @@ def test_plain_text_ids_match_processor(model_dir, text):
     assert plan.token_ids == list(via_tokenizer)
 
 
+@pytest.mark.parametrize("family_name", __import__("mmserve.tiny", fromlist=["FAMILIES"]).FAMILIES)
+def test_user_text_is_rendered_as_the_template_renders_it_in_every_family(tiny_checkpoint, family_name):
+    """Whitespace at the edges of a message's text, an image beside it, the escape's own marks typed
+    in it: the ids are the processor's for every family. Qwen3.5's template trims each message's content: a
+    text rendered as a stand-in and put back after (the old way) kept its trailing space, one token
+    more than the processor's prompt (a different answer from the first token)."""
+    from tests.support.reference import reference_inputs
+    from tests.support.pipeline import to_planner_messages
+
+    model_dir = tiny_checkpoint(family_name)
+    planner = RequestPlanner(model_dir, _tokenizer(model_dir))
+    img = {"type": "image", "bytes": image_bytes(64, 96, seed=1)}
+    for content in ([{"type": "text", "text": "Again " * 5}], [img, {"type": "text", "text": "  both ends \n"}],
+                    [{"type": "text", "text": " see \ue0000\ue001 (the marks typed) "}, img]):
+        messages = [{"role": "system", "content": [{"type": "text", "text": "  Be brief.  "}]},
+                    {"role": "user", "content": content}]
+        plan = planner.plan(to_planner_messages(messages))
+        assert plan.token_ids == reference_inputs(model_dir, messages)["input_ids"][0].tolist(), content
+
+
 def test_multimodal_plan_matches_processor(model_dir, family):
     """Ids (placeholders expanded), ranges and positions of an image + video prompt == transformers."""
     from tests.support.reference import load_reference, reference_inputs
