@@ -218,7 +218,8 @@ class Generation:
     async def deltas(self) -> AsyncIterator[Delta]:
         """Text deltas of every choice (`Delta.index`), interleaved as they come; a stop string ends
         its choice (the LLM request is aborted once every choice has ended)."""
-        detoks = [IncrementalDetokenizer(self._tokenizer, self._stop) for _ in range(self.n)]
+        detoks = [IncrementalDetokenizer(self._tokenizer, self._stop, self.tool_format.markers() if self.tools else None)
+                  for _ in range(self.n)]
         running = set(range(self.n))
         try:
             async for event in self._events():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tokenizers.decoders import DecodeStream
 
@@ -19,7 +19,11 @@ class IncrementalDetokenizer:
     `flush` releases the rest (a trailing U+FFFD the ids really decode to included).
 
     Invariant: the concatenated output equals `tokenizer.decode(ids, skip_special_tokens=True)`
-    cut before the first stop string. `tokenizer` is a fast transformers tokenizer; the stream
+    cut before the first stop string, except that the ids of `markers` (id -> text: the family's
+    tool-call tags, which a parser finds in the text) always give their text, special or not, so
+    that a checkpoint marking `<tool_call>` special answers as one that does not. The stream
+    restarts after a marker (a byte-level decoder gives the same text; the tags are added tokens
+    of Qwen-style tokenizers only). `tokenizer` is a fast transformers tokenizer; the stream
     follows its `backend_tokenizer`, so a tokenizer that also cleans up spaces after decoding
     (`clean_up_tokenization_spaces`, which transformers applies to non-BPE models only) streams
     without that clean-up. A decoder whose output for invalid bytes is not prefix-stable (byte
@@ -27,8 +31,9 @@ class IncrementalDetokenizer:
     stream that text exactly: the stream restarts at that token; the text released stands.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), markers: Mapping[int, str] | None = None):
         self._backend = tokenizer.backend_tokenizer
+        self._markers = dict(markers or {})
         self._stream = DecodeStream(skip_special_tokens=True)
         self._ids: list[int] = []
         self._base = 0  # the stream started at ids[_base], when `text` was _base_chars long
@@ -41,6 +46,12 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def _step(self, token_id: int) -> str:
+        if token_id in self._markers:  # its text whatever the tokenizer flags; the stream restarts after it
+            new = self._held() + self._markers[token_id]
+            self._ids.append(token_id)
+            self._stream = DecodeStream(skip_special_tokens=True)
+            self._base, self._base_chars, self._pending = len(self._ids), len(self.text) + len(new), False
+            return new
         self._ids.append(token_id)
         try:
             new = self._stream.step(self._backend, token_id)
@@ -69,12 +80,18 @@ class IncrementalDetokenizer:
             return self._release(len(self.text))
         return self._release(len(self.text) - self._hold)
 
+    def _held(self) -> str:
+        """The text of the ids the stream holds back (half a character), decoded as they are."""
+        if not self._pending:
+            return ""
+        self._pending = False
+        rest = self._backend.decode(self._ids[self._base:], skip_special_tokens=True)
+        return rest[len(self.text) - self._base_chars:]
+
     def flush(self) -> str:
         """Everything not yet released (call when generation ends)."""
-        if not self.stopped and self._pending:
-            rest = self._backend.decode(self._ids[self._base:], skip_special_tokens=True)
-            self._append(rest[len(self.text) - self._base_chars:])
-            self._pending = False
+        if not self.stopped:
+            self._append(self._held())
         return self._release(len(self.text))
 
     def _release(self, upto: int) -> str:

@@ -7,8 +7,9 @@ back as it was written). Qwen3.5 writes its calls in an XML form instead (`XML`,
 Qwen3-Coder and of Qwen3.5's template, which takes a call's `arguments` as a mapping):
 `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`,
 a string value written as it is, any other as JSON. The family says which form
-(`RouterFace.tool_call_format`). `<tool_call>` is an added token in Qwen3-VL's tokenizer and plain
-text in the others; `ToolFormat` says which. A family whose template has no tools section gets the
+(`RouterFace.tool_call_format`). `<tool_call>` is an added token in the tokenizers of Qwen2.5-VL on
+(not special in the released ones; a checkpoint may mark it special) and plain text in the others;
+`ToolFormat` says which, and the tags' ids always reach the text (`ToolFormat.markers`). A family whose template has no tools section gets the
 tools described in a system message in the same words as Qwen's (`fallback_system_text`).
 """
 
@@ -143,6 +144,11 @@ class ToolFormat:
             raise ValueError(f"unknown tool call form {form!r}")
         added = tokenizer.get_added_vocab()
         return cls(added.get(START), added.get(END), form == XML)
+
+    def markers(self) -> dict[int, str]:
+        """The call tags that are added tokens, by id: the text they always decode to, special or
+        not (`IncrementalDetokenizer`), so that calls are found by the ids the model generated."""
+        return {i: t for i, t in ((self.start_id, START), (self.end_id, END)) if i is not None}
 
     def _marker(self, text: str, token_id: int | None) -> str:
         return f"<[{token_id}]>" if token_id is not None else json.dumps(text)

@@ -4,7 +4,7 @@ window attention (full attention in blocks 1 and 3)."""
 
 from __future__ import annotations
 
-from mmserve.tiny.tokenizer import SPECIAL_TOKENS, build_tokenizer, text_config
+from mmserve.tiny.tokenizer import QWEN2_5_ADDED_TOKENS, SPECIAL_TOKENS, build_tokenizer, text_config
 
 VARIANTS: dict[str, str] = {}
 
@@ -84,7 +84,8 @@ def build(name: str, seed: int):
     """The tiny Qwen2-VL / Qwen2.5-VL (see `mmserve.tiny` for the contract)."""
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
-    tokenizer = build_tokenizer(seed, vocab_size=1024)
+    # Qwen2.5-VL's tokenizer adds the tool-call and fill-in-the-middle tokens; Qwen2-VL's has none
+    tokenizer = build_tokenizer(seed, vocab_size=1024, added_tokens=QWEN2_5_ADDED_TOKENS if name == "qwen2_5_vl" else ())
     model_config = config(name, tokenizer)
     image_processor = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     video_processor = Qwen2VLVideoProcessor(

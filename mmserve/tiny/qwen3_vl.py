@@ -10,11 +10,13 @@ Qwen3-VL special tokens.
 
 from __future__ import annotations
 
-from mmserve.tiny.tokenizer import SPECIAL_TOKENS, build_tokenizer, text_config
+from mmserve.tiny.tokenizer import QWEN3_ADDED_TOKENS, SPECIAL_TOKENS, build_tokenizer, text_config
 
 VARIANTS: dict[str, str] = {}
 
-QWEN3_SPECIAL_TOKENS = SPECIAL_TOKENS + ("<tool_call>", "</tool_call>", "<think>", "</think>")
+# Qwen3's special tokens are Qwen2-VL's; its tool and thinking tags are plain added tokens
+# (`special: false`: decoded into the text, as the released tokenizers decode them)
+QWEN3_SPECIAL_TOKENS = SPECIAL_TOKENS
 
 # a user or tool message's parts, written twice in the template
 _CONTENT_PARTS = (
@@ -125,7 +127,7 @@ def build(name: str, seed: int, make_config=config, chat_template: str = QWEN3_C
     `chat_template`: those of a sibling with the same processor (Qwen3-VL-MoE, Qwen3.5)."""
     from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor, Qwen3VLVideoProcessor
 
-    tokenizer = build_tokenizer(seed, 1024, QWEN3_SPECIAL_TOKENS)
+    tokenizer = build_tokenizer(seed, 1024, QWEN3_SPECIAL_TOKENS, added_tokens=QWEN3_ADDED_TOKENS)
     model_config = make_config(tokenizer)
     norm = dict(image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     sizes = dict(patch_size=PATCH_SIZE, merge_size=MERGE_SIZE, temporal_patch_size=2)

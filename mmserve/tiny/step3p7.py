@@ -14,9 +14,11 @@ VARIANTS: dict[str, str] = {}
 
 STEP3_IMAGE_TOKEN = "<im_patch>"
 STEP3_SPECIAL_TOKENS = (
+    "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>",  # DeepSeek-style, as Step-3.7's
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", STEP3_IMAGE_TOKEN, "<im_start>", "<im_end>",
     "<patch_start>", "<patch_end>", "<patch_newline>",
 )
+STEP3_ADDED_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 STEP3_IMAGE_SIZE = 112  # global view side
 STEP3_CROP_SIZE = 56  # local crop side
 STEP3_VIT_PATCH = 7
@@ -38,7 +40,7 @@ def build(name: str, seed: int):
     from transformers.models.step3p7.image_processing_step3p7 import Step3p7ImageProcessor
     from transformers.models.step3p7.processing_step3p7 import Step3p7Processor
 
-    tokenizer = build_tokenizer(seed, 1024, STEP3_SPECIAL_TOKENS)
+    tokenizer = build_tokenizer(seed, 1024, STEP3_SPECIAL_TOKENS, added_tokens=STEP3_ADDED_TOKENS)
     ids = tokenizer.convert_tokens_to_ids
     text = dict(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,

@@ -10,6 +10,14 @@ SPECIAL_TOKENS = (
     "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
 )
 
+# Qwen2.5's added tokens after the special ones, plain (`special: false`) in the released tokenizers;
+# Qwen3's add the tool-response and thinking tags (tests/data/real_added_tokens.json).
+QWEN2_5_ADDED_TOKENS = (
+    "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+    "<|repo_name|>", "<|file_sep|>",
+)
+QWEN3_ADDED_TOKENS = QWEN2_5_ADDED_TOKENS + ("<tool_response>", "</tool_response>", "<think>", "</think>")
+
 # Qwen2's pre-tokenizer split pattern.
 _QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -47,11 +55,13 @@ def build_tokenizer(
     pad_token: str = "<|endoftext|>",
     bos_token: str | None = None,
     extra_corpus: list[str] | None = None,
+    added_tokens: tuple[str, ...] = (),
 ):
     """Byte-level BPE trained on a fixed corpus; with `bos_token`, it is prepended to every encoding.
     `extra_corpus`: lines trained on after the fixed ones (`mmserve/loadgen/vocab.py`: a vocabulary
-    of a real model's size)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    of a real model's size). `special_tokens`, then `added_tokens` (plain: decoded even when special
+    tokens are skipped), are added tokens, none normalized, as in the released Qwen tokenizers."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(byte_fallback=False))
@@ -64,12 +74,13 @@ def build_tokenizer(
     )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(special_tokens),
+        vocab_size=vocab_size - len(special_tokens) - len(added_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(seed) + list(extra_corpus or ()), trainer=trainer)
     tok.add_special_tokens(list(special_tokens))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     bos = {} if bos_token is None else {"bos_token": bos_token, "add_bos_token": True}
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,

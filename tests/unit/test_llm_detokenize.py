@@ -57,6 +57,27 @@ def test_deltas_add_up_to_the_whole_decode_cut_at_the_stop_string(tokenizer, ids
     assert out == (full[:cut] if cut != -1 else full)
 
 
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), stop=st.sampled_from(["", "e", "<|box", "\ufffd"]))
+def test_marker_ids_give_their_text_even_when_special_and_the_rest_decodes_as_before(tokenizer, data, stop):
+    """The tool-call tags of a tokenizer that marks them special (here two special tokens stand in)
+    reach the text, so that the parser sees them; between them the text is each run's decode."""
+    markers = {tokenizer.convert_tokens_to_ids(t): t for t in ("<|box_start|>", "<|box_end|>")}
+    ids = data.draw(st.lists(st.integers(0, 703) | st.sampled_from(sorted(markers)), max_size=40))
+    detok = IncrementalDetokenizer(tokenizer, [stop] if stop else [], markers)
+    out = "".join(detok.add(i) for i in ids) + detok.flush()
+    runs, run = [], []
+    for i in ids:
+        if i in markers:
+            runs += [tokenizer.decode(run, skip_special_tokens=True), markers[i]]
+            run = []
+        else:
+            run.append(i)
+    full = "".join(runs) + tokenizer.decode(run, skip_special_tokens=True)
+    cut = full.find(stop) if stop else -1
+    assert out == (full[:cut] if cut != -1 else full)
+
+
 @pytest.fixture(scope="module", params=["qwen2_vl", "llava"])
 def tiny_tokenizer(request):
     """Two of the tiny byte-level BPE tokenizers: Qwen's special tokens, LLaVA's (with `<s>`)."""

@@ -584,18 +584,21 @@ class _Generation:
         return {}
 
 
-def _answers(parallel: bool, *form) -> dict:
-    """(content, [(name, arguments)], finish reason) per API path: HTTP whole and streamed, gRPC whole and streamed."""
+def _answers(parallel: bool, *form, make=None) -> dict:
+    """(content, [(name, arguments)], finish reason) per API path: HTTP whole and streamed, gRPC
+    whole and streamed, of `_Generation(parallel, *form)` (or of a new `make()` each)."""
     import asyncio
 
     from deployments.api import grpc_api, openai_api
 
+    make = make or (lambda: _Generation(parallel, *form))
+
     async def all_of(chunks):
         return [c async for c in chunks]
 
-    whole = asyncio.run(openai_api.completion(_Generation(parallel, *form), "m", False))["choices"][0]
+    whole = asyncio.run(openai_api.completion(make(), "m", False))["choices"][0]
     content, calls, finish = "", {}, None
-    for line in asyncio.run(all_of(openai_api.sse(_Generation(parallel, *form), "m", False, False, None))):
+    for line in asyncio.run(all_of(openai_api.sse(make(), "m", False, False, None))):
         if line.startswith("data: {"):
             choice = json.loads(line[6:])["choices"][0]
             content += choice["delta"].get("content") or ""
@@ -604,8 +607,8 @@ def _answers(parallel: bool, *form) -> dict:
                 call[0] += piece["function"].get("name") or ""
                 call[1] += piece["function"].get("arguments") or ""
             finish = choice["finish_reason"] or finish
-    unary = asyncio.run(grpc_api.completion(_Generation(parallel, *form), "r"))
-    streamed = asyncio.run(all_of(grpc_api.stream(_Generation(parallel, *form), "r")))
+    unary = asyncio.run(grpc_api.completion(make(), "r"))
+    streamed = asyncio.run(all_of(grpc_api.stream(make(), "r")))
     return {
         "http": (whole["message"]["content"], [(c["function"]["name"], c["function"]["arguments"])
                                                for c in whole["message"]["tool_calls"]], whole["finish_reason"]),
@@ -662,3 +665,85 @@ def test_a_named_tool_choice_sends_the_engine_a_grammar_of_that_function_only(ti
     grammar = llm.calls[0].sampling.grammar
     assert grammar.kind == "lark" and '\\"name\\": \\"type_text\\"' in grammar.schema
     assert "click" not in grammar.schema and "body: fn_0\n" in grammar.schema  # calls of type_text only
+
+
+class _Events:
+    """An LLM stream of recorded `TokenEvent`s, as a `Generation` reads it."""
+
+    def __init__(self, events):
+        self._events = iter(events)
+
+    async def __anext__(self):
+        try:
+            return next(self._events)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def cancel(self):
+        pass
+
+
+def _marked_special(model_dir: str, tmp_path) -> str:
+    """A copy of `model_dir` whose tokenizer marks `<tool_call>` / `</tool_call>` special."""
+    import shutil
+
+    out = shutil.copytree(model_dir, tmp_path / "special_tags")
+    for name, entries in (("tokenizer.json", "added_tokens"), ("tokenizer_config.json", "added_tokens_decoder")):
+        path = out / name
+        data = json.loads(path.read_text())
+        tokens = data.get(entries, {})
+        for token in tokens.values() if isinstance(tokens, dict) else tokens:
+            if token["content"] in ("<tool_call>", "</tool_call>"):
+                token["special"] = True
+        path.write_text(json.dumps(data))
+    return str(out)
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
+def test_forced_calls_are_found_by_their_tag_ids_whether_the_tokenizer_marks_them_special_or_not(
+        tiny_checkpoint, tmp_path, family):
+    """The engine's forced calls (required, parallel), answered through the real `Generation`
+    (skipping special tokens) and the API paths: the same calls, whole and streamed, over HTTP and
+    gRPC, with the released tokenizer's flags (`<tool_call>` plain) and with the tags marked special
+    (before, the tags were skipped and the calls came back as content: issue 58)."""
+    from transformers import AutoTokenizer
+
+    from types import SimpleNamespace
+
+    from deployments.core.generation import Generation
+    from llm_service.sampling import SamplingParams
+    from mmserve.request.prompt_plan import RequestPlanner
+
+    model_dir = tiny_checkpoint(family)
+    fmt = RequestPlanner(model_dir, AutoTokenizer.from_pretrained(model_dir)).tool_format
+    tools = [*TOOLS, SEARCH] if fmt.xml else TOOLS
+    engine = make_engine(model_dir)
+    collector = Collector()
+    collector.add(engine, plan_request(model_dir, user(image(56, 70, 30), text("Click the OK button.")), "r", 800,
+                                       grammar=Grammar("lark", fmt.grammar(tools))))
+    run_until_done(engine, collector)
+    events = collector.events["r"]
+    assert events[-1].finish_reason == "stop"
+    expected = None
+    for checkpoint in (model_dir, _marked_special(model_dir, tmp_path)):
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        marked = ToolFormat.of(tokenizer, "xml" if fmt.xml else "json")
+        assert (marked.start_id, marked.end_id) == (fmt.start_id, fmt.end_id)
+        assert tokenizer.added_tokens_decoder[fmt.start_id].special == (checkpoint != model_dir)
+        assert ("<tool_call>" in tokenizer.decode([fmt.start_id], skip_special_tokens=True)) == (checkpoint == model_dir)
+
+        def make():
+            plan = SimpleNamespace(token_ids=[0], num_media_tokens=0)
+            gen = Generation("r", plan, SamplingParams(800), (), _Events(events[1:]), events[0], tokenizer)
+            gen.tools, gen.tool_format = tuple(tools), marked
+            return gen
+
+        answers = {path: (content or None, calls, finish)  # gRPC's empty text is HTTP's null content
+                   for path, (content, calls, finish) in _answers(True, make=make).items()}
+        content, calls, finish = answers["http"]
+        assert content is None and calls and finish == "tool_calls", (checkpoint, answers["http"])
+        assert answers == dict.fromkeys(answers, answers["http"])
+        expected = expected or answers["http"]
+        assert answers["http"] == expected  # the same calls either way
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), next(t for t in tools if t.name == name).schema)
