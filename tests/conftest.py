@@ -2,11 +2,18 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
 
 if not torch.cuda.is_available():  # Triton kernels (tests marked `kernel`) run in the interpreter on CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest_plugins = ("tests.support.serve_fixtures",)
+
+# Under CI every property test runs its own fixed budget (`max_examples` in its `@settings`) of the
+# same derandomized examples each run: a run's time and outcome do not depend on luck (docs/testing.md).
+settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 

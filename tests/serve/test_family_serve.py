@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 
 from mmserve.rpc.vlm_client import VLMClient
-from tests.support.cases import CASE_TOKENS, family_cases, openai_chat, proto_messages
+from tests.support.cases import CASE_TOKENS, family_cases, openai_chat, proto_messages, shared_prefix_sequence
 from tests.support.reference import reference_generate
 from tests.support.serve_fixtures import _app_args
 
@@ -131,3 +131,14 @@ def test_concurrent_requests_to_a_moe_model_equal_monolithic(served, tiny_checkp
                                        cases.values())))
     for case, messages in cases.items():
         assert got[case] == reference_generate(tiny_checkpoint(family), messages, max_tokens), case
+
+
+@pytest.mark.parametrize("served", list(SERVED), indirect=True)
+def test_a_session_of_requests_sharing_prefixes_equals_monolithic(served, tiny_checkpoint):
+    """One server, requests one after another that share a system prompt and images with the ones
+    before (cached prefixes, state snapshots), one past a 64-token chunk: each equals `generate`."""
+    family, urls = served
+    name = next(iter(SERVED[family].apps))
+    for i, messages in enumerate(shared_prefix_sequence()):
+        expected = reference_generate(tiny_checkpoint(family), messages, CASE_TOKENS[family])
+        assert openai_chat(urls[name], name, messages, CASE_TOKENS[family], stream=False)[1] == expected, i

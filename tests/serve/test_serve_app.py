@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from tests.support.cases import chat_completion
+from tests.support.cases import chat_completion, openai_chat, shared_prefix_sequence
 from tests.support.media_factory import data_uri, image_bytes, video_frames
 from tests.support.reference import load_reference, reference_generate
 
@@ -52,6 +52,13 @@ def test_served_equals_monolithic_streaming_and_not(serve_urls, family, tiny_mod
     assert text == processor.tokenizer.decode(expected, skip_special_tokens=True)
     stream_text, stream_tokens = chat(c, api_messages, stream=True)
     assert (stream_text, stream_tokens) == (text, tokens)
+
+
+def test_a_session_of_requests_sharing_prefixes_equals_monolithic(serve_urls, family, tiny_models):
+    """As tests/serve/test_family_serve.py's test of that name, on the Qwen2-VL families' apps."""
+    for i, messages in enumerate(shared_prefix_sequence()):
+        expected = reference_generate(tiny_models[family], messages, MAX_TOKENS)
+        assert openai_chat(serve_urls[family], family, messages, MAX_TOKENS, stream=False)[1] == expected, i
 
 
 def test_models_and_health(serve_urls):

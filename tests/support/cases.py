@@ -114,6 +114,21 @@ def family_cases(family: str) -> dict[str, list[dict]]:
     return _FAMILY_CASES[family]()
 
 
+def shared_prefix_sequence() -> list[list[dict]]:
+    """Requests to send one after another to one server, as a new user's session goes (issue 58):
+    later ones share a system prompt and images with earlier ones (the prefix cache and, on hybrid
+    models, state snapshots serve them), one runs past a Gated-DeltaNet chunk (64 tokens), images
+    of several sizes, text with a trailing space (a template may trim it)."""
+    system = {"role": "system", "content": [text("You are a careful assistant who answers in few words. " * 2)]}
+    again = text("Again " * 60)
+    return [
+        [system, *user(text("Hello, who are you? "))],
+        [system, *user(image(100, 150, 31), text("What is in this picture?"))],
+        [system, *user(image(100, 150, 31), again)],
+        [system, *user(image(170, 120, 32), image(100, 150, 31), text("Compare the two pictures. "))],
+    ]
+
+
 def api_messages(messages: list[dict]) -> list[dict]:
     """The reference shape (media as bytes) as OpenAI chat messages (media as data: URIs)."""
     def part(p):
