@@ -4,12 +4,14 @@ replicas with their calls."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 
 from mmserve.capacity.caches import PrefixCache
 from mmserve.capacity.events import BatchStation, OneAtATime, SharedCores, Simulator, serving
@@ -151,7 +153,8 @@ class LLMReplica:
                 request.decoding_since = self.steps
                 last = self.steps + max(request.output_tokens - request.decoded, 0)
                 (ending if last == self.steps else self._ends.setdefault(last, [])).append(request)
-        for request in sorted(ending, key=lambda r: r.admission):  # in running's order
+        ending.sort(key=attrgetter("admission"))  # in running's order
+        for request in ending:
             request.finish = now
             self.running.remove(request)
             self._leave(request)
@@ -245,7 +248,7 @@ class EncoderPool:
 
     def submit(self, sizes: tuple[int, ...], done: Callable[[], None]) -> None:
         """Encode items of these token counts; `done()` once every call is back."""
-        groups = spread(sizes)
+        groups = _calls(sizes)
         calls_left = [len(groups)]
         for group in groups:
             replica, items_left = self._pick(), [len(group)]
@@ -261,3 +264,9 @@ class EncoderPool:
 
             for i in group:
                 replica.submit(sizes[i], item_done)
+
+
+@functools.lru_cache(maxsize=4096)
+def _calls(sizes: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """`spread`, once per request shape (a workload has few; a simulated run asks for each thousands of times)."""
+    return tuple(map(tuple, spread(sizes)))
