@@ -153,6 +153,13 @@ def _bench(ns: argparse.Namespace, extra: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:  # ahead of the other commands' imports (torch: seconds)
+        from deployments.cli.plan_runs import collect
+        from deployments.cli.routing_runs import collect as collect_routing
+        from mmserve.capacity.cli import main as plan
+
+        return plan(argv[1:], collect, collect_routing)
     from mmserve.checkpoint import DTYPE_CHOICES
     from mmserve.request.prompt_plan import MediaLimits
     from mmserve.tiny import FAMILIES
@@ -255,12 +262,6 @@ def main(argv: list[str] | None = None) -> int:
     ns, extra = parser.parse_known_args(argv)
     if ns.command == "bench":
         return _bench(ns, extra)
-    if ns.command == "plan":
-        from deployments.cli.plan_runs import collect
-        from deployments.cli.routing_runs import collect as collect_routing
-        from mmserve.capacity.cli import main as plan
-
-        return plan(extra, collect, collect_routing)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return ns.func(ns)

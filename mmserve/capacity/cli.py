@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from mmserve.capacity import simulate as capacity
 from mmserve.capacity.fit import load_or_collect, print_validation, validate
-from mmserve.capacity.goodput import RUN_TTFT_SLOS, Recommendation, recommend
+from mmserve.capacity.goodput import RUN_TTFT_SLOS, TOLERANCE, Recommendation, recommend
 from mmserve.capacity.inputs import PROFILES, SLO, TRANSPORTS, Workload, load_profile, with_changes, with_transfer_rates
 
 
@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None, collect=None, collect_routing=None) -> i
     p.add_argument("--requests", type=int, default=1000, help="arrivals per simulated run, at least (a run also "
                    f"lasts {RUN_TTFT_SLOS} TTFT SLOs)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--full", action="store_true", help="simulate every split of the cell, each goodput bisected from "
+                   "1 req/s (minutes); by default each search starts at the analytic capacity and stops within "
+                   f"{TOLERANCE * 100:g}%%, and the splits whose capacity cannot reach the best goodput are left out")
     p.add_argument("--plot", help="write the goodput-per-GPU chart here (SVG)")
     v = p.add_argument_group("validation")
     v.add_argument("--validate", action="store_true", help="instead: the model against real runs of the app on this "
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None, collect=None, collect_routing=None) -> i
     print(f"workload: {ns.images[0]}-{ns.images[1]} images x {images} tokens, {ns.text_tokens} text tokens, "
           f"{ns.output_tokens} out{ranged}, embeddings over {ns.transport}; SLOs p99 TTFT <= {ns.ttft_p99} s, "
           f"p99 TPOT <= {ns.tpot_p99 * 1000:g} ms")
-    recommendations = [recommend(profile, workload, slo, gpus, ns.cell, ns.requests, ns.seed, ns.transport)
+    recommendations = [recommend(profile, workload, slo, gpus, ns.cell, ns.requests, ns.seed, ns.transport, ns.full)
                        for gpus in ns.gpus]
     print(f"{'GPUs':>6} {'encoders':>9} {'LLMs':>6} {'goodput/s':>10} {'per GPU':>8} {'colocated/s':>12} "
           f"{'per GPU':>8} {'margin':>7}")
@@ -165,6 +168,11 @@ def main(argv: list[str] | None = None, collect=None, collect_routing=None) -> i
         d, c = rec.disaggregated, rec.colocated
         print(f"{rec.gpus:>6} {d.num_encoders:>9} {d.num_llms:>6} {d.goodput:>10.2f} {d.per_gpu:>8.3f} "
               f"{c.goodput:>12.2f} {c.per_gpu:>8.3f} {rec.margin:>7.2f}")
+    if not ns.full:
+        smallest = min(recommendations, key=lambda r: r.gpus)
+        ruled_out = " ".join(f"{r.num_encoders}E:{r.num_llms}L" for r in smallest.ruled_out) or "none"
+        print(f"searched from the analytic capacity to {TOLERANCE:.1%} (--full: every split, bisected from 1 req/s); "
+              f"left out by their capacity at {smallest.gpus} GPUs: {ruled_out}")
     if ns.plot:
         with open(ns.plot, "w") as f:
             f.write(plot_svg(recommendations, profile.source))

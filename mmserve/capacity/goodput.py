@@ -6,10 +6,13 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 
+from mmserve.capacity.estimate import capacity
 from mmserve.capacity.inputs import SLO, Profile, Workload
 from mmserve.capacity.simulate import Result, simulate
 
@@ -71,14 +74,18 @@ def _slope(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 RUN_TTFT_SLOS = 10  # a goodput run lasts at least this many TTFT SLOs of arrivals
 MAX_RUN_REQUESTS = 20_000
+START = 0.95  # the search from an estimate starts at this share of it (goodput came to 0.91-1.04x it)
+TOLERANCE = 0.025  # ...and stops when the bracket's high end is within this share above its low end
 
 
 def goodput(profile: Profile, workload: Workload, slo: SLO, num_encoders: int, num_llms: int,
-            num_requests: int = 1000, seed: int = 0, iterations: int = 12, transport: str = "object_store") -> float:
+            num_requests: int = 1000, seed: int = 0, iterations: int = 12, transport: str = "object_store",
+            estimate: float | None = None) -> float:
     """The highest request rate at which p99 TTFT and p99 TPOT stay within `slo` (as the vLLM EPD
     blog's "goodput at P99 SLOs") and the app keeps up (completions >= 0.95 x the offered rate: a
-    finite run past saturation can still meet a loose TTFT SLO), by bisection; 0 when even a
-    trickle misses them."""
+    finite run past saturation can still meet a loose TTFT SLO); 0 when even a trickle misses them.
+    Without `estimate`: doubling from 1 req/s until the SLOs break, then `iterations` bisections.
+    With one (`mmserve.capacity.estimate.capacity`): from START x it (`_around`), to TOLERANCE."""
     def ok(rate: float) -> bool:
         # long enough for a queue past saturation to outgrow the TTFT SLO, and for the drain after
         # the last arrival to weigh little in the throughput
@@ -87,6 +94,8 @@ def goodput(profile: Profile, workload: Workload, slo: SLO, num_encoders: int, n
                           transport=transport)
         return meets(result, slo) and result.throughput >= 0.95 * rate
 
+    if estimate is not None:
+        return _around(ok, START * estimate)
     low, high = 0.0, 1.0
     while ok(high):  # bracket: double until the SLOs break
         low, high = high, high * 2
@@ -96,6 +105,29 @@ def goodput(profile: Profile, workload: Workload, slo: SLO, num_encoders: int, n
         return 0.0
     for _ in range(iterations):
         mid = (low + high) / 2
+        low, high = (mid, high) if ok(mid) else (low, mid)
+    return low
+
+
+def _around(ok, start: float) -> float:
+    """The bracket's low end, once high <= low x (1 + TOLERANCE): bracketed from `start`, widening
+    by 10%, then 21%, 46%, ... (each step the last one squared) until the SLOs hold at its low end and
+    break at its high end, then bisected geometrically; 0 when they break at start / 1024."""
+    step = 1.1
+    if ok(start):
+        low = start
+        while ok(high := low * step):
+            low, step = high, step * step
+            if high > 1e6:
+                return high
+    else:
+        high = start
+        while not ok(low := high / step):
+            if low < start / 1024:
+                return 0.0
+            high, step = low, step * step
+    while high > low * (1 + TOLERANCE):
+        mid = math.sqrt(low * high)
         low, high = (mid, high) if ok(mid) else (low, mid)
     return low
 
@@ -111,12 +143,23 @@ class Split:
         return self.goodput / (self.num_encoders + self.num_llms)
 
 
+@dataclass(frozen=True)
+class RuledOut:
+    """A split the default search left unsimulated: its analytic capacity x HEADROOM is below the
+    best goodput simulated."""
+
+    num_encoders: int
+    num_llms: int
+    capacity: float  # requests per second (`mmserve.capacity.estimate.capacity`)
+
+
 @dataclass
 class Recommendation:
     gpus: int
     disaggregated: Split
     colocated: Split
-    candidates: list[Split] = field(default_factory=list)
+    candidates: list[Split] = field(default_factory=list)  # the splits simulated
+    ruled_out: list[RuledOut] = field(default_factory=list)
 
     @property
     def margin(self) -> float:
@@ -126,32 +169,71 @@ class Recommendation:
     def as_dict(self) -> dict:
         return {"gpus": self.gpus, "disaggregated": asdict(self.disaggregated), "colocated": asdict(self.colocated),
                 "margin": round(self.margin, 3) if math.isfinite(self.margin) else None,
-                "candidates": [asdict(c) for c in self.candidates]}
+                "candidates": [asdict(c) for c in self.candidates], "ruled_out": [asdict(r) for r in self.ruled_out]}
+
+
+# a split is simulated while its capacity x this can reach the best goodput: a goodput can pass the
+# capacity a little (1.04x at most on the bundled profile; a finite run keeps 95% of a rate past it)
+HEADROOM = 1.15
 
 
 def recommend(profile: Profile, workload: Workload, slo: SLO, gpus: int, unit: int = 8, num_requests: int = 1000,
-              seed: int = 0, transport: str = "object_store") -> Recommendation:
+              seed: int = 0, transport: str = "object_store", full: bool = False) -> Recommendation:
     """The encoder:LLM split of `gpus` that maximises goodput per GPU, against all-colocated.
 
-    Every split of a `unit`-GPU cell is simulated (a cluster of `gpus` is gpus/unit such cells,
-    requests spread evenly over them, so goodput per GPU is the cell's); a cluster smaller than
-    one cell is simulated whole."""
+    A cluster of `gpus` is gpus/unit cells of `unit` GPUs, requests spread evenly over them, so
+    goodput per GPU is the cell's; a cluster smaller than one cell is simulated whole. By default
+    each goodput is searched from the split's analytic capacity (`estimate.capacity`) to TOLERANCE,
+    and a split whose capacity x HEADROOM cannot reach the best goodput is left out (`ruled_out`).
+    `full`: every split, each goodput bisected from 1 req/s (minutes). The searches run on a
+    process per core."""
     cell = min(gpus, unit)
-    splits, colocated = _cell_goodput(profile, workload, slo, cell, num_requests, seed, transport)
+    splits, colocated, ruled_out = _cell_goodput(profile, workload, slo, cell, num_requests, seed, transport, full)
     scale = gpus / cell
 
-    def scaled(e: int, rate: float) -> Split:
-        return Split(round(e * scale), gpus - round(e * scale), rate * scale)
+    def scaled(e: int, rate: float) -> tuple[int, int, float]:
+        return round(e * scale), gpus - round(e * scale), rate * scale
 
-    candidates = [scaled(e, rate) for e, rate in splits]
-    best = max(candidates, key=lambda s: (s.per_gpu, -s.num_encoders)) if candidates else scaled(0, colocated)
-    return Recommendation(gpus, best, scaled(0, colocated), candidates)
+    candidates = [Split(*scaled(e, rate)) for e, rate in splits]
+    best = max(candidates, key=lambda s: (s.per_gpu, -s.num_encoders)) if candidates else Split(*scaled(0, colocated))
+    return Recommendation(gpus, best, Split(*scaled(0, colocated)), candidates,
+                          [RuledOut(*scaled(e, cap)) for e, cap in ruled_out])
 
 
 @functools.lru_cache(maxsize=64)
-def _cell_goodput(profile: Profile, workload: Workload, slo: SLO, cell: int, num_requests: int,
-                  seed: int, transport: str) -> tuple[tuple[tuple[int, float], ...], float]:
-    """((encoders, goodput) for each disaggregated split of `cell` GPUs, colocated goodput)."""
-    splits = tuple((e, goodput(profile, workload, slo, e, cell - e, num_requests, seed, transport=transport))
-                   for e in range(1, cell))
-    return splits, goodput(profile, workload, slo, 0, cell, num_requests, seed)
+def _cell_goodput(profile: Profile, workload: Workload, slo: SLO, cell: int, num_requests: int, seed: int,
+                  transport: str, full: bool) -> tuple[tuple[tuple[int, float], ...], float, tuple[tuple[int, float], ...]]:
+    """((encoders, goodput) for each disaggregated split of `cell` GPUs simulated, colocated goodput,
+    (encoders, capacity) for each split ruled out). By default in two rounds: colocated and the
+    splits within HEADROOM of the best capacity, then those whose capacity x HEADROOM reaches the
+    best goodput of the first."""
+    caps = {e: capacity(profile, workload, e, cell - e) for e in range(cell)}
+
+    def search(e: int) -> functools.partial:
+        return functools.partial(goodput, profile, workload, slo, e, cell - e, num_requests, seed,
+                                 transport=transport, estimate=None if full else caps[e])
+
+    splits = range(1, cell)
+    if full:
+        colocated, *rates = _run_all([search(e) for e in (0, *splits)])
+        return tuple(zip(splits, rates)), colocated, ()
+    first = [e for e in splits if caps[e] * HEADROOM >= max(caps[e] for e in splits)]
+    colocated, *rates = _run_all([search(e) for e in (0, *first)])
+    found = dict(zip(first, rates))
+    then = [e for e in splits if e not in found and caps[e] * HEADROOM >= max(found.values())]
+    found.update(zip(then, _run_all([search(e) for e in then])))
+    return (tuple(sorted(found.items())), colocated,
+            tuple((e, caps[e]) for e in splits if e not in found))
+
+
+def _run_all(calls: list[Callable[[], float]]) -> list[float]:
+    """Each call's result, the calls spread over a process per core (the searches are independent)."""
+    workers = min(len(calls), os.cpu_count() or 1)
+    if workers < 2:
+        return [call() for call in calls]
+    with ProcessPoolExecutor(workers) as pool:
+        return list(pool.map(_call, calls))
+
+
+def _call(call: Callable[[], float]) -> float:
+    return call()

@@ -13,7 +13,8 @@ import pytest
 
 from mmserve.capacity.cli import main
 from mmserve.capacity.events import BatchStation, SharedCores, Simulator
-from mmserve.capacity.goodput import goodput, recommend
+from mmserve.capacity.estimate import capacity
+from mmserve.capacity.goodput import HEADROOM, goodput, recommend
 from mmserve.capacity.inputs import SLO, Autoscaling, Profile, Workload, load_profile, with_transfer_rates
 from mmserve.capacity.simulate import percentile, simulate
 
@@ -309,6 +310,33 @@ def test_the_recommendation_does_not_move_with_the_seed():
     assert len(picks) == 1
     text_only = recommend(PROFILE, Workload(rate=1.0, images=(0, 0), output_tokens=16), slo, 4, num_requests=300)
     assert text_only.colocated.per_gpu > text_only.disaggregated.per_gpu  # an encoder with nothing to do is waste
+
+
+@pytest.mark.parametrize("num_encoders, num_llms", [(1, 3), (2, 2), (3, 1), (0, 4)])
+def test_the_analytic_capacity_is_what_a_flooded_split_serves(num_encoders, num_llms):
+    bound = capacity(PROFILE, WORKLOAD, num_encoders, num_llms)
+    flooded = simulate(PROFILE, replace(WORKLOAD, rate=3 * bound), num_encoders, num_llms, num_requests=1000)
+    assert 0.9 * bound <= flooded.throughput <= 1.02 * bound
+
+
+def test_the_default_search_agrees_with_the_full_one(capsys):
+    """The default (each goodput searched from the analytic capacity to TOLERANCE, the splits it
+    rules out left out) against `--full` (every split, bisected from 1 req/s): the same split, and
+    goodputs within 5% (the tolerance, and the noise of p99 TPOT between runs at nearby rates)."""
+    args = ["--profile", HAND, "--gpus", "4", "--requests", "200", "--ttft-p99", "2", "--output-tokens", "16"]
+    answers = []
+    for extra in ([], ["--full"]):
+        assert main([*args, *extra]) == 0
+        out = capsys.readouterr().out.strip().splitlines()
+        assert any(line.startswith("searched from the analytic capacity") for line in out) == (not extra)
+        answers.append(json.loads(out[-1])["recommendations"][0])
+    fast, full = answers
+    assert len(full["candidates"]) == 3 and not full["ruled_out"]
+    assert sorted(c["num_encoders"] for c in fast["candidates"] + fast["ruled_out"]) == [1, 2, 3]
+    assert all(r["capacity"] * HEADROOM < fast["disaggregated"]["goodput"] for r in fast["ruled_out"])
+    for mode in ("disaggregated", "colocated"):
+        assert fast[mode]["num_encoders"] == full[mode]["num_encoders"]
+        assert fast[mode]["goodput"] == pytest.approx(full[mode]["goodput"], rel=0.05)
 
 
 def test_plan_prints_its_table_and_ends_with_json(tmp_path, capsys):
