@@ -1,6 +1,6 @@
 """Property: on every hybrid family (Qwen3.5, Qwen3.5-MoE, MiniCPM-V 4.6: Gated-DeltaNet layers
 beside full attention), any sequence of requests the engine serves together gives each one the
-monolithic model's greedy tokens (float64), and the log-probability of each token within 1e-3 of
+monolithic model's greedy tokens (float64), and the log-probability of each token within 1e-2 of
 the reference's: prompts across the Gated-DeltaNet chunk (64 tokens), the KV block (16, where
 state snapshots are taken) and a small prefill chunk (`max_num_batched_tokens` 48), images of
 several sizes before, between and after text, shared system prompts and images (snapshot
@@ -12,10 +12,11 @@ the first token's logits by 0.5). They are not exact: the gated delta rule runs 
 sides (as `transformers` runs it), over chunks of 64 from the start of each engine chunk, which
 starts at a snapshot point or where a step's budget cut the prompt, where `transformers` chunks the
 whole prompt from its start. Measured on Qwen3.5 (an 8-word text and two images, 59 tokens): one
-engine chunk 1e-7 from the reference, chunks cut at 16 or at the snapshot points up to 2e-4; with
-the rule run in float64 the engine's log-probabilities were the same to the last bit however the
-prompt was cut. A greedy token may then differ only where the reference's two best logits are
-within 1e-3 (a near tie; the rest is not compared)."""
+engine chunk 1e-7 from the reference, chunks cut at 16 or at the snapshot points up to 2e-4; on
+Qwen3.5-MoE (its top-k routing amplifies them) up to 3.4e-3. With the rule run in float64 the
+engine's log-probabilities were the same to 1e-15 however the prompt was cut, on both. A greedy
+token may then differ only where the reference's two best logits are within the tolerance (a near
+tie; the rest is not compared). A wrong prompt moves them by far more (a token too many: 0.5)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from tests.support.reference import greedy_reference
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "minicpmv4_6")
 MAX_TOKENS = 5
-TOLERANCE = 1e-3
+TOLERANCE = 1e-2
 SYSTEMS = ("", "You describe pictures in few words. " * 3, "Answer as a pirate would, briefly. " * 5)
 IMAGES = ((56, 70), (112, 112), (150, 120), (64, 180))  # height, width
 WORDS = "the cat sat on a mat while red birds sang over green hills".split()
