@@ -341,7 +341,8 @@ class StepMasks:
 
     @property
     def threads(self) -> int:
-        """The threads filling a step's rows (`GrammarCompiler.max_roots`: one grammar's rows fill in parallel up to it)."""
+        """The threads filling a step's rows (`GrammarCompiler.max_roots`: one grammar's rows fill in
+        parallel up to it)."""
         return self._threads or max(1, torch.get_num_threads())
 
     def fill(self, matchers: Sequence[Matcher]) -> torch.Tensor:

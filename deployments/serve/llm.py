@@ -223,7 +223,7 @@ class LLMDeployment:
 
     async def generate(self, pending: PendingRequest) -> AsyncIterator[TokenEvent]:
         """Stream of `TokenEvent`s; the stream ends after the one carrying `finish_reason`."""
-        cost = len(pending.prompt_token_ids)
+        cost = len(pending.prompt_token_ids) * pending.n  # n choices are n sequences to schedule and run
         bound = self.max_waiting_tokens
         if not pending.attempt and self.waiting_tokens and self.waiting_tokens + cost > bound:
             raise QueueFull(f"{self.waiting_tokens} prompt tokens wait for the language model (limit {bound})")
