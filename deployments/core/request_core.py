@@ -357,7 +357,8 @@ class RequestCore:
         failover = Failover(self.llm, pending, self.settings.llm_retries, self.listener.on_resubmit, reencode)
         router_ms = (time.perf_counter() - received) * 1000  # read, fetch, plan, dispatch the media
         stream, first = await failover.start()  # errors surface here, before any response is sent
-        self.pending.started(ticket)
+        if not failover.attempts:  # a lost replica's wait is no measure of the queue's pace
+            self.pending.started(ticket)
         gen = Generation(request_id, plan, sampling, options.stop, stream, first, self.tokenizer, failover.resume,
                          router_ms, options.n)
         gen.tools, gen.parallel_tool_calls = tools, request.parallel_tool_calls

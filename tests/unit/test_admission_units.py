@@ -116,3 +116,21 @@ def test_one_clients_flood_does_not_lock_out_another():
         assert admission.held == 4
     for hold in held:
         hold.__exit__(None, None, None)
+
+
+def test_a_request_that_failed_over_teaches_no_pace(tiny_models):
+    """A request resubmitted after a lost LLM replica waited for the loss, not for the queue: its time
+    to first token is no sample of the seconds per work (the soak's replica kills would otherwise
+    have the next requests refused)."""
+    core = make_core(tiny_models["qwen2_vl"], FakeLLM(die_after=[0]))
+    request = ChatRequest((Message("user", ("Hello",)),), GenerationOptions(max_tokens=2))
+
+    async def run(request_id: str):
+        gen = await core.generate(None, reader(request), request_id)
+        async for _ in gen.deltas():
+            pass
+
+    asyncio.run(run("lost"))
+    assert core.pending.seconds_per_work is None
+    asyncio.run(run("plain"))
+    assert core.pending.seconds_per_work is not None
