@@ -104,7 +104,11 @@ class RequestChecks:
 
     async def check(self, request) -> Grammar | None:
         """Check a `request_core.ChatRequest` (its size, tools and calls, the grammar it makes the LLM
-        compile); the grammar (a forced call's or `response_format`'s) or None."""
+        compile); the grammar (a forced call's or `response_format`'s) or None. Without tools or a
+        grammar nothing of it is costly (its text is counted, its calls' arguments within that count
+        parsed): checked at once, never queued behind others' schemas."""
+        if not request.tools and request.options.response_format is None:
+            return self._check(Step(), request)
         return await self.schemas.run(self._check, request)
 
     async def plan(self, messages, tools) -> RequestPlan:

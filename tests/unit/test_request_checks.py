@@ -54,8 +54,9 @@ def _as_http(body: bytes):
 def test_costly_tool_schemas_in_flight_leave_the_loop_answering_and_are_refused_at_the_deadline(tiny_models):
     """Two requests of 128 costly tool schemas each (1.5 MB bodies; they held the Router's loop 44 s)
     are in flight; meanwhile the loop keeps ticking (what `/health` needs: bound 1 s, generous: the
-    gaps are ~10 ms on an idle loop) and a plain request is answered (bound 3 s, generous). The
-    costly ones are refused at `check_timeout_s` naming the tool being checked."""
+    longest gap was 50-94 ms on 2 loaded cores, 41 s before) and a plain request is answered (bound
+    1 s, generous: 38 ms; it never queues behind the schemas). The costly ones are refused at
+    `check_timeout_s` naming the tool being checked."""
     core = make_core(tiny_models["qwen2_vl"], limits=LimitArgs(check_timeout_s=2.0, max_prompt_chars=10**8))
 
     async def run():
@@ -84,7 +85,7 @@ def test_costly_tool_schemas_in_flight_leave_the_loop_answering_and_are_refused_
         return max(gaps), plain_s, outcomes
 
     max_gap, plain_s, outcomes = asyncio.run(run())
-    assert max_gap < 1.0 and plain_s < 3.0, (max_gap, plain_s)
+    assert max_gap < 1.0 and plain_s < 1.0, (max_gap, plain_s)
     for outcome in outcomes:
         assert isinstance(outcome, InvalidRequest), outcome
         assert "took longer than 2 s to check" in str(outcome) and "tools[" in str(outcome), outcome
