@@ -190,8 +190,8 @@ class LLMEngine:
                        ready=ready)
         if request.sampling.grammar is not None:  # InvalidRequest for a bad schema, raised here
             prompt = request.prompt_token_ids
-            seq.matcher = request.matcher or Matcher(self.grammars.compile(request.sampling.grammar),
-                                                     prompt[len(prompt) - request.grammar_prefix:])
+            seq.matcher = request.matcher or self.grammars.copies(self.grammars.compile(request.sampling.grammar), 1,
+                                                                  prompt[len(prompt) - request.grammar_prefix:])[0]
         with self._cv:
             if not self._new and not self._by_id:  # idle until now: the stall clock starts here
                 self.last_progress = time.monotonic()

@@ -176,27 +176,42 @@ class GrammarCompiler:
 
     async def matchers(self, grammar: Grammar, n: int, prefix: Sequence[int] = ()) -> list[Matcher]:
         """`n` matchers of `grammar` (the `n` choices of a request), each past `prefix` (a resumed
-        stream's tokens): the grammar compiled on the pool (once per schema, cached), the matchers
-        copied of it on a thread of their own; the event loop only waits, and the deadline covers
-        both (InvalidRequest past it)."""
+        stream's tokens): the grammar compiled on the pool (once per schema, cached), the roots
+        its rows and those already running need to fill in parallel built there at once
+        (`CompiledGrammar.claim_roots`; waited for at most half the time left: a root later than
+        that serves later rows, these share the others), the matchers copied on a thread of their
+        own. The event loop only waits, and the deadline covers it all (InvalidRequest past it)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout_at(deadline):
                 compiled = await asyncio.wrap_future(self.submit(grammar))
-                return await asyncio.wrap_future(self._copier.submit(self._copies, compiled, n, prefix))
+            roots = [asyncio.wrap_future(self._pool.submit(self._grow, compiled))
+                     for _ in range(compiled.claim_roots(n))]
+            if roots:
+                await asyncio.wait(roots, timeout=(deadline - loop.time()) / 2)
+            async with asyncio.timeout_at(deadline):
+                return await asyncio.wrap_future(self._copier.submit(self._copy, compiled, n, prefix))
         except TimeoutError:
             raise self._too_slow() from None
 
-    def _copies(self, compiled: CompiledGrammar, n: int, prefix: Sequence[int]) -> list[Matcher]:
-        matchers = [Matcher(compiled, prefix) for _ in range(n)]
-        if compiled.wants_root():  # a root more lets more of its rows fill at once: built off every request's path
-            self._pool.submit(self._grow, compiled)
-        return matchers
+    def copies(self, compiled: CompiledGrammar, n: int, prefix: Sequence[int] = ()) -> list[Matcher]:
+        """As `matchers`, here and now (the engine's own requests: tests, benches): the roots built
+        in this thread."""
+        for _ in range(compiled.claim_roots(n)):
+            self._grow(compiled)
+        return self._copy(compiled, n, prefix)
+
+    @staticmethod
+    def _copy(compiled: CompiledGrammar, n: int, prefix: Sequence[int]) -> list[Matcher]:
+        return [Matcher(compiled, prefix) for _ in range(n)]
 
     def _grow(self, compiled: CompiledGrammar) -> None:
+        root = None
         try:
-            compiled.add_root(self._timed(lambda: compile_matcher(self.tokenizer, compiled.grammar, compiled.text)))
+            root = self._timed(lambda: compile_matcher(self.tokenizer, compiled.grammar, compiled.text))
         finally:
-            compiled.growing = False
+            compiled.add_root(root)
 
     def _too_slow(self) -> InvalidRequest:
         # the compile itself runs on (a native compile cannot be interrupted) and is cached when it ends
@@ -225,24 +240,24 @@ class CompiledGrammar:
     """A grammar compiled for one tokenizer, whose matchers are copies (`matcher`): a `deep_copy` of
     a matcher at the grammar's start takes microseconds where compiling one took ~2 ms for the
     30-property invoice schema and 0.23 s for a 12 KB object of 1,000 optional properties (2 idle
-    cores; ~1.7 s loaded), so every sequence of every request with the same schema starts from
-    one compile.
+    cores; ~1.7 s loaded), so no sequence compiles its schema: every sequence of every request
+    with it starts from a compile made once per schema (at most `max_roots` of them, below).
 
     Copies of one matcher share its lexer behind a lock: their masks are filled one row at a time
     even on the thread pool (fill CPU time / wall 1.0 with 2 threads where independent matchers
     gave 1.55; 64 rows took 23 ms a step on an H200's host). So the grammar keeps up to `max_roots`
     independent roots (each its own compile); a copy is made of the root with the fewest live
-    copies, and when every root has one, `wants_root` asks the compiler for another (built on its
-    pool, off every request's path): rows of one grammar then fill in parallel up to the fill's
-    threads. A root's lexer grows with what its copies read (its DFA is built lazily, within
-    llguidance's limits: `max_lexer_states`), so a root that made `ROOT_COPIES` copies is replaced
-    by a fresh one."""
+    copies. New rows get the roots they and the rows already running need to fill in parallel
+    before they are copied (`claim_roots`), up to `max_roots`: rows of one grammar fill in
+    parallel up to the fill's threads, for at most `max_roots` compiles per schema. A root's
+    lexer grows with what its copies read (its DFA is built lazily, within llguidance's limits:
+    `max_lexer_states`), so a root that made `ROOT_COPIES` copies is replaced by a fresh one."""
 
     def __init__(self, tokenizer, grammar: Grammar, text: str, root, max_roots: int = 1):
         self.tokenizer, self.grammar, self.text, self.max_roots = tokenizer, grammar, text, max_roots
         self._roots = [_Root(root)]
         self._lock = threading.Lock()
-        self.growing = False  # the compiler is building a root
+        self._building = 0  # roots claimed, being built
 
     @property
     def num_roots(self) -> int:
@@ -261,23 +276,27 @@ class CompiledGrammar:
         with self._lock:
             root.live -= 1
 
-    def wants_root(self) -> bool:
-        """Whether a root more (or one replacing a worn one) is due; the caller then builds it."""
+    def claim_roots(self, rows: int) -> int:
+        """How many roots the caller is to build before copying `rows` new rows (each root then
+        given to `add_root`): one per row running or new, up to `max_roots`, worn roots not counted."""
         with self._lock:
-            due = (any(r.worn for r in self._roots)
-                   or (len(self._roots) < self.max_roots and all(r.live for r in self._roots)))
-            if not due or self.growing:
-                return False
-            self.growing = True
-            return True
+            have = sum(not r.worn for r in self._roots) + self._building
+            live = sum(r.live for r in self._roots)
+            claimed = max(0, min(live + rows, self.max_roots) - have)
+            self._building += claimed
+            return claimed
 
     def add_root(self, matcher) -> None:
+        """A claimed root built (None: its build failed): it replaces a worn root, or joins the others."""
         with self._lock:
+            self._building -= 1
             worn = next((i for i, r in enumerate(self._roots) if r.worn), None)
-            if worn is None:
-                self._roots.append(_Root(matcher))
-            else:
+            if matcher is None:
+                return
+            if worn is not None:
                 self._roots[worn] = _Root(matcher)
+            elif len(self._roots) < self.max_roots:
+                self._roots.append(_Root(matcher))
 
 
 class Matcher:

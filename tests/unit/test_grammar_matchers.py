@@ -5,6 +5,7 @@ compile deadline; the grammar engine's faults are refused in sentences."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import threading
 import time
@@ -71,23 +72,23 @@ def test_sixteen_sequences_and_the_next_request_start_from_one_compile(tokenizer
 
 
 def test_the_rows_of_one_grammar_get_independent_roots_up_to_max_roots(tokenizer):
-    """Copies of one root fill their masks one at a time (a shared lexer lock): while every root
-    has a live copy, another root is built on the compile pool (one compile each), up to
-    `max_roots`; later copies spread over them."""
-    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id], max_roots=2)
+    """Copies of one root fill their masks one at a time (a shared lexer lock): new rows get roots
+    enough for them and the rows running to fill in parallel, up to `max_roots` (one compile
+    each), before they are copied, and spread over them. Dropped copies are released."""
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id], max_roots=3)
     grammar = _grammar(CHART)
-    held = asyncio.run(compiler.matchers(grammar, 8))
-    deadline = time.monotonic() + 30
+    held = asyncio.run(compiler.matchers(grammar, 2))
     compiled = compiler.compile(grammar)
-    while compiled.num_roots < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
     assert compiled.num_roots == 2 and compiler.stats.compiles == 2
-    more = asyncio.run(compiler.matchers(grammar, 8))
-    assert compiled.num_roots == 2 and compiler.stats.compiles == 2  # never more than max_roots
-    loads = sorted(root.live for root in compiled._roots)
-    assert loads[0] >= 4, loads  # the new root took its share
-    del held, more
-    assert [root.live for root in compiled._roots] == [0, 0]  # dropped copies are released
+    assert [root.live for root in compiled._roots] == [1, 1]
+    more = asyncio.run(compiler.matchers(grammar, 8))  # 10 rows: a third root, no more
+    assert compiled.num_roots == 3 and compiler.stats.compiles == 3
+    assert sorted(root.live for root in compiled._roots) == [3, 3, 4]
+    one_by_one = [compiler.copies(compiled, 1)[0] for _ in range(2)]  # the engine's own requests
+    assert compiler.stats.compiles == 3 and sum(root.live for root in compiled._roots) == 12
+    del held, more, one_by_one
+    gc.collect()  # the copier's finished futures held the lists
+    assert [root.live for root in compiled._roots] == [0, 0, 0]
     compiler.shutdown()
 
 
@@ -96,7 +97,7 @@ def test_the_deadline_covers_the_compile_and_the_matchers_off_the_event_loop(tok
     (a 1 ms ticker ticks), and is refused at the compile deadline whichever of them is slow."""
     compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id], timeout_s=0.5)
     release = threading.Event()
-    compile_, copies = compiler._compile, compiler._copies
+    compile_, copies = compiler._compile, compiler._copy
 
     def held(run):
         def wait(*args):
@@ -119,7 +120,7 @@ def test_the_deadline_covers_the_compile_and_the_matchers_off_the_event_loop(tok
         seconds, ticks = asyncio.run(refused(_grammar({**CHART, "title": "slow compile"})))
         assert 0.4 < seconds < 5 and ticks > 50, (seconds, ticks)
         monkeypatch.setattr(compiler, "_compile", compile_)
-        monkeypatch.setattr(compiler, "_copies", held(copies))
+        monkeypatch.setattr(compiler, "_copy", held(copies))
         seconds, ticks = asyncio.run(refused(_grammar({**CHART, "title": "slow matchers"})))
         assert 0.4 < seconds < 5 and ticks > 50, (seconds, ticks)
     finally:
