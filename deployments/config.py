@@ -63,9 +63,9 @@ class LimitArgs(FrozenArgs):
     )
     check_timeout_s: float = Field(
         default=10.0, gt=0, description="the Router's costly work on one request, each part off its event loop: "
-        "checking its tool schemas and the grammar it makes the LLM compile (compiled as the LLM replica does), "
-        "then rendering and tokenizing its prompt; a part running past it is refused (400 naming the part), one "
-        "that waited past it for a thread 429",
+        "checking its tool schemas, then rendering and tokenizing its prompt; a part running past it is refused "
+        "(400 naming the part), one that waited past it for a thread 429. The grammar it makes the LLM compile is "
+        "compiled on the Router too, within engine.grammar_compile_timeout_s",
     )
     check_threads: int = Field(
         default=2, ge=1, description="threads of each Router replica for those checks, and as many for prompts: "
@@ -373,9 +373,10 @@ class EngineArgs(FrozenArgs):
         "unhealthy (Serve replaces it; its requests fail over)",
     )
     grammar_compile_timeout_s: float = Field(
-        default=EngineConfig.grammar_compile_timeout_s, gt=0, description="response_format: how long a request "
-        "waits for its JSON schema's grammar to compile (once per schema text, cached); past it the request is "
-        "refused (400 / INVALID_ARGUMENT) and the compile runs on, cached when it ends",
+        default=EngineConfig.grammar_compile_timeout_s, gt=0, description="response_format and forced tool calls: "
+        "how long a request waits for its grammar to compile and for its n matchers (once per schema text, cached); "
+        "past it the request is refused (400 / INVALID_ARGUMENT) and the compile runs on, cached when it ends. The "
+        "Router compiles each request's grammar as the LLM replica does, within the same deadline, first",
     )
     tensor_parallel_size: int = Field(
         default=EngineConfig.tensor_parallel_size, ge=1, description="ranks each LLM replica's decoder is split "

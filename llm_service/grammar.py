@@ -82,15 +82,25 @@ def compile_matcher(tokenizer, grammar: Grammar, text: str | None = None):
 
     matcher = LLMatcher(tokenizer, grammar_text(grammar) if text is None else text, log_level=0)
     if matcher.is_error():
-        what = "tools: the functions' JSON schemas" if grammar.kind == "lark" else "response_format: the JSON schema"
-        raise InvalidRequest(f"{what} cannot be compiled: {grammar_engine_problem(matcher.get_error())}")
+        raise InvalidRequest(f"{_subject(grammar)} cannot be compiled: {grammar_engine_problem(matcher.get_error())}")
     return matcher
+
+
+def compile_too_slow(grammar: Grammar, timeout_s: float) -> InvalidRequest:
+    """The refusal of a grammar past the compile deadline (the Router's check says the same)."""
+    return InvalidRequest(f"{_subject(grammar)} took longer than {timeout_s:g} s to compile; simplify it (fewer "
+                          "alternatives, smaller bounds)")
+
+
+def _subject(grammar: Grammar) -> str:
+    return "tools: the functions' JSON schemas" if grammar.kind == "lark" else "response_format: the JSON schema"
 
 
 class GrammarCompiler:
     """Compiles `Grammar`s for one tokenizer and logits width (`vocab_size`: the model's logits,
     padding ids included, which the masks always forbid); the sequence ends at `stop_token_ids`
-    once the grammar is complete. `max_roots`: how many rows of one grammar fill their masks at
+    once the grammar is complete. A compile past its deadline runs on (a native compile cannot be
+    interrupted) and is cached when it ends. `max_roots`: how many rows of one grammar fill their masks at
     once (the mask fill's threads; `CompiledGrammar`)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int], cache_size: int = CACHE_SIZE,
@@ -172,7 +182,7 @@ class GrammarCompiler:
         try:
             return self.submit(grammar).result(timeout=self.timeout_s)
         except TimeoutError:
-            raise self._too_slow() from None
+            raise compile_too_slow(grammar, self.timeout_s) from None
 
     async def matchers(self, grammar: Grammar, n: int, prefix: Sequence[int] = ()) -> list[Matcher]:
         """`n` matchers of `grammar` (the `n` choices of a request), each past `prefix` (a resumed
@@ -193,7 +203,7 @@ class GrammarCompiler:
             async with asyncio.timeout_at(deadline):
                 return await asyncio.wrap_future(self._copier.submit(self._copy, compiled, n, prefix))
         except TimeoutError:
-            raise self._too_slow() from None
+            raise compile_too_slow(grammar, self.timeout_s) from None
 
     def copies(self, compiled: CompiledGrammar, n: int, prefix: Sequence[int] = ()) -> list[Matcher]:
         """As `matchers`, here and now (the engine's own requests: tests, benches): the roots built
@@ -212,11 +222,6 @@ class GrammarCompiler:
             root = self._timed(lambda: compile_matcher(self.tokenizer, compiled.grammar, compiled.text))
         finally:
             compiled.add_root(root)
-
-    def _too_slow(self) -> InvalidRequest:
-        # the compile itself runs on (a native compile cannot be interrupted) and is cached when it ends
-        return InvalidRequest(f"response_format: the JSON schema took longer than {self.timeout_s:g} s to compile; "
-                              "simplify it (fewer alternatives, smaller bounds)")
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -6,8 +6,10 @@ costly schemas held the Router's loop 44 s, so that `/health` failed and Serve r
 replica. Here they run on `CheckPool`s, threads of their own (a flood of costly schemas holds
 only those, never the loop nor the default executor), each job refused past `timeout_s`
 (`limits.check_timeout_s`) with what it was doing named; a job its caller stopped waiting for
-stops at its next step. First of all, every character that will be tokenized or compiled is
-counted against `max_prompt_chars` (a 413 before any of that work).
+stops at its next step. The grammar's compile keeps the LLM replica's deadline
+(`engine.grammar_compile_timeout_s`) and its words, so that both refuse the same grammars. First
+of all, every character that will be tokenized or compiled is counted against
+`max_prompt_chars` (a 413 before any of that work).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from llm_service.grammar import compile_matcher
+from llm_service.grammar import compile_matcher, compile_too_slow
 from llm_service.sampling import Grammar
 from mmserve.errors import InvalidRequest, QueueFull
 from mmserve.request.prompt_plan import RequestPlan, RequestPlanner, prompt_chars
@@ -57,8 +59,11 @@ class CheckPool:
         self.name, self.threads, self.timeout_s = name, threads, timeout_s
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"router-{name.replace(' ', '-')}")
 
-    async def run(self, job: Callable[..., T], *args) -> T:
-        """`job(step, *args)` on the pool."""
+    async def run(self, job: Callable[..., T], *args, timeout_s: float | None = None,
+                  too_slow: Callable[[], Exception] | None = None) -> T:
+        """`job(step, *args)` on the pool, within `timeout_s` (default: the pool's), refused past it
+        with `too_slow()` when given."""
+        timeout_s = timeout_s or self.timeout_s
         step = Step()
 
         def run() -> T:
@@ -67,14 +72,16 @@ class CheckPool:
 
         future = self._pool.submit(run)
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(timeout_s):
                 return await asyncio.wrap_future(future)
         except TimeoutError:
             step.abandoned = True
             future.cancel()  # not started yet: never runs
-            if step.started is None or time.monotonic() - step.started < self.timeout_s / 2:
+            if step.started is None or time.monotonic() - step.started < timeout_s / 2:
                 raise QueueFull(f"the router's {self.name} are busy ({self.threads} threads)") from None
-            raise InvalidRequest(f"{step.what} took longer than {self.timeout_s:g} s to check; simplify it") from None
+            if too_slow is not None:
+                raise too_slow() from None
+            raise InvalidRequest(f"{step.what} took longer than {timeout_s:g} s to check; simplify it") from None
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -87,8 +94,8 @@ class RequestChecks:
     Router accepts the LLM replica compiles (a schema overflowing the grammar engine's symbol
     table passed llguidance's validation, which skips that step, and failed on the LLM)."""
 
-    def __init__(self, planner: RequestPlanner, threads: int, timeout_s: float):
-        self.planner = planner
+    def __init__(self, planner: RequestPlanner, threads: int, timeout_s: float, compile_timeout_s: float):
+        self.planner, self.compile_timeout_s = planner, compile_timeout_s
         self.schemas = CheckPool("schema checks", threads, timeout_s)
         self.prompts = CheckPool("prompt plans", threads, timeout_s)
         self._grammar_tokenizer = None  # llguidance's view of the tokenizer (made once, ~2 s at Qwen's size)
@@ -109,7 +116,12 @@ class RequestChecks:
         parsed): checked at once, never queued behind others' schemas."""
         if not request.tools and request.options.response_format is None:
             return self._check(Step(), request)
-        return await self.schemas.run(self._check, request)
+        grammar = await self.schemas.run(self._check, request)
+        if grammar is not None:  # within the LLM replica's compile deadline, refused in its words
+            if problem := await self.schemas.run(self._compile, grammar, timeout_s=self.compile_timeout_s,
+                                                 too_slow=lambda: compile_too_slow(grammar, self.compile_timeout_s)):
+                raise InvalidRequest(problem)
+        return grammar
 
     async def plan(self, messages, tools) -> RequestPlan:
         return await self.prompts.run(self._plan, messages, tools)
@@ -123,10 +135,12 @@ class RequestChecks:
         self.planner.check_tools(request.messages)
         grammar = request.tool_grammar(self.planner.tool_format) or response_format
         if grammar is not None:
-            step.at("the tools' grammar" if grammar.kind == "lark" else "response_format's JSON schema")
-            if problem := _grammar_problem(self.grammar_tokenizer(), grammar):
-                raise InvalidRequest(problem)
+            step.at("the model's tokenizer for grammars")
+            self.grammar_tokenizer()  # made once, outside the compile deadline
         return grammar
+
+    def _compile(self, step: Step, grammar: Grammar) -> str | None:
+        return _grammar_problem(self.grammar_tokenizer(), grammar)
 
     def _plan(self, step: Step, messages, tools) -> RequestPlan:
         step.at("the prompt (its chat template and tokens)")

@@ -101,6 +101,7 @@ class CoreSettings:
     stream_min_frames: int  # a video sampling to fewer frames is decoded whole, not streamed
     max_model_len: int | None  # engine.max_model_len: None is the checkpoint's context
     readiness_wait_s: float
+    grammar_compile_timeout_s: float  # the engine's: the Router's compile of a request's grammar keeps it too
 
     @classmethod
     def from_args(cls, args: AppArgs) -> CoreSettings:
@@ -109,7 +110,7 @@ class CoreSettings:
         return cls(args.served_model_name, args.limits, args.model, args.api_key, args.llm_retries,
                    args.max_pending_requests, args.ttft_budget_s, args.max_fetching_requests, args.engine.block_size,
                    args.stream_video, args.video_decode.stream_group_frames, args.video_decode.stream_min_frames,
-                   args.engine.max_model_len, args.readiness_wait_s)
+                   args.engine.max_model_len, args.readiness_wait_s, args.engine.grammar_compile_timeout_s)
 
 
 class VideoDecoding(Protocol):
@@ -177,7 +178,8 @@ class RequestCore:
         self.videos = videos
         self.readiness = readiness or Readiness({})  # none given: ready from the start
         self.pending = Admission(settings.max_pending_requests, settings.ttft_budget_s)
-        self.checks = RequestChecks(planner, settings.limits.check_threads, settings.limits.check_timeout_s)
+        self.checks = RequestChecks(planner, settings.limits.check_threads, settings.limits.check_timeout_s,
+                                    settings.grammar_compile_timeout_s)
         self.receiving = Bound(settings.max_fetching_requests, "requests are being received (body, media)")
         self.created = int(time.time())
 

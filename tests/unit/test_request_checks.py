@@ -145,25 +145,39 @@ def _required(tools) -> ChatRequest:
     return ChatRequest(HELLO, GenerationOptions(max_tokens=3), tools=tuple(tools), tool_choice="required")
 
 
-@pytest.mark.parametrize("case", ["tools overflowing the symbol table", "a schema llguidance refuses"])
+def _slow_schema() -> Grammar:
+    """As many optional properties as 60,000 characters hold (~4,800; seconds to compile)."""
+    names = (n for k in (1, 2, 3) for n in map("".join, itertools.product(string.ascii_lowercase, repeat=k)))
+    props: dict = {}
+    while len(json.dumps(props)) < 60_000:
+        props.update({next(names): True for _ in range(200)})
+    return Grammar("json_schema", json.dumps({"type": "object", "properties": props, "additionalProperties": False}))
+
+
+@pytest.mark.parametrize("case", ["tools overflowing the symbol table", "a schema llguidance refuses",
+                                  "a schema over the compile deadline"])
 def test_the_router_refuses_the_grammars_the_llm_compiler_refuses_with_its_words(tiny_models, case):
     """The Router accepted 128 tools whose forced-call grammar the LLM replica's compile then refused
     with llguidance's panic text (validation skips the step that overflows); it refused no
-    response_format schema at all. Now it compiles what the LLM compiles: both refuse, in the same
-    sentence, and the LLM is never called."""
+    response_format schema at all. Now it compiles what the LLM compiles, within its deadline: both
+    refuse, in the same sentence, and the LLM is never called."""
     from transformers import AutoTokenizer
 
+    deadline = 120.0
     if case == "tools overflowing the symbol table":
         request = _required(symbol_overflow_tools())
-    else:
+    elif case == "a schema llguidance refuses":
         request = ChatRequest(HELLO, GenerationOptions(response_format=Grammar("json_schema", '{"type": "objectx"}')))
+    else:
+        request, deadline = ChatRequest(HELLO, GenerationOptions(response_format=_slow_schema())), 0.5
     llm = FakeLLM()
-    core = make_core(tiny_models["qwen2_vl"], llm, limits=LimitArgs(check_timeout_s=120, max_prompt_chars=10**8))
+    core = make_core(tiny_models["qwen2_vl"], llm, limits=LimitArgs(check_timeout_s=120, max_prompt_chars=10**8),
+                     engine={"grammar_compile_timeout_s": deadline})
     with pytest.raises(InvalidRequest) as router:
         asyncio.run(core.generate(None, reader(request), "r"))
     assert not llm.calls
     tokenizer = AutoTokenizer.from_pretrained(tiny_models["qwen2_vl"])
-    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id], timeout_s=120)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id], timeout_s=deadline)
     grammar = request.tool_grammar(core.planner.tool_format) or request.options.response_format
     with pytest.raises(InvalidRequest) as replica:
         compiler.compile(grammar)
