@@ -15,6 +15,7 @@ of all, every character that will be tokenized or compiled is counted against
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
 import time
@@ -50,10 +51,10 @@ class Step:
 
 
 class CheckPool:
-    """Jobs on `threads` threads of their own. A job past `timeout_s` is refused: InvalidRequest
-    (400) naming its step when it ran for most of that time, QueueFull (429) when it mostly waited
-    for a thread (the pool was busy with others' jobs, not the request's fault). Its thread runs on
-    to the job's next step (a native check cannot be interrupted)."""
+    """Jobs on `threads` threads of their own. A job that waited `timeout_s` for a thread is
+    refused with QueueFull (429: the pool was busy with others' jobs, not the request's fault), one
+    that ran past its deadline with InvalidRequest (400) naming its step; its thread runs on to the
+    job's next step (a native check cannot be interrupted)."""
 
     def __init__(self, name: str, threads: int, timeout_s: float):
         self.name, self.threads, self.timeout_s = name, threads, timeout_s
@@ -61,24 +62,30 @@ class CheckPool:
 
     async def run(self, job: Callable[..., T], *args, timeout_s: float | None = None,
                   too_slow: Callable[[], Exception] | None = None) -> T:
-        """`job(step, *args)` on the pool, within `timeout_s` (default: the pool's), refused past it
-        with `too_slow()` when given."""
-        timeout_s = timeout_s or self.timeout_s
-        step = Step()
+        """`job(step, *args)` on the pool, running at most `timeout_s` (default: the pool's), refused
+        past it with `too_slow()` when given."""
+        loop, started, step = asyncio.get_running_loop(), asyncio.Event(), Step()
 
         def run() -> T:
             step.started = time.monotonic()
+            with contextlib.suppress(RuntimeError):  # the caller's loop is gone: it stopped waiting
+                loop.call_soon_threadsafe(started.set)
             return job(step, *args)
 
         future = self._pool.submit(run)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await started.wait()
+        except TimeoutError:
+            step.abandoned = True
+            future.cancel()  # not started yet: never runs
+            raise QueueFull(f"the router's {self.name} are busy ({self.threads} threads)") from None
+        timeout_s = timeout_s or self.timeout_s
         try:
             async with asyncio.timeout(timeout_s):
                 return await asyncio.wrap_future(future)
         except TimeoutError:
             step.abandoned = True
-            future.cancel()  # not started yet: never runs
-            if step.started is None or time.monotonic() - step.started < timeout_s / 2:
-                raise QueueFull(f"the router's {self.name} are busy ({self.threads} threads)") from None
             if too_slow is not None:
                 raise too_slow() from None
             raise InvalidRequest(f"{step.what} took longer than {timeout_s:g} s to check; simplify it") from None
