@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import functools
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -41,7 +40,6 @@ class Step:
 
     def __init__(self):
         self.what = "the request"
-        self.started: float | None = None
         self.abandoned = False
 
     def at(self, what: str) -> None:
@@ -67,7 +65,6 @@ class CheckPool:
         loop, started, step = asyncio.get_running_loop(), asyncio.Event(), Step()
 
         def run() -> T:
-            step.started = time.monotonic()
             with contextlib.suppress(RuntimeError):  # the caller's loop is gone: it stopped waiting
                 loop.call_soon_threadsafe(started.set)
             return job(step, *args)
@@ -158,7 +155,7 @@ class RequestChecks:
         self.prompts.shutdown()
 
 
-@functools.lru_cache(maxsize=128)
+@functools.lru_cache(maxsize=64)  # keyed by the grammar's text: at most max_prompt_chars each
 def _grammar_problem(tokenizer, grammar: Grammar) -> str | None:
     """Why the LLM replica would refuse to compile `grammar` (None: it compiles), remembered per grammar."""
     try:
