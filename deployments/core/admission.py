@@ -66,8 +66,7 @@ class Admission:
         if not self.held:
             return
         if self.held + sequences > self.limit:
-            self._refuse(client, f"{self.held} sequences wait for their first token (limit {self.limit}, "
-                                 "max_pending_requests)")
+            self._refuse(client, f"{self.held} sequences wait for their first token (limit {self.limit})")
         mine, share = self._mine(client).places, self._share(client)
         if mine and mine + sequences > max(1, math.floor(self.limit * share)):
             self._refuse(client, f"this client's requests hold {mine} of the {self.limit} places for sequences "
