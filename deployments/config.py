@@ -56,8 +56,20 @@ class LimitArgs(FrozenArgs):
         default=64 * 1024 * 1024, ge=1024, description="request body; also all media URLs of one request together"
     )
     max_prompt_chars: int | None = Field(
-        default=None, ge=1, description="characters of a request's text (every message), checked before tokenizing "
-        f"(413); default: {CHARS_PER_TOKEN} per token of the served context (max_model_len)",
+        default=None, ge=1, description="characters of everything of a request that is tokenized or compiled "
+        "(messages with system text and tool results, tool calls' arguments, tool definitions and their schemas, "
+        f"response_format's schema), checked before any of it is (413); default: {CHARS_PER_TOKEN} per token of the "
+        "served context (max_model_len)",
+    )
+    check_timeout_s: float = Field(
+        default=10.0, gt=0, description="the Router's costly work on one request, each part off its event loop: "
+        "checking its tool schemas, then rendering and tokenizing its prompt; a part running past it is refused "
+        "(400 naming the part), one that waited past it for a thread 429. The grammar it makes the LLM compile is "
+        "compiled on the Router too, within engine.grammar_compile_timeout_s",
+    )
+    check_threads: int = Field(
+        default=2, ge=1, description="threads of each Router replica for those checks, and as many for prompts: "
+        "a flood of costly schemas holds only these, never the event loop",
     )
     allow_local_media: bool = Field(default=False, description="local paths / file: URLs, inside local_media_dir only")
     local_media_dir: str | None = Field(default=None, description="the only directory local media may come from")
@@ -352,17 +364,19 @@ class EngineArgs(FrozenArgs):
         description="CUDA, Triton backend: the decoder's RMSNorms and SiLU MLPs in fused kernels",
     )
     max_waiting_tokens: int = Field(
-        default=32768, ge=1, description="prompt tokens per LLM replica admitted but not prefilled yet; a "
-        "request over it gets 429 + Retry-After / RESOURCE_EXHAUSTED (one request is always admitted)",
+        default=32768, ge=1, description="prompt tokens per LLM replica admitted but not prefilled yet (a request "
+        "with n choices counts its prompt n times); a request over it gets 429 + Retry-After / RESOURCE_EXHAUSTED "
+        "(one request is always admitted)",
     )
     stall_timeout_s: float = Field(
         default=60.0, gt=0, description="an LLM replica holding work with no engine step in this long is "
         "unhealthy (Serve replaces it; its requests fail over)",
     )
     grammar_compile_timeout_s: float = Field(
-        default=EngineConfig.grammar_compile_timeout_s, gt=0, description="response_format: how long a request "
-        "waits for its JSON schema's grammar to compile (once per schema text, cached); past it the request is "
-        "refused (400 / INVALID_ARGUMENT) and the compile runs on, cached when it ends",
+        default=EngineConfig.grammar_compile_timeout_s, gt=0, description="response_format and forced tool calls: "
+        "how long a request waits for its grammar to compile and for its n matchers (once per schema text, cached); "
+        "past it the request is refused (400 / INVALID_ARGUMENT) and the compile runs on, cached when it ends. The "
+        "Router compiles each request's grammar as the LLM replica does, within the same deadline, first",
     )
     tensor_parallel_size: int = Field(
         default=EngineConfig.tensor_parallel_size, ge=1, description="ranks each LLM replica's decoder is split "
@@ -454,9 +468,17 @@ class AppArgs(FrozenArgs):
         "(a stream resumes from the tokens it sent); then 503 / UNAVAILABLE",
     )
     max_pending_requests: int = Field(
-        default=16, ge=1, description="per Router replica: requests admitted that have no first token yet "
-        "(planning, encoding, waiting for prefill); more get 429 + Retry-After / RESOURCE_EXHAUSTED at once. "
-        "It bounds TTFT under bursts; raise it with faster replicas (bench/soak.py measures the trade)",
+        default=16, ge=1, description="per Router replica: sequences (a request with n choices counts n) admitted "
+        "that have no first token yet (planning, encoding, waiting for prefill); more get 429 + Retry-After / "
+        "RESOURCE_EXHAUSTED at once. With ttft_budget_s it bounds TTFT under bursts; raise it with faster replicas "
+        "(bench/soak.py measures the trade)",
+    )
+    ttft_budget_s: float = Field(
+        default=5.0, gt=0, description="per Router replica: a planned request is admitted while the expected time "
+        "to its first token (the work of the requests admitted ahead of it and its own, at the seconds per token "
+        "measured on the requests before) fits this budget, else 429 + Retry-After / RESOURCE_EXHAUSTED; each "
+        "client (by address) holding places gets its share of it; a request arriving when none waits always runs "
+        "(docs/operations.md#admission)",
     )
     max_fetching_requests: int = Field(
         default=64, ge=1, description="per Router replica: requests whose body is being read or whose media URLs "

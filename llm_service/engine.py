@@ -136,7 +136,8 @@ class LLMEngine:
 
                 tokenizer = AutoTokenizer.from_pretrained(self.model.model_dir)
                 self.grammar_compiler = GrammarCompiler(tokenizer, self.model.vocab_size, self.model.eos_token_ids,
-                                                        timeout_s=self.config.grammar_compile_timeout_s)
+                                                        timeout_s=self.config.grammar_compile_timeout_s,
+                                                        max_roots=self.masks.threads)
             return self.grammar_compiler
 
     def _new_bookkeeping(self) -> None:
@@ -188,9 +189,9 @@ class LLMEngine:
         seq = Sequence(request, emit, next(self._arrivals), new_generator(request.sampling, self.model.device),
                        ready=ready)
         if request.sampling.grammar is not None:  # InvalidRequest for a bad schema, raised here
-            compiled = request.grammar or self.grammars.compile(request.sampling.grammar)
             prompt = request.prompt_token_ids
-            seq.matcher = Matcher(compiled, prompt[len(prompt) - request.grammar_prefix:])
+            seq.matcher = request.matcher or self.grammars.copies(self.grammars.compile(request.sampling.grammar), 1,
+                                                                  prompt[len(prompt) - request.grammar_prefix:])[0]
         with self._cv:
             if not self._new and not self._by_id:  # idle until now: the stall clock starts here
                 self.last_progress = time.monotonic()

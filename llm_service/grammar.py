@@ -8,9 +8,11 @@ loop on spaces until `max_tokens`; the schema's own bounds (`maxLength`, `maxIte
 `minimum`/`maximum`, `enum`) are part of the grammar. A grammar compiles once per schema text:
 `GrammarCompiler` keeps an LRU of checked grammars and compiles on its own threads (a compile
 past its deadline keeps one, the others serve other schemas), so a request waits for its grammar
-outside the batch and the engine's step thread never compiles the first time. Each sequence
-then makes its own matcher of the checked grammar (~2 ms for a 30-property schema, where the
-sequence is added), so that the pool fills the rows' masks in parallel. On a CPU, where the same
+outside the batch and the engine's step thread never compiles the first time. Each sequence's
+matcher is a copy of the compiled grammar's (`CompiledGrammar`: microseconds, never a compile),
+made with its request's other choices off the event loop under the same deadline
+(`GrammarCompiler.matchers`); the grammar keeps a few independent roots so that the pool fills
+its rows' masks in parallel. On a CPU, where the same
 cores fill the masks and run the forward, a greedy row is masked after sampling instead
 (`StepMasks.correct`): its mask is filled only when neither its own token nor one of its highest
 logits is one its matcher can vouch for.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,11 +34,12 @@ import torch
 from llm_service.config import EngineConfig
 from llm_service.sampling import Grammar
 from llm_service.transfer import ints, to_device
-from mmserve.errors import InvalidRequest
+from mmserve.errors import InvalidRequest, grammar_engine_problem
 
 COMPILE_TIMEOUT_S = EngineConfig.grammar_compile_timeout_s  # the engine passes its `grammar_compile_timeout_s`
 ANY_OBJECT = '{"type": "object"}'  # `json_object`: a JSON object, as OpenAI's JSON mode
 CACHE_SIZE = 128  # compiled grammars kept (LRU), keyed by kind and schema text
+ROOT_COPIES = 1024  # matchers one root is copied to before a fresh root replaces it (`CompiledGrammar`)
 COMPILE_THREADS = 4  # a compile past its deadline runs on (it cannot be interrupted): others keep a thread
 COMPACT = {"whitespace_flexible": False}  # separators "," and ":", no whitespace between tokens
 _STRING_RUN = '[^"\\\\\\x00-\\x1F\\x7F]'  # characters a JSON string holds unescaped
@@ -51,52 +55,86 @@ SPARSE_WORDS = 1024  # `StepMasks.correct`: a refused row with at most this many
 
 @dataclass
 class GrammarStats:
-    compiles: int = 0
+    compiles: int = 0  # grammars compiled, and roots built for parallel fills (`CompiledGrammar`)
     cache_hits: int = 0
     compile_s: list[float] = field(default_factory=list)  # each compile's seconds, drained by metrics
+
+
+def grammar_text(grammar: Grammar) -> str:
+    """llguidance's grammar of `grammar` (InvalidRequest for a JSON Schema that is not JSON)."""
+    from llguidance import LLMatcher, grammar_from
+
+    if grammar.kind == "lark":
+        return grammar_from("lark", grammar.schema)
+    try:
+        return LLMatcher.grammar_from_json_schema(ANY_OBJECT if grammar.kind == "json_object" else grammar.schema,
+                                                  defaults=COMPACT)
+    except ValueError as e:
+        raise InvalidRequest(f"response_format: the JSON schema is not valid JSON: {e}") from None
+
+
+def compile_matcher(tokenizer, grammar: Grammar, text: str | None = None):
+    """A matcher of `grammar` at its start, for `tokenizer` (an `LLTokenizer`): the whole compile
+    (`text`: `grammar_text(grammar)` when already made), InvalidRequest naming what llguidance
+    found wrong in a sentence (`grammar_engine_problem`). The Router checks a request's grammars
+    with this too (`deployments.core.request_checks`), so that it accepts what the LLM compiles."""
+    from llguidance import LLMatcher
+
+    matcher = LLMatcher(tokenizer, grammar_text(grammar) if text is None else text, log_level=0)
+    if matcher.is_error():
+        raise InvalidRequest(f"{_subject(grammar)} cannot be compiled: {grammar_engine_problem(matcher.get_error())}")
+    return matcher
+
+
+def compile_too_slow(grammar: Grammar, timeout_s: float) -> InvalidRequest:
+    """The refusal of a grammar past the compile deadline (the Router's check says the same)."""
+    return InvalidRequest(f"{_subject(grammar)} took longer than {timeout_s:g} s to compile; simplify it (fewer "
+                          "alternatives, smaller bounds)")
+
+
+def _subject(grammar: Grammar) -> str:
+    return "tools: the functions' JSON schemas" if grammar.kind == "lark" else "response_format: the JSON schema"
 
 
 class GrammarCompiler:
     """Compiles `Grammar`s for one tokenizer and logits width (`vocab_size`: the model's logits,
     padding ids included, which the masks always forbid); the sequence ends at `stop_token_ids`
-    once the grammar is complete."""
+    once the grammar is complete. A compile past its deadline runs on (a native compile cannot be
+    interrupted) and is cached when it ends. `max_roots`: how many rows of one grammar fill their masks at
+    once (the mask fill's threads; `CompiledGrammar`)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int], cache_size: int = CACHE_SIZE,
-                 timeout_s: float = COMPILE_TIMEOUT_S):
+                 timeout_s: float = COMPILE_TIMEOUT_S, max_roots: int = 1):
         import llguidance.hf
         import llguidance.torch  # noqa: F401  ~2 s on first import: here, not in the first constrained step
 
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(stop_token_ids),
                                                       slices=list(SLICES))
-        self._cache: OrderedDict[Grammar, object] = OrderedDict()
+        self._cache: OrderedDict[Grammar, CompiledGrammar] = OrderedDict()
         self._compiling: dict[Grammar, Future] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
-        self.cache_size, self.timeout_s = cache_size, timeout_s
+        # copies are cheap (microseconds, a resumed stream's prefix read): never queued behind compiles
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="grammar-matchers")
+        self.cache_size, self.timeout_s, self.max_roots = cache_size, timeout_s, max_roots
         self.stats = GrammarStats()
 
-    def _compile(self, grammar: Grammar):
-        from llguidance import LLMatcher, grammar_from
-
+    def _timed(self, build):
         start = time.perf_counter()
         try:
-            schema = ANY_OBJECT if grammar.kind == "json_object" else grammar.schema
-            try:
-                if grammar.kind == "lark":
-                    text = grammar_from("lark", schema)
-                else:
-                    text = LLMatcher.grammar_from_json_schema(schema, defaults=COMPACT)
-            except ValueError as e:  # not JSON
-                raise InvalidRequest(f"response_format: the JSON schema is not valid JSON: {e}") from None
-            checked = LLMatcher(self.tokenizer, text, log_level=0)
-            if checked.is_error():
-                message = " ".join(checked.get_error().split())[:300]
-                raise InvalidRequest(f"response_format: the JSON schema cannot be compiled: {message}")
-            compiled = CompiledGrammar(self.tokenizer, text)
+            return build()
         finally:
             self.stats.compiles += 1
             self.stats.compile_s.append(time.perf_counter() - start)
+
+    def _compile(self, grammar: Grammar) -> CompiledGrammar:
+        def build() -> CompiledGrammar:
+            text = grammar_text(grammar)
+            return CompiledGrammar(self.tokenizer, grammar, text, compile_matcher(self.tokenizer, grammar, text),
+                                   self.max_roots)
+
+        compiled = self._timed(build)
         with self._lock:
             self._cache[grammar] = compiled
             while len(self._cache) > self.cache_size:
@@ -139,50 +177,139 @@ class GrammarCompiler:
         else:
             future.set_exception(error)
 
-    def compile(self, grammar: Grammar):
+    def compile(self, grammar: Grammar) -> CompiledGrammar:
         """The compiled grammar, waiting here (InvalidRequest: a bad schema, or over the deadline)."""
         try:
             return self.submit(grammar).result(timeout=self.timeout_s)
         except TimeoutError:
-            raise self._too_slow() from None
+            raise compile_too_slow(grammar, self.timeout_s) from None
 
-    async def compiled(self, grammar: Grammar):
-        """As `compile`, awaited on the event loop (other requests go on meanwhile)."""
+    async def matchers(self, grammar: Grammar, n: int, prefix: Sequence[int] = ()) -> list[Matcher]:
+        """`n` matchers of `grammar` (the `n` choices of a request), each past `prefix` (a resumed
+        stream's tokens): the grammar compiled on the pool (once per schema, cached), the roots
+        its rows and those already running need to fill in parallel built there at once
+        (`CompiledGrammar.claim_roots`; waited for at most half the time left: a root later than
+        that serves later rows, these share the others), the matchers copied on a thread of their
+        own. The event loop only waits, and the deadline covers it all (InvalidRequest past it)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(self.submit(grammar)), self.timeout_s)
-        except asyncio.TimeoutError:
-            raise self._too_slow() from None
+            async with asyncio.timeout_at(deadline):
+                compiled = await asyncio.wrap_future(self.submit(grammar))
+            roots = [asyncio.wrap_future(self._pool.submit(self._grow, compiled))
+                     for _ in range(compiled.claim_roots(n))]
+            if roots:
+                await asyncio.wait(roots, timeout=(deadline - loop.time()) / 2)
+            async with asyncio.timeout_at(deadline):
+                return await asyncio.wrap_future(self._copier.submit(self._copy, compiled, n, prefix))
+        except TimeoutError:
+            raise compile_too_slow(grammar, self.timeout_s) from None
 
-    def _too_slow(self) -> InvalidRequest:
-        # the compile itself runs on (a native compile cannot be interrupted) and is cached when it ends
-        return InvalidRequest(f"response_format: the JSON schema took longer than {self.timeout_s:g} s to compile; "
-                              "simplify it (fewer alternatives, smaller bounds)")
+    def copies(self, compiled: CompiledGrammar, n: int, prefix: Sequence[int] = ()) -> list[Matcher]:
+        """As `matchers`, here and now (the engine's own requests: tests, benches): the roots built
+        in this thread."""
+        for _ in range(compiled.claim_roots(n)):
+            self._grow(compiled)
+        return self._copy(compiled, n, prefix)
+
+    @staticmethod
+    def _copy(compiled: CompiledGrammar, n: int, prefix: Sequence[int]) -> list[Matcher]:
+        return [Matcher(compiled, prefix) for _ in range(n)]
+
+    def _grow(self, compiled: CompiledGrammar) -> None:
+        root = None
+        try:
+            root = self._timed(lambda: compile_matcher(self.tokenizer, compiled.grammar, compiled.text))
+        finally:
+            compiled.add_root(root)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._copier.shutdown(wait=False, cancel_futures=True)
 
 
-@dataclass(frozen=True)
+@dataclass
+class _Root:
+    """An independent matcher at the start of its grammar, and the copies made of it."""
+
+    matcher: object
+    live: int = 0  # copies not dropped yet
+    served: int = 0  # copies made
+
+    @property
+    def worn(self) -> bool:
+        return self.served >= ROOT_COPIES
+
+
 class CompiledGrammar:
-    """A grammar checked for one tokenizer (llguidance's grammar text). Each sequence makes its own
-    matcher of it (~2 ms, as vLLM does): `deep_copy`s of one matcher share its parser behind a lock,
-    so their masks were filled one row at a time even on the thread pool (fill CPU time / wall 1.0
-    with 2 threads, 1.55 with independent matchers; 64 rows took 23 ms a step on an H200's host)."""
+    """A grammar compiled for one tokenizer, whose matchers are copies (`matcher`): a `deep_copy` of
+    a matcher at the grammar's start takes microseconds where compiling one took ~2 ms for the
+    30-property invoice schema and 0.23 s for a 12 KB object of 1,000 optional properties (2 idle
+    cores; ~1.7 s loaded), so no sequence compiles its schema: every sequence of every request
+    with it starts from a compile made once per schema (at most `max_roots` of them, below).
 
-    tokenizer: object
-    text: str
+    Copies of one matcher share its lexer behind a lock: their masks are filled one row at a time
+    even on the thread pool (fill CPU time / wall 1.0 with 2 threads where independent matchers
+    gave 1.55; 64 rows took 23 ms a step on an H200's host). So the grammar keeps up to `max_roots`
+    independent roots (each its own compile); a copy is made of the root with the fewest live
+    copies. New rows get the roots they and the rows already running need to fill in parallel
+    before they are copied (`claim_roots`), up to `max_roots`: rows of one grammar fill in
+    parallel up to the fill's threads, for at most `max_roots` compiles per schema. A root's
+    lexer grows with what its copies read (its DFA is built lazily, within llguidance's limits:
+    `max_lexer_states`), so a root that made `ROOT_COPIES` copies is replaced by a fresh one."""
 
-    def matcher(self):
-        from llguidance import LLMatcher
+    def __init__(self, tokenizer, grammar: Grammar, text: str, root, max_roots: int = 1):
+        self.tokenizer, self.grammar, self.text, self.max_roots = tokenizer, grammar, text, max_roots
+        self._roots = [_Root(root)]
+        self._lock = threading.Lock()
+        self._building = 0  # roots claimed, being built
 
-        return LLMatcher(self.tokenizer, self.text, log_level=0)
+    @property
+    def num_roots(self) -> int:
+        return len(self._roots)
+
+    def matcher(self) -> tuple[object, _Root]:
+        """A new llguidance matcher at the grammar's start, and the root it was copied of (whose
+        `release` the caller calls when it drops the copy)."""
+        with self._lock:
+            root = min(self._roots, key=lambda r: (r.worn, r.live))
+            root.live += 1
+            root.served += 1
+        return root.matcher.deep_copy(), root
+
+    def release(self, root: _Root) -> None:
+        with self._lock:
+            root.live -= 1
+
+    def claim_roots(self, rows: int) -> int:
+        """How many roots the caller is to build before copying `rows` new rows (each root then
+        given to `add_root`): one per row running or new, up to `max_roots`, worn roots not counted."""
+        with self._lock:
+            have = sum(not r.worn for r in self._roots) + self._building
+            live = sum(r.live for r in self._roots)
+            claimed = max(0, min(live + rows, self.max_roots) - have)
+            self._building += claimed
+            return claimed
+
+    def add_root(self, matcher) -> None:
+        """A claimed root built (None: its build failed): it replaces a worn root, or joins the others."""
+        with self._lock:
+            self._building -= 1
+            worn = next((i for i, r in enumerate(self._roots) if r.worn), None)
+            if matcher is None:
+                return
+            if worn is not None:
+                self._roots[worn] = _Root(matcher)
+            elif len(self._roots) < self.max_roots:
+                self._roots.append(_Root(matcher))
 
 
 class Matcher:
     """One sequence's place in its grammar."""
 
     def __init__(self, compiled: CompiledGrammar, prefix: Sequence[int] = ()):
-        self._m = compiled.matcher()
+        self._m, root = compiled.matcher()
+        weakref.finalize(self, compiled.release, root)
         # a stream resumed on another replica: the tokens it had sent
         if prefix and not self._m.consume_tokens(list(prefix)):
             raise InvalidRequest("the tokens already sent do not follow the response_format grammar")
@@ -236,6 +363,12 @@ class StepMasks:
         self._executor = None  # llguidance's thread pool for many rows (made on first use)
         self.mask_s = 0.0  # seconds spent filling and applying masks, drained by metrics
 
+    @property
+    def threads(self) -> int:
+        """The threads filling a step's rows (`GrammarCompiler.max_roots`: one grammar's rows fill in
+        parallel up to it)."""
+        return self._threads or max(1, torch.get_num_threads())
+
     def fill(self, matchers: Sequence[Matcher]) -> torch.Tensor:
         """The host bitmask rows of `matchers`, in order (row j: the tokens `matchers[j]` allows next)."""
         if self._host.shape[0] < len(matchers):
@@ -247,7 +380,7 @@ class StepMasks:
             if self._executor is None:
                 from llguidance import LLExecutor
 
-                self._executor = LLExecutor(num_threads=self._threads or max(1, torch.get_num_threads()))
+                self._executor = LLExecutor(num_threads=self.threads)
             Matcher.fill_all(self._executor, matchers, host)
         return host
 

@@ -39,10 +39,11 @@ class LLMRequest:
     # requests, beyond the ends of the media items and of the prompt, which the engine knows
     # itself: the router puts the end of the system prompt here (`RequestPlan.snapshot_boundaries`)
     snapshot_boundaries: tuple[int, ...] = ()
-    # `sampling.grammar` compiled (`llm_service.grammar.GrammarCompiler`; None: the engine compiles
-    # it), and how many of the prompt's last tokens were generated under it already (a stream
-    # resumed on this replica after its first replica was lost)
-    grammar: object | None = None
+    # its place in `sampling.grammar` (`llm_service.grammar.Matcher`, made off the engine's thread and
+    # any event loop by `GrammarCompiler.matchers`; None: the engine makes one), and how many of the
+    # prompt's last tokens were generated under the grammar already (a stream resumed on this
+    # replica after its first replica was lost)
+    matcher: object | None = None
     grammar_prefix: int = 0
 
 

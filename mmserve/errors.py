@@ -63,3 +63,18 @@ class EmbeddingsLost(RuntimeError):
 
     def __str__(self) -> str:
         return f"{self.args[1]} ({len(self.items)} media items to re-encode)"
+
+
+_SYMBOLS_PANIC = "grammar.symbols.len()"  # llguidance's u16 symbol table overflowed
+
+
+def grammar_engine_problem(error: str) -> str:
+    """What the grammar engine (llguidance) found wrong with a grammar, as a sentence a client may
+    read: its message on one line, or for a panic (an internal assertion, with a backtrace) what
+    it means, never the panic's own text."""
+    if _SYMBOLS_PANIC in error:
+        return ("it is too large for the grammar engine (over 65,535 grammar symbols): use fewer or smaller "
+                "schemas (fewer properties, enum values or tools)")
+    if error.lstrip().startswith("panic") or "<backtrace>" in error:
+        return "the grammar engine cannot compile it (an internal limit was hit): simplify the schema"
+    return " ".join(error.split())[:300]

@@ -34,7 +34,7 @@ from mmserve.errors import InvalidRequest
 from mmserve.video.container import VideoSampling
 from mmserve.request.media import MediaKind, MediaSource
 from mmserve.request.prompt_plan import Message
-from mmserve.request.tools import ToolCall, ToolSpec, ToolText, answer, check_tools, finish_with, new_call_id
+from mmserve.request.tools import ToolCall, ToolSpec, ToolText, answer, finish_with, new_call_id
 from protos.mmserve.v1 import vlm_pb2
 
 logger = logging.getLogger("ray.serve")
@@ -76,7 +76,6 @@ def chat_request(request: vlm_pb2.GenerateRequest) -> ChatRequest:
         return Message(m.role, tuple(part(i, j, p) for j, p in enumerate(m.content)), calls, m.tool_call_id or None)
 
     tools = tuple(ToolSpec(t.name, t.description, _parameters(t)) for t in request.tools)
-    check_tools(list(tools))
     choice = request.tool_choice or ("auto" if tools else "none")
     if choice != "none" and not tools:
         raise InvalidRequest(f"tool_choice {choice!r} needs tools")
@@ -88,6 +87,13 @@ def chat_request(request: vlm_pb2.GenerateRequest) -> ChatRequest:
                                  k.num_frames if k.HasField("num_frames") else None)
     return ChatRequest(tuple(message(i, m) for i, m in enumerate(request.messages)), options(request),
                        request.model or None, tools, choice, parallel, sampling)
+
+
+def peer_host(peer: str) -> str:
+    """The client's address of a gRPC peer ("ipv4:10.0.0.7:50312" -> "10.0.0.7", "ipv6:[::1]:50312" -> "[::1]"):
+    its connections are one client (`admission.Admission`'s fairness)."""
+    kind, _, address = peer.partition(":")
+    return address.rpartition(":")[0] if kind in ("ipv4", "ipv6") else peer
 
 
 def _parameters(tool: vlm_pb2.Tool) -> dict | None:
@@ -217,7 +223,7 @@ class GrpcAdapter:
             return chat_request(request)
 
         authorization = dict(grpc_context.invocation_metadata()).get("authorization")
-        gen = await self.core.generate(authorization, read, request_id)
+        gen = await self.core.generate(authorization, read, request_id, peer_host(grpc_context.peer()))
         gen.report_stages = request.return_stage_times
         return gen
 

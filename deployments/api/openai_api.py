@@ -23,7 +23,7 @@ from llm_service.sampling import Grammar
 from mmserve.errors import InvalidRequest
 from mmserve.request.media import MediaKind, MediaSource
 from mmserve.request.prompt_plan import Message
-from mmserve.request.tools import ToolCall, ToolSpec, ToolText, answer, check_tools, finish_with, new_call_id
+from mmserve.request.tools import ToolCall, ToolSpec, ToolText, answer, finish_with, new_call_id
 from mmserve.video.container import VideoSampling
 
 logger = logging.getLogger("ray.serve")
@@ -122,7 +122,6 @@ def chat_request(request: ChatCompletionRequest) -> ChatRequest:
 
     tools = tuple(ToolSpec(t.function.name, t.function.description, t.function.parameters)
                   for t in request.tools or ())
-    check_tools(list(tools))
     choice = request.tool_choice
     if isinstance(choice, NamedToolChoice):
         choice = choice.function.name
@@ -277,7 +276,8 @@ class OpenAIAdapter:
 
         name = self.core.settings.served_model_name
         try:
-            gen = await self.core.generate(request.headers.get("authorization"), read, request_id)
+            client = request.client.host if request.client else ""  # the peer, as Serve's proxy passes it on
+            gen = await self.core.generate(request.headers.get("authorization"), read, request_id, client)
             gen.report_stages = body.return_stage_times
             if not body.stream:
                 result = await completion(gen, name, body.return_token_ids)

@@ -1,11 +1,13 @@
 """The request core: one request's way through the app, whatever API it came in by, without Ray.
 
 `RequestCore.generate` is the whole flow: authenticate, admit, read the request (an HTTP body is
-read only once admitted), check it against every limit (this module and `MediaLimits` are the only
-places limits are checked), load its media, plan the prompt, resolve sampling, dispatch the media
-without waiting, and start the LLM stream with failover; it returns once the first token (or the
-first error) is back. The HTTP and gRPC adapters (`openai_api`, `grpc_api`) convert their wire
-format to a `ChatRequest` and a `Generation` back, and map `failures.classify` to status codes.
+read only once admitted), check it against every limit (this module, `request_checks` and
+`MediaLimits` are the only places limits are checked; the costly checks off the event loop), load
+its media, plan the prompt (off the loop too), admit its work (`admission`), resolve sampling,
+dispatch the media without waiting, and start the LLM stream with failover; it returns once the
+first token (or the first error) is back. The HTTP and gRPC adapters (`openai_api`, `grpc_api`)
+convert their wire format to a `ChatRequest` and a `Generation` back, and map `failures.classify`
+to status codes.
 The Serve deployment (`router.Router`) composes them with the two injected parts: a
 `MediaDispatcher` and an `LLMClient`.
 """
@@ -27,12 +29,14 @@ from typing import Protocol
 
 from deployments.config import CHARS_PER_TOKEN, AppArgs, LimitArgs
 from mmserve.routing.affinity import prefix_hashes
+from deployments.core.admission import Admission, Ticket
 from deployments.core.dispatch import MediaDispatcher
 from deployments.core.failover import Failover, LLMClient
 from deployments.core.failures import Failure, classify
 from deployments.core.generation import Generation, GenerationOptions, sampling_params
 from deployments.core.llm_inputs import EmbeddingHandle, PendingRequest, StreamedVideo
 from deployments.core.readiness import Readiness
+from deployments.core.request_checks import RequestChecks
 from deployments.media.fetch import MediaFetcher
 from llm_service.sampling import Grammar
 from mmserve.checkpoint import load_config, resolve_max_model_len
@@ -89,6 +93,7 @@ class CoreSettings:
     api_key: str | None
     llm_retries: int
     max_pending_requests: int
+    ttft_budget_s: float
     max_fetching_requests: int
     prefix_block_size: int  # tokens per prompt block in `PendingRequest.prefix_hashes`: the engine's block_size
     stream_video: bool  # video files go to the LLM replica to stream through the pipeline (`StreamedVideo`)
@@ -96,15 +101,16 @@ class CoreSettings:
     stream_min_frames: int  # a video sampling to fewer frames is decoded whole, not streamed
     max_model_len: int | None  # engine.max_model_len: None is the checkpoint's context
     readiness_wait_s: float
+    grammar_compile_timeout_s: float  # the engine's: the Router's compile of a request's grammar keeps it too
 
     @classmethod
     def from_args(cls, args: AppArgs) -> CoreSettings:
         """`args` as the builder completed them (`served_model_name` set) and the Router resolved them
         on its node (`AppArgs.on_node`)."""
         return cls(args.served_model_name, args.limits, args.model, args.api_key, args.llm_retries,
-                   args.max_pending_requests, args.max_fetching_requests, args.engine.block_size, args.stream_video,
-                   args.video_decode.stream_group_frames, args.video_decode.stream_min_frames,
-                   args.engine.max_model_len, args.readiness_wait_s)
+                   args.max_pending_requests, args.ttft_budget_s, args.max_fetching_requests, args.engine.block_size,
+                   args.stream_video, args.video_decode.stream_group_frames, args.video_decode.stream_min_frames,
+                   args.engine.max_model_len, args.readiness_wait_s, args.engine.grammar_compile_timeout_s)
 
 
 class VideoDecoding(Protocol):
@@ -171,7 +177,9 @@ class RequestCore:
         self._draining = draining
         self.videos = videos
         self.readiness = readiness or Readiness({})  # none given: ready from the start
-        self.pending = Bound(settings.max_pending_requests, "requests wait for their first token")
+        self.pending = Admission(settings.max_pending_requests, settings.ttft_budget_s)
+        self.checks = RequestChecks(planner, settings.limits.check_threads, settings.limits.check_timeout_s,
+                                    settings.grammar_compile_timeout_s)
         self.receiving = Bound(settings.max_fetching_requests, "requests are being received (body, media)")
         self.created = int(time.time())
 
@@ -194,7 +202,7 @@ class RequestCore:
 
     # -- the request flow ---------------------------------------------------------------------
     async def generate(self, authorization: str | None, read: Callable[[], Awaitable[ChatRequest]],
-                       request_id: str) -> Generation:
+                       request_id: str, client: str = "") -> Generation:
         """Authenticate, `read()` the request, check it and load its media, then admit, plan,
         dispatch and start it.
 
@@ -204,27 +212,29 @@ class RequestCore:
         cover a Router replica that just started in a running app, short enough that a client of
         an app still loading its models is told so instead of waiting it out.
 
-        Admission is two bounds. Reading the body and fetching media (a slow client or URL takes
-        as long as it takes, up to `media_fetch_timeout_s`) count against `max_fetching_requests`
-        only; `max_pending_requests`, which bounds TTFT, counts requests from planning to their
-        first token, so slow media never crowd out requests that are ready. A full router refuses
-        at once, before the body is read.
+        Admission is two bounds. Reading the body, checking it and fetching media (a slow client or
+        URL takes as long as it takes, up to `media_fetch_timeout_s`) count against
+        `max_fetching_requests` only; `Admission` (`max_pending_requests` sequences, `ttft_budget_s`,
+        each `client`'s share: its address as the adapter knows it) counts requests from planning
+        to their first token, so slow media never crowd out requests that are ready. A full router
+        refuses at once, before the body is read.
 
         Raises the typed errors `failures.classify` maps: `Unauthenticated` before anything else,
         `ShuttingDown` / `QueueFull` / `NotReady` before the request is read, `InvalidRequest` for anything
         the client got wrong, and whatever a backend raised."""
         received = time.perf_counter()
         self.authenticate(authorization)
-        self._check_open()
+        self._check_open(client)
         with self.receiving.take():
             if not await self.readiness.wait(self.settings.readiness_wait_s):
                 raise NotReady(self.readiness.reason())
             request = await read()
             self._check(request)
+            grammar = await self.checks.check(request)  # off the loop: schemas, the grammar, the size
             messages = await self._load_media(request, request_id)
-        self._check_open()
-        with self.pending.take():
-            return await self._start(messages, request, request_id, received)
+        self._check_open(client, request.options.n)
+        with self.pending.take(client, request.options.n) as ticket:
+            return await self._start(messages, request, grammar, request_id, received, ticket)
 
     def authenticate(self, authorization: str | None) -> None:
         """`authorization` is the HTTP header / gRPC metadata value: "Bearer KEY" when a key is set."""
@@ -255,11 +265,11 @@ class RequestCore:
         template compiled and image header reading loaded (their first use costs ~10 ms)."""
         self.planner.plan([Message("user", ("Describe this image.", warm_up_image()))])
 
-    def _check_open(self) -> None:
-        """503 while draining, 429 while `max_pending_requests` requests wait for their first token."""
+    def _check_open(self, client: str, sequences: int = 1) -> None:
+        """503 while draining, 429 while no place is free for `client`'s `sequences` (`Admission`)."""
         if self.draining:
             raise ShuttingDown("server is shutting down")
-        self.pending.check()
+        self.pending.check(client, sequences)
 
     def _check(self, request: ChatRequest) -> None:
         name = self.settings.served_model_name
@@ -271,7 +281,6 @@ class RequestCore:
             if message.role not in ROLES:
                 raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {message.role!r}")
         check_tool_results(request.messages)
-        self.planner.check_tools(request.messages, request.tools)
         self.planner.limits.check(media_of(request.messages))  # counts, before anything is fetched
         if request.video_sampling is not None:
             request.video_sampling.check(self.settings.limits.max_frames_per_video)
@@ -319,15 +328,14 @@ class RequestCore:
                 f"the request's {len(videos)} videos sample to {total} decoded pixels together, over the limit of "
                 f"{limit} (max_decoded_pixels_per_request); send fewer, shorter or smaller videos")
 
-    async def _start(self, messages: list[Message[MediaItem]], request: ChatRequest,
-                     request_id: str, received: float) -> Generation:
+    async def _start(self, messages: list[Message[MediaItem]], request: ChatRequest, grammar: Grammar | None,
+                     request_id: str, received: float, ticket: Ticket) -> Generation:
+        """`grammar`: `response_format`'s, or the one holding a forced call to the tools (checked)."""
         started = time.perf_counter()
-        options = request.options
-        # a call the grammar holds to the tools, in the family's form
-        if (forced := request.tool_grammar(self.planner.tool_format)) is not None:
-            options = dataclasses.replace(options, response_format=forced)
+        options = dataclasses.replace(request.options, response_format=grammar)
         tools = request.tools if request.parses_tools else ()
-        plan = await asyncio.to_thread(self.planner.plan, messages, tools)
+        plan = await self.checks.plan(messages, tools)
+        self.pending.admit(ticket, len(plan.token_ids))
         sampling = sampling_params(options, len(plan.token_ids), self.max_model_len, self.generation_defaults)
         media = plan.media
         pending = PendingRequest(
@@ -351,6 +359,8 @@ class RequestCore:
         failover = Failover(self.llm, pending, self.settings.llm_retries, self.listener.on_resubmit, reencode)
         router_ms = (time.perf_counter() - received) * 1000  # read, fetch, plan, dispatch the media
         stream, first = await failover.start()  # errors surface here, before any response is sent
+        if not failover.attempts:  # a lost replica's wait is no measure of the queue's pace
+            self.pending.started(ticket)
         gen = Generation(request_id, plan, sampling, options.stop, stream, first, self.tokenizer, failover.resume,
                          router_ms, options.n)
         gen.tools, gen.parallel_tool_calls = tools, request.parallel_tool_calls

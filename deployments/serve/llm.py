@@ -223,7 +223,7 @@ class LLMDeployment:
 
     async def generate(self, pending: PendingRequest) -> AsyncIterator[TokenEvent]:
         """Stream of `TokenEvent`s; the stream ends after the one carrying `finish_reason`."""
-        cost = len(pending.prompt_token_ids)
+        cost = len(pending.prompt_token_ids) * pending.n  # n choices are n sequences to schedule and run
         bound = self.max_waiting_tokens
         if not pending.attempt and self.waiting_tokens and self.waiting_tokens + cost > bound:
             raise QueueFull(f"{self.waiting_tokens} prompt tokens wait for the language model (limit {bound})")
@@ -288,11 +288,13 @@ class LLMDeployment:
                     raise InvalidRequest(str(cause)) from None
             raise
         embeddings = [firsts[i] if i in streamed else next(resolved) for i in range(len(pending.embeddings))]
-        grammar = None
-        if pending.sampling.grammar is not None:  # compiled off the engine's thread; waits outside the batch
+        matchers = [None] * pending.n
+        if pending.sampling.grammar is not None:  # compiled and copied off the engine's thread and this loop
             compiler = await asyncio.to_thread(lambda: self.engine.grammars)  # the tokenizer loads on first use
             hits = compiler.stats.cache_hits
-            grammar = await compiler.compiled(pending.sampling.grammar)
+            matchers = await compiler.matchers(pending.sampling.grammar, pending.n,
+                                               pending.prompt_token_ids[len(pending.prompt_token_ids)
+                                                                        - pending.resumed_tokens:])
             self.metrics.grammar_requests.inc(tags={"cached": str(compiler.stats.cache_hits > hits).lower()})
         request = LLMRequest(
             request_id=pending.request_id,
@@ -301,7 +303,7 @@ class LLMDeployment:
             positions=pending.positions,
             media=tuple(zip(pending.ranges, embeddings)),
             snapshot_boundaries=pending.snapshot_boundaries,
-            grammar=grammar,
+            matcher=matchers[0],
             grammar_prefix=pending.resumed_tokens,
         )
         loop = asyncio.get_running_loop()
@@ -314,7 +316,7 @@ class LLMDeployment:
 
         # n choices: the first alone, the others once its prefill is done, so that they find its
         # prompt blocks in the prefix cache and prefill only the last partial block
-        choices = [request] + [_choice(request, i) for i in range(1, pending.n)]
+        choices = [request] + [_choice(request, i, matchers[i]) for i in range(1, pending.n)]
         unfinished, siblings_added = {request.request_id}, pending.n == 1
         self.engine.add_request(request, emit(0), ready=stream.ready() if stream else None)
         if stream is not None:
@@ -380,10 +382,11 @@ class LLMDeployment:
         events.put_nowait(TokenEvent(None, "error", error))
 
 
-def _choice(request: LLMRequest, index: int) -> LLMRequest:
-    """Choice `index` (> 0) of a request with `n` choices: its own id, and its own seed (the
-    request's + its index) so that seeded choices differ and each is reproducible."""
+def _choice(request: LLMRequest, index: int, matcher) -> LLMRequest:
+    """Choice `index` (> 0) of a request with `n` choices: its own id, its own seed (the request's
+    + its index) so that seeded choices differ and each is reproducible, and its own `matcher`."""
     sampling = request.sampling
     if sampling.seed is not None:
         sampling = dataclasses.replace(sampling, seed=sampling.seed + index)
-    return dataclasses.replace(request, request_id=f"{request.request_id}#{index}", sampling=sampling)
+    return dataclasses.replace(request, request_id=f"{request.request_id}#{index}", sampling=sampling,
+                               matcher=matcher)

@@ -13,9 +13,9 @@ from mmserve.families.base import ItemExpansion
 from mmserve.request.media import EncodeItem, MediaItem, MediaKind, MediaSource, PlaceholderRange
 from mmserve.request.positions import PositionPlan
 from mmserve.request.prompt import Message, PromptBuilder
-from mmserve.request.tools import ToolFormat, check_call_arguments
+from mmserve.request.tools import ToolFormat, ToolSpec, check_call_arguments
 
-__all__ = ["MediaLimits", "Message", "RequestPlan", "RequestPlanner"]
+__all__ = ["MediaLimits", "Message", "RequestPlan", "RequestPlanner", "prompt_chars"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,14 @@ class RequestPlan:
         return [EncodeItem(item, e.layout, e.cost) for item, e in zip(self.items, self.expansions)]
 
 
+def prompt_chars(messages: Sequence[Message], tools: Sequence[ToolSpec] = ()) -> int:
+    """Characters of everything of a conversation that is tokenized: its messages' text (system
+    text and tool results included), its calls' names and arguments, its tools' definitions."""
+    return (sum(len(p) for m in messages for p in m.parts if isinstance(p, str))
+            + sum(len(c.name) + len(c.arguments) for m in messages for c in m.tool_calls)
+            + sum(tool.num_chars for tool in tools))
+
+
 class RequestPlanner:
     """`max_prompt_chars` bounds a request's text before it is tokenized (RequestTooLarge),
     `max_prompt_tokens` its prompt tokens before media positions are computed (InvalidRequest)."""
@@ -84,20 +92,25 @@ class RequestPlanner:
         self.tool_format = ToolFormat.of(tokenizer, self.face.tool_call_format)
         self._builder = PromptBuilder(tokenizer, template, placeholders, self.tool_format)
 
-    def check_tools(self, messages: Sequence[Message], tools: Sequence = ()) -> None:
+    def check_tools(self, messages: Sequence[Message]) -> None:
         """InvalidRequest when the conversation's calls cannot be rendered in the family's form
         (`tools.check_call_arguments`)."""
         check_call_arguments(messages, self.tool_format)
 
-    def plan(self, messages: list[Message[MediaItem]], tools: tuple = ()) -> RequestPlan:
-        """`tools`: `mmserve.request.tools.ToolSpec`s described to the model."""
-        self.check_tools(messages, tools)
-        items = [p for m in messages for p in m.parts if isinstance(p, MediaItem)]
-        self.limits.check(items)
-        chars = sum(len(p) for m in messages for p in m.parts if isinstance(p, str))
+    def check_chars(self, chars: int) -> None:
+        """RequestTooLarge when a request's text (`prompt_chars`, and whatever else of it is
+        compiled) is over `max_prompt_chars`: checked before anything is tokenized or compiled."""
         if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
             raise RequestTooLarge(f"request text has {chars} characters; the limit is {self.max_prompt_chars} "
-                                  "(max_prompt_chars)")
+                                  "(max_prompt_chars: messages, tool calls and results, tool definitions and schemas "
+                                  "together)")
+
+    def plan(self, messages: list[Message[MediaItem]], tools: tuple = ()) -> RequestPlan:
+        """`tools`: `mmserve.request.tools.ToolSpec`s described to the model."""
+        self.check_chars(prompt_chars(messages, tools))
+        self.check_tools(messages)
+        items = [p for m in messages for p in m.parts if isinstance(p, MediaItem)]
+        self.limits.check(items)
         expansions = self.face.expand_all(items, self.limits.max_pixels_per_image)
         prompt = self._builder.build(messages, expansions, tools)
         if self.max_prompt_tokens is not None and len(prompt.token_ids) > self.max_prompt_tokens:

@@ -19,10 +19,10 @@ import functools
 import json
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mmserve.errors import InvalidRequest
+from mmserve.errors import InvalidRequest, grammar_engine_problem
 
 START, END = "<tool_call>", "</tool_call>"
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -50,6 +50,16 @@ class ToolSpec:
     def schema(self) -> dict:
         return self.parameters or {"type": "object", "properties": {}}
 
+    @functools.cached_property
+    def schema_text(self) -> str:
+        """`schema` as JSON text (what is checked, and counted against `max_prompt_chars`)."""
+        return json.dumps(self.schema, ensure_ascii=False)
+
+    @property
+    def num_chars(self) -> int:
+        """Characters of its definition: name, description and schema (`max_prompt_chars`)."""
+        return len(self.name) + len(self.description) + len(self.schema_text)
+
     def as_openai(self) -> dict:
         """The tool as chat templates take it (OpenAI's shape)."""
         return {"type": "function", "function": {"name": self.name, "description": self.description,
@@ -70,24 +80,27 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def check_tools(tools: list[ToolSpec]) -> None:
+def check_tools(tools: Sequence[ToolSpec], at: Callable[[str], None] = lambda what: None) -> None:
     """The request's tools, whatever its `tool_choice`: at most `MAX_TOOLS`, names unique, each
-    one's `parameters` a valid JSON Schema (as llguidance compiles `response_format`'s)."""
+    one's `parameters` a valid JSON Schema (as llguidance compiles `response_format`'s). Costly for
+    large schemas: the Router runs it off its event loop (`deployments.core.request_checks`), `at`
+    told which tool is being checked."""
     if len(tools) > MAX_TOOLS:
         raise InvalidRequest(f"tools has {len(tools)} functions; the limit is {MAX_TOOLS}")
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise InvalidRequest("tools: function names must be unique")
     for i, tool in enumerate(tools):
-        if tool.parameters is not None and (problem := _schema_problem(json.dumps(tool.parameters))):
-            raise InvalidRequest(f"tools[{i}].function.parameters (function {tool.name!r}) is not a valid JSON "
-                                 f"Schema: {problem}")
+        where = f"tools[{i}].function.parameters (function {tool.name!r})"
+        at(where)
+        if tool.parameters is not None and (problem := _schema_problem(tool.schema_text)):
+            raise InvalidRequest(f"{where} is not a valid JSON Schema: {problem}")
 
 
 @functools.lru_cache(maxsize=256)
 def _schema_problem(schema: str) -> str | None:
-    """What llguidance finds wrong with a JSON Schema's text (None: it compiles): the same
-    translation `response_format` goes through (`llm_service.grammar`), no tokenizer needed."""
+    """What llguidance finds wrong with a JSON Schema's text (None: it compiles), in a sentence: the
+    same translation `response_format` goes through (`llm_service.grammar`), no tokenizer needed."""
     from llguidance import LLMatcher
 
     try:
@@ -95,7 +108,7 @@ def _schema_problem(schema: str) -> str | None:
             "whitespace_flexible": False}))
     except ValueError as e:
         problem = str(e)
-    return " ".join(problem.split())[:300] or None
+    return grammar_engine_problem(problem) if problem else None
 
 
 def check_call_arguments(messages: Sequence, fmt: ToolFormat) -> None:

@@ -72,7 +72,7 @@ def _app_args(model_dir: str, name: str, **extra) -> dict:
         "router": {"num_cpus": 0.1, **wide}, "encoder": {"num_cpus": 0.1, "num_gpus": SHARE, **wide},
         "llm": {"num_cpus": 0.1, "num_gpus": SHARE, **wide},
         "limits": {"max_items_per_request": 4, "max_pixels_per_image": 4_000_000, "max_frames_per_video": 8},
-        "max_pending_requests": 256, "engine": {"max_waiting_tokens": 1 << 20},
+        "max_pending_requests": 256, "ttft_budget_s": 3600.0, "engine": {"max_waiting_tokens": 1 << 20},
         "encoder_pool": {"max_queued_bytes": 8 << 30}, **extra,
     }
 

@@ -17,11 +17,11 @@ from llm_service.sampling import SamplingParams
 from mmserve.errors import QueueFull
 
 
-def _pending(request_id: str, prompt: int, attempt: int = 0) -> PendingRequest:
+def _pending(request_id: str, prompt: int, attempt: int = 0, n: int = 1) -> PendingRequest:
     return PendingRequest(
         request_id=request_id, prompt_token_ids=tuple(range(100, 100 + prompt)),
         sampling=SamplingParams(max_tokens=2, ignore_eos=True), positions=None, ranges=(), embeddings=(),
-        attempt=attempt,
+        attempt=attempt, n=n,
     )
 
 
@@ -48,6 +48,28 @@ def test_waiting_prompt_tokens_are_bounded(tiny_models):
         assert len(tokens) == 2 and len(await small) == 2 and len(await resumed) == 2
         assert llm.waiting_tokens == 0
         assert len(await _drain(llm.generate(_pending("e", 40)))) == 2  # alone, even a larger prompt runs
+
+    try:
+        asyncio.run(main())
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_request_of_n_choices_waits_as_n_prompts(tiny_models):
+    """`n` choices are `n` sequences to run: six `n = 16` requests were admitted as six prompts."""
+    args = AppArgs(model=tiny_models["qwen2_vl"], dtype="float64", device="cpu", engine={"max_waiting_tokens": 30})
+    llm = LLMDeployment.func_or_class(args, args.engine.resolve(1.0))
+
+    async def main():
+        first = llm.generate(_pending("a", 10, n=4))
+        head = asyncio.create_task(first.__anext__())
+        await asyncio.sleep(0)
+        assert llm.waiting_tokens == 40
+        with pytest.raises(QueueFull, match="40 prompt tokens wait"):
+            await llm.generate(_pending("b", 5)).__anext__()
+        await head
+        await _drain(first)
+        assert llm.waiting_tokens == 0
 
     try:
         asyncio.run(main())

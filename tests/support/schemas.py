@@ -128,3 +128,12 @@ def seeded_schemas(n: int, seed: int) -> list[dict]:
         if max_output_tokens(schema := _bounded(rng.randint)) <= FITS:
             out.append(schema)
     return out
+
+
+def symbol_overflow_tools() -> list[ToolSpec]:
+    """64 functions of 300 required integer parameters each (~700 KB): every schema alone is valid,
+    but the grammar forcing a call to any of them overflows llguidance's symbol table (a `u16`),
+    which its compile reports as a panic (`grammar.symbols.len() < u16::MAX ...`, a backtrace)."""
+    properties = {f"p{i}": {"type": "integer"} for i in range(300)}
+    schema = {"type": "object", "properties": properties, "required": list(properties)}
+    return [ToolSpec(f"t{j}", "", schema) for j in range(64)]

@@ -109,9 +109,12 @@ def secured_url(serve_ports, tiny_models) -> str:
     from deployments.serve.app import build_app
     from deployments.serve.router import wait_until_ready
 
+    # max_prompt_chars: the 16 per token of its 1,024 would refuse the largest response_format schema (64 KiB)
+    # before its compile, which tests/serve/test_structured_serve.py sends over the deadline
     args = _app_args(tiny_models["qwen2_vl"], "secured", transport="grpc", api_key_env=TEST_API_KEY_ENV,
-                     await_embeddings_in_router=True, engine={"kv_cache_memory_mb": 1, "max_model_len": 1024,
-                                                              "grammar_compile_timeout_s": SECURED_COMPILE_TIMEOUT_S})
+                     await_embeddings_in_router=True, limits={**TEST_LIMITS, "max_prompt_chars": 1 << 17},
+                     engine={"kv_cache_memory_mb": 1, "max_model_len": 1024,
+                             "grammar_compile_timeout_s": SECURED_COMPILE_TIMEOUT_S})
     serve.run(build_app(args), name="secured", route_prefix="/secured")
     wait_until_ready("secured")
     return f"http://127.0.0.1:{serve_ports[0]}/secured"

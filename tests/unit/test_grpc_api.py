@@ -54,6 +54,9 @@ class _Context:
     def invocation_metadata(self):
         return self.metadata
 
+    def peer(self):
+        return "ipv4:127.0.0.1:50000"
+
     def set_code(self, code):
         self.code = code
 
