@@ -1,9 +1,17 @@
 """Each family's tiny checkpoint through the Serve app == `transformers` monolithic `generate`
 (float64): the `openai` client (streaming == non-streaming) on every embedding transport the family
 is served with, and the public gRPC API (unary and streamed); a video file (`video_url`) decoded and
-sampled on the server by the family's own rule, streamed through the pipeline or not. The cases are
-the family's own (tests/support/cases.py). (The Qwen2-VL families: test_serve_app.py,
-test_grpc_serve.py, test_video_url_serve.py.)"""
+sampled on the server by the family's own rule, streamed through the pipeline or decoded whole. The
+cases are the family's own (tests/support/cases.py). (The Qwen2-VL families: test_serve_app.py,
+test_grpc_serve.py, test_video_url_serve.py.)
+
+One app per family, and a second one with `transport: grpc` for Qwen3-VL only: the transport moves
+an item's output parts (`ItemEmbedding`: dtype, shape, bytes) whatever the family, and what varies
+between families is their number: Qwen3-VL's (and its MoE sibling's, the same encoder face) are one
+part per DeepStack layer beside the merged rows, every other family's one part, the Qwen2-VL
+families' test (`secured_url`, test_serve_app.py) covers. Sub-items (MiniCPM-V's slices, Step3's
+crops) are joined in the encoder pool before an item leaves it. A video file is streamed when it
+samples to `STREAM_MIN_FRAMES` frames or more and decoded whole below, so one app covers both."""
 
 from __future__ import annotations
 
@@ -18,6 +26,8 @@ from tests.support.serve_fixtures import _app_args
 
 pytestmark = pytest.mark.serve
 
+STREAM_MIN_FRAMES = 4  # the apps' video_decode.stream_min_frames: a shorter video is decoded whole
+VIDEO = {"video_decode": {"stream_group_frames": 2, "stream_min_frames": STREAM_MIN_FRAMES}}
 GRPC = {"transport": "grpc", "video_decode": {"stream": False}}  # embeddings over gRPC, a video decoded whole
 
 
@@ -33,19 +43,18 @@ class Served:
 SERVED = {
     "llava": Served({"llava": {}}, ("one_image", "three_images"), ("one_image",), "llava"),
     "llava_siglip": Served({"llava_siglip": {}}, ("one_image", "three_images"), ("one_image",), "llava_siglip"),
-    "step3p7": Served({"step3p7": {}, "step3p7_grpc": GRPC}, ("text_only", "one_image", "three_images",
-                                                               "long_prompt"), ("one_image",), "step3p7_grpc"),
-    "minicpmv4_6": Served({"minicpmv4_6": {}, "minicpmv4_6_grpc": GRPC},
-                          ("text_only", "one_image", "sliced_images", "video", "long_prompt"), ("one_image",),
-                          "minicpmv4_6_grpc", video_seed=23),
-    "qwen3_vl": Served({"qwen3_vl": {}, "qwen3_vl_grpc": GRPC}, ("one_image", "video", "image_and_video"),
-                       ("one_image", "video"), "qwen3_vl", video_seed=22),
-    "qwen3_vl_moe": Served({"qwen3_vl_moe": {}, "qwen3_vl_moe_grpc": GRPC}, ("text_only", "one_image", "video"),
-                           ("one_image",), "qwen3_vl_moe_grpc", video_seed=24),
-    "qwen3_5": Served({"qwen3_5": {}, "qwen3_5_grpc": GRPC}, ("text_only", "one_image", "video", "long_prompt"),
+    "step3p7": Served({"step3p7": {}}, ("text_only", "one_image", "three_images", "long_prompt"), ("one_image",),
+                      "step3p7"),
+    "minicpmv4_6": Served({"minicpmv4_6": VIDEO}, ("text_only", "one_image", "sliced_images", "video", "long_prompt"),
+                          ("one_image",), "minicpmv4_6", video_seed=23),
+    "qwen3_vl": Served({"qwen3_vl": VIDEO, "qwen3_vl_grpc": GRPC}, ("one_image", "video", "image_and_video"),
+                       ("one_image", "video"), "qwen3_vl_grpc", video_seed=22),
+    "qwen3_vl_moe": Served({"qwen3_vl_moe": VIDEO}, ("text_only", "one_image", "video"), ("one_image",),
+                           "qwen3_vl_moe", video_seed=24),
+    "qwen3_5": Served({"qwen3_5": VIDEO}, ("text_only", "one_image", "video", "long_prompt"),
                       ("one_image", "video"), "qwen3_5", video_seed=25),
-    "qwen3_5_moe": Served({"qwen3_5_moe": {}, "qwen3_5_moe_grpc": GRPC}, ("one_image", "image_and_video"),
-                          ("one_image",), "qwen3_5_moe_grpc", video_seed=26),
+    "qwen3_5_moe": Served({"qwen3_5_moe": VIDEO}, ("one_image", "image_and_video"), ("one_image",),
+                          "qwen3_5_moe", video_seed=26),
 }
 MOE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "step3p7")
 
@@ -93,11 +102,12 @@ def test_http_and_grpc_equal_monolithic(served, case, tiny_checkpoint, serve_por
 
 
 @pytest.mark.parametrize("served", [f for f, s in SERVED.items() if s.video_seed is not None], indirect=True)
-def test_video_url_equals_monolithic_on_both_transports(served, tiny_checkpoint, serve_ports):
+def test_video_url_equals_monolithic_streamed_and_decoded_whole(served, tiny_checkpoint, serve_ports):
     """A video file (mp4 `video_url`), decoded and sampled on the server at the family's own rate
-    (Qwen3-VL: with the timestamps its processor writes from the sampled frames' numbers): streamed
-    through the pipeline (object store app) and not (gRPC app), the same tokens; the same over the
-    public gRPC API (`video_files`)."""
+    (Qwen3-VL: with the timestamps its processor writes from the sampled frames' numbers): a 3.4 s
+    one streamed through the pipeline, a 0.6 s one (fewer than `STREAM_MIN_FRAMES` frames sampled)
+    decoded whole, and on Qwen3-VL's gRPC app (`stream: false`) the long one whole too: the tokens
+    of `generate`; the long one over the public gRPC API (`video_files`) too."""
     pytest.importorskip("av")
     from mmserve.rpc.vlm_client import user
     from tests.serve.test_video_url_serve import QUESTION, decoder_stats, reference_messages
@@ -105,16 +115,18 @@ def test_video_url_equals_monolithic_on_both_transports(served, tiny_checkpoint,
 
     family, urls = served
     spec, max_tokens = SERVED[family], CASE_TOKENS[family]
-    data = video_file(3.4, 10, 56, 84, seed=spec.video_seed)
-    messages = reference_messages(data)
-    expected = reference_generate(tiny_checkpoint(family), messages, max_tokens)
     first = next(iter(spec.apps))
-    for name in spec.apps:
-        before = decoder_stats(name)
-        assert openai_chat(urls[name], name, messages, max_tokens, stream=False)[1] == expected, name
-        assert decoder_stats(name)["streamed"] - before["streamed"] == (name == first), name
-    with VLMClient(f"127.0.0.1:{serve_ports[1]}", application=spec.grpc_app) as c:
-        assert list(c.generate([user(QUESTION, video_files=[data])], max_tokens=max_tokens).token_ids) == expected
+    for seconds, streams in ((3.4, True), (0.6, False)):
+        data = video_file(seconds, 10, 56, 84, seed=spec.video_seed)
+        expected = reference_generate(tiny_checkpoint(family), reference_messages(data), max_tokens)
+        for name in spec.apps if streams else [first]:
+            before = decoder_stats(name)
+            got = openai_chat(urls[name], name, reference_messages(data), max_tokens, stream=False)[1]
+            assert got == expected, (name, seconds)
+            assert decoder_stats(name)["streamed"] - before["streamed"] == (streams and name == first), (name, seconds)
+        if streams:
+            with VLMClient(f"127.0.0.1:{serve_ports[1]}", application=spec.grpc_app) as c:
+                assert list(c.generate([user(QUESTION, video_files=[data])], max_tokens=max_tokens).token_ids) == expected
 
 
 @pytest.mark.parametrize("served", MOE_FAMILIES, indirect=True)
