@@ -100,7 +100,8 @@ backend serve_proxy
 """
 
 
-def _die_with_parent() -> None:  # in the child, before exec: SIGTERM when `mmserve serve` dies
+def die_with_parent() -> None:
+    """In a child we start, before exec: SIGTERM when its parent (`mmserve serve`, a bench) dies."""
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -118,7 +119,7 @@ class HeaderCap:
     def start(self, timeout_s: float = 10.0) -> None:
         log = open(Path(self._dir.name) / "haproxy.log", "w")
         self._proc = subprocess.Popen([haproxy_binary(), "-db", "-f", str(self.config)], stdout=log,
-                                      stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                      stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout_s
         while True:
             if self._proc.poll() is not None:

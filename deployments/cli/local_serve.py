@@ -1,6 +1,9 @@
 """`mmserve serve`: an embedded Ray cluster on this machine, the app deployed on it, drained on
 SIGTERM / Ctrl-C, and nothing exposed that the operator did not ask for.
 
+- Ray's head runs in a process of its own, started as every entry point starts it
+  (`deployments.cli.ray_head`); a start that fails exits 1 with the lines of Ray's logs that say why.
+
 - "mmserve ready" is printed once the app answers ready (what `/health` says: an LLM replica and an
   Encoder replica loaded and warmed up), not when the Router alone is up. SIGTERM / Ctrl-C are
   caught from the start: one that comes while Ray starts or the replicas load stops everything
@@ -196,7 +199,7 @@ def ingress_line(mode: str, cap) -> str:
 
 class StopSignal:
     """SIGTERM (docker stop, Kubernetes) and SIGINT (Ctrl-C), recorded from the start of the command
-    (`install` again after `ray.init`, which sets a SIGTERM handler of its own that dumps a stack)."""
+    (`install` again after `ray.init`, which sets a SIGTERM handler of its own)."""
 
     def __init__(self):
         self.received: list[int] = []
@@ -214,23 +217,26 @@ class StopSignal:
         return signal.Signals(self.received[0]).name if self.received else None
 
 
-def start_ray(ns: argparse.Namespace, stop: StopSignal) -> None:
-    import ray
+def start_ray(ns: argparse.Namespace, stop: StopSignal):
+    """The embedded cluster's head (`deployments.cli.ray_head`), this process its driver; None when a
+    signal came first. RayStartFailed says why it did not start."""
+    from deployments.cli.ray_head import HeadSpec, start_head
 
+    spec = HeadSpec(num_cpus=ns.num_cpus, dashboard=ns.dashboard, dashboard_host=ns.dashboard_host)
     try:
-        context = ray.init(num_cpus=ns.num_cpus, include_dashboard=ns.dashboard, dashboard_host=ns.dashboard_host,
-                           logging_level="WARNING")
-    except SystemExit as e:  # SIGTERM while Ray starts: the handler ray.init sets exits
+        head = start_head(spec, stopped=lambda: bool(stop.received), log_to_driver=True, logging_level="WARNING")
+    except SystemExit as e:  # SIGTERM while connecting to the head: the handler ray.init sets exits
         if e.code != signal.SIGTERM:
             raise
         stop.received.append(signal.SIGTERM)
-        return
+        return None
     finally:
-        stop.install()  # ours again, in place of Ray's
-    if ns.dashboard and context.dashboard_url:
+        stop.install()  # ours again, in place of the one ray.init sets
+    if head is not None and head.dashboard_url:
         auth = f"token auth on: the token is in {token_location()}" if ray_token_auth_on() else "no token auth"
-        print(f"Ray dashboard: http://{context.dashboard_url} ({auth}; Serve tab: deployments, replicas, logs)",
+        print(f"Ray dashboard: http://{head.dashboard_url} ({auth}; Serve tab: deployments, replicas, logs)",
               flush=True)
+    return head
 
 
 def check_max_model_len(model_dir: str, max_model_len: int) -> None:
@@ -243,13 +249,10 @@ def check_max_model_len(model_dir: str, max_model_len: int) -> None:
         raise RefusedToStart(f"--max-model-len: {e}") from None
 
 
-def stop_during_startup(stop: StopSignal, ray_started: bool) -> int:
-    """Nothing was served yet: no drain, the embedded cluster goes down with every replica in it."""
+def stop_during_startup(stop: StopSignal) -> int:
+    """Nothing was served yet: no drain, the embedded cluster goes down with every replica in it (the
+    caller stops the head)."""
     print(f"{stop.name} during start-up: stopping", flush=True)
-    if ray_started:
-        import ray
-
-        ray.shutdown()
     return 0
 
 
@@ -306,19 +309,23 @@ def serve_app(ns: argparse.Namespace) -> int:
     if ns.max_model_len is not None:
         check_max_model_len(model_dir, ns.max_model_len)
     if stop.received:
-        return stop_during_startup(stop, ray_started=False)
+        return stop_during_startup(stop)
     limit_grpc_messages(args.limits.max_request_bytes)
-    start_ray(ns, stop)
-    if stop.received:
-        return stop_during_startup(stop, ray_started=True)
-    serve.start(http_options={"host": serve_host, "port": serve_port}, grpc_options=grpc_options(port=ns.grpc_port))
-    serve.run_many([serve.RunTarget(build_app(args), name="mmserve", route_prefix="/")],
-                   wait_for_applications_running=False)
-    where = (f"http://{ns.host}:{ns.http_port}/v1/chat/completions, gRPC mmserve.v1.VLMService on port "
-             f"{ns.grpc_port}{f' (API key from {key_env})' if key_env else ''}; {ingress_line(ns.ingress, cap)} "
-             "(Ctrl-C to stop)")
-    return serve_once_ready(["mmserve"], ["mmserve"], stop, cap, ns.grace_period,
-                            lambda: f"mmserve ready in {time.perf_counter() - start:.1f}s: {where}")
+    head = start_ray(ns, stop)
+    if head is None or stop.received:
+        return stop_during_startup(stop)
+    try:
+        serve.start(http_options={"host": serve_host, "port": serve_port},
+                    grpc_options=grpc_options(port=ns.grpc_port))
+        serve.run_many([serve.RunTarget(build_app(args), name="mmserve", route_prefix="/")],
+                       wait_for_applications_running=False)
+        where = (f"http://{ns.host}:{ns.http_port}/v1/chat/completions, gRPC mmserve.v1.VLMService on port "
+                 f"{ns.grpc_port}{f' (API key from {key_env})' if key_env else ''}; {ingress_line(ns.ingress, cap)} "
+                 "(Ctrl-C to stop)")
+        return serve_once_ready(["mmserve"], ["mmserve"], stop, cap, ns.grace_period,
+                                lambda: f"mmserve ready in {time.perf_counter() - start:.1f}s: {where}")
+    finally:
+        head.stop()
 
 
 def app_args(ns: argparse.Namespace, key_env: str | None):
@@ -434,24 +441,27 @@ def serve_config(ns: argparse.Namespace) -> int:
     http = config.http_options
     limit_grpc_messages(max([request_bytes_limit(app.args) for app in config.applications
                              if app.import_path in APP_IMPORT_PATHS], default=LimitArgs().max_request_bytes))
-    start_ray(ns, stop)
-    if stop.received:
-        return stop_during_startup(stop, ray_started=True)
-    options = config.model_dump(include={"proxy_location", "http_options", "grpc_options"}, exclude_unset=True)
-    options["http_options"] = {**options.get("http_options", {}), "host": serve_host, "port": serve_port}
-    serve.start(**options)
-    _get_global_client().deploy_apps(config)
-    names = [app.name for app in config.applications]
-    ours = [app.name for app in config.applications if app.import_path in APP_IMPORT_PATHS]
-    where = f"http://{http.host}:{http.port} ({', '.join(names)}; {ingress_line(ns.ingress, cap)}; Ctrl-C to stop)"
-    return serve_once_ready(names, ours, stop, cap, ns.grace_period,
-                            lambda: f"mmserve ready in {time.perf_counter() - start:.1f}s from {ns.config}: {where}")
+    head = start_ray(ns, stop)
+    if head is None or stop.received:
+        return stop_during_startup(stop)
+    try:
+        options = config.model_dump(include={"proxy_location", "http_options", "grpc_options"}, exclude_unset=True)
+        options["http_options"] = {**options.get("http_options", {}), "host": serve_host, "port": serve_port}
+        serve.start(**options)
+        _get_global_client().deploy_apps(config)
+        names = [app.name for app in config.applications]
+        ours = [app.name for app in config.applications if app.import_path in APP_IMPORT_PATHS]
+        where = f"http://{http.host}:{http.port} ({', '.join(names)}; {ingress_line(ns.ingress, cap)}; Ctrl-C to stop)"
+        return serve_once_ready(names, ours, stop, cap, ns.grace_period,
+                                lambda: f"mmserve ready in {time.perf_counter() - start:.1f}s from {ns.config}: {where}")
+    finally:
+        head.stop()
 
 
 def serve_once_ready(app_names: list[str], ours: list[str], stop: StopSignal, cap, grace_s: float,
                      ready_line) -> int:
     """Wait until the apps serve (`wait_until_serving`), then print `ready_line()` and serve until a
-    signal; a signal first stops everything (exit 0), a failed deploy exits 1."""
+    signal; a signal first stops Serve (exit 0), a failed deploy exits 1 (the caller stops Ray)."""
     from ray import serve
 
     try:
@@ -461,7 +471,8 @@ def serve_once_ready(app_names: list[str], ours: list[str], stop: StopSignal, ca
         serve.shutdown()
         return 1
     if not serving:
-        return stop_during_startup(stop, ray_started=True)
+        serve.shutdown()
+        return stop_during_startup(stop)
     if cap is not None:
         cap.start()
     print(ready_line(), flush=True)
@@ -471,8 +482,7 @@ def serve_once_ready(app_names: list[str], ours: list[str], stop: StopSignal, ca
 def serve_until_signal(app_names: list[str], grace_s: float, stop: StopSignal, cap=None) -> int:
     """Serve until SIGTERM (docker stop, Kubernetes) or Ctrl-C, then drain and stop cleanly:
     new requests get 503 / UNAVAILABLE, requests in flight finish (up to `grace_s`), then Serve
-    and Ray shut down and the command exits 0."""
-    import ray
+    shuts down (Ray after it, by the caller) and the command exits 0."""
     from ray import serve
 
     from deployments.serve.drain import drain
@@ -488,5 +498,4 @@ def serve_until_signal(app_names: list[str], grace_s: float, stop: StopSignal, c
     if cap is not None:  # after the drain: it forwarded the drain's 503s
         cap.stop()
     serve.shutdown()
-    ray.shutdown()
     return 0

@@ -22,6 +22,7 @@ def _count(text: str) -> int:
 
 def _serve(ns: argparse.Namespace) -> int:
     from deployments.cli.local_serve import RefusedToStart, serve_app, serve_config
+    from deployments.cli.ray_head import RayStartFailed
 
     if ns.config is None:  # with --config, the file's http_options.host / ports unless the flags are given
         ns.host = "127.0.0.1" if ns.host is None else ns.host
@@ -32,6 +33,9 @@ def _serve(ns: argparse.Namespace) -> int:
     except RefusedToStart as e:
         print(f"mmserve serve: {e}", file=sys.stderr)
         return 2
+    except RayStartFailed as e:
+        print(f"mmserve serve: {e}", file=sys.stderr)
+        return 1
 
 
 def _build_tiny(ns: argparse.Namespace) -> int:

@@ -117,6 +117,14 @@ def _group_of(process: psutil.Process) -> int | None:
 def test_beyond_loopback_only_the_app_listens_and_serve_internals_need_rays_token(served):
     import grpc
 
+    names = set()
+    for process in tree(served.proc.pid):
+        try:
+            names.add(process.name())
+        except psutil.NoSuchProcess:
+            continue
+    # the Ray head runs in a process of its own (deployments/cli/ray_head.py): its node is in the tree listed
+    assert {"gcs_server", "raylet"} <= names and any(n.startswith("ray::ServeReplica") for n in names), names
     listening = listeners(served.proc.pid)
     exposed = {s.port: s.process for s in listening if not s.loopback}
     # Serve opens one inter-deployment gRPC server per replica on [::] (a Serve rule); Ray's token guards it
