@@ -299,7 +299,7 @@ def serve_app(ns: argparse.Namespace) -> int:
     from deployments.serve.app import build_app
     from deployments.serve.router import grpc_options
 
-    args = app_args(ns, key_env)  # flags that do not go together are refused before anything is built
+    app_args(ns, key_env)  # flags that do not go together are refused before anything is built
     model_dir = ns.model
     if model_dir is None:
         from mmserve.tiny import default_model_dir, ensure_tiny_model
@@ -308,6 +308,7 @@ def serve_app(ns: argparse.Namespace) -> int:
         model_dir = str(ensure_tiny_model())
     if ns.max_model_len is not None:
         check_max_model_len(model_dir, ns.max_model_len)
+    args = app_args(ns, key_env, gpu_shares(ns, model_dir))
     if stop.received:
         return stop_during_startup(stop)
     limit_grpc_messages(args.limits.max_request_bytes)
@@ -328,21 +329,48 @@ def serve_app(ns: argparse.Namespace) -> int:
         head.stop()
 
 
-def app_args(ns: argparse.Namespace, key_env: str | None):
-    """`AppArgs` from `mmserve serve`'s app flags (without --config); RefusedToStart names the flags
-    that do not go together (`--tensor-parallel-size` with a fractional `--llm-gpus`)."""
+def gpu_shares(ns: argparse.Namespace, model_dir: str):
+    """`--encoder-gpus` / `--llm-gpus` where they are not given, on a host with GPUs with `--device`
+    auto or cuda: chosen by `choose_gpu_shares` for the checkpoint's weights and said; None when
+    there is nothing to choose (no GPU seen, `--device cpu`, both flags given). RefusedToStart when
+    the models do not fit the GPUs."""
+    from deployments.cli.gpu_shares import GpuShares, choose_gpu_shares, visible_gpu_memory
+    from llm_service.model import weight_split
+
+    if ns.device == "cpu" or (ns.encoder_gpus is not None and ns.llm_gpus is not None):
+        return None
+    memory = visible_gpu_memory()
+    if not memory:
+        return None
+    llm_bytes, encoder_bytes = weight_split(model_dir, ns.dtype)
+    try:
+        chosen = choose_gpu_shares(len(memory), min(memory), encoder_bytes, llm_bytes, ns.tensor_parallel_size)
+    except ValueError as e:
+        raise RefusedToStart(str(e)) from None
+    shares = GpuShares(chosen.encoder if ns.encoder_gpus is None else ns.encoder_gpus,
+                       chosen.llm if ns.llm_gpus is None else ns.llm_gpus, chosen.why)
+    print(f"GPU shares: encoder {shares.encoder:g}, LLM {shares.llm:g} ({shares.why}; --encoder-gpus / "
+          "--llm-gpus to choose)", flush=True)
+    return shares
+
+
+def app_args(ns: argparse.Namespace, key_env: str | None, shares=None):
+    """`AppArgs` from `mmserve serve`'s app flags (without --config), with the GPU shares chosen
+    (`gpu_shares`; None: the flags, unset ones 0); RefusedToStart names the flags that do not go
+    together (`--tensor-parallel-size` with a fractional `--llm-gpus`)."""
     from pydantic import ValidationError
 
     from deployments.config import AppArgs, DeploymentArgs, EngineArgs
 
     cpus, ranks = ns.num_cpus, ns.tensor_parallel_size
+    encoder_gpus, llm_gpus = shares[:2] if shares else (ns.encoder_gpus or 0, ns.llm_gpus or 0)
     try:
         return AppArgs(
             model=ns.model, dtype=ns.dtype, device=ns.device, api_key_env=key_env,
             router=DeploymentArgs(num_cpus=0.25 * cpus),
-            encoder=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.encoder_gpus),
+            encoder=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=encoder_gpus),
             # a tensor-parallel replica's ranks share the LLM's quarter (each rank reserves its part)
-            llm=DeploymentArgs(num_cpus=0.25 * cpus / ranks, num_gpus=ns.llm_gpus),
+            llm=DeploymentArgs(num_cpus=0.25 * cpus / ranks, num_gpus=llm_gpus),
             video_decoder=DeploymentArgs(num_cpus=0.125 * cpus),
             engine=EngineArgs(max_model_len=ns.max_model_len, tensor_parallel_size=ranks),
         )

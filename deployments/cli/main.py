@@ -173,8 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     serve_p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     serve_p.add_argument("--num-cpus", type=float, default=2, help="CPUs given to the embedded Ray")
-    serve_p.add_argument("--encoder-gpus", type=float, default=0)
-    serve_p.add_argument("--llm-gpus", type=float, default=0)
+    serve_p.add_argument("--encoder-gpus", type=float, default=None,
+                         help="GPUs of the encoder replica (a fraction: that share of one); default: on a host with "
+                         "GPUs, chosen with --llm-gpus and printed (deployments/cli/gpu_shares.py), else 0")
+    serve_p.add_argument("--llm-gpus", type=float, default=None,
+                         help="GPUs of the LLM replica (of each rank with --tensor-parallel-size); default: as "
+                         "--encoder-gpus")
     serve_p.add_argument("--max-model-len", type=_positive_int, default=None, metavar="TOKENS",
                          help="longest prompt + max_tokens served (engine.max_model_len; default: the checkpoint's "
                          "max_position_embeddings)")
