@@ -173,6 +173,15 @@ def test_requests_need_the_key(served):
 
 
 @pytest.mark.serve
+def test_no_route_but_health_answers_without_the_key(served):
+    """With a key set, FastAPI's /openapi.json and Serve's route table /-/routes answered 200 without it:
+    both are off (the request cap answers /-/routes)."""
+    base = f"http://127.0.0.1:{served.http_port}"
+    for path in ("/openapi.json", "/-/routes"):
+        assert httpx.get(base + path, timeout=30).status_code == 404, path
+
+
+@pytest.mark.serve
 def test_the_grpc_proxy_takes_no_message_over_the_request_limit(served):
     """Serve's gRPC proxy receives a whole message before the Router checks the key: it is capped at
     limits.max_request_bytes (64 MiB) + 1 MiB, not Serve's 2 GiB."""
@@ -404,8 +413,24 @@ def test_with_config_the_port_flags_replace_the_files_ports():
     assert config["http_options"] == {"host": "0.0.0.0", "port": 8123}
     assert config["grpc_options"]["port"] == 9123 and config["grpc_options"]["grpc_servicer_functions"]
     assert raw["http_options"]["port"] == 8000 and raw["grpc_options"]["port"] == 9000  # the file as read: alone
-    untouched, _ = config_with_flags(raw, "x.yaml", None, None, None)
+    untouched, _ = config_with_flags(raw, "x.yaml", None, API_KEY_ENV, None)
     assert untouched["http_options"]["port"] == 8000 and untouched["grpc_options"] == raw["grpc_options"]
+
+
+def test_with_config_without_a_key_the_files_grpc_proxy_starts_only_when_asked_for():
+    """Serve's gRPC proxy listens on every interface whatever --host says: without a key for every
+    application, the file's grpc_options are dropped unless --grpc-port asks for them (then a warning)."""
+    raw = yaml.safe_load(CONFIG.read_text())
+    config, lines = config_with_flags(raw, "x.yaml", "127.0.0.1", None, None)
+    assert "grpc_options" not in config and "grpc_options" in raw
+    assert lines == ["no API key for application 'mmserve': the file's gRPC proxy is not started (it would listen "
+                     "on every interface, whatever --host says); --grpc-port PORT starts it"]
+    asked, lines = config_with_flags(raw, "x.yaml", "127.0.0.1", None, None, grpc_port=9123)
+    assert asked["grpc_options"]["port"] == 9123 and "no API key, and Serve's gRPC proxy listens" in lines[0]
+    keyed = _two_apps(api_key_env="MMSERVE_TEST_SECOND_KEY")
+    keyed["applications"][0]["args"]["api_key_env"] = "MMSERVE_TEST_FIRST_KEY"
+    kept, lines = config_with_flags(keyed, "x.yaml", None, None, None)  # every application names its key
+    assert kept["grpc_options"] == keyed["grpc_options"] and lines == []
 
 
 def test_with_config_the_grpc_port_flag_for_a_file_serving_no_grpc_is_refused(monkeypatch, tmp_path, capsys):
@@ -428,7 +453,7 @@ def test_with_config_the_http_port_flag_is_where_it_listens(monkeypatch, tmp_pat
     seen = {}
     import deployments.cli.local_serve as local_serve
 
-    def plan(mode, host, port, per_client):
+    def plan(mode, host, port, per_client, max_body_bytes):
         seen.update(host=host, port=port)
         raise local_serve.RefusedToStart("stop here")
 
