@@ -83,7 +83,7 @@ def cause_lines(logs: Path, only: str = "") -> list[str]:
 def advice(lines: list[str], logs: Path, dashboard: bool) -> str:
     """What to try after a failed start, the likeliest first."""
     tries = []
-    if any("Timed out waiting for file" in line or "agent" in line for line in lines):
+    if any("Timed out waiting for file" in line for line in lines):  # the raylet's, for an agent's port file
         tries.append("Ray's agents were slow to start: the raylet waits a fixed 15 s for their port files, then "
                      "exits (ray#65983)")
     if dashboard:
