@@ -5,7 +5,7 @@ docs/gpu-figures.md regenerated from the whole file.
     python bench/gpu_report.py --only engine serve      # some parts: tests, engine, encoder, serve, tp
     python bench/gpu_report.py --device cpu --only engine   # same shape, CPU sizes: bench/results/cpu.jsonl
     python bench/gpu_report.py --render-only            # docs/gpu-figures.md from gpu.jsonl again
-    python bench/gpu_report.py --from-log DIR           # the record of a `scripts/gpu-check all DIR` run
+    python bench/gpu_report.py --from-log DIR           # the record of a `scripts/gpu-check all|cli DIR` run
 
 Each part runs what already measures (subprocesses; their last JSON line is read) and adds its
 figures to the run's record; every figure is in every record, null when this run did not measure
@@ -27,6 +27,8 @@ it. On CUDA every part fits in 8 minutes on an H100:
   batch 1 and 64 at TP 2 against TP 1 on the same checkpoint, each against its bound (rank 0's
   weights + its half of the KV at one device's peak bandwidth: the 2-device bound), in the record's
   `tp` (not a figure column: {"skipped": "needs >= 2 GPUs, found N"} on fewer GPUs).
+- cli (from a `scripts/gpu-check cli DIR` log only): bench/cli.py -> readme_ready_s,
+  readme_first_answer_ms, readme_passed; a failed check is named in `failed_parts`.
 Peaks come from mmserve/loadgen/device_peaks.py by the CUDA device name (--peak-gbs / --peak-tflops
 override). CPU records are for the shape (CI) and are not comparable with GPU ones.
 """
@@ -109,6 +111,11 @@ FIGURES = (
     Figure("transfer_grpc_gbs", "GB/s", "serve"),
     Figure("transfer_object_store_frac_of_bandwidth", "fraction of peak memory bandwidth", "serve"),
     Figure("transfer_grpc_frac_of_bandwidth", "fraction of peak memory bandwidth", "serve"),
+    Figure("readme_ready_s", "s from `python3 -m deployments.cli.main serve --model DIR --dtype bfloat16` (no "
+           "other flag) to ready (bench/cli.py)", "cli"),
+    Figure("readme_first_answer_ms", "ms, the README's curl (an image, 16 tokens) right after ready", "cli"),
+    Figure("readme_passed", "every step of scripts/gpu-check cli passed (README curl, chat over HTTP and gRPC, "
+           "reflection, the dashboard's Serve API, the drain)", "cli"),
 )
 UNITS = {f.name: f.unit for f in FIGURES}
 
@@ -309,6 +316,11 @@ def transfer_figures(transfer: dict, peak: Peaks) -> dict:
     return out
 
 
+def cli_figures(r: dict) -> dict:
+    """bench/cli.py's result -> its figures (`readme_passed`: every check passed)."""
+    return {k: r[k] for k in ("readme_ready_s", "readme_first_answer_ms", "readme_passed")}
+
+
 def serve_part(ns, peak: Peaks) -> dict:
     with tempfile.TemporaryDirectory() as plots:
         args = [*ns.sizes["serve"], "--plot-dir", plots]
@@ -431,6 +443,7 @@ def record_from_log(folder: Path, peak_gbs: float | None, peak_tflops: float | N
         figures |= encoder_figures(encoder, peak)
         record["parts"].append("encoder")
     _serve_from_log(results, lines, record, figures, peak)
+    _cli_from_log(results, lines, record, figures)
     if tests := junit_counts(sorted(folder.glob("junit*.xml")), "test_gpu_app") or app_progress(folder):
         figures["gpu_app_tests"] = tests
         record["parts"].insert(0, "tests")
@@ -452,6 +465,20 @@ def _serve_from_log(results: list[dict], lines: list[str], record: dict, figures
     elif any(line.startswith("== python3 bench/gpu_report.py --only serve") for line in lines) and not transfer:
         record["failed_parts"]["serve"] = "no result in the log from " + (
             "bench/transfer.py" if serve else "bench/serve.py") + " (cut at the part's cap)"
+
+
+def _cli_from_log(results: list[dict], lines: list[str], record: dict, figures: dict) -> None:
+    """`scripts/gpu-check cli`'s figures from bench/cli.py's line; the checks that failed (or no line
+    from a run that started) in `failed_parts["cli"]`."""
+    cli = next((r for r in reversed(results) if "readme_passed" in r), None)
+    if cli is None:
+        if any(line.startswith("== python3 bench/cli.py") for line in lines):
+            record["failed_parts"]["cli"] = "no result in the log from bench/cli.py (cut at its cap)"
+        return
+    figures |= cli_figures(cli)
+    record["parts"].append("cli")
+    if failed := [f"{name}: {why}" for name, why in cli.get("checks", {}).items() if why is not True]:
+        record["failed_parts"]["cli"] = "; ".join(failed)
 
 
 def app_progress(folder: Path) -> dict | None:
@@ -544,6 +571,9 @@ COLUMNS = (
     ("transfer GB/s gRPC (of HBM)", lambda r: cell(r, "transfer_grpc_gbs", "{:.2f}", "transfer_grpc_frac_of_bandwidth",
                                                    "{:.2%}")),
     ("TP 2 decode ms b1 / b64 (vs TP 1)", _tp_cell),
+    ("CLI ready s, first answer ms", lambda r: "–" if r.get("readme_passed") is None else ", ".join(
+        [cell(r, "readme_ready_s", "{:.0f} s"), cell(r, "readme_first_answer_ms", "{:.0f} ms"),
+         "passed" if r["readme_passed"] else "failed"])),
     ("notes", lambda r: "; ".join(filter(None, [r.get("source"), *(f"{p} failed: {e}" for p, e in
                                                                    (r.get("failed_parts") or {}).items())]))),
 )
@@ -571,6 +601,8 @@ run. Brackets: the figure against its physical limit, from the device's peaks
   (host memory), against the device's memory bandwidth.
 - TP 2: decode ms per step at tensor parallelism 2 on 2 GPUs (`bench/llm_tp.py`), in brackets the
   speedup over TP 1 on one; the record's `tp` holds both against their bounds (docs/tensor-parallel.md).
+- CLI: `scripts/gpu-check cli` (`bench/cli.py`): `serve --model DIR --dtype bfloat16` alone on the random
+  full-size Qwen2-VL-2B, seconds to ready, the README's curl right after (ms), and whether every step passed.
 
 Every field of a record, with its unit, is in the record (`units`). CPU runs go to
 `bench/results/cpu.jsonl` and are not comparable.

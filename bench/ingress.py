@@ -1,5 +1,7 @@
-"""Serve's ingress modes side by side: `mmserve serve --ingress proxy|direct`, and `proxy`
-with the header cap `mmserve serve` puts in front beyond loopback (deployments/cli/ingress_modes.py).
+"""Serve's ingress modes side by side: `mmserve serve --ingress proxy|direct`, and `proxy` beyond
+loopback. `proxy` runs behind the request cap `mmserve serve` puts in front on every interface
+(deployments/cli/ingress_modes.py; on loopback too since issue 59), `direct` without it; the load
+comes from one address, so the cap's per-client connection limit is off (0).
 
 Each mode serves the embedded tiny model from its own `mmserve serve` (one after the other, same
 CPUs). Per mode: /health and a 1-token request one at a time (the ingress cost: the tiny model's
@@ -98,13 +100,14 @@ class Server:
     def __init__(self, mode: str, log_dir: Path):
         self.mode, self.http_port = mode, free_loopback_port()
         ingress = "proxy" if mode == "proxy-capped" else mode
-        host = "0.0.0.0" if mode == "proxy-capped" else "127.0.0.1"  # beyond loopback: the header cap
+        host = "0.0.0.0" if mode == "proxy-capped" else "127.0.0.1"
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_SERVE_ENABLE"))}
         env.update(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
         self.log = log_dir / f"{mode}.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "deployments.cli.main", "serve", "--ingress", ingress, "--host", host,
-             "--http-port", str(self.http_port), "--grpc-port", str(free_loopback_port()), "--no-dashboard"],
+             "--http-port", str(self.http_port), "--grpc-port", str(free_loopback_port()), "--no-dashboard",
+             "--max-connections-per-client", "0"],
             cwd=ROOT, env=env, stdout=self.log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout_s: float = 300) -> str:

@@ -23,6 +23,7 @@ import ray
 import torch
 
 from deployments.cli.ingress_modes import free_loopback_port
+from deployments.cli.ray_head import HeadSpec, start_head
 
 SIZES_MB = (0.8, 4.0, 20.0)
 HIDDEN = 2048
@@ -219,13 +220,15 @@ def main() -> None:
     parser.add_argument("--ingress-iters", type=int, default=50)
     parser.add_argument("--families-only", action="store_true", help="only section 3 (per-family output sizes)")
     ns = parser.parse_args()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    families = bench_families(ns.iters)
-    transfer = ingress = None
-    if not ns.families_only:
-        transfer = bench_transfer(ns.iters)
-        ingress = bench_ingress(ns.ingress_iters)
-    ray.shutdown()
+    head = start_head(HeadSpec(num_cpus=4))  # Ray as every entry point starts it (deployments/cli/ray_head.py)
+    try:
+        families = bench_families(ns.iters)
+        transfer = ingress = None
+        if not ns.families_only:
+            transfer = bench_transfer(ns.iters)
+            ingress = bench_ingress(ns.ingress_iters)
+    finally:
+        head.stop()
 
     print(f"{'448x448 image':>14} | {'parts x rows x hidden':>22} {'MB bf16':>8} | "
           f"{'object store p50/p99 ms':>24} | {'gRPC p50/p99 ms':>18}")

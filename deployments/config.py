@@ -55,6 +55,10 @@ class LimitArgs(FrozenArgs):
     max_request_bytes: int = Field(
         default=64 * 1024 * 1024, ge=1024, description="request body; also all media URLs of one request together"
     )
+    body_timeout_s: float = Field(
+        default=30.0, gt=0, description="HTTP: seconds a request's body may take to arrive once the Router reads it "
+        "(400 past it; a trickled body would hold a Router's place)",
+    )
     max_prompt_chars: int | None = Field(
         default=None, ge=1, description="characters of everything of a request that is tokenized or compiled "
         "(messages with system text and tool results, tool calls' arguments, tool definitions and their schemas, "

@@ -37,6 +37,27 @@ Rule = Callable[[torch.Tensor], torch.Tensor]
 DEFAULT_TIMEOUT_S = 600.0
 
 
+def rendezvous_store(init_method: str, rank: int, size: int, timeout: datetime.timedelta):
+    """The group's key-value store at `init_method` (tcp://HOST:PORT). Rank 0 serves it on HOST alone:
+    torch's own server (`init_method=` given to `init_process_group`) listens on every interface, with no
+    authentication, whatever HOST says. The others connect to it."""
+    import socket
+    from urllib.parse import urlsplit
+
+    import torch.distributed as dist
+
+    url = urlsplit(init_method)
+    if url.scheme != "tcp" or url.hostname is None or url.port is None:
+        raise ValueError(f"tensor-parallel init_method {init_method!r}: expected tcp://HOST:PORT")
+    if rank != 0:
+        return dist.TCPStore(url.hostname, url.port, size, False, timeout=timeout)
+    listener = socket.socket(socket.AF_INET6 if ":" in url.hostname else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((url.hostname, url.port))
+    listener.listen()
+    return dist.TCPStore(url.hostname, url.port, size, True, timeout=timeout, master_listen_fd=listener.detach())
+
+
 class TPGroup:
     """This process's place in a replica's tensor-parallel group (`torch.distributed`: NCCL on
     CUDA with a gloo group beside it for the step messages, gloo on CPU). Counts its collectives:
@@ -52,8 +73,9 @@ class TPGroup:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # NCCL's communicator binds to the current device
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, store=rendezvous_store(init_method, rank, size, timeout), rank=rank,
+                                world_size=size, timeout=timeout)
         self.control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
         self.counts: Counter[str] = Counter()
         self.seconds: Counter[str] = Counter()  # host seconds inside each kind (the slowest rank's wait

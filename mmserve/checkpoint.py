@@ -13,6 +13,7 @@ model's fields at the top level, `rope_scaling: {"type": "mrope", "mrope_section
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -116,6 +117,13 @@ def stored_tensors(file: Path) -> list[StoredTensor]:
         begin, end = meta["data_offsets"]
         out.append(StoredTensor(key, _FILE_DTYPES[meta["dtype"]], tuple(meta["shape"]), base + begin, end - begin))
     return sorted(out, key=lambda t: t.start)  # sequential reads
+
+
+def weight_bytes(model_dir: str | Path, select: Callable[[str], bool], dtype: torch.dtype) -> int:
+    """Bytes the tensors `select` picks (by checkpoint key) take in `dtype`, from the files' headers alone."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(t.shape) * size for file in _safetensors_files(Path(model_dir))
+               for t in stored_tensors(file) if select(t.key))
 
 
 def _read_into(f, stored: StoredTensor, out: torch.Tensor) -> torch.Tensor:

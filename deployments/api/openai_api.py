@@ -3,6 +3,7 @@ to a `ChatRequest`, a `Generation` to a completion or SSE chunks, failures to st
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -41,16 +42,22 @@ def failure_response(failure: Failure) -> JSONResponse:
     return error_response(failure.http_status, failure.message)
 
 
-async def read_body(request: Request, check_size: Callable[[int], None]) -> bytes:
-    """The body of a Starlette request, refused as soon as `check_size` says it is too large."""
+async def read_body(request: Request, check_size: Callable[[int], None], timeout_s: float) -> bytes:
+    """The body of a Starlette request, refused as soon as `check_size` says it is too large, or when
+    it has not all arrived within `timeout_s` (`limits.body_timeout_s`)."""
     length = request.headers.get("content-length", "")
     if length.isdigit():
         check_size(int(length))
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        check_size(size)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                check_size(size)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise InvalidRequest(f"the request body did not arrive within {timeout_s:g} s "
+                             f"({size} bytes came; limits.body_timeout_s)") from None
     return b"".join(chunks)
 
 
@@ -271,7 +278,7 @@ class OpenAIAdapter:
 
         async def read() -> ChatRequest:  # only once admitted: a refused request's body is never read
             nonlocal body
-            body = parse_body(await read_body(request, self.core.check_size))
+            body = parse_body(await read_body(request, self.core.check_size, self.core.settings.limits.body_timeout_s))
             return chat_request(body)
 
         name = self.core.settings.served_model_name

@@ -3,72 +3,27 @@ benches (bench/) and `mmserve plan --validate` (deployments/cli/plan_runs.py) ru
 
 from __future__ import annotations
 
-import sys
-
 from deployments.cli.ingress_modes import free_loopback_port
 
 
-def start_serve(num_cpus: float, grpc: bool = False, apart: bool = False) -> tuple[int, int | None]:
-    """A quiet Ray (no dashboard) and Serve on free loopback ports: (HTTP port, gRPC port or None);
-    apps are then `serve.run` on it. `apart`: the node started by `ray start --head` at once (on GPU
-    hosts, where the in-process start has timed out every time). Stop with `stop_app`."""
-    import ray
+def start_serve(num_cpus: float, grpc: bool = False) -> tuple[int, int | None]:
+    """A quiet Ray (no dashboard; its head started as every entry point starts it: `ray_head`) and
+    Serve on free loopback ports: (HTTP port, gRPC port or None); apps are then `serve.run` on it.
+    Stop with `stop_app`. RayStartFailed (with the lines of Ray's logs that say why) when Ray did not start."""
     from ray import serve
 
+    from deployments.cli.ray_head import HeadSpec, start_head
     from deployments.serve.router import grpc_options
 
-    if not apart:
-        try:
-            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-        except Exception as e:  # noqa: BLE001  the node did not start: its logs, then one start from a thin process
-            print_ray_logs()
-            print(f"ray.init failed ({e})", file=sys.stderr)
-            apart = True
-    if apart:
-        start_head_apart(num_cpus)
-        ray.init(address="auto", log_to_driver=False, logging_level="ERROR")
+    global _HEAD
+    _HEAD = start_head(HeadSpec(num_cpus=num_cpus))
     port, grpc_port = free_loopback_port(), free_loopback_port() if grpc else None
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 grpc_options=grpc_options(port=grpc_port) if grpc else None)
     return port, grpc_port
 
 
-_HEAD_APART = False  # the node was started by `ray start` (stopped by `ray stop`)
-
-
-def start_head_apart(num_cpus: float) -> None:
-    """Starts the node with `ray start --head` in a process of its own. On H200 hosts, bench/serve.py's
-    in-process start timed out five times of five in two sessions (the raylet did not register within
-    Ray's fixed 30 s) while `ray start --head` then started it in 6 s (2026-11-26)."""
-    import ray
-
-    global _HEAD_APART
-    ray.shutdown()  # what the failed start left in this process
-    _ray_cli("start", "--head", f"--num-cpus={num_cpus:g}", f"--port={free_loopback_port()}",
-             "--include-dashboard=false", "--disable-usage-stats", check=True, timeout=180)
-    _HEAD_APART = True
-
-
-def _ray_cli(*args: str, **run_kwargs) -> None:
-    """The `ray` command line from this interpreter, its output on stderr (a bench's stdout ends
-    with its JSON line)."""
-    import subprocess
-
-    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", *args], stdout=sys.stderr, stderr=sys.stderr,
-                   **run_kwargs)
-
-
-def print_ray_logs(lines: int = 15) -> None:
-    """The last lines of the Ray session's own logs (raylet, GCS, agents) on stderr: why a node
-    that timed out starting did (seen on a GPU host from bench/serve.py only, 2026-11-26)."""
-    from pathlib import Path
-
-    logs = Path("/tmp/ray/session_latest/logs")
-    for path in sorted(logs.glob("*")) if logs.is_dir() else []:
-        if path.is_file() and path.suffix in (".err", ".out", ".log") and not path.name.startswith("python-core"):
-            tail = path.read_text(errors="replace").splitlines()[-lines:]
-            if tail:
-                print(f"--- {path}", *tail, sep="\n", file=sys.stderr)
+_HEAD = None  # the Ray head `start_serve` started (`stop_app` stops it)
 
 
 def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: str = "cpu",
@@ -85,7 +40,7 @@ def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: 
     from deployments.serve.router import wait_until_ready
 
     half = num_cpus / 2
-    port, grpc_port = start_serve(num_cpus, grpc=True, apart=device != "cpu")
+    port, grpc_port = start_serve(num_cpus, grpc=True)
     big = {"max_ongoing_requests": 256, "max_queued_requests": -1}
     encoders, llms = replicas or (1, 2 if colocated else 1)
     args = AppArgs(
@@ -102,12 +57,10 @@ def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: 
 
 
 def stop_app() -> None:
-    import ray
     from ray import serve
 
-    global _HEAD_APART
+    global _HEAD
     serve.shutdown()
-    ray.shutdown()
-    if _HEAD_APART:
-        _ray_cli("stop", "--force", timeout=60)
-        _HEAD_APART = False
+    if _HEAD is not None:
+        _HEAD.stop()
+        _HEAD = None

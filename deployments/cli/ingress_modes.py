@@ -1,9 +1,10 @@
-"""How requests enter the app: Serve's ingress modes, and the header cap in front of its proxy.
+"""How requests enter the app: Serve's ingress modes, and the request cap in front of its proxy.
 
 Modes (`mmserve serve --ingress`, the env on the pods in k8s):
-- `proxy` (default): Serve's Python proxy actor on the HTTP and gRPC ports. Beyond loopback,
-  `mmserve serve` puts a header cap in front of its HTTP port (below): Serve's proxy runs uvicorn
-  with httptools, which bounds no header, and 8 requests with 100 MB headers stall it.
+- `proxy` (default): Serve's Python proxy actor on the HTTP and gRPC ports. On every interface,
+  loopback included, `mmserve serve` puts a request cap in front of its HTTP port (below): Serve's
+  proxy runs uvicorn with httptools, which bounds no header, no body's pace and no client's
+  connections (8 requests with 100 MB headers stalled it; 70 trickled bodies starved everyone).
 - `direct` (experimental in Serve 2.60): the Router replicas listen themselves (HTTP from port
   30000, gRPC from 40000, on `--host`); no hop through the proxy. Their uvicorn bounds no header
   either, so `mmserve serve` keeps this mode on loopback.
@@ -17,17 +18,23 @@ Modes (`mmserve serve --ingress`, the env on the pods in k8s):
 Each is a choice of Serve's environment (`RAY_SERVE_ENABLE_DIRECT_INGRESS`,
 `RAY_SERVE_ENABLE_HA_PROXY`), read when Ray and Serve start: `serve_env` gives it.
 
-The header cap is the same bundled HAProxy binary, run by `mmserve serve` as its child with a
-config of a dozen lines: it listens on `--host:--http-port`, answers 400 to a request line and
-headers over 16 KiB (or not complete in 10 s), closes a client's connections beyond
+The request cap (`HeaderCap`) is the same bundled HAProxy binary, run by `mmserve serve` as its
+child with a config of a few lines: it listens on `--host:--http-port`; answers 400 to a request line
+and headers over 16 KiB; holds each request until its headers and body have arrived (the body up to
+HAProxy's 16 KiB buffer: a larger one is forwarded once that much came) and answers 408 when that took
+over 10 s, so a trickled body never takes a Router's place; closes a client's connections beyond
 `--max-connections-per-client` (256; 4,200 unfinished connections from one client stopped `/health`
-until the header deadline freed them), and forwards the rest to Serve's proxy on loopback.
-gRPC needs no cap: gRPC bounds metadata itself (8 KiB by default).
+until the header deadline freed them); answers 413 to a Content-Length over the app's
+`limits.max_request_bytes` before a byte of the body is read, and 404 to Serve's route table
+(`/-/routes`, which would list the apps to anyone); and forwards the rest to Serve's proxy on loopback.
+The Router bounds the rest of a large body's arrival (`limits.body_timeout_s`). gRPC needs no cap:
+gRPC bounds metadata itself (8 KiB by default).
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -39,7 +46,7 @@ from pathlib import Path
 MODES = ("proxy", "direct", "haproxy")
 EXPERIMENTAL = ("direct", "haproxy")
 HEADER_CAP_BYTES = 16384  # HAProxy's tune.bufsize: request line + headers must fit
-HEADER_DEADLINE_S = 10  # the whole header block, however slowly it trickles
+HEADER_DEADLINE_S = 10  # the header block and the body's first 16 KiB, however slowly they trickle
 MAX_CONNECTIONS_PER_CLIENT = 256  # open connections of one source address; 0: no limit (behind a load balancer)
 MAX_CONNECTIONS = 4096
 DIRECT_PORTS = "HTTP 30000-31000, gRPC 40000-41000"  # Serve's RAY_SERVE_DIRECT_INGRESS_{MIN,MAX}_*_PORT
@@ -71,8 +78,14 @@ def haproxy_binary() -> str:
     return found
 
 
-def header_cap_config(host: str, port: int, upstream_port: int,
-                      per_client: int = MAX_CONNECTIONS_PER_CLIENT) -> str:
+def _json_error(status: int, message: str) -> str:
+    """An HAProxy `http-request return` of the app's error body (`openai_api.error_response`)."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": status}})
+    return f"http-request return status {status} content-type application/json string '{body}'"
+
+
+def header_cap_config(host: str, port: int, upstream_port: int, per_client: int = MAX_CONNECTIONS_PER_CLIENT,
+                      max_body_bytes: int | None = None) -> str:
     bind = f"[{host}]" if ":" in host else host
     # one entry per source address (IPv4 ones stored mapped), its connections open now; past the
     # limit a new one is closed before HAProxy reads a byte of it
@@ -80,6 +93,8 @@ def header_cap_config(host: str, port: int, upstream_port: int,
     stick-table type ipv6 size 100k expire 60s store conn_cur
     tcp-request connection track-sc0 src
     tcp-request connection reject if {{ sc0_conn_cur gt {per_client} }}""" if per_client else ""
+    body_line = (f"\n    {_json_error(413, f'request body exceeds the limit of {max_body_bytes} bytes')} "
+                 f"if {{ req.hdr_val(content-length) gt {max_body_bytes} }}") if max_body_bytes else ""
     return f"""global
     maxconn {MAX_CONNECTIONS}
     tune.bufsize {HEADER_CAP_BYTES}
@@ -94,31 +109,35 @@ defaults
     timeout http-keep-alive 60s
 frontend mmserve
     bind {bind}:{port}{per_client_lines}
+    {_json_error(404, "not found")} if {{ path_beg /-/routes }}{body_line}
+    http-request wait-for-body time {HEADER_DEADLINE_S}s
     default_backend serve_proxy
 backend serve_proxy
     server proxy 127.0.0.1:{upstream_port}
 """
 
 
-def _die_with_parent() -> None:  # in the child, before exec: SIGTERM when `mmserve serve` dies
+def die_with_parent() -> None:
+    """In a child we start, before exec: SIGTERM when its parent (`mmserve serve`, a bench) dies."""
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class HeaderCap:
-    """HAProxy on `host:port` in front of Serve's HTTP proxy on 127.0.0.1:`upstream_port`."""
+    """HAProxy on `host:port` in front of Serve's HTTP proxy on 127.0.0.1:`upstream_port` (the request cap)."""
 
-    def __init__(self, host: str, port: int, upstream_port: int, per_client: int = MAX_CONNECTIONS_PER_CLIENT):
-        self.host, self.port, self.upstream_port = host, port, upstream_port
+    def __init__(self, host: str, port: int, upstream_port: int, per_client: int = MAX_CONNECTIONS_PER_CLIENT,
+                 max_body_bytes: int | None = None):
+        self.host, self.port, self.upstream_port, self.per_client = host, port, upstream_port, per_client
         self._dir = tempfile.TemporaryDirectory(prefix="mmserve-header-cap-")
         self.config = Path(self._dir.name) / "haproxy.cfg"
-        self.config.write_text(header_cap_config(host, port, upstream_port, per_client))
+        self.config.write_text(header_cap_config(host, port, upstream_port, per_client, max_body_bytes))
         self._proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 10.0) -> None:
         log = open(Path(self._dir.name) / "haproxy.log", "w")
         self._proc = subprocess.Popen([haproxy_binary(), "-db", "-f", str(self.config)], stdout=log,
-                                      stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                      stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout_s
         while True:
             if self._proc.poll() is not None:

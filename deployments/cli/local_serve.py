@@ -1,6 +1,9 @@
 """`mmserve serve`: an embedded Ray cluster on this machine, the app deployed on it, drained on
 SIGTERM / Ctrl-C, and nothing exposed that the operator did not ask for.
 
+- Ray's head runs in a process of its own, started as every entry point starts it
+  (`deployments.cli.ray_head`); a start that fails exits 1 with the lines of Ray's logs that say why.
+
 - "mmserve ready" is printed once the app answers ready (what `/health` says: an LLM replica and an
   Encoder replica loaded and warmed up), not when the Router alone is up. SIGTERM / Ctrl-C are
   caught from the start: one that comes while Ray starts or the replicas load stops everything
@@ -23,13 +26,14 @@ SIGTERM / Ctrl-C, and nothing exposed that the operator did not ask for.
 What listens in the default mode (`mmserve serve`, `--host 127.0.0.1`, `--ingress proxy`):
 
 - every interface, `[::]:9000` (`--grpc-port`): Serve's gRPC proxy, the public API; the API key
-  when one is set (else a warning: anyone who reaches the port can call the model); gRPC health
-  and reflection need none.
+  when one is set; without one it is not started unless `--grpc-port` is given (then a warning:
+  anyone who reaches the port can call the model: `public_grpc_port`); gRPC health and reflection
+  need none.
 - every interface, `[::]:<any>`: one inter-deployment gRPC server per replica (Router, Encoder, LLM,
   VideoDecoder); Ray's token.
-- 127.0.0.1:8000 (`--host`, `--http-port`): Serve's HTTP proxy; the API key when one is set
-  (`/health` needs none). Beyond loopback HAProxy listens there (a header cap) and Serve's proxy
-  on a loopback port behind it.
+- 127.0.0.1:8000 (`--host`, `--http-port`): the request cap (HAProxy: headers, the body's pace,
+  connections per client, body size; `ingress_modes`), once the app answers ready, with Serve's HTTP
+  proxy on a loopback port behind it; the API key when one is set (`/health` needs none).
 - 127.0.0.1:8265: the Ray dashboard (it runs jobs: code), whatever `--host` says unless
   `--dashboard-host`; Ray's token.
 - 127.0.0.1:<any>: the GCS, the raylet (node and object managers), the gRPC server of every Ray
@@ -37,9 +41,10 @@ What listens in the default mode (`mmserve serve`, `--host 127.0.0.1`, `--ingres
   token.
 - 127.0.0.1:<any>: Ray's Prometheus metrics export; no authentication (metrics only).
 
-`--ingress proxy|direct|haproxy` picks Serve's ingress mode (deployments/cli/ingress_modes.py). Beyond
-loopback, `proxy` gets a header cap in front of its HTTP port, and `direct` is refused (the Router
-replicas' own HTTP servers bound no header). `haproxy` is refused everywhere, loopback included
+`--ingress proxy|direct|haproxy` picks Serve's ingress mode (deployments/cli/ingress_modes.py). `proxy`
+gets the request cap in front of its HTTP port on every interface (on loopback without HAProxy: a
+warning, and none), and `direct` is refused beyond loopback (the Router replicas' own HTTP servers
+bound no header). `haproxy` is refused everywhere, loopback included
 (HAPROXY_REFUSAL): Serve 2.60 binds HAProxy's stats (8404) and metrics (9101) and its fallback
 proxy's gRPC server (9500) to every interface with no setting to move them, and creates HAProxy's
 admin socket mode 0666 at admin level.
@@ -151,14 +156,15 @@ HAPROXY_REFUSAL = (
     "has no setting to bind them to 127.0.0.1 (RAY_SERVE_HAPROXY_STATS_PORT and RAY_SERVE_HAPROXY_METRICS_PORT set "
     "only the port); its fallback proxy's gRPC server (9500) listens on every interface too; and HAProxy's admin "
     "socket is created mode 0666 at admin level (any local user can redirect the app's traffic). Use --ingress "
-    "proxy (the default; header-capped beyond loopback), or --ingress direct on 127.0.0.1")
+    "proxy (the default; a request cap in front), or --ingress direct on 127.0.0.1")
 
 
-def plan_ingress(mode: str, host: str, port: int, per_client: int):
-    """(host, port) for Serve's http_options, and the HeaderCap to start in front of it (or None);
-    sets Serve's ingress environment (before Ray is imported). RefusedToStart for `direct` beyond
-    loopback and for `haproxy` anywhere (HAPROXY_REFUSAL). The cap closes connections of one source
-    address beyond `per_client`."""
+def plan_ingress(mode: str, host: str, port: int, per_client: int, max_body_bytes: int):
+    """(host, port) for Serve's http_options, and the request cap (`HeaderCap`) to start in front of it
+    (or None); sets Serve's ingress environment (before Ray is imported). RefusedToStart for `direct`
+    beyond loopback, for `haproxy` anywhere (HAPROXY_REFUSAL), and for `proxy` beyond loopback without
+    HAProxy; on loopback without HAProxy, a warning and no cap. The cap closes connections of one source
+    address beyond `per_client` and refuses bodies over `max_body_bytes` (ingress_modes)."""
     from deployments.cli.ingress_modes import EXPERIMENTAL, HeaderCap, environ_for, free_loopback_port, haproxy_binary
     from deployments.config import is_loopback
 
@@ -167,28 +173,35 @@ def plan_ingress(mode: str, host: str, port: int, per_client: int):
         raise RefusedToStart(
             f"refusing --ingress direct on {host}: the Router replicas would listen there themselves, and their "
             "HTTP server bounds no header size (a few requests with 100 MB headers stall the app). Keep it on "
-            "127.0.0.1 behind a proxy that caps headers, or use --ingress proxy (header-capped beyond loopback)")
+            "127.0.0.1 behind a proxy that caps headers, or use --ingress proxy (a request cap in front)")
     if mode == "haproxy":
         raise RefusedToStart(HAPROXY_REFUSAL)
     environ_for(mode)
     if mode in EXPERIMENTAL:
         print(f"ingress {mode}: experimental in Ray Serve 2.60", file=sys.stderr, flush=True)
-    if mode == "proxy" and beyond:
-        try:
-            haproxy_binary()
-        except FileNotFoundError as e:  # found now, not after the app is up
+    if mode != "proxy":
+        return host, port, None
+    try:
+        haproxy_binary()  # found now, not after the app is up
+    except FileNotFoundError as e:
+        if beyond:
             raise RefusedToStart(f"refusing to listen on {host} without a header cap in front of Serve's proxy: {e}. "
                                  "Or keep --host on 127.0.0.1 behind a proxy of yours that caps headers") from None
-        upstream = free_loopback_port()
-        return "127.0.0.1", upstream, HeaderCap(host, port, upstream, per_client)
-    return host, port, None
+        print(f"warning: {e}: Serve's proxy listens on {host}:{port} itself, with no request cap in front (no "
+              "connection cap per client, header cap or request deadline: one local client can stall it)",
+              file=sys.stderr, flush=True)
+        return host, port, None
+    upstream = free_loopback_port()
+    return "127.0.0.1", upstream, HeaderCap(host, port, upstream, per_client, max_body_bytes)
 
 
 def ingress_line(mode: str, cap) -> str:
-    from deployments.cli.ingress_modes import DIRECT_PORTS, HEADER_CAP_BYTES
+    from deployments.cli.ingress_modes import DIRECT_PORTS, HEADER_CAP_BYTES, HEADER_DEADLINE_S
 
     if cap is not None:
-        return f"ingress proxy, headers capped at {HEADER_CAP_BYTES // 1024} KiB in front"
+        clients = f"{cap.per_client} connections per client" if cap.per_client else "no connection cap per client"
+        return (f"ingress proxy behind a request cap: headers {HEADER_CAP_BYTES // 1024} KiB, {HEADER_DEADLINE_S} s "
+                f"to send them and the body's first {HEADER_CAP_BYTES // 1024} KiB, {clients}")
     if mode == "direct":
         return f"ingress direct: the Router replicas listen on {DIRECT_PORTS}, from the first"
     return f"ingress {mode}"
@@ -196,7 +209,7 @@ def ingress_line(mode: str, cap) -> str:
 
 class StopSignal:
     """SIGTERM (docker stop, Kubernetes) and SIGINT (Ctrl-C), recorded from the start of the command
-    (`install` again after `ray.init`, which sets a SIGTERM handler of its own that dumps a stack)."""
+    (`install` again after `ray.init`, which sets a SIGTERM handler of its own)."""
 
     def __init__(self):
         self.received: list[int] = []
@@ -214,23 +227,26 @@ class StopSignal:
         return signal.Signals(self.received[0]).name if self.received else None
 
 
-def start_ray(ns: argparse.Namespace, stop: StopSignal) -> None:
-    import ray
+def start_ray(ns: argparse.Namespace, stop: StopSignal):
+    """The embedded cluster's head (`deployments.cli.ray_head`), this process its driver; None when a
+    signal came first. RayStartFailed says why it did not start."""
+    from deployments.cli.ray_head import HeadSpec, start_head
 
+    spec = HeadSpec(num_cpus=ns.num_cpus, dashboard=ns.dashboard, dashboard_host=ns.dashboard_host)
     try:
-        context = ray.init(num_cpus=ns.num_cpus, include_dashboard=ns.dashboard, dashboard_host=ns.dashboard_host,
-                           logging_level="WARNING")
-    except SystemExit as e:  # SIGTERM while Ray starts: the handler ray.init sets exits
+        head = start_head(spec, stopped=lambda: bool(stop.received), log_to_driver=True, logging_level="WARNING")
+    except SystemExit as e:  # SIGTERM while connecting to the head: the handler ray.init sets exits
         if e.code != signal.SIGTERM:
             raise
         stop.received.append(signal.SIGTERM)
-        return
+        return None
     finally:
-        stop.install()  # ours again, in place of Ray's
-    if ns.dashboard and context.dashboard_url:
+        stop.install()  # ours again, in place of the one ray.init sets
+    if head is not None and head.dashboard_url:
         auth = f"token auth on: the token is in {token_location()}" if ray_token_auth_on() else "no token auth"
-        print(f"Ray dashboard: http://{context.dashboard_url} ({auth}; Serve tab: deployments, replicas, logs)",
+        print(f"Ray dashboard: http://{head.dashboard_url} ({auth}; Serve tab: deployments, replicas, logs)",
               flush=True)
+    return head
 
 
 def check_max_model_len(model_dir: str, max_model_len: int) -> None:
@@ -243,13 +259,10 @@ def check_max_model_len(model_dir: str, max_model_len: int) -> None:
         raise RefusedToStart(f"--max-model-len: {e}") from None
 
 
-def stop_during_startup(stop: StopSignal, ray_started: bool) -> int:
-    """Nothing was served yet: no drain, the embedded cluster goes down with every replica in it."""
+def stop_during_startup(stop: StopSignal) -> int:
+    """Nothing was served yet: no drain, the embedded cluster goes down with every replica in it (the
+    caller stops the head)."""
     print(f"{stop.name} during start-up: stopping", flush=True)
-    if ray_started:
-        import ray
-
-        ray.shutdown()
     return 0
 
 
@@ -279,16 +292,34 @@ def wait_until_serving(app_names: list[str], stop: StopSignal, asked: list[str] 
     return False
 
 
+DEFAULT_GRPC_PORT = 9000
+NO_KEY_GRPC_WARNING = (
+    "warning: no API key, and Serve's gRPC proxy listens on every interface (port {port}){direct} whatever --host "
+    "says: anyone who reaches this machine can call the model there. Set MMSERVE_API_KEY, or firewall the port")
+
+
+def public_grpc_port(key_env: str | None, asked: int | None, ingress: str) -> int | None:
+    """The port of Serve's gRPC proxy, the public gRPC API (None: not started). Serve binds it to every
+    interface whatever --host says, so without an API key it starts only when `--grpc-port` asks for it,
+    and then with a warning; with a key, on `--grpc-port` or 9000."""
+    if key_env is not None:
+        return DEFAULT_GRPC_PORT if asked is None else asked
+    if asked is None:
+        print("no API key: Serve's gRPC proxy is not started (it would listen on every interface, whatever --host "
+              "says); --grpc-port PORT starts it", file=sys.stderr, flush=True)
+        return None
+    direct = " and the Router replicas' direct gRPC ports (40000-41000)" if ingress == "direct" else ""
+    print(NO_KEY_GRPC_WARNING.format(port=asked, direct=direct), file=sys.stderr, flush=True)
+    return asked
+
+
 def serve_app(ns: argparse.Namespace) -> int:
     start = time.perf_counter()
     check_ray_token_auth()
     key_env = api_key_env(ns)
-    if key_env is None:
-        direct = " and the Router replicas' direct gRPC ports (40000-41000)" if ns.ingress == "direct" else ""
-        print(f"warning: no API key, and Serve's gRPC proxy listens on every interface (port {ns.grpc_port}){direct} "
-              "whatever --host says: anyone who reaches this machine can call the model there. Set MMSERVE_API_KEY, "
-              "or firewall the port", file=sys.stderr, flush=True)
-    serve_host, serve_port, cap = plan_ingress(ns.ingress, ns.host, ns.http_port, ns.max_connections_per_client)
+    grpc_port = public_grpc_port(key_env, ns.grpc_port, ns.ingress)
+    serve_host, serve_port, cap = plan_ingress(ns.ingress, ns.host, ns.http_port, ns.max_connections_per_client,
+                                               request_bytes_limit(None))
     use_single_machine_mode(ns)
     stop = StopSignal()
     from ray import serve
@@ -296,7 +327,7 @@ def serve_app(ns: argparse.Namespace) -> int:
     from deployments.serve.app import build_app
     from deployments.serve.router import grpc_options
 
-    args = app_args(ns, key_env)  # flags that do not go together are refused before anything is built
+    app_args(ns, key_env)  # flags that do not go together are refused before anything is built
     model_dir = ns.model
     if model_dir is None:
         from mmserve.tiny import default_model_dir, ensure_tiny_model
@@ -305,37 +336,69 @@ def serve_app(ns: argparse.Namespace) -> int:
         model_dir = str(ensure_tiny_model())
     if ns.max_model_len is not None:
         check_max_model_len(model_dir, ns.max_model_len)
+    args = app_args(ns, key_env, gpu_shares(ns, model_dir))
     if stop.received:
-        return stop_during_startup(stop, ray_started=False)
+        return stop_during_startup(stop)
     limit_grpc_messages(args.limits.max_request_bytes)
-    start_ray(ns, stop)
-    if stop.received:
-        return stop_during_startup(stop, ray_started=True)
-    serve.start(http_options={"host": serve_host, "port": serve_port}, grpc_options=grpc_options(port=ns.grpc_port))
-    serve.run_many([serve.RunTarget(build_app(args), name="mmserve", route_prefix="/")],
-                   wait_for_applications_running=False)
-    where = (f"http://{ns.host}:{ns.http_port}/v1/chat/completions, gRPC mmserve.v1.VLMService on port "
-             f"{ns.grpc_port}{f' (API key from {key_env})' if key_env else ''}; {ingress_line(ns.ingress, cap)} "
-             "(Ctrl-C to stop)")
-    return serve_once_ready(["mmserve"], ["mmserve"], stop, cap, ns.grace_period,
-                            lambda: f"mmserve ready in {time.perf_counter() - start:.1f}s: {where}")
+    head = start_ray(ns, stop)
+    if head is None or stop.received:
+        return stop_during_startup(stop)
+    try:
+        serve.start(http_options={"host": serve_host, "port": serve_port},
+                    grpc_options=grpc_options(port=grpc_port) if grpc_port else None)
+        serve.run_many([serve.RunTarget(build_app(args), name="mmserve", route_prefix="/")],
+                       wait_for_applications_running=False)
+        grpc = f"gRPC mmserve.v1.VLMService on port {grpc_port}" if grpc_port else "no gRPC (no API key)"
+        where = (f"http://{ns.host}:{ns.http_port}/v1/chat/completions, {grpc}"
+                 f"{f' (API key from {key_env})' if key_env else ''}; {ingress_line(ns.ingress, cap)} (Ctrl-C to stop)")
+        return serve_once_ready(["mmserve"], ["mmserve"], stop, cap, ns.grace_period,
+                                lambda: f"mmserve ready in {time.perf_counter() - start:.1f}s: {where}")
+    finally:
+        head.stop()
 
 
-def app_args(ns: argparse.Namespace, key_env: str | None):
-    """`AppArgs` from `mmserve serve`'s app flags (without --config); RefusedToStart names the flags
-    that do not go together (`--tensor-parallel-size` with a fractional `--llm-gpus`)."""
+def gpu_shares(ns: argparse.Namespace, model_dir: str):
+    """`--encoder-gpus` / `--llm-gpus` where they are not given, on a host with GPUs with `--device`
+    auto or cuda: chosen by `choose_gpu_shares` for the checkpoint's weights and said; None when
+    there is nothing to choose (no GPU seen, `--device cpu`, both flags given). RefusedToStart when
+    the models do not fit the GPUs."""
+    from deployments.cli.gpu_shares import GpuShares, choose_gpu_shares, visible_gpu_memory
+    from llm_service.model import weight_split
+
+    if ns.device == "cpu" or (ns.encoder_gpus is not None and ns.llm_gpus is not None):
+        return None
+    memory = visible_gpu_memory()
+    if not memory:
+        return None
+    llm_bytes, encoder_bytes = weight_split(model_dir, ns.dtype)
+    try:
+        chosen = choose_gpu_shares(len(memory), min(memory), encoder_bytes, llm_bytes, ns.tensor_parallel_size)
+    except ValueError as e:
+        raise RefusedToStart(str(e)) from None
+    shares = GpuShares(chosen.encoder if ns.encoder_gpus is None else ns.encoder_gpus,
+                       chosen.llm if ns.llm_gpus is None else ns.llm_gpus, chosen.why)
+    print(f"GPU shares: encoder {shares.encoder:g}, LLM {shares.llm:g} ({shares.why}; --encoder-gpus / "
+          "--llm-gpus to choose)", flush=True)
+    return shares
+
+
+def app_args(ns: argparse.Namespace, key_env: str | None, shares=None):
+    """`AppArgs` from `mmserve serve`'s app flags (without --config), with the GPU shares chosen
+    (`gpu_shares`; None: the flags, unset ones 0); RefusedToStart names the flags that do not go
+    together (`--tensor-parallel-size` with a fractional `--llm-gpus`)."""
     from pydantic import ValidationError
 
     from deployments.config import AppArgs, DeploymentArgs, EngineArgs
 
     cpus, ranks = ns.num_cpus, ns.tensor_parallel_size
+    encoder_gpus, llm_gpus = shares[:2] if shares else (ns.encoder_gpus or 0, ns.llm_gpus or 0)
     try:
         return AppArgs(
             model=ns.model, dtype=ns.dtype, device=ns.device, api_key_env=key_env,
             router=DeploymentArgs(num_cpus=0.25 * cpus),
-            encoder=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=ns.encoder_gpus),
+            encoder=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=encoder_gpus),
             # a tensor-parallel replica's ranks share the LLM's quarter (each rank reserves its part)
-            llm=DeploymentArgs(num_cpus=0.25 * cpus / ranks, num_gpus=ns.llm_gpus),
+            llm=DeploymentArgs(num_cpus=0.25 * cpus / ranks, num_gpus=llm_gpus),
             video_decoder=DeploymentArgs(num_cpus=0.125 * cpus),
             engine=EngineArgs(max_model_len=ns.max_model_len, tensor_parallel_size=ranks),
         )
@@ -367,7 +430,9 @@ def config_with_flags(raw: dict, path: str, host: str | None, key_env: str | Non
     when `flag` is None), goes to every application as `api_key_env`. An application that names its
     own key (`api_key`, `api_key_env`) keeps it when the key came from the environment; a flag naming
     another key is refused, as is any key for an application mmserve does not build (it could not
-    take one): RefusedToStart names the flag and the application."""
+    take one): RefusedToStart names the flag and the application. Without a key for every application,
+    the file's gRPC proxy (every interface, whatever `--host` says) starts only when `--grpc-port` asks
+    for it, then with a warning line (`public_grpc_port`)."""
     config = copy.deepcopy(raw)
     http = config.get("http_options") or {}
     config["http_options"] = {**http, "host": host or http.get("host", "127.0.0.1")}
@@ -380,7 +445,17 @@ def config_with_flags(raw: dict, path: str, host: str | None, key_env: str | Non
                                  "grpc_servicer_functions); drop the flag, or set grpc_options in the file")
         config["grpc_options"] = {**grpc, "port": grpc_port}
     if key_env is None:
-        return config, []
+        keyless = [app.get("name", "default") for app in config.get("applications") or []
+                   if not any((app.get("args") or {}).get(k) for k in ("api_key", "api_key_env"))]
+        serves_grpc = bool((config.get("grpc_options") or {}).get("grpc_servicer_functions"))
+        if not (keyless and serves_grpc):
+            return config, []
+        names = ", ".join(repr(name) for name in keyless)
+        if grpc_port is None:
+            del config["grpc_options"]
+            return config, [f"no API key for application {names}: the file's gRPC proxy is not started (it would "
+                            "listen on every interface, whatever --host says); --grpc-port PORT starts it"]
+        return config, [NO_KEY_GRPC_WARNING.format(port=grpc_port, direct="") + f" (application {names})"]
     source = flag or f"{key_env} (set in the environment)"
     lines = []
     for app in config.get("applications") or []:
@@ -420,38 +495,41 @@ def serve_config(ns: argparse.Namespace) -> int:
     for line in key_lines:
         print(line, flush=True)
     http_options = raw["http_options"]
+    max_body = max([request_bytes_limit(app.get("args")) for app in raw.get("applications") or []
+                    if app.get("import_path") in APP_IMPORT_PATHS], default=request_bytes_limit(None))
     serve_host, serve_port, cap = plan_ingress(ns.ingress, http_options["host"], http_options.get("port", 8000),
-                                               ns.max_connections_per_client)
+                                               ns.max_connections_per_client, max_body)
     use_single_machine_mode(ns)
     stop = StopSignal()
     from ray import serve
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
-    from deployments.config import LimitArgs
-
     config = ServeDeploySchema.model_validate(raw)
     http = config.http_options
-    limit_grpc_messages(max([request_bytes_limit(app.args) for app in config.applications
-                             if app.import_path in APP_IMPORT_PATHS], default=LimitArgs().max_request_bytes))
-    start_ray(ns, stop)
-    if stop.received:
-        return stop_during_startup(stop, ray_started=True)
-    options = config.model_dump(include={"proxy_location", "http_options", "grpc_options"}, exclude_unset=True)
-    options["http_options"] = {**options.get("http_options", {}), "host": serve_host, "port": serve_port}
-    serve.start(**options)
-    _get_global_client().deploy_apps(config)
-    names = [app.name for app in config.applications]
-    ours = [app.name for app in config.applications if app.import_path in APP_IMPORT_PATHS]
-    where = f"http://{http.host}:{http.port} ({', '.join(names)}; {ingress_line(ns.ingress, cap)}; Ctrl-C to stop)"
-    return serve_once_ready(names, ours, stop, cap, ns.grace_period,
-                            lambda: f"mmserve ready in {time.perf_counter() - start:.1f}s from {ns.config}: {where}")
+    limit_grpc_messages(max_body)
+    head = start_ray(ns, stop)
+    if head is None or stop.received:
+        return stop_during_startup(stop)
+    try:
+        options = config.model_dump(include={"proxy_location", "http_options", "grpc_options"}, exclude_unset=True)
+        options["http_options"] = {**options.get("http_options", {}), "host": serve_host, "port": serve_port}
+        serve.start(**options)
+        _get_global_client().deploy_apps(config)
+        names = [app.name for app in config.applications]
+        ours = [app.name for app in config.applications if app.import_path in APP_IMPORT_PATHS]
+        where = f"http://{http.host}:{http.port} ({', '.join(names)}; {ingress_line(ns.ingress, cap)}; Ctrl-C to stop)"
+        return serve_once_ready(
+            names, ours, stop, cap, ns.grace_period,
+            lambda: f"mmserve ready in {time.perf_counter() - start:.1f}s from {ns.config}: {where}")
+    finally:
+        head.stop()
 
 
 def serve_once_ready(app_names: list[str], ours: list[str], stop: StopSignal, cap, grace_s: float,
                      ready_line) -> int:
     """Wait until the apps serve (`wait_until_serving`), then print `ready_line()` and serve until a
-    signal; a signal first stops everything (exit 0), a failed deploy exits 1."""
+    signal; a signal first stops Serve (exit 0), a failed deploy exits 1 (the caller stops Ray)."""
     from ray import serve
 
     try:
@@ -461,7 +539,8 @@ def serve_once_ready(app_names: list[str], ours: list[str], stop: StopSignal, ca
         serve.shutdown()
         return 1
     if not serving:
-        return stop_during_startup(stop, ray_started=True)
+        serve.shutdown()
+        return stop_during_startup(stop)
     if cap is not None:
         cap.start()
     print(ready_line(), flush=True)
@@ -471,8 +550,7 @@ def serve_once_ready(app_names: list[str], ours: list[str], stop: StopSignal, ca
 def serve_until_signal(app_names: list[str], grace_s: float, stop: StopSignal, cap=None) -> int:
     """Serve until SIGTERM (docker stop, Kubernetes) or Ctrl-C, then drain and stop cleanly:
     new requests get 503 / UNAVAILABLE, requests in flight finish (up to `grace_s`), then Serve
-    and Ray shut down and the command exits 0."""
-    import ray
+    shuts down (Ray after it, by the caller) and the command exits 0."""
     from ray import serve
 
     from deployments.serve.drain import drain
@@ -488,5 +566,4 @@ def serve_until_signal(app_names: list[str], grace_s: float, stop: StopSignal, c
     if cap is not None:  # after the drain: it forwarded the drain's 503s
         cap.stop()
     serve.shutdown()
-    ray.shutdown()
     return 0

@@ -22,16 +22,19 @@ def _count(text: str) -> int:
 
 def _serve(ns: argparse.Namespace) -> int:
     from deployments.cli.local_serve import RefusedToStart, serve_app, serve_config
+    from deployments.cli.ray_head import RayStartFailed
 
     if ns.config is None:  # with --config, the file's http_options.host / ports unless the flags are given
         ns.host = "127.0.0.1" if ns.host is None else ns.host
         ns.http_port = 8000 if ns.http_port is None else ns.http_port
-        ns.grpc_port = 9000 if ns.grpc_port is None else ns.grpc_port
     try:
         return serve_config(ns) if ns.config else serve_app(ns)
     except RefusedToStart as e:
         print(f"mmserve serve: {e}", file=sys.stderr)
         return 2
+    except RayStartFailed as e:
+        print(f"mmserve serve: {e}", file=sys.stderr)
+        return 1
 
 
 def _build_tiny(ns: argparse.Namespace) -> int:
@@ -176,8 +179,12 @@ def main(argv: list[str] | None = None) -> int:
     serve_p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     serve_p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     serve_p.add_argument("--num-cpus", type=float, default=2, help="CPUs given to the embedded Ray")
-    serve_p.add_argument("--encoder-gpus", type=float, default=0)
-    serve_p.add_argument("--llm-gpus", type=float, default=0)
+    serve_p.add_argument("--encoder-gpus", type=float, default=None,
+                         help="GPUs of the encoder replica (a fraction: that share of one); default: on a host with "
+                         "GPUs, chosen with --llm-gpus and printed (deployments/cli/gpu_shares.py), else 0")
+    serve_p.add_argument("--llm-gpus", type=float, default=None,
+                         help="GPUs of the LLM replica (of each rank with --tensor-parallel-size); default: as "
+                         "--encoder-gpus")
     serve_p.add_argument("--max-model-len", type=_positive_int, default=None, metavar="TOKENS",
                          help="longest prompt + max_tokens served (engine.max_model_len; default: the checkpoint's "
                          "max_position_embeddings)")
@@ -186,15 +193,18 @@ def main(argv: list[str] | None = None) -> int:
                          "(engine.tensor_parallel_size; with --llm-gpus 1, a GPU each; the LLM's CPUs are shared "
                          "among its ranks); default 1")
     serve_p.add_argument("--grpc-port", type=int, default=None,
-                         help="Serve's gRPC proxy port (default 9000; with --config: the file's grpc_options.port)")
+                         help="Serve's gRPC proxy port (default 9000; with --config: the file's grpc_options.port). "
+                         "It listens on every interface whatever --host says: without an API key it starts only "
+                         "when this flag is given")
     serve_p.add_argument("--ingress", choices=("proxy", "direct", "haproxy"), default="proxy",
-                         help="Serve's ingress: its Python proxy (default; header-capped beyond loopback), or the "
+                         help="Serve's ingress: its Python proxy (default; a request cap in front), or the "
                          "Router replicas listening themselves (direct, loopback only; experimental in Serve 2.60). "
                          "haproxy is refused: Serve 2.60's HAProxy listens on every interface (stats, metrics) "
                          "(deployments/cli/ingress_modes.py)")
     serve_p.add_argument("--max-connections-per-client", type=_count, default=256, metavar="N",
-                         help="beyond loopback: connections one source address may hold open through the header "
-                         "cap (default 256; 0: no limit, e.g. behind a load balancer every request comes from)")
+                         help="connections one source address may hold open through the request cap in front of "
+                         "Serve's proxy, on loopback too (default 256; 0: no limit, e.g. behind a load balancer "
+                         "every request comes from)")
     serve_p.add_argument("--grace-period", type=float, default=30.0,
                          help="on SIGTERM / Ctrl-C: seconds requests in flight may take to finish")
     serve_p.add_argument("--api-key-env", default=None, metavar="NAME",

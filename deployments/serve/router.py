@@ -26,7 +26,8 @@ from deployments.serve.drain import DrainWatch
 from deployments.serve.metrics import RouterMetrics
 from deployments.serve.video_decoder import ServeVideoClient
 
-app = FastAPI(title="mmserve", docs_url=None, redoc_url=None)
+# no /docs, /redoc or /openapi.json: they answered without the API key (issue 59); docs/api.md is the reference
+app = FastAPI(title="mmserve", docs_url=None, redoc_url=None, openapi_url=None)
 SERVICER_FUNCTIONS = (
     "protos.mmserve.v1.vlm_pb2_grpc.add_VLMServiceServicer_to_server",
     "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server",

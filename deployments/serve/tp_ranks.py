@@ -26,6 +26,7 @@ import ray
 
 logger = logging.getLogger("ray.serve")  # the replica's lines
 RANK_ACTOR_PREFIX = "mmserve_tp_rank::"
+RENDEZVOUS_HOST = "127.0.0.1"  # the group's store: its ranks share a node (STRICT_PACK)
 rank_logger = logging.getLogger(__name__)  # a rank actor's lines: its format names the rank (`TPRank`)
 
 
@@ -80,7 +81,8 @@ class TPRank:
 
 class RankWorkers:
     """The `size - 1` other ranks of the calling replica (its placement group's bundles 1..), started
-    at once; the group's `init_method` on this node's address."""
+    at once; the group's `init_method` on loopback: every rank is on this node (the placement group is
+    STRICT_PACK), and rank 0's store listens on that address alone (`llm_service.tensor_parallel`)."""
 
     def __init__(self, size: int, replica: str, model: str | None, device: str, dtype: str, config, threads: int,
                  timeout_s: float):
@@ -91,8 +93,7 @@ class RankWorkers:
             raise RuntimeError(f"engine.tensor_parallel_size {size}: this replica has no placement group of {size} "
                                "bundles (the app builder gives the LLM deployment one: build it with "
                                "deployments.serve.app:build_app)")
-        host = ray.util.get_node_ip_address()
-        self.init_method = f"tcp://{f'[{host}]' if ':' in host else host}:{free_port(host)}"
+        self.init_method = f"tcp://{RENDEZVOUS_HOST}:{free_port(RENDEZVOUS_HOST)}"
         self.size, self.replica = size, replica
         self.actors, self.refs = [], []
         self.stopping = False  # set once the group is stopped on purpose (`closing`)

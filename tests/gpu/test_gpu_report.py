@@ -291,3 +291,29 @@ def test_a_record_from_a_run_cut_at_its_caps(tmp_path):
     assert (record["serve_disagg_goodput_rps"], record["serve_colocated_p99_ttft_ms"]) == (6.38, 333.3)
     assert record["transfer_grpc_gbs"] is None and "bench/transfer.py" in record["failed_parts"]["serve"]
     assert "21 passed, 7 failed (cut at its cap)" in (tmp_path / "page.md").read_text()
+
+
+def test_a_record_from_the_logs_of_a_gpu_check_cli_run(tmp_path):
+    """`scripts/gpu-check cli DIR`: bench/cli.py's line gives readme_ready_s, readme_first_answer_ms and
+    readme_passed; a failed check is named in failed_parts; a run cut before its line says so."""
+    host = {"device": "NVIDIA H100 80GB HBM3", "driver": "580.1", "torch": "2.11.0", "triton": "3.6.0",
+            "transformers": "5.17.0"}
+    cli = {"readme_ready_s": 71.4, "readme_first_answer_ms": 640, "readme_passed": False,
+           "checks": {"ready": True, "readme_curl": True, "chat_grpc": "exit 1: error UNAVAILABLE"},
+           "gpu_shares": {"Encoder": 0.1, "LLM": 0.9}}
+    start = "== python3 bench/cli.py --model /tmp/q2b --dtype bfloat16 --deadline-s 300 --log x (cap 420 s)"
+    (tmp_path / "bench.log").write_text("\n".join(["# host " + json.dumps(host), start, json.dumps(cli)]) + "\n")
+    results = tmp_path / "gpu.jsonl"
+    out = _report("--from-log", str(tmp_path), "--results", str(results), "--markdown", str(tmp_path / "page.md"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    (record,) = read_records(results)
+    _check_shape(record)
+    assert record["parts"] == ["cli"]
+    assert (record["readme_ready_s"], record["readme_first_answer_ms"], record["readme_passed"]) == (71.4, 640, False)
+    assert record["failed_parts"] == {"cli": "chat_grpc: exit 1: error UNAVAILABLE"}
+    assert "71 s, 640 ms, failed" in (tmp_path / "page.md").read_text()
+    (tmp_path / "bench.log").write_text("\n".join(["# host " + json.dumps(host), start]) + "\n")
+    out = _report("--from-log", str(tmp_path), "--results", str(results), "--markdown", str(tmp_path / "page.md"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    cut = read_records(results)[-1]
+    assert cut["readme_passed"] is None and "bench/cli.py" in cut["failed_parts"]["cli"]

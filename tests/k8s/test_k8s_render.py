@@ -111,6 +111,20 @@ def test_no_deprecated_fields_and_an_upgrade_strategy(overlay):
             assert container["imagePullPolicy"] == "IfNotPresent" and ":" in container["image"]
 
 
+RAY_START_RESOURCES = ("num-cpus", "num-gpus", "memory", "resources")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_group_sets_resources_both_in_ray_start_params_and_its_resources_field(overlay):
+    """KubeRay (1.5+, 1.7.0 checked: validateRayGroupResources) rejects a group whose rayStartParams
+    set num-cpus, num-gpus, memory or resources while its top-level `resources` field is set."""
+    for group in groups(overlay):
+        both = [key for key in RAY_START_RESOURCES if group["rayStartParams"].get(key)]
+        assert not (both and group.get("resources")), (
+            f"{overlay}: group {group['groupName']} sets {both} in rayStartParams and `resources` "
+            f"{group.get('resources')}: KubeRay rejects the RayService")
+
+
 def _group_of(deployment, overlay: str) -> dict:
     matches = [g for g in groups(overlay) if g.get("labels") and deployment.label_selector.items() <= g["labels"].items()]
     assert len(matches) == 1, f"label_selector {deployment.label_selector} matches {len(matches)} groups"
@@ -195,7 +209,7 @@ def test_the_tp2_overlay_holds_two_gpus_a_pod_for_each_llm_replica():
     assert args.engine.tensor_parallel_size == 2 and args.llm.num_gpus == 1
     group = _group_of(args.llm, "gpu-tp2")
     (container,) = group["template"]["spec"]["containers"]
-    assert group["groupName"] == "llm-tp2" and group["rayStartParams"]["num-gpus"] == "2"
+    assert group["groupName"] == "llm-tp2" and pod_capacity(group)["GPU"] == 2
     assert container["resources"]["limits"]["nvidia.com/gpu"] == container["resources"]["requests"]["nvidia.com/gpu"] == "2"
     assert float(group["resources"][next(iter(args.llm.resources))]) == 1  # one replica a pod
     gpu = {g["groupName"]: g for g in groups("gpu")}

@@ -117,6 +117,14 @@ def _group_of(process: psutil.Process) -> int | None:
 def test_beyond_loopback_only_the_app_listens_and_serve_internals_need_rays_token(served):
     import grpc
 
+    names = set()
+    for process in tree(served.proc.pid):
+        try:
+            names.add(process.name())
+        except psutil.NoSuchProcess:
+            continue
+    # the Ray head runs in a process of its own (deployments/cli/ray_head.py): its node is in the tree listed
+    assert {"gcs_server", "raylet"} <= names and any(n.startswith("ray::ServeReplica") for n in names), names
     listening = listeners(served.proc.pid)
     exposed = {s.port: s.process for s in listening if not s.loopback}
     # Serve opens one inter-deployment gRPC server per replica on [::] (a Serve rule); Ray's token guards it
@@ -162,6 +170,15 @@ def test_requests_need_the_key(served):
     assert httpx.post(served.url, json=BODY, timeout=60).status_code == 401
     ok = httpx.post(served.url, json=BODY, headers=AUTH, timeout=120)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1, ok.text
+
+
+@pytest.mark.serve
+def test_no_route_but_health_answers_without_the_key(served):
+    """With a key set, FastAPI's /openapi.json and Serve's route table /-/routes answered 200 without it:
+    both are off (the request cap answers /-/routes)."""
+    base = f"http://127.0.0.1:{served.http_port}"
+    for path in ("/openapi.json", "/-/routes"):
+        assert httpx.get(base + path, timeout=30).status_code == 404, path
 
 
 @pytest.mark.serve
@@ -396,8 +413,24 @@ def test_with_config_the_port_flags_replace_the_files_ports():
     assert config["http_options"] == {"host": "0.0.0.0", "port": 8123}
     assert config["grpc_options"]["port"] == 9123 and config["grpc_options"]["grpc_servicer_functions"]
     assert raw["http_options"]["port"] == 8000 and raw["grpc_options"]["port"] == 9000  # the file as read: alone
-    untouched, _ = config_with_flags(raw, "x.yaml", None, None, None)
+    untouched, _ = config_with_flags(raw, "x.yaml", None, API_KEY_ENV, None)
     assert untouched["http_options"]["port"] == 8000 and untouched["grpc_options"] == raw["grpc_options"]
+
+
+def test_with_config_without_a_key_the_files_grpc_proxy_starts_only_when_asked_for():
+    """Serve's gRPC proxy listens on every interface whatever --host says: without a key for every
+    application, the file's grpc_options are dropped unless --grpc-port asks for them (then a warning)."""
+    raw = yaml.safe_load(CONFIG.read_text())
+    config, lines = config_with_flags(raw, "x.yaml", "127.0.0.1", None, None)
+    assert "grpc_options" not in config and "grpc_options" in raw
+    assert lines == ["no API key for application 'mmserve': the file's gRPC proxy is not started (it would listen "
+                     "on every interface, whatever --host says); --grpc-port PORT starts it"]
+    asked, lines = config_with_flags(raw, "x.yaml", "127.0.0.1", None, None, grpc_port=9123)
+    assert asked["grpc_options"]["port"] == 9123 and "no API key, and Serve's gRPC proxy listens" in lines[0]
+    keyed = _two_apps(api_key_env="MMSERVE_TEST_SECOND_KEY")
+    keyed["applications"][0]["args"]["api_key_env"] = "MMSERVE_TEST_FIRST_KEY"
+    kept, lines = config_with_flags(keyed, "x.yaml", None, None, None)  # every application names its key
+    assert kept["grpc_options"] == keyed["grpc_options"] and lines == []
 
 
 def test_with_config_the_grpc_port_flag_for_a_file_serving_no_grpc_is_refused(monkeypatch, tmp_path, capsys):
@@ -420,7 +453,7 @@ def test_with_config_the_http_port_flag_is_where_it_listens(monkeypatch, tmp_pat
     seen = {}
     import deployments.cli.local_serve as local_serve
 
-    def plan(mode, host, port, per_client):
+    def plan(mode, host, port, per_client, max_body_bytes):
         seen.update(host=host, port=port)
         raise local_serve.RefusedToStart("stop here")
 

@@ -22,7 +22,7 @@ READY = "mmserve ready"
 def launch(args: list[str], log: Path, **env: str) -> subprocess.Popen:
     """`mmserve serve ARGS` from this checkout, `env` added to a clean copy of this environment."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_AUTH", "RAY_SERVE_ENABLE"))}
-    clean.update(PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0", **env)
+    clean.update({"PYTHONPATH": str(ROOT), "RAY_USAGE_STATS_ENABLED": "0", **env})
     return subprocess.Popen([sys.executable, "-m", "deployments.cli.main", "serve", *args], cwd=ROOT, env=clean,
                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -48,22 +48,23 @@ def _app_args(model_dir: str, name: str, **extra) -> dict:
 
 @pytest.fixture(scope="session")
 def serve_ports():
-    """(HTTP port, gRPC port) of the session's Serve instance; Ray and Serve live until the end."""
-    import ray
+    """(HTTP port, gRPC port) of the session's Serve instance; Ray and Serve live until the end. Ray
+    starts as every entry point starts it (`deployments.cli.ray_head`: a head process of its own)."""
     from ray import serve
 
+    from deployments.cli.ray_head import HeadSpec, start_head
     from deployments.serve.router import grpc_options
 
     http_port, grpc_port = _free_port(), _free_port()
     os.environ[TEST_API_KEY_ENV] = TEST_API_KEY  # before Ray starts: its replicas inherit it
-    ray.init(num_cpus=4, resources=dict.fromkeys(GATES, 1), include_dashboard=False, log_to_driver=False,
-             logging_level="ERROR")
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port}, grpc_options=grpc_options(port=grpc_port))
+    head = start_head(HeadSpec(num_cpus=4, resources=dict.fromkeys(GATES, 1)))
     try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port},
+                    grpc_options=grpc_options(port=grpc_port))
         yield http_port, grpc_port
     finally:
         serve.shutdown()
-        ray.shutdown()
+        head.stop()
 
 
 def hold(resource: str):

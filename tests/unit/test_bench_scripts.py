@@ -32,6 +32,7 @@ SMALLEST = {
     "load.py": (["--text-layers", "1", "--vision-depth", "1", "--dtypes", "bfloat16", "--roles", "llm,encoder"], []),
     "vit_attention.py": ([], GPU),
     "video_transfer.py": (["--quick"], []),
+    "cli.py": (["--free-ports"], [SERVE]),  # `mmserve serve` on the tiny model, every check, the drain (~1 min)
     "grammar.py": (["--quick"], [pytest.mark.skipif(  # both libraries (only the one chosen is a dependency)
         not all(importlib.util.find_spec(m) for m in ("xgrammar", "llguidance")),
         reason="needs xgrammar and llguidance")]),
@@ -218,3 +219,12 @@ def test_the_test_paths_the_gpu_runbooks_name_exist():
     named = {m for script in ("scripts/gpu-check", "bench/gpu_report.py")
              for m in re.findall(r"tests/[\w/]+\.py", (ROOT / script).read_text())}
     assert named and sorted(n for n in named if not (ROOT / n).is_file()) == []
+
+
+def test_the_cli_check_runs_the_readmes_own_curl_block():
+    """bench/cli.py (scripts/gpu-check cli) runs the README's curl as written, on the port it serves on."""
+    from bench.cli import readme_curl
+
+    block = readme_curl(8123)
+    assert block.startswith("IMG=") and "curl -s localhost:8123/v1/chat/completions" in block
+    assert '"max_tokens": 16' in block and "localhost:8000" not in block
