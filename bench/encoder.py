@@ -33,7 +33,7 @@ import torch
 from encoder_service.batching import BatchConfig
 from encoder_service.pool import EncoderPool, PoolConfig
 from mmserve.loadgen.dataset import image_bytes
-from mmserve.request.media import EncodeItem, MediaItem, MediaKind
+from mmserve.inputs.media import EncodeItem, MediaItem, MediaKind
 
 REAL_SIDES = (224, 448, 672, 896, 1024)
 

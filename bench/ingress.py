@@ -10,7 +10,7 @@ soak's burst (256 requests at once): how fast 429s come back and the admitted re
 
     python bench/ingress.py [--quick] [--modes proxy direct proxy-capped]
 
-(`haproxy` is gone: `mmserve serve` refuses it, since Serve 2.60's HAProxy listens on every interface.)
+(Serve's own HAProxy mode is not offered by `mmserve serve`: it listens on every interface.)
 
 Last line: one JSON object with, per mode, `small_request_p50_ms`, `health_p50_ms`,
 `burst_shed_p50_ms`, `burst_admitted_p99_ttft_ms`, `unloaded_p99_ttft_ms`, and the ratios.

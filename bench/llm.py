@@ -77,8 +77,8 @@ from llm_service.model import LanguageModel
 from llm_service.sampling import Grammar, SamplingParams
 from mmserve.loadgen.checkpoints import QWEN2_VL_2B_TEXT
 from mmserve.loadgen.device_peaks import peaks
-from mmserve.request.embeddings import ItemEmbedding
-from mmserve.request.media import PlaceholderRange
+from mmserve.inputs.embeddings import ItemEmbedding
+from mmserve.inputs.media import PlaceholderRange
 
 SIZES = {
     # CPU default: small enough for a few minutes on 2 cores, big enough that compute shows

@@ -48,7 +48,7 @@ def vit_seconds(model: str, specs: list[RequestSpec], dtype: str, threads: int, 
     import torch
 
     from encoder_service import VisionEncoder
-    from mmserve.request.media import MediaItem, MediaKind
+    from mmserve.inputs.media import MediaItem, MediaKind
 
     torch.set_num_threads(max(1, threads))
     encoder = VisionEncoder(model, dtype=dtype, device=device)

@@ -52,7 +52,7 @@ class Encoder:
 
     def embedding(self, shape: tuple[int, int, int], seed: int):
         """An `ItemEmbedding` of `parts` x `rows` x `hidden` random bf16 values."""
-        from mmserve.request.embeddings import ItemEmbedding
+        from mmserve.inputs.embeddings import ItemEmbedding
 
         parts, rows, hidden = shape
         gen = torch.Generator().manual_seed(seed)
@@ -60,14 +60,14 @@ class Encoder:
                              key=f"family-{shape}-{seed}")
 
     def publish_embedding(self, shape: tuple[int, int, int], seed: int):
-        from mmserve.request.media import EncodeItem, MediaItem, MediaKind
+        from mmserve.inputs.media import EncodeItem, MediaItem, MediaKind
 
         item = EncodeItem(MediaItem(MediaKind.IMAGE, (f"family-{shape}-{seed}".encode(),)), None, 0)
         return self.publisher.publish([item], [self.embedding(shape, seed)])[0]
 
     def publish(self, mb: float, dtype: str, seed: int):
-        from mmserve.request.embeddings import ItemEmbedding
-        from mmserve.request.media import EncodeItem, MediaItem, MediaKind
+        from mmserve.inputs.embeddings import ItemEmbedding
+        from mmserve.inputs.media import EncodeItem, MediaItem, MediaKind
 
         item = EncodeItem(MediaItem(MediaKind.IMAGE, (f"{mb}-{dtype}-{seed}".encode(),)), None, 0)
         embedding = ItemEmbedding((_tensor(mb, getattr(torch, dtype), seed),), key=f"{mb}-{dtype}-{seed}")

@@ -153,21 +153,6 @@ class _QueuedWorkScaling(FrozenArgs):
             raise ValueError("look_back_period_s must be greater than metrics_interval_s")
         return self
 
-    def scaled(self, options: dict, **target) -> dict:
-        """A deployment's Serve `options` with autoscaling on queued work when `autoscale` is on
-        (`target`: `autoscaling_config`'s target per replica)."""
-        if not self.autoscale:
-            return options
-        from deployments.serve.autoscaling import autoscaling_config
-
-        options = {k: v for k, v in options.items() if k != "num_replicas"}
-        options["autoscaling_config"] = autoscaling_config(
-            min_replicas=self.min_replicas, max_replicas=self.max_replicas, upscale_delay_s=self.upscale_delay_s,
-            downscale_delay_s=self.downscale_delay_s, look_back_period_s=self.look_back_period_s,
-            metrics_interval_s=self.metrics_interval_s, **target,
-        )
-        return options
-
 
 class VideoDecodeArgs(_QueuedWorkScaling):
     """The VideoDecoder deployment's work (`video_url`): CPU replicas, each with `workers` decoding

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 from cachetools import LRUCache
 
-from mmserve.request.embeddings import ItemEmbedding
-from mmserve.request.media import MediaItem
+from mmserve.inputs.embeddings import ItemEmbedding
+from mmserve.inputs.media import MediaItem
 
 
 @dataclass(frozen=True)

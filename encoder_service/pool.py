@@ -37,9 +37,9 @@ from encoder_service.batching import BatchConfig, Selection, overtaken, select_b
 from encoder_service.cache import EmbeddingCache, EncoderIdentity
 from encoder_service.families.base import PreparedItem
 from mmserve.errors import Overloaded
-from mmserve.request.embeddings import ItemEmbedding
-from mmserve.request.encode_timing import EncodeTiming
-from mmserve.request.media import EncodeItem
+from mmserve.inputs.embeddings import ItemEmbedding
+from mmserve.inputs.encode_timing import EncodeTiming
+from mmserve.inputs.media import EncodeItem
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from encoder_service.cache import EncoderIdentity
 from encoder_service.families.base import EncoderFace, PreparedItem
 from mmserve.checkpoint import load_config, load_weights, read_config, resolve_dtype
 from mmserve.families import face_class, family_of, router_face
-from mmserve.request.embeddings import ItemEmbedding
-from mmserve.request.media import EncodeItem, MediaItem, warm_up_image
+from mmserve.inputs.embeddings import ItemEmbedding
+from mmserve.inputs.media import EncodeItem, MediaItem, warm_up_image
 
 logger = logging.getLogger(__name__)
 

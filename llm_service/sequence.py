@@ -14,9 +14,9 @@ from typing import NamedTuple
 import torch
 
 from llm_service.sampling import SamplingParams
-from mmserve.request.embeddings import ItemEmbedding
-from mmserve.request.media import PlaceholderRange
-from mmserve.request.positions import PositionPlan
+from mmserve.inputs.embeddings import ItemEmbedding
+from mmserve.inputs.media import PlaceholderRange
+from mmserve.inputs.positions import PositionPlan
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from deployments.core.generation import Generation, GenerationOptions, client_re
 from deployments.core.request_core import ChatRequest, RequestCore, new_request_id
 from mmserve.errors import InvalidRequest
 from mmserve.video.container import VideoSampling
-from mmserve.request.media import MediaKind, MediaSource
+from mmserve.inputs.media import MediaKind, MediaSource
 from mmserve.request.prompt_plan import Message
 from mmserve.request.tools import ToolCall, ToolSpec, ToolText, answer, finish_with, new_call_id
 from protos.mmserve.v1 import vlm_pb2

@@ -22,7 +22,7 @@ from deployments.core.generation import OPTION_NAMES, Delta, Generation, Generat
 from deployments.core.request_core import ChatRequest, RequestCore, new_request_id
 from llm_service.sampling import Grammar
 from mmserve.errors import InvalidRequest
-from mmserve.request.media import MediaKind, MediaSource
+from mmserve.inputs.media import MediaKind, MediaSource
 from mmserve.request.prompt_plan import Message
 from mmserve.request.tools import ToolCall, ToolSpec, ToolText, answer, finish_with, new_call_id
 from mmserve.video.container import VideoSampling

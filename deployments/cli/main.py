@@ -196,10 +196,9 @@ def main(argv: list[str] | None = None) -> int:
                          help="Serve's gRPC proxy port (default 9000; with --config: the file's grpc_options.port). "
                          "It listens on every interface whatever --host says: without an API key it starts only "
                          "when this flag is given")
-    serve_p.add_argument("--ingress", choices=("proxy", "direct", "haproxy"), default="proxy",
+    serve_p.add_argument("--ingress", choices=("proxy", "direct"), default="proxy",
                          help="Serve's ingress: its Python proxy (default; a request cap in front), or the "
-                         "Router replicas listening themselves (direct, loopback only; experimental in Serve 2.60). "
-                         "haproxy is refused: Serve 2.60's HAProxy listens on every interface (stats, metrics) "
+                         "Router replicas listening themselves (direct, loopback only; experimental in Serve 2.60) "
                          "(deployments/cli/ingress_modes.py)")
     serve_p.add_argument("--max-connections-per-client", type=_count, default=256, metavar="N",
                          help="connections one source address may hold open through the request cap in front of "

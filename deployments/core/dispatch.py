@@ -21,7 +21,7 @@ from cachetools import LRUCache
 
 from deployments.core.llm_inputs import EmbeddingHandle, LocalMedia, PinnedEmbedding, StoredEmbedding
 from mmserve.request.encode_calls import affinity_spread, spread
-from mmserve.request.media import EncodeItem
+from mmserve.inputs.media import EncodeItem
 
 
 class MediaDispatcher(ABC):

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from llm_service.sampling import SamplingParams
 from mmserve.families.base import StreamGroup
-from mmserve.request.media import DecodedVideo, EncodeItem, PlaceholderRange
-from mmserve.request.positions import PositionPlan
+from mmserve.inputs.media import DecodedVideo, EncodeItem, PlaceholderRange
+from mmserve.inputs.positions import PositionPlan
 from mmserve.rpc.encoder_client import EncodedRef
 
 

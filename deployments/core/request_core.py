@@ -41,7 +41,7 @@ from deployments.media.fetch import MediaFetcher
 from llm_service.sampling import Grammar
 from mmserve.checkpoint import load_config, resolve_max_model_len
 from mmserve.errors import InvalidRequest, NotReady, QueueFull, RequestTooLarge, ShuttingDown, Unauthenticated
-from mmserve.request.media import DecodedVideo, EncodeItem, MediaItem, MediaSource, warm_up_image
+from mmserve.inputs.media import DecodedVideo, EncodeItem, MediaItem, MediaSource, warm_up_image
 from mmserve.request.prompt_plan import Message, RequestPlanner
 from mmserve.request.tools import ToolFormat, ToolSpec, check_tool_results
 from mmserve.video.container import VideoSampling

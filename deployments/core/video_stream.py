@@ -26,8 +26,8 @@ import torch
 
 from deployments.core.llm_inputs import StreamedVideo
 from mmserve.errors import EmbeddingsLost
-from mmserve.request.embeddings import ItemEmbedding
-from mmserve.request.media import EncodeItem, MediaItem, MediaKind, PlaceholderRange
+from mmserve.inputs.embeddings import ItemEmbedding
+from mmserve.inputs.media import EncodeItem, MediaItem, MediaKind, PlaceholderRange
 
 logger = logging.getLogger("ray.serve")
 ENCODE_TRIES = 3  # a group whose encoder replica is lost is encoded again, twice at most

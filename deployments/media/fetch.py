@@ -39,7 +39,7 @@ from deployments.config import LimitArgs
 from deployments.media.allowlist import allowlist_match, host_match, parse_allowlist_entry
 from deployments.media.local_files import read_local_media
 from mmserve.errors import InvalidRequest
-from mmserve.request.media import decode_data_uri
+from mmserve.inputs.media import decode_data_uri
 
 log = logging.getLogger("ray.serve")
 

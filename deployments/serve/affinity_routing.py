@@ -28,7 +28,7 @@ from ray.serve.request_router import PendingRequest as ServePendingRequest
 from ray.serve.request_router import ReplicaID, RequestRouter, RunningReplica
 
 from deployments.core.llm_inputs import PendingRequest
-from mmserve.request.media import EncodeItem
+from mmserve.inputs.media import EncodeItem
 from mmserve.routing import affinity
 from mmserve.routing.affinity import AffinityChooser, power_of_two
 

@@ -54,6 +54,21 @@ class QueuedTokensPolicy(QueuedWorkPolicy):
         super().__init__(QUEUED_TOKENS, target_tokens_per_replica)
 
 
+def scaled(scaling, options: dict, **target) -> dict:
+    """A deployment's Serve `options` with autoscaling on queued work when `scaling.autoscale` is on
+    (`scaling`: the deployment's `deployments.config` scaling settings; `target`: `autoscaling_config`'s
+    target per replica)."""
+    if not scaling.autoscale:
+        return options
+    options = {k: v for k, v in options.items() if k != "num_replicas"}
+    options["autoscaling_config"] = autoscaling_config(
+        min_replicas=scaling.min_replicas, max_replicas=scaling.max_replicas, upscale_delay_s=scaling.upscale_delay_s,
+        downscale_delay_s=scaling.downscale_delay_s, look_back_period_s=scaling.look_back_period_s,
+        metrics_interval_s=scaling.metrics_interval_s, **target,
+    )
+    return options
+
+
 def autoscaling_config(
     *,
     min_replicas: int,

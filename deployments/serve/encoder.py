@@ -14,21 +14,21 @@ import torch
 from ray import serve
 
 from deployments.config import AppArgs, DeploymentArgs, EncoderPoolArgs
-from deployments.serve.autoscaling import QUEUED_TOKENS
+from deployments.serve.autoscaling import QUEUED_TOKENS, scaled
 from deployments.serve.metrics import EncoderMetrics, PoolMetrics
 from deployments.replica_env import resolve_model_dir, set_cpu_threads
 from encoder_service import VisionEncoder
 from encoder_service.pool import EncoderPool
 from mmserve.device import device_memory, hold_to_share, resolve_device
 from mmserve.errors import InvalidRequest, Overloaded
-from mmserve.request.media import EncodeItem
+from mmserve.inputs.media import EncodeItem
 
 logger = logging.getLogger("ray.serve")
 
 
 def encoder_options(deployment: DeploymentArgs, pool: EncoderPoolArgs) -> dict:
     """Serve options of the encoder deployment: fixed replicas, or autoscaling on queued tokens."""
-    return pool.scaled(deployment.options("Encoder"), target_tokens_per_replica=pool.target_queued_tokens_per_replica)
+    return scaled(pool, deployment.options("Encoder"), target_tokens_per_replica=pool.target_queued_tokens_per_replica)
 
 
 @serve.deployment

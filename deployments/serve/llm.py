@@ -30,9 +30,9 @@ from llm_service.experts import imbalance
 from llm_service.model import LanguageModel
 from mmserve.device import device_memory, hold_to_share, resolve_device
 from mmserve.errors import EmbeddingsLost, InvalidRequest, QueueFull
-from mmserve.request.embeddings import ItemEmbedding
-from mmserve.request.encode_timing import embedding_stages
-from mmserve.request.media import EncodeItem
+from mmserve.inputs.embeddings import ItemEmbedding
+from mmserve.inputs.encode_timing import embedding_stages
+from mmserve.inputs.media import EncodeItem
 
 logger = logging.getLogger("ray.serve")
 RANK_LOSS_WAIT_S = 5.0  # a tensor-parallel step's error: how long to wait for Ray to report a rank's end

@@ -21,8 +21,8 @@ from deployments.core.llm_inputs import EmbeddingHandle, LocalMedia, PinnedEmbed
 from encoder_service.rpc.result_store import ResultStore
 from encoder_service.rpc.server import Encoder, ServerOptions, ServerSecurity, ServerThread
 from mmserve.errors import EmbeddingsLost
-from mmserve.request.embeddings import ItemEmbedding
-from mmserve.request.media import EncodeItem
+from mmserve.inputs.embeddings import ItemEmbedding
+from mmserve.inputs.media import EncodeItem
 from mmserve.rpc.encoder_client import EmbeddingNotFound, EncodedRef, EncoderClient
 
 EncodeLocally = Callable[[list[EncodeItem]], Awaitable[list[ItemEmbedding]]]

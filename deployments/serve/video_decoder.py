@@ -19,10 +19,10 @@ import numpy as np
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from deployments.serve.autoscaling import QUEUED_DECODE_S
+from deployments.serve.autoscaling import QUEUED_DECODE_S, scaled
 from deployments.replica_env import decode_segments, decode_threads, resolve_model_dir
 from mmserve.errors import InvalidRequest
-from mmserve.request.media import DecodedVideo
+from mmserve.inputs.media import DecodedVideo
 from mmserve.video.container import DecodeOptions, FrameSampler, VideoLimits, VideoSampling, pyav_available
 from mmserve.video.workers import VideoDecodePool
 
@@ -34,8 +34,8 @@ logger = logging.getLogger("ray.serve")
 
 def video_decoder_options(deployment: DeploymentArgs, decode: VideoDecodeArgs) -> dict:
     """Serve options of the VideoDecoder: fixed replicas, or autoscaling on queued decode seconds."""
-    return decode.scaled(deployment.options("VideoDecoder"),
-                         target_decode_s_per_replica=decode.target_queued_seconds_per_replica)
+    return scaled(decode, deployment.options("VideoDecoder"),
+                  target_decode_s_per_replica=decode.target_queued_seconds_per_replica)
 
 
 _LATENCY_MS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000]

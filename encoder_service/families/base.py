@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmserve.request.media import MediaItem, decode_image, video_frames
+from mmserve.inputs.media import MediaItem, decode_image, video_frames
 
 
 @dataclass(frozen=True, eq=False)

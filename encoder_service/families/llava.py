@@ -38,7 +38,7 @@ from torch import nn
 
 from encoder_service.families.base import EncoderFace, PreparedItem, image_uint8, run_processor
 from mmserve.families import llava as llava_router
-from mmserve.request.media import MediaItem
+from mmserve.inputs.media import MediaItem
 
 # transformers 5.x in-memory layout first, then the saved one (5.x `save_pretrained` writes the
 # legacy top-level prefixes); a tower key may also carry 4.x's `vision_model.` (hub llava-*-hf).

@@ -25,7 +25,7 @@ from torch import nn
 
 from encoder_service.families.base import EncoderFace, PreparedItem
 from mmserve.checkpoint import strip_prefix
-from mmserve.request.media import MediaItem, MediaKind, decode_image, video_frames, video_metadata
+from mmserve.inputs.media import MediaItem, MediaKind, decode_image, video_frames, video_metadata
 
 _TOWER = ("model.vision_tower.",)
 _MERGER = ("model.merger.",)

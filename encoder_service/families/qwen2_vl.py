@@ -12,7 +12,7 @@ from encoder_service.families.base import EncoderFace, PreparedItem, image_uint8
 from encoder_service.vit_attention import use_packed_attention
 from mmserve.checkpoint import strip_prefix
 from mmserve.families import qwen2_vl as router
-from mmserve.request.media import MediaItem, MediaKind
+from mmserve.inputs.media import MediaItem, MediaKind
 
 # Legacy checkpoints (every released Qwen2-VL) name the tower `visual.*`; transformers >= 4.52
 # in-memory layout is `model.visual.*`.

@@ -32,7 +32,7 @@ from torch import nn
 
 from encoder_service.families.base import EncoderFace, PreparedItem, image_uint8, run_processor
 from mmserve.errors import InvalidRequest
-from mmserve.request.media import MediaItem, MediaKind
+from mmserve.inputs.media import MediaItem, MediaKind
 
 _HUB_VISION_RENAMES = (
     (r"^conv1\.weight", "embeddings.patch_embedding.weight"),

@@ -27,8 +27,8 @@ from grpc_reflection.v1alpha import reflection
 
 from encoder_service.rpc.result_store import ResultStore
 from mmserve.errors import InvalidRequest, Overloaded
-from mmserve.request.embeddings import ItemEmbedding
-from mmserve.request.media import DecodedVideo, EncodeItem, MediaItem, MediaKind
+from mmserve.inputs.embeddings import ItemEmbedding
+from mmserve.inputs.media import DecodedVideo, EncodeItem, MediaItem, MediaKind
 from mmserve.request.prompt_plan import MediaLimits
 from mmserve.video.container import VideoLimits
 from mmserve.rpc.embedding_wire import DEFAULT_CHUNK_BYTES, header_of, to_chunks

@@ -9,7 +9,7 @@ from torch import nn
 
 from llm_service.hybrid.state_cache import StateSpec
 from llm_service.transfer import to_device
-from mmserve.request.positions import LinearPositions, PositionPlan
+from mmserve.inputs.positions import LinearPositions, PositionPlan
 
 
 class LanguageModelModules(nn.Module):

@@ -6,7 +6,7 @@ import torch
 
 from llm_service.families.base import LMFace
 from mmserve.checkpoint import strip_prefix
-from mmserve.request.positions import LinearPositions, PositionPlan
+from mmserve.inputs.positions import LinearPositions, PositionPlan
 
 # transformers >= 4.52 layout first, then the legacy one of every released checkpoint.
 _DECODER_PREFIXES = ("model.language_model.", "model.")

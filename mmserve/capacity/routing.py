@@ -40,7 +40,7 @@ from mmserve.capacity.inputs import SLO, Profile, Workload
 from mmserve.capacity.replicas import LLMReplica, Request
 from mmserve.capacity.simulate import percentile
 from mmserve.request.encode_calls import affinity_spread, spread
-from mmserve.request.media import PlaceholderRange
+from mmserve.inputs.media import PlaceholderRange
 from mmserve.routing.affinity import AffinityChooser, power_of_two, prefix_hashes
 
 POLICIES = ("default", "affinity")

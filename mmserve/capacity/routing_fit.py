@@ -29,7 +29,7 @@ import statistics
 from mmserve.capacity.fit import fit_profile, load_or_collect
 from mmserve.capacity.routing import BLOCK_SIZE, Content, simulate_cluster
 from mmserve.capacity.simulate import percentile
-from mmserve.request.media import PlaceholderRange
+from mmserve.inputs.media import PlaceholderRange
 from mmserve.routing.affinity import prefix_hashes
 
 FIGURES = ("encoder_hit_ratio", "prefix_hit_ratio", "ttft_p50_s", "ttft_p99_s", "goodput")

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
-from mmserve.request.media import MediaItem, MediaKind, PlaceholderRange
-from mmserve.request.positions import PositionPlan
+from mmserve.inputs.media import MediaItem, MediaKind, PlaceholderRange
+from mmserve.inputs.positions import PositionPlan
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmserve.families.base import ItemExpansion, RouterFace, StreamGroup
-from mmserve.request.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
-from mmserve.request.positions import LinearPositions, PositionPlan
+from mmserve.inputs.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
+from mmserve.inputs.positions import LinearPositions, PositionPlan
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig

@@ -18,9 +18,9 @@ import torch
 from mmserve.checkpoint import processor_settings
 from mmserve.errors import InvalidRequest
 from mmserve.families.base import ItemExpansion, RouterFace, StreamGroup
-from mmserve.request.media import MediaItem, MediaKind, PlaceholderRange
-from mmserve.request.mrope import mrope_positions, video_t_factor
-from mmserve.request.positions import ExplicitPositions, LinearPositions, PositionPlan
+from mmserve.inputs.media import MediaItem, MediaKind, PlaceholderRange
+from mmserve.inputs.mrope import mrope_positions, video_t_factor
+from mmserve.inputs.positions import ExplicitPositions, LinearPositions, PositionPlan
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig

@@ -27,9 +27,9 @@ from mmserve.families.qwen2_vl import (
     image_grid,
     read_preprocess_config,
 )
-from mmserve.request.media import MediaItem, MediaKind, PlaceholderRange
-from mmserve.request.mrope import mrope_positions
-from mmserve.request.positions import ExplicitPositions, LinearPositions, PositionPlan
+from mmserve.inputs.media import MediaItem, MediaKind, PlaceholderRange
+from mmserve.inputs.mrope import mrope_positions
+from mmserve.inputs.positions import ExplicitPositions, LinearPositions, PositionPlan
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 from mmserve.errors import InvalidRequest
 from mmserve.families.base import ItemExpansion, RouterFace
-from mmserve.request.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
-from mmserve.request.positions import LinearPositions, PositionPlan
+from mmserve.inputs.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
+from mmserve.inputs.positions import LinearPositions, PositionPlan
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig

@@ -28,7 +28,7 @@ from typing import Generic, NamedTuple, TypeVar
 
 from mmserve.errors import InvalidRequest
 from mmserve.families.base import ItemExpansion
-from mmserve.request.media import MediaItem, MediaKind, MediaSource, PlaceholderRange
+from mmserve.inputs.media import MediaItem, MediaKind, MediaSource, PlaceholderRange
 from mmserve.request.tools import JSON_FORMAT, ToolCall, ToolFormat, ToolSpec, fallback_system_text
 
 _SENTINEL = "\ue000{}\ue001"

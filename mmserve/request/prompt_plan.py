@@ -10,8 +10,8 @@ from mmserve.checkpoint import read_chat_template
 from mmserve.errors import InvalidRequest, RequestTooLarge
 from mmserve.families import family_of, router_face
 from mmserve.families.base import ItemExpansion
-from mmserve.request.media import EncodeItem, MediaItem, MediaKind, MediaSource, PlaceholderRange
-from mmserve.request.positions import PositionPlan
+from mmserve.inputs.media import EncodeItem, MediaItem, MediaKind, MediaSource, PlaceholderRange
+from mmserve.inputs.positions import PositionPlan
 from mmserve.request.prompt import Message, PromptBuilder
 from mmserve.request.tools import ToolFormat, ToolSpec, check_call_arguments
 

@@ -32,7 +32,7 @@ from collections.abc import Collection, Mapping, Sequence
 
 from cachetools import LRUCache
 
-from mmserve.request.media import PlaceholderRange
+from mmserve.inputs.media import PlaceholderRange
 
 
 DECISIONS: Counter = Counter()  # (deployment, outcome) -> routings in this process (`Router.routing_stats`)

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 
 from mmserve.errors import InvalidRequest, Overloaded
-from mmserve.request.embeddings import ItemEmbedding
-from mmserve.request.encode_timing import EncodeTiming
-from mmserve.request.media import MediaItem, MediaKind
+from mmserve.inputs.embeddings import ItemEmbedding
+from mmserve.inputs.encode_timing import EncodeTiming
+from mmserve.inputs.media import MediaItem, MediaKind
 from mmserve.rpc.embedding_wire import from_chunks
 from protos.mmserve.v1 import encoder_pb2, encoder_pb2_grpc
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mmserve.errors import InvalidRequest
-from mmserve.request.media import DecodedVideo
+from mmserve.inputs.media import DecodedVideo
 from mmserve.video.container import (
     PYAV_MISSING, ContainerReader, DecodeOptions, FrameSampler, VideoLimits, VideoSampling, decoded_frame_count,
     pyav_available, video_content_hash,

@@ -10,7 +10,7 @@ import torch
 from encoder_service import VisionEncoder
 from encoder_service.batching import BatchConfig
 from encoder_service.pool import EncoderPool, PoolConfig
-from mmserve.request.media import MediaItem, MediaKind
+from mmserve.inputs.media import MediaItem, MediaKind
 from tests.support.media_factory import image_bytes, video_frames
 
 TOLERANCE = {"float64": dict(rtol=0, atol=1e-10), "float32": dict(rtol=1e-4, atol=1e-5)}

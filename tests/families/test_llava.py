@@ -6,7 +6,7 @@ tests/serve/test_family_serve.py.)"""
 import pytest
 
 from mmserve.families import router_face
-from mmserve.request.media import MediaItem, MediaKind
+from mmserve.inputs.media import MediaItem, MediaKind
 from tests.support.cases import LONG_TEXT
 from tests.support.media_factory import image_bytes, video_frames
 from tests.support.reference import load_reference

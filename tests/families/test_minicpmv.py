@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mmserve.families import router_face
-from mmserve.request.media import MediaItem, MediaKind
+from mmserve.inputs.media import MediaItem, MediaKind
 from tests.support.cases import family_cases
 from tests.support.media_factory import image_bytes, video_frames
 from tests.support.reference import _pil, load_reference

@@ -63,7 +63,7 @@ def test_greedy_tokens_depend_on_the_images_and_their_embeddings(tiny_checkpoint
 @pytest.mark.parametrize("family", QWEN3_5_FAMILIES)
 def test_encoder_face_equals_the_class_image_features(tiny_checkpoint, family):
     from encoder_service import VisionEncoder
-    from mmserve.request.media import MediaItem, MediaKind
+    from mmserve.inputs.media import MediaItem, MediaKind
     from tests.support.reference import reference_inputs
 
     model_dir = tiny_checkpoint(family)

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmserve.errors import InvalidRequest
-from mmserve.request.embeddings import ItemEmbedding
-from mmserve.request.media import MediaItem, MediaKind
+from mmserve.inputs.embeddings import ItemEmbedding
+from mmserve.inputs.media import MediaItem, MediaKind
 from tests.support.cases import CASE_TOKENS, LONG_TEXT, family_cases, image, text, user, video
 from tests.support.engine_support import Collector, make_engine, run_until_done
 from tests.support.media_factory import video_frames

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mmserve.families import router_face
-from mmserve.request.media import MediaItem, MediaKind
+from mmserve.inputs.media import MediaItem, MediaKind
 from tests.support.cases import image, image_question
 from tests.support.media_factory import image_bytes
 from tests.support.reference import load_reference, reference_generate

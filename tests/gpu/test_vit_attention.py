@@ -6,7 +6,7 @@ from transformers import AttentionInterface
 
 from encoder_service import VisionEncoder
 from encoder_service.vit_attention import VIT_ATTN_IMPLEMENTATION, grouped_sdpa, packed_attention
-from mmserve.request.media import MediaItem, MediaKind
+from mmserve.inputs.media import MediaItem, MediaKind
 from tests.support.media_factory import image_bytes, video_frames
 
 pytestmark = pytest.mark.kernel

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from encoder_service.vit_graphs import TowerGraphs, budget_ladder
-from mmserve.request.media import MediaItem, MediaKind
+from mmserve.inputs.media import MediaItem, MediaKind
 from tests.support.media_factory import image_bytes, video_frames
 
 QWEN = ("qwen2_vl", "qwen2_5_vl")

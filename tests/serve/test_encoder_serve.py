@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from mmserve.families import router_face
-from mmserve.request.media import EncodeItem, MediaItem, MediaKind
+from mmserve.inputs.media import EncodeItem, MediaItem, MediaKind
 from tests.support.media_factory import data_uri, image_bytes
 from tests.support.reference import reference_generate
 from tests.support.serve_fixtures import TEST_LIMITS

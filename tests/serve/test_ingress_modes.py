@@ -4,8 +4,8 @@ health and reflection, streaming equal to unary over HTTP and gRPC, a burst that
 Retry-After while the admitted requests give the unloaded tokens, and a drain on SIGTERM.
 
 In `direct` the Router replica listens itself (HTTP from port 30000, gRPC from 40000): the test
-finds its ports as a load balancer would. `haproxy` is refused (its refusal:
-tests/serve/test_serve_command.py). The default mode (`proxy`, header-capped beyond loopback) is tests/serve/test_serve_command.py's."""
+finds its ports as a load balancer would. Serve's own HAProxy mode is no choice
+(tests/serve/test_serve_command.py). The default mode (`proxy`, header-capped beyond loopback) is tests/serve/test_serve_command.py's."""
 
 from __future__ import annotations
 

@@ -315,40 +315,16 @@ def test_direct_ingress_beyond_loopback_is_refused_even_with_ray_token_auth(monk
     assert "refusing --ingress direct on 0.0.0.0" in err and "bounds no header size" in err
 
 
-@pytest.mark.parametrize("argv", [
-    ["serve", "--host", "0.0.0.0", "--ingress", "haproxy"],
-    ["serve", "--ingress", "haproxy"],  # loopback: HAProxy's stats and metrics would listen on every interface
-    ["serve", "--host", "::1", "--ingress", "haproxy"],
-])
-def test_haproxy_ingress_is_refused_on_loopback_too_before_anything_starts(argv, monkeypatch, capsys):
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    monkeypatch.setenv(API_KEY_ENV, KEY)
+@pytest.mark.parametrize("argv", [["serve", "--ingress", "haproxy"],
+                                  ["serve", "--host", "0.0.0.0", "--ingress", "haproxy"]])
+def test_serves_own_haproxy_ingress_is_not_offered(argv, monkeypatch, capsys):
+    """Serve 2.60's HAProxy mode listens on every interface (stats 8404, metrics 9101) whatever
+    --host says and makes its admin socket mode 0666: not a choice (ingress_modes)."""
     monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "refusing --ingress haproxy, on loopback too" in err
-    assert "stats page (port 8404) and Prometheus metrics (9101) listen on every interface" in err
-    assert "admin socket is created mode 0666" in err
-    assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ  # refused before Serve's environment was set
-
-
-def test_haproxy_ingress_with_a_config_is_refused(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    monkeypatch.setenv(API_KEY_ENV, KEY)
-    config = tmp_path / "serve.yaml"
-    config.write_text(yaml.safe_dump(serve_config("unused", 8000, 9000)))  # on 127.0.0.1
-    assert main(["serve", "--config", str(config), "--ingress", "haproxy"]) == 2
-    assert "refusing --ingress haproxy, on loopback too" in capsys.readouterr().err
-
-
-def test_serve_2_60_still_binds_haproxys_stats_and_metrics_to_every_interface():
-    """What the refusal rests on: if a Serve upgrade binds them to a host, `--ingress haproxy` can
-    come back on loopback (with a test of its listeners)."""
-    from ray.serve._private import haproxy_templates
-
-    template = haproxy_templates.HAPROXY_CONFIG_TEMPLATE
-    assert "bind :{{ config.metrics_port }}" in template and "bind *:{{ config.stats_port }}" in template
-    assert "mode 666 level admin" in template
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and "invalid choice: 'haproxy'" in capsys.readouterr().err
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in os.environ  # nothing of Serve's environment was set
 
 
 def test_without_an_api_key_the_grpc_proxy_on_every_interface_is_warned_about(monkeypatch, capsys):

@@ -12,7 +12,7 @@ from encoder_service.batching import temporal_groups
 from encoder_service.cache import EncoderIdentity
 from encoder_service.families.base import PreparedItem
 from mmserve.errors import InvalidRequest
-from mmserve.request.media import EncodeItem, MediaItem, MediaKind
+from mmserve.inputs.media import EncodeItem, MediaItem, MediaKind
 
 MERGE = 2
 

@@ -9,7 +9,7 @@ from encoder_service import VisionEncoder
 from llm_service.engine import LLMEngine, LLMRequest
 from llm_service.model import LanguageModel
 from llm_service.sampling import SamplingParams
-from mmserve.request.media import MediaItem, MediaKind
+from mmserve.inputs.media import MediaItem, MediaKind
 from mmserve.request.prompt_plan import Message, RequestPlanner
 
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mmserve.routing.affinity import BoundedLoadRing, HolderRecord, PrefixRecord, capacity, power_of_two, prefix_hashes
-from mmserve.request.media import PlaceholderRange
+from mmserve.inputs.media import PlaceholderRange
 
 members = st.lists(st.text("abcdefgh", min_size=1, max_size=6), min_size=1, max_size=8, unique=True)
 keys = st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=300)

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoProcessor
 
 from encoder_service.families.base import image_uint8
-from mmserve.request.media import MediaItem, MediaKind, decode_image
+from mmserve.inputs.media import MediaItem, MediaKind, decode_image
 from tests.families.test_encoder_equivalence import encoder
 from tests.support.media_factory import image_bytes, video_frames
 

@@ -212,7 +212,7 @@ def test_each_item_reports_its_queue_and_encode_time_and_a_hit_none():
 
 
 def test_a_requests_embedding_stages_are_its_last_items_and_fit_in_its_wait():
-    from mmserve.request.encode_timing import EncodeTiming, embedding_stages
+    from mmserve.inputs.encode_timing import EncodeTiming, embedding_stages
 
     early, last = EncodeTiming(5.0, 50.0, False, 100.0), EncodeTiming(20.0, 30.0, False, 100.2)
     stages = embedding_stages([early, last], waited_ms=300.0, received_at=100.25)

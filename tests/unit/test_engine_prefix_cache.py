@@ -96,7 +96,7 @@ def test_same_image_after_an_encoder_identity_change_does_not_reuse_kv(model_dir
     the same image encoded by an upgraded encoder (new weights fingerprint) misses the cache."""
     import dataclasses
 
-    from mmserve.request.embeddings import ItemEmbedding
+    from mmserve.inputs.embeddings import ItemEmbedding
 
     engine = make_engine(model_dir, block_size=BLOCK)
     messages = image_prompt(3)

@@ -95,7 +95,7 @@ def _done(value) -> asyncio.Future:
 def test_resolve_names_exactly_the_items_of_a_lost_encoder_call():
     from deployments.serve.transport import resolve
     from mmserve.errors import EmbeddingsLost
-    from mmserve.request.embeddings import ItemEmbedding
+    from mmserve.inputs.embeddings import ItemEmbedding
 
     import torch
 

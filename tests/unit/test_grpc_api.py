@@ -12,7 +12,7 @@ from deployments.api.grpc_api import GrpcAdapter
 from deployments.config import LimitArgs
 from deployments.core.failures import classify
 from mmserve.errors import InvalidRequest, Unauthenticated
-from mmserve.request.media import MediaKind
+from mmserve.inputs.media import MediaKind
 from mmserve.rpc.vlm_client import VideoFrames, request, user
 from tests.support.core_fakes import FakeLLM, make_core
 

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from encoder_service import VisionEncoder
 from encoder_service.rpc.result_store import ResultStore
 from encoder_service.rpc.server import ServerOptions, ServerSecurity, ServerThread
-from mmserve.request.media import MediaItem, MediaKind
+from mmserve.inputs.media import MediaItem, MediaKind
 from mmserve.rpc.embedding_wire import from_chunks
 from protos.mmserve.v1 import encoder_pb2, encoder_pb2_grpc
 from tests.support.media_factory import image_bytes, video_frames
@@ -144,7 +144,7 @@ def test_reflection_lists_encoder_and_health(channel):
 def _decoded_video(frames=8, h=480, w=400):
     import numpy as np
 
-    from mmserve.request.media import DecodedVideo
+    from mmserve.inputs.media import DecodedVideo
 
     pixels = np.random.default_rng(0).integers(0, 255, (frames, h, w, 3), dtype=np.uint8)  # 4.6 MB at the default
     return MediaItem(MediaKind.VIDEO, (), decoded=DecodedVideo((frames, h, w), 10.0, 40,

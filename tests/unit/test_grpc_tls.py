@@ -9,7 +9,7 @@ import torch
 from encoder_service import VisionEncoder
 from encoder_service.rpc.result_store import ResultStore
 from encoder_service.rpc.server import ServerOptions, ServerSecurity, ServerThread
-from mmserve.request.media import MediaItem, MediaKind
+from mmserve.inputs.media import MediaItem, MediaKind
 from mmserve.rpc.encoder_client import EncoderClient
 from tests.support.media_factory import image_bytes
 from tests.support.tls_certs import self_signed

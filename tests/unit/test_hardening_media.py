@@ -451,7 +451,7 @@ def test_trickling_media_take_no_place_from_ready_requests(http_port, tiny_model
     request away (no 429): fetching holds a place of its own bound; they end at the deadline."""
     from deployments.core.generation import GenerationOptions
     from deployments.core.request_core import ChatRequest
-    from mmserve.request.media import MediaKind, MediaSource
+    from mmserve.inputs.media import MediaKind, MediaSource
     from mmserve.request.prompt_plan import Message
     from tests.support.core_fakes import make_core, reader
 

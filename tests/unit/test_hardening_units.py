@@ -29,7 +29,7 @@ from encoder_service.pool import EncoderPool, PoolConfig
 from encoder_service.rpc.result_store import ResultStore
 from llm_service.sampling import SampleInput, new_generator, sample
 from mmserve.errors import InvalidRequest, Overloaded, RequestTooLarge
-from mmserve.request.media import decode_image, read_image_size
+from mmserve.inputs.media import decode_image, read_image_size
 from mmserve.rpc.vlm_client import request, user
 from tests.support.core_fakes import FakeLLM, make_core
 from tests.support.encoder_fakes import FakeEncoder, expected_output, fake_item

@@ -1,7 +1,7 @@
 """Router M-RoPE positions == `transformers`' `get_rope_index` of the monolithic model (property-based).
 
 The reference is the model's own `get_rope_index`, driven only by token types and grids; the
-project side is `mmserve.request.mrope.mrope_positions` fed the same layout as placeholder ranges.
+project side is `mmserve.inputs.mrope.mrope_positions` fed the same layout as placeholder ranges.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmserve.request.media import PlaceholderRange
-from mmserve.request.mrope import mrope_positions, video_t_factor
-from mmserve.request.positions import ExplicitPositions
+from mmserve.inputs.media import PlaceholderRange
+from mmserve.inputs.mrope import mrope_positions, video_t_factor
+from mmserve.inputs.positions import ExplicitPositions
 
 MERGE = 2
 TEMPORAL_PATCH = 2

@@ -17,7 +17,7 @@ from PIL import Image, ImageOps
 
 from mmserve.errors import InvalidRequest
 from mmserve.families.qwen2_vl import image_grid, read_preprocess_config, video_grid
-from mmserve.request.media import MediaItem, MediaKind, decode_data_uri, read_image_size
+from mmserve.inputs.media import MediaItem, MediaKind, decode_data_uri, read_image_size
 from mmserve.request.prompt_plan import MediaLimits, Message, RequestPlanner
 from tests.support.media_factory import data_uri, image_bytes, video_frames
 

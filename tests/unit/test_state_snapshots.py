@@ -20,8 +20,8 @@ from llm_service.hybrid.state_snapshots import SnapshotManager
 from llm_service.sampling import SamplingParams
 from llm_service.scheduler import Scheduler
 from llm_service.sequence import LLMRequest, Sequence, Status
-from mmserve.request.embeddings import ItemEmbedding
-from mmserve.request.media import PlaceholderRange
+from mmserve.inputs.embeddings import ItemEmbedding
+from mmserve.inputs.media import PlaceholderRange
 
 BLOCK = 4
 SYSTEMS = ((), (7, 7, 8, 9, 7), (7, 7, 8, 9, 7, 3, 4, 5, 6), (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13))

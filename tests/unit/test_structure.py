@@ -109,9 +109,20 @@ def test_runtimes_import_no_other_service_nor_ray_nor_pydantic(runtime):
 
 
 def test_the_request_path_imports_neither_the_planner_nor_the_load_generator():
-    request_path = ("mmserve.request", "mmserve.routing", "mmserve.families", "mmserve.video", "mmserve.rpc",
+    request_path = ("mmserve.inputs", "mmserve.request", "mmserve.routing", "mmserve.families", "mmserve.video", "mmserve.rpc",
                     "mmserve.kernels", "encoder_service", "llm_service", *RAY_FREE, "deployments.serve")
     assert _violations(request_path, OFF_THE_REQUEST_PATH) == {}
+
+
+@pytest.mark.parametrize("lower, upper", [
+    (("mmserve.inputs",), ("mmserve.families", "mmserve.request")),  # the inputs, below the families
+    (("mmserve.families",), ("mmserve.request",)),  # the families, below the prompt plan
+    (("deployments.config", "deployments.deployment_args", "deployments.replica_env"), ("deployments.serve",)),
+])
+def test_no_arrow_runs_back_up(lower, upper):
+    """Rooms in layers, no arrow from a lower one to a higher one (an import inside a function
+    too): the circles of packages the module graph does not see as one."""
+    assert _violations(lower, upper) == {}
 
 
 def test_the_request_core_sits_below_the_serve_layer_and_the_launcher():

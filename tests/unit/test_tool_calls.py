@@ -174,7 +174,7 @@ def test_every_familys_template_takes_a_tool_conversation(tiny_checkpoint, famil
 
     from transformers import AutoTokenizer
 
-    from mmserve.request.media import MediaItem, MediaKind
+    from mmserve.inputs.media import MediaItem, MediaKind
     from mmserve.request.prompt_plan import RequestPlanner
     from mmserve.tiny import _MODEL_TYPES
     from tests.support.media_factory import image_bytes

@@ -11,8 +11,8 @@ from pydantic import ValidationError
 from deployments.config import GrpcArgs
 from deployments.core.llm_inputs import PinnedEmbedding
 from deployments.serve.transport import GrpcFetcher, GrpcPublisher, resolve
-from mmserve.request.embeddings import ItemEmbedding
-from mmserve.request.media import EncodeItem, MediaItem, MediaKind
+from mmserve.inputs.embeddings import ItemEmbedding
+from mmserve.inputs.media import EncodeItem, MediaItem, MediaKind
 from mmserve.rpc.encoder_client import EmbeddingNotFound, EncodedRef, EncoderClient
 
 

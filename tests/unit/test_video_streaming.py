@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmserve.families import router_face
-from mmserve.request.media import MediaItem, MediaKind
+from mmserve.inputs.media import MediaItem, MediaKind
 from mmserve.video.container import FrameSampler, VideoLimits
 from mmserve.video.workers import VideoDecodePool
 from tests.support.media_factory import video_file

@@ -16,7 +16,7 @@ import torch
 
 from mmserve.errors import InvalidRequest
 from mmserve.families import router_face
-from mmserve.request.media import MediaItem, MediaKind
+from mmserve.inputs.media import MediaItem, MediaKind
 from mmserve.video.container import SEQUENTIAL, ContainerReader, DecodeOptions, FrameSampler, VideoLimits, VideoSampling
 from mmserve.video.workers import DecodeWorker, VideoDecodePool
 from tests.support.media_factory import (audio_only_file, h264_cropped, image_bytes, mjpeg_mkv, mkv_declaring,
@@ -74,7 +74,7 @@ def test_a_requests_fps_or_num_frames_sample_as_the_processor_does_with_them(tin
 ])
 def test_out_of_range_sampling_is_refused_naming_the_field(tiny_models, sampling, field):
     from deployments.core.request_core import ChatRequest
-    from mmserve.request.media import MediaSource
+    from mmserve.inputs.media import MediaSource
     from mmserve.request.prompt import Message
     from tests.support.core_fakes import make_core
 
@@ -372,7 +372,7 @@ class _CountingPool:
 def test_a_requests_videos_are_bounded_together_before_any_is_decoded(tiny_models, stream):
     from deployments.config import LimitArgs
     from deployments.core.request_core import ChatRequest
-    from mmserve.request.media import MediaSource
+    from mmserve.inputs.media import MediaSource
     from mmserve.request.prompt import Message
     from tests.support.core_fakes import make_core
 
@@ -407,7 +407,7 @@ def test_a_video_streams_only_from_stream_min_frames_and_plans_the_same_either_w
     planned is the same token for token and position for position either way."""
     from deployments.config import LimitArgs
     from deployments.core.request_core import ChatRequest, StreamedVideo
-    from mmserve.request.media import MediaSource
+    from mmserve.inputs.media import MediaSource
     from mmserve.request.prompt import Message
     from tests.support.core_fakes import make_core
 

@@ -4,7 +4,7 @@ Rule (the one `transformers` >= 5 `get_rope_index` applies, which the served out
 text gets `arange(n) + cur` on all three axes and advances `cur` by `n`; a media item with LLM grid
 `(t, h, w)` (spatial dims divided by the merge size) gets `(floor(t_idx * t_factor), h_idx, w_idx)
 + cur` and advances `cur` by `max(h, w)`. `delta = max(positions) + 1 - len(tokens)`; decode step
-`s` uses `len(tokens) + delta + s` on every axis (`mmserve.request.positions.ExplicitPositions`).
+`s` uses `len(tokens) + delta + s` on every axis (`mmserve.inputs.positions.ExplicitPositions`).
 
 For images `cur + max(h, w)` equals `max(previous positions) + 1`; the two differ only for videos
 whose temporal extent `(t - 1) * t_factor` reaches their spatial extent, where `transformers` 4.x
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mmserve.request.media import PlaceholderRange
+from mmserve.inputs.media import PlaceholderRange
 
 
 def video_t_factor(second_per_grid_t: float, tokens_per_second: float) -> torch.Tensor:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mmserve.request.encode_timing import EncodeTiming
+from mmserve.inputs.encode_timing import EncodeTiming
 
 
 @dataclass(frozen=True, eq=False)
