@@ -34,7 +34,8 @@ from mmserve.errors import InvalidRequest
 from mmserve.video.container import VideoSampling
 from mmserve.inputs.media import MediaKind, MediaSource
 from mmserve.request.prompt_plan import Message
-from mmserve.request.tools import ToolCall, ToolSpec, ToolText, answer, finish_with, new_call_id
+from mmserve.request.tool_stream import ToolText
+from mmserve.request.tools import ToolCall, ToolSpec, answer, finish_with, new_call_id
 from protos.mmserve.v1 import vlm_pb2
 
 logger = logging.getLogger("ray.serve")
@@ -135,7 +136,7 @@ async def completion(gen: Generation, request_id: str) -> vlm_pb2.GenerateRespon
     choices = []
     for i in range(gen.n):
         content, calls, reason = answer("".join(text[i]), finish[i], gen.tools, gen.parallel_tool_calls,
-                                       gen.tool_format)
+                                       gen.tool_format, gen.forced_tool_calls)
         choices.append(vlm_pb2.GenerateResponse(request_id=request_id, text=content or "", token_ids=tokens[i],
                                                 finish_reason=reason, tool_calls=_calls(calls), index=i))
     response = vlm_pb2.GenerateResponse()
@@ -151,7 +152,8 @@ async def stream(gen: Generation, request_id: str) -> AsyncIterator[vlm_pb2.Gene
     tools: the content goes out as it comes, a `<tool_call>` block held until it closes: `ToolText`).
     With n > 1 each carries its choice's index, each choice's last its finish_reason, and a last
     response the usage."""
-    texts = [ToolText(gen.tools, gen.parallel_tool_calls, gen.tool_format) for _ in range(gen.n)] if gen.tools else None
+    texts = [ToolText(gen.tools, gen.parallel_tool_calls, gen.tool_format, gen.forced_tool_calls)
+             for _ in range(gen.n)] if gen.tools else None
     async for delta in gen.deltas():
         content, calls, finish = delta.text, [], delta.finish_reason or ""
         if texts is not None:

@@ -24,7 +24,8 @@ from llm_service.sampling import Grammar
 from mmserve.errors import InvalidRequest
 from mmserve.inputs.media import MediaKind, MediaSource
 from mmserve.request.prompt_plan import Message
-from mmserve.request.tools import ToolCall, ToolSpec, ToolText, answer, finish_with, new_call_id
+from mmserve.request.tool_stream import ToolText
+from mmserve.request.tools import ToolCall, ToolSpec, answer, finish_with, new_call_id
 from mmserve.video.container import VideoSampling
 
 logger = logging.getLogger("ray.serve")
@@ -160,7 +161,8 @@ def _message(text: str, finish: str | None, gen: Generation) -> tuple[dict, str 
     """The assistant message of a choice's text (its tool calls parsed out in the family's form
     when the request has tools, the first only without `parallel_tool_calls`), and its finish
     reason (`tool_calls` when it made any)."""
-    content, calls, finish = answer(text, finish, gen.tools, gen.parallel_tool_calls, gen.tool_format)
+    content, calls, finish = answer(text, finish, gen.tools, gen.parallel_tool_calls, gen.tool_format,
+                                    gen.forced_tool_calls)
     if not calls:
         return {"role": "assistant", "content": content}, finish
     return {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}, finish
@@ -216,7 +218,8 @@ async def sse(gen: Generation, model: str, with_token_ids: bool, include_usage: 
 
     for i in range(gen.n):
         yield chunk(i, {"role": "assistant", "content": ""})
-    texts = [ToolText(gen.tools, gen.parallel_tool_calls, gen.tool_format) for _ in range(gen.n)] if gen.tools else None
+    texts = [ToolText(gen.tools, gen.parallel_tool_calls, gen.tool_format, gen.forced_tool_calls)
+             for _ in range(gen.n)] if gen.tools else None
     try:
         async for delta in gen.deltas():
             extra = {}

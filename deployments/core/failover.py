@@ -13,6 +13,11 @@ raises `EmbeddingsLost` naming those items before it runs anything. The router r
 them (`reencode`: Serve routes the calls to a live encoder replica, or waits for a replacement when
 none is left) and resubmits with the new handles; the request keeps its place in the flow.
 
+A request of `n` choices lost after its first token resumes each unfinished choice on its own
+(`ChoiceStreams`): a request of one choice whose continuation is that choice's prompt + its own
+tokens sent, with its own seed (the request's + its index, as the LLM replica seeds its choices),
+failing over on its own from then on; their events merged, each with its choice's index.
+
 Not bit-exact on resume: seeded sampling (the continuation's generator starts again from the seed)
 and frequency/presence penalties (they count output tokens only; the tokens sent before the
 failure are prompt tokens of the continuation). Repetition penalty, stop ids and EOS are exact.
@@ -20,6 +25,7 @@ failure are prompt tokens of the continuation). Repetition penalty, stop ids and
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -73,9 +79,13 @@ class Failover:
         except Exception as e:
             return await self.resume(e, ())
 
-    async def resume(self, error: BaseException, sent: tuple[int, ...]):
+    async def resume(self, error: BaseException, sent: tuple[int, ...] | dict[int, tuple[int, ...]]):
         """(stream, first event) of a continuation after `error`; re-raises `error` (or the last
-        one) when it is not a lost replica or the retries are spent."""
+        one) when it is not a lost replica or the retries are spent. `sent` by choice (a request of
+        `n` that sent tokens): each of those choices resumed on its own (`ChoiceStreams`)."""
+        if isinstance(sent, dict):
+            stream = ChoiceStreams(self, error, sent)
+            return stream, await stream.__anext__()
         while True:
             lost = root_cause(error)
             if isinstance(lost, EmbeddingsLost) and self.reencode and self.encoder_losses < self.retries:
@@ -105,6 +115,17 @@ class Failover:
             except Exception as e:
                 error = e
 
+    def for_choice(self, choice: int) -> Failover:
+        """Choice `choice` of this request as a request of one choice (its own engine key and seed,
+        `max_tokens` as given), failing over on its own with the retries left."""
+        p = self.pending
+        seed = None if p.sampling.seed is None else p.sampling.seed + choice
+        one = dataclasses.replace(p, request_id=f"{p.request_id}#{choice}", n=1,
+                                  sampling=dataclasses.replace(p.sampling, seed=seed))
+        failover = Failover(self.llm, one, self.retries, self.on_resume, self.reencode)
+        failover.llm_losses, failover.encoder_losses = self.llm_losses, self.encoder_losses
+        return failover
+
     def _continuation(self, sent: tuple[int, ...]) -> PendingRequest:
         p = self.pending
         return dataclasses.replace(
@@ -125,3 +146,55 @@ class Failover:
             stream.cancel()
             raise
         return stream, first
+
+
+class ChoiceStreams:
+    """The unfinished choices of a request of `n` after its replica was lost (`TokenStream`): each
+    resumed from its own tokens as a request of one choice (`Failover.for_choice`), each failing
+    over on its own; their events as they come, each with its choice's index."""
+
+    def __init__(self, failover: Failover, error: BaseException, sent: dict[int, tuple[int, ...]]):
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._open = len(sent)
+        self._tasks = [asyncio.ensure_future(self._run(failover.for_choice(c), c, error, t)) for c, t in sent.items()]
+
+    async def _run(self, failover: Failover, choice: int, error: BaseException, sent: tuple[int, ...]) -> None:
+        stream = None
+        try:
+            stream, event = await failover.resume(error, sent)
+            while True:
+                await self._events.put(event._replace(choice=choice))
+                sent += (event.token_id,) if event.token_id is not None else ()
+                if event.finish_reason:
+                    return
+                try:
+                    event = await stream.__anext__()
+                except StopAsyncIteration:
+                    return
+                except Exception as e:  # lost again: this choice alone resumes
+                    stream.cancel()
+                    stream, event = await failover.resume(e, sent)
+        except BaseException as e:  # retries spent, or not a lost replica: the request fails with it
+            await self._events.put(e)
+        finally:
+            if stream is not None:
+                stream.cancel()
+            self._open -= 1
+            if not self._open:
+                await self._events.put(None)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        item = await self._events.get()
+        if item is None:
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self.cancel()
+            raise item
+        return item
+
+    def cancel(self) -> None:
+        for task in self._tasks:
+            task.cancel()

@@ -177,6 +177,7 @@ class Generation:
         self.tools: tuple = ()  # `ToolSpec`s whose calls the API parses out of the text (tool_choice not none)
         self.parallel_tool_calls = True  # False: the API keeps a choice's first call only
         self.tool_format = JSON_FORMAT  # the family's call form (`RequestPlanner.tool_format`)
+        self.forced_tool_calls = False  # a grammar holds the text to calls (tool_choice required or a function)
         self._stop = stop
         self._stream = stream
         self._first = first
@@ -189,10 +190,10 @@ class Generation:
         self.report_stages = False
 
     async def _events(self) -> AsyncIterator:
-        """The LLM's events, one uninterrupted stream across failovers (for `n` > 1, only before
-        any token was sent: a continuation carries one choice's tokens)."""
-        sent: list[int] = []
-        ended = 0  # choices
+        """The LLM's events, one uninterrupted stream across failovers (for `n` > 1 once tokens were
+        sent, each unfinished choice resumes from its own: `failover.ChoiceStreams`)."""
+        sent: dict[int, list[int]] = {i: [] for i in range(self.n)}
+        ended: set[int] = set()
         event = self._first
         while True:
             if event is None:
@@ -201,17 +202,22 @@ class Generation:
                 except StopAsyncIteration:
                     return
                 except Exception as e:
-                    if self._resume is None or (self.n > 1 and sent):
+                    if self._resume is None:
                         raise
                     self._stream.cancel()
-                    self._stream, event = await self._resume(e, tuple(sent))
+                    if self.n > 1 and any(sent.values()):
+                        left = {i: tuple(tokens) for i, tokens in sent.items() if i not in ended}
+                        self._stream, event = await self._resume(e, left)
+                    else:
+                        self._stream, event = await self._resume(e, tuple(sent[0]))
             if event.token_id is not None:
-                sent.append(event.token_id)
+                sent[event.choice].append(event.token_id)
             if event.finish_reason and event.stages:  # the last choice's end
                 self.stages.update(event.stages)
             yield event
-            ended += event.finish_reason is not None
-            if ended == self.n:
+            if event.finish_reason is not None:
+                ended.add(event.choice)
+            if len(ended) == self.n:
                 return
             event = None
 

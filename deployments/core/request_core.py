@@ -365,6 +365,7 @@ class RequestCore:
                          router_ms, options.n)
         gen.tools, gen.parallel_tool_calls = tools, request.parallel_tool_calls
         gen.tool_format = self.planner.tool_format
+        gen.forced_tool_calls = bool(tools) and request.tool_choice not in ("auto", "none")
         self.listener.on_started(gen, (time.perf_counter() - started) * 1000, len(media))
         return gen
 

@@ -193,6 +193,39 @@ class ToolFormat:
     def render(self, call: ToolCall) -> str:
         return render_xml_call(call) if self.xml else render_call(call)
 
+    def head(self, block: str) -> tuple[str, int] | None:
+        """(function name, where its arguments begin) of a call block whose head is written
+        (`block` from its `<tool_call>` on), None before."""
+        match = (_XML_HEAD_RE if self.xml else _HEAD_RE).match(block)
+        return None if match is None else (match.group(1), match.end())
+
+    def arguments_so_far(self, block: str, tool: ToolSpec) -> str:
+        """The arguments' JSON text a call block (its head written, maybe not closed) holds for sure:
+        in the JSON form the object as written so far; in the XML form the parameters closed so far
+        as the JSON `_xml_call` makes (no closing brace until `</function>`). Each is a prefix of the
+        whole call's `arguments`."""
+        _, begin = self.head(block)
+        if not self.xml:
+            whole, inside = _raw_object(block[begin:])
+            return whole if whole is not None else block[begin:begin + inside]
+        properties, at, pairs = tool.schema.get("properties") or {}, begin, []
+        while parameter := _XML_PARAMETER_RE.match(block, at + len(block[at:]) - len(block[at:].lstrip())):
+            at = parameter.end()
+            raw = parameter.group(2).removeprefix("\n").removesuffix("\n")  # the form's newlines around it
+            key, value = parameter.group(1), xml_value(raw, properties.get(parameter.group(1)))
+            pairs.append(f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}")
+        closed = block[at:].lstrip().startswith("</function>")
+        return "{" + ", ".join(pairs) + "}" if closed else ("{" + ", ".join(pairs) if pairs else "")
+
+    def open_call(self, text: str, tools: list[ToolSpec]) -> tuple[str, str] | None:
+        """(name, arguments so far) of a call block left open at the end of `text` (cut off), its
+        head written and naming one of `tools`; None otherwise."""
+        at = text.rfind(START)
+        if at < 0 or text.find(END, at) >= 0 or (head := self.head(text[at:])) is None:
+            return None
+        tool = next((t for t in tools if t.name == head[0]), None)
+        return None if tool is None else (tool.name, self.arguments_so_far(text[at:], tool))
+
 
 JSON_FORMAT = ToolFormat()
 
@@ -223,15 +256,22 @@ def _split_calls(text: str, block: re.Pattern, read) -> tuple[str | None, list[T
     return (content or None) if calls else text, calls
 
 
-def answer(text: str, finish: str | None, tools, parallel: bool = True, fmt: ToolFormat = JSON_FORMAT
-           ) -> tuple[str | None, list[ToolCall], str | None]:
+def answer(text: str, finish: str | None, tools, parallel: bool = True, fmt: ToolFormat = JSON_FORMAT,
+           forced: bool = False) -> tuple[str | None, list[ToolCall], str | None]:
     """(content, calls, finish reason) of a whole choice: with `tools`, its calls parsed out and the
     reason `tool_calls` when it made any and stopped by itself (the same for every API). Without
     `parallel` (`parallel_tool_calls: false`) only the first call is kept; the others are dropped,
-    neither calls nor content (what vLLM's `maybe_filter_parallel_tool_calls` does)."""
+    neither calls nor content (what vLLM's `maybe_filter_parallel_tool_calls` does). `forced` (a
+    grammar held the text to calls: `tool_choice` required or a function): a last call cut off by
+    `max_tokens` is a call too, with the arguments written so far (as `ToolText` streamed them)."""
     if not tools:
         return text, [], finish
-    content, calls = fmt.parse(text, list(tools))
+    cut = fmt.open_call(text, list(tools)) if forced else None
+    body = text[:text.rfind(START)] if cut else text
+    content, calls = fmt.parse(body, list(tools))
+    if cut:
+        content = content if calls else body.strip() or None
+        calls.append(ToolCall(new_call_id(), *cut))
     calls = calls if parallel else calls[:1]
     return content, calls, finish_with(finish, calls)
 
@@ -478,93 +518,3 @@ def fallback_system_text(tools: list[ToolSpec]) -> str:
 def render_call(call: ToolCall) -> str:
     """A call as Qwen's templates render it in an assistant turn."""
     return f'{START}\n{{"name": "{call.name}", "arguments": {call.arguments}}}\n{END}'
-
-
-class ToolText:
-    """One choice's streamed text when the request has tools, as events to send: `("content", text)`,
-    `("call", index, ToolCall)` (its id and name) and `("arguments", index, piece)`. The rule is that
-    the streamed answer is the unstreamed one (`answer` on the whole text): a `<tool_call>` block is
-    held until its `</tool_call>` is written (text that may be a block's start is held back too), then
-    parsed as `answer` parses it (the first `</tool_call>` after a `<tool_call>` closes it, as the
-    parsers' patterns do). A call sends its id and name, then its arguments: in the JSON form in the
-    pieces the model generated them in, in the XML form whole (their JSON is only known then: a value's
-    type is read from its whole text). A block that is no call, or one never closed (malformed, or cut
-    off by `max_tokens`), is content, sent when it closes or at the end (`end`): no event of a call
-    goes out before the call is known to be one. Whitespace is held until content follows, and dropped
-    at the end when there are calls (the unstreamed content is stripped then); only whitespace at the
-    very start, sent before a call was seen, can differ. Without `parallel`, the events of calls after
-    the first are dropped, as `answer` drops them."""
-
-    def __init__(self, tools, parallel: bool = True, fmt: ToolFormat = JSON_FORMAT):
-        self.tools, self.parallel, self.fmt = list(tools), parallel, fmt
-        self.held = ""  # text not read yet: from an open `<tool_call>` on, or a tail that may begin one
-        self.base = 0  # where `held` begins in the choice's text
-        self.marks: list[int] = []  # where in the choice's text the pieces added so far end (of `held`'s)
-        self.blank = ""  # whitespace read as content, not sent yet
-        self.sent = False  # whether any content went out
-        self.calls: list[ToolCall] = []
-
-    def add(self, text: str) -> list[tuple]:
-        self.held += text
-        self.marks = [m for m in self.marks if m > self.base] + [self.base + len(self.held)]
-        events: list[tuple] = []
-        while (at := self.held.find(START)) >= 0:
-            self._content(self._take(at), events)
-            close = self.held.find(END, len(START))
-            if close < 0:
-                return self._kept(events)  # an open block: a call or not when it closes
-            start = self.base
-            block = self._take(close + len(END))
-            _, calls = self.fmt.parse(block, self.tools)
-            if not calls:
-                self._content(block, events)  # malformed, or no known function: text
-                continue
-            self.calls.append(calls[0])
-            index = len(self.calls) - 1
-            events.append(("call", index, calls[0]))
-            events += [("arguments", index, piece) for piece in self._pieces(calls[0], block, start)]
-        keep = next((k for k in range(min(len(START) - 1, len(self.held)), 0, -1)
-                     if START.startswith(self.held[-k:])), 0)
-        self._content(self._take(len(self.held) - keep), events)
-        return self._kept(events)
-
-    def _take(self, n: int) -> str:
-        """The first `n` characters of `held`, read."""
-        taken, self.held, self.base = self.held[:n], self.held[n:], self.base + n
-        return taken
-
-    def _content(self, text: str, events: list[tuple]) -> None:
-        """Send `text` as content: whitespace at its end held until content follows."""
-        text = self.blank + text
-        body = text.rstrip()
-        if not body:
-            self.blank = text
-            return
-        self.blank = text[len(body):]
-        if self.calls and not self.sent:  # the unstreamed content is stripped when there are calls
-            body = body.lstrip()
-        events.append(("content", body))
-        self.sent = True
-
-    def _pieces(self, call: ToolCall, block: str, start: int) -> list[str]:
-        """A call's arguments in the pieces they were added in, when they are the model's own text
-        (the JSON form), else whole; `start`: where `block` began in the choice's text."""
-        head = None if self.fmt.xml else _HEAD_RE.match(block)
-        if head is None or not block.startswith(call.arguments, head.end()):
-            return [call.arguments]
-        begin, stop = start + head.end(), start + head.end() + len(call.arguments)
-        edges = [begin, *(m for m in self.marks if begin < m < stop), stop]
-        return [call.arguments[a - begin:b - begin] for a, b in zip(edges, edges[1:])]
-
-    def _kept(self, events: list[tuple]) -> list[tuple]:
-        return events if self.parallel else [e for e in events if e[0] == "content" or e[1] == 0]
-
-    def end(self) -> tuple[list[tuple], list[ToolCall]]:
-        """The events still to send (what is held is content: an open block never became a call) and
-        every call of the choice."""
-        events: list[tuple] = []
-        self._content(self._take(len(self.held)), events)
-        if self.blank and not self.calls:
-            events.append(("content", self.blank))
-        self.blank = ""
-        return self._kept(events), self.calls if self.parallel else self.calls[:1]

@@ -79,8 +79,8 @@ def _stream(url: str, body: dict, tokens: list[int], errors: list[str]) -> None:
                 event = json.loads(line[6:])
                 if "error" in event:
                     errors.append(str(event["error"]))
-                for choice in event.get("choices", []):
-                    tokens.extend(choice.get("token_ids", []))
+                for choice in event.get("choices", []):  # (its choice, token): n > 1 interleaves them
+                    tokens.extend((choice["index"], t) for t in choice.get("token_ids", []))
     except Exception as e:  # reported by the test
         errors.append(repr(e))
 
@@ -211,6 +211,24 @@ def test_killing_an_llm_replica_mid_stream_loses_nothing(failover_url):
     assert resumed == held, (held, after)  # every stream on the killed replica, and only those
     assert after["resumed_tokens"] - before["resumed_tokens"] >= 2 * resumed
     assert after["resumed_with_media"] > before["resumed_with_media"], after
+
+
+def test_killing_an_llm_replica_mid_stream_resumes_every_choice_of_n_3(failover_url):
+    """Requests of three choices (greedy: the three alike), their replica killed once every stream
+    sent tokens: each unfinished choice resumes from its own tokens on the other replica
+    (`failover.ChoiceStreams`), every choice ends as in the uninterrupted run."""
+    bodies = [{**body, "n": 3} for body in _bodies()[:2]]
+    expected, errors, _ = _run_all(failover_url, bodies)
+    assert not errors, errors
+    for tokens in expected:
+        by_choice = [[t for c, t in tokens if c == i] for i in range(3)]
+        assert all(len(t) == MAX_TOKENS for t in by_choice) and by_choice[0] == by_choice[1] == by_choice[2]
+    outputs, errors, held, resumed = _with_fault(failover_url, bodies, _kill_llm_mid_stream(APP, 2), APP,
+                                                 "resumed_streams", tries=8)
+    assert not errors, errors
+    assert [[t for c, t in o if c == i] for o in outputs for i in range(3)] == [  # each choice's, in order
+        [t for c, t in e if c == i] for e in expected for i in range(3)]
+    assert resumed >= held  # every choice of the victim's requests resumed on its own
 
 
 def test_killing_an_encoder_replica_with_items_queued_loses_nothing(failover_url):

@@ -16,9 +16,10 @@ from deployments.core.request_core import CoreSettings, RequestCore
 from llm_service.sequence import TokenEvent
 
 
-def next_token(context: tuple[int, ...]) -> int:
-    """A deterministic 'model': the next token depends on the whole context (prompt + generated)."""
-    return 100 + (sum((i + 1) * t for i, t in enumerate(context)) * 31) % 400
+def next_token(context: tuple[int, ...], seed: int = 0) -> int:
+    """A deterministic 'model': the next token depends on the whole context (prompt + generated)
+    and the sequence's seed (a request's choice i samples with its seed + i)."""
+    return 100 + ((sum((i + 1) * t for i, t in enumerate(context)) + 7919 * seed) * 31) % 400
 
 
 class FakeStream:
@@ -44,7 +45,8 @@ class FakeStream:
 
 
 class FakeLLM:
-    """An `LLMClient` whose i-th submission's replica dies after `die_after[i]` tokens (None: never)."""
+    """An `LLMClient` whose i-th submission's replica dies after `die_after[i]` tokens (None: never),
+    a request's `n` choices' tokens interleaved (each choice seeded with the request's seed + its index)."""
 
     def __init__(self, die_after: list[int | None] = (), error: type[BaseException] = ray_exceptions.ActorDiedError):
         self.die_after = list(die_after)
@@ -56,15 +58,17 @@ class FakeLLM:
         die = self.die_after.pop(0) if self.die_after else None
 
         def events():
-            context = list(pending.prompt_token_ids)
+            contexts = [list(pending.prompt_token_ids) for _ in range(pending.n)]
+            seed, sent = pending.sampling.seed or 0, 0
             for n in range(pending.sampling.max_tokens):
-                if die is not None and n == die:
-                    yield self.error()
-                    return
-                token = next_token(tuple(context))
-                context.append(token)
-                last = n + 1 == pending.sampling.max_tokens
-                yield TokenEvent(token, "length" if last else None)
+                for choice, context in enumerate(contexts):
+                    if die is not None and sent == die:
+                        yield self.error()
+                        return
+                    context.append(next_token(tuple(context), seed + choice))
+                    sent += 1
+                    last = n + 1 == pending.sampling.max_tokens
+                    yield TokenEvent(context[-1], "length" if last else None, choice=choice)
 
         return FakeStream(events())
 

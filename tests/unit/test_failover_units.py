@@ -46,6 +46,37 @@ async def _run(llm: FakeLLM, max_tokens: int, retries: int = 2):
     return tokens, resumed, gen
 
 
+async def _run_choices(llm: FakeLLM, max_tokens: int, n: int, seed: int = 5):
+    pending = dataclasses.replace(_pending(max_tokens), n=n,
+                                  sampling=SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed))
+    failover = Failover(llm, pending, 2)
+    stream, first = await failover.start()
+    plan = RequestPlan(token_ids=[11, 12, 13], items=[], ranges=[], expansions=[], positions=None)
+    gen = Generation("r1", plan, pending.sampling, (), stream, first, _Tokenizer(), failover.resume, n=n)
+    tokens = {i: [] for i in range(n)}
+    async for d in gen.deltas():
+        if d.token_id is not None:
+            tokens[d.index].append(d.token_id)
+    return tokens
+
+
+def test_a_request_of_three_choices_lost_mid_stream_resumes_each_choice_from_its_own_tokens():
+    """n = 3, the replica lost after 7 tokens (choices at 3, 2, 2), a choice's continuation lost
+    again after 4: every choice ends with the tokens of an uninterrupted run (each its own seed)."""
+    expected = asyncio.run(_run_choices(FakeLLM([None]), 10, 3))
+    assert len({tuple(t) for t in expected.values()}) == 3 and all(len(t) == 10 for t in expected.values())
+    llm = FakeLLM([7, None, 4, None, None])
+    assert asyncio.run(_run_choices(llm, 10, 3)) == expected
+    first, *resumed = llm.calls
+    assert first.n == 3 and len(resumed) == 4
+    by_choice = {c.request_id.split(".")[0]: c for c in resumed[:3]}
+    for choice, sent in ((0, 3), (1, 2), (2, 2)):
+        one = by_choice[f"r1#{choice}"]
+        assert one.n == 1 and one.sampling.seed == 5 + choice and one.resumed_tokens == sent
+        assert one.prompt_token_ids == (11, 12, 13) + tuple(expected[choice][:sent])
+        assert one.sampling.max_tokens == 10 - sent
+
+
 def test_a_stream_resumes_on_another_replica_with_the_tokens_sent():
     expected, _, _ = asyncio.run(_run(FakeLLM([None]), 20))
     assert len(expected) == 20

@@ -16,7 +16,8 @@ import pytest
 
 from llm_service.sampling import Grammar
 from mmserve.errors import InvalidRequest
-from mmserve.request.tools import (JSON_FORMAT, ToolCall, ToolFormat, ToolSpec, ToolText, answer,
+from mmserve.request.tool_stream import ToolText
+from mmserve.request.tools import (JSON_FORMAT, ToolCall, ToolFormat, ToolSpec, answer,
                                    fallback_system_text, parse_calls, parse_xml_calls, render_call, render_xml_call,
                                    xml_value)
 from mmserve.tiny import FAMILIES
@@ -573,6 +574,7 @@ class _Generation:
         from types import SimpleNamespace
 
         self.request_id, self.n, self.tools, self.parallel_tool_calls = "r", 1, tuple(TOOLS), parallel
+        self.forced_tool_calls = False
         self.tool_format, self.output = fmt, output
         self.sampling = SimpleNamespace(logprobs=None)
         self.plan, self.num_generated = SimpleNamespace(token_ids=[1, 2], num_media_tokens=0), 0
@@ -750,3 +752,80 @@ def test_forced_calls_are_found_by_their_tag_ids_whether_the_tokenizer_marks_the
         assert answers["http"] == expected  # the same calls either way
         for name, arguments in calls:
             jsonschema.validate(json.loads(arguments), next(t for t in tools if t.name == name).schema)
+
+
+# -- forced calls streamed as they are generated ------------------------------------------------------------
+
+
+def _forced_stream(pieces: list[str], tools, fmt: ToolFormat) -> tuple[list[tuple[int, list[tuple]]], list]:
+    """[(delta number, its events)] of `pieces` streamed through a forced `ToolText`, and its calls."""
+    text, out = ToolText(tools, True, fmt, forced=True), []
+    for k, piece in enumerate(pieces):
+        out.append((k, text.add(piece)))
+    more, calls = text.end()
+    return out + [(len(pieces), more)], calls
+
+
+def _check_forced(pieces: list[str], tools, fmt: ToolFormat, finish: str) -> list:
+    """A forced answer streamed: each call's id and name, then arguments pieces before the delta
+    that closes the call (for a call whose arguments span deltas), joined to the unstreamed
+    answer's arguments; the same calls, no content, finish reason as unstreamed."""
+    text = "".join(pieces)
+    streamed, calls = _forced_stream(pieces, tools, fmt)
+    content, parsed, reason = answer(text, finish, tools, True, fmt, forced=True)
+    assert content is None and [(c.name, c.arguments) for c in parsed] == [(c.name, c.arguments) for c in calls]
+    assert reason == ("tool_calls" if finish == "stop" and parsed else finish)
+    events = [(k, e) for k, evs in streamed for e in evs]
+    assert not [e for _, e in events if e[0] == "content"]
+    for index, call in enumerate(calls):
+        mine = [(k, e) for k, e in events if e[1] == index]
+        assert mine[0][1][0] == "call" and mine[0][1][2].name == call.name and mine[0][1][2].id == call.id
+        assert "".join(e[2] for _, e in mine if e[0] == "arguments") == call.arguments
+        closing = max(k for k, _ in mine)
+        if len(call.arguments) > 4 and index + 1 < len(calls) or finish == "stop":
+            assert any(k < closing for k, e in mine if e[0] == "arguments"), (index, mine)  # sent as they came
+    return calls
+
+
+@pytest.mark.parametrize("step", [1, 5])
+@pytest.mark.parametrize("fmt", [JSON_FORMAT, XML], ids=["json", "xml"])
+def test_forced_calls_stream_their_arguments_as_they_come_and_join_to_the_whole(fmt, step):
+    if fmt.xml:
+        output = _xml("click", x="1", y="20", button="left") + "\n" + _xml("type_text", text="hello there")
+    else:
+        output = ('<tool_call>\n{"name": "click", "arguments": {"x":1,"y":20,"button":"left"}}\n</tool_call>\n'
+                  '<tool_call>\n{"name": "type_text", "arguments": {"text":"a}\\"b"}}\n</tool_call>')
+    calls = _check_forced([output[i:i + step] for i in range(0, len(output), step)], TOOLS, fmt, "stop")
+    assert [c.name for c in calls] == ["click", "type_text"]
+    assert json.loads(calls[0].arguments) == {"x": 1, "y": 20, "button": "left"}
+
+
+@pytest.mark.parametrize("fmt", [JSON_FORMAT, XML], ids=["json", "xml"])
+def test_a_forced_call_cut_by_max_tokens_ends_with_its_pieces_and_length(fmt):
+    whole = _xml("click", x="1", y="20", button="left") if fmt.xml else (
+        '<tool_call>\n{"name": "click", "arguments": {"x":1,"y":20,"button":"left"}}\n</tool_call>')
+    cut = whole[:whole.index("button") + 3]  # inside the third argument
+    calls = _check_forced(list(cut), TOOLS, fmt, "length")
+    assert [c.name for c in calls] == ["click"]
+    assert calls[0].arguments in ('{"x": 1, "y": 20', '{"x":1,"y":20,"but')  # what was written, as sent
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_the_engines_forced_calls_stream_token_by_token_as_they_are_generated(tiny_checkpoint, family):
+    """The engine's forced output (required, parallel calls), detokenized token by token as the
+    router does: every call's id and name go out before its arguments, its arguments before it
+    closes, joined to the unstreamed answer's; the JSON form (Qwen2.5-VL: the tags are added
+    tokens) and the XML form (Qwen3.5)."""
+    from transformers import AutoTokenizer
+
+    from mmserve.request.detokenize import IncrementalDetokenizer
+    from mmserve.request.prompt_plan import RequestPlanner
+
+    model_dir = tiny_checkpoint(family)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    fmt = RequestPlanner(model_dir, tokenizer).tool_format
+    tools = [*TOOLS, SEARCH] if fmt.xml else TOOLS
+    [(tokens, reason)] = _run(model_dir, fmt.grammar(tools), {}, n=1)
+    detok = IncrementalDetokenizer(tokenizer, markers=fmt.markers())
+    pieces = [detok.add(t) for t in tokens] + [detok.flush()]
+    assert reason == "stop" and len(_check_forced(pieces, tools, fmt, "stop")) >= 1
