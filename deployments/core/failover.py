@@ -62,8 +62,14 @@ class Failover:
     request for lost LLM replicas and as many for lost encoder replicas."""
 
     def __init__(self, llm: LLMClient, pending: PendingRequest, retries: int,
-                 on_resume: Callable[[PendingRequest], None] | None = None, reencode: Reencode | None = None):
+                 on_resume: Callable[[PendingRequest], None] | None = None, reencode: Reencode | None = None,
+                 routing: asyncio.Lock | None = None):
+        """`routing`: held from a submission until its first event, shared by a request's choices
+        resumed apart: Serve matches a routed call to its replica by the request's internal id, which
+        calls made from one request share, so concurrent ones would never be matched (the
+        dispatcher routes a request's encoder calls one at a time for the same reason)."""
         self.llm = llm
+        self.routing = routing or asyncio.Lock()
         self.pending = pending
         self.retries = retries
         self.on_resume = on_resume  # called with each continuation before it is submitted
@@ -122,7 +128,7 @@ class Failover:
         seed = None if p.sampling.seed is None else p.sampling.seed + choice
         one = dataclasses.replace(p, request_id=f"{p.request_id}#{choice}", n=1,
                                   sampling=dataclasses.replace(p.sampling, seed=seed))
-        failover = Failover(self.llm, one, self.retries, self.on_resume, self.reencode)
+        failover = Failover(self.llm, one, self.retries, self.on_resume, self.reencode, self.routing)
         failover.llm_losses, failover.encoder_losses = self.llm_losses, self.encoder_losses
         return failover
 
@@ -139,12 +145,13 @@ class Failover:
         )
 
     async def _submit(self, pending: PendingRequest):
-        stream = self.llm.generate(pending)
-        try:
-            first = await stream.__anext__()  # errors surface here, before any response is sent
-        except BaseException:
-            stream.cancel()
-            raise
+        async with self.routing:
+            stream = self.llm.generate(pending)
+            try:
+                first = await stream.__anext__()  # errors surface here, before any response is sent
+            except BaseException:
+                stream.cancel()
+                raise
         return stream, first
 
 
