@@ -63,16 +63,13 @@ class EncoderDeployment:
         start = time.perf_counter()
         try:
             embeddings = await self.pool.encode(items)
-        except (InvalidRequest, Overloaded):  # bad media (400) / a full queue (503): not our bug
+        except Exception as e:
             self.metrics.failures.inc()
-            raise
-        except torch.OutOfMemoryError:
-            self.metrics.failures.inc()
-            logger.warning("encoding %d items ran out of device memory", len(items))
-            raise Overloaded("the encoder ran out of device memory") from None
-        except Exception:  # a bug: the router answers 500
-            self.metrics.failures.inc()
-            logger.exception("encoding %d items failed", len(items))
+            if isinstance(e, torch.OutOfMemoryError):
+                logger.warning("encoding %d items ran out of device memory", len(items))
+                raise Overloaded("the encoder ran out of device memory") from None
+            if not isinstance(e, (InvalidRequest, Overloaded)):  # bad media (400), a full queue (503): not our bug
+                logger.exception("encoding %d items failed", len(items))  # a bug: the router answers 500
             raise
         for item, embedding in zip(items, embeddings):
             self.metrics.items.inc(tags={"kind": item.item.kind.value})
