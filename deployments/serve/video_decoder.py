@@ -140,7 +140,8 @@ class VideoDecoder:
 
 
 class ServeVideoClient:
-    """The core's video decoding over the VideoDecoder deployment's handle."""
+    """The cores' video decoding over the VideoDecoder deployment's handle: the router's
+    (`RequestCore`'s `VideoDecoding`) and the LLM replica's (`LLMReplica`'s `frames`)."""
 
     def __init__(self, handle):
         self.handle = handle
@@ -151,3 +152,13 @@ class ServeVideoClient:
     async def probe(self, data: bytes, request_id: str, sampling: VideoSampling | None = None,
                     decode_below: int = 0) -> DecodedVideo:
         return await self.handle.probe.remote(data, request_id, sampling, decode_below)
+
+    async def frames(self, data: bytes, request_id: str, group_size: int,
+                     indices: tuple[int, ...]) -> AsyncIterator[np.ndarray]:
+        """A streamed video's frame groups from the VideoDecoder, as it decodes them."""
+        groups = self.handle.options(stream=True).frames.remote(data, request_id, group_size, indices)
+        try:
+            async for group in groups:
+                yield group
+        finally:
+            groups.cancel()  # stopped early (a failure, the client gone): the decoder stops too
