@@ -60,6 +60,13 @@ def root_cause(e: BaseException) -> BaseException:
     return e
 
 
+def client_error(e: BaseException) -> BaseException:
+    """The `InvalidRequest` a replica raised, out of Ray's wrappers (the next hop answers it as
+    the client's fault), else `e` itself."""
+    cause = root_cause(e)
+    return InvalidRequest(str(cause)) if isinstance(cause, InvalidRequest) else e
+
+
 def _replica_lost() -> tuple[type[BaseException], ...]:
     from ray import exceptions as ray_exceptions
     from ray.serve import exceptions as serve_exceptions

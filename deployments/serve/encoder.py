@@ -31,6 +31,19 @@ def encoder_options(deployment: DeploymentArgs, pool: EncoderPoolArgs) -> dict:
     return scaled(pool, deployment.options("Encoder"), target_tokens_per_replica=pool.target_queued_tokens_per_replica)
 
 
+def start_pool(args: AppArgs, model_dir: str, device: str,
+               capture_graphs: bool = True) -> tuple[EncoderPool, EncoderMetrics]:
+    """The vision tower loaded (its CUDA graphs captured where `encoder_pool` asks) and warmed up
+    (before `ready()` can answer: the first request finds it warm), behind a pool reporting to its
+    metrics: the Encoder deployment's, or a colocated LLM replica's (no graphs)."""
+    encoder, pool = VisionEncoder(model_dir, dtype=args.dtype, device=device), args.encoder_pool
+    if capture_graphs and pool.cuda_graphs and torch.device(device).type == "cuda":
+        encoder.capture_graphs(pool.max_batch_tokens, pool.cost_unit, max_patches=pool.cuda_graphs_max_patches)
+    encoder.warm_up()
+    metrics = EncoderMetrics()
+    return EncoderPool(encoder, pool.resolve(), PoolMetrics(metrics)), metrics
+
+
 @serve.deployment
 class EncoderDeployment:
     def __init__(self, args: AppArgs):
@@ -38,13 +51,8 @@ class EncoderDeployment:
         self.device_share = args.encoder.device_share
         hold_to_share(device, self.device_share)  # past its part of the GPU a forward fails here (503)
         self.torch_threads = set_cpu_threads(args.encoder.cpu_threads, args.replicas_at_start("encoder"), "Encoder")
-        self.encoder = VisionEncoder(model_dir, dtype=args.dtype, device=device)
-        pool = args.encoder_pool
-        if pool.cuda_graphs and torch.device(device).type == "cuda":
-            self.encoder.capture_graphs(pool.max_batch_tokens, pool.cost_unit, max_patches=pool.cuda_graphs_max_patches)
-        self.encoder.warm_up()  # before `ready()` can answer: the first request finds the tower warm
-        self.metrics = EncoderMetrics()
-        self.pool = EncoderPool(self.encoder, pool.resolve(), PoolMetrics(self.metrics))
+        self.pool, self.metrics = start_pool(args, model_dir, device)
+        self.encoder = self.pool.encoder
         self.publisher = None
         if args.transport == "grpc":  # results stay here, pinned, until the LLM replica pulls them
             from deployments.serve.transport import GrpcPublisher
@@ -63,16 +71,13 @@ class EncoderDeployment:
         start = time.perf_counter()
         try:
             embeddings = await self.pool.encode(items)
-        except (InvalidRequest, Overloaded):  # bad media (400) / a full queue (503): not our bug
+        except Exception as e:
             self.metrics.failures.inc()
-            raise
-        except torch.OutOfMemoryError:
-            self.metrics.failures.inc()
-            logger.warning("encoding %d items ran out of device memory", len(items))
-            raise Overloaded("the encoder ran out of device memory") from None
-        except Exception:  # a bug: the router answers 500
-            self.metrics.failures.inc()
-            logger.exception("encoding %d items failed", len(items))
+            if isinstance(e, torch.OutOfMemoryError):
+                logger.warning("encoding %d items ran out of device memory", len(items))
+                raise Overloaded("the encoder ran out of device memory") from None
+            if not isinstance(e, (InvalidRequest, Overloaded)):  # bad media (400), a full queue (503): not our bug
+                logger.exception("encoding %d items failed", len(items))  # a bug: the router answers 500
             raise
         for item, embedding in zip(items, embeddings):
             self.metrics.items.inc(tags={"kind": item.item.kind.value})

@@ -6,8 +6,11 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from deployments.core.generation import Generation
 from deployments.core.llm_inputs import PendingRequest
+from deployments.core.llm_replica import ReplicaListener
 from deployments.core.request_core import RequestListener
 from encoder_service.pool import BatchRecord, Lookup, PoolListener
+from llm_service.engine import EngineStats, LLMEngine, TokenEvent
+from llm_service.experts import imbalance
 
 _LATENCY_MS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000]
 _SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]
@@ -114,7 +117,10 @@ class PoolMetrics(PoolListener):
 _EXPERT_TOKENS = [0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
 
 
-class LLMMetrics:
+class LLMMetrics(ReplicaListener):
+    """The replica core's reports as Ray metrics: per request, and the engine's gauges (queues, KV
+    blocks, state snapshots, preemptions, tokens/s, grammar and MoE expert load) every interval."""
+
     def __init__(self):
         self.generated = Counter("mmserve_llm_generated_tokens", "Output tokens generated")
         self.embedding_wait_ms = Histogram(
@@ -145,3 +151,39 @@ class LLMMetrics:
             "layers; one observation per expert per interval (MoE models)", boundaries=_EXPERT_TOKENS)
         self.moe_load_imbalance = Gauge("mmserve_llm_moe_load_imbalance", "Max over mean tokens per expert over the "
                                         "last interval, worst MoE layer (1 = even)")
+        self._mask_s_exported = 0.0
+
+    def on_embeddings(self, wait_ms: float, num_bytes: int) -> None:
+        self.embedding_wait_ms.observe(wait_ms)
+        self.embedding_bytes.inc(num_bytes)
+
+    def on_grammar(self, cached: bool) -> None:
+        self.grammar_requests.inc(tags={"cached": str(cached).lower()})
+
+    def on_event(self, event: TokenEvent, first: bool, since_last_ms: float) -> None:
+        if event.token_id is not None:
+            (self.ttft_ms if first else self.itl_ms).observe(since_last_ms)
+            self.generated.inc()
+        if event.finish_reason:
+            self.finished.inc(tags={"reason": event.finish_reason})
+
+    def on_stats(self, engine: LLMEngine, stats: EngineStats, last: EngineStats, interval_s: float) -> None:
+        self.scheduled.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_blocks_used.set(stats.kv_blocks_used)
+        self.kv_usage.set(stats.kv_blocks_used / max(stats.kv_blocks_total, 1))
+        self.state_snapshots.set(stats.num_snapshots)
+        self.state_snapshot_bytes.set(stats.snapshot_bytes)
+        if stats.num_preemptions > last.num_preemptions:
+            self.preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        self.tokens_per_s.set((stats.num_generated - last.num_generated) / interval_s)
+        if (spent := engine.masks.mask_s - self._mask_s_exported) > 0:
+            self.grammar_mask_s.inc(spent)
+            self._mask_s_exported += spent
+        while (compiler := engine.grammar_compiler) is not None and compiler.stats.compile_s:
+            self.grammar_compile_ms.observe(compiler.stats.compile_s.pop(0) * 1000)
+        if (load := engine.runner.expert_load.drain()) is not None:  # MoE models: tokens per expert per forward
+            counts, forwards = load
+            for tokens in (counts.double().mean(dim=0) / max(forwards, 1)).tolist():
+                self.moe_tokens_per_expert.observe(tokens)
+            self.moe_load_imbalance.set(imbalance(counts))

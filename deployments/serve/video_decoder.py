@@ -9,6 +9,7 @@ them to Serve's autoscaler (`deployments.serve.autoscaling`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -77,13 +78,9 @@ class VideoDecoder:
 
     async def decode(self, data: bytes, request_id: str = "-", sampling: VideoSampling | None = None) -> DecodedVideo:
         start = time.perf_counter()
-        try:
+        with self._refusals():
             video = await self.pool.decode(data, request_id, sampling)
-        except InvalidRequest:
-            self.metrics.refused.inc()
-            raise
-        self._count(len(video.indices))
-        self.metrics.decode_ms.observe((time.perf_counter() - start) * 1000)
+        self._count(len(video.indices), start)
         return video
 
     async def probe(self, data: bytes, request_id: str = "-", sampling: VideoSampling | None = None,
@@ -91,14 +88,10 @@ class VideoDecoder:
         """The video's header (what the router plans with), nothing decoded; decoded whole when it
         samples to fewer than `decode_below` frames (`VideoDecodePool.probe`)."""
         start = time.perf_counter()
-        try:
+        with self._refusals():
             video = await self.pool.probe(data, request_id, sampling, decode_below)
-        except InvalidRequest:
-            self.metrics.refused.inc()
-            raise
         if video.pixels is not None:
-            self._count(len(video.indices))
-            self.metrics.decode_ms.observe((time.perf_counter() - start) * 1000)
+            self._count(len(video.indices), start)
         return video
 
     async def frames(self, data: bytes, request_id: str = "-", group_size: int = 1,
@@ -106,19 +99,24 @@ class VideoDecoder:
         """The sampled frames (`indices`: the header's) in groups of `group_size`, each as soon as it
         is decoded (a streaming call: `handle.options(stream=True).frames.remote(...)`)."""
         start, count = time.perf_counter(), 0
-        try:
+        with self._refusals():
             async for group in self.pool.frames(data, request_id, group_size, indices):
                 count += len(group)
                 yield group
-        except InvalidRequest:
+        self._count(count, start)
+
+    @contextlib.contextmanager
+    def _refusals(self):
+        try:
+            yield
+        except InvalidRequest:  # a bad video, over a limit, past the deadline
             self.metrics.refused.inc()
             raise
-        self._count(count)
-        self.metrics.decode_ms.observe((time.perf_counter() - start) * 1000)
 
-    def _count(self, frames: int) -> None:
+    def _count(self, frames: int, start: float) -> None:
         self.metrics.videos.inc()
         self.metrics.frames.inc(frames)
+        self.metrics.decode_ms.observe((time.perf_counter() - start) * 1000)
         if fallbacks := self.pool.stats.skip_fallbacks - self._fallbacks_reported:
             self.metrics.skip_fallbacks.inc(fallbacks)
             self._fallbacks_reported += fallbacks
@@ -142,7 +140,8 @@ class VideoDecoder:
 
 
 class ServeVideoClient:
-    """The core's video decoding over the VideoDecoder deployment's handle."""
+    """The cores' video decoding over the VideoDecoder deployment's handle: the router's
+    (`RequestCore`'s `VideoDecoding`) and the LLM replica's (`LLMReplica`'s `frames`)."""
 
     def __init__(self, handle):
         self.handle = handle
@@ -153,3 +152,13 @@ class ServeVideoClient:
     async def probe(self, data: bytes, request_id: str, sampling: VideoSampling | None = None,
                     decode_below: int = 0) -> DecodedVideo:
         return await self.handle.probe.remote(data, request_id, sampling, decode_below)
+
+    async def frames(self, data: bytes, request_id: str, group_size: int,
+                     indices: tuple[int, ...]) -> AsyncIterator[np.ndarray]:
+        """A streamed video's frame groups from the VideoDecoder, as it decodes them."""
+        groups = self.handle.options(stream=True).frames.remote(data, request_id, group_size, indices)
+        try:
+            async for group in groups:
+                yield group
+        finally:
+            groups.cancel()  # stopped early (a failure, the client gone): the decoder stops too

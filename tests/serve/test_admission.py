@@ -1,9 +1,8 @@
-"""Admission control: the LLM deployment's bound on waiting prompt tokens (429 / RESOURCE_EXHAUSTED
-at once, Retry-After over HTTP) and Serve's queue bound with its 429, set from the config."""
+"""Admission control: a full queue's 429 / RESOURCE_EXHAUSTED (Retry-After over HTTP; the LLM
+replica's bound on waiting prompt tokens is tested on its core, `tests/unit/test_llm_replica.py`)
+and Serve's queue bound with its 429, set from the config."""
 
 from __future__ import annotations
-
-import asyncio
 
 import grpc
 import pytest
@@ -11,70 +10,7 @@ import pytest
 from deployments.api.openai_api import error_response
 from deployments.config import AppArgs, DeploymentArgs
 from deployments.core.failures import classify
-from deployments.core.llm_inputs import PendingRequest
-from deployments.serve.llm import LLMDeployment
-from llm_service.sampling import SamplingParams
 from mmserve.errors import QueueFull
-
-
-def _pending(request_id: str, prompt: int, attempt: int = 0, n: int = 1) -> PendingRequest:
-    return PendingRequest(
-        request_id=request_id, prompt_token_ids=tuple(range(100, 100 + prompt)),
-        sampling=SamplingParams(max_tokens=2, ignore_eos=True), positions=None, ranges=(), embeddings=(),
-        attempt=attempt, n=n,
-    )
-
-
-async def _drain(stream) -> list[int]:
-    return [e.token_id async for e in stream if e.token_id is not None]
-
-
-def test_waiting_prompt_tokens_are_bounded(tiny_models):
-    args = AppArgs(model=tiny_models["qwen2_vl"], dtype="float64", device="cpu", engine={"max_waiting_tokens": 30})
-    llm = LLMDeployment.func_or_class(args, args.engine.resolve(1.0))
-
-    async def main():
-        first = llm.generate(_pending("a", 20))
-        head = asyncio.create_task(first.__anext__())
-        await asyncio.sleep(0)  # "a" is admitted and waits for its first token
-        assert llm.waiting_tokens == 20
-        with pytest.raises(QueueFull, match="20 prompt tokens wait"):
-            await llm.generate(_pending("b", 20)).__anext__()
-        small = asyncio.create_task(_drain(llm.generate(_pending("c", 5))))  # fits under the bound
-        resumed = asyncio.create_task(_drain(llm.generate(_pending("d", 20, attempt=1))))  # a failover: never refused
-        await asyncio.sleep(0)
-        assert llm.waiting_tokens == 45
-        tokens = [(await head).token_id, *await _drain(first)]
-        assert len(tokens) == 2 and len(await small) == 2 and len(await resumed) == 2
-        assert llm.waiting_tokens == 0
-        assert len(await _drain(llm.generate(_pending("e", 40)))) == 2  # alone, even a larger prompt runs
-
-    try:
-        asyncio.run(main())
-    finally:
-        llm.engine.shutdown()
-
-
-def test_a_request_of_n_choices_waits_as_n_prompts(tiny_models):
-    """`n` choices are `n` sequences to run: six `n = 16` requests were admitted as six prompts."""
-    args = AppArgs(model=tiny_models["qwen2_vl"], dtype="float64", device="cpu", engine={"max_waiting_tokens": 30})
-    llm = LLMDeployment.func_or_class(args, args.engine.resolve(1.0))
-
-    async def main():
-        first = llm.generate(_pending("a", 10, n=4))
-        head = asyncio.create_task(first.__anext__())
-        await asyncio.sleep(0)
-        assert llm.waiting_tokens == 40
-        with pytest.raises(QueueFull, match="40 prompt tokens wait"):
-            await llm.generate(_pending("b", 5)).__anext__()
-        await head
-        await _drain(first)
-        assert llm.waiting_tokens == 0
-
-    try:
-        asyncio.run(main())
-    finally:
-        llm.engine.shutdown()
 
 
 def test_a_full_queue_is_429_with_retry_after_and_resource_exhausted():

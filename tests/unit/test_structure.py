@@ -1,7 +1,7 @@
 """The architecture, read from the imports (every import statement, also those inside functions):
 no import circle (bench/ included); the shared package imports no service; the runtimes import
 neither each other nor Ray, pydantic, `deployments` or the planner; the request core and its
-adapters load no Ray and sit below the Serve layer; no `sys.path` edits; rooms of bounded size;
+adapters, and the LLM replica's core, load no Ray and sit below the Serve layer; no `sys.path` edits; rooms of bounded size;
 the test helpers written once."""
 
 from __future__ import annotations
@@ -137,7 +137,10 @@ def test_the_settings_sit_below_the_request_core_and_the_launcher():
 
 
 def test_the_request_core_and_its_adapters_load_no_ray():
+    """The router's core and its adapters, and the LLM replica's core (it runs a request with Ray
+    unimportable: `test_llm_replica`)."""
     names = sorted(m for m in MODULES if _within(m, RAY_FREE))
+    assert {"deployments.core.request_core", "deployments.core.llm_replica"} <= set(names)
     code = (f"import importlib, sys; [importlib.import_module(m) for m in {names!r}]; "
             "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
