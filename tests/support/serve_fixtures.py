@@ -42,7 +42,10 @@ def _app_args(model_dir: str, name: str, **extra) -> dict:
         "model": model_dir, "dtype": "float64", "served_model_name": name,
         "router": _SMALL, "encoder": _SMALL, "llm": _SMALL, "video_decoder": _SMALL, "limits": TEST_LIMITS,
         # a streamed test video is several groups, and a short one streams too
-        "video_decode": {"stream_group_frames": 2, "stream_min_frames": 1}, **extra,
+        "video_decode": {"stream_group_frames": 2, "stream_min_frames": 1},
+        # admission by expected latency is tests/unit/test_admission_units.py's subject; a loaded 2-core
+        # box (two test workers) expects first tokens past the default 5 s, and the apps would shed load
+        "ttft_budget_s": 600.0, **extra,
     }
 
 
