@@ -48,20 +48,15 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=224)
     ns = parser.parse_args()
 
-    from ray import serve
-
-    from deployments.serve.app import build_app
     from mmserve.tiny import ensure_tiny_model
 
     model = ns.model or str(ensure_tiny_model())
-    port, _ = start_serve(4)
     small = {"num_cpus": 0.1}
-    urls = {}
-    for mode, awaits in MODES.items():
-        args = {"model": model, "served_model_name": mode, "router": small, "encoder": small, "llm": small,
-                "encoder_pool": {"cache_bytes": 0, "batch_wait_ms": 0}, "await_embeddings_in_router": awaits}
-        serve.run(build_app(args), name=mode, route_prefix=f"/{mode}")
-        urls[mode] = f"http://127.0.0.1:{port}/{mode}"
+    port, _ = start_serve(4, apps={mode: {
+        "model": model, "served_model_name": mode, "router": small, "encoder": small, "llm": small,
+        "encoder_pool": {"cache_bytes": 0, "batch_wait_ms": 0}, "await_embeddings_in_router": awaits}
+        for mode, awaits in MODES.items()})
+    urls = {mode: f"http://127.0.0.1:{port}/{mode}" for mode in MODES}
 
     images = [image_bytes(ns.image_size, ns.image_size, seed) for seed in range(ns.requests + 4)]
     for mode in MODES:  # warm-up

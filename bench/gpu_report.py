@@ -193,11 +193,8 @@ def tests_part(ns, peak: Peaks) -> dict:
                        f"--junitxml={junit}", "tests/gpu/test_gpu_app.py"], ns.timeout)
         if code not in (0, 1, 5) or not junit.exists():  # 1: some failed (a figure); 5: none collected
             raise PartFailed(f"pytest exited {code}")
-        suite = ET.parse(junit).getroot()
-        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-        tests, failures, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
-    return {"gpu_app_tests": {"passed": tests - failures - errors - skipped, "failed": failures + errors,
-                              "skipped": skipped}}
+        counts = junit_counts([junit], "test_gpu_app") or {"passed": 0, "failed": 0, "skipped": 0}
+    return {"gpu_app_tests": counts}
 
 
 def engine_figures(r: dict, peak: Peaks) -> dict:
@@ -218,7 +215,7 @@ def engine_figures(r: dict, peak: Peaks) -> dict:
             "decode_8k_b4_ratio_to_bound": ratio(long, long_bound)}
 
 
-def breakdown_figures(r: dict) -> dict:
+def breakdown_figures(r: dict, peak: Peaks | None = None) -> dict:
     """bench/llm.py --breakdown's result -> host time and ops per decode step, in the mode the
     engine runs by default on that device (steps overlapped on CUDA)."""
     mode = "on" if r["device"] == "cuda" else "off"
@@ -240,13 +237,24 @@ def moe_figures(r: dict, peak: Peaks) -> dict:
     return out
 
 
+def grammar_figures(r: dict, peak: Peaks | None = None) -> dict:
+    return {k: r[k] for k in ("grammar_b1_step_ratio", "grammar_b64_step_ratio")}
+
+
+# bench/llm.py's runs in the engine part (their sizes: CPU_ARGS / CUDA_ARGS): (the flag, the key that tells
+# each result apart in a log, its figures)
+ENGINE_BENCHES = {"llm": ("", "decode_ms_per_token_b1", engine_figures),
+                  "breakdown": ("--breakdown", "decode_b1_on_host_us", breakdown_figures),
+                  "grammar": ("--grammar", "grammar_b1_step_ratio", grammar_figures),
+                  "moe": ("--moe", "moe_engine_path", moe_figures)}
+
+
 def engine_part(ns, peak: Peaks) -> dict:
-    figures = engine_figures(bench_json("llm.py", ["--device", ns.device, *ns.sizes["llm"]], ns.timeout), peak)
-    breakdown = bench_json("llm.py", ["--device", ns.device, "--breakdown", *ns.sizes["breakdown"]], ns.timeout)
-    grammar = bench_json("llm.py", ["--device", ns.device, "--grammar", *ns.sizes["grammar"]], ns.timeout)
-    moe = bench_json("llm.py", ["--device", ns.device, "--moe", *ns.sizes["moe"]], ns.timeout)
-    return {**figures, **breakdown_figures(breakdown),
-            **{k: grammar[k] for k in ("grammar_b1_step_ratio", "grammar_b64_step_ratio")}, **moe_figures(moe, peak)}
+    out = {}
+    for run, (flag, _, figures) in ENGINE_BENCHES.items():
+        args = ["--device", ns.device, *([flag] if flag else []), *ns.sizes[run]]
+        out |= figures(bench_json("llm.py", args, ns.timeout), peak)
+    return out
 
 
 def tp_figures(r: dict, peak: Peaks) -> dict:
@@ -390,10 +398,6 @@ def new_record(device: str, peak: Peaks, host: dict | None = None) -> dict:
 
 # -- a `scripts/gpu-check all` run, from its logs ------------------------------------------------
 HOST_LINE = "# host "
-ENGINE_BENCHES = {  # bench/llm.py's runs in the engine part: the key that tells each result apart
-    "bench/llm.py": "decode_ms_per_token_b1", "bench/llm.py --breakdown": "decode_b1_on_host_us",
-    "bench/llm.py --grammar": "grammar_b1_step_ratio", "bench/llm.py --moe": "moe_engine_path",
-}
 
 
 def junit_counts(paths: list[Path], name: str) -> dict | None:
@@ -420,20 +424,14 @@ def record_from_log(folder: Path, peak_gbs: float | None, peak_tflops: float | N
     peak = peaks(host["device"], peak_gbs, peak_tflops)
     record = new_record(host["device"], peak, host)
     results = [json.loads(line) for line in lines if line.startswith("{")]
-    found = {bench: next((r for r in reversed(results) if key in r), None) for bench, key in ENGINE_BENCHES.items()}
-    figures = {}
-    if found["bench/llm.py"]:
-        figures |= engine_figures(found["bench/llm.py"], peak)
-    if found["bench/llm.py --breakdown"]:
-        figures |= breakdown_figures(found["bench/llm.py --breakdown"])
-    if r := found["bench/llm.py --grammar"]:
-        figures |= {k: r[k] for k in ("grammar_b1_step_ratio", "grammar_b64_step_ratio")}
-    if found["bench/llm.py --moe"]:
-        figures |= moe_figures(found["bench/llm.py --moe"], peak)
+    found, figures = {}, {}
+    for flag, key, figures_of in ENGINE_BENCHES.values():
+        r = found[f"bench/llm.py {flag}".strip()] = next((r for r in reversed(results) if key in r), None)
+        figures |= figures_of(r, peak) if r else {}
     if any(found.values()):
         record["parts"].append("engine")
         # a bench the log shows started and left no result failed; one it never started was not asked for
-        modes = {"--breakdown", "--grammar", "--moe"}
+        modes = {flag for flag, *_ in ENGINE_BENCHES.values() if flag}
         started = [set(line.split()) for line in lines if line.startswith("== python3 bench/llm.py")]
         ran = {bench: any(modes & words == set(bench.split()[1:]) for words in started) for bench in found}
         if failed := [bench for bench, r in found.items() if r is None and ran[bench]]:
@@ -506,16 +504,15 @@ def _num(value, fmt: str) -> str:
     return "–" if value is None else fmt.format(value)
 
 
+def _value(r: dict, name: str, fmt: str) -> str:
+    span = (r.get("ranges") or {}).get(name)
+    return "–".join(fmt.format(v) for v in span) if span else _num(r.get(name), fmt)
+
+
 def cell(r: dict, name: str, fmt: str, beside: str | None = None, beside_fmt: str = "") -> str:
     """A figure (its range where the record gives one) and, in brackets, its ratio to the limit."""
-    span = (r.get("ranges") or {}).get(name)
-    text = "–".join(fmt.format(v) for v in span) if span else _num(r.get(name), fmt)
-    if beside:
-        span = (r.get("ranges") or {}).get(beside)
-        ratio_text = "–".join(beside_fmt.format(v) for v in span) if span else _num(r.get(beside), beside_fmt)
-        if ratio_text != "–":
-            text += f" ({ratio_text})"
-    return text
+    text, ratio_text = _value(r, name, fmt), _value(r, beside, beside_fmt) if beside else "–"
+    return text if ratio_text == "–" else f"{text} ({ratio_text})"
 
 
 def _tests_cell(r: dict) -> str:
@@ -578,43 +575,16 @@ COLUMNS = (
                                                                    (r.get("failed_parts") or {}).items())]))),
 )
 
-HEADER = """# GPU figures
-
-Generated by `python bench/gpu_report.py` from `bench/results/gpu.jsonl` (one record per run, newest
-first): do not edit by hand, run `python bench/gpu_report.py --render-only`. – : not measured in that
-run. Brackets: the figure against its physical limit, from the device's peaks
-(`mmserve/loadgen/device_peaks.py`):
-- decode: steady ms per step (batch 1: per token) against the step's bound, the weights read once plus
-  every sequence's KV at peak memory bandwidth (`x bound`: 1.0 is the limit; `of bound`: the bound's
-  speed reached); 8k b4 = batch 4 over 8,192-token contexts. Qwen2-VL-2B's LM, random bf16 weights.
-  Host us/step: the engine's own work around the forward per decode step (`bench/llm.py --breakdown`,
-  steps overlapped as on CUDA by default), and kernels per step at batch 1.
-- MoE layer: one Qwen3-VL-30B-A3B MoE layer (128 experts, top 8, random bf16), ms per call of the
-  engine's experts path (grouped GEMMs; the Triton kernel before 2026-11-26) at batch 1 and 64 against
-  its bound, the weight bytes of the experts the batch routes to at peak memory bandwidth; grouped vs eager: `transformers`' per-expert
-  loop over the engine's grouped PyTorch path (`bench/llm.py --moe`).
-- ViT: forward alone, the full-size Qwen2-VL vision tower (random bf16), MFU against the dense bf16
-  peak; pool: the encoder pool end to end (preprocessing included) over the forward alone; budget: the
-  token-budget batcher over one image per forward.
-- serve: `bench/serve.py --compare colocated` on one GPU (each replica on half), the best goodput over
-  the swept rates and p99 TTFT at the lowest rate; transfer: a 20 MB bf16 embedding between replicas
-  (host memory), against the device's memory bandwidth.
-- TP 2: decode ms per step at tensor parallelism 2 on 2 GPUs (`bench/llm_tp.py`), in brackets the
-  speedup over TP 1 on one; the record's `tp` holds both against their bounds (docs/tensor-parallel.md).
-- CLI: `scripts/gpu-check cli` (`bench/cli.py`): `serve --model DIR --dtype bfloat16` alone on the random
-  full-size Qwen2-VL-2B, seconds to ready, the README's curl right after (ms), and whether every step passed.
-
-Every field of a record, with its unit, is in the record (`units`). CPU runs go to
-`bench/results/cpu.jsonl` and are not comparable.
-
-"""
+PAGE = ROOT / "docs" / "gpu-figures.md"  # its text above the table is written by hand
+TABLE = "| date |"
 
 
 def render(records: list[dict]) -> str:
     rows = [r for _, r in sorted(enumerate(records), key=lambda ir: (ir[1]["date"], ir[0]), reverse=True)]
     lines = ["| " + " | ".join(h for h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(f(r)).replace("|", "/") for _, f in COLUMNS) + " |" for r in rows]
-    return HEADER + "\n".join(lines) + "\n"
+    text = PAGE.read_text()
+    return text[:text.index(TABLE)] + "\n".join(lines) + "\n"
 
 
 def read_records(path: Path) -> list[dict]:
@@ -641,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     results = ns.results or ROOT / "bench" / "results" / ("gpu.jsonl" if ns.device == "cuda" else "cpu.jsonl")
     markdown = ns.markdown or (ROOT / "docs" / "gpu-figures.md" if ns.device == "cuda" else None)
-    failed = {}
+    record, failed = None, {}
     if ns.from_log:
         record = record_from_log(ns.from_log, ns.peak_gbs, ns.peak_tflops)
         if ns.notes:
@@ -651,9 +621,6 @@ def main(argv: list[str] | None = None) -> int:
             if commit is None:
                 raise SystemExit(f"--commit {ns.commit}: not a commit of this checkout")
             record.update(commit=commit, dirty=False)
-        with results.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        print(json.dumps(record))
     elif not ns.render_only:
         device = device_name(ns.device)
         peak = peaks(None if device == "cpu" else device, ns.peak_gbs, ns.peak_tflops)
@@ -670,11 +637,12 @@ def main(argv: list[str] | None = None) -> int:
                     record["parts"].append(part)
             except (KeyError, ValueError) as e:
                 record["failed_parts"][part] = f"{type(e).__name__}: {e}"
+        failed = record["failed_parts"]
+    if record is not None:
         results.parent.mkdir(parents=True, exist_ok=True)
         with results.open("a") as f:
             f.write(json.dumps(record) + "\n")
         print(json.dumps(record))
-        failed = record["failed_parts"]
     if markdown:
         markdown.write_text(render(read_records(results)))
     return 1 if failed else 0

@@ -58,6 +58,7 @@ runs in this process's place with every argument (its own options).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -75,17 +76,11 @@ from llm_service.engine import LLMEngine, LLMRequest
 from llm_service.kv_cache import bytes_per_block
 from llm_service.model import LanguageModel
 from llm_service.sampling import Grammar, SamplingParams
-from mmserve.loadgen.checkpoints import QWEN2_VL_2B_TEXT
+from mmserve.loadgen.checkpoints import random_lm
 from mmserve.loadgen.device_peaks import peaks
 from mmserve.inputs.embeddings import ItemEmbedding
 from mmserve.inputs.media import PlaceholderRange
 
-SIZES = {
-    # CPU default: small enough for a few minutes on 2 cores, big enough that compute shows
-    "small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=2, vocab_size=4096, max_position_embeddings=4096),
-    "2b": QWEN2_VL_2B_TEXT,  # Qwen2-VL-2B-Instruct's language model
-}
 # the --hybrid-prefix LM: 3 linear-attention layers per full-attention layer, like Qwen3.5's
 HYBRID_TEXT = dict(model_type="qwen3_5_text", hidden_size=256, intermediate_size=768, num_hidden_layers=8,
                    num_attention_heads=8, num_key_value_heads=2, head_dim=32, linear_num_key_heads=4,
@@ -96,23 +91,22 @@ IMAGE_TOKEN = 5
 HYBRID_SIZES = {"full": (1024, 256, 16), "quick": (256, 64, 16)}
 
 
-def random_checkpoint(size: str, dtype: torch.dtype, device: str, vocab_size: int | None = None) -> Path:
-    """A Qwen2-VL checkpoint with random weights (tiny vision tower, LM of `size`)."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    sizes = dict(SIZES[size], **({"vocab_size": vocab_size} if vocab_size else {}))
-    text = dict(sizes, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                              "mrope_section": [16, 24, 24] if size == "2b" else [4, 6, 6]},
-                tie_word_embeddings=size == "2b", bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    vision = dict(depth=1, embed_dim=32, hidden_size=text["hidden_size"], num_heads=2)
-    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=3, video_token_id=4,
-                           vision_start_token_id=5, vision_end_token_id=6)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2VLForConditionalGeneration(config).to(dtype)
-    out = Path(tempfile.mkdtemp(prefix=f"mmserve-bench-{size}-"))
-    model.save_pretrained(out)
+def random_checkpoint(args, vocab_size: int | None = None) -> Path:
+    """`--model`, else a random Qwen2-VL (`random_lm`: small on CPU, Qwen2-VL-2B's LM on CUDA), removed at exit."""
+    if args.model and vocab_size is None:
+        return Path(args.model)
+    out = random_lm("small" if args.device == "cpu" or vocab_size else "2b", dtype_for(args.device), args.device,
+                    vocab_size)
+    atexit.register(shutil.rmtree, out, True)
     return out
+
+
+def dtype_for(device: str) -> torch.dtype:
+    return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+def language_model(model_dir: Path, device: str) -> LanguageModel:
+    return LanguageModel(model_dir, dtype=str(dtype_for(device)).removeprefix("torch."), device=device)
 
 
 def hybrid_checkpoint() -> Path:
@@ -127,6 +121,7 @@ def hybrid_checkpoint() -> Path:
     model = MiniCPMV4_6ForConditionalGeneration(config)
     out = Path(tempfile.mkdtemp(prefix="mmserve-bench-hybrid-"))
     model.save_pretrained(out)
+    atexit.register(shutil.rmtree, out, True)
     return out
 
 
@@ -162,11 +157,10 @@ def ttft(engine: LLMEngine, request: LLMRequest) -> float:
     return first[0] - start
 
 
-def bench_hybrid_prefix(quick: bool, repeats: int) -> None:
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
-    model_dir = hybrid_checkpoint()
-    lm = LanguageModel(model_dir, dtype="float32")
-    sizes = HYBRID_SIZES["quick" if quick else "full"]
+def bench_hybrid_prefix(args) -> None:
+    repeats = args.repeats
+    lm = LanguageModel(hybrid_checkpoint(), dtype="float32")
+    sizes = HYBRID_SIZES["quick" if args.quick else "full"]
     hidden, vocab = lm.text_config.hidden_size, lm.vocab_size
     result: dict[str, float | str] = {"device": "cpu", "model": "qwen3_5_text h256 8L (6 linear : 2 full)",
                                       "system_tokens": sizes[0], "image_tokens": sizes[1], "question_tokens": sizes[2]}
@@ -203,13 +197,12 @@ def bench_hybrid_prefix(quick: bool, repeats: int) -> None:
                    "snapshots": on[3].num_snapshots, "snapshot_mb": round(snapshot_mb, 3),
                    "snapshot_kib_each": round(on[3].snapshot_bytes / max(on[3].num_snapshots, 1) / 2**10, 1),
                    "repeats": repeats})
-    shutil.rmtree(model_dir, ignore_errors=True)
     print(json.dumps(result))
 
 
-def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(10, vocab, (length,), generator=g).tolist() for _ in range(n)]
+def prompts(n: int, length: int, vocab: int, seed: int = 1) -> list[tuple[int, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(10, vocab, (length,), generator=g).tolist()) for _ in range(n)]
 
 
 def bench_generate(model, reqs, max_tokens, device) -> tuple[float, float]:
@@ -241,27 +234,23 @@ def bench_generate(model, reqs, max_tokens, device) -> tuple[float, float]:
 
 def run_engine(engine: LLMEngine, reqs, max_tokens, grammar: Grammar | None = None) -> tuple[float, list[list[float]]]:
     """All of `reqs` submitted at once: (seconds until the last finished, each one's token times)."""
-    times: dict[int, list[float]] = {i: [] for i in range(len(reqs))}
-    done = threading.Event()
-    left = [len(reqs)]
-    lock = threading.Lock()
+    times: list[list[float]] = [[] for _ in reqs]
+    done = [threading.Event() for _ in reqs]
 
     def emit(i):
         def on_event(ev):
             times[i].append(time.perf_counter())
             if ev.finish_reason:
-                with lock:
-                    left[0] -= 1
-                    if left[0] == 0:
-                        done.set()
+                done[i].set()
         return on_event
 
     start = time.perf_counter()
     for i, ids in enumerate(reqs):
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, grammar=grammar)
         engine.add_request(LLMRequest(f"b{start}-{i}", tuple(ids), params), emit(i))
-    done.wait()
-    return time.perf_counter() - start, list(times.values())
+    for event in done:
+        event.wait()
+    return time.perf_counter() - start, times
 
 
 def bench_engine(engine: LLMEngine, reqs, max_tokens) -> tuple[float, float]:
@@ -304,10 +293,9 @@ def bench_grammar(args) -> None:
     from mmserve.loadgen.grammar import SCHEMA
     from mmserve.loadgen.vocab import QWEN2_MODEL_VOCAB, qwen_size_tokenizer
 
-    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    model_dir = random_checkpoint("small", dtype, args.device, vocab_size=QWEN2_MODEL_VOCAB)
+    model_dir = random_checkpoint(args, vocab_size=QWEN2_MODEL_VOCAB)
     qwen_size_tokenizer().save_pretrained(model_dir)  # the grammar compiles for the checkpoint's tokenizer
-    lm = LanguageModel(model_dir, dtype=str(dtype).removeprefix("torch."), device=args.device)
+    lm = language_model(model_dir, args.device)
     overlap = None if args.overlap is None else args.overlap == "on"
     engine = LLMEngine(lm, EngineConfig(max_num_seqs=64, max_num_batched_tokens=4096, async_scheduling=overlap))
     engine.start()
@@ -347,17 +335,11 @@ def bench_grammar(args) -> None:
             line += f" {f:>11.3f} {pr:>10.3f} {cr:>13.3f} {ratio:>19.3f}"
         print(line)
     engine.shutdown()
-    shutil.rmtree(model_dir, ignore_errors=True)
     print(json.dumps(result))
 
 
 # -- --breakdown ----------------------------------------------------------------------------------
 BREAKDOWN_COLUMNS = ("schedule", "prepare", "launch", "sample", "readback", "postprocess")
-
-
-def _random_prompts(n: int, length: int, vocab: int, seed: int) -> list[tuple[int, ...]]:
-    g = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randint(10, vocab, (length,), generator=g).tolist()) for _ in range(n)]
 
 
 def _submit(engine: LLMEngine, tag: str, prompts, max_tokens: int) -> None:
@@ -377,11 +359,11 @@ def breakdown_case(engine: LLMEngine, batch: int, context: int, steps: int, mixe
     sequences (`mixed`: each step also prefills a new `context`-token prompt, one token asked),
     and ops per step."""
     vocab = engine.model.vocab_size
-    _submit(engine, f"d{batch}{mixed}", _random_prompts(batch, context, vocab, seed=batch), steps + profile_steps + 64)
+    _submit(engine, f"d{batch}{mixed}", prompts(batch, context, vocab, seed=batch), steps + profile_steps + 64)
     while not _decoding(engine, batch):
         engine.step()
     engine.step()  # the first decode step of the last one admitted
-    arrivals = iter(_random_prompts(steps + profile_steps + 2, context, vocab, seed=1000 + batch)) if mixed else None
+    arrivals = iter(prompts(steps + profile_steps + 2, context, vocab, seed=1000 + batch)) if mixed else None
     engine.step_log = []
     for k in range(steps):
         if arrivals:
@@ -462,19 +444,13 @@ def breakdown_summary(rows: dict) -> dict:
 
 
 def bench_breakdown(args) -> None:
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
-    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    model_dir = Path(args.model) if args.model else random_checkpoint(
-        "small" if args.device == "cpu" else "2b", dtype, args.device)
-    lm = LanguageModel(model_dir, dtype=str(dtype).removeprefix("torch."), device=args.device)
-    rows = breakdown_rows(lm, args.prompt_len, args.steps, split_kv_decode=not args.no_split_kv,
-                             fused_ops=not args.no_fused_ops)
+    model_dir = random_checkpoint(args)
+    rows = breakdown_rows(language_model(model_dir, args.device), args.prompt_len, args.steps,
+                          split_kv_decode=not args.no_split_kv, fused_ops=not args.no_fused_ops)
     print_breakdown(rows)
     result = {"device": args.device, "model": model_dir.name, "prompt_len": args.prompt_len, "steps": args.steps,
               "fused_ops": not args.no_fused_ops, "split_kv_decode": not args.no_split_kv,
               **breakdown_summary(rows)}
-    if not args.model:
-        shutil.rmtree(model_dir, ignore_errors=True)
     print(json.dumps(result))
 
 
@@ -511,31 +487,22 @@ def main() -> None:
     ap.add_argument("--tensor-parallel-size", type=int, default=None,
                     help="decode at TP N vs TP 1: bench/llm_tp.py with every argument (--quick, --steps, --device, ...)")
     argv = sys.argv[1:]
-    if "--moe" in argv:  # its own script and options (one bench imports no other)
+    # --moe, --tensor-parallel-size: their own scripts and options (one bench imports no other)
+    if "--moe" in argv or any(a.startswith("--tensor-parallel-size") for a in argv):
+        script = "moe.py" if "--moe" in argv else "llm_tp.py"
         sys.stdout.flush()
-        os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve().parent / "moe.py"),
+        os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve().parent / script),
                                   *(a for a in argv if a != "--moe")])
-    if any(a.startswith("--tensor-parallel-size") for a in argv):
-        sys.stdout.flush()
-        os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve().parent / "llm_tp.py"), *argv])
     args = ap.parse_args(argv)
-    if args.grammar:
-        bench_grammar(args)
-        return
-    if args.hybrid_prefix:
-        bench_hybrid_prefix(args.quick, args.repeats)
-        return
-    if args.breakdown:
-        bench_breakdown(args)
-        return
     torch.set_num_threads(max(torch.get_num_threads(), 1))
-    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    model_dir = Path(args.model) if args.model else random_checkpoint(
-        "small" if args.device == "cpu" else "2b", dtype, args.device)
+    if args.grammar or args.hybrid_prefix or args.breakdown:
+        run = bench_grammar if args.grammar else bench_hybrid_prefix if args.hybrid_prefix else bench_breakdown
+        return run(args)
     from transformers import AutoModelForImageTextToText
 
-    ref = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
-    lm = LanguageModel(model_dir, dtype=str(dtype).removeprefix("torch."), device=args.device)
+    model_dir = random_checkpoint(args)
+    ref = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype_for(args.device)).to(args.device).eval()
+    lm = language_model(model_dir, args.device)
     engine = LLMEngine(lm, EngineConfig(max_num_seqs=64, max_num_batched_tokens=4096,
                                         split_kv_decode=not args.no_split_kv, fused_ops=not args.no_fused_ops))
     engine.start()
@@ -578,8 +545,6 @@ def main() -> None:
         print(f"batch-1 decode {result['decode_ms_per_token_b1']:.3f} ms/token vs bound "
               f"{result['bandwidth_bound_ms_b1']} ms")
     engine.shutdown()
-    if not args.model:
-        shutil.rmtree(model_dir, ignore_errors=True)
     print(json.dumps(result))
 
 

@@ -42,23 +42,9 @@ from llm_service.model import LanguageModel
 from llm_service.sampling import SamplingParams
 from llm_service.model_runner import rank_main
 from llm_service.tensor_parallel import TPGroup, message_bytes
+from mmserve.loadgen.checkpoints import qwen2_vl_2b, random_lm
 
-SMALL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=2, vocab_size=4096, max_position_embeddings=4096)  # bench/llm.py's "small"
 BLOCK = 16
-
-
-def small_checkpoint(dtype: torch.dtype) -> Path:
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    text = dict(SMALL, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]},
-                bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    config = Qwen2VLConfig(text_config=text, vision_config=dict(depth=1, embed_dim=32, hidden_size=256, num_heads=2),
-                           image_token_id=3, video_token_id=4, vision_start_token_id=5, vision_end_token_id=6)
-    torch.manual_seed(0)
-    out = Path(tempfile.mkdtemp(prefix="mmserve-bench-tp-"))
-    Qwen2VLForConditionalGeneration(config).to(dtype).save_pretrained(out)
-    return out
 
 
 def _rank(rank, size, init, model_dir, dtype, device, config, threads):
@@ -173,10 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.model:
         model_dir = Path(args.model)
     elif args.device == "cpu":
-        model_dir = small_checkpoint(getattr(torch, args.dtype))
+        model_dir = random_lm("small", getattr(torch, args.dtype))
     else:
-        from mmserve.loadgen.checkpoints import qwen2_vl_2b
-
         model_dir = Path(tempfile.mkdtemp(prefix="mmserve-bench-tp-2b-"))
         qwen2_vl_2b(model_dir)
     try:

@@ -39,7 +39,7 @@ from mmserve.loadgen.client import run_load, serve_bench_args
 from mmserve.loadgen.dataset import (
     QUICK_BUCKETS, DatasetConfig, RequestSpec, arrival_times, generate_requests, synthesize_image,
 )
-from mmserve.loadgen.metrics import SLO, RequestRecord, compute_metrics, plots, table
+from mmserve.loadgen.metrics import SLO, RequestRecord, compute_metrics, from_unloaded, plots, table
 
 
 def vit_seconds(model: str, specs: list[RequestSpec], dtype: str, threads: int, device: str = "cpu") -> list[float]:
@@ -116,13 +116,10 @@ def main(argv: list[str] | None = None) -> int:
                 unloaded = asyncio.run(run_load(target, args.model_name, unloaded_specs, [0.0] * len(unloaded_specs),
                                                 "unloaded", concurrency=1, transport=args.transport))
                 base = compute_metrics(unloaded)
-                if args.goodput is None:
-                    slo = SLO(ttft_ms=round(3 * base["median_ttft_ms"], 1), tpot_ms=round(3 * base["median_tpot_ms"], 1))
-                if rates is None:  # below and above one request at a time
-                    rates = [round(k * 1000 / base["mean_e2el_ms"], 3) for k in (0.75, 1.5)]
                 print(f"unloaded ({len(unloaded)} requests one at a time): median TTFT {base['median_ttft_ms']:.1f} ms, "
                       f"median TPOT {base['median_tpot_ms']:.1f} ms, mean E2E {base['mean_e2el_ms']:.1f} ms")
-                print(f"SLOs: {' '.join(f'{k}:{v:g}ms' for k, v in slo.as_dict().items())}; request rates {rates}/s")
+                # rates below and above one request at a time
+                slo, rates = from_unloaded(base, args.goodput and slo, rates, (0.75, 1.5))
             for k, rate in enumerate(rates):
                 specs = rate_specs(k)
                 offsets = arrival_times(len(specs), rate, args.seed, args.burstiness)

@@ -26,7 +26,7 @@ from deployments.cli.bench_app import start_app, stop_app
 from mmserve.loadgen.checkpoints import bench_checkpoint
 from mmserve.loadgen.client import run_load, serve_bench_args
 from mmserve.loadgen.dataset import QUICK_BUCKETS, DatasetConfig, RequestSpec, arrival_times, generate_requests
-from mmserve.loadgen.metrics import SLO, compute_metrics, table
+from mmserve.loadgen.metrics import SLO, compute_metrics, from_unloaded, table
 
 WORKLOADS = {
     "A": dict(image_pool=20, repeat_share=0.3, system_prompts=5, system_share=0.5),
@@ -82,10 +82,7 @@ def run(args) -> dict:
                     seen += unloaded
                     base = compute_metrics(asyncio.run(run_load(url, args.model_name, unloaded, [0.0] * len(unloaded),
                                                                 "unloaded", concurrency=1)))
-                    if args.goodput is None:
-                        slo = SLO(ttft_ms=round(3 * base["median_ttft_ms"], 1), tpot_ms=round(3 * base["median_tpot_ms"], 1))
-                    rates = [round(k * 1000 / base["mean_e2el_ms"], 3) for k in RATE_FACTORS]
-                    print(f"SLOs: {' '.join(f'{k}:{v:g}ms' for k, v in slo.as_dict().items())}; request rates {rates}/s")
+                    slo, rates = from_unloaded(base, args.goodput and slo, None, RATE_FACTORS)
                 repeats: dict[float, list[dict]] = {rate: [] for rate in rates}
                 for r in range(REPEATS):  # rates interleaved, so slow drift hits every rate alike
                     for rate, sets in zip(rates, per_rate):

@@ -39,18 +39,14 @@ APP = "soak"
 
 # -- the run ---------------------------------------------------------------------------------
 def start_app(ns: argparse.Namespace) -> str:
-    from ray import serve
-
-    from deployments.serve.app import build_app
     from mmserve.tiny import ensure_tiny_model
 
     model = ns.model or str(ensure_tiny_model("qwen2_vl", Path(tempfile.gettempdir()) / "mmserve-soak-qwen2_vl"))
-    port, _ = start_serve(4)
     small = {"num_cpus": 0.1}
     args = {"model": model, "dtype": "float64", "served_model_name": APP, "router": small,
             "encoder": {**small, "num_replicas": 2}, "llm": {**small, "num_replicas": 2},
             "encoder_pool": {"cache_bytes": 0}, **json.loads(ns.app_args)}
-    serve.run(build_app(args), name=APP, route_prefix="/")
+    port, _ = start_serve(4, apps={APP: args})
     return f"http://127.0.0.1:{port}/v1/chat/completions"
 
 

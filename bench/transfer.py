@@ -34,11 +34,6 @@ def _percentiles(samples: list[float]) -> tuple[float, float]:
     return statistics.median(ordered), ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
 
 
-def _tensor(mb: float, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    rows = max(1, int(mb * 1e6 / (HIDDEN * 2)))
-    return torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(dtype)
-
-
 @ray.remote(num_cpus=0)
 class Encoder:
     def __init__(self):
@@ -48,7 +43,8 @@ class Encoder:
         self.publisher = GrpcPublisher(GrpcArgs(bind_host="127.0.0.1", token="bench"), host="127.0.0.1")
 
     def tensor(self, mb: float, dtype: str, seed: int) -> torch.Tensor:
-        return _tensor(mb, getattr(torch, dtype), seed)
+        rows = max(1, int(mb * 1e6 / (HIDDEN * 2)))
+        return torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(getattr(torch, dtype))
 
     def embedding(self, shape: tuple[int, int, int], seed: int):
         """An `ItemEmbedding` of `parts` x `rows` x `hidden` random bf16 values."""
@@ -59,18 +55,14 @@ class Encoder:
         return ItemEmbedding(tuple(torch.randn(rows, hidden, generator=gen).to(torch.bfloat16) for _ in range(parts)),
                              key=f"family-{shape}-{seed}")
 
-    def publish_embedding(self, shape: tuple[int, int, int], seed: int):
-        from mmserve.inputs.media import EncodeItem, MediaItem, MediaKind
-
-        item = EncodeItem(MediaItem(MediaKind.IMAGE, (f"family-{shape}-{seed}".encode(),)), None, 0)
-        return self.publisher.publish([item], [self.embedding(shape, seed)])[0]
-
-    def publish(self, mb: float, dtype: str, seed: int):
+    def publish(self, what: str, *args):
+        """What `self.<what>(*args)` makes (a tensor: one part), published for gRPC fetches."""
         from mmserve.inputs.embeddings import ItemEmbedding
         from mmserve.inputs.media import EncodeItem, MediaItem, MediaKind
 
-        item = EncodeItem(MediaItem(MediaKind.IMAGE, (f"{mb}-{dtype}-{seed}".encode(),)), None, 0)
-        embedding = ItemEmbedding((_tensor(mb, getattr(torch, dtype), seed),), key=f"{mb}-{dtype}-{seed}")
+        made, key = getattr(self, what)(*args), f"{what}-{args}"
+        embedding = made if isinstance(made, ItemEmbedding) else ItemEmbedding((made,), key=key)
+        item = EncodeItem(MediaItem(MediaKind.IMAGE, (key.encode(),)), None, 0)
         return self.publisher.publish([item], [embedding])[0]
 
 
@@ -95,25 +87,30 @@ class LLM:
         return time.perf_counter() - start, embedding.num_bytes
 
 
+def timed(encoder, llm, transport: str, what: str, args: tuple, iters: int) -> tuple[float, float, int]:
+    """(p50 ms, p99 ms, bytes) of `iters` transfers (after 2 warm-ups) of what `encoder.<what>(*args, i)` makes,
+    by `transport`: the object store (a ref the LLM did not create) or gRPC (published, fetched by hash)."""
+    times, nbytes = [], 0
+    for i in range(iters + 2):
+        if transport == "object_store":
+            ref = getattr(encoder, what).remote(*args, i)  # owned by the driver, like Serve's router
+            ray.wait([ref])
+            seconds, nbytes = ray.get(llm.receive.remote([ref]))
+            del ref
+        else:
+            seconds, nbytes = ray.get(llm.fetch.remote(ray.get(encoder.publish.remote(what, *args, i))))
+        if i >= 2:
+            times.append(seconds * 1000)
+    return *_percentiles(times), nbytes
+
+
 def bench_transfer(iters: int) -> dict:
     encoder, llm = Encoder.remote(), LLM.remote()
     results = {}
     for mb in SIZES_MB:
         for dtype in ("bfloat16", "float16"):
             for transport in ("object_store", "grpc"):
-                times, nbytes = [], 0
-                for i in range(iters + 2):
-                    if transport == "object_store":
-                        ref = encoder.tensor.remote(mb, dtype, i)  # owned by the driver, like Serve's router
-                        ray.wait([ref])
-                        seconds, nbytes = ray.get(llm.receive.remote([ref]))
-                        del ref
-                    else:
-                        published = ray.get(encoder.publish.remote(mb, dtype, i))
-                        seconds, nbytes = ray.get(llm.fetch.remote(published))
-                    if i >= 2:  # warm-up
-                        times.append(seconds * 1000)
-                p50, p99 = _percentiles(times)
+                p50, p99, nbytes = timed(encoder, llm, transport, "tensor", (mb, dtype), iters)
                 results[(mb, dtype, transport)] = {
                     "p50_ms": round(p50, 2), "p99_ms": round(p99, 2),
                     "mb_s": round(nbytes / 1e6 / (p50 / 1000), 1), "bytes": nbytes,
@@ -163,19 +160,8 @@ def bench_families(iters: int) -> dict:
         shape = output_shape(config)
         entry = {"parts": shape[0], "rows": shape[1], "hidden": shape[2], "bytes_bf16": 2 * shape[0] * shape[1] * shape[2]}
         for transport in ("object_store", "grpc"):
-            times = []
-            for i in range(iters + 2):
-                if transport == "object_store":
-                    ref = encoder.embedding.remote(shape, i)
-                    ray.wait([ref])
-                    seconds, nbytes = ray.get(llm.receive.remote([ref]))
-                    del ref
-                else:
-                    seconds, nbytes = ray.get(llm.fetch.remote(ray.get(encoder.publish_embedding.remote(shape, i))))
-                assert nbytes == entry["bytes_bf16"]
-                if i >= 2:
-                    times.append(seconds * 1000)
-            p50, p99 = _percentiles(times)
+            p50, p99, nbytes = timed(encoder, llm, transport, "embedding", (shape,), iters)
+            assert nbytes == entry["bytes_bf16"]
             entry[transport] = {"p50_ms": round(p50, 2), "p99_ms": round(p99, 2)}
         out[name] = entry
     return out

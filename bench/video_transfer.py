@@ -41,10 +41,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mmserve.video.workers import TRANSFER_GROUP_FRAMES, _receive, _send
+from mmserve.video.workers import TRANSFER_GROUP_FRAMES, _receive, _send, grow_pipe
 
 FRAMES, HEIGHT, WIDTH = 60, 720, 1280  # 30 s at 2 fps, 720p
-F_SETPIPE_SZ = 1031
 
 
 def frames(count: int, height: int, width: int) -> list[np.ndarray]:
@@ -66,11 +65,9 @@ def child() -> None:
             return
         if op == "make":
             held = frames(*args)
-            _send(replies, ("ok", None))
         elif op == "pipe":
             for start in range(0, len(held), TRANSFER_GROUP_FRAMES):
                 _send(replies, ("frames", np.stack(held[start:start + TRANSFER_GROUP_FRAMES])))
-            _send(replies, ("ok", None))
         elif op == "shm":  # (path, keep): stack each group into the segment at `path`; `keep`: map it once
             path, keep = args
             if kept is None or kept[0] != path:
@@ -90,12 +87,9 @@ def child() -> None:
             del out
             if not keep:
                 segment.close()
-            _send(replies, ("ok", None))
         elif op == "pipe_size":
-            import fcntl
-
-            fcntl.fcntl(replies.fileno(), F_SETPIPE_SZ, args[0])
-            _send(replies, ("ok", None))
+            grow_pipe(replies, args[0])
+        _send(replies, ("ok", None))
 
 
 class Parent:
@@ -117,9 +111,8 @@ class Parent:
         self.call("make", count, height, width)
 
     def grow_pipes(self, size: int) -> None:
-        import fcntl
-
-        fcntl.fcntl(self.proc.stdout.fileno(), F_SETPIPE_SZ, size)
+        if grow_pipe(self.proc.stdout, size) is None:
+            raise OSError("the system refused F_SETPIPE_SZ")
         self.call("pipe_size", size)
 
     def pipe(self) -> np.ndarray:
@@ -136,40 +129,27 @@ class Parent:
             status, _ = self.next(into=into)
         return pixels
 
-    def shm_reuse(self) -> np.ndarray:
-        if self.kept is None:
-            size = int(np.prod(self.shape))
-            path = f"/dev/shm/mmserve-bench-{os.getpid()}-{time.monotonic_ns()}"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.posix_fallocate(fd, 0, size)
-                self.kept = (path, mmap.mmap(fd, size))
-            finally:
-                os.close(fd)
-        path, segment = self.kept
-        view = np.frombuffer(segment, dtype=np.uint8).reshape(self.shape)
-        pixels = np.empty(self.shape, dtype=np.uint8)
-        _send(self.proc.stdin, ("shm", path, True))
-        status, value = self.next()
-        while status == "frames":
-            start, count = value
-            pixels[start:start + count] = view[start:start + count]
-            status, value = self.next()
-        return pixels
-
-    def shm(self, copy: bool) -> np.ndarray:
+    def segment(self) -> tuple[str, mmap.mmap]:
+        """A fresh segment in /dev/shm the video's size: (its path, its mapping)."""
         size = int(np.prod(self.shape))
         path = f"/dev/shm/mmserve-bench-{os.getpid()}-{time.monotonic_ns()}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)  # the space taken now: a full /dev/shm is ENOSPC here, not SIGBUS later
-            segment = mmap.mmap(fd, size)
+            return path, mmap.mmap(fd, size)
         finally:
             os.close(fd)
+
+    def shm(self, copy: bool, reuse: bool = False) -> np.ndarray:
+        """The video through a fresh segment (`reuse`: the one kept mapped on both sides), its frames viewed
+        there or (`copy`) copied out group by group into an array of their own."""
+        if reuse:
+            self.kept = self.kept or self.segment()
+        path, segment = self.kept if reuse else self.segment()
         try:
             view = np.frombuffer(segment, dtype=np.uint8).reshape(self.shape)
             pixels = np.empty(self.shape, dtype=np.uint8) if copy else view
-            _send(self.proc.stdin, ("shm", path, False))
+            _send(self.proc.stdin, ("shm", path, reuse))
             status, value = self.next()
             while status == "frames":
                 start, count = value
@@ -177,7 +157,8 @@ class Parent:
                     pixels[start:start + count] = view[start:start + count]
                 status, value = self.next()
         finally:
-            os.unlink(path)
+            if not reuse:
+                os.unlink(path)
         return pixels
 
     def close(self):
@@ -201,7 +182,7 @@ def main(argv=None) -> int:
     plain, grown = Parent(), Parent()
     variants = {"pipe": lambda: plain.pipe(), "pipe_1mb": lambda: grown.pipe(),
                 "shm_view": lambda: plain.shm(copy=False), "shm_copy": lambda: plain.shm(copy=True),
-                "shm_reuse": lambda: grown.shm_reuse()}
+                "shm_reuse": lambda: grown.shm(copy=True, reuse=True)}
     times: dict[str, list[float]] = {name: [] for name in variants}
     try:
         for parent in (plain, grown):

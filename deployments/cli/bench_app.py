@@ -6,13 +6,15 @@ from __future__ import annotations
 from deployments.cli.ingress_modes import free_loopback_port
 
 
-def start_serve(num_cpus: float, grpc: bool = False) -> tuple[int, int | None]:
+def start_serve(num_cpus: float, grpc: bool = False, apps: dict | None = None) -> tuple[int, int | None]:
     """A quiet Ray (no dashboard; its head started as every entry point starts it: `ray_head`) and
-    Serve on free loopback ports: (HTTP port, gRPC port or None); apps are then `serve.run` on it.
-    Stop with `stop_app`. RayStartFailed (with the lines of Ray's logs that say why) when Ray did not start."""
+    Serve on free loopback ports: (HTTP port, gRPC port or None), with the mmserve `apps` ({name: args})
+    running on it, each under /name (one alone: under /). Stop with `stop_app`. RayStartFailed (with the
+    lines of Ray's logs that say why) when Ray did not start."""
     from ray import serve
 
     from deployments.cli.ray_head import HeadSpec, start_head
+    from deployments.serve.app import build_app
     from deployments.serve.router import grpc_options
 
     global _HEAD
@@ -20,6 +22,8 @@ def start_serve(num_cpus: float, grpc: bool = False) -> tuple[int, int | None]:
     port, grpc_port = free_loopback_port(), free_loopback_port() if grpc else None
     serve.start(http_options={"host": "127.0.0.1", "port": port},
                 grpc_options=grpc_options(port=grpc_port) if grpc else None)
+    for name, args in (apps or {}).items():
+        serve.run(build_app(args), name=name, route_prefix="/" if len(apps) == 1 else f"/{name}")
     return port, grpc_port
 
 
@@ -33,14 +37,10 @@ def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: 
     URL and gRPC target (stop with `stop_app`). `replicas`: (encoder, LLM) replicas sharing their
     half of the CPUs (default: one each; colocated: two LLM replicas); `routing`: the app's routing
     policy; `cpu_threads`: the model replicas' torch threads (default: the app's policy)."""
-    from ray import serve
-
     from deployments.config import AppArgs
-    from deployments.serve.app import build_app
     from deployments.serve.router import wait_until_ready
 
     half = num_cpus / 2
-    port, grpc_port = start_serve(num_cpus, grpc=True)
     big = {"max_ongoing_requests": 256, "max_queued_requests": -1}
     encoders, llms = replicas or (1, 2 if colocated else 1)
     args = AppArgs(
@@ -51,7 +51,7 @@ def start_app(model: str, colocated: bool, num_cpus: float, dtype: str, device: 
              "cpu_threads": cpu_threads, **big},
         routing={"policy": routing}, video_decoder={"num_cpus": 0},  # no videos in this workload
     )
-    serve.run(build_app(args), name="bench", route_prefix="/")
+    port, grpc_port = start_serve(num_cpus, grpc=True, apps={"bench": args})
     wait_until_ready("bench")
     return f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}"
 

@@ -53,40 +53,35 @@ def collect(num_prompts: int, seed: int = 0, num_cpus: float = 2.0) -> dict:
     pending = AppArgs.model_fields["max_pending_requests"].default
     run_set: dict = {"machine": f"{num_cpus:g} CPUs", "max_pending_requests": pending, "modes": {}}
 
-    def records(specs, label: str, url: str, **load) -> list[dict]:
-        began = time.perf_counter()
-        out = asyncio.run(run_load(url, "bench", specs, load.pop("offsets", [0.0] * len(specs)), label, **load))
-        return [{**r.as_json(began), "images": len(spec.images)} for r, spec in zip(out, specs)]
-
     for mode, (encoders, llms) in MODES.items():
         url, _ = start_app(model, mode == "colocated", num_cpus, "float32", replicas=(max(encoders, 1), llms))
+        runs = []
+
+        def record(label: str, specs, name: str, rate=None, concurrency=None, seed_offset: int = 0) -> list[dict]:
+            """One run's requests, sent `concurrency` at a time or at `rate` (Poisson, from `seed + seed_offset`)."""
+            began = time.perf_counter()
+            offsets = arrival_times(len(specs), rate, seed + seed_offset) if rate else [0.0] * len(specs)
+            out = asyncio.run(run_load(url, "bench", specs, offsets, f"{mode} {name}", concurrency=concurrency))
+            requests = [{**r.as_json(began), "images": len(spec.images)} for r, spec in zip(out, specs)]
+            if label:
+                runs.append({"label": label, "rate": rate, "concurrency": concurrency, "requests": requests})
+            return requests
+
         try:
-            records(generate_requests(dataset, 8, seed + 3), "warm-up", url, concurrency=2)
-            runs = [{"label": "fit-unloaded", "rate": None, "concurrency": 1,
-                     "requests": records(fit_alone, f"{mode} fit 1", url, concurrency=1)},
-                    {"label": "fit-loaded", "rate": None, "concurrency": FIT_LOADED_CONCURRENCY,
-                     "requests": records(fit_loaded, f"{mode} fit {FIT_LOADED_CONCURRENCY}", url,
-                                         concurrency=FIT_LOADED_CONCURRENCY)}]
-            runs.append({"label": "fit-saturated", "rate": None, "concurrency": SATURATING_CONCURRENCY,
-                         "requests": records(fit_flood, f"{mode} fit {SATURATING_CONCURRENCY}", url,
-                                             concurrency=SATURATING_CONCURRENCY)})
-            capacity = observed(runs[-1]["requests"])["throughput"]
+            record("", generate_requests(dataset, 8, seed + 3), "warm-up", concurrency=2)
+            record("fit-unloaded", fit_alone, "fit 1", concurrency=1)
+            record("fit-loaded", fit_loaded, f"fit {FIT_LOADED_CONCURRENCY}", concurrency=FIT_LOADED_CONCURRENCY)
+            flood = record("fit-saturated", fit_flood, f"fit {SATURATING_CONCURRENCY}",
+                           concurrency=SATURATING_CONCURRENCY)
+            capacity = observed(flood)["throughput"]
             refusing = round(REFUSING_FACTOR * capacity, 3)
-            runs.append({"label": "fit-refused", "rate": refusing, "concurrency": None,
-                         "requests": records(fit_refused, f"{mode} fit @{refusing}/s", url,
-                                             offsets=arrival_times(len(fit_refused), refusing, seed + 7))})
+            record("fit-refused", fit_refused, f"fit @{refusing}/s", rate=refusing, seed_offset=7)
             rates = [round(k * capacity, 3) for k in RATE_FACTORS]
             for rate, specs in zip(rates, held_out):
-                offsets = arrival_times(len(specs), rate, seed)
-                runs.append({"label": "held-out", "rate": rate, "concurrency": None,
-                             "requests": records(specs, f"{mode} @{rate}/s", url, offsets=offsets)})
-            middle = 1
-            runs.append({"label": "repeat", "rate": rates[middle], "concurrency": None,
-                         "requests": records(twin, f"{mode} @{rates[middle]}/s again", url,
-                                             offsets=arrival_times(len(twin), rates[middle], seed))})
-            runs.append({"label": "fit-saturated-after", "rate": None, "concurrency": SATURATING_CONCURRENCY,
-                         "requests": records(flood_after, f"{mode} fit {SATURATING_CONCURRENCY} again", url,
-                                             concurrency=SATURATING_CONCURRENCY)})
+                record("held-out", specs, f"@{rate}/s", rate=rate)
+            record("repeat", twin, f"@{rates[1]}/s again", rate=rates[1])  # the middle rate
+            record("fit-saturated-after", flood_after, f"fit {SATURATING_CONCURRENCY} again",
+                   concurrency=SATURATING_CONCURRENCY)
         finally:
             stop_app()
         run_set["modes"][mode] = {"encoders": encoders, "llms": llms, "runs": runs}

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 
-from mmserve.capacity.fit import fit_profile, load_or_collect
+from mmserve.capacity.fit import _least_squares, fit_profile, load_or_collect
 from mmserve.capacity.routing import BLOCK_SIZE, Content, simulate_cluster
 from mmserve.capacity.simulate import percentile
 from mmserve.inputs.media import PlaceholderRange
@@ -36,13 +36,8 @@ FIGURES = ("encoder_hit_ratio", "prefix_hit_ratio", "ttft_p50_s", "ttft_p99_s", 
 # the stages the simulation models apart, medians: router to LLM replica (encode queue, encode, transfer;
 # requests with images) and LLM replica to first token (prefill queue, prefill); real ones from `stage_ms`
 STAGES = ("embeddings_p50_s", "prefill_p50_s")
+KEYS = (*FIGURES, *STAGES)
 MODEL_SEEDS = 8  # replays of each policy's session, averaged
-
-
-def _least_squares(rows, targets):
-    import numpy as np
-
-    return [float(x) for x in np.linalg.lstsq(np.asarray(rows, float), np.asarray(targets, float), rcond=None)[0]]
 
 
 def slos(run_set: dict) -> tuple[float, float]:
@@ -100,26 +95,28 @@ def _goodput(rows: list[tuple[float, float | None, float | None, float]], slo: t
     return good / max(span, 1e-9)
 
 
-def _median(values: list[float]) -> float:
-    return percentile(values, 50) if values else 0.0
+def _figures(rows: list[tuple[float, float | None, float | None, float]], slo: tuple[float, float],
+             encoder_hit_ratio: float, prefix_hit_ratio: float, embeddings: list[float], prefill: list[float]) -> dict:
+    """A run's figures (`FIGURES`, `STAGES`) from its requests' (send, ttft, tpot, end) rows and stage times."""
+    ttft = [t for _, t, _, _ in rows if t is not None]
+    return {"encoder_hit_ratio": encoder_hit_ratio, "prefix_hit_ratio": prefix_hit_ratio,
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "goodput": _goodput(rows, slo),
+            "embeddings_p50_s": percentile(embeddings, 50) if embeddings else 0.0,
+            "prefill_p50_s": percentile(prefill, 50) if prefill else 0.0}
 
 
 def real_figures(run: dict, slo: tuple[float, float]) -> dict:
     reqs = run["requests"]
-    done = [r for r in reqs if r.get("ttft_ms") is not None]
     items = sum(r["images"] for r in reqs)
     prompt = sum(r.get("input_tokens") or 0 for r in reqs)
     rows = [(r["send_s"], r["ttft_ms"] / 1000 if r.get("ttft_ms") is not None else None,
              (r["e2e_ms"] - r["ttft_ms"]) / 1000 / (r["output_tokens"] - 1) if r.get("ttft_ms") is not None
              and r["output_tokens"] > 1 else None, r["send_s"] + r["e2e_ms"] / 1000) for r in reqs]
-    ttft = [r["ttft_ms"] / 1000 for r in done]
-    staged = [r for r in done if r.get("stage_ms")]
+    staged = [r for r in reqs if r.get("ttft_ms") is not None and r.get("stage_ms")]
     embeddings = [r["stage_ms"].get("embeddings_ms", 0.0) / 1000 for r in staged if r["images"]]
     prefill = [(r["stage_ms"].get("prefill_queue_ms", 0.0) + r["stage_ms"].get("prefill_ms", 0.0)) / 1000 for r in staged]
-    return {"encoder_hit_ratio": run["encoder_hits"] / items if items else 0.0,
-            "prefix_hit_ratio": run["cached_tokens"] / prompt if prompt else 0.0,
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "goodput": _goodput(rows, slo),
-            "embeddings_p50_s": _median(embeddings), "prefill_p50_s": _median(prefill)}
+    return _figures(rows, slo, run["encoder_hits"] / items if items else 0.0,
+                    run["cached_tokens"] / prompt if prompt else 0.0, embeddings, prefill)
 
 
 def simulated_figures(run_set: dict, policy: str, profile, image_tokens: int, system_tokens: int,
@@ -149,15 +146,11 @@ def simulated_figures(run_set: dict, policy: str, profile, image_tokens: int, sy
         rows = [(q.arrival, q.first_token - q.arrival if q.first_token is not None else None,
                  (q.finish - q.first_token) / (q.output_tokens - 1) if q.finish is not None and q.output_tokens > 1
                  else None, q.finish if q.finish is not None else q.arrival) for q in reqs]
-        ttft = [q.first_token - q.arrival for q in reqs if q.first_token is not None]
         embeddings = [q.embedded - q.arrival - profile.router_s for q in reqs if q.image_sizes and q.embedded is not None]
         prefill = [q.first_token - q.embedded for q in reqs if q.first_token is not None and q.embedded is not None]
-        out.append({"rate": run["rate"],
-                    "encoder_hit_ratio": 1 - misses / items if items else 0.0,
-                    "prefix_hit_ratio": sum(q.cached_tokens for q in reqs) / sum(q.prompt_tokens for q in reqs),
-                    "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-                    "goodput": _goodput(rows, slo),
-                    "embeddings_p50_s": _median(embeddings), "prefill_p50_s": _median(prefill)})
+        prefix = sum(q.cached_tokens for q in reqs) / sum(q.prompt_tokens for q in reqs)
+        out.append({"rate": run["rate"], **_figures(rows, slo, 1 - misses / items if items else 0.0, prefix,
+                                                     embeddings, prefill)})
     return out
 
 
@@ -182,10 +175,10 @@ def validate_routing(run_set: dict) -> dict:
         for rate in sorted({r["rate"] for r in real_runs}):
             real = [r for r in real_runs if r["rate"] == rate]
             model = [r for r in model_runs if r["rate"] == rate]
-            mean_real = {k: statistics.fmean(r[k] for r in real) for k in (*FIGURES, *STAGES)}
-            mean_model = {k: statistics.fmean(r[k] for r in model) for k in (*FIGURES, *STAGES)}
+            mean_real = {k: statistics.fmean(r[k] for r in real) for k in KEYS}
+            mean_model = {k: statistics.fmean(r[k] for r in model) for k in KEYS}
             rows.append({"policy": policy, "rate": rate, "real": mean_real, "model": mean_model,
-                         "rel_error": {k: _rel(mean_model[k], mean_real[k]) for k in (*FIGURES, *STAGES)}})
+                         "rel_error": {k: _rel(mean_model[k], mean_real[k]) for k in KEYS}})
             for a, b in zip(real, real[1:]):
                 spreads.append(max(abs(a[k] - b[k]) / max(a[k], b[k], 1e-12) for k in ("ttft_p50_s", "goodput")))
     return {
@@ -206,14 +199,11 @@ def print_routing_validation(report: dict) -> None:
           f"SLOs TTFT {report['slo_s'][0] * 1000:.0f} ms, TPOT {report['slo_s'][1] * 1000:.0f} ms")
     names = {"encoder_hit_ratio": "enc hit", "prefix_hit_ratio": "prefix hit", "ttft_p50_s": "TTFT p50 s",
              "ttft_p99_s": "TTFT p99 s", "goodput": "goodput/s"}
-    print(f"{'policy':<9} {'rate/s':>7} " + " ".join(f"{names[k] + ' real/model (err)':>30}" for k in FIGURES))
-    for r in report["rows"]:
-        cells = [f"{r['real'][k]:.3f}/{r['model'][k]:.3f} ({r['rel_error'][k]:.2f})" for k in FIGURES]
-        print(f"{r['policy']:<9} {r['rate']:>7.3f} " + " ".join(f"{c:>30}" for c in cells))
-    print(f"{'stages':<9} {'rate/s':>7} " + " ".join(f"{k + ' real/model (err)':>36}" for k in STAGES))
-    for r in report["rows"]:
-        cells = [f"{r['real'][k]:.4f}/{r['model'][k]:.4f} ({r['rel_error'][k]:.2f})" for k in STAGES]
-        print(f"{r['policy']:<9} {r['rate']:>7.3f} " + " ".join(f"{c:>36}" for c in cells))
+    for first, keys, width, digits in (("policy", FIGURES, 30, 3), ("stages", STAGES, 36, 4)):
+        print(f"{first:<9} {'rate/s':>7} " + " ".join(f"{names.get(k, k) + ' real/model (err)':>{width}}" for k in keys))
+        for r in report["rows"]:
+            cells = [f"{r['real'][k]:.{digits}f}/{r['model'][k]:.{digits}f} ({r['rel_error'][k]:.2f})" for k in keys]
+            print(f"{r['policy']:<9} {r['rate']:>7.3f} " + " ".join(f"{c:>{width}}" for c in cells))
 
 
 def routing_validation_main(ns, collect_routing, error) -> int:

@@ -8,6 +8,8 @@ chat template, the released image processor bounds), bf16, drawn on the CPU from
 same bytes on every host with the same torch; `flat=True` writes config.json in the released
 checkpoints' flat layout. The GPU figures (bench/gpu_report.py) and the GPU app tests serve the
 2B; its answers are gibberish, its sizes (weights, KV bytes per token, ViT FLOPs) are the real model's.
+`random_lm(size, dtype)`: the LLM benches' checkpoint (bench/llm.py, bench/llm_tp.py), a one-layer vision
+tower and a random LM, "small" (CPU) or "2b" (Qwen2-VL-2B's LM).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ QWEN2_VL_2B_TEXT = dict(hidden_size=1536, intermediate_size=8960, num_hidden_lay
                         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768)
 QWEN2_VL_2B_VISION = dict(depth=32, embed_dim=1280, hidden_size=1536, mlp_ratio=4, num_heads=16, in_channels=3,
                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+# the LLM benches' LMs: "small" for a few minutes on 2 CPU cores (big enough that compute shows), "2b"
+LM_SIZES = {"small": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+                          num_key_value_heads=2, vocab_size=4096, max_position_embeddings=4096),
+            "2b": QWEN2_VL_2B_TEXT}
 # Qwen2.5-VL-3B-Instruct's config.json (`Qwen2_5_VLConfig`'s field names)
 QWEN2_5_VL_3B_TEXT = dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
                           num_key_value_heads=2, vocab_size=151936, max_position_embeddings=128000)
@@ -77,6 +83,27 @@ def bench_checkpoint(out: Path = BENCH_CHECKPOINT) -> str:
     )
     tiny.save_checkpoint(model, processor, out, "mmserve_tiny.json", {"family": "qwen2_vl", "seed": 0, "bench": True})
     return str(out)
+
+
+def random_lm(size: str, dtype, device: str = "cpu", vocab_size: int | None = None) -> Path:
+    """A Qwen2-VL checkpoint in a new temporary directory: random weights (seed 0, drawn on `device`,
+    in `dtype`), a one-layer vision tower and the LM of `LM_SIZES[size]` (`vocab_size`: another width)."""
+    import torch
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = dict(LM_SIZES[size], **({"vocab_size": vocab_size} if vocab_size else {}),
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                 "mrope_section": [16, 24, 24] if size == "2b" else [4, 6, 6]},
+                tie_word_embeddings=size == "2b", bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = dict(depth=1, embed_dim=32, hidden_size=text["hidden_size"], num_heads=2)
+    config = Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=3, video_token_id=4,
+                           vision_start_token_id=5, vision_end_token_id=6)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2VLForConditionalGeneration(config).to(dtype)
+    out = Path(tempfile.mkdtemp(prefix=f"mmserve-bench-{size}-"))
+    model.save_pretrained(out)
+    return out
 
 
 def qwen2_vl_2b(out: str | Path, seed: int = 0, text_layers: int | None = None, vision_depth: int | None = None,

@@ -93,14 +93,20 @@ class SLO:
         return {k: v for k, v in (("ttft", self.ttft_ms), ("tpot", self.tpot_ms), ("e2el", self.e2el_ms)) if v is not None}
 
 
+def from_unloaded(base: dict, slo: "SLO | None", rates: list[float] | None,
+                  factors: tuple[float, ...]) -> tuple["SLO", list[float]]:
+    """The SLOs (3 x an unloaded run's median TTFT and TPOT, unless `slo` is given) and the request
+    rates (`factors` x one request at a time, unless `rates` are given) of a bench; printed."""
+    slo = slo or SLO(ttft_ms=round(3 * base["median_ttft_ms"], 1), tpot_ms=round(3 * base["median_tpot_ms"], 1))
+    rates = rates or [round(k * 1000 / base["mean_e2el_ms"], 3) for k in factors]
+    print(f"SLOs: {' '.join(f'{k}:{v:g}ms' for k, v in slo.as_dict().items())}; request rates {rates}/s")
+    return slo, rates
+
+
 def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    import numpy as np
+
+    return float(np.percentile(values, q)) if values else 0.0
 
 
 def _summary(name: str, seconds: list[float], percentiles: tuple[float, ...]) -> dict[str, float]:

@@ -9,33 +9,17 @@
 
 from __future__ import annotations
 
-from mmserve.tiny.tokenizer import build_tokenizer, text_config
+from mmserve.tiny.tokenizer import build_tokenizer, chat_template, text_config
 
 # Tiny names besides the model type -> the model type their checkpoint has.
 VARIANTS = {"llava_siglip": "llava"}
 
 # llava-hf/llava-1.5-*-hf: each message's images first, then its text parts, each followed by a space.
-LLAVA_CHAT_TEMPLATE = (
-    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}{% endif %}"
-    "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
-    "{{ '<image>\n' }}{% endfor %}{# Render all text next #}{% if message['role'] != 'assistant' %}"
-    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' '}}"
-    "{% endfor %}{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
-    "{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
-)
+LLAVA_CHAT_TEMPLATE = chat_template("llava")
 
 # llava-hf/llava-interleave-qwen-*-hf without its `<video>` clause (LlavaProcessor takes images only):
 # im_start turns, each message's images first, no default system prompt.
-LLAVA_QWEN_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
-    "{# Render all images first #}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
-    "{{ '<image>\n' }}{% endfor %}{# Render all text next #}{% if message['role'] != 'assistant' %}"
-    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] }}"
-    "{% endfor %}{% else %}{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
-    "{% generation %}{{ content['text'] }}{% endgeneration %}{% endfor %}{% endif %}{{'<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+LLAVA_QWEN_CHAT_TEMPLATE = chat_template("llava_qwen")
 
 LLAVA_IMAGE_TOKEN = "<image>"
 LLAVA_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", LLAVA_IMAGE_TOKEN, "<pad>")

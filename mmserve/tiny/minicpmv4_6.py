@@ -6,7 +6,7 @@ images give several slices; the tokenizer names MiniCPM-V's extra special tokens
 
 from __future__ import annotations
 
-from mmserve.tiny.tokenizer import QWEN3_ADDED_TOKENS, SPECIAL_TOKENS, build_tokenizer
+from mmserve.tiny.tokenizer import QWEN3_ADDED_TOKENS, SPECIAL_TOKENS, build_tokenizer, chat_template
 
 VARIANTS: dict[str, str] = {}
 
@@ -25,14 +25,7 @@ MINICPMV_SCALE = 112
 INIT_SEED_OFFSET = 1
 
 # ChatML with one image / video token per item where the message puts it.
-MINICPMV_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for content in message['content'] %}{% if content['type'] == 'image' %}{{ '<|image_pad|>' }}"
-    "{% elif content['type'] == 'video' %}{{ '<|video_pad|>' }}"
-    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "{{'<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+MINICPMV_CHAT_TEMPLATE = chat_template("minicpmv4_6")
 
 
 def build(name: str, seed: int):

@@ -20,7 +20,7 @@ shortened, and of the generation prompt, which opens a thinking block (`<think>\
 from __future__ import annotations
 
 from mmserve.tiny import qwen3_vl
-from mmserve.tiny.tokenizer import text_config
+from mmserve.tiny.tokenizer import chat_template, text_config
 
 VARIANTS: dict[str, str] = {}
 
@@ -33,112 +33,7 @@ HEAD_DIM = 32  # the rotary part: 8 of 32 dims (4 frequencies: mrope_section [2,
 # to the limit, or the MoE sibling ignored the image.
 INIT_SEED_OFFSET = 0
 
-QWEN3_5_CHAT_TEMPLATE = """\
-{%- set image_count = namespace(value=0) %}
-{%- set video_count = namespace(value=0) %}
-{%- macro render_content(content, count_media, in_system=false) %}
-    {%- if content is string %}
-        {{- content }}
-    {%- elif content is iterable and content is not mapping %}
-        {%- for item in content %}
-            {%- if 'image' in item or 'image_url' in item or item.type == 'image' %}
-                {%- if in_system %}{{- raise_exception('System message cannot contain images.') }}{%- endif %}
-                {%- if count_media %}{%- set image_count.value = image_count.value + 1 %}{%- endif %}
-                {%- if add_vision_id %}{{- 'Picture ' ~ image_count.value ~ ': ' }}{%- endif %}
-                {{- '<|vision_start|><|image_pad|><|vision_end|>' }}
-            {%- elif 'video' in item or item.type == 'video' %}
-                {%- if in_system %}{{- raise_exception('System message cannot contain videos.') }}{%- endif %}
-                {%- if count_media %}{%- set video_count.value = video_count.value + 1 %}{%- endif %}
-                {%- if add_vision_id %}{{- 'Video ' ~ video_count.value ~ ': ' }}{%- endif %}
-                {{- '<|vision_start|><|video_pad|><|vision_end|>' }}
-            {%- elif 'text' in item %}
-                {{- item.text }}
-            {%- else %}
-                {{- raise_exception('Unexpected item type in content.') }}
-            {%- endif %}
-        {%- endfor %}
-    {%- elif content is not none and content is defined %}
-        {{- raise_exception('Unexpected content type.') }}
-    {%- endif %}
-{%- endmacro %}
-{%- if not messages %}{{- raise_exception('No messages provided.') }}{%- endif %}
-{%- if tools and tools is iterable and tools is not mapping %}
-    {{- '<|im_start|>system\\n# Tools\\n\\nYou have access to the following functions:\\n\\n<tools>' }}
-    {%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}
-    {{- '\\n</tools>\\n\\nTo call a function, reply in this format with nothing after it:\\n\\n<tool_call>\\n'
-        '<function=example_function_name>\\n<parameter=example_parameter_1>\\nvalue_1\\n</parameter>\\n'
-        '</function>\\n</tool_call>' }}
-    {%- if messages[0].role == 'system' %}
-        {%- set content = render_content(messages[0].content, false, true) | trim %}
-        {%- if content %}{{- '\\n\\n' + content }}{%- endif %}
-    {%- endif %}
-    {{- '<|im_end|>\\n' }}
-{%- elif messages[0].role == 'system' %}
-    {{- '<|im_start|>system\\n' + render_content(messages[0].content, false, true) | trim + '<|im_end|>\\n' }}
-{%- endif %}
-{%- set ns = namespace(multi_step_tool=true, last_query_index=messages | length - 1) %}
-{%- for message in messages[::-1] %}
-    {%- set index = (messages | length - 1) - loop.index0 %}
-    {%- if ns.multi_step_tool and message.role == 'user' %}
-        {%- set content = render_content(message.content, false) | trim %}
-        {%- if not (content.startswith('<tool_response>') and content.endswith('</tool_response>')) %}
-            {%- set ns.multi_step_tool = false %}
-            {%- set ns.last_query_index = index %}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if ns.multi_step_tool %}{{- raise_exception('No user query found in messages.') }}{%- endif %}
-{%- for message in messages %}
-    {%- set content = render_content(message.content, true) | trim %}
-    {%- if message.role == 'system' %}
-        {%- if not loop.first %}{{- raise_exception('System message must be at the beginning.') }}{%- endif %}
-    {%- elif message.role == 'user' %}
-        {{- '<|im_start|>user\\n' + content + '<|im_end|>\\n' }}
-    {%- elif message.role == 'assistant' %}
-        {%- set reasoning = '' %}
-        {%- if message.reasoning_content is string %}
-            {%- set reasoning = message.reasoning_content %}
-        {%- elif '</think>' in content %}
-            {%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
-            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
-        {%- endif %}
-        {%- if loop.index0 > ns.last_query_index %}
-            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning | trim + '\\n</think>\\n\\n' + content }}
-        {%- else %}
-            {{- '<|im_start|>assistant\\n' + content }}
-        {%- endif %}
-        {%- if message.tool_calls and message.tool_calls is iterable and message.tool_calls is not mapping %}
-            {%- for call in message.tool_calls %}
-                {%- if call.function is defined %}{%- set call = call.function %}{%- endif %}
-                {%- if not loop.first %}{{- '\\n' }}{%- elif content | trim %}{{- '\\n\\n' }}{%- endif %}
-                {{- '<tool_call>\\n<function=' + call.name + '>\\n' }}
-                {%- if call.arguments is defined %}
-                    {%- for name, value in call.arguments | items %}
-                        {{- '<parameter=' + name + '>\\n' }}
-                        {{- value | string if value is string else value | tojson | safe }}
-                        {{- '\\n</parameter>\\n' }}
-                    {%- endfor %}
-                {%- endif %}
-                {{- '</function>\\n</tool_call>' }}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\\n' }}
-    {%- elif message.role == 'tool' %}
-        {%- if loop.previtem and loop.previtem.role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-        {{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
-        {%- if loop.last or loop.nextitem.role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}
-    {%- else %}
-        {{- raise_exception('Unexpected message role.') }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\\n\\n</think>\\n\\n' }}
-    {%- else %}
-        {{- '<think>\\n' }}
-    {%- endif %}
-{%- endif %}"""
+QWEN3_5_CHAT_TEMPLATE = chat_template("qwen3_5")
 
 
 def text_overrides(tokenizer, **overrides) -> dict:

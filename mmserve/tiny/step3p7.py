@@ -8,7 +8,7 @@ two stride-2 downsamplers: 4 x 4 = 16 tokens), local crops 56 px (2 x 2 = 4 toke
 
 from __future__ import annotations
 
-from mmserve.tiny.tokenizer import build_tokenizer
+from mmserve.tiny.tokenizer import build_tokenizer, chat_template
 
 VARIANTS: dict[str, str] = {}
 
@@ -25,13 +25,7 @@ STEP3_VIT_PATCH = 7
 STEP3_SLIDING_WINDOW = 24  # shorter than the long-prompt test
 
 # A ChatML template that writes one `<im_patch>` per image where the message puts it.
-STEP3_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n'}}"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for content in message['content'] %}{% if content['type'] == 'image' %}{{ '<im_patch>' }}"
-    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "{{'<|im_end|>\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+STEP3_CHAT_TEMPLATE = chat_template("step3p7")
 
 
 def build(name: str, seed: int):

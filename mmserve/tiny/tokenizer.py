@@ -3,6 +3,8 @@ fixed corpus: the same seed and special tokens give the same vocabulary) and the
 
 from __future__ import annotations
 
+from pathlib import Path
+
 # The Qwen2-VL special tokens: the default set (Qwen-style ChatML tokenizers).
 SPECIAL_TOKENS = (
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -32,6 +34,11 @@ _WORDS = (
     "question please thank you see look there are is was were will would can could should model "
     "vision language token embedding encoder decoder serve request response stream batch cache"
 ).split()
+
+
+def chat_template(name: str) -> str:
+    """A tiny checkpoint's chat template: `templates/<name>.jinja` less the file's final newline."""
+    return (Path(__file__).parent / "templates" / f"{name}.jinja").read_text().removesuffix("\n")
 
 
 def _corpus(seed: int) -> list[str]:

@@ -54,6 +54,7 @@ import functools
 import hashlib
 import inspect
 import io
+import itertools
 import math
 import os
 from collections.abc import Iterator
@@ -302,14 +303,8 @@ class ContainerReader:
             picked = self._segmented(chunks, wanted, end, skip, max(1, threads // len(chunks)))
         else:
             picked = self._picked(wanted, end, skip)
-        frames: list[np.ndarray] = []
-        for frame in picked:
-            frames.append(frame)
-            if len(frames) == group_size:
-                yield np.stack(frames)
-                frames = []
-        if frames:
-            yield np.stack(frames)
+        while group := list(itertools.islice(picked, group_size)):
+            yield np.stack(group)
 
     def _picked(self, wanted: set[int], end: int, skip: bool) -> Iterator[np.ndarray]:
         """The picked frames, RGB, in order; by their timestamps when `skip`, falling back to the
