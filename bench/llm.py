@@ -186,7 +186,7 @@ def bench_hybrid_prefix(quick: bool, repeats: int) -> None:
         engine.shutdown()
         rows[name] = (statistics.median(firsts), statistics.median(seconds),
                       (stats.num_cached_tokens - cached) // repeats, stats)
-        if engine.snapshots is not None:
+        if engine.scheduler.snapshots is not None:
             result["snapshot_budget_mb"] = round(engine.runner.states.snapshot_bytes / 2**20, 1)
     off, on = rows["off"], rows["on"]
     prompt = sum(sizes)

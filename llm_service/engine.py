@@ -102,7 +102,7 @@ class LLMEngine:
         self.model = model
         self.runner = ModelRunner(model, config or EngineConfig())
         self.config = self.runner.config  # as this model runs it (prefix caching of recurrent state: snapshots)
-        self._new_bookkeeping()
+        self._new_scheduler()
         self._new: list[Sequence] = []
         self._aborted: set[str] = set()
         self._by_id: dict[str, Sequence] = {}
@@ -140,12 +140,11 @@ class LLMEngine:
                                                         max_roots=self.masks.threads)
             return self.grammar_compiler
 
-    def _new_bookkeeping(self) -> None:
-        """KV blocks (and the prefix cache), state slots and snapshots, the scheduler: as new."""
-        self.snapshots = self.runner.new_snapshot_manager()  # None unless state layers + prefix caching
-        self.blocks = self.runner.new_block_manager(self.snapshots.drop if self.snapshots else None)
-        self.slots = self.runner.new_slot_manager()  # None unless the LM face declares state layers
-        self.scheduler = Scheduler(self.config, self.blocks, self.slots, self.snapshots, self.runner.batch.release)
+    def _new_scheduler(self) -> None:
+        """The scheduler and its bookkeeping of the runner's pools (KV blocks and the prefix cache,
+        state slots and snapshots): as new."""
+        r = self.runner
+        self.scheduler = Scheduler(self.config, r.num_blocks, r.num_slots, r.num_snapshots, r.batch.release)
 
     def warm_up(self, num_prompt_tokens: int = 24, max_tokens: int = 3) -> None:
         """Before `start()`: run two short requests, one greedy and one sampled, through the real
@@ -173,7 +172,7 @@ class LLMEngine:
             raise RuntimeError(f"the warm-up requests did not finish: {ends}")
         if failed := [e.error for e in ends if e.error is not None]:
             raise RuntimeError(f"the warm-up request failed: {failed[0]!r}") from failed[0]
-        self._new_bookkeeping()
+        self._new_scheduler()
         self.num_steps = self.num_generated = self.runner.num_forwards = 0
         self.runner.expert_load.reset(num_forwards=0)
         self.last_progress = time.monotonic()
@@ -222,11 +221,11 @@ class LLMEngine:
         return self.runner.num_forwards
 
     def stats(self) -> EngineStats:
-        s, snaps = self.scheduler, self.snapshots
+        s, blocks, snaps = self.scheduler, self.scheduler.blocks, self.scheduler.snapshots
         num_snapshots = snaps.num_used if snaps else 0
-        return EngineStats(len(s.running), len(s.waiting) + len(self._new), self.blocks.num_used_blocks,
-                           self.blocks.num_blocks, s.num_preemptions, self.num_steps, self.num_forwards,
-                           self.num_generated, self.blocks.num_cached_tokens, num_snapshots,
+        return EngineStats(len(s.running), len(s.waiting) + len(self._new), blocks.num_used_blocks,
+                           blocks.num_blocks, s.num_preemptions, self.num_steps, self.num_forwards,
+                           self.num_generated, blocks.num_cached_tokens, num_snapshots,
                            num_snapshots * self.runner.states.row_bytes if snaps else 0,
                            snaps.num_resumed if snaps else 0,
                            sum(not seq.runnable for seq in [*s.waiting, *s.running]))
@@ -324,7 +323,7 @@ class LLMEngine:
             if seq.scheduled_at is None:
                 seq.scheduled_at = now
         for seq in out.preempted:  # alone in the pool and still too long: it can never run again
-            if self.blocks.blocks_for(seq.num_tokens) > self.blocks.num_blocks:
+            if self.scheduler.blocks.blocks_for(seq.num_tokens) > self.scheduler.blocks.num_blocks:
                 self._finish(seq, TokenEvent(None, "length"))
         t1 = t2 = t3 = t4 = time.perf_counter()
         launched = None
@@ -366,11 +365,7 @@ class LLMEngine:
             began.record()
         logits = self.runner.run(step)
         t3 = time.perf_counter()
-        for item in scheduled:
-            self._register_full_blocks(item.seq, item.seq.num_computed, item.seq.num_computed + item.num_tokens)
-            item.seq.num_computed += item.num_tokens
-            item.seq.resume_snapshot = None  # restored by this forward
-        self.runner.save_snapshots(self.scheduler.take_snapshots(scheduled))
+        self.runner.save_snapshots(self.scheduler.computed(scheduled))
         launched = None
         if step.sample_rows:
             seqs = [scheduled[i].seq for i in step.sample_rows]
@@ -441,15 +436,6 @@ class LLMEngine:
         self.runner.expert_load.collect(self.runner.num_forwards)
         self._last_read = (launched, began, arrived, time.perf_counter())
 
-    def _register_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
-        """Offer the prompt blocks this step completed to later requests (prefix caching)."""
-        if not self.config.enable_prefix_caching:
-            return
-        bs = self.blocks.block_size
-        hashes = seq.block_hashes(bs)
-        for i in range(start // bs, min(end // bs, len(hashes))):
-            self.blocks.register(seq.block_table[i], hashes[i])
-
     def _admit(self) -> None:
         with self._cv:
             new, self._new = self._new, []
@@ -478,7 +464,7 @@ class LLMEngine:
         prompt_len, max_tokens, limit = len(req.prompt_token_ids), req.sampling.max_tokens, self.runner.max_model_len
         if prompt_len + max_tokens > limit:  # the router refuses these first (400)
             return f"prompt of {prompt_len} tokens + max_tokens {max_tokens} exceed max_model_len {limit}"
-        capacity = self.blocks.num_blocks * self.blocks.block_size
+        capacity = self.scheduler.blocks.num_blocks * self.config.block_size
         if prompt_len >= capacity:
             return f"prompt of {prompt_len} tokens exceeds the KV cache capacity of {capacity} tokens"
         return None

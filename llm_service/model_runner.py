@@ -10,11 +10,8 @@ import torch
 from llm_service import attention, experts
 from llm_service.attention import AttentionBatch
 from llm_service.batch_state import BatchState
-from llm_service.block_manager import BlockManager
 from llm_service.config import EngineConfig
 from llm_service.hybrid.state_cache import StateBatch, StatePool, resolve_config, slot_bytes
-from llm_service.hybrid.state_slots import StateSlotManager
-from llm_service.hybrid.state_snapshots import SnapshotManager
 from llm_service.kv_cache import allocate_pool, bytes_per_block, check_holds_a_sequence, pool_sizes
 from llm_service.model import LanguageModel
 from llm_service.scheduler import ScheduledSeq
@@ -157,19 +154,6 @@ class ModelRunner:
         from mmserve.kernels.triton_attention import decode_splits
 
         return decode_splits(num_seqs, self.num_kv_heads, max_context_len, self.device)
-
-    def new_block_manager(self, on_evict=None) -> BlockManager:
-        return BlockManager(self.num_blocks, self.config.block_size, on_evict)
-
-    def new_slot_manager(self) -> StateSlotManager | None:
-        """Bookkeeping of the state slots (None: the model keeps no recurrent state)."""
-        return StateSlotManager(self.num_slots) if self.states is not None else None
-
-    def new_snapshot_manager(self) -> SnapshotManager | None:
-        """Bookkeeping of the state snapshot rows (None: no recurrent state, or no prefix caching)."""
-        if self.states is None or not self.config.enable_prefix_caching:
-            return None
-        return SnapshotManager(self.num_snapshots, first_row=self.num_slots)
 
     @torch.inference_mode()
     def save_snapshots(self, copies: list[tuple[int, int]]) -> None:

@@ -30,7 +30,7 @@ def _assert_freed(engine):
     """Nothing held once the step still in flight (a finished sequence's discarded token) is read."""
     if engine._launched is not None:
         engine.step()
-    assert engine.blocks.num_used_blocks == 0
+    assert engine.scheduler.blocks.num_used_blocks == 0
     assert engine.runner.batch.num_free_rows == engine.runner.batch.num_rows
     assert engine._launched is None and not engine.scheduler.running and not engine.scheduler.waiting
 
@@ -59,7 +59,7 @@ def test_greedy_mixed_requests_with_chunked_prefill_and_prefix_hits_equal_monoli
     for name, messages, max_tokens, _ in prompts[len(cases):]:
         collector.add(engine, plan_request(model_dir, messages, name, max_tokens))
     run_until_done(engine, collector)
-    assert engine.blocks.num_cached_tokens > 0  # the second wave hit the prefix cache
+    assert engine.scheduler.blocks.num_cached_tokens > 0  # the second wave hit the prefix cache
     for i, (name, _) in cases:
         expected = reference_tokens(model_dir, i, MAX_TOKENS - i % 3)
         assert collector.tokens(f"{i}-{name}") == expected, name
@@ -185,7 +185,7 @@ def test_hybrid_state_slots_with_overlap_equal_monolithic(minicpmv_dir):
         name = mixed_cases()[i][0]
         assert result[name][0] == reference_tokens(minicpmv_dir, i, 10), name
     _assert_freed(engine)
-    assert engine.slots.num_free_slots == engine.slots.num_slots
+    assert engine.scheduler.slots.num_free_slots == engine.scheduler.slots.num_slots
 
 
 @pytest.mark.kernel
