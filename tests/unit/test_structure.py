@@ -2,7 +2,7 @@
 no import circle (bench/ included); the shared package imports no service; the runtimes import
 neither each other nor Ray, pydantic, `deployments` or the planner; the request core and its
 adapters load no Ray and sit below the Serve layer; no `sys.path` edits; rooms of bounded size;
-the test helpers written once."""
+the test helpers written once; the engine's step reads in one screen."""
 
 from __future__ import annotations
 
@@ -181,3 +181,12 @@ def test_the_test_helpers_live_in_tests_support_only():
             for name in set(names) & helpers:
                 defined.setdefault(str(path.relative_to(ROOT)), []).append(name)
     assert defined == {}
+
+
+def test_the_engine_step_reads_in_one_screen():
+    """`LLMEngine.step()` stays schedule -> launch -> read -> postprocess: at most 20 lines of body."""
+    tree = ast.parse((ROOT / "llm_service" / "engine.py").read_text())
+    engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LLMEngine")
+    step = next(n for n in engine.body if isinstance(n, ast.FunctionDef) and n.name == "step")
+    body = step.body[1:] if ast.get_docstring(step) else step.body
+    assert body[-1].end_lineno - body[0].lineno + 1 <= 20

@@ -303,9 +303,9 @@ def _record_order(engine, events: list) -> None:
         return read(launched)
 
     def recording_launch(scheduled):
-        launched, times = launch(scheduled)
+        launched = launch(scheduled)
         events.append(("launched", launched))
-        return launched, times
+        return launched
 
     engine.runner.run, engine._read, engine._launch = recording_run, recording_read, recording_launch
 
