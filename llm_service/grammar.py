@@ -33,7 +33,7 @@ import torch
 
 from llm_service.config import EngineConfig
 from llm_service.sampling import DeviceSample, Grammar
-from llm_service.transfer import ints, to_device
+from llm_service.model.transfer import ints, to_device
 from mmserve.errors import InvalidRequest, grammar_engine_problem
 
 COMPILE_TIMEOUT_S = EngineConfig.grammar_compile_timeout_s  # the engine passes its `grammar_compile_timeout_s`

@@ -8,7 +8,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from llm_service.transfer import ints, to_device
+from llm_service.model.transfer import ints, to_device
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ from deployments.serve.metrics import EncoderMetrics, LLMMetrics, PoolMetrics
 from deployments.replica_env import resolve_model_dir, set_cpu_threads
 from deployments.serve.transport import resolve
 from llm_service.config import EngineConfig
-from llm_service.engine import LLMEngine, LLMRequest, TokenEvent
-from llm_service.experts import imbalance
-from llm_service.model import LanguageModel
+from llm_service.engine.llm_engine import LLMEngine, LLMRequest, TokenEvent
+from llm_service.model.experts import imbalance
+from llm_service.model.language_model import LanguageModel
 from mmserve.device import device_memory, hold_to_share, resolve_device
 from mmserve.errors import EmbeddingsLost, InvalidRequest, QueueFull
 from mmserve.inputs.embeddings import ItemEmbedding
@@ -90,7 +90,7 @@ class LLMDeployment:
         import torch
 
         from deployments.serve.tp_ranks import RankWorkers
-        from llm_service.tensor_parallel import DEFAULT_TIMEOUT_S, TPGroup
+        from llm_service.model.tensor_parallel import DEFAULT_TIMEOUT_S, TPGroup
 
         size = engine.tensor_parallel_size
         # a collective waits this long for a hung rank (a dead one fails it at once); loading the

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from llm_service.hybrid.state_cache import StateSpec
-from llm_service.transfer import to_device
+from llm_service.model.transfer import to_device
 from mmserve.inputs.positions import LinearPositions, PositionPlan
 
 

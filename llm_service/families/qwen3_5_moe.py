@@ -3,7 +3,7 @@ decoder `Qwen3_5MoeTextModel`.
 
 Every layer's MLP is a sparse block: `transformers`' softmax top-k router and its shared expert
 (behind a sigmoid gate) as they are, the routed experts on the engine's experts path
-(`llm_service.experts`, bound by the model runner onto the `(E, 2I, H)` / `(E, H, I)` experts
+(`llm_service.model.experts`, bound by the model runner onto the `(E, 2I, H)` / `(E, H, I)` experts
 modules). The published checkpoints hold the experts in that layout (`mlp.experts.gate_up_proj`,
 `mlp.experts.down_proj`); a checkpoint with one tensor per expert (`mlp.experts.<j>.gate_proj`,
 `up_proj`, `down_proj`, the layout `transformers` also reads for `qwen3_5_moe_text`) is stacked

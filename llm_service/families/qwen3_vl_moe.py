@@ -1,6 +1,6 @@
 """LM face of Qwen3-VL-MoE: Qwen3-VL's (interleaved M-RoPE, DeepStack) with the sparse decoder.
 
-Every sparse layer's experts run on the engine's experts path (`llm_service.experts`, bound by
+Every sparse layer's experts run on the engine's experts path (`llm_service.model.experts`, bound by
 the model runner); the router (softmax, top-k renormalised) is `transformers`' own.
 
 Checkpoint layouts of the experts: the published checkpoints (Qwen/Qwen3-VL-30B-A3B-*) hold

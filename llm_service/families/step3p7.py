@@ -1,7 +1,7 @@
 """LM face of Step3 (`model_type: step3p7`): `Step3p7TextModel` as it is (full and sliding-window
 layers with their own head counts and RoPE theta, per-head gate, dense and MoE MLPs), 1-D positions.
 
-Sliding-window layers need the paged engine's window masks (`llm_service.attention`, CPU SDPA
+Sliding-window layers need the paged engine's window masks (`llm_service.model.attention`, CPU SDPA
 path); the engine refuses the model on a backend without them. `use_bidirectional_attention`
 (a bidirectional window overlay) is not served.
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llm_service import experts
+from llm_service.model import experts
 from mmserve.tiny.qwen3_5 import QWEN3_5_CHAT_TEMPLATE
 from tests.support.cases import LONG_TEXT, image, image_question, text, user
 from tests.support.engine_support import Collector, language_model, make_engine, plan_request, run_until_done

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import json, sys, torch
-from llm_service.model import LanguageModel
+from llm_service.model.language_model import LanguageModel
 from encoder_service.runtime import VisionEncoder
 from mmserve.checkpoint import rss_bytes
 

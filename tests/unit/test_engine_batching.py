@@ -150,8 +150,8 @@ def test_prompt_larger_than_pool_is_an_error_not_a_crash(tiny_models):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_engine_matches_cpu_greedy(tiny_models):
     from llm_service.config import EngineConfig
-    from llm_service.engine import LLMEngine
-    from llm_service.model import LanguageModel
+    from llm_service.engine.llm_engine import LLMEngine
+    from llm_service.model.language_model import LanguageModel
 
     model_dir = tiny_models["qwen2_vl"]
     gpu = LLMEngine(LanguageModel(model_dir, dtype="float32", device="cuda"), EngineConfig(num_kv_blocks=256))

@@ -7,7 +7,7 @@ seeds, a hybrid (state-slot) model and the Triton kernel with the decode-graph b
 import pytest
 import torch
 
-from llm_service.batch_state import BatchState
+from llm_service.model.batch_state import BatchState
 from llm_service.sampling import SamplingParams, rows_from_lists, SampleInput
 from tests.support.engine_support import Collector, make_engine, mixed_cases, plan_request, reference_tokens, run_until_done
 
@@ -155,7 +155,7 @@ def test_repetition_penalty_equals_transformers_generate(tiny_models):
 
 def test_device_counts_equal_the_lists_they_replace():
     """`BatchState` penalty tensors after admissions and recorded tokens == counts of the lists."""
-    from llm_service.sequence import LLMRequest, Sequence
+    from llm_service.engine.sequence import LLMRequest, Sequence
 
     state = BatchState(4, 30, torch.device("cpu"))
     params = SamplingParams(max_tokens=9, repetition_penalty=1.2, frequency_penalty=0.3)
@@ -193,8 +193,8 @@ def test_triton_kernel_and_decode_graph_buffers_with_overlap(tiny_models, monkey
     """The Triton backend (interpreted) with the decode graphs' buffers run uncaptured: decode
     steps read their inputs from the rows' state on the device, the host reading ids a step late."""
     from llm_service.config import EngineConfig
-    from llm_service.cuda_graphs import DecodeGraphs
-    from llm_service.engine import LLMEngine
+    from llm_service.model.cuda_graphs import DecodeGraphs
+    from llm_service.engine.llm_engine import LLMEngine
     from tests.gpu.test_engine_triton import fp32_model
 
     model_dir = tiny_models["qwen2_vl"]
@@ -226,8 +226,8 @@ def test_cuda_overlap_with_captured_graphs_equals_sequential_steps_in_float32(ti
     """On the GPU: overlapped steps with decode graphs captured give the tokens of sequential
     steps, greedy, with penalties and seeded sampling (float32, the Triton kernel)."""
     from llm_service.config import EngineConfig
-    from llm_service.engine import LLMEngine
-    from llm_service.model import LanguageModel
+    from llm_service.engine.llm_engine import LLMEngine
+    from llm_service.model.language_model import LanguageModel
 
     model_dir = tiny_models["qwen2_vl"]
     model = LanguageModel(model_dir, dtype="float32", device="cuda")
@@ -254,8 +254,8 @@ def test_cuda_overlapped_steps_launch_without_waiting_for_the_device(tiny_models
     staging, the graph replay, sampling and the copies never synchronise with the device (CUDA's
     sync debug mode raises if they do); only the read of the step before waits, by its event."""
     from llm_service.config import EngineConfig
-    from llm_service.engine import LLMEngine
-    from llm_service.model import LanguageModel
+    from llm_service.engine.llm_engine import LLMEngine
+    from llm_service.model.language_model import LanguageModel
 
     model_dir = tiny_models["qwen2_vl"]
     engine = LLMEngine(LanguageModel(model_dir, dtype="float32", device="cuda"),

@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_service.block_manager import BlockManager
+from llm_service.engine.block_manager import BlockManager
 from tests.support.engine_support import Collector, image_prompt, make_engine, plan_request, run_until_done
 from tests.support.reference import reference_generate
 

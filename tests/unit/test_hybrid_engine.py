@@ -193,8 +193,8 @@ def test_triton_backend_reads_the_attention_layers_kv_and_equals_sdpa(minicpmv_d
     tokens as SDPA (float32)."""
     import mmserve.kernels.triton_attention as kernel
     from llm_service.config import EngineConfig
-    from llm_service.engine import LLMEngine
-    from llm_service.model import LanguageModel
+    from llm_service.engine.llm_engine import LLMEngine
+    from llm_service.model.language_model import LanguageModel
 
     model = LanguageModel(minicpmv_dir, dtype="float32", device="cuda" if torch.cuda.is_available() else "cpu")
     picks = [1, 7, 16]  # image, text, video

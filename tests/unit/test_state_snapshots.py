@@ -16,8 +16,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from llm_service.config import EngineConfig
 from llm_service.hybrid.state_snapshots import SnapshotManager
 from llm_service.sampling import SamplingParams
-from llm_service.scheduler import Scheduler
-from llm_service.sequence import LLMRequest, Sequence, Status
+from llm_service.engine.scheduler import Scheduler
+from llm_service.engine.sequence import LLMRequest, Sequence, Status
 from mmserve.inputs.embeddings import ItemEmbedding
 from mmserve.inputs.media import PlaceholderRange
 
@@ -204,7 +204,7 @@ test_snapshot_bookkeeping = SnapshotMachine.TestCase
 
 @pytest.mark.parametrize("share, snapshots", [(0.1, 10), (0.0, 0)])
 def test_pool_sizes_take_snapshots_from_the_budget(share, snapshots):
-    from llm_service.kv_cache import pool_sizes
+    from llm_service.model.kv_cache import pool_sizes
 
     config = EngineConfig(kv_cache_bytes=1000, state_snapshot_share=share, max_num_seqs=4)
     sizes = pool_sizes(config, block_bytes=50, slot_bytes=10, device=torch.device("cpu"))

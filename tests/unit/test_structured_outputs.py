@@ -241,7 +241,7 @@ def test_n_choices_interleave_and_a_stop_string_ends_only_its_choice(tiny_models
 
     from deployments.core.generation import Generation
     from llm_service.sampling import SamplingParams
-    from llm_service.sequence import TokenEvent
+    from llm_service.engine.sequence import TokenEvent
     from tests.support.core_fakes import FakeStream
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_models["qwen2_vl"])

@@ -72,7 +72,7 @@ class Streamed:
 
     def __init__(self, model_dir: str, data: bytes, header, pool: VideoDecodePool, frames=None):
         from deployments.core.llm_inputs import StreamedVideo
-        from llm_service.engine import LLMRequest
+        from llm_service.engine.llm_engine import LLMRequest
         from llm_service.sampling import SamplingParams
         from mmserve.request.prompt_plan import Message
         from tests.support.engine_support import make_engine

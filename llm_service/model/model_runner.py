@@ -7,15 +7,15 @@ from typing import NamedTuple
 
 import torch
 
-from llm_service import attention, experts
-from llm_service.attention import AttentionBatch
-from llm_service.batch_state import BatchState
+from llm_service.model import attention, experts
+from llm_service.model.attention import AttentionBatch
+from llm_service.model.batch_state import BatchState
 from llm_service.config import EngineConfig
 from llm_service.hybrid.state_cache import StateBatch, StatePool, resolve_config, slot_bytes
-from llm_service.kv_cache import allocate_pool, bytes_per_block, check_holds_a_sequence, pool_sizes
-from llm_service.model import LanguageModel
-from llm_service.scheduler import ScheduledSeq
-from llm_service.transfer import ints, to_device
+from llm_service.model.kv_cache import allocate_pool, bytes_per_block, check_holds_a_sequence, pool_sizes
+from llm_service.model.language_model import LanguageModel
+from llm_service.engine.scheduler import ScheduledSeq
+from llm_service.model.transfer import ints, to_device
 from mmserve.checkpoint import resolve_max_model_len
 
 logger = logging.getLogger(__name__)
@@ -67,7 +67,7 @@ class ModelRunner:
 
     `prepare` packs the scheduled chunks into one `(1, T, hidden)` sequence with per-token
     positions from each request's plan (shaped for the decoder by the family's LM face); `run`
-    runs the `transformers` decoder once with an `AttentionBatch` as its mask (see `llm_service.attention`)
+    runs the `transformers` decoder once with an `AttentionBatch` as its mask (see `llm_service.model.attention`)
     and, for a model with linear-attention layers, a `StateBatch` over the sequences' state slots
     (see `llm_service.hybrid.state_cache`), and returns the logits of the last token of each sequence that
     has caught up with its tokens (the ones that sample this step). `config` is the engine config
@@ -132,12 +132,12 @@ class ModelRunner:
         # the decoder's RMSNorms and SiLU MLPs in fewer kernels, before any graph captures them
         self.fused_ops = {}
         if self.device.type == "cuda" and config.fused_ops and self.backend == "triton":
-            from llm_service.fused_ops import fuse_decoder
+            from llm_service.model.fused_ops import fuse_decoder
 
             self.fused_ops = fuse_decoder(decoder)
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs and self.backend == "triton" and self.tp is None:
-            from llm_service.cuda_graphs import DecodeGraphs
+            from llm_service.model.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs.capture(self)
 
@@ -381,7 +381,7 @@ def rank_main(rank: int, size: int, init_method: str, model_dir: str, dtype: str
               config: EngineConfig, timeout_s: float | None = None) -> dict:
     """A tensor-parallel rank worker (rank >= 1): join the group, load this rank's shard, follow
     rank 0's steps until it stops the group; returns the group's collective counts."""
-    from llm_service.tensor_parallel import DEFAULT_TIMEOUT_S, TPGroup
+    from llm_service.model.tensor_parallel import DEFAULT_TIMEOUT_S, TPGroup
 
     group = TPGroup(rank, size, init_method, torch.device(device), timeout_s=timeout_s or DEFAULT_TIMEOUT_S)
     try:

@@ -13,7 +13,7 @@ Gated-DeltaNet layers by head (query/key heads as KV heads, value heads as atten
 embedding table, the norms and the routers are whole on every rank. A rank's KV pool and state
 slots hold its own heads.
 
-Ray-free: `llm_service.model_runner.rank_main` is what a rank worker process runs (a Ray actor
+Ray-free: `llm_service.model.model_runner.rank_main` is what a rank worker process runs (a Ray actor
 in the Serve app, a plain process in the tests).
 """
 

@@ -7,7 +7,7 @@
 correction bias) and its shared expert stay the family's own code around that call, so every
 config's routing rule is the one its checkpoint was trained with. `install(decoder)` binds
 `experts_forward` onto each such module (the classes `use_experts_implementation` decorates, as
-Qwen3-VL-MoE's, and those it does not, as Step3's), as `llm_service.attention` plugs the attention
+Qwen3-VL-MoE's, and those it does not, as Step3's), as `llm_service.model.attention` plugs the attention
 in. The forward:
 
 - sorts the step's (token, expert) pairs by expert and counts each expert's rows, on the device

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from llm_service.transfer import to_device
+from llm_service.model.transfer import to_device
 
 logger = logging.getLogger(__name__)
 ATTN_IMPLEMENTATION = "mmserve_paged"
