@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from llm_service.model.batch_state import BatchState
-from llm_service.sampling import SamplingParams, rows_from_lists, SampleInput
+from llm_service.sampling import SamplingParams
 from tests.support.engine_support import Collector, make_engine, mixed_cases, plan_request, reference_tokens, run_until_done
+from tests.support.sampling import SampleInput, rows_from_lists
 
 MAX_TOKENS = 8
 
