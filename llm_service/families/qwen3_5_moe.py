@@ -40,14 +40,12 @@ class Qwen3_5MoeLanguageModel(LanguageModelModules):
 
 
 class Qwen3_5MoeLMFace(Qwen3_5LMFace):
+    modules_class = Qwen3_5MoeLanguageModel
+
     def decoder_class(self) -> type:
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextModel
 
         return Qwen3_5MoeTextModel
-
-    def build(self, dtype: torch.dtype) -> LanguageModelModules:
-        modules = super().build(dtype)
-        return Qwen3_5MoeLanguageModel(modules.decoder, modules.lm_head, modules.tied)
 
 
 LM_FACE = Qwen3_5MoeLMFace

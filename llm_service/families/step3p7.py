@@ -64,6 +64,8 @@ class Step3LanguageModel(LanguageModelModules):
 
 
 class Step3LMFace(LMFace):
+    modules_class = Step3LanguageModel
+
     def __init__(self, config):
         super().__init__(config)
         if getattr(config.text_config, "use_bidirectional_attention", False):
@@ -76,10 +78,6 @@ class Step3LMFace(LMFace):
         from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
 
         return Step3p7TextModel
-
-    def build(self, dtype: torch.dtype) -> LanguageModelModules:
-        modules = super().build(dtype)
-        return Step3LanguageModel(modules.decoder, modules.lm_head, modules.tied)
 
 
 LM_FACE = Step3LMFace
