@@ -291,18 +291,6 @@ class ModelRunner:
             raise RuntimeError("a tensor-parallel step needs every input id on the host (no overlapped steps)")
         return ids, unread_at, unread_rows
 
-    def token_ids(self, scheduled: tuple[ScheduledSeq, ...]) -> torch.Tensor:
-        """The packed input ids on the device: from the host where it has them, from the rows'
-        last sampled token for an unread one."""
-        ids, unread_at, unread_rows = self._host_ids(scheduled)
-        return self._ids_on_device(ids, unread_at, unread_rows)
-
-    def _ids_on_device(self, ids: list[int], unread_at: list[int], unread_rows: list[int]) -> torch.Tensor:
-        out = ints(ids, self.device)
-        if unread_at:
-            out[self._index(unread_at)] = self.batch.last_token[self._index(unread_rows)]
-        return out
-
     def _pack_host(self, scheduled: tuple[ScheduledSeq, ...], sample_rows: list[int]) -> PackedStep:
         """The scheduled chunks packed into one sequence, on the host: what every rank needs."""
         bs = self.config.block_size
@@ -363,7 +351,9 @@ class ModelRunner:
             batch.gather_slots, batch.masks = attention.sdpa_metadata(p.q_lens, p.ctx_lens, p.slot_tables, dev,
                                                                       self.windows)
         rows = to_device((cu_q[1:] - 1).to(torch.long)[p.sample_rows], dev)
-        ids = self._ids_on_device(p.ids, p.unread_at, p.unread_rows)
+        ids = ints(p.ids, dev)  # an unread id: its row's last sampled token, on the device
+        if p.unread_at:
+            ids[self._index(p.unread_at)] = self.batch.last_token[self._index(p.unread_rows)]
         return ids, to_device(p.positions, dev), batch, rows, p.media, extra
 
     def _state_batch(self, ops: StateOps, q_lens: list[int]) -> StateBatch:
