@@ -209,16 +209,12 @@ def _attention(prefix: str, attn: nn.Module, rank: int, size: int, rules: dict[s
         raise ValueError(f"{heads} attention heads do not split over {size} ranks")
     q_first, q_count = part(heads, rank, size)
     kv_first, kv_count = part(kv_heads, rank, size)
-    q = rows(heads, q_first, q_count)
-    for name in ("q_proj", "g_proj"):  # a per-head gate (Step3) splits as the heads
-        if hasattr(attn, name):
-            rules[f"{prefix}{name}.weight"] = q
-            if getattr(attn, name).bias is not None:
-                rules[f"{prefix}{name}.bias"] = q
-    for name in ("k_proj", "v_proj"):
-        rules[f"{prefix}{name}.weight"] = rows(kv_heads, kv_first, kv_count)
-        if getattr(attn, name).bias is not None:
-            rules[f"{prefix}{name}.bias"] = rows(kv_heads, kv_first, kv_count)
+    q, kv = rows(heads, q_first, q_count), rows(kv_heads, kv_first, kv_count)
+    for name, rule in (("q_proj", q), ("g_proj", q), ("k_proj", kv), ("v_proj", kv)):  # g_proj: Step3's gate per head
+        if (proj := getattr(attn, name, None)) is not None:
+            rules[f"{prefix}{name}.weight"] = rule
+            if proj.bias is not None:
+                rules[f"{prefix}{name}.bias"] = rule
     rules[f"{prefix}o_proj.weight"] = rows(heads, q_first, q_count, dim=1)
     if attn.o_proj.bias is not None:
         rules[f"{prefix}o_proj.bias"] = zeros_unless(rank == 0)
