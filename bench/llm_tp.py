@@ -39,9 +39,9 @@ from llm_service.config import EngineConfig
 from llm_service.engine.llm_engine import LLMEngine, LLMRequest
 from llm_service.model.kv_cache import bytes_per_block
 from llm_service.model.language_model import LanguageModel
-from llm_service.sampling import SamplingParams
 from llm_service.model.model_runner import rank_main
 from llm_service.model.tensor_parallel import TPGroup, message_bytes
+from llm_service.sampling import SamplingParams
 
 SMALL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, vocab_size=4096, max_position_embeddings=4096)  # bench/llm.py's "small"

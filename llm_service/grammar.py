@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from llm_service.config import EngineConfig
-from llm_service.sampling import DeviceSample, Grammar
 from llm_service.model.transfer import ints, to_device
+from llm_service.sampling import DeviceSample, Grammar
 from mmserve.errors import InvalidRequest, grammar_engine_problem
 
 COMPILE_TIMEOUT_S = EngineConfig.grammar_compile_timeout_s  # the engine passes its `grammar_compile_timeout_s`

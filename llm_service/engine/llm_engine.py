@@ -35,14 +35,14 @@ from typing import NamedTuple
 import torch
 
 from llm_service.config import EngineConfig
+from llm_service.engine.scheduler import ScheduledSeq, Scheduler
+from llm_service.engine.sequence import LLMRequest, Sequence, TokenEvent
+from llm_service.engine.step_timing import StepClock, StepTimes
 from llm_service.grammar import GrammarCompiler, StepMasks
 from llm_service.model.language_model import LanguageModel
 from llm_service.model.model_runner import ModelRunner, StepInputs
 from llm_service.sampling import (DeviceSample, SamplingParams, SamplingRows, new_generator, sample_rows,
                                   settings_dtype)
-from llm_service.engine.scheduler import ScheduledSeq, Scheduler
-from llm_service.engine.sequence import LLMRequest, Sequence, TokenEvent
-from llm_service.engine.step_timing import StepClock, StepTimes
 from mmserve.errors import EngineError, InvalidRequest, Overloaded, ReplicaLost
 
 __all__ = ["EngineStats", "LLMEngine", "LLMRequest", "TokenEvent"]

@@ -7,11 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from llm_service.engine.block_manager import BlockManager
 from llm_service.config import EngineConfig
+from llm_service.engine.block_manager import BlockManager
+from llm_service.engine.sequence import Sequence, Status
 from llm_service.hybrid.state_slots import StateSlotManager
 from llm_service.hybrid.state_snapshots import SnapshotManager
-from llm_service.engine.sequence import Sequence, Status
 
 
 class ScheduledSeq(NamedTuple):

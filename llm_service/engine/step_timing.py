@@ -39,6 +39,7 @@ class StepClock:
 
     def __init__(self):
         self.log: list[StepTimes] | None = None
+        self.start()
 
     def start(self) -> None:
         self._spent = dict.fromkeys(PHASES, 0.0)

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from llm_service.sampling import SamplingRows, needs_settings, sampling_rows, settings_columns
 from llm_service.model.transfer import ints, to_device
+from llm_service.sampling import SamplingRows, needs_settings, sampling_rows, settings_columns
 
 
 class BatchState:

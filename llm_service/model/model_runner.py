@@ -7,14 +7,14 @@ from typing import NamedTuple
 
 import torch
 
+from llm_service.config import EngineConfig
+from llm_service.engine.scheduler import ScheduledSeq
+from llm_service.hybrid.state_cache import StateBatch, StatePool, resolve_config, slot_bytes
 from llm_service.model import attention, experts
 from llm_service.model.attention import AttentionBatch
 from llm_service.model.batch_state import BatchState
-from llm_service.config import EngineConfig
-from llm_service.hybrid.state_cache import StateBatch, StatePool, resolve_config, slot_bytes
 from llm_service.model.kv_cache import allocate_pool, bytes_per_block, check_holds_a_sequence, pool_sizes
 from llm_service.model.language_model import LanguageModel
-from llm_service.engine.scheduler import ScheduledSeq
 from llm_service.model.transfer import ints, to_device
 from mmserve.checkpoint import resolve_max_model_len
 

@@ -9,9 +9,9 @@ import copy
 import pytest
 import torch
 
-from llm_service.model import experts
 from llm_service.config import EngineConfig
 from llm_service.engine.llm_engine import LLMEngine
+from llm_service.model import experts
 from tests.support.cases import LONG_TEXT, family_cases, image, text, user
 from tests.support.engine_support import Collector, language_model, make_engine, plan_request, run_until_done
 from tests.support.reference import reference_generate

@@ -6,9 +6,9 @@ import functools
 import pytest
 import torch
 
-from llm_service.model import attention
 from llm_service.config import EngineConfig
 from llm_service.engine.llm_engine import LLMEngine
+from llm_service.model import attention
 from llm_service.model.language_model import LanguageModel
 from tests.support.engine_support import (Collector, image_prompt, make_engine, mixed_cases, plan_request,
                                          run_until_done)

@@ -3,8 +3,8 @@
 import torch
 
 from llm_service.sampling import SamplingParams, apply_penalties, filter_logits
-from tests.support.sampling import SampleInput, rows_from_lists, sample
 from tests.support.engine_support import Collector, make_engine, mixed_cases, plan_request, run_until_done
+from tests.support.sampling import SampleInput, rows_from_lists, sample
 
 
 def _inp(**kw):

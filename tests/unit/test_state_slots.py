@@ -8,10 +8,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from llm_service.config import EngineConfig
-from llm_service.hybrid.state_slots import StateSlotManager
-from llm_service.sampling import SamplingParams
 from llm_service.engine.scheduler import Scheduler
 from llm_service.engine.sequence import LLMRequest, Sequence, Status
+from llm_service.hybrid.state_slots import StateSlotManager
+from llm_service.sampling import SamplingParams
 
 BLOCK = 4
 

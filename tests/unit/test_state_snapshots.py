@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from llm_service.config import EngineConfig
-from llm_service.hybrid.state_snapshots import SnapshotManager
-from llm_service.sampling import SamplingParams
 from llm_service.engine.scheduler import Scheduler
 from llm_service.engine.sequence import LLMRequest, Sequence, Status
+from llm_service.hybrid.state_snapshots import SnapshotManager
+from llm_service.sampling import SamplingParams
 from mmserve.inputs.embeddings import ItemEmbedding
 from mmserve.inputs.media import PlaceholderRange
 
