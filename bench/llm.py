@@ -46,7 +46,7 @@ rest of the step (scheduling, inputs, sampling and masks, postprocessing; median
 step with constrained rows fills their masks after launching its forward, while it runs (on a
 CPU the forward has run by then: nothing is hidden, the figure checks the path costs no more).
 
---moe: one MoE layer at Qwen3-VL-30B-A3B's sizes, the engine's experts path (`llm_service.experts`)
+--moe: one MoE layer at Qwen3-VL-30B-A3B's sizes, the engine's experts path (`llm_service.model.experts`)
 against `transformers`' per-expert loop at batch 1 and 64, beside the floor of reading the touched
 experts' weights: bench/moe.py runs in this process's place with the other arguments (its own options).
 
@@ -72,9 +72,9 @@ from pathlib import Path
 import torch
 
 from llm_service.config import EngineConfig
-from llm_service.engine import LLMEngine, LLMRequest
-from llm_service.kv_cache import bytes_per_block
-from llm_service.model import LanguageModel
+from llm_service.engine.llm_engine import LLMEngine, LLMRequest
+from llm_service.model.kv_cache import bytes_per_block
+from llm_service.model.language_model import LanguageModel
 from llm_service.sampling import Grammar, SamplingParams
 from mmserve.loadgen.checkpoints import random_lm
 from mmserve.loadgen.device_peaks import peaks
@@ -180,7 +180,7 @@ def bench_hybrid_prefix(args) -> None:
         engine.shutdown()
         rows[name] = (statistics.median(firsts), statistics.median(seconds),
                       (stats.num_cached_tokens - cached) // repeats, stats)
-        if engine.snapshots is not None:
+        if engine.scheduler.snapshots is not None:
             result["snapshot_budget_mb"] = round(engine.runner.states.snapshot_bytes / 2**20, 1)
     off, on = rows["off"], rows["on"]
     prompt = sum(sizes)

@@ -5,7 +5,7 @@
     python bench/llm.py --tensor-parallel-size 2 --device cuda [--model DIR]   # >= 2 GPUs, one rank per GPU
 
 Same checkpoint, side by side in one run: a TP 1 engine, then a TP N one (rank 0 in this process,
-ranks 1..N-1 spawned processes running `llm_service.model_runner.rank_main`; gloo on loopback on
+ranks 1..N-1 spawned processes running `llm_service.model.model_runner.rank_main`; gloo on loopback on
 the CPU, NCCL on CUDA, rank r on cuda:r). The engines are stepped from this thread (no engine thread):
 `batch` sequences are admitted and prefilled, then `--steps` steady decode steps are timed (ms per
 step). The collectives' share: rank 0's host seconds inside `TPGroup.all_reduce` and
@@ -36,12 +36,12 @@ from pathlib import Path
 import torch
 
 from llm_service.config import EngineConfig
-from llm_service.engine import LLMEngine, LLMRequest
-from llm_service.kv_cache import bytes_per_block
-from llm_service.model import LanguageModel
+from llm_service.engine.llm_engine import LLMEngine, LLMRequest
+from llm_service.model.kv_cache import bytes_per_block
+from llm_service.model.language_model import LanguageModel
+from llm_service.model.model_runner import rank_main
+from llm_service.model.tensor_parallel import TPGroup, message_bytes
 from llm_service.sampling import SamplingParams
-from llm_service.model_runner import rank_main
-from llm_service.tensor_parallel import TPGroup, message_bytes
 from mmserve.loadgen.checkpoints import qwen2_vl_2b, random_lm
 
 BLOCK = 16

@@ -2,7 +2,7 @@
 
 Builds (once) a random Qwen2-VL-2B-Instruct checkpoint (`mmserve.loadgen.checkpoints.qwen2_vl_2b`,
 bf16 on disk, 2.2B parameters) and loads it, each in a fresh process, as an LLM replica does
-(`llm_service.model.LanguageModel`: the language model only), as an encoder replica does
+(`llm_service.model.language_model.LanguageModel`: the language model only), as an encoder replica does
 (`encoder_service.runtime.VisionEncoder`: the vision tower only), and as `transformers` does
 (`from_pretrained` of the whole model), in each dtype asked for. For each: the weights' bytes in
 memory, the peak growth of the process's resident memory while loading (Linux VmHWM, reset just
@@ -49,7 +49,7 @@ def child(role: str, dtype: str, model_dir: str) -> dict:
     from transformers import AutoModelForImageTextToText
 
     from encoder_service.runtime import VisionEncoder
-    from llm_service.model import LanguageModel
+    from llm_service.model.language_model import LanguageModel
 
     rss = _status("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:

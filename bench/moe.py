@@ -8,7 +8,7 @@
 The layer is `Qwen3VLMoeTextSparseMoeBlock` (hidden 2048, 128 experts of intermediate 768, top 8;
 its router included) with random normal(0, 0.02) weights. Paths, side by side on the same weights
 and inputs: `eager`, `transformers`' per-expert loop (`_experts_implementation = "eager"`);
-`grouped`, a copy of the block (weights shared) with `llm_service.experts.install` (expert-sorted
+`grouped`, a copy of the block (weights shared) with `llm_service.model.experts.install` (expert-sorted
 pairs, `torch._grouped_mm` where it fits); on CUDA also `triton`, the fused kernel
 (`mmserve.kernels.triton_moe`; skipped, said so, where the checkout lacks it), which the engine takes
 only where `torch._grouped_mm` cannot run (`moe_engine_path` says which the engine takes). The paths' outputs
@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from llm_service.experts import grouped_mm_runs, install
+from llm_service.model.experts import grouped_mm_runs, install
 
 FULL = dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
 QUICK = dict(hidden_size=256, moe_intermediate_size=128, num_experts=32, num_experts_per_tok=4)

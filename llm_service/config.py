@@ -12,7 +12,7 @@ class EngineConfig:
     `kv_cache_bytes` sizes the paged KV pool; None means a default: on CUDA,
     `gpu_memory_utilization` of this replica's `device_share` of the device (the fraction of a GPU
     it was given: an encoder replica may own the rest) minus what it already holds (weights), and
-    no more than the device has free (`llm_service.kv_cache.cuda_kv_budget`); on CPU 512 MiB.
+    no more than the device has free (`llm_service.model.kv_cache.cuda_kv_budget`); on CPU 512 MiB.
     `num_kv_blocks` overrides both (tests use it for a tiny pool). Models with linear-attention
     layers also keep a recurrent state per running sequence, in state slots taken from the same
     budget (`max_num_seqs` of them, as long as they fill at most half of it, at least one);
@@ -26,21 +26,21 @@ class EngineConfig:
     `max_graph_batch_size`. `enable_prefix_caching` reuses the K/V blocks of identical prompt
     prefixes (identical images included, by content hash) across requests. `attention_backend`:
     `auto` (Triton paged kernel on CUDA, SDPA on CPU), `sdpa` or `triton` (on CPU only under
-    `TRITON_INTERPRET=1`); checked when the model runner starts, see `llm_service.attention`.
+    `TRITON_INTERPRET=1`); checked when the model runner starts, see `llm_service.model.attention`.
     `async_scheduling` overlaps steps (the host prepares step N+1 while the device runs step N,
-    and reads the sampled ids a step late; see `llm_service.engine`); None: on for CUDA, where
+    and reads the sampled ids a step late; see `llm_service.engine.llm_engine`); None: on for CUDA, where
     the device runs behind the host, off elsewhere (a CPU runs each op as it is launched).
     `split_kv_decode`: the Triton kernel splits a decode step's keys into slices when its
     sequences x KV heads are too few programs to fill the device (flash-decoding;
     `mmserve.kernels.triton_attention.decode_splits`). `fused_ops`: on CUDA with the Triton backend, the
-    decoder's RMSNorms and SiLU MLPs run fused (`llm_service.fused_ops`).
+    decoder's RMSNorms and SiLU MLPs run fused (`llm_service.model.fused_ops`).
     `max_model_len`: the longest sequence (prompt + generated tokens) served; None: the
     checkpoint's `max_position_embeddings`, which it may not exceed
     (`mmserve.checkpoint.resolve_max_model_len`, the router's value too). The model runner
     refuses to start when the KV pool cannot hold one sequence that long, except with
     `num_kv_blocks` (tests' tiny pools, taken as given: a prompt over the pool is refused, a
     sequence that outgrows it alone ends with `length`). `tensor_parallel_size`: the ranks the
-    decoder is split over (`llm_service.tensor_parallel`; the group is the caller's, this says how
+    decoder is split over (`llm_service.model.tensor_parallel`; the group is the caller's, this says how
     many); above 1, every step is an eager packed one (no decode graphs, no overlapped steps).
     `grammar_compile_timeout_s`: how long a request waits for its `response_format` grammar to
     compile (`llm_service.grammar.GrammarCompiler`); past it the request is refused (the compile

@@ -25,15 +25,15 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from llm_service.config import EngineConfig
-from llm_service.sampling import Grammar
-from llm_service.transfer import ints, to_device
+from llm_service.model.transfer import ints, to_device
+from llm_service.sampling import DeviceSample, Grammar
 from mmserve.errors import InvalidRequest, grammar_engine_problem
 
 COMPILE_TIMEOUT_S = EngineConfig.grammar_compile_timeout_s  # the engine passes its `grammar_compile_timeout_s`
@@ -383,6 +383,39 @@ class StepMasks:
                 self._executor = LLExecutor(num_threads=self.threads)
             Matcher.fill_all(self._executor, matchers, host)
         return host
+
+    def sample(self, logits: torch.Tensor, seqs, sample: Callable[[], DeviceSample],
+               read_before: Callable[[], None]) -> DeviceSample:
+        """`sample()` of `logits` `(N, V)`, where each constrained row of `seqs` (its `matcher`
+        set) keeps only the tokens its grammar allows next: masked before sampling (`apply`), or
+        after it (`correct`) on CPU logits for the greedy rows that want neither logprobs nor
+        penalties.
+
+        A row's matcher needs the row's last token. With overlap, that token was sampled by the
+        step launched before this one and not read yet: `read_before` reads that step (and
+        postprocesses it) after this step's forward was launched and before its sampler, so the
+        device runs the forward while the host reads the ids and fills the masks (a step
+        without constrained rows waits for nothing). A row that finished at the step just read
+        (its grammar complete or refused, a stop id, an abort) has its token of this step
+        discarded: it gets no mask. The step before is read whenever this one has a constrained
+        row, which also means its mask's copy from the host buffer is done before the buffer is
+        filled again."""
+        if all(s.matcher is None for s in seqs):
+            return sample()
+        read_before()
+        cpu = logits.device.type == "cpu"
+        after, before = [], []
+        for j, s in enumerate(seqs):
+            if s.matcher is not None and not s.finished:
+                p = s.request.sampling
+                lazy = cpu and p.greedy and p.logprobs is None and not p.has_penalties
+                (after if lazy else before).append((j, s.matcher))
+        if before:
+            self.apply(logits, before)
+        result = sample()
+        if after:
+            self.correct(logits, result.token_ids, after)
+        return result
 
     def apply(self, logits: torch.Tensor, matchers: Sequence[tuple[int, Matcher]]) -> None:
         """Mask `logits` `(N, V)` in place: row `i` of each `(i, matcher)` keeps only the tokens its

@@ -8,7 +8,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from llm_service.transfer import ints, to_device
+from llm_service.model.transfer import ints
 
 
 @dataclass(frozen=True)
@@ -64,13 +64,6 @@ def new_generator(params: SamplingParams, device: torch.device) -> torch.Generat
         return None
     # any integer seed works: reduced to the 64 bits torch takes (negative int64 seeds unchanged)
     return torch.Generator(device=device).manual_seed(params.seed & (2**64 - 1))
-
-
-class SampleInput(NamedTuple):
-    params: SamplingParams
-    generator: torch.Generator | None
-    prompt_ids: Sequence[int]
-    output_ids: Sequence[int]
 
 
 class SampleResult(NamedTuple):
@@ -146,35 +139,12 @@ def sampling_rows(params: Sequence[SamplingParams], generators: Sequence[torch.G
                         col[:, 4], col[:, 5], col[:, 6], output_counts, seen)
 
 
-def _counts(rows: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    counts = torch.zeros(len(rows), vocab, dtype=torch.int32, device=device)
-    for i, ids in enumerate(rows):
-        if ids:
-            t = torch.tensor(list(ids), dtype=torch.long, device=device)
-            counts[i].index_add_(0, t, torch.ones_like(t, dtype=torch.int32))
-    return counts
-
-
 def settings_dtype(logits: torch.Tensor) -> torch.dtype:
     """The dtype the sampler reads settings in: the logits', widened from half precision."""
     return logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def rows_from_lists(logits: torch.Tensor, inputs: Sequence[SampleInput]) -> SamplingRows:
-    """`SamplingRows` from host lists (prompt and output ids counted here, every call)."""
-    dtype = settings_dtype(logits)
-    settings = to_device(torch.tensor(settings_columns([x.params for x in inputs]), dtype=dtype), logits.device)
-    counts = seen = None
-    if any(x.params.has_penalties for x in inputs):
-        vocab = logits.shape[-1]
-        counts = _counts([x.output_ids for x in inputs], vocab, logits.device)
-        seen = (_counts([x.prompt_ids for x in inputs], vocab, logits.device) + counts) > 0
-    return sampling_rows([x.params for x in inputs], [x.generator for x in inputs], settings, counts, seen)
-
-
-def apply_penalties(logits: torch.Tensor, rows: SamplingRows | Sequence[SampleInput]) -> torch.Tensor:
-    if not isinstance(rows, SamplingRows):
-        rows = rows_from_lists(logits, rows)
+def apply_penalties(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     out, seen = rows.output_counts, rows.seen
     rep = rows.repetition_penalty.to(logits.dtype).expand_as(logits)
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
@@ -182,10 +152,8 @@ def apply_penalties(logits: torch.Tensor, rows: SamplingRows | Sequence[SampleIn
     return logits - rows.presence_penalty.to(logits.dtype) * (out > 0)
 
 
-def filter_logits(logits: torch.Tensor, rows: SamplingRows | Sequence[SampleInput]) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks (-inf), row by row in one batch."""
-    if not isinstance(rows, SamplingRows):
-        rows = rows_from_lists(logits, rows)
     params = rows.params
     logits = logits / rows.temperature.to(logits.dtype).clamp_min(1e-6)
     vocab = logits.shape[-1]
@@ -246,9 +214,3 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, max_logprobs: int = 20
     n = min(max(wanted), max_logprobs, lp.shape[-1])
     top_v, top_i = lp.topk(n, dim=-1) if n > 0 else (lp[:, :0], lp[:, :0].long())
     return DeviceSample(tokens, chosen, top_i, top_v)
-
-
-def sample(logits: torch.Tensor, inputs: Sequence[SampleInput], max_logprobs: int = 20) -> SampleResult:
-    """`sample_rows` over host lists (each row follows `inputs[i]`), read back to the host."""
-    rows = rows_from_lists(logits, inputs)
-    return sample_rows(logits, rows, max_logprobs).to_host(rows)

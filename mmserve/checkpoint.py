@@ -176,7 +176,7 @@ def load_weights(module: nn.Module, model_dir: str | Path, rename: Callable[[str
     Every parameter and persistent buffer must be loaded except the `optional` ones (tied weights).
     `on_read(key, tensor)` sees each tensor as the file holds it (e.g. to fingerprint the weights).
     `take(name, tensor)`: the part of a module tensor this process holds (a tensor-parallel
-    shard, `llm_service.tensor_parallel`), applied before it is placed.
+    shard, `llm_service.model.tensor_parallel`), applied before it is placed.
     """
     start, rss0 = time.perf_counter(), rss_bytes()
     peak = 0

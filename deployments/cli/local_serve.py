@@ -350,7 +350,7 @@ def gpu_shares(ns: argparse.Namespace, model_dir: str):
     there is nothing to choose (no GPU seen, `--device cpu`, both flags given). RefusedToStart when
     the models do not fit the GPUs."""
     from deployments.cli.gpu_shares import GpuShares, choose_gpu_shares, visible_gpu_memory
-    from llm_service.model import weight_split
+    from llm_service.model.language_model import weight_split
 
     if ns.device == "cpu" or (ns.encoder_gpus is not None and ns.llm_gpus is not None):
         return None

@@ -33,7 +33,7 @@ from typing import Protocol
 
 from deployments.core.failures import replica_lost, root_cause
 from deployments.core.llm_inputs import EmbeddingHandle, PendingRequest
-from llm_service.sequence import TokenEvent
+from llm_service.engine.sequence import TokenEvent
 from mmserve.errors import EmbeddingsLost
 
 Reencode = Callable[[tuple[EmbeddingHandle, ...], tuple[int, ...]], Awaitable[tuple[EmbeddingHandle, ...]]]

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from deployments.core.failures import client_error, root_cause
 from deployments.core.llm_inputs import EmbeddingHandle, PendingRequest, StreamedVideo
 from deployments.core.video_stream import Encode, Frames, VideoStream
-from llm_service.engine import EngineStats, LLMEngine, LLMRequest, TokenEvent
+from llm_service.engine.llm_engine import EngineStats, LLMEngine, LLMRequest, TokenEvent
 from mmserve.errors import EmbeddingsLost, QueueFull
 from mmserve.inputs.embeddings import ItemEmbedding
 from mmserve.inputs.encode_timing import embedding_stages

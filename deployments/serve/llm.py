@@ -28,8 +28,8 @@ from deployments.serve.metrics import LLMMetrics
 from deployments.serve.transport import GrpcFetcher, resolve
 from deployments.serve.video_decoder import ServeVideoClient
 from llm_service.config import EngineConfig
-from llm_service.engine import LLMEngine, TokenEvent
-from llm_service.model import LanguageModel
+from llm_service.engine.llm_engine import LLMEngine, TokenEvent
+from llm_service.model.language_model import LanguageModel
 from mmserve.device import device_memory, hold_to_share, resolve_device
 from mmserve.inputs.embeddings import ItemEmbedding
 from mmserve.inputs.media import EncodeItem
@@ -84,7 +84,7 @@ class LLMDeployment:
         import torch
 
         from deployments.serve.tp_ranks import RankWorkers
-        from llm_service.tensor_parallel import DEFAULT_TIMEOUT_S, TPGroup
+        from llm_service.model.tensor_parallel import DEFAULT_TIMEOUT_S, TPGroup
 
         size = engine.tensor_parallel_size
         # a collective waits this long for a hung rank (a dead one fails it at once); loading the

@@ -9,8 +9,8 @@ from deployments.core.llm_inputs import PendingRequest
 from deployments.core.llm_replica import ReplicaListener
 from deployments.core.request_core import RequestListener
 from encoder_service.pool import BatchRecord, Lookup, PoolListener
-from llm_service.engine import EngineStats, LLMEngine, TokenEvent
-from llm_service.experts import imbalance
+from llm_service.engine.llm_engine import EngineStats, LLMEngine, TokenEvent
+from llm_service.model.experts import imbalance
 
 _LATENCY_MS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000]
 _SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536]

@@ -1,6 +1,6 @@
 """The other ranks of a tensor-parallel LLM replica: one Ray actor per rank, in the replica's own
 placement group (`DeploymentArgs.placement`: bundle 0 is the replica's, bundle i rank i's, all on
-one node), each running `llm_service.model_runner.rank_main` until rank 0 (the replica, through
+one node), each running `llm_service.model.model_runner.rank_main` until rank 0 (the replica, through
 its engine) stops the group.
 
 The replica and its ranks live and die together. A rank that ends (killed, crashed, its node
@@ -63,7 +63,7 @@ class TPRank:
         import torch
 
         from deployments.replica_env import resolve_model_dir
-        from llm_service.model_runner import rank_main
+        from llm_service.model.model_runner import rank_main
         from mmserve.device import resolve_device
 
         model_dir, device = resolve_model_dir(model), resolve_device(device)
@@ -82,7 +82,7 @@ class TPRank:
 class RankWorkers:
     """The `size - 1` other ranks of the calling replica (its placement group's bundles 1..), started
     at once; the group's `init_method` on loopback: every rank is on this node (the placement group is
-    STRICT_PACK), and rank 0's store listens on that address alone (`llm_service.tensor_parallel`)."""
+    STRICT_PACK), and rank 0's store listens on that address alone (`llm_service.model.tensor_parallel`)."""
 
     def __init__(self, size: int, replica: str, model: str | None, device: str, dtype: str, config, threads: int,
                  timeout_s: float):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from llm_service.hybrid.state_cache import StateSpec
-from llm_service.transfer import to_device
+from llm_service.model.transfer import to_device
 from mmserve.inputs.positions import LinearPositions, PositionPlan
 
 
@@ -41,7 +41,10 @@ class LanguageModelModules(nn.Module):
 
 
 class LMFace(ABC):
-    """One family's language side, built from the checkpoint's `transformers` config."""
+    """One family's language side, built from the checkpoint's `transformers` config (its modules
+    a `modules_class`: one with a `convert` of the family's checkpoint layout)."""
+
+    modules_class: type[LanguageModelModules] = LanguageModelModules
 
     def __init__(self, config):
         self.config = config
@@ -64,7 +67,7 @@ class LMFace(ABC):
             decoder = self.decoder_class()._from_config(text, dtype=dtype)
             lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=dtype,
                                 device="meta" if tied else None)
-        return LanguageModelModules(decoder, lm_head, tied)
+        return self.modules_class(decoder, lm_head, tied)
 
     def text_positions(self) -> PositionPlan:
         """The plan of a prompt without media (requests that come without one); 1-D unless the

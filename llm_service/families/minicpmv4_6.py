@@ -8,35 +8,18 @@ Checkpoint keys: `model.language_model.<decoder key>` and `lm_head.weight` (no l
 
 from __future__ import annotations
 
-import torch
-
-from llm_service.families.base import LanguageModelModules, LMFace
-from llm_service.families.qwen3_5_text import pack_linear_attention, state_layers
-from llm_service.hybrid.state_cache import StateSpec
+from llm_service.families.qwen3_5_text import HybridLMFace
 
 _DECODER_PREFIX = "model.language_model."
 
 
-class MiniCPMVLMFace(LMFace):
+class MiniCPMVLMFace(HybridLMFace):
     def rename(self, key: str) -> str | None:
         if key == "lm_head.weight":
             return key
         if key.startswith(_DECODER_PREFIX):
             return "decoder." + key[len(_DECODER_PREFIX):]
         return None
-
-    def state_layers(self) -> tuple[StateSpec, ...]:
-        return state_layers(self.config.text_config)
-
-    def decoder_class(self) -> type:
-        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
-
-        return Qwen3_5TextModel
-
-    def build(self, dtype: torch.dtype) -> LanguageModelModules:
-        modules = super().build(dtype)
-        pack_linear_attention(modules.decoder)
-        return modules
 
 
 LM_FACE = MiniCPMVLMFace

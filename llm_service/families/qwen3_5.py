@@ -14,27 +14,12 @@ multi-token-prediction layers (`mtp.*`) are not read.
 
 from __future__ import annotations
 
-import torch
-
-from llm_service.families.base import LanguageModelModules
 from llm_service.families.qwen2_vl import QwenVLLMFace
-from llm_service.families.qwen3_5_text import pack_linear_attention, state_layers
-from llm_service.hybrid.state_cache import StateSpec
+from llm_service.families.qwen3_5_text import HybridLMFace
 
 
-class Qwen3_5LMFace(QwenVLLMFace):
-    def decoder_class(self) -> type:
-        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
-
-        return Qwen3_5TextModel
-
-    def state_layers(self) -> tuple[StateSpec, ...]:
-        return state_layers(self.config.text_config)
-
-    def build(self, dtype: torch.dtype) -> LanguageModelModules:
-        modules = super().build(dtype)
-        pack_linear_attention(modules.decoder)
-        return modules
+class Qwen3_5LMFace(HybridLMFace, QwenVLLMFace):
+    """The hybrid decoder's face with Qwen's checkpoint keys and M-RoPE positions."""
 
 
 LM_FACE = Qwen3_5LMFace

@@ -3,7 +3,7 @@ decoder `Qwen3_5MoeTextModel`.
 
 Every layer's MLP is a sparse block: `transformers`' softmax top-k router and its shared expert
 (behind a sigmoid gate) as they are, the routed experts on the engine's experts path
-(`llm_service.experts`, bound by the model runner onto the `(E, 2I, H)` / `(E, H, I)` experts
+(`llm_service.model.experts`, bound by the model runner onto the `(E, 2I, H)` / `(E, H, I)` experts
 modules). The published checkpoints hold the experts in that layout (`mlp.experts.gate_up_proj`,
 `mlp.experts.down_proj`); a checkpoint with one tensor per expert (`mlp.experts.<j>.gate_proj`,
 `up_proj`, `down_proj`, the layout `transformers` also reads for `qwen3_5_moe_text`) is stacked
@@ -40,14 +40,12 @@ class Qwen3_5MoeLanguageModel(LanguageModelModules):
 
 
 class Qwen3_5MoeLMFace(Qwen3_5LMFace):
+    modules_class = Qwen3_5MoeLanguageModel
+
     def decoder_class(self) -> type:
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextModel
 
         return Qwen3_5MoeTextModel
-
-    def build(self, dtype: torch.dtype) -> LanguageModelModules:
-        modules = super().build(dtype)
-        return Qwen3_5MoeLanguageModel(modules.decoder, modules.lm_head, modules.tied)
 
 
 LM_FACE = Qwen3_5MoeLMFace

@@ -15,6 +15,7 @@ import torch
 from transformers.activations import ACT2FN
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
+from llm_service.families.base import LanguageModelModules, LMFace
 from llm_service.hybrid.gated_deltanet import causal_conv1d, gated_delta_rule
 from llm_service.hybrid.state_cache import StateBatch, StateSpec
 
@@ -56,8 +57,21 @@ def state_layers(text_config) -> tuple[StateSpec, ...]:
                  for i, t in enumerate(c.layer_types[:c.num_hidden_layers]) if t == LINEAR_ATTENTION)
 
 
-def pack_linear_attention(decoder) -> None:
-    """A `Qwen3_5TextModel`'s linear-attention layers run the packed step (in place)."""
-    for layer in decoder.layers:
-        if layer.block_type == LINEAR_ATTENTION:
-            layer.linear_attn.__class__ = PackedGatedDeltaNet  # same module and weights, packed forward
+class HybridLMFace(LMFace):
+    """A face on this decoder (`Qwen3_5TextModel` unless a subclass says otherwise): its
+    linear-attention layers declared (`state_layers`) and run on the packed step."""
+
+    def decoder_class(self) -> type:
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel
+
+        return Qwen3_5TextModel
+
+    def state_layers(self) -> tuple[StateSpec, ...]:
+        return state_layers(self.config.text_config)
+
+    def build(self, dtype: torch.dtype) -> LanguageModelModules:
+        modules = super().build(dtype)
+        for layer in modules.decoder.layers:
+            if layer.block_type == LINEAR_ATTENTION:
+                layer.linear_attn.__class__ = PackedGatedDeltaNet  # same module and weights, packed forward
+        return modules

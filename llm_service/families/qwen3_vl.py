@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from llm_service.families.qwen2_vl import QwenVLLMFace
-from llm_service.transfer import to_device
+from llm_service.model.transfer import to_device
 
 
 class Qwen3VLLMFace(QwenVLLMFace):

@@ -1,6 +1,6 @@
 """LM face of Qwen3-VL-MoE: Qwen3-VL's (interleaved M-RoPE, DeepStack) with the sparse decoder.
 
-Every sparse layer's experts run on the engine's experts path (`llm_service.experts`, bound by
+Every sparse layer's experts run on the engine's experts path (`llm_service.model.experts`, bound by
 the model runner); the router (softmax, top-k renormalised) is `transformers`' own.
 
 Checkpoint layouts of the experts: the published checkpoints (Qwen/Qwen3-VL-30B-A3B-*) hold
@@ -32,6 +32,8 @@ class Qwen3VLMoeLanguageModel(LanguageModelModules):
 
 
 class Qwen3VLMoeLMFace(Qwen3VLLMFace):
+    modules_class = Qwen3VLMoeLanguageModel
+
     def rename(self, key: str) -> str | None:
         name = super().rename(key)
         return name + _AS_STORED if name is not None and name.endswith(_EXPERTS) else name
@@ -40,10 +42,6 @@ class Qwen3VLMoeLMFace(Qwen3VLLMFace):
         from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextModel
 
         return Qwen3VLMoeTextModel
-
-    def build(self, dtype: torch.dtype) -> LanguageModelModules:
-        modules = super().build(dtype)
-        return Qwen3VLMoeLanguageModel(modules.decoder, modules.lm_head, modules.tied)
 
 
 LM_FACE = Qwen3VLMoeLMFace

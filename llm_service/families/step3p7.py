@@ -1,7 +1,7 @@
 """LM face of Step3 (`model_type: step3p7`): `Step3p7TextModel` as it is (full and sliding-window
 layers with their own head counts and RoPE theta, per-head gate, dense and MoE MLPs), 1-D positions.
 
-Sliding-window layers need the paged engine's window masks (`llm_service.attention`, CPU SDPA
+Sliding-window layers need the paged engine's window masks (`llm_service.model.attention`, CPU SDPA
 path); the engine refuses the model on a backend without them. `use_bidirectional_attention`
 (a bidirectional window overlay) is not served.
 
@@ -64,6 +64,8 @@ class Step3LanguageModel(LanguageModelModules):
 
 
 class Step3LMFace(LMFace):
+    modules_class = Step3LanguageModel
+
     def __init__(self, config):
         super().__init__(config)
         if getattr(config.text_config, "use_bidirectional_attention", False):
@@ -76,10 +78,6 @@ class Step3LMFace(LMFace):
         from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
 
         return Step3p7TextModel
-
-    def build(self, dtype: torch.dtype) -> LanguageModelModules:
-        modules = super().build(dtype)
-        return Step3LanguageModel(modules.decoder, modules.lm_head, modules.tied)
 
 
 LM_FACE = Step3LMFace

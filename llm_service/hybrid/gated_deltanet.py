@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from llm_service.hybrid.state_cache import StateBatch
-from llm_service.transfer import ints, to_device
+from llm_service.model.transfer import ints, to_device
 
 CHUNK_SIZE = 64  # transformers' chunk_size: the same padding gives the same float32 rounding
 

@@ -12,7 +12,9 @@ The tensors live here, one row per slot; which sequence holds which slot is
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -37,9 +39,8 @@ class StateSpec:
     recurrent_dtype: torch.dtype = torch.float32
 
     def nbytes(self, dtype: torch.dtype) -> int:
-        conv = self.conv_shape[0] * self.conv_shape[1] * _itemsize(dtype)
-        recurrent = _numel(self.recurrent_shape) * _itemsize(self.recurrent_dtype)
-        return conv + recurrent
+        recurrent = math.prod(self.recurrent_shape) * self.recurrent_dtype.itemsize
+        return math.prod(self.conv_shape) * dtype.itemsize + recurrent
 
 
 def slot_bytes(specs: tuple[StateSpec, ...], dtype: torch.dtype) -> int:
@@ -119,18 +120,4 @@ class StateBatch:
 
     @property
     def cu_seqlens(self) -> list[int]:
-        out = [0]
-        for n in self.q_lens:
-            out.append(out[-1] + n)
-        return out
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+        return list(itertools.accumulate(self.q_lens, initial=0))

@@ -1,7 +1,7 @@
 """The app's caches as the routing simulation (`mmserve.capacity.routing`) keeps them: an encoder
 replica's embedding cache (bytes, LRU: `encoder_service/cache.py`) and an LLM replica's prefix cache
 (KV blocks by prefix hash; an unreferenced block stays cached until the pool needs it, the least
-recently freed first: `llm_service/block_manager.py`). Bookkeeping only: keys and sizes."""
+recently freed first: `llm_service/engine/block_manager.py`). Bookkeeping only: keys and sizes."""
 
 from __future__ import annotations
 

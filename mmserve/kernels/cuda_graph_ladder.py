@@ -1,5 +1,5 @@
 """CUDA graphs of one step at a ladder of sizes, shared by the LLM's decode graphs
-(`llm_service.cuda_graphs`) and the encoder's graphs by token budget (`encoder_service.vit_graphs`)."""
+(`llm_service.model.cuda_graphs`) and the encoder's graphs by token budget (`encoder_service.vit_graphs`)."""
 
 from __future__ import annotations
 

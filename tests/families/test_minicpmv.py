@@ -69,7 +69,7 @@ def test_image_ids_number_images_in_prompt_order(minicpmv_dir):
 
 
 def test_llm_loads_only_the_lm_and_declares_its_linear_attention_layers(minicpmv_dir):
-    from llm_service.model import LanguageModel
+    from llm_service.model.language_model import LanguageModel
 
     model = LanguageModel(minicpmv_dir, dtype="float32")
     types = model.text_config.layer_types

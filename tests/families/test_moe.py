@@ -1,4 +1,4 @@
-"""The engine's experts path (llm_service/experts.py) on the MoE families: each layer equals
+"""The engine's experts path (llm_service/model/experts.py) on the MoE families: each layer equals
 `transformers`' per-expert loop for any routing, the served tokens equal `generate` with prefix
 caching and through the decode graphs' step, and the load counters count every routed token."""
 
@@ -9,9 +9,9 @@ import copy
 import pytest
 import torch
 
-from llm_service import experts
 from llm_service.config import EngineConfig
-from llm_service.engine import LLMEngine
+from llm_service.engine.llm_engine import LLMEngine
+from llm_service.model import experts
 from tests.support.cases import LONG_TEXT, family_cases, image, text, user
 from tests.support.engine_support import Collector, language_model, make_engine, plan_request, run_until_done
 from tests.support.reference import reference_generate
@@ -131,8 +131,8 @@ def test_a_repeated_long_prompt_reuses_its_blocks_with_the_moe_layers(tiny_check
 def test_decode_graph_steps_with_moe_layers_equal_monolithic(tiny_checkpoint):
     """The decode graphs' step (the capture ladder's padded sizes, run uncaptured; on CPU through the
     Triton interpreter): the experts path sees padded batches and the tokens stay exact."""
-    from llm_service.cuda_graphs import DecodeGraphs
-    from llm_service.model import LanguageModel
+    from llm_service.model.cuda_graphs import DecodeGraphs
+    from llm_service.model.language_model import LanguageModel
 
     model_dir = tiny_checkpoint("qwen3_vl_moe")
     engine = LLMEngine(LanguageModel(model_dir, dtype="float32", device=KERNEL_DEVICE), EngineConfig(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llm_service import experts
+from llm_service.model import experts
 from mmserve.tiny.qwen3_5 import QWEN3_5_CHAT_TEMPLATE
 from tests.support.cases import LONG_TEXT, image, image_question, text, user
 from tests.support.engine_support import Collector, language_model, make_engine, plan_request, run_until_done
@@ -84,7 +84,7 @@ def test_a_repeated_long_prompt_resumes_from_its_snapshots_with_the_moe_layers(t
     block boundary before its final token): its experts see only the rest of the prompt."""
     model_dir = tiny_checkpoint("qwen3_5_moe")
     engine = make_engine(model_dir, block_size=8)
-    assert engine.config.enable_prefix_caching and engine.snapshots is not None
+    assert engine.config.enable_prefix_caching and engine.scheduler.snapshots is not None
     messages = user(image(64, 64, 8), text(LONG_TEXT))
     prompt = len(plan_request(model_dir, messages, "x", 1).prompt_token_ids)
     expected = reference_generate(model_dir, messages, 6)

@@ -124,8 +124,8 @@ def test_long_prompt_is_long(step3_dir):
 
 def test_engine_reads_each_layers_window(step3_dir):
     from llm_service.config import EngineConfig
-    from llm_service.model import LanguageModel
-    from llm_service.model_runner import ModelRunner
+    from llm_service.model.language_model import LanguageModel
+    from llm_service.model.model_runner import ModelRunner
 
     model = LanguageModel(step3_dir, dtype="float32")
     text = model.text_config

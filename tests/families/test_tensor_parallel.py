@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from llm_service import tensor_parallel
-from llm_service.model import LanguageModel
+from llm_service.model import tensor_parallel
+from llm_service.model.language_model import LanguageModel
 from mmserve.errors import ReplicaLost
 from tests.support.cases import CASE_TOKENS, family_cases
 from tests.support.engine_support import Collector, plan_request, run_until_done

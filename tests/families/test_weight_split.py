@@ -23,7 +23,7 @@ def _encoder(model_dir: str):
 
 @functools.lru_cache(maxsize=4)
 def _llm(model_dir: str):
-    from llm_service.model import LanguageModel
+    from llm_service.model.language_model import LanguageModel
 
     return LanguageModel(model_dir, dtype="float32")
 

@@ -6,10 +6,10 @@ import functools
 import pytest
 import torch
 
-from llm_service import attention
 from llm_service.config import EngineConfig
-from llm_service.engine import LLMEngine
-from llm_service.model import LanguageModel
+from llm_service.engine.llm_engine import LLMEngine
+from llm_service.model import attention
+from llm_service.model.language_model import LanguageModel
 from tests.support.engine_support import (Collector, image_prompt, make_engine, mixed_cases, plan_request,
                                          run_until_done)
 
@@ -136,8 +136,8 @@ def test_layer_windows_follow_layer_types():
 
 
 def test_failed_graph_capture_disables_graphs_and_says_why(tiny_models, monkeypatch, caplog):
-    from llm_service import cuda_graphs
-    from llm_service.cuda_graphs import DecodeGraphs, graph_batch_sizes
+    from llm_service.model import cuda_graphs
+    from llm_service.model.cuda_graphs import DecodeGraphs, graph_batch_sizes
 
     assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 24, 32, 40]
     engine = make_engine(tiny_models["qwen2_vl"], num_kv_blocks=32)
@@ -157,7 +157,7 @@ def test_failed_graph_capture_disables_graphs_and_says_why(tiny_models, monkeypa
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bf16_engine_runs_the_triton_kernel_and_decode_graphs(tiny_models, monkeypatch):
     import mmserve.kernels.triton_attention as kernel
-    from llm_service.cuda_graphs import DecodeGraphs
+    from llm_service.model.cuda_graphs import DecodeGraphs
 
     model_dir = tiny_models["qwen2_vl"]
     engine = LLMEngine(LanguageModel(model_dir, dtype="bfloat16", device="cuda"),
@@ -204,7 +204,7 @@ def test_a_decode_graph_step_reads_only_long_lived_tensors_and_gives_the_packed_
     capture and its memory reused, and replays would read garbage."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from llm_service.cuda_graphs import DecodeGraphs
+    from llm_service.model.cuda_graphs import DecodeGraphs
 
     model_dir = tiny_models["qwen2_vl"]
     engine = LLMEngine(fp32_model(model_dir), EngineConfig(attention_backend="triton", max_graph_batch_size=8,

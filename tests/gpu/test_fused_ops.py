@@ -1,4 +1,4 @@
-"""The decoder's fused RMSNorm and SiLU x up (llm_service/fused_ops.py) against the modules they
+"""The decoder's fused RMSNorm and SiLU x up (llm_service/model/fused_ops.py) against the modules they
 replace: the kernels (Triton's interpreter on CPU), a fused model's greedy tokens, a module whose
 math differs left alone, and the compile for a Hopper GPU."""
 
@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from llm_service.fused_ops import fuse_decoder, rms_norm, silu_mul
+from llm_service.model.fused_ops import fuse_decoder, rms_norm, silu_mul
 
 pytestmark = pytest.mark.kernel
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -45,8 +45,8 @@ def test_silu_mul_is_silu_of_the_gate_times_up(rows, width, dtype):
 def test_a_fused_model_keeps_its_greedy_tokens_and_its_weights(tiny_models):
     """float32 (on CPU the kernels run in the interpreter): the unfused model's tokens."""
     from llm_service.config import EngineConfig
-    from llm_service.engine import LLMEngine
-    from llm_service.model import LanguageModel
+    from llm_service.engine.llm_engine import LLMEngine
+    from llm_service.model.language_model import LanguageModel
     from tests.support.engine_support import Collector, mixed_cases, plan_request, run_until_done
 
     model_dir = tiny_models["qwen2_vl"]
@@ -88,7 +88,7 @@ def test_a_norm_with_other_math_is_left_alone(caplog):
 
 def compile_for_sm90() -> list[str]:
     """The fused kernels compiled to Hopper cubins (ptxas ships with Triton; no GPU needed)."""
-    from llm_service.fused_ops import _rms_norm_kernel, _silu_mul_kernel
+    from llm_service.model.fused_ops import _rms_norm_kernel, _silu_mul_kernel
     from tests.support.sm90 import compile_sm90
 
     norm = compile_sm90(_rms_norm_kernel, {"BLOCK": 2048}, {"X": "*bf16", "W": "*bf16", "Y": "*bf16"}, {"eps": "fp32"})

@@ -10,7 +10,7 @@ Qwen2-VL-2B (mmserve/loadgen/checkpoints.py: gibberish answers, so only a memory
 
 A burst of mixed requests on each app must run out of memory in neither replica: every request
 completes, and each replica stays inside its share (its KV pool sized from it, see
-`llm_service.kv_cache.cuda_kv_budget`).
+`llm_service.model.kv_cache.cuda_kv_budget`).
 
 Marked `gpu` and `serve`, skipped without CUDA. Runs where the GPU host has Ray only as a wheel
 set (README, "GPU"): no `openai` client, plain httpx and the project's gRPC client.

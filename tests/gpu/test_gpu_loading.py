@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = """
 import json, sys, torch
-from llm_service.model import LanguageModel
 from encoder_service.runtime import VisionEncoder
+from llm_service.model.language_model import LanguageModel
 from mmserve.checkpoint import rss_bytes
 
 torch.zeros(1, device="cuda")  # the CUDA context, before the baseline

@@ -186,7 +186,7 @@ def test_the_full_size_checkpoint_has_qwen2_vl_2bs_shapes_and_serves(tmp_path, m
 
     import mmserve.loadgen.checkpoints as checkpoints
     from encoder_service import VisionEncoder
-    from llm_service.model import LanguageModel
+    from llm_service.model.language_model import LanguageModel
     from mmserve.loadgen.checkpoints import QWEN2_VL_2B_TEXT, qwen2_vl_2b
 
     builds, build = [], checkpoints._build

@@ -8,7 +8,7 @@ import torch
 from deployments.config import AppArgs, EngineArgs
 from deployments.serve.app import build_app
 from llm_service.config import EngineConfig
-from llm_service.kv_cache import cuda_kv_budget, pool_sizes
+from llm_service.model.kv_cache import cuda_kv_budget, pool_sizes
 
 GIB = 2**30
 TOTAL = 80 * GIB

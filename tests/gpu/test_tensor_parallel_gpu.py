@@ -23,8 +23,8 @@ def _tokens(engine, model_dir: str, family: str) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "minicpmv4_6", "qwen3_vl_moe"])
 def test_tp2_on_two_gpus_equals_tp1(tiny_checkpoint, family):
-    from llm_service.engine import LLMEngine
-    from llm_service.model import LanguageModel
+    from llm_service.engine.llm_engine import LLMEngine
+    from llm_service.model.language_model import LanguageModel
     from llm_service.config import EngineConfig
 
     model_dir = tiny_checkpoint(family)

@@ -110,7 +110,7 @@ def test_fused_experts_is_the_engine_grouped_path_on_a_qwen3_vl_moe_block():
     from transformers import Qwen3VLMoeTextConfig
     from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock
 
-    from llm_service.experts import gate, install
+    from llm_service.model.experts import gate, install
 
     cfg = Qwen3VLMoeTextConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2)
     cfg._experts_implementation = "eager"

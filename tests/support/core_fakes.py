@@ -13,7 +13,7 @@ from deployments.core.dispatch import MediaDispatcher
 from deployments.core.llm_inputs import LocalMedia, PendingRequest
 from deployments.core.readiness import Readiness
 from deployments.core.request_core import CoreSettings, RequestCore
-from llm_service.sequence import TokenEvent
+from llm_service.engine.sequence import TokenEvent
 
 
 def next_token(context: tuple[int, ...], seed: int = 0) -> int:

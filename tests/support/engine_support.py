@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 
 from llm_service.config import EngineConfig
-from llm_service.engine import LLMEngine, LLMRequest, TokenEvent
-from llm_service.model import LanguageModel
+from llm_service.engine.llm_engine import LLMEngine, LLMRequest, TokenEvent
+from llm_service.model.language_model import LanguageModel
 from tests.support.cases import cases, image, image_question, text, user, video
 from tests.support.pipeline import plan_request  # noqa: F401  (re-exported for the engine tests)
 from tests.support.reference import reference_generate

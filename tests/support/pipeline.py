@@ -6,8 +6,8 @@ import queue
 from collections import OrderedDict
 
 from encoder_service import VisionEncoder
-from llm_service.engine import LLMEngine, LLMRequest
-from llm_service.model import LanguageModel
+from llm_service.engine.llm_engine import LLMEngine, LLMRequest
+from llm_service.model.language_model import LanguageModel
 from llm_service.sampling import SamplingParams
 from mmserve.inputs.media import MediaItem, MediaKind
 from mmserve.request.prompt_plan import Message, RequestPlanner

@@ -1,5 +1,5 @@
 """A tensor-parallel LLM engine in the test process (rank 0) with its other ranks as spawned
-processes running `llm_service.model_runner.rank_main`, joined over gloo on loopback."""
+processes running `llm_service.model.model_runner.rank_main`, joined over gloo on loopback."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import socket
 import torch
 
 from llm_service.config import EngineConfig
-from llm_service.engine import LLMEngine
-from llm_service.model import LanguageModel
-from llm_service.model_runner import rank_main
-from llm_service.tensor_parallel import TPGroup
+from llm_service.engine.llm_engine import LLMEngine
+from llm_service.model.language_model import LanguageModel
+from llm_service.model.model_runner import rank_main
+from llm_service.model.tensor_parallel import TPGroup
 
 
 def free_port() -> int:

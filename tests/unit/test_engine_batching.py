@@ -36,7 +36,7 @@ def test_concurrent_mixed_requests_equal_monolithic(model_dir):
     for i, (name, _) in enumerate(mixed_cases()):
         expected = reference_tokens(model_dir, i, _max_tokens(i))
         assert collector.tokens(f"{i}-{name}") == expected, name
-    assert engine.blocks.num_used_blocks == 0
+    assert engine.scheduler.blocks.num_used_blocks == 0
 
 
 def test_each_step_is_one_forward_over_all_scheduled_tokens(tiny_models):
@@ -113,7 +113,7 @@ def test_kv_exhaustion_preempts_and_completes(tiny_models):
     for i in picks:
         name, _ = mixed_cases()[i]
         assert collector.tokens(name) == reference_tokens(model_dir, i, 12), name
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert engine.scheduler.blocks.num_free_blocks == engine.scheduler.blocks.num_blocks
 
 
 def test_abort_frees_every_block(tiny_models):
@@ -125,12 +125,12 @@ def test_abort_frees_every_block(tiny_models):
         collector.add(engine, plan_request(model_dir, messages, name, 50, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    assert engine.blocks.num_used_blocks > 0
+    assert engine.scheduler.blocks.num_used_blocks > 0
     for name in collector.events:
         engine.abort(name)
     engine.step()
     assert all(collector.finish_reason(n) == "abort" for n in collector.events)
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert engine.scheduler.blocks.num_free_blocks == engine.scheduler.blocks.num_blocks
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
@@ -150,8 +150,8 @@ def test_prompt_larger_than_pool_is_an_error_not_a_crash(tiny_models):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_engine_matches_cpu_greedy(tiny_models):
     from llm_service.config import EngineConfig
-    from llm_service.engine import LLMEngine
-    from llm_service.model import LanguageModel
+    from llm_service.engine.llm_engine import LLMEngine
+    from llm_service.model.language_model import LanguageModel
 
     model_dir = tiny_models["qwen2_vl"]
     gpu = LLMEngine(LanguageModel(model_dir, dtype="float32", device="cuda"), EngineConfig(num_kv_blocks=256))

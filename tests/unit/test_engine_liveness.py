@@ -47,7 +47,7 @@ def test_a_failed_step_fails_only_its_sequences(tiny_models):
     assert collector.finish_reason("b") == "length" and len(collector.tokens("b")) == 4
     first, *rest = collector.events["b"]  # only the first event says how long it waited for its first step
     assert first.stages["prefill_queue_ms"] >= 0 and all(e.stages is None for e in rest)
-    assert engine.blocks.num_used_blocks == 0
+    assert engine.scheduler.blocks.num_used_blocks == 0
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's death is the point

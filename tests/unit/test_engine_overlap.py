@@ -7,9 +7,10 @@ seeds, a hybrid (state-slot) model and the Triton kernel with the decode-graph b
 import pytest
 import torch
 
-from llm_service.batch_state import BatchState
-from llm_service.sampling import SamplingParams, rows_from_lists, SampleInput
+from llm_service.model.batch_state import BatchState
+from llm_service.sampling import SamplingParams
 from tests.support.engine_support import Collector, make_engine, mixed_cases, plan_request, reference_tokens, run_until_done
+from tests.support.sampling import SampleInput, rows_from_lists
 
 MAX_TOKENS = 8
 
@@ -30,7 +31,7 @@ def _assert_freed(engine):
     """Nothing held once the step still in flight (a finished sequence's discarded token) is read."""
     if engine._launched is not None:
         engine.step()
-    assert engine.blocks.num_used_blocks == 0
+    assert engine.scheduler.blocks.num_used_blocks == 0
     assert engine.runner.batch.num_free_rows == engine.runner.batch.num_rows
     assert engine._launched is None and not engine.scheduler.running and not engine.scheduler.waiting
 
@@ -59,7 +60,7 @@ def test_greedy_mixed_requests_with_chunked_prefill_and_prefix_hits_equal_monoli
     for name, messages, max_tokens, _ in prompts[len(cases):]:
         collector.add(engine, plan_request(model_dir, messages, name, max_tokens))
     run_until_done(engine, collector)
-    assert engine.blocks.num_cached_tokens > 0  # the second wave hit the prefix cache
+    assert engine.scheduler.blocks.num_cached_tokens > 0  # the second wave hit the prefix cache
     for i, (name, _) in cases:
         expected = reference_tokens(model_dir, i, MAX_TOKENS - i % 3)
         assert collector.tokens(f"{i}-{name}") == expected, name
@@ -155,7 +156,7 @@ def test_repetition_penalty_equals_transformers_generate(tiny_models):
 
 def test_device_counts_equal_the_lists_they_replace():
     """`BatchState` penalty tensors after admissions and recorded tokens == counts of the lists."""
-    from llm_service.sequence import LLMRequest, Sequence
+    from llm_service.engine.sequence import LLMRequest, Sequence
 
     state = BatchState(4, 30, torch.device("cpu"))
     params = SamplingParams(max_tokens=9, repetition_penalty=1.2, frequency_penalty=0.3)
@@ -185,7 +186,7 @@ def test_hybrid_state_slots_with_overlap_equal_monolithic(minicpmv_dir):
         name = mixed_cases()[i][0]
         assert result[name][0] == reference_tokens(minicpmv_dir, i, 10), name
     _assert_freed(engine)
-    assert engine.slots.num_free_slots == engine.slots.num_slots
+    assert engine.scheduler.slots.num_free_slots == engine.scheduler.slots.num_slots
 
 
 @pytest.mark.kernel
@@ -193,8 +194,8 @@ def test_triton_kernel_and_decode_graph_buffers_with_overlap(tiny_models, monkey
     """The Triton backend (interpreted) with the decode graphs' buffers run uncaptured: decode
     steps read their inputs from the rows' state on the device, the host reading ids a step late."""
     from llm_service.config import EngineConfig
-    from llm_service.cuda_graphs import DecodeGraphs
-    from llm_service.engine import LLMEngine
+    from llm_service.model.cuda_graphs import DecodeGraphs
+    from llm_service.engine.llm_engine import LLMEngine
     from tests.gpu.test_engine_triton import fp32_model
 
     model_dir = tiny_models["qwen2_vl"]
@@ -226,8 +227,8 @@ def test_cuda_overlap_with_captured_graphs_equals_sequential_steps_in_float32(ti
     """On the GPU: overlapped steps with decode graphs captured give the tokens of sequential
     steps, greedy, with penalties and seeded sampling (float32, the Triton kernel)."""
     from llm_service.config import EngineConfig
-    from llm_service.engine import LLMEngine
-    from llm_service.model import LanguageModel
+    from llm_service.engine.llm_engine import LLMEngine
+    from llm_service.model.language_model import LanguageModel
 
     model_dir = tiny_models["qwen2_vl"]
     model = LanguageModel(model_dir, dtype="float32", device="cuda")
@@ -254,8 +255,8 @@ def test_cuda_overlapped_steps_launch_without_waiting_for_the_device(tiny_models
     staging, the graph replay, sampling and the copies never synchronise with the device (CUDA's
     sync debug mode raises if they do); only the read of the step before waits, by its event."""
     from llm_service.config import EngineConfig
-    from llm_service.engine import LLMEngine
-    from llm_service.model import LanguageModel
+    from llm_service.engine.llm_engine import LLMEngine
+    from llm_service.model.language_model import LanguageModel
 
     model_dir = tiny_models["qwen2_vl"]
     engine = LLMEngine(LanguageModel(model_dir, dtype="float32", device="cuda"),

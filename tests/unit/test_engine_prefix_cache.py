@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llm_service.block_manager import BlockManager
+from llm_service.engine.block_manager import BlockManager
 from tests.support.engine_support import Collector, image_prompt, make_engine, plan_request, run_until_done
 from tests.support.reference import reference_generate
 
@@ -56,7 +56,7 @@ def test_cached_blocks_are_evicted_when_the_pool_needs_them(tiny_models):
                for i in range(4)]
     for i, messages in enumerate(prompts):
         assert _run(engine, model_dir, messages, f"r{i}") == reference_generate(model_dir, messages, MAX_TOKENS)
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert engine.scheduler.blocks.num_free_blocks == engine.scheduler.blocks.num_blocks
 
 
 @settings(max_examples=150, deadline=None)

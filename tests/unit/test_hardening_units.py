@@ -27,13 +27,14 @@ from deployments.serve.encoder import EncoderDeployment
 from encoder_service.batching import BatchConfig
 from encoder_service.pool import EncoderPool, PoolConfig
 from encoder_service.rpc.result_store import ResultStore
-from llm_service.sampling import SampleInput, new_generator, sample
+from llm_service.sampling import new_generator
 from mmserve.errors import InvalidRequest, Overloaded, RequestTooLarge
 from mmserve.inputs.media import decode_image, read_image_size
 from mmserve.rpc.vlm_client import request, user
 from tests.support.core_fakes import FakeLLM, make_core
 from tests.support.encoder_fakes import FakeEncoder, expected_output, fake_item
 from tests.support.media_factory import png_claiming
+from tests.support.sampling import SampleInput, sample
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 

@@ -76,8 +76,8 @@ def _run(engine, model_dir, prompts):
 
 
 def _assert_all_freed(engine):
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
-    assert engine.slots.num_free_slots == engine.slots.num_slots
+    assert engine.scheduler.blocks.num_free_blocks == engine.scheduler.blocks.num_blocks
+    assert engine.scheduler.slots.num_free_slots == engine.scheduler.slots.num_slots
 
 
 def test_deep_lm_concurrent_chunked_requests_equal_monolithic(deep_dir):
@@ -133,7 +133,7 @@ def test_abort_frees_slots_and_blocks_at_once(minicpmv_dir):
     while len(engine.scheduler.running) < 4:
         engine.step()
     engine.step()
-    assert engine.slots.num_used_slots == 4 and len(engine.scheduler.waiting) == 2  # slots bound admission
+    assert engine.scheduler.slots.num_used_slots == 4 and len(engine.scheduler.waiting) == 2  # slots bound admission
     assert sorted(s.state_slot for s in engine.scheduler.running) == [0, 1, 2, 3]
     first = engine.scheduler.running[0]
     slot = first.state_slot
@@ -167,7 +167,7 @@ def test_startup_sizes_slots_and_snapshots_from_the_budget(minicpmv_dir, caplog)
     assert budget - block_bytes < used <= budget
     assert runner.states.conv[0].shape[0] == runner.num_slots + runner.num_snapshots
     assert engine.config.enable_prefix_caching and not engine.config.cuda_graphs
-    assert engine.snapshots.num_snapshots == runner.num_snapshots and engine.slots.num_slots == runner.num_slots
+    assert engine.scheduler.snapshots.num_snapshots == runner.num_snapshots and engine.scheduler.slots.num_slots == runner.num_slots
     log = caplog.text
     assert f"{runner.num_slots} sequences run at once" in log and "CUDA decode graphs are off" in log
     assert f"prefix caching with state snapshots: {runner.num_snapshots} snapshots" in log
@@ -177,13 +177,13 @@ def test_startup_sizes_slots_and_snapshots_from_the_budget(minicpmv_dir, caplog)
 def test_no_snapshot_budget_turns_prefix_caching_off(minicpmv_dir, caplog):
     with caplog.at_level(logging.INFO):
         engine = make_engine(minicpmv_dir, kv_cache_bytes=4 * 2**20, state_snapshot_share=0.0, max_model_len=2048)
-    assert not engine.config.enable_prefix_caching and engine.snapshots is None
+    assert not engine.config.enable_prefix_caching and engine.scheduler.snapshots is None
     assert engine.runner.num_snapshots == 0 and "prefix caching is off" in caplog.text
 
 
 def test_pure_attention_models_get_no_slots(tiny_models):
     engine = make_engine(tiny_models["qwen2_vl"], num_kv_blocks=8)
-    assert engine.slots is None and engine.runner.states is None and engine.config.enable_prefix_caching
+    assert engine.scheduler.slots is None and engine.runner.states is None and engine.config.enable_prefix_caching
 
 
 @pytest.mark.kernel
@@ -193,8 +193,8 @@ def test_triton_backend_reads_the_attention_layers_kv_and_equals_sdpa(minicpmv_d
     tokens as SDPA (float32)."""
     import mmserve.kernels.triton_attention as kernel
     from llm_service.config import EngineConfig
-    from llm_service.engine import LLMEngine
-    from llm_service.model import LanguageModel
+    from llm_service.engine.llm_engine import LLMEngine
+    from llm_service.model.language_model import LanguageModel
 
     model = LanguageModel(minicpmv_dir, dtype="float32", device="cuda" if torch.cuda.is_available() else "cpu")
     picks = [1, 7, 16]  # image, text, video

@@ -42,7 +42,7 @@ def hybrid_dir(request) -> str:
 
 def test_requests_resume_from_each_kind_of_snapshot_and_equal_monolithic(hybrid_dir):
     engine = make_engine(hybrid_dir, block_size=BLOCK, max_num_batched_tokens=512)
-    assert engine.config.enable_prefix_caching and engine.snapshots is not None
+    assert engine.config.enable_prefix_caching and engine.scheduler.snapshots is not None
     first = _messages(SYSTEM, 1, "What is in this picture?")
     system, image, end = _points(plan_request(hybrid_dir, first, "x", 1))
     cases = [  # name, messages, the cached prefix it resumes from (0: a miss)
@@ -63,10 +63,10 @@ def test_requests_resume_from_each_kind_of_snapshot_and_equal_monolithic(hybrid_
         assert after.num_cached_tokens - before.num_cached_tokens == resumed, name
         assert after.num_snapshot_resumes - before.num_snapshot_resumes == (resumed > 0), name
     stats = engine.stats()
-    assert 0 < stats.num_snapshots <= engine.snapshots.num_snapshots
+    assert 0 < stats.num_snapshots <= engine.scheduler.snapshots.num_snapshots
     assert stats.snapshot_bytes == stats.num_snapshots * engine.runner.states.row_bytes
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
-    assert engine.slots.num_free_slots == engine.slots.num_slots
+    assert engine.scheduler.blocks.num_free_blocks == engine.scheduler.blocks.num_blocks
+    assert engine.scheduler.slots.num_free_slots == engine.scheduler.slots.num_slots
 
 
 def test_concurrent_requests_on_a_tiny_pool_evict_snapshots_with_their_blocks(deep_dir):  # noqa: F811
@@ -82,11 +82,11 @@ def test_concurrent_requests_on_a_tiny_pool_evict_snapshots_with_their_blocks(de
     run_until_done(engine, collector)
     for i, messages in enumerate(prompts):
         assert collector.tokens(f"c{i}") == reference_generate(deep_dir, messages, MAX_TOKENS), i
-    snaps = engine.snapshots
+    snaps = engine.scheduler.snapshots
     assert snaps.num_saved > snaps.num_snapshots  # the cache filled and rows were reused
-    assert all(engine.blocks.is_cached(h) for h in snaps._by_hash)  # none outlives its block
+    assert all(engine.scheduler.blocks.is_cached(h) for h in snaps._by_hash)  # none outlives its block
     assert snaps.num_used + snaps.num_free == snaps.num_snapshots
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+    assert engine.scheduler.blocks.num_free_blocks == engine.scheduler.blocks.num_blocks
 
 
 def test_snapshots_off_computes_every_prompt_in_full(minicpmv_dir):

@@ -107,8 +107,8 @@ def test_any_requests_served_together_equal_the_monolithic_model(tiny_checkpoint
             assert step < 2000, "the engine made no progress"
         for i, ((system, parts), _) in enumerate(requests):
             _check(collector.events[f"r{i}"], *_reference(model_dir, (system, tuple(parts))), (i, system, parts))
-        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
-        assert engine.slots.num_free_slots == engine.slots.num_slots
+        assert engine.scheduler.blocks.num_free_blocks == engine.scheduler.blocks.num_blocks
+        assert engine.scheduler.slots.num_free_slots == engine.scheduler.slots.num_slots
         stats = engine.stats()
         seen["resumes"] += stats.num_snapshot_resumes
         seen["preemptions"] += stats.num_preemptions

@@ -185,8 +185,8 @@ import asyncio, sys
 sys.modules["ray"] = None  # `import ray` fails from here on
 from deployments.core.llm_inputs import PendingRequest
 from deployments.core.llm_replica import LLMReplica
-from llm_service.engine import LLMEngine
-from llm_service.model import LanguageModel
+from llm_service.engine.llm_engine import LLMEngine
+from llm_service.model.language_model import LanguageModel
 from llm_service.sampling import SamplingParams
 
 async def main():

@@ -13,7 +13,7 @@ from deployments.api import openai_api
 from deployments.cli.local_serve import RefusedToStart, check_max_model_len
 from deployments.cli.main import main
 from llm_service.config import EngineConfig
-from llm_service.engine import LLMEngine
+from llm_service.engine.llm_engine import LLMEngine
 from mmserve.errors import InvalidRequest
 from tests.support.cases import text, user
 from tests.support.core_fakes import FakeLLM, make_core, reader

@@ -2,8 +2,9 @@
 
 import torch
 
-from llm_service.sampling import SampleInput, SamplingParams, apply_penalties, filter_logits, sample
+from llm_service.sampling import SamplingParams, apply_penalties, filter_logits
 from tests.support.engine_support import Collector, make_engine, mixed_cases, plan_request, run_until_done
+from tests.support.sampling import SampleInput, rows_from_lists, sample
 
 
 def _inp(**kw):
@@ -16,7 +17,7 @@ def _inp(**kw):
 def test_top_k_top_p_min_p_masks():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]] * 3, dtype=torch.float64)
     rows = [_inp(temperature=1.0, top_k=2), _inp(temperature=1.0, top_p=0.7), _inp(temperature=1.0, min_p=0.3)]
-    kept = torch.isfinite(filter_logits(logits, rows))
+    kept = torch.isfinite(filter_logits(logits, rows_from_lists(logits, rows)))
     assert kept[0].tolist() == [True, True, False, False, False]
     # softmax mass: 0.636, 0.234, ... -> top_p 0.7 keeps the first two
     assert kept[1].tolist() == [True, True, False, False, False]
@@ -28,7 +29,7 @@ def test_penalties_follow_vllm_formulas():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]], dtype=torch.float64)
     inp = SampleInput(SamplingParams(max_tokens=4, repetition_penalty=2.0, frequency_penalty=0.5,
                                      presence_penalty=0.25), None, (0,), (1, 2, 2))
-    out = apply_penalties(logits, [inp])[0].tolist()
+    out = apply_penalties(logits, rows_from_lists(logits, [inp]))[0].tolist()
     assert out[0] == 1.0  # prompt token, positive: divided
     assert out[1] == -4.0 - 0.5 - 0.25  # output once, negative: multiplied, then penalties
     assert out[2] == 0.5 - 1.0 - 0.25  # output twice

@@ -4,7 +4,7 @@ import random
 
 import torch
 
-from llm_service.attention import layer_windows, sdpa_metadata
+from llm_service.model.attention import layer_windows, sdpa_metadata
 
 
 def test_window_masks_follow_transformers_per_sequence_positions():

@@ -7,12 +7,11 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from llm_service.block_manager import BlockManager
 from llm_service.config import EngineConfig
+from llm_service.engine.scheduler import Scheduler
+from llm_service.engine.sequence import LLMRequest, Sequence, Status
 from llm_service.hybrid.state_slots import StateSlotManager
 from llm_service.sampling import SamplingParams
-from llm_service.scheduler import Scheduler
-from llm_service.sequence import LLMRequest, Sequence, Status
 
 BLOCK = 4
 
@@ -35,9 +34,9 @@ def test_slot_manager_hands_out_each_slot_once_and_refuses_double_free():
 
 
 def test_a_waiting_sequence_needs_a_slot_as_well_as_blocks():
-    blocks, slots = BlockManager(64, BLOCK), StateSlotManager(2)
     scheduler = Scheduler(EngineConfig(block_size=BLOCK, max_num_batched_tokens=64, enable_prefix_caching=False),
-                          blocks, slots)
+                          64, 2)
+    slots = scheduler.slots
     seqs = [_seq(i, 5) for i in range(3)]
     for s in seqs:
         scheduler.add(s)
@@ -58,11 +57,10 @@ class SlotMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(4, 16), num_slots=st.integers(1, 4), budget=st.integers(1, 24),
                 max_seqs=st.integers(1, 6))
     def setup(self, num_blocks, num_slots, budget, max_seqs):
-        self.blocks = BlockManager(num_blocks, BLOCK)
-        self.slots = StateSlotManager(num_slots)
         config = EngineConfig(block_size=BLOCK, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                               enable_prefix_caching=False)
-        self.scheduler = Scheduler(config, self.blocks, self.slots)
+        self.scheduler = Scheduler(config, num_blocks, num_slots)
+        self.blocks, self.slots = self.scheduler.blocks, self.scheduler.slots
         self.live: list[Sequence] = []
         self.finished: list[Sequence] = []
         self.capacity = num_blocks * BLOCK

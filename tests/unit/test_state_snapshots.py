@@ -13,13 +13,11 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from llm_service.block_manager import BlockManager
 from llm_service.config import EngineConfig
-from llm_service.hybrid.state_slots import StateSlotManager
+from llm_service.engine.scheduler import Scheduler
+from llm_service.engine.sequence import LLMRequest, Sequence, Status
 from llm_service.hybrid.state_snapshots import SnapshotManager
 from llm_service.sampling import SamplingParams
-from llm_service.scheduler import Scheduler
-from llm_service.sequence import LLMRequest, Sequence, Status
 from mmserve.inputs.embeddings import ItemEmbedding
 from mmserve.inputs.media import PlaceholderRange
 
@@ -76,21 +74,14 @@ def _config(**kw) -> EngineConfig:
 
 
 def test_a_request_resumes_from_the_deepest_snapshot_of_its_cached_prefix():
-    snaps = SnapshotManager(8, first_row=4)
-    blocks, slots = BlockManager(32, BLOCK, snaps.drop), StateSlotManager(4)
-    scheduler = Scheduler(_config(max_num_batched_tokens=64), blocks, slots, snaps)
+    scheduler = Scheduler(_config(max_num_batched_tokens=64), 32, 4, 8)
+    blocks, snaps = scheduler.blocks, scheduler.snapshots
     first = Sequence(_request(0, SYSTEMS[3], "x", (1, 2, 3)), lambda e: None, 0)  # 13 + 6 + 3 = 22 tokens
     scheduler.add(first)
     stops = []
     while first.num_computed < first.num_prompt_tokens:
-        out = scheduler.schedule()
-        for seq, n in out.scheduled:
-            hashes = seq.block_hashes(BLOCK)
-            for i in range(seq.num_computed // BLOCK, min((seq.num_computed + n) // BLOCK, len(hashes))):
-                blocks.register(seq.block_table[i], hashes[i])
-            seq.num_computed += n
+        scheduler.computed(scheduler.schedule().scheduled)
         stops.append(first.num_computed)
-        scheduler.take_snapshots(out.scheduled)
     assert stops == [12, 16, 20, 22] and snaps.num_used == 3  # chunks end at every snapshot point
     scheduler.finish(first)
     same_system = Sequence(_request(1, SYSTEMS[3], "y", (1, 2, 3)), lambda e: None, 1)  # another image
@@ -113,11 +104,10 @@ class SnapshotMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(6, 20), num_slots=st.integers(1, 4), num_snapshots=st.integers(1, 6),
                 budget=st.integers(1, 24), max_seqs=st.integers(1, 6), chunked=st.booleans())
     def setup(self, num_blocks, num_slots, num_snapshots, budget, max_seqs, chunked):
-        self.snaps = SnapshotManager(num_snapshots, first_row=num_slots)
-        self.blocks = BlockManager(num_blocks, BLOCK, self._evicted)
-        self.slots = StateSlotManager(num_slots)
         config = _config(max_num_batched_tokens=budget, max_num_seqs=max_seqs, enable_chunked_prefill=chunked)
-        self.scheduler = Scheduler(config, self.blocks, self.slots, self.snaps)
+        self.scheduler = Scheduler(config, num_blocks, num_slots, num_snapshots)
+        self.snaps, self.blocks, self.slots = self.scheduler.snapshots, self.scheduler.blocks, self.scheduler.slots
+        self.blocks._on_evict = self._evicted  # the scheduler's hook (`snaps.drop`), seen by the test first
         self.rows: dict[int, list[tuple]] = {}
         self.prefix_of: dict[int, list[tuple]] = {}  # prefix hash -> the token identities it stands for
         self.live: list[Sequence] = []
@@ -157,13 +147,7 @@ class SnapshotMachine(RuleBasedStateMachine):
                 self.rows[seq.state_slot] = list(self.rows[seq.resume_snapshot])
             assert self.rows[seq.state_slot] == _identity(seq)[:seq.num_computed]  # the state it continues
             self.rows[seq.state_slot] += _identity(seq)[seq.num_computed:seq.num_computed + n]
-        for seq, n in out.scheduled:  # the engine: register the full blocks, advance, snapshot
-            hashes = seq.block_hashes(BLOCK)
-            for i in range(seq.num_computed // BLOCK, min((seq.num_computed + n) // BLOCK, len(hashes))):
-                self.blocks.register(seq.block_table[i], hashes[i])
-            seq.num_computed += n
-            seq.resume_snapshot = None
-        copies = self.scheduler.take_snapshots(out.scheduled)
+        copies = self.scheduler.computed(out.scheduled)  # the engine: register the full blocks, advance, snapshot
         assert len({row for _, row in copies}) == len(copies)
         for slot, row in copies:
             self.rows[row] = list(self.rows[slot])
@@ -220,7 +204,7 @@ test_snapshot_bookkeeping = SnapshotMachine.TestCase
 
 @pytest.mark.parametrize("share, snapshots", [(0.1, 10), (0.0, 0)])
 def test_pool_sizes_take_snapshots_from_the_budget(share, snapshots):
-    from llm_service.kv_cache import pool_sizes
+    from llm_service.model.kv_cache import pool_sizes
 
     config = EngineConfig(kv_cache_bytes=1000, state_snapshot_share=share, max_num_seqs=4)
     sizes = pool_sizes(config, block_bytes=50, slot_bytes=10, device=torch.device("cpu"))

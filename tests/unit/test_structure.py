@@ -1,8 +1,9 @@
 """The architecture, read from the imports (every import statement, also those inside functions):
 no import circle (bench/ included); the shared package imports no service; the runtimes import
 neither each other nor Ray, pydantic, `deployments` or the planner; the request core and its
-adapters, and the LLM replica's core, load no Ray and sit below the Serve layer; no `sys.path` edits; rooms of bounded size;
-the test helpers written once."""
+adapters, and the LLM replica's core, load no Ray and sit below the Serve layer; no `sys.path` edits; rooms
+of bounded size; the test helpers written once; the engine's bookkeeping apart from the tensors, its step in
+one screen."""
 
 from __future__ import annotations
 
@@ -184,3 +185,20 @@ def test_the_test_helpers_live_in_tests_support_only():
             for name in set(names) & helpers:
                 defined.setdefault(str(path.relative_to(ROOT)), []).append(name)
     assert defined == {}
+
+
+def test_the_engine_bookkeeping_holds_ids_not_tensors():
+    """The scheduler and what it schedules (sequences, KV block ids, state slot and snapshot ids)
+    import nothing of the model on its device (`llm_service.model`: the runner, the pools)."""
+    bookkeeping = ("llm_service.engine.scheduler", "llm_service.engine.block_manager", "llm_service.engine.sequence",
+                   "llm_service.hybrid.state_slots", "llm_service.hybrid.state_snapshots")
+    assert all(m in MODULES for m in bookkeeping) and _violations(bookkeeping, ("llm_service.model",)) == {}
+
+
+def test_the_engine_step_reads_in_one_screen():
+    """`LLMEngine.step()` stays schedule -> launch -> read -> postprocess: at most 20 lines of body."""
+    tree = ast.parse((ROOT / "llm_service" / "engine" / "llm_engine.py").read_text())
+    engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LLMEngine")
+    step = next(n for n in engine.body if isinstance(n, ast.FunctionDef) and n.name == "step")
+    body = step.body[1:] if ast.get_docstring(step) else step.body
+    assert body[-1].end_lineno - body[0].lineno + 1 <= 20

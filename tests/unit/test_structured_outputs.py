@@ -241,7 +241,7 @@ def test_n_choices_interleave_and_a_stop_string_ends_only_its_choice(tiny_models
 
     from deployments.core.generation import Generation
     from llm_service.sampling import SamplingParams
-    from llm_service.sequence import TokenEvent
+    from llm_service.engine.sequence import TokenEvent
     from tests.support.core_fakes import FakeStream
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_models["qwen2_vl"])
@@ -303,9 +303,9 @@ def _record_order(engine, events: list) -> None:
         return read(launched)
 
     def recording_launch(scheduled):
-        launched, times = launch(scheduled)
+        launched = launch(scheduled)
         events.append(("launched", launched))
-        return launched, times
+        return launched
 
     engine.runner.run, engine._read, engine._launch = recording_run, recording_read, recording_launch
 

@@ -1,4 +1,4 @@
-"""A tensor-parallel group's rendezvous (rank 0's key-value store, `llm_service.tensor_parallel.
+"""A tensor-parallel group's rendezvous (rank 0's key-value store, `llm_service.model.tensor_parallel.
 rendezvous_store`) listens on the group's address alone: torch's own server listened on every interface
 (`[::]:PORT`, no authentication) whatever the address said (issue 59). Two ranks in processes of their
 own, gloo on loopback."""
@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 RANK = """
 import json, sys, psutil, torch
-from llm_service.tensor_parallel import TPGroup
+from llm_service.model.tensor_parallel import TPGroup
 group = TPGroup(int(sys.argv[1]), 2, sys.argv[2], torch.device("cpu"), timeout_s=60)
 x = torch.ones(2)
 group.all_reduce(x)  # both ranks joined: rank 0's store still listens

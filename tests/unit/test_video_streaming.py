@@ -72,7 +72,7 @@ class Streamed:
 
     def __init__(self, model_dir: str, data: bytes, header, pool: VideoDecodePool, frames=None):
         from deployments.core.llm_inputs import StreamedVideo
-        from llm_service.engine import LLMRequest
+        from llm_service.engine.llm_engine import LLMRequest
         from llm_service.sampling import SamplingParams
         from mmserve.request.prompt_plan import Message
         from tests.support.engine_support import make_engine
@@ -160,7 +160,7 @@ def test_prefill_runs_behind_the_decoder_and_gives_the_unstreamed_tokens(tiny_mo
     last_group_at = video_start + s.plan.ranges[0].embed_slots()[-s.video.groups[-1].cost]
     assert video_start < computed_before_last <= last_group_at  # text and early groups prefilled before the last
     assert s.tokens("streamed") == s.tokens("whole") and len(s.tokens("whole")) >= 1
-    assert s.engine.blocks.num_used_blocks == 0
+    assert s.engine.scheduler.blocks.num_used_blocks == 0
 
 
 @pytest.mark.parametrize("fault", ["decode error at group 2", "client cancel"])
@@ -189,7 +189,7 @@ def test_a_fault_mid_stream_leaves_no_blocks_and_no_busy_decoder(tiny_models, fa
         [embedding] = (await stream.start()).values()
         s.add("r", embedding, stream.ready())
         stream.on_progress = lambda ready: s.engine.extend("r", ready)
-        await s.drive(lambda: s.engine.blocks.num_used_blocks > 0 and stream.groups_in >= 2)
+        await s.drive(lambda: s.engine.scheduler.blocks.num_used_blocks > 0 and stream.groups_in >= 2)
         admitted.set()
         if fault == "client cancel":
             stream.cancel()
@@ -203,7 +203,7 @@ def test_a_fault_mid_stream_leaves_no_blocks_and_no_busy_decoder(tiny_models, fa
     try:
         s = asyncio.run(scenario())
         assert s.events["r"][-1].finish_reason == "abort"
-        assert s.engine.blocks.num_used_blocks == 0 and not s.engine.scheduler.running and not s.engine.scheduler.waiting
+        assert s.engine.scheduler.blocks.num_used_blocks == 0 and not s.engine.scheduler.running and not s.engine.scheduler.waiting
         assert not pool._running and pool.waiting == 0  # the decoder's worker is not held by the dead stream
         assert len(asyncio.run(pool.decode(data, "next")).indices) > 0  # and it decodes the next video
     finally:
@@ -248,7 +248,7 @@ def test_a_group_whose_encoder_is_lost_is_encoded_again(tiny_models):
     finally:
         pool.close()
     assert len(lost) == 1 and s.tokens("r") == s.tokens("whole")
-    assert s.engine.blocks.num_used_blocks == 0
+    assert s.engine.scheduler.blocks.num_used_blocks == 0
 
 
 def test_a_first_group_lost_every_time_fails_the_stream_with_its_item(tiny_models):

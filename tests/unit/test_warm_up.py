@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from llm_service.engine import LLMRequest
+from llm_service.engine.llm_engine import LLMRequest
 from llm_service.sampling import SamplingParams
 from tests.support.engine_support import Collector, make_engine, run_until_done
 

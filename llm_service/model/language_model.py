@@ -30,7 +30,7 @@ class LanguageModel:
 
     def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "cpu", tp=None):
         """`tp`: this process's `TPGroup` when the replica is tensor-parallel; it then holds its
-        rank's shard (`llm_service.tensor_parallel`)."""
+        rank's shard (`llm_service.model.tensor_parallel`)."""
         from transformers import GenerationConfig
 
         start = time.perf_counter()
@@ -69,7 +69,7 @@ class LanguageModel:
         """This rank's modules: built with parameters on meta, then given storage in their shard's
         shape (the embedding table and `lm_head` split by vocabulary); the loader's `rename` and
         `take` (the shard of a tensor)."""
-        from llm_service import tensor_parallel
+        from llm_service.model import tensor_parallel
 
         with torch.device(self.device), tensor_parallel.parameters_on_meta():
             modules = self.face.build(self.dtype)
@@ -84,7 +84,7 @@ class LanguageModel:
         specs = self.face.state_layers()
         if self.tp is None:
             return specs
-        from llm_service import tensor_parallel
+        from llm_service.model import tensor_parallel
 
         return tensor_parallel.local_state_specs(specs, self.modules.decoder)
 

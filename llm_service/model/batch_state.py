@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from llm_service.model.transfer import ints, to_device
 from llm_service.sampling import SamplingRows, needs_settings, sampling_rows, settings_columns
-from llm_service.transfer import ints, to_device
 
 
 class BatchState:
@@ -105,8 +105,9 @@ class BatchState:
             settings = self.settings[index].to(dtype)
         return sampling_rows(params, [s.generator for s in seqs], settings, counts, seen)
 
-    def _table_entries(self, seqs) -> list[int]:
-        """The block-table entries of `seqs` not written yet, flat `[rows..., columns..., blocks...]`."""
+    def _stage(self, values: list[int], seqs) -> torch.Tensor:
+        """`values` on the device, in one host-to-device copy with the block-table entries of
+        `seqs` not written yet, which are written."""
         rows, cols, blocks = [], [], []
         for seq in seqs:
             row, table = seq.batch_row, seq.block_table
@@ -115,20 +116,17 @@ class BatchState:
                 cols.append(col)
                 blocks.append(table[col])
             self._written[row] = len(table)
-        return rows + cols + blocks
+        staged = ints(values + rows + cols + blocks, self.device)
+        if rows:
+            at = staged[len(values):].view(3, -1)
+            self.block_tables[at[0], at[1]] = at[2].to(torch.int32)
+        return staged[:len(values)]
 
     def stage_decode(self, seqs, padded: int | None = None) -> torch.Tensor:
         """The rows of a decode step of `seqs` as a device index (padded with `pad_row` to
         `padded`), their new block-table entries written first: one host-to-device copy."""
         index = [s.batch_row for s in seqs]
-        index += [self.pad_row] * ((padded or len(index)) - len(index))
-        entries = self._table_entries(seqs)
-        staged = ints(index + entries, self.device)
-        if entries:
-            n = len(entries) // 3
-            at = staged[len(index):].view(3, n)
-            self.block_tables[at[0], at[1]] = at[2].to(torch.int32)
-        return staged[:len(index)]
+        return self._stage(index + [self.pad_row] * ((padded or len(index)) - len(index)), seqs)
 
     def decode_inputs(self, index: torch.Tensor):
         """(ids, positions `(rows, B)`, pool slots, context lengths, block tables) of a decode step
@@ -154,15 +152,10 @@ class BatchState:
             rows.append(seq.batch_row)
             counts.append(k)
             positions += seq.positions(k, k + 1)[:, 0].tolist()
-        entries = self._table_entries([s.seq for s in scheduled])
-        staged = ints(rows + counts + positions + entries, self.device)
+        staged = self._stage(rows + counts + positions, [s.seq for s in scheduled])
         n = len(rows)
-        at = staged[:n]
-        self.computed[at] = staged[n:2 * n].to(torch.int32)
-        self.next_positions[at] = staged[2 * n:2 * n + len(positions)].view(n, -1)
-        if entries:
-            e = staged[2 * n + len(positions):].view(3, -1)
-            self.block_tables[e[0], e[1]] = e[2].to(torch.int32)
+        self.computed[staged[:n]] = staged[n:2 * n].to(torch.int32)
+        self.next_positions[staged[:n]] = staged[2 * n:].view(n, -1)
 
     def record(self, index: torch.Tensor, tokens: torch.Tensor) -> None:
         """Rows `index` sampled `tokens` (on the device): the next decode's ids, the counts."""

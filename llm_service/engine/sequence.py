@@ -131,6 +131,10 @@ class Sequence:
         return self.request.request_id
 
     @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.request.prompt_token_ids)
 

@@ -7,7 +7,7 @@
 correction bias) and its shared expert stay the family's own code around that call, so every
 config's routing rule is the one its checkpoint was trained with. `install(decoder)` binds
 `experts_forward` onto each such module (the classes `use_experts_implementation` decorates, as
-Qwen3-VL-MoE's, and those it does not, as Step3's), as `llm_service.attention` plugs the attention
+Qwen3-VL-MoE's, and those it does not, as Step3's), as `llm_service.model.attention` plugs the attention
 in. The forward:
 
 - sorts the step's (token, expert) pairs by expert and counts each expert's rows, on the device
@@ -100,7 +100,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
 def grouped(module: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Each expert's two GEMMs over its run of the expert-sorted rows `x` `(S, H)`."""
     gate_up_w, down_w = module.gate_up_proj, module.down_proj
-    if _grouped_mm_fits(x, gate_up_w, down_w):
+    if x.dtype == gate_up_w.dtype and grouped_mm_runs(gate_up_w, down_w):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         h = gate(module, torch._grouped_mm(x, gate_up_w.transpose(1, 2), offs=offsets))
         return torch._grouped_mm(h, down_w.transpose(1, 2), offs=offsets)
@@ -112,10 +112,6 @@ def grouped(module: nn.Module, x: torch.Tensor, counts: torch.Tensor) -> torch.T
             out[rows] = F.linear(gate(module, F.linear(x[rows], gate_up_w[expert])), down_w[expert])
             start += n
     return out
-
-
-def _grouped_mm_fits(x: torch.Tensor, gate_up_w: torch.Tensor, down_w: torch.Tensor) -> bool:
-    return x.dtype == gate_up_w.dtype and grouped_mm_runs(gate_up_w, down_w)
 
 
 def grouped_mm_runs(gate_up_w: torch.Tensor, down_w: torch.Tensor) -> bool:

@@ -18,7 +18,8 @@ never sent. Everything the device does stays in stream order, so blocks, slots a
 while a step that used them is in flight are only reused by work queued after it. A step with
 constrained rows (`response_format`) overlaps too: their masks need the tokens of step N, so the
 host reads step N after launching step N+1's forward and before sampling it, then fills the masks
-while that forward runs (`_mask`); a row that finished at step N gets no mask, its token is dropped.
+while that forward runs (`StepMasks.sample`); a row that finished at step N gets no mask, its token
+is dropped. `StepClock` (`step_log`) times each step's phases.
 """
 
 from __future__ import annotations
@@ -34,13 +35,14 @@ from typing import NamedTuple
 import torch
 
 from llm_service.config import EngineConfig
-from llm_service.grammar import GrammarCompiler, Matcher, StepMasks
-from llm_service.model import LanguageModel
-from llm_service.model_runner import ModelRunner
+from llm_service.engine.scheduler import ScheduledSeq, Scheduler
+from llm_service.engine.sequence import LLMRequest, Sequence, TokenEvent
+from llm_service.engine.step_timing import StepClock, StepTimes
+from llm_service.grammar import GrammarCompiler, StepMasks
+from llm_service.model.language_model import LanguageModel
+from llm_service.model.model_runner import ModelRunner, StepInputs
 from llm_service.sampling import (DeviceSample, SamplingParams, SamplingRows, new_generator, sample_rows,
                                   settings_dtype)
-from llm_service.scheduler import Scheduler
-from llm_service.sequence import LLMRequest, Sequence, Status, TokenEvent
 from mmserve.errors import EngineError, InvalidRequest, Overloaded, ReplicaLost
 
 __all__ = ["EngineStats", "LLMEngine", "LLMRequest", "TokenEvent"]
@@ -63,36 +65,14 @@ class EngineStats(NamedTuple):
     num_waiting_media: int = 0  # sequences held that cannot run until more of their media rows are in
 
 
-class StepTimes(NamedTuple):
-    """Where one `step()` call's host time went, in seconds (`LLMEngine.step_log`): scheduling
-    (admission included), preparing the inputs, launching the forward (on the CPU: running it),
-    launching the sampler, waiting for the sampled ids read here, postprocessing them (stop
-    checks, events); `device`: CUDA-event time from the forward's launch to the sampler's end
-    of the step read here (None off CUDA). With overlap the step launched and the step read
-    are consecutive ones; a step with constrained rows reads the one before it between its
-    forward and its sampler (`readback` and `postprocess` then, not `sample`)."""
-
-    schedule: float
-    prepare: float
-    launch: float
-    sample: float
-    readback: float
-    postprocess: float
-    device: float | None
-    num_seqs: int
-    num_tokens: int
-    decode_only: bool
-
-
 class _Launched(NamedTuple):
     """A step whose sampled ids are on their way to the host."""
 
     seqs: list[Sequence]  # the sequences that sampled, in row order
     rows: SamplingRows
-    tokens: torch.Tensor  # host tensors, filled by non-blocking copies
-    logprobs: DeviceSample | None
+    sample: DeviceSample  # host tensors, filled by non-blocking copies
     done: torch.cuda.Event | None  # recorded after the copies (None off CUDA)
-    began: torch.cuda.Event | None  # before the forward (step timing only)
+    began: torch.cuda.Event | None  # before the forward (step timing only: `StepClock.device_start`)
 
 
 class LLMEngine:
@@ -102,7 +82,7 @@ class LLMEngine:
         self.model = model
         self.runner = ModelRunner(model, config or EngineConfig())
         self.config = self.runner.config  # as this model runs it (prefix caching of recurrent state: snapshots)
-        self._new_bookkeeping()
+        self._new_scheduler()
         self._new: list[Sequence] = []
         self._aborted: set[str] = set()
         self._by_id: dict[str, Sequence] = {}
@@ -113,12 +93,10 @@ class LLMEngine:
         self.lost: str | None = None  # why a tensor-parallel replica can serve no more
         self._in_step: list[Sequence] = []  # the sequences of the step being run
         self._launched: _Launched | None = None  # overlap: the step launched, not read yet
-        self._last_read: tuple[_Launched, float, float, float] | None = None  # this step's read (`step_log`)
-        cfg_async = self.config.async_scheduling
-        self.overlap = self.model.device.type == "cuda" if cfg_async is None else cfg_async
-        if self.runner.tp is not None:  # every rank's inputs leave the host before its forward
-            self.overlap = False
-        self.step_log: list[StepTimes] | None = None  # set to a list to record `StepTimes`
+        overlap = self.config.async_scheduling
+        # never under tensor parallelism: every rank's inputs leave the host before its forward
+        self.overlap = self.runner.tp is None and (model.device.type == "cuda" if overlap is None else overlap)
+        self.clock = StepClock()
         self.last_progress = time.monotonic()  # a step started or finished, or work arrived while idle
         self._idle = True  # waiting for work (or only for media rows): no step is owed
         self.num_steps = 0
@@ -126,6 +104,15 @@ class LLMEngine:
         self.grammar_compiler: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
         self.masks = StepMasks(self.model.vocab_size)
+
+    @property
+    def step_log(self) -> list[StepTimes] | None:
+        """Each step's `StepTimes` while this is a list (set one to record them; None: off)."""
+        return self.clock.log
+
+    @step_log.setter
+    def step_log(self, log: list[StepTimes] | None) -> None:
+        self.clock.log = log
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -140,12 +127,11 @@ class LLMEngine:
                                                         max_roots=self.masks.threads)
             return self.grammar_compiler
 
-    def _new_bookkeeping(self) -> None:
-        """KV blocks (and the prefix cache), state slots and snapshots, the scheduler: as new."""
-        self.snapshots = self.runner.new_snapshot_manager()  # None unless state layers + prefix caching
-        self.blocks = self.runner.new_block_manager(self.snapshots.drop if self.snapshots else None)
-        self.slots = self.runner.new_slot_manager()  # None unless the LM face declares state layers
-        self.scheduler = Scheduler(self.config, self.blocks, self.slots, self.snapshots, self.runner.batch.release)
+    def _new_scheduler(self) -> None:
+        """The scheduler and its bookkeeping of the runner's pools (KV blocks and the prefix cache,
+        state slots and snapshots): as new."""
+        r = self.runner
+        self.scheduler = Scheduler(self.config, r.num_blocks, r.num_slots, r.num_snapshots, r.batch.release)
 
     def warm_up(self, num_prompt_tokens: int = 24, max_tokens: int = 3) -> None:
         """Before `start()`: run two short requests, one greedy and one sampled, through the real
@@ -173,7 +159,7 @@ class LLMEngine:
             raise RuntimeError(f"the warm-up requests did not finish: {ends}")
         if failed := [e.error for e in ends if e.error is not None]:
             raise RuntimeError(f"the warm-up request failed: {failed[0]!r}") from failed[0]
-        self._new_bookkeeping()
+        self._new_scheduler()
         self.num_steps = self.num_generated = self.runner.num_forwards = 0
         self.runner.expert_load.reset(num_forwards=0)
         self.last_progress = time.monotonic()
@@ -222,11 +208,11 @@ class LLMEngine:
         return self.runner.num_forwards
 
     def stats(self) -> EngineStats:
-        s, snaps = self.scheduler, self.snapshots
+        s, blocks, snaps = self.scheduler, self.scheduler.blocks, self.scheduler.snapshots
         num_snapshots = snaps.num_used if snaps else 0
-        return EngineStats(len(s.running), len(s.waiting) + len(self._new), self.blocks.num_used_blocks,
-                           self.blocks.num_blocks, s.num_preemptions, self.num_steps, self.num_forwards,
-                           self.num_generated, self.blocks.num_cached_tokens, num_snapshots,
+        return EngineStats(len(s.running), len(s.waiting) + len(self._new), blocks.num_used_blocks,
+                           blocks.num_blocks, s.num_preemptions, self.num_steps, self.num_forwards,
+                           self.num_generated, blocks.num_cached_tokens, num_snapshots,
                            num_snapshots * self.runner.states.row_bytes if snaps else 0,
                            snaps.num_resumed if snaps else 0,
                            sum(not seq.runnable for seq in [*s.waiting, *s.running]))
@@ -310,12 +296,25 @@ class LLMEngine:
             self._finish(seq, event)
 
     def step(self) -> None:
-        """Admit and abort, then schedule -> one forward -> sample; postprocess the sampled ids
-        (with overlap, those of the step launched before this one)."""
-        t0 = time.perf_counter()
+        """Admit and abort, schedule -> launch (one forward, the sampler) -> read the sampled ids
+        (with overlap, those of the step launched before this one, unless this step's constrained
+        rows read them first) -> postprocess them; `clock` times it (`step_log`)."""
+        self.clock.start()
         self.last_progress = time.monotonic()
+        scheduled = self._schedule()
+        launched = self._launch(scheduled) if scheduled else None
+        previous, self._launched = (self._launched, launched) if self.overlap else (launched, None)
+        if previous is not None:
+            self._read(previous)
+        self.num_steps += bool(scheduled)
         self._in_step = []
-        self._last_read = None
+        self.last_progress = time.monotonic()
+        self.clock.stop(scheduled)
+
+    def _schedule(self) -> tuple[ScheduledSeq, ...]:
+        """Admit and abort, then the scheduler's pick; a sequence preempted alone in the pool and
+        still too long for it ends with `length` (it can never run again)."""
+        self._in_step = []
         self._admit()
         out = self.scheduler.schedule()
         self._in_step = [item.seq for item in out.scheduled]
@@ -323,132 +322,67 @@ class LLMEngine:
         for seq in self._in_step:
             if seq.scheduled_at is None:
                 seq.scheduled_at = now
-        for seq in out.preempted:  # alone in the pool and still too long: it can never run again
-            if self.blocks.blocks_for(seq.num_tokens) > self.blocks.num_blocks:
+        blocks = self.scheduler.blocks
+        for seq in out.preempted:
+            if blocks.blocks_for(seq.num_tokens) > blocks.num_blocks:
                 self._finish(seq, TokenEvent(None, "length"))
-        t1 = t2 = t3 = t4 = time.perf_counter()
-        launched = None
-        if out.scheduled:
-            launched, (t2, t3, t4) = self._launch(out.scheduled)
-        if self.overlap:  # the step before, unless `_launch` read it already (its masks needed its ids)
-            previous, self._launched = self._launched, launched
-        else:
-            previous = launched
-        if previous is not None:
-            self._read(previous)
-        if out.scheduled:
-            self.num_steps += 1
-        self._in_step = []
-        self.last_progress = time.monotonic()
-        if self.step_log is not None and (out.scheduled or self._last_read is not None):
-            sample, readback, postprocess, device = t4 - t3, 0.0, 0.0, None
-            if self._last_read is not None:
-                read, began, arrived, ended = self._last_read
-                readback, postprocess = arrived - began, ended - arrived
-                if previous is None:  # read inside `_launch`, before the sampler
-                    sample -= ended - began
-                if read.began is not None:
-                    device = read.began.elapsed_time(read.done) / 1000
-            decode_only = bool(out.scheduled) and all(s.num_tokens == 1 for s in out.scheduled)
-            self.step_log.append(StepTimes(t1 - t0, t2 - t1, t3 - t2, sample, readback, postprocess, device,
-                                           len(out.scheduled), out.num_tokens, decode_only))
+        return out.scheduled
 
-    def _launch(self, scheduled) -> tuple[_Launched | None, tuple[float, float, float]]:
-        """Prepare, run and sample one step; the sampled ids stay on the device (and in the rows'
-        state) and start their copy to the host. Returns it and when preparing, launching and
-        sampling ended."""
-        cuda = self.model.device.type == "cuda"
+    def _launch(self, scheduled: tuple[ScheduledSeq, ...]) -> _Launched | None:
+        """Prepare, run and sample one step (None: no sequence samples)."""
+        self.clock.enter("prepare")
         step = self.runner.prepare(scheduled)
-        t2 = time.perf_counter()
-        began = None
-        if cuda and self.step_log is not None:
-            began = torch.cuda.Event(enable_timing=True)
-            began.record()
+        self.clock.enter("launch")
+        began = self.clock.device_start(self.model.device)
         logits = self.runner.run(step)
-        t3 = time.perf_counter()
-        for item in scheduled:
-            self._register_full_blocks(item.seq, item.seq.num_computed, item.seq.num_computed + item.num_tokens)
-            item.seq.num_computed += item.num_tokens
-            item.seq.resume_snapshot = None  # restored by this forward
-        self.runner.save_snapshots(self.scheduler.take_snapshots(scheduled))
-        launched = None
-        if step.sample_rows:
-            seqs = [scheduled[i].seq for i in step.sample_rows]
-            batch = self.runner.batch
-            with torch.inference_mode():
-                # a decode samples every row, in order: its staged rows are the index
-                index = step.decode_index[:len(seqs)] if step.decode_index is not None else batch.index(seqs)
-                rows = batch.sampling_rows(seqs, index, settings_dtype(logits))
-                greedy_constrained = self._mask(logits, seqs) if any(s.matcher is not None for s in seqs) else []
-                result = sample_rows(logits, rows, self.config.max_logprobs)
-                if greedy_constrained:
-                    self.masks.correct(logits, result.token_ids, greedy_constrained)
-                batch.record(index, result.token_ids)
-                tokens = torch.empty(len(seqs), dtype=torch.long, pin_memory=cuda)
-                tokens.copy_(result.token_ids, non_blocking=True)
-                logprobs = None
-                if result.logprobs is not None:
-                    logprobs = DeviceSample(*(torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda).copy_(t, non_blocking=True)
-                                              for t in result))
-            done = None
-            if cuda:
-                done = torch.cuda.Event(enable_timing=began is not None)
-                done.record()
-            for seq in seqs:
-                seq.num_unread += 1
-            launched = _Launched(seqs, rows, tokens, logprobs, done, began)
-        return launched, (t2, t3, time.perf_counter())
+        self.clock.enter("sample")
+        self.runner.save_snapshots(self.scheduler.computed(scheduled))
+        launched = self._sample(step, logits, began) if step.sample_rows else None
+        self.clock.enter(None)
+        return launched
 
-    def _mask(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, Matcher]]:
-        """Keep, in each constrained row of `logits`, only the tokens its grammar allows next;
-        returns the rows masked after sampling instead (`StepMasks.correct`): on CPU logits, the
-        greedy rows that want neither logprobs nor penalties.
+    def _sample(self, step: StepInputs, logits: torch.Tensor, began: torch.cuda.Event | None) -> _Launched:
+        """Sample the step's rows (the constrained ones masked: `StepMasks.sample`); the sampled ids
+        stay on the device (and in the rows' state) and start their copy to the host."""
+        seqs = [step.scheduled[i].seq for i in step.sample_rows]
+        batch, cuda = self.runner.batch, self.model.device.type == "cuda"
+        with torch.inference_mode():
+            # a decode samples every row, in order: its staged rows are the index
+            index = step.decode_index[:len(seqs)] if step.decode_index is not None else batch.index(seqs)
+            rows = batch.sampling_rows(seqs, index, settings_dtype(logits))
+            result = self.masks.sample(logits, seqs, lambda: sample_rows(logits, rows, self.config.max_logprobs),
+                                       read_before=self._read_in_flight)
+            batch.record(index, result.token_ids)
+            host = DeviceSample(*(t if t is None else
+                                  torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda).copy_(t, non_blocking=True)
+                                  for t in result))
+        done = None
+        if cuda:
+            done = torch.cuda.Event(enable_timing=began is not None)
+            done.record()
+        for seq in seqs:
+            seq.num_unread += 1
+        return _Launched(seqs, rows, host, done, began)
 
-        With overlap, a row's matcher needs the row's last token, sampled by the step launched
-        before this one and not read yet: that step is read here, after this step's forward was
-        launched and before its sampler, so the device runs the forward while the host
-        postprocesses the ids and fills the masks (plain rows wait for nothing more). A row that
-        finished at the step just read (its grammar complete or refused, a stop id, an abort) has
-        its token of this step discarded: it gets no mask. The step before is read whenever this
-        one has a constrained row, which also means its mask's copy from the host buffer is done
-        before the buffer is filled again."""
+    def _read_in_flight(self) -> None:
+        """Read the step in flight now (its constrained rows' matchers need its tokens)."""
         if self._launched is not None:
             self._read(self._launched)
             self._launched = None
-        constrained = [(j, s) for j, s in enumerate(seqs) if s.matcher is not None and s.status is not Status.FINISHED]
-        cpu = logits.device.type == "cpu"
-        after, before = [], []
-        for j, s in constrained:
-            p = s.request.sampling
-            lazy = cpu and p.greedy and p.logprobs is None and not p.has_penalties
-            (after if lazy else before).append((j, s.matcher))
-        if before:
-            self.masks.apply(logits, before)
-        return after
 
     def _read(self, launched: _Launched) -> None:
-        """Wait for a launched step's sampled ids and postprocess them (`_last_read`: when)."""
-        began = time.perf_counter()
+        """Wait for a launched step's sampled ids and postprocess them."""
+        resume = self.clock.enter("readback")
         if launched.done is not None:
             launched.done.synchronize()
-        arrived = time.perf_counter()
-        result = (launched.logprobs or DeviceSample(launched.tokens)).to_host(launched.rows)
+        self.clock.enter("postprocess")
+        result = launched.sample.to_host(launched.rows)
         for j, seq in enumerate(launched.seqs):
             seq.num_unread -= 1
-            if seq.status is Status.FINISHED:  # finished (or aborted) after this step was launched
-                continue
-            self._postprocess(seq, result.token_ids[j], result.logprobs[j], result.top_logprobs[j])
+            if not seq.finished:  # else finished (or aborted) after this step was launched
+                self._postprocess(seq, result.token_ids[j], result.logprobs[j], result.top_logprobs[j])
         self.runner.expert_load.collect(self.runner.num_forwards)
-        self._last_read = (launched, began, arrived, time.perf_counter())
-
-    def _register_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
-        """Offer the prompt blocks this step completed to later requests (prefix caching)."""
-        if not self.config.enable_prefix_caching:
-            return
-        bs = self.blocks.block_size
-        hashes = seq.block_hashes(bs)
-        for i in range(start // bs, min(end // bs, len(hashes))):
-            self.blocks.register(seq.block_table[i], hashes[i])
+        self.clock.read(launched.began, launched.done, resume)
 
     def _admit(self) -> None:
         with self._cv:
@@ -478,39 +412,32 @@ class LLMEngine:
         prompt_len, max_tokens, limit = len(req.prompt_token_ids), req.sampling.max_tokens, self.runner.max_model_len
         if prompt_len + max_tokens > limit:  # the router refuses these first (400)
             return f"prompt of {prompt_len} tokens + max_tokens {max_tokens} exceed max_model_len {limit}"
-        capacity = self.blocks.num_blocks * self.blocks.block_size
+        capacity = self.scheduler.blocks.num_blocks * self.config.block_size
         if prompt_len >= capacity:
             return f"prompt of {prompt_len} tokens exceeds the KV cache capacity of {capacity} tokens"
         return None
 
     def _postprocess(self, seq: Sequence, token: int, logprob, top) -> None:
-        p = seq.request.sampling
-        if seq.matcher is not None:
-            if not seq.matcher.accept(token):  # the mask left no token: the grammar cannot go on
-                generated = len(seq.tokens) - seq.num_prompt_tokens
-                self._finish(seq, TokenEvent(None, "error", InvalidRequest(
-                    f"response_format: after {generated} tokens the grammar allows none this model can produce")))
-                return
-            if seq.matcher.complete:  # the output is whole: only a stop token could follow
-                if token in p.stop_token_ids or token in self.model.eos_token_ids:
-                    self._finish(seq, TokenEvent(None, "stop"))
-                else:  # its last token, sent with the end (no step spent on the stop token)
-                    seq.tokens.append(token)
-                    self.num_generated += 1
-                    self._finish(seq, TokenEvent(token, "stop", None, logprob, top))
-                return
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.model.eos_token_ids):
+        p, matcher = seq.request.sampling, seq.matcher
+        if matcher is not None and not matcher.accept(token):  # the mask left no token: the grammar cannot go on
+            self._finish(seq, TokenEvent(None, "error", InvalidRequest(
+                f"response_format: after {len(seq.generated)} tokens the grammar allows none this model can produce")))
+            return
+        complete = matcher is not None and matcher.complete  # the output is whole: only a stop token could follow
+        if token in p.stop_token_ids or ((complete or not p.ignore_eos) and token in self.model.eos_token_ids):
             self._finish(seq, TokenEvent(None, "stop"))
             return
         seq.tokens.append(token)
         self.num_generated += 1
-        if len(seq.tokens) - seq.num_prompt_tokens >= p.max_tokens:
+        if complete:  # its last token, sent with the end (no step spent on the stop token)
+            self._finish(seq, TokenEvent(token, "stop", None, logprob, top))
+        elif len(seq.tokens) - seq.num_prompt_tokens >= p.max_tokens:
             self._finish(seq, TokenEvent(token, "length", None, logprob, top))
         else:
             seq.send(TokenEvent(token, None, None, logprob, top))
 
     def _finish(self, seq: Sequence, event: TokenEvent) -> None:
-        if seq.status is not Status.FINISHED:
+        if not seq.finished:
             self.scheduler.finish(seq)
             self._by_id.pop(seq.request_id, None)
             seq.send(event)

@@ -13,7 +13,7 @@ Gated-DeltaNet layers by head (query/key heads as KV heads, value heads as atten
 embedding table, the norms and the routers are whole on every rank. A rank's KV pool and state
 slots hold its own heads.
 
-Ray-free: `llm_service.model_runner.rank_main` is what a rank worker process runs (a Ray actor
+Ray-free: `llm_service.model.model_runner.rank_main` is what a rank worker process runs (a Ray actor
 in the Serve app, a plain process in the tests).
 """
 
@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -43,8 +44,6 @@ def rendezvous_store(init_method: str, rank: int, size: int, timeout: datetime.t
     authentication, whatever HOST says. The others connect to it."""
     import socket
     from urllib.parse import urlsplit
-
-    import torch.distributed as dist
 
     url = urlsplit(init_method)
     if url.scheme != "tcp" or url.hostname is None or url.port is None:
@@ -65,8 +64,6 @@ class TPGroup:
 
     def __init__(self, rank: int, size: int, init_method: str, device: torch.device,
                  timeout_s: float = DEFAULT_TIMEOUT_S):
-        import torch.distributed as dist
-
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in a group of {size}")
         self.rank, self.size, self.device = rank, size, torch.device(device)
@@ -95,16 +92,12 @@ class TPGroup:
         self.counts[name] += 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
-
         with self._collective("all_reduce"):
             dist.all_reduce(x)
         return x
 
     def broadcast(self, message=None):
         """Rank 0 sends `message` (picklable; tensors on the host), the others return it."""
-        import torch.distributed as dist
-
         box = [message]
         with self._collective("broadcast"):
             dist.broadcast_object_list(box, src=0, group=self.control)
@@ -113,8 +106,6 @@ class TPGroup:
     def gather_vocab(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
         """Rank 0: the whole `(rows, vocab)` logits from every rank's vocabulary slice; the
         others send theirs and get None."""
-        import torch.distributed as dist
-
         parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
         with self._collective("gather"):
             dist.gather(logits.contiguous(), parts, dst=0)
@@ -122,15 +113,11 @@ class TPGroup:
 
     def agree_min(self, values: tuple[int, ...]) -> tuple[int, ...]:
         """The smallest of each value over the ranks (pool sizes every rank can hold)."""
-        import torch.distributed as dist
-
         t = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control)
         return tuple(int(v) for v in t.tolist())
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -222,16 +209,12 @@ def _attention(prefix: str, attn: nn.Module, rank: int, size: int, rules: dict[s
         raise ValueError(f"{heads} attention heads do not split over {size} ranks")
     q_first, q_count = part(heads, rank, size)
     kv_first, kv_count = part(kv_heads, rank, size)
-    q = rows(heads, q_first, q_count)
-    for name in ("q_proj", "g_proj"):  # a per-head gate (Step3) splits as the heads
-        if hasattr(attn, name):
-            rules[f"{prefix}{name}.weight"] = q
-            if getattr(attn, name).bias is not None:
-                rules[f"{prefix}{name}.bias"] = q
-    for name in ("k_proj", "v_proj"):
-        rules[f"{prefix}{name}.weight"] = rows(kv_heads, kv_first, kv_count)
-        if getattr(attn, name).bias is not None:
-            rules[f"{prefix}{name}.bias"] = rows(kv_heads, kv_first, kv_count)
+    q, kv = rows(heads, q_first, q_count), rows(kv_heads, kv_first, kv_count)
+    for name, rule in (("q_proj", q), ("g_proj", q), ("k_proj", kv), ("v_proj", kv)):  # g_proj: Step3's gate per head
+        if (proj := getattr(attn, name, None)) is not None:
+            rules[f"{prefix}{name}.weight"] = rule
+            if proj.bias is not None:
+                rules[f"{prefix}{name}.bias"] = rule
     rules[f"{prefix}o_proj.weight"] = rows(heads, q_first, q_count, dim=1)
     if attn.o_proj.bias is not None:
         rules[f"{prefix}o_proj.bias"] = zeros_unless(rank == 0)

@@ -7,11 +7,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from llm_service.block_manager import BlockManager
 from llm_service.config import EngineConfig
+from llm_service.engine.block_manager import BlockManager
+from llm_service.engine.sequence import Sequence, Status
 from llm_service.hybrid.state_slots import StateSlotManager
 from llm_service.hybrid.state_snapshots import SnapshotManager
-from llm_service.sequence import Sequence, Status
 
 
 class ScheduledSeq(NamedTuple):
@@ -101,8 +101,10 @@ def chunk_end(seq: Sequence, start: int, block_size: int, snapshots: SnapshotMan
 
 
 class Scheduler:
-    """Waiting and running queues over one `BlockManager` (and one `StateSlotManager` for models
-    with recurrent state).
+    """Waiting and running queues, and the bookkeeping of the pools the model runner holds (ids
+    only): the KV blocks of `num_blocks` (`blocks`), for models with recurrent state its
+    `num_slots` state slots (`slots`) and, with prefix caching, its `num_snapshots` state snapshot
+    rows after them (`snapshots`: dropped with the KV block their prefix ends at).
 
     Each step: every running sequence gets its pending tokens (1 for a decode, a chunk for a
     prefill in progress, none while it waits for media rows: `Sequence.ready`), oldest first; when the pool cannot hold them the youngest running
@@ -110,17 +112,18 @@ class Scheduler:
     waiting sequences are admitted FIFO while `max_num_seqs`, the token budget, the pool and the
     state slots allow. Invariant: a sequence holds a state slot exactly while it is running.
 
-    With prefix caching, a model with recurrent state also keeps state snapshots (`snapshots`):
-    after each step the engine asks `take_snapshots` which slots to copy into snapshot rows.
+    Once a step is launched, `computed` advances its sequences, offers their full prompt blocks
+    to the prefix cache and says which slots to copy into snapshot rows (`take_snapshots`).
     """
 
-    def __init__(self, config: EngineConfig, blocks: BlockManager, slots: StateSlotManager | None = None,
-                 snapshots: SnapshotManager | None = None, release: Callable[[Sequence], None] | None = None):
+    def __init__(self, config: EngineConfig, num_blocks: int, num_slots: int = 0, num_snapshots: int = 0,
+                 release: Callable[[Sequence], None] | None = None):
         self.config = config
         self.release = release  # told when a sequence stops running (the runner's batch row goes back)
-        self.blocks = blocks
-        self.slots = slots
-        self.snapshots = snapshots if config.enable_prefix_caching else None
+        self.slots = StateSlotManager(num_slots) if num_slots else None
+        self.snapshots = (SnapshotManager(num_snapshots, first_row=num_slots)
+                          if num_snapshots and config.enable_prefix_caching else None)
+        self.blocks = BlockManager(num_blocks, config.block_size, self.snapshots.drop if self.snapshots else None)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -176,6 +179,20 @@ class Scheduler:
                 self.running.append(seq)
                 scheduled.append(item)
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
+
+    def computed(self, scheduled: tuple[ScheduledSeq, ...]) -> list[tuple[int, int]]:
+        """The step's tokens are computed (its forward launched): the full prompt blocks they
+        complete are offered to later requests (prefix caching), `num_computed` advances; returns
+        `take_snapshots`' copies."""
+        bs = self.blocks.block_size
+        for seq, n in scheduled:
+            if self.config.enable_prefix_caching:
+                hashes = seq.block_hashes(bs)
+                for i in range(seq.num_computed // bs, min((seq.num_computed + n) // bs, len(hashes))):
+                    self.blocks.register(seq.block_table[i], hashes[i])
+            seq.num_computed += n
+            seq.resume_snapshot = None  # restored by this forward
+        return self.take_snapshots(scheduled)
 
     def take_snapshots(self, scheduled: tuple[ScheduledSeq, ...]) -> list[tuple[int, int]]:
         """After a step (its blocks registered, `num_computed` advanced): `(slot, snapshot row)`

@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from llm_service.transfer import to_device
+from llm_service.model.transfer import to_device
 
 logger = logging.getLogger(__name__)
 ATTN_IMPLEMENTATION = "mmserve_paged"
-BACKENDS = ("auto", "sdpa", "triton")
 
 
 @dataclass
@@ -158,12 +157,9 @@ def _sdpa(q, k_cache, v_cache, batch: AttentionBatch, scaling, mask):
 
 
 def choose_backend(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    """The attention backend for this replica, or ValueError saying why `requested` cannot run.
-
-    `auto` is `triton` on CUDA (never a silent dense fallback there) and `sdpa` elsewhere.
-    """
-    if requested not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {BACKENDS}, got {requested!r}")
+    """The attention backend for this replica (`requested`: `EngineConfig.attention_backend`), or
+    ValueError saying why it cannot run. `auto` is `triton` on CUDA (never a silent dense fallback
+    there) and `sdpa` elsewhere."""
     backend = requested if requested != "auto" else ("triton" if device.type == "cuda" else "sdpa")
     if backend == "sdpa":
         if device.type == "cuda":

@@ -7,18 +7,15 @@ from typing import NamedTuple
 
 import torch
 
-from llm_service import attention, experts
-from llm_service.attention import AttentionBatch
-from llm_service.batch_state import BatchState
-from llm_service.block_manager import BlockManager
 from llm_service.config import EngineConfig
+from llm_service.engine.scheduler import ScheduledSeq
 from llm_service.hybrid.state_cache import StateBatch, StatePool, resolve_config, slot_bytes
-from llm_service.hybrid.state_slots import StateSlotManager
-from llm_service.hybrid.state_snapshots import SnapshotManager
-from llm_service.kv_cache import allocate_pool, bytes_per_block, check_holds_a_sequence, pool_sizes
-from llm_service.model import LanguageModel
-from llm_service.scheduler import ScheduledSeq
-from llm_service.transfer import ints, to_device
+from llm_service.model import attention, experts
+from llm_service.model.attention import AttentionBatch
+from llm_service.model.batch_state import BatchState
+from llm_service.model.kv_cache import allocate_pool, bytes_per_block, check_holds_a_sequence, pool_sizes
+from llm_service.model.language_model import LanguageModel
+from llm_service.model.transfer import ints, to_device
 from mmserve.checkpoint import resolve_max_model_len
 
 logger = logging.getLogger(__name__)
@@ -70,7 +67,7 @@ class ModelRunner:
 
     `prepare` packs the scheduled chunks into one `(1, T, hidden)` sequence with per-token
     positions from each request's plan (shaped for the decoder by the family's LM face); `run`
-    runs the `transformers` decoder once with an `AttentionBatch` as its mask (see `llm_service.attention`)
+    runs the `transformers` decoder once with an `AttentionBatch` as its mask (see `llm_service.model.attention`)
     and, for a model with linear-attention layers, a `StateBatch` over the sequences' state slots
     (see `llm_service.hybrid.state_cache`), and returns the logits of the last token of each sequence that
     has caught up with its tokens (the ones that sample this step). `config` is the engine config
@@ -135,12 +132,12 @@ class ModelRunner:
         # the decoder's RMSNorms and SiLU MLPs in fewer kernels, before any graph captures them
         self.fused_ops = {}
         if self.device.type == "cuda" and config.fused_ops and self.backend == "triton":
-            from llm_service.fused_ops import fuse_decoder
+            from llm_service.model.fused_ops import fuse_decoder
 
             self.fused_ops = fuse_decoder(decoder)
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs and self.backend == "triton" and self.tp is None:
-            from llm_service.cuda_graphs import DecodeGraphs
+            from llm_service.model.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs.capture(self)
 
@@ -157,19 +154,6 @@ class ModelRunner:
         from mmserve.kernels.triton_attention import decode_splits
 
         return decode_splits(num_seqs, self.num_kv_heads, max_context_len, self.device)
-
-    def new_block_manager(self, on_evict=None) -> BlockManager:
-        return BlockManager(self.num_blocks, self.config.block_size, on_evict)
-
-    def new_slot_manager(self) -> StateSlotManager | None:
-        """Bookkeeping of the state slots (None: the model keeps no recurrent state)."""
-        return StateSlotManager(self.num_slots) if self.states is not None else None
-
-    def new_snapshot_manager(self) -> SnapshotManager | None:
-        """Bookkeeping of the state snapshot rows (None: no recurrent state, or no prefix caching)."""
-        if self.states is None or not self.config.enable_prefix_caching:
-            return None
-        return SnapshotManager(self.num_snapshots, first_row=self.num_slots)
 
     @torch.inference_mode()
     def save_snapshots(self, copies: list[tuple[int, int]]) -> None:
@@ -307,18 +291,6 @@ class ModelRunner:
             raise RuntimeError("a tensor-parallel step needs every input id on the host (no overlapped steps)")
         return ids, unread_at, unread_rows
 
-    def token_ids(self, scheduled: tuple[ScheduledSeq, ...]) -> torch.Tensor:
-        """The packed input ids on the device: from the host where it has them, from the rows'
-        last sampled token for an unread one."""
-        ids, unread_at, unread_rows = self._host_ids(scheduled)
-        return self._ids_on_device(ids, unread_at, unread_rows)
-
-    def _ids_on_device(self, ids: list[int], unread_at: list[int], unread_rows: list[int]) -> torch.Tensor:
-        out = ints(ids, self.device)
-        if unread_at:
-            out[self._index(unread_at)] = self.batch.last_token[self._index(unread_rows)]
-        return out
-
     def _pack_host(self, scheduled: tuple[ScheduledSeq, ...], sample_rows: list[int]) -> PackedStep:
         """The scheduled chunks packed into one sequence, on the host: what every rank needs."""
         bs = self.config.block_size
@@ -379,7 +351,9 @@ class ModelRunner:
             batch.gather_slots, batch.masks = attention.sdpa_metadata(p.q_lens, p.ctx_lens, p.slot_tables, dev,
                                                                       self.windows)
         rows = to_device((cu_q[1:] - 1).to(torch.long)[p.sample_rows], dev)
-        ids = self._ids_on_device(p.ids, p.unread_at, p.unread_rows)
+        ids = ints(p.ids, dev)  # an unread id: its row's last sampled token, on the device
+        if p.unread_at:
+            ids[self._index(p.unread_at)] = self.batch.last_token[self._index(p.unread_rows)]
         return ids, to_device(p.positions, dev), batch, rows, p.media, extra
 
     def _state_batch(self, ops: StateOps, q_lens: list[int]) -> StateBatch:
@@ -397,7 +371,7 @@ def rank_main(rank: int, size: int, init_method: str, model_dir: str, dtype: str
               config: EngineConfig, timeout_s: float | None = None) -> dict:
     """A tensor-parallel rank worker (rank >= 1): join the group, load this rank's shard, follow
     rank 0's steps until it stops the group; returns the group's collective counts."""
-    from llm_service.tensor_parallel import DEFAULT_TIMEOUT_S, TPGroup
+    from llm_service.model.tensor_parallel import DEFAULT_TIMEOUT_S, TPGroup
 
     group = TPGroup(rank, size, init_method, torch.device(device), timeout_s=timeout_s or DEFAULT_TIMEOUT_S)
     try:
