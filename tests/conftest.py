@@ -20,6 +20,7 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 SESSION_SERVE = {"serve_ports", "serve_urls", "grpc_target", "secured_url", "external_encoder_url"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """`scripts/test` runs the suite on two pytest-xdist workers (`--dist loadgroup`): the tests
     that use the session's Ray and Serve instance are one group, run first and on one worker (one

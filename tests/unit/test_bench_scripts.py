@@ -173,10 +173,9 @@ def test_video_bench_counts_the_cpu_seconds_a_busy_thread_spends(monkeypatch, tm
     from bench.serve_video import cpu_busy_s
 
     before, own = cpu_busy_s(), time.process_time()
-    end = time.perf_counter() + 0.3
-    while time.perf_counter() < end:
+    while time.process_time() - own < 0.3:  # 0.3 s of this thread's CPU, however long a loaded box takes
         pass
-    assert cpu_busy_s() - before >= 0.8 * (time.process_time() - own) > 0.2
+    assert cpu_busy_s() - before >= 0.8 * (time.process_time() - own)
     ticks = os.sysconf("SC_CLK_TCK")  # /proc/stat's lines: user nice system idle iowait irq softirq steal ...
     lines = iter([f"cpu  {ticks} 0 {ticks} 500 7 0 0 0 0 0\n",
                   f"cpu  {ticks} 0 {ticks} {500 + 2 * ticks} {7 + ticks} 0 0 0 0 0\n",  # idle and waiting

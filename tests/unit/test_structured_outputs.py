@@ -234,7 +234,8 @@ def test_a_row_whose_grammar_allows_no_sampled_token_ends_with_an_error(tiny_mod
 def test_n_choices_interleave_and_a_stop_string_ends_only_its_choice(tiny_models):
     """`Generation` over the events of n = 2 choices as the LLM deployment interleaves them: each
     choice is detokenized on its own, a stop string in one ends that choice only, and the stream
-    is cancelled once both have ended; a replica lost after a token was sent is not resumed."""
+    is cancelled once both have ended; a replica lost after tokens were sent resumes each
+    unfinished choice from its own tokens (`failover.ChoiceStreams`)."""
     import asyncio
 
     from transformers import AutoTokenizer
@@ -264,12 +265,18 @@ def test_n_choices_interleave_and_a_stop_string_ends_only_its_choice(tiny_models
     assert stream.cancelled
 
     async def lost_after_a_token():
-        async def resume(error, sent):
-            raise AssertionError("an n > 1 stream is not resumed once a token was sent")
+        asked = []
 
-        stream = FakeStream(iter([RuntimeError("replica lost")]))
+        async def resume(error, sent):  # failover.Failover.resume's contract: each unfinished choice's tokens
+            asked.append(sent)
+            raise error
+
+        stream = FakeStream(iter([TokenEvent(b[0], None, choice=1), RuntimeError("replica lost")]))
         gen = Generation("r", None, SamplingParams(16), (), stream, TokenEvent(a[0], None), tokenizer, resume, n=2)
-        return [d async for d in gen.deltas()]
+        try:
+            return [d async for d in gen.deltas()]
+        finally:
+            assert asked == [{0: (a[0],), 1: (b[0],)}]
 
     with pytest.raises(RuntimeError, match="replica lost"):
         asyncio.run(lost_after_a_token())
