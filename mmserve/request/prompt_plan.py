@@ -14,17 +14,21 @@ from mmserve.inputs.media import EncodeItem, MediaItem, MediaKind, MediaSource, 
 from mmserve.inputs.positions import PositionPlan
 from mmserve.request.prompt import Message, PromptBuilder
 from mmserve.request.tools import ToolFormat, ToolSpec, check_call_arguments
+from mmserve.settings import check_fields, setting
 
 __all__ = ["MediaLimits", "Message", "RequestPlan", "RequestPlanner", "prompt_chars"]
 
 
 @dataclass(frozen=True)
 class MediaLimits:
-    """Per-request media limits; the defaults are the server's (`LimitArgs` takes them from here)."""
+    """Per-request media limits (settings of the app's `limits`, `mmserve.settings`)."""
 
-    max_items_per_request: int = 16
-    max_frames_per_video: int = 64
-    max_pixels_per_image: int = 40_000_000
+    max_items_per_request: int = setting(16, "media items (images, videos) of one request", ge=0)
+    max_frames_per_video: int = setting(64, "frames of one video: as sent, or sampled from a video_url file", ge=1)
+    max_pixels_per_image: int = setting(40_000_000, "pixels (width x height) of one image", ge=1)
+
+    def __post_init__(self):
+        check_fields(self)
 
     def check(self, items: Sequence[MediaSource | MediaItem]) -> None:
         """InvalidRequest naming the first limit one request's media break; needs only what the
