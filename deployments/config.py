@@ -393,15 +393,21 @@ class AppArgs(FrozenArgs):
         """video_url files stream through the pipeline (`video_decode.stream`; never to a standalone encoder)."""
         return self.video_decode.stream and self.grpc.encoder_address is None
 
-    def on_node(self) -> "AppArgs":
-        """These arguments with the model directory and the secrets resolved on this node (the
-        Router's: each other replica resolves what it uses)."""
+    def on_node(self, api_key: bool = True) -> "AppArgs":
+        """These arguments resolved on this node, the one place they are (the Router's, an LLM
+        replica's, and `mmserve serve`'s before Ray starts): the model directory (the embedded tiny
+        model built), `engine.max_model_len` from its checkpoint (`resolve_max_model_len`: an int from
+        here on), `grpc.token` and, with `api_key` (the Router: it alone takes clients' calls), the API key."""
         from deployments.replica_env import resolve_model_dir, secret
+        from mmserve.checkpoint import load_config, resolve_max_model_len
 
-        return self.model_copy(update={
-            "model": resolve_model_dir(self.model), "api_key": secret(self.api_key, self.api_key_env, "api_key_env"),
-            "api_key_env": None, "grpc": self.grpc.on_node(),
-        })
+        model = resolve_model_dir(self.model)
+        max_model_len = resolve_max_model_len(load_config(model), self.engine.max_model_len)
+        update = {"model": model, "engine": self.engine.model_copy(update={"max_model_len": max_model_len}),
+                  "grpc": self.grpc.on_node()}
+        if api_key:
+            update |= {"api_key": secret(self.api_key, self.api_key_env, "api_key_env"), "api_key_env": None}
+        return self.model_copy(update=update)
 
     @model_validator(mode="after")
     def _check_deployments(self) -> "AppArgs":

@@ -39,7 +39,6 @@ from deployments.core.readiness import Readiness
 from deployments.core.request_checks import RequestChecks
 from deployments.media.fetch import MediaFetcher
 from llm_service.sampling import Grammar
-from mmserve.checkpoint import load_config, resolve_max_model_len
 from mmserve.errors import InvalidRequest, NotReady, QueueFull, RequestTooLarge, ShuttingDown, Unauthenticated
 from mmserve.inputs.media import DecodedVideo, EncodeItem, MediaItem, MediaSource, warm_up_image
 from mmserve.request.prompt_plan import Message, RequestPlanner
@@ -132,16 +131,15 @@ def new_request_id() -> str:
 
 
 class RequestCore:
-    def __init__(self, args: AppArgs, planner: RequestPlanner, max_model_len: int, generation_defaults,
+    def __init__(self, args: AppArgs, planner: RequestPlanner, generation_defaults,
                  media: MediaDispatcher, llm: LLMClient, listener: RequestListener | None = None,
                  draining: Callable[[], bool] = lambda: False, videos: VideoDecoding | None = None,
                  readiness: Readiness | None = None):
         """`args` as the builder completed them (`served_model_name` set) and the Router resolved them
-        on its node (`AppArgs.on_node`)."""
-        self.args, self.limits = args, args.limits
+        on its node (`AppArgs.on_node`: `engine.max_model_len` is the context served)."""
+        self.args, self.limits, self.max_model_len = args, args.limits, args.engine.max_model_len
         self.planner = planner
         self.tokenizer = planner.tokenizer
-        self.max_model_len = max_model_len
         self.generation_defaults = generation_defaults  # transformers GenerationConfig of the checkpoint
         self.media = media
         self.llm = llm
@@ -161,16 +159,14 @@ class RequestCore:
                         videos: VideoDecoding | None = None, readiness: Readiness | None = None) -> RequestCore:
         from transformers import AutoTokenizer, GenerationConfig
 
-        model_dir, limits = args.model, args.limits
-        max_model_len = resolve_max_model_len(load_config(model_dir), args.engine.max_model_len)  # the LLM's too
+        model_dir, limits, max_model_len = args.model, args.limits, args.engine.max_model_len
         planner = RequestPlanner(model_dir, AutoTokenizer.from_pretrained(model_dir), limits.media_limits(),
-                                 max_prompt_chars=limits.max_prompt_chars or CHARS_PER_TOKEN * max_model_len,
-                                 max_prompt_tokens=max_model_len)
+                                 limits.max_prompt_chars or CHARS_PER_TOKEN * max_model_len, max_model_len)
         try:
             defaults = GenerationConfig.from_pretrained(model_dir)
         except OSError:
             defaults = GenerationConfig()
-        return cls(args, planner, max_model_len, defaults, media, llm, listener, draining, videos, readiness)
+        return cls(args, planner, defaults, media, llm, listener, draining, videos, readiness)
 
     # -- the request flow ---------------------------------------------------------------------
     async def generate(self, authorization: str | None, read: Callable[[], Awaitable[ChatRequest]],

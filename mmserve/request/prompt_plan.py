@@ -78,10 +78,10 @@ def prompt_chars(messages: Sequence[Message], tools: Sequence[ToolSpec] = ()) ->
 
 class RequestPlanner:
     """`max_prompt_chars` bounds a request's text before it is tokenized (RequestTooLarge),
-    `max_prompt_tokens` its prompt tokens before media positions are computed (InvalidRequest)."""
+    `max_model_len` its prompt tokens before media positions are computed (InvalidRequest)."""
 
     def __init__(self, model_dir: str | Path, tokenizer, limits: MediaLimits = MediaLimits(),
-                 max_prompt_chars: int | None = None, max_prompt_tokens: int | None = None):
+                 max_prompt_chars: int | None = None, max_model_len: int | None = None):
         template = read_chat_template(model_dir)
         if template is None:
             raise ValueError(f"{model_dir} has no chat template")
@@ -89,7 +89,7 @@ class RequestPlanner:
         self.model_type = family_of(model_dir)
         self.limits = limits
         self.max_prompt_chars = max_prompt_chars
-        self.max_prompt_tokens = max_prompt_tokens
+        self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         placeholders = {kind: self.face.placeholder(kind) for kind in MediaKind}
         # the family's tool-call form: how calls render, parse and are forced (`mmserve.request.tools`)
@@ -117,9 +117,9 @@ class RequestPlanner:
         self.limits.check(items)
         expansions = self.face.expand_all(items, self.limits.max_pixels_per_image)
         prompt = self._builder.build(messages, expansions, tools)
-        if self.max_prompt_tokens is not None and len(prompt.token_ids) > self.max_prompt_tokens:
+        if self.max_model_len is not None and len(prompt.token_ids) > self.max_model_len:
             raise InvalidRequest(f"prompt has {len(prompt.token_ids)} tokens, media included; the model's context "
-                                 f"is {self.max_prompt_tokens} tokens")
+                                 f"is {self.max_model_len} tokens")
         positions = self.face.position_plan(prompt.token_ids, prompt.ranges, expansions)
         boundaries = () if prompt.system_end is None else (prompt.system_end,)
         return RequestPlan(prompt.token_ids, items, prompt.ranges, expansions, positions, boundaries)

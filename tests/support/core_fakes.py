@@ -112,7 +112,7 @@ class FakeBackend:
 def make_core(model_dir: str, llm: FakeLLM | None = None, media: MediaDispatcher | None = None,
               limits: LimitArgs | None = None, readiness: Readiness | None = None, **args) -> RequestCore:
     """`args`: `AppArgs` fields (api_key, max_pending_requests ...)."""
-    args = AppArgs(model=model_dir, served_model_name="m", limits=limits or LimitArgs(), **args)
+    args = AppArgs(model=model_dir, served_model_name="m", limits=limits or LimitArgs(), **args).on_node()
     return RequestCore.from_checkpoint(args, media or FakeDispatcher(), llm or FakeLLM(), readiness=readiness)
 
 
