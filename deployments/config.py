@@ -1,30 +1,25 @@
 """Application arguments: validated once here (pydantic), resolved into frozen runtime settings.
 
-A default the runtimes also need is written once, in their dataclass (`EngineConfig`, `BatchConfig`,
-`PoolConfig`, `MediaLimits`, `VideoLimits`, `ResultStore`, `ServerOptions`): the fields here read it.
+A setting a runtime uses is declared once, in its dataclass (`EngineConfig`, `BatchConfig`,
+`PoolConfig`, `MediaLimits`, `VideoLimits`, `ResultStore`, `ServerOptions`: `mmserve.settings`):
+the sections here take it from there (`runtime_settings`) and make the runtime from it (`build`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from deployments.deployment_args import DeploymentArgs, FrozenArgs, serve_has
+from deployments.deployment_args import DeploymentArgs, FrozenArgs, ReplicaRange, build, runtime_settings, serve_has
 from deployments.media.allowlist import parse_allowlist_entry
-from encoder_service.batching import BatchConfig, CostUnit
+from encoder_service.batching import BatchConfig
 from encoder_service.pool import PoolConfig
 from encoder_service.rpc.result_store import ResultStore
 from encoder_service.rpc.server import ServerOptions
 from llm_service.config import EngineConfig
 from mmserve.request.prompt_plan import MediaLimits
 from mmserve.video.container import VideoLimits
-
-
-def _shared(args: BaseModel, runtime: type) -> dict:
-    """`args`' values of the fields that dataclass `runtime` has under the same names."""
-    return {f.name: getattr(args, f.name) for f in dataclasses.fields(runtime) if f.name in type(args).model_fields}
 
 
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
@@ -43,15 +38,9 @@ def is_loopback(host: str) -> bool:
 CHARS_PER_TOKEN = 16  # max_prompt_chars' default per token of context: far above any tokenizer's average
 
 
-class LimitArgs(FrozenArgs):
+class LimitArgs(runtime_settings(MediaLimits, VideoLimits)):
     """Request limits and media access (see `deployments.media.fetch` for the rules)."""
 
-    max_items_per_request: int = Field(default=MediaLimits.max_items_per_request, ge=0,
-                                       description="media items (images, videos) of one request")
-    max_frames_per_video: int = Field(default=MediaLimits.max_frames_per_video, ge=1,
-                                      description="frames of one video: as sent, or sampled from a video_url file")
-    max_pixels_per_image: int = Field(default=MediaLimits.max_pixels_per_image, ge=1,
-                                      description="pixels (width x height) of one image")
     max_request_bytes: int = Field(
         default=64 * 1024 * 1024, ge=1024, description="request body; also all media URLs of one request together"
     )
@@ -87,24 +76,11 @@ class LimitArgs(FrozenArgs):
         default=30.0, gt=0, description="all media URLs of one request together (fetched concurrently, "
         "redirects included); over it the request is refused (400)",
     )
-    max_video_seconds: float = Field(default=VideoLimits.max_seconds, gt=0,
-                                     description="video_url: longest video, by its header and by its stream")
-    max_pixels_per_video_frame: int = Field(default=VideoLimits.max_pixels_per_frame, ge=1,
-                                            description="video_url: pixels (width x height) of every decoded frame")
-    max_decoded_pixels_per_video: int = Field(
-        default=VideoLimits.max_decoded_pixels, ge=1, description="video_url: pixels of a video's sampled frames "
-        "together, before the processor resizes them (3 bytes each decoded: the default, 64 frames of 1080p, is "
-        "~400 MB); checked before decoding",
-    )
     max_decoded_pixels_per_request: int = Field(
         default=VideoLimits.max_decoded_pixels, ge=1, description="video_url: pixels of all the videos of one "
         "request together, sampled frames before the resize (the default keeps one request's decoded frames under "
         "~400 MB); with several videos, their headers are read and this checked before any is decoded. At least "
         "max_decoded_pixels_per_video",
-    )
-    video_decode_timeout_s: float = Field(
-        default=VideoLimits.decode_timeout_s, gt=0, description="video_url: one video's decode, waiting for a "
-        "decoder included; past it the decoding worker is killed and the request refused (400)",
     )
 
     @field_validator("http_media_allowlist")
@@ -125,21 +101,18 @@ class LimitArgs(FrozenArgs):
         return self
 
     def media_limits(self) -> MediaLimits:
-        return MediaLimits(self.max_items_per_request, self.max_frames_per_video, self.max_pixels_per_image)
+        return build(self, MediaLimits)
 
     def video_limits(self) -> VideoLimits:
-        return VideoLimits(self.max_video_seconds, self.max_frames_per_video, self.max_pixels_per_video_frame,
-                           self.video_decode_timeout_s, self.max_decoded_pixels_per_video)
+        return build(self, VideoLimits)
 
 
-class _QueuedWorkScaling(FrozenArgs):
+class _QueuedWorkScaling(ReplicaRange):
     """Autoscaling on the work queued per replica (`deployments.serve.autoscaling.QueuedWorkPolicy`):
     the encoder pool's on tokens, the video decoders' on decode seconds."""
 
     autoscale: bool = Field(default=False, description="replicas follow the work queued on them (the "
                             "deployment's num_replicas is then ignored)")
-    min_replicas: int = Field(default=1, ge=0, description="fewest replicas")
-    max_replicas: int = Field(default=4, ge=1, description="most replicas")
     upscale_delay_s: float = Field(default=5.0, ge=0, description="how long Serve must want more replicas to add one")
     downscale_delay_s: float = Field(default=120.0, ge=0, description="how long Serve must want fewer to remove one")
     look_back_period_s: float = Field(default=10.0, gt=0, description="Serve averages the queued work over this window")
@@ -147,8 +120,6 @@ class _QueuedWorkScaling(FrozenArgs):
 
     @model_validator(mode="after")
     def _check_autoscaling(self):
-        if self.max_replicas < self.min_replicas:
-            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
         if self.look_back_period_s <= self.metrics_interval_s:
             raise ValueError("look_back_period_s must be greater than metrics_interval_s")
         return self
@@ -199,7 +170,7 @@ class VideoDecodeArgs(_QueuedWorkScaling):
                                                      "or running per replica")
 
 
-class GrpcArgs(FrozenArgs):
+class GrpcArgs(runtime_settings(ServerOptions, ResultStore)):
     """Embedding transfer over gRPC (`transport: grpc`) and the internal EncoderService.
 
     The public gRPC API's port, reflection and timeout are Serve's `grpc_options` (proxy-wide,
@@ -210,19 +181,11 @@ class GrpcArgs(FrozenArgs):
         default=None, description="address each encoder replica's server binds; null: every interface ([::]) "
         "with a token, loopback (127.0.0.1, one node only) without one. Beyond loopback it needs grpc.token_env",
     )
-    port: int = Field(default=ServerOptions.port, ge=0, le=65535,
-                      description="each encoder replica's port; 0 = any free port")
     token: str | None = Field(default=None, description="shared token every EncoderService call must carry")
     token_env: str | None = Field(
         default=None, pattern=ENV_NAME, description="environment variable holding `token`, read where each "
         "replica runs (the Serve config then holds only the name)",
     )
-    result_ttl_s: float = Field(default=ResultStore.ttl_s, gt=0,
-                                description="how long an unfetched embedding stays pinned")
-    result_store_bytes: int = Field(default=ResultStore.max_bytes, ge=1,
-                                    description="pinned embeddings per encoder; over it encodes are refused (503)")
-    chunk_bytes: int = Field(default=ServerOptions.chunk_bytes, ge=1 << 16, le=3 << 20,
-                             description="bytes per message of an embedding streamed to an LLM replica")
     fetch_timeout_s: float = Field(default=60.0, gt=0, description="an LLM replica's call fetching one embedding")
     encoder_address: str | None = Field(
         default=None, description="host:port of a standalone `mmserve encoder-server` to use instead of an "
@@ -263,7 +226,7 @@ class GrpcArgs(FrozenArgs):
         return self.model_copy(update={"token": secret(None, self.token_env, "grpc.token_env"), "token_env": None})
 
 
-class EncoderPoolArgs(_QueuedWorkScaling):
+class EncoderPoolArgs(runtime_settings(BatchConfig, PoolConfig, base=_QueuedWorkScaling)):
     """The encoder pool: token-budget batching, preprocessing workers, embedding cache, autoscaling.
 
     With `autoscale` on, the encoder deployment runs `min_replicas`..`max_replicas` replicas sized
@@ -271,24 +234,6 @@ class EncoderPoolArgs(_QueuedWorkScaling):
     and `encoder.num_replicas` is ignored.
     """
 
-    max_batch_tokens: int = Field(default=BatchConfig.max_batch_tokens, ge=1, description="budget of one ViT "
-                                  "forward (cost_unit); an item over it runs alone, a video over it in groups of "
-                                  "temporal patches")
-    max_batch_items: int = Field(default=BatchConfig.max_batch_items, ge=1,
-                                 description="items (pieces) per ViT forward, whatever their cost")
-    batch_wait_ms: float = Field(default=BatchConfig.batch_wait_ms, ge=0, description="longest wait to fill a batch")
-    cost_unit: CostUnit = Field(default=BatchConfig.cost_unit, description="what max_batch_tokens counts: output "
-                                "tokens (embeddings) or patches (ViT input)")
-    skip_ahead: bool = Field(default=BatchConfig.skip_ahead, description="later, smaller items may fill the budget "
-                             "the items ahead of them leave unused")
-    max_skips: int = Field(default=BatchConfig.max_skips, ge=0,
-                           description="skip-ahead fairness: times one item may be overtaken")
-    preprocess_workers: int = Field(default=PoolConfig.preprocess_workers, ge=1,
-                                    description="threads decoding media (the processor runs on the device)")
-    cache_bytes: int = Field(default=PoolConfig.cache_bytes, ge=0,
-                             description="embedding cache bound per replica; 0 = off")
-    max_queued_bytes: int = Field(default=PoolConfig.max_queued_bytes, ge=1, description="decoded (uint8) pixels "
-                                  "queued per replica; over it items are refused (503)")
     target_queued_tokens_per_replica: int = Field(default=32768, ge=1, description="autoscale: embedding tokens "
                                                   "waiting or encoding per replica")
     cuda_graphs: bool = Field(default=True, description="capture the ViT per patch budget up to "
@@ -299,58 +244,15 @@ class EncoderPoolArgs(_QueuedWorkScaling):
                                          "0.98x at 16,384 and slower on padded larger batches (docs/gpu.md)")
 
     def resolve(self) -> PoolConfig:
-        return PoolConfig(batch=BatchConfig(**_shared(self, BatchConfig)), **_shared(self, PoolConfig))
+        return build(self, PoolConfig, batch=build(self, BatchConfig))
 
 
-class EngineArgs(FrozenArgs):
+class EngineArgs(runtime_settings(EngineConfig)):
     """LLM engine settings (continuous batching, paged KV cache); resolved into `EngineConfig`."""
 
-    block_size: int = Field(default=EngineConfig.block_size, ge=1,
-                            description="tokens per KV block (a power of two)")
-    max_model_len: int | None = Field(
-        default=EngineConfig.max_model_len, ge=1, description="longest sequence served: prompt + max_tokens over "
-        "it is refused (400); default: the checkpoint's max_position_embeddings, which it may not exceed. An LLM "
-        "replica whose KV pool cannot hold one sequence this long refuses to start, naming the largest that fits",
-    )
-    max_num_seqs: int = Field(default=EngineConfig.max_num_seqs, ge=1, description="sequences per engine step")
-    max_num_batched_tokens: int = Field(default=EngineConfig.max_num_batched_tokens, ge=1,
-                                        description="token budget per engine step")
-    enable_chunked_prefill: bool = Field(default=EngineConfig.enable_chunked_prefill, description="prefill a long "
-                                         "prompt over several steps (off: one over the budget runs alone in its step)")
     kv_cache_memory_mb: int | None = Field(
         default=None, ge=1, description="KV pool size, taken as given (with the per-sequence state slots of "
         "hybrid linear-attention models, at most half of it); default: from the device (CPU: 512 MiB)"
-    )
-    gpu_memory_utilization: float = Field(
-        default=EngineConfig.gpu_memory_utilization, gt=0, le=1, description="of the LLM replica's share of its "
-        "GPU (llm.num_gpus below 1, else the whole device): weights + KV pool; the rest of the share is headroom "
-        "(activations, CUDA graphs)",
-    )
-    cuda_graphs: bool = Field(default=EngineConfig.cuda_graphs,
-                              description="CUDA: capture decode-only steps as graphs")
-    enable_prefix_caching: bool = Field(default=EngineConfig.enable_prefix_caching,
-                                        description="reuse K/V of identical prompt prefixes (images by content hash)")
-    state_snapshot_share: float = Field(
-        default=EngineConfig.state_snapshot_share, ge=0, lt=0.5, description="hybrid linear-attention models: "
-        "share of the KV memory budget for recurrent-state snapshots at prompt block boundaries (system prompt, "
-        "images, prompt end), which prefix caching needs to resume them; 0 turns their prefix caching off")
-    attention_backend: Literal["auto", "sdpa", "triton"] = Field(
-        default=EngineConfig.attention_backend,
-        description="auto: the Triton paged kernel on CUDA, SDPA on CPU (checked at replica start)"
-    )
-    async_scheduling: bool | None = Field(
-        default=EngineConfig.async_scheduling, description="overlap engine steps (the host prepares step N+1 "
-        "while the device runs step N; stop ids and EOS apply a step late, the extra token is discarded; "
-        "`response_format` masks are filled while the forward runs); "
-        "default: on CUDA only",
-    )
-    split_kv_decode: bool = Field(
-        default=EngineConfig.split_kv_decode, description="Triton backend: split a decode step's keys over more "
-        "programs when its sequences x KV heads cannot fill the GPU (flash-decoding)",
-    )
-    fused_ops: bool = Field(
-        default=EngineConfig.fused_ops,
-        description="CUDA, Triton backend: the decoder's RMSNorms and SiLU MLPs in fused kernels",
     )
     max_waiting_tokens: int = Field(
         default=32768, ge=1, description="prompt tokens per LLM replica admitted but not prefilled yet (a request "
@@ -361,31 +263,11 @@ class EngineArgs(FrozenArgs):
         default=60.0, gt=0, description="an LLM replica holding work with no engine step in this long is "
         "unhealthy (Serve replaces it; its requests fail over)",
     )
-    grammar_compile_timeout_s: float = Field(
-        default=EngineConfig.grammar_compile_timeout_s, gt=0, description="response_format and forced tool calls: "
-        "how long a request waits for its grammar to compile and for its n matchers (once per schema text, cached); "
-        "past it the request is refused (400 / INVALID_ARGUMENT) and the compile runs on, cached when it ends. The "
-        "Router compiles each request's grammar as the LLM replica does, within the same deadline, first",
-    )
-    tensor_parallel_size: int = Field(
-        default=EngineConfig.tensor_parallel_size, ge=1, description="ranks each LLM replica's decoder is split "
-        "over (one process each, on one node: Serve reserves a placement group per replica, STRICT_PACK, one "
-        "bundle per rank; with llm.num_gpus 1 one GPU per rank); above 1 refused with colocated, a fractional "
-        "llm.num_gpus, or async_scheduling: true",
-    )
-
-    @model_validator(mode="after")
-    def _check_tensor_parallel(self) -> "EngineArgs":
-        if self.tensor_parallel_size > 1 and self.async_scheduling:
-            raise ValueError(f"engine.tensor_parallel_size {self.tensor_parallel_size} with engine.async_scheduling: "
-                             "true: a tensor-parallel step's inputs are sent to the other ranks before it runs, so "
-                             "steps cannot overlap; leave async_scheduling unset (off with tensor parallelism)")
-        return self
 
     def resolve(self, device_share: float) -> EngineConfig:
         """The `EngineConfig` of an LLM replica owning `device_share` of its GPU."""
         kv_cache_bytes = self.kv_cache_memory_mb * 2**20 if self.kv_cache_memory_mb else None
-        return EngineConfig(**_shared(self, EngineConfig), kv_cache_bytes=kv_cache_bytes, device_share=device_share)
+        return build(self, EngineConfig, kv_cache_bytes=kv_cache_bytes, device_share=device_share)
 
 
 class RoutingArgs(FrozenArgs):
@@ -511,15 +393,21 @@ class AppArgs(FrozenArgs):
         """video_url files stream through the pipeline (`video_decode.stream`; never to a standalone encoder)."""
         return self.video_decode.stream and self.grpc.encoder_address is None
 
-    def on_node(self) -> "AppArgs":
-        """These arguments with the model directory and the secrets resolved on this node (the
-        Router's: each other replica resolves what it uses)."""
+    def on_node(self, api_key: bool = True) -> "AppArgs":
+        """These arguments resolved on this node, the one place they are (the Router's, an LLM
+        replica's, and `mmserve serve`'s before Ray starts): the model directory (the embedded tiny
+        model built), `engine.max_model_len` from its checkpoint (`resolve_max_model_len`: an int from
+        here on), `grpc.token` and, with `api_key` (the Router: it alone takes clients' calls), the API key."""
         from deployments.replica_env import resolve_model_dir, secret
+        from mmserve.checkpoint import load_config, resolve_max_model_len
 
-        return self.model_copy(update={
-            "model": resolve_model_dir(self.model), "api_key": secret(self.api_key, self.api_key_env, "api_key_env"),
-            "api_key_env": None, "grpc": self.grpc.on_node(),
-        })
+        model = resolve_model_dir(self.model)
+        max_model_len = resolve_max_model_len(load_config(model), self.engine.max_model_len)
+        update = {"model": model, "engine": self.engine.model_copy(update={"max_model_len": max_model_len}),
+                  "grpc": self.grpc.on_node()}
+        if api_key:
+            update |= {"api_key": secret(self.api_key, self.api_key_env, "api_key_env"), "api_key_env": None}
+        return self.model_copy(update=update)
 
     @model_validator(mode="after")
     def _check_deployments(self) -> "AppArgs":

@@ -1,15 +1,67 @@
-"""One Serve deployment's settings: its replicas, where they run, autoscaling, its placement group
-(a tensor-parallel LLM replica's bundles); the base of every settings model (`FrozenArgs`).
+"""The base of every settings model (`FrozenArgs`, `runtime_settings`: the settings a runtime
+dataclass declares) and one Serve deployment's settings: its replicas, where they run,
+autoscaling, its placement group (a tensor-parallel LLM replica's bundles).
 `deployments.config.AppArgs` holds one per deployment."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import dataclasses
+from typing import TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+from mmserve.settings import setting_name, type_hints
+
+T = TypeVar("T")
+
 
 class FrozenArgs(BaseModel):
     """Settings read once: unknown keys refused, never changed after validation."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def build(args: BaseModel, runtime: type[T], **extra) -> T:
+    """`runtime` made from the settings of `args` it declares (by their names in the app config)."""
+    names = type(args).model_fields
+    return runtime(**{f.name: getattr(args, setting_name(f)) for f in dataclasses.fields(runtime)
+                      if setting_name(f) in names}, **extra)
+
+
+def runtime_settings(*runtimes: type, base: type[BaseModel] = FrozenArgs) -> type[BaseModel]:
+    """The base model of a section holding the settings `runtimes` declare (`mmserve.settings.setting`
+    fields with a description): each under its name in the app config, with its type, default, bounds
+    and description. Validation builds each runtime, so the rules its `__post_init__` checks (across
+    fields too) refuse the app config, with their messages."""
+    fields = {}
+    for runtime in runtimes:
+        for f in dataclasses.fields(runtime):
+            if "description" in f.metadata:
+                bounds = {k: v for k, v in f.metadata.items() if k != "name"}
+                fields[setting_name(f)] = (type_hints(runtime)[f.name], Field(f.default, **bounds))
+
+    def check_runtimes(args):
+        for runtime in runtimes:
+            build(args, runtime)
+        return args
+
+    model = create_model(f"{runtimes[0].__name__}Settings", __base__=base, __module__=__name__,
+                         __validators__={"check_runtimes": model_validator(mode="after")(check_runtimes)}, **fields)
+    model.runtimes = runtimes  # (tests/unit/test_structure.py: no section declares one of these again)
+    return model
+
+
+class ReplicaRange(FrozenArgs):
+    """The replicas an autoscaled deployment may run."""
+
+    min_replicas: int = Field(default=1, ge=0, description="fewest replicas")
+    max_replicas: int = Field(default=4, ge=1, description="most replicas")
+
+    @model_validator(mode="after")
+    def _check_range(self) -> "ReplicaRange":
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
+        return self
 
 
 # Serve's queue bound per deployment when `max_queued_requests` is left out: as many as a replica
@@ -24,22 +76,14 @@ RETRY_AFTER_S = 1
 MIN_BUNDLE_CPUS = 0.01  # a placement group bundle's CPUs when its deployment asks for none
 
 
-class ReplicaAutoscalingArgs(FrozenArgs):
+class ReplicaAutoscalingArgs(ReplicaRange):
     """Serve's default autoscaling policy: replicas follow the ongoing requests per replica."""
 
-    min_replicas: int = Field(default=1, ge=0, description="fewest replicas")
-    max_replicas: int = Field(default=4, ge=1, description="most replicas")
     target_ongoing_requests: float | None = Field(
         default=None, gt=0, description="per replica; default for the LLM: the engine's max_num_seqs"
     )
     upscale_delay_s: float = Field(default=30.0, ge=0, description="how long Serve must want more replicas to add one")
     downscale_delay_s: float = Field(default=600.0, ge=0, description="how long Serve must want fewer to remove one")
-
-    @model_validator(mode="after")
-    def _check_range(self) -> "ReplicaAutoscalingArgs":
-        if self.max_replicas < self.min_replicas:
-            raise ValueError(f"max_replicas ({self.max_replicas}) < min_replicas ({self.min_replicas})")
-        return self
 
 
 def serve_has(option: str) -> bool:

@@ -10,36 +10,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
+from mmserve.settings import check_fields, setting
+
 CostUnit = Literal["tokens", "patches"]
 
 
 @dataclass(frozen=True)
 class BatchConfig:
-    """How the encoder pool forms batches.
+    """How the encoder pool forms batches (settings of the app's `encoder_pool`, `mmserve.settings`)."""
 
-    max_batch_tokens: budget of one forward, in `cost_unit` (an item over it runs alone; a video
-        over it is split into groups of temporal patches that fit).
-    max_batch_items: cap on items (pieces) per forward, whatever their cost.
-    batch_wait_ms: longest time the oldest queued item waits for the batch to fill.
-    cost_unit: "tokens" (output embeddings, like vLLM's encoder budget) or "patches" (ViT input).
-    skip_ahead: let later, smaller items fill budget the FIFO prefix leaves unused.
-    max_skips: in skip-ahead mode, how many batches may overtake one item before it blocks them.
-    """
-
-    max_batch_tokens: int = 16384
-    max_batch_items: int = 64
-    batch_wait_ms: float = 5.0
-    cost_unit: CostUnit = "tokens"
-    skip_ahead: bool = False
-    max_skips: int = 4
+    max_batch_tokens: int = setting(16384, "budget of one ViT forward (cost_unit); an item over it runs alone, a "
+                                    "video over it in groups of temporal patches that fit", ge=1)
+    max_batch_items: int = setting(64, "items (pieces) per ViT forward, whatever their cost", ge=1)
+    batch_wait_ms: float = setting(5.0, "longest time the oldest queued item waits for its batch to fill", ge=0)
+    cost_unit: CostUnit = setting("tokens", "what max_batch_tokens counts: output tokens (embeddings, like vLLM's "
+                                  "encoder budget) or patches (ViT input)")
+    skip_ahead: bool = setting(False, "later, smaller items may fill the budget the items ahead of them leave unused")
+    max_skips: int = setting(4, "skip-ahead fairness: batches that may overtake one item before it blocks them", ge=0)
 
     def __post_init__(self):
-        if self.max_batch_tokens < 1 or self.max_batch_items < 1:
-            raise ValueError("max_batch_tokens and max_batch_items must be >= 1")
-        if self.batch_wait_ms < 0 or self.max_skips < 0:
-            raise ValueError("batch_wait_ms and max_skips must be >= 0")
-        if self.cost_unit not in ("tokens", "patches"):
-            raise ValueError(f"cost_unit must be 'tokens' or 'patches', got {self.cost_unit!r}")
+        check_fields(self)
 
 
 class Selection(NamedTuple):

@@ -40,6 +40,7 @@ from mmserve.errors import Overloaded
 from mmserve.inputs.embeddings import ItemEmbedding
 from mmserve.inputs.encode_timing import EncodeTiming
 from mmserve.inputs.media import EncodeItem
+from mmserve.settings import check_fields, setting
 
 logger = logging.getLogger(__name__)
 
@@ -48,16 +49,16 @@ Lookup = Literal["hit", "miss", "dedup"]
 
 @dataclass(frozen=True)
 class PoolConfig:
+    """The pool's batching and bounds (settings of the app's `encoder_pool`, `mmserve.settings`)."""
+
     batch: BatchConfig = BatchConfig()
-    preprocess_workers: int = 4
-    cache_bytes: int = 1 << 30  # 0 disables the cache
-    max_queued_bytes: int = 1 << 30  # queued pixels (uint8 as decoded, for most faces) waiting for or in a forward
+    preprocess_workers: int = setting(4, "threads decoding media (the processor runs on the device)", ge=1)
+    cache_bytes: int = setting(1 << 30, "embedding cache bound per replica; 0 = off", ge=0)
+    max_queued_bytes: int = setting(1 << 30, "decoded (uint8) pixels queued per replica, waiting for or in a "
+                                    "forward; over it items are refused (503)", ge=1)
 
     def __post_init__(self):
-        if self.preprocess_workers < 1:
-            raise ValueError("preprocess_workers must be >= 1")
-        if self.max_queued_bytes < 1:
-            raise ValueError("max_queued_bytes must be >= 1")
+        check_fields(self)
 
 
 class Encoder(Protocol):

@@ -281,10 +281,10 @@ class OpenAIAdapter:
 
         async def read() -> ChatRequest:  # only once admitted: a refused request's body is never read
             nonlocal body
-            body = parse_body(await read_body(request, self.core.check_size, self.core.settings.limits.body_timeout_s))
+            body = parse_body(await read_body(request, self.core.check_size, self.core.limits.body_timeout_s))
             return chat_request(body)
 
-        name = self.core.settings.served_model_name
+        name = self.core.args.served_model_name
         try:
             client = request.client.host if request.client else ""  # the peer, as Serve's proxy passes it on
             gen = await self.core.generate(request.headers.get("authorization"), read, request_id, client)

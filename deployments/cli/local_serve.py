@@ -236,14 +236,13 @@ def start_ray(ns: argparse.Namespace, stop: StopSignal):
     return head
 
 
-def check_max_model_len(model_dir: str, max_model_len: int) -> None:
-    """`--max-model-len` against the checkpoint here, before Ray starts (the replicas check it again)."""
-    from mmserve.checkpoint import load_config, resolve_max_model_len
-
+def check_on_node(args) -> None:
+    """`args` resolved here as each replica resolves them (`AppArgs.on_node`), before Ray starts:
+    RefusedToStart naming what does not fit (`--max-model-len` over the checkpoint's context)."""
     try:
-        resolve_max_model_len(load_config(model_dir), max_model_len)
+        args.on_node(api_key=False)
     except (OSError, ValueError) as e:
-        raise RefusedToStart(f"--max-model-len: {e}") from None
+        raise RefusedToStart(str(e).replace("engine.max_model_len", "--max-model-len")) from None
 
 
 def stop_during_startup(stop: StopSignal) -> int:
@@ -321,9 +320,8 @@ def serve_app(ns: argparse.Namespace) -> int:
 
         print(f"building the embedded tiny model into {default_model_dir()} (once) ...", flush=True)
         model_dir = str(ensure_tiny_model())
-    if ns.max_model_len is not None:
-        check_max_model_len(model_dir, ns.max_model_len)
     args = app_args(ns, key_env, gpu_shares(ns, model_dir))
+    check_on_node(args)
     if stop.received:
         return stop_during_startup(stop)
     limit_grpc_messages(args.limits.max_request_bytes)

@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         from mmserve.capacity.cli import main as plan
 
         return plan(argv[1:], collect, collect_routing)
+    from encoder_service.rpc.result_store import ResultStore
     from mmserve.checkpoint import DTYPE_CHOICES
     from mmserve.request.prompt_plan import MediaLimits
     from mmserve.tiny import FAMILIES
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     enc_p.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: TLS on)")
     enc_p.add_argument("--tls-key", default=None)
     enc_p.add_argument("--tls-client-ca", default=None, help="PEM CA for client certificates (mutual TLS)")
-    enc_p.add_argument("--result-ttl-s", type=float, default=300.0, help="how long unfetched results stay")
+    enc_p.add_argument("--result-ttl-s", type=float, default=ResultStore.ttl_s, help="how long unfetched results stay")
     enc_p.add_argument("--max-pixels-per-image", type=int, default=MediaLimits.max_pixels_per_image,
                        help="pixels of an image (or video frame), read from its header before decoding")
     enc_p.add_argument("--max-frames-per-video", type=int, default=MediaLimits.max_frames_per_video)

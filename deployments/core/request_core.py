@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from deployments.config import CHARS_PER_TOKEN, AppArgs, LimitArgs
+from deployments.config import CHARS_PER_TOKEN, AppArgs
 from mmserve.routing.affinity import prefix_hashes
 from deployments.core.admission import Admission, Ticket
 from deployments.core.dispatch import MediaDispatcher
@@ -39,7 +39,6 @@ from deployments.core.readiness import Readiness
 from deployments.core.request_checks import RequestChecks
 from deployments.media.fetch import MediaFetcher
 from llm_service.sampling import Grammar
-from mmserve.checkpoint import load_config, resolve_max_model_len
 from mmserve.errors import InvalidRequest, NotReady, QueueFull, RequestTooLarge, ShuttingDown, Unauthenticated
 from mmserve.inputs.media import DecodedVideo, EncodeItem, MediaItem, MediaSource, warm_up_image
 from mmserve.request.prompt_plan import Message, RequestPlanner
@@ -81,36 +80,6 @@ class ChatRequest:
     @property
     def parses_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
-
-
-@dataclass(frozen=True)
-class CoreSettings:
-    """What the core reads of `AppArgs` (the meanings and defaults are there): made by `from_args` only."""
-
-    served_model_name: str
-    limits: LimitArgs
-    model_dir: str | None  # shown as the model card's root
-    api_key: str | None
-    llm_retries: int
-    max_pending_requests: int
-    ttft_budget_s: float
-    max_fetching_requests: int
-    prefix_block_size: int  # tokens per prompt block in `PendingRequest.prefix_hashes`: the engine's block_size
-    stream_video: bool  # video files go to the LLM replica to stream through the pipeline (`StreamedVideo`)
-    stream_group_frames: int
-    stream_min_frames: int  # a video sampling to fewer frames is decoded whole, not streamed
-    max_model_len: int | None  # engine.max_model_len: None is the checkpoint's context
-    readiness_wait_s: float
-    grammar_compile_timeout_s: float  # the engine's: the Router's compile of a request's grammar keeps it too
-
-    @classmethod
-    def from_args(cls, args: AppArgs) -> CoreSettings:
-        """`args` as the builder completed them (`served_model_name` set) and the Router resolved them
-        on its node (`AppArgs.on_node`)."""
-        return cls(args.served_model_name, args.limits, args.model, args.api_key, args.llm_retries,
-                   args.max_pending_requests, args.ttft_budget_s, args.max_fetching_requests, args.engine.block_size,
-                   args.stream_video, args.video_decode.stream_group_frames, args.video_decode.stream_min_frames,
-                   args.engine.max_model_len, args.readiness_wait_s, args.engine.grammar_compile_timeout_s)
 
 
 class VideoDecoding(Protocol):
@@ -162,14 +131,15 @@ def new_request_id() -> str:
 
 
 class RequestCore:
-    def __init__(self, settings: CoreSettings, planner: RequestPlanner, max_model_len: int, generation_defaults,
+    def __init__(self, args: AppArgs, planner: RequestPlanner, generation_defaults,
                  media: MediaDispatcher, llm: LLMClient, listener: RequestListener | None = None,
                  draining: Callable[[], bool] = lambda: False, videos: VideoDecoding | None = None,
                  readiness: Readiness | None = None):
-        self.settings = settings
+        """`args` as the builder completed them (`served_model_name` set) and the Router resolved them
+        on its node (`AppArgs.on_node`: `engine.max_model_len` is the context served)."""
+        self.args, self.limits, self.max_model_len = args, args.limits, args.engine.max_model_len
         self.planner = planner
         self.tokenizer = planner.tokenizer
-        self.max_model_len = max_model_len
         self.generation_defaults = generation_defaults  # transformers GenerationConfig of the checkpoint
         self.media = media
         self.llm = llm
@@ -177,28 +147,26 @@ class RequestCore:
         self._draining = draining
         self.videos = videos
         self.readiness = readiness or Readiness({})  # none given: ready from the start
-        self.pending = Admission(settings.max_pending_requests, settings.ttft_budget_s)
-        self.checks = RequestChecks(planner, settings.limits.check_threads, settings.limits.check_timeout_s,
-                                    settings.grammar_compile_timeout_s)
-        self.receiving = Bound(settings.max_fetching_requests, "requests are being received (body, media)")
+        self.pending = Admission(args.max_pending_requests, args.ttft_budget_s)
+        self.checks = RequestChecks(planner, args.limits.check_threads, args.limits.check_timeout_s,
+                                    args.engine.grammar_compile_timeout_s)
+        self.receiving = Bound(args.max_fetching_requests, "requests are being received (body, media)")
         self.created = int(time.time())
 
     @classmethod
-    def from_checkpoint(cls, model_dir: str, settings: CoreSettings, media: MediaDispatcher, llm: LLMClient,
+    def from_checkpoint(cls, args: AppArgs, media: MediaDispatcher, llm: LLMClient,
                         listener: RequestListener | None = None, draining=lambda: False,
                         videos: VideoDecoding | None = None, readiness: Readiness | None = None) -> RequestCore:
         from transformers import AutoTokenizer, GenerationConfig
 
-        max_model_len = resolve_max_model_len(load_config(model_dir), settings.max_model_len)  # the LLM's too
-        limits = settings.limits
+        model_dir, limits, max_model_len = args.model, args.limits, args.engine.max_model_len
         planner = RequestPlanner(model_dir, AutoTokenizer.from_pretrained(model_dir), limits.media_limits(),
-                                 max_prompt_chars=limits.max_prompt_chars or CHARS_PER_TOKEN * max_model_len,
-                                 max_prompt_tokens=max_model_len)
+                                 limits.max_prompt_chars or CHARS_PER_TOKEN * max_model_len, max_model_len)
         try:
             defaults = GenerationConfig.from_pretrained(model_dir)
         except OSError:
             defaults = GenerationConfig()
-        return cls(settings, planner, max_model_len, defaults, media, llm, listener, draining, videos, readiness)
+        return cls(args, planner, defaults, media, llm, listener, draining, videos, readiness)
 
     # -- the request flow ---------------------------------------------------------------------
     async def generate(self, authorization: str | None, read: Callable[[], Awaitable[ChatRequest]],
@@ -226,7 +194,7 @@ class RequestCore:
         self.authenticate(authorization)
         self._check_open(client)
         with self.receiving.take():
-            if not await self.readiness.wait(self.settings.readiness_wait_s):
+            if not await self.readiness.wait(self.args.readiness_wait_s):
                 raise NotReady(self.readiness.reason())
             request = await read()
             self._check(request)
@@ -238,12 +206,12 @@ class RequestCore:
 
     def authenticate(self, authorization: str | None) -> None:
         """`authorization` is the HTTP header / gRPC metadata value: "Bearer KEY" when a key is set."""
-        key = self.settings.api_key
+        key = self.args.api_key
         if key and not hmac.compare_digest((authorization or "").encode(), f"Bearer {key}".encode()):
             raise Unauthenticated("invalid or missing API key (send 'Authorization: Bearer KEY')")
 
     def check_size(self, num_bytes: int) -> None:
-        if num_bytes > (limit := self.settings.limits.max_request_bytes):
+        if num_bytes > (limit := self.limits.max_request_bytes):
             raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
 
     @property
@@ -272,7 +240,7 @@ class RequestCore:
         self.pending.check(client, sequences)
 
     def _check(self, request: ChatRequest) -> None:
-        name = self.settings.served_model_name
+        name = self.args.served_model_name
         if request.model and request.model != name:
             raise InvalidRequest(f"model {request.model!r} is not served here; use {name!r}")
         if not request.messages:
@@ -283,7 +251,7 @@ class RequestCore:
         check_tool_results(request.messages)
         self.planner.limits.check(media_of(request.messages))  # counts, before anything is fetched
         if request.video_sampling is not None:
-            request.video_sampling.check(self.settings.limits.max_frames_per_video)
+            request.video_sampling.check(self.limits.max_frames_per_video)
 
     async def _load_media(self, request: ChatRequest, request_id: str) -> list[Message[MediaItem]]:
         """The messages with every media source loaded: all URLs of the request fetched at once,
@@ -291,10 +259,10 @@ class RequestCore:
         its sampled frames (the VideoDecoder deployment), all at once."""
         sources = media_of(request.messages)
         urls = [f for source in sources for f in source.frames if isinstance(f, str)]
-        fetched = iter(await MediaFetcher(self.settings.limits, request_id).load_all(urls) if urls else ())
+        fetched = iter(await MediaFetcher(self.limits, request_id).load_all(urls) if urls else ())
         frames = [tuple(f if isinstance(f, bytes) else next(fetched) for f in source.frames) for source in sources]
         files = [i for i, source in enumerate(sources) if source.container]
-        decoded, stream = {}, self.settings.stream_video and self.planner.face.streams_video
+        decoded, stream = {}, self.args.stream_video and self.planner.face.streams_video
         if files:
             if self.videos is None:
                 raise InvalidRequest("this server does not decode video files; send a video as its frames")
@@ -303,7 +271,7 @@ class RequestCore:
             # unstreamed (a lone one in the same call as its header). One video is bounded by its decoder
             # (max_decoded_pixels_per_video); several are read to their headers first and bounded together
             # before any is decoded
-            sampling, min_frames = request.video_sampling, self.settings.stream_min_frames
+            sampling, min_frames = request.video_sampling, self.args.video_decode.stream_min_frames
             if len(files) == 1:
                 read = functools.partial(self.videos.probe, decode_below=min_frames) if stream else self.videos.decode
             else:
@@ -323,7 +291,7 @@ class RequestCore:
 
     def _check_decoded_pixels(self, videos: list[DecodedVideo]) -> None:
         total = sum(math.prod(video.shape) for video in videos)
-        if total > (limit := self.settings.limits.max_decoded_pixels_per_request):
+        if total > (limit := self.limits.max_decoded_pixels_per_request):
             raise InvalidRequest(
                 f"the request's {len(videos)} videos sample to {total} decoded pixels together, over the limit of "
                 f"{limit} (max_decoded_pixels_per_request); send fewer, shorter or smaller videos")
@@ -342,7 +310,7 @@ class RequestCore:
             request_id=request_id, prompt_token_ids=tuple(plan.token_ids), sampling=sampling,
             positions=plan.positions, ranges=tuple(plan.ranges), embeddings=await self._dispatch(media),
             prefix_hashes=prefix_hashes(plan.token_ids, plan.ranges, [item.content_hash for item in plan.items],
-                                        self.settings.prefix_block_size),
+                                        self.args.engine.block_size),
             snapshot_boundaries=plan.snapshot_boundaries,
             n=options.n,
         )
@@ -356,7 +324,7 @@ class RequestCore:
                 new[i] = handle
             return tuple(new)
 
-        failover = Failover(self.llm, pending, self.settings.llm_retries, self.listener.on_resubmit, reencode)
+        failover = Failover(self.llm, pending, self.args.llm_retries, self.listener.on_resubmit, reencode)
         router_ms = (time.perf_counter() - received) * 1000  # read, fetch, plan, dispatch the media
         stream, first = await failover.start()  # errors surface here, before any response is sent
         if not failover.attempts:  # a lost replica's wait is no measure of the queue's pace
@@ -372,7 +340,7 @@ class RequestCore:
     async def _dispatch(self, media: Sequence[EncodeItem]) -> tuple[EmbeddingHandle, ...]:
         """A handle per item: the dispatcher's, or for a streamed video its file and frame groups."""
         def streamed_video(m: EncodeItem) -> StreamedVideo:
-            groups = self.planner.face.stream_groups(m.item, m.layout, self.settings.stream_group_frames)
+            groups = self.planner.face.stream_groups(m.item, m.layout, self.args.video_decode.stream_group_frames)
             return StreamedVideo(m.item.frames[0], m.item.decoded, tuple(groups))
 
         streamed = {i: streamed_video(m) for i, m in enumerate(media)
@@ -400,8 +368,8 @@ class RequestCore:
 
     def model_card(self) -> dict:
         """`GET /v1/models`'s entry for the served model."""
-        return {"id": self.settings.served_model_name, "object": "model", "created": self.created,
-                "owned_by": "mmserve", "root": self.settings.model_dir, "max_model_len": self.max_model_len}
+        return {"id": self.args.served_model_name, "object": "model", "created": self.created,
+                "owned_by": "mmserve", "root": self.args.model, "max_model_len": self.max_model_len}
 
     def check_health(self) -> None:
         if not self.tokenizer.encode("ok"):

@@ -36,5 +36,5 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
     llm_options = args.llm.options("LLM", default_target_ongoing_requests=args.engine.max_num_seqs,
                                    ranks=args.engine.tensor_parallel_size) | llm_routing
     streamed = (encoder, video) if args.stream_video else (None, None)  # the LLM replica drives streamed videos
-    llm = LLMDeployment.options(**llm_options).bind(args, args.engine.resolve(args.llm.device_share), *streamed)
+    llm = LLMDeployment.options(**llm_options).bind(args, *streamed)
     return Router.options(**args.router.options("Router")).bind(encoder, llm, args, video)

@@ -23,7 +23,7 @@ from deployments.config import AppArgs
 from deployments.core.llm_inputs import PendingRequest, StoredEmbedding
 from deployments.core.llm_replica import LLMReplica
 from deployments.core.video_stream import Encode
-from deployments.replica_env import resolve_model_dir, set_cpu_threads
+from deployments.replica_env import set_cpu_threads
 from deployments.serve.metrics import LLMMetrics
 from deployments.serve.transport import GrpcFetcher, resolve
 from deployments.serve.video_decoder import ServeVideoClient
@@ -40,9 +40,10 @@ RANK_LOSS_WAIT_S = 5.0  # a tensor-parallel step's error: how long to wait for R
 
 @serve.deployment
 class LLMDeployment:
-    def __init__(self, args: AppArgs, engine: EngineConfig, encoder=None, video=None):
-        """`engine`: `args.engine` resolved by the builder for this deployment's GPU share."""
-        model_dir, device, dtype = resolve_model_dir(args.model), resolve_device(args.device), args.dtype
+    def __init__(self, args: AppArgs, encoder=None, video=None):
+        args = args.on_node(api_key=False)  # the model, engine.max_model_len, the gRPC token, resolved here
+        engine = args.engine.resolve(args.llm.device_share)
+        model_dir, device, dtype = args.model, resolve_device(args.device), args.dtype
         self.stall_timeout_s = args.engine.stall_timeout_s
         hold_to_share(device, engine.device_share)  # the KV pool is sized within it too
         tp = engine.tensor_parallel_size
@@ -67,7 +68,7 @@ class LLMDeployment:
             self.ranks.watch()  # a rank that ends ends this replica: its requests fail over
         self.encoder = encoder  # the Encoder's handle: this replica encodes streamed videos' frame groups on it
         # with `transport: grpc` encoder results arrive as refs to pull from the encoder replica
-        fetcher = GrpcFetcher(args.grpc.on_node()) if args.transport == "grpc" else None
+        fetcher = GrpcFetcher(args.grpc) if args.transport == "grpc" else None
         resolve_handles = functools.partial(resolve, fetcher=fetcher,
                                             encode_locally=self._encode_locally if self.pool else None)
         self.core = LLMReplica(self.engine, args.engine.max_waiting_tokens, resolve_handles,

@@ -21,7 +21,7 @@ from deployments.core.dispatch import ColocatedDispatcher, EncoderPoolDispatcher
 from deployments.core.failover import TokenStream
 from deployments.core.llm_inputs import PendingRequest
 from deployments.core.readiness import Readiness
-from deployments.core.request_core import CoreSettings, RequestCore
+from deployments.core.request_core import RequestCore
 from deployments.serve.drain import DrainWatch
 from deployments.serve.metrics import RouterMetrics
 from deployments.serve.video_decoder import ServeVideoClient
@@ -112,8 +112,8 @@ class Router:
         args = args.on_node()
         self.metrics = RouterMetrics()
         self.drain = DrainWatch(serve.get_replica_context().app_name)
-        self.core = RequestCore.from_checkpoint(args.model, CoreSettings.from_args(args), media_dispatcher(args, encoder),
-                                                ServeLLMClient(llm), self.metrics, self._draining,
+        self.core = RequestCore.from_checkpoint(args, media_dispatcher(args, encoder), ServeLLMClient(llm),
+                                                self.metrics, self._draining,
                                                 ServeVideoClient(video) if video is not None else None,
                                                 readiness(encoder, llm))
         self.core.warm_up()

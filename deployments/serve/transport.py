@@ -18,6 +18,7 @@ import grpc
 from deployments.config import GrpcArgs, is_loopback
 from deployments.core.failures import replica_lost
 from deployments.core.llm_inputs import EmbeddingHandle, LocalMedia, PinnedEmbedding, StoredEmbedding
+from deployments.deployment_args import build
 from encoder_service.rpc.result_store import ResultStore
 from encoder_service.rpc.server import Encoder, ServerOptions, ServerSecurity, ServerThread
 from mmserve.errors import EmbeddingsLost
@@ -55,9 +56,9 @@ class GrpcPublisher:
     this node (`EncodedRef.node`), so that an LLM replica on another node fails saying why."""
 
     def __init__(self, args: GrpcArgs, encoder: Encoder | None = None, host: str | None = None):
-        self.store = ResultStore(ttl_s=args.result_ttl_s, max_bytes=args.result_store_bytes)
+        self.store = build(args, ResultStore)
         bind = args.listen_host()
-        options = ServerOptions(url_host(bind), args.port, args.chunk_bytes, ServerSecurity(token=args.token))
+        options = build(args, ServerOptions, host=url_host(bind), security=ServerSecurity(token=args.token))
         self._server = ServerThread(encoder, self.store, options)
         local = is_loopback(bind)
         self.node = current_node() if local else ""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mmserve.errors import Overloaded
+from mmserve.settings import setting
 
 
 @dataclass
@@ -33,17 +34,16 @@ class _Entry:
 class ResultStore:
     """Embeddings by content hash, each pinned once per `put` until `release`d or `ttl_s` passes.
 
-    Attributes:
-        ttl_s: how long an unfetched result is kept after its last `put`.
-        max_bytes: bound on the tensors held; a `put` of a new entry over it raises `Overloaded`
-            (one entry alone is always admitted).
-        clock: monotonic seconds (injectable for tests).
-    An entry leaves the store when its pins are all released, or when its TTL has passed, but
-    never while a fetch is streaming it (`acquire` ... `finish`).
+    `ttl_s` and `max_bytes` are settings of the app's `grpc` (`mmserve.settings`); a `put` of a new
+    entry over `max_bytes` raises `Overloaded` (one entry alone is always admitted); `clock`:
+    monotonic seconds (injectable for tests). An entry leaves the store when its pins are all
+    released, or when its TTL has passed, but never while a fetch is streaming it (`acquire` ... `finish`).
     """
 
-    ttl_s: float = 300.0
-    max_bytes: int = 2 << 30
+    ttl_s: float = setting(300.0, "how long an unfetched embedding stays pinned after its last put",
+                           name="result_ttl_s", gt=0)
+    max_bytes: int = setting(2 << 30, "pinned embeddings per encoder; over it encodes are refused (503)",
+                             name="result_store_bytes", ge=1)
     clock: Callable[[], float] = time.monotonic
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -32,6 +32,7 @@ from mmserve.inputs.media import DecodedVideo, EncodeItem, MediaItem, MediaKind
 from mmserve.request.prompt_plan import MediaLimits
 from mmserve.video.container import VideoLimits
 from mmserve.rpc.embedding_wire import DEFAULT_CHUNK_BYTES, header_of, to_chunks
+from mmserve.settings import setting
 from protos.mmserve.v1 import encoder_pb2, encoder_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -88,9 +89,12 @@ class ServerSecurity:
 
 @dataclass(frozen=True)
 class ServerOptions:
+    """`port` and `chunk_bytes` are settings of the app's `grpc` (`mmserve.settings`)."""
+
     host: str = "[::]"
-    port: int = 0  # 0: any free port
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    port: int = setting(0, "each encoder replica's port; 0 = any free port", ge=0, le=65535)
+    chunk_bytes: int = setting(DEFAULT_CHUNK_BYTES, "bytes per message of an embedding streamed to an LLM replica",
+                               ge=1 << 16, le=3 << 20)
     security: ServerSecurity = ServerSecurity()
     limits: MediaLimits = MediaLimits()  # what one Encode item may be (the app's defaults)
 

@@ -14,17 +14,21 @@ from mmserve.inputs.media import EncodeItem, MediaItem, MediaKind, MediaSource, 
 from mmserve.inputs.positions import PositionPlan
 from mmserve.request.prompt import Message, PromptBuilder
 from mmserve.request.tools import ToolFormat, ToolSpec, check_call_arguments
+from mmserve.settings import check_fields, setting
 
 __all__ = ["MediaLimits", "Message", "RequestPlan", "RequestPlanner", "prompt_chars"]
 
 
 @dataclass(frozen=True)
 class MediaLimits:
-    """Per-request media limits; the defaults are the server's (`LimitArgs` takes them from here)."""
+    """Per-request media limits (settings of the app's `limits`, `mmserve.settings`)."""
 
-    max_items_per_request: int = 16
-    max_frames_per_video: int = 64
-    max_pixels_per_image: int = 40_000_000
+    max_items_per_request: int = setting(16, "media items (images, videos) of one request", ge=0)
+    max_frames_per_video: int = setting(64, "frames of one video: as sent, or sampled from a video_url file", ge=1)
+    max_pixels_per_image: int = setting(40_000_000, "pixels (width x height) of one image", ge=1)
+
+    def __post_init__(self):
+        check_fields(self)
 
     def check(self, items: Sequence[MediaSource | MediaItem]) -> None:
         """InvalidRequest naming the first limit one request's media break; needs only what the
@@ -74,10 +78,10 @@ def prompt_chars(messages: Sequence[Message], tools: Sequence[ToolSpec] = ()) ->
 
 class RequestPlanner:
     """`max_prompt_chars` bounds a request's text before it is tokenized (RequestTooLarge),
-    `max_prompt_tokens` its prompt tokens before media positions are computed (InvalidRequest)."""
+    `max_model_len` its prompt tokens before media positions are computed (InvalidRequest)."""
 
     def __init__(self, model_dir: str | Path, tokenizer, limits: MediaLimits = MediaLimits(),
-                 max_prompt_chars: int | None = None, max_prompt_tokens: int | None = None):
+                 max_prompt_chars: int | None = None, max_model_len: int | None = None):
         template = read_chat_template(model_dir)
         if template is None:
             raise ValueError(f"{model_dir} has no chat template")
@@ -85,7 +89,7 @@ class RequestPlanner:
         self.model_type = family_of(model_dir)
         self.limits = limits
         self.max_prompt_chars = max_prompt_chars
-        self.max_prompt_tokens = max_prompt_tokens
+        self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         placeholders = {kind: self.face.placeholder(kind) for kind in MediaKind}
         # the family's tool-call form: how calls render, parse and are forced (`mmserve.request.tools`)
@@ -113,9 +117,9 @@ class RequestPlanner:
         self.limits.check(items)
         expansions = self.face.expand_all(items, self.limits.max_pixels_per_image)
         prompt = self._builder.build(messages, expansions, tools)
-        if self.max_prompt_tokens is not None and len(prompt.token_ids) > self.max_prompt_tokens:
+        if self.max_model_len is not None and len(prompt.token_ids) > self.max_model_len:
             raise InvalidRequest(f"prompt has {len(prompt.token_ids)} tokens, media included; the model's context "
-                                 f"is {self.max_prompt_tokens} tokens")
+                                 f"is {self.max_model_len} tokens")
         positions = self.face.position_plan(prompt.token_ids, prompt.ranges, expansions)
         boundaries = () if prompt.system_end is None else (prompt.system_end,)
         return RequestPlan(prompt.token_ids, items, prompt.ranges, expansions, positions, boundaries)

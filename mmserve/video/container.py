@@ -64,6 +64,7 @@ from pathlib import Path
 import numpy as np
 
 from mmserve.errors import InvalidRequest
+from mmserve.settings import check_fields, setting
 
 CONTAINERS = ("mp4", "mov", "matroska", "webm")  # names in FFmpeg's demuxer list ("mov,mp4,m4a,...")
 PYAV_MISSING = "video_url needs PyAV on the server: install mmserve[video] (pip install 'mmserve[video]')"
@@ -86,15 +87,24 @@ def pyav_available() -> bool:
 
 @dataclass(frozen=True)
 class VideoLimits:
-    """What one video may cost; each is checked before the work it bounds."""
+    """What one video may cost; each is checked before the work it bounds (settings of the app's
+    `limits`, under their names there: `mmserve.settings`)."""
 
-    max_seconds: float = 600.0
-    max_frames: int = 64  # sampled frames (what the encoder gets)
-    max_pixels_per_frame: int = 3840 * 2160
-    decode_timeout_s: float = 60.0
-    # the sampled frames' pixels before the processor resizes them: 64 frames of 1920x1080, whose
-    # decoded RGB (3 bytes a pixel) is ~400 MB; a 4K clip then samples to at most 16 frames
-    max_decoded_pixels: int = 64 * 1920 * 1080
+    max_seconds: float = setting(600.0, "video_url: longest video, by its header and by its stream",
+                                 name="max_video_seconds", gt=0)
+    max_frames: int = setting(64, name="max_frames_per_video", ge=1)  # sampled frames (what the encoder gets)
+    max_pixels_per_frame: int = setting(3840 * 2160, "video_url: pixels (width x height) of every decoded frame",
+                                        name="max_pixels_per_video_frame", ge=1)
+    decode_timeout_s: float = setting(60.0, "video_url: one video's decode, waiting for a decoder included; past "
+                                      "it the decoding worker is killed and the request refused (400)",
+                                      name="video_decode_timeout_s", gt=0)
+    max_decoded_pixels: int = setting(
+        64 * 1920 * 1080, "video_url: pixels of a video's sampled frames together, before the processor resizes "
+        "them (3 bytes each decoded: the default, 64 frames of 1080p, is ~400 MB; a 4K clip samples to at most "
+        "16); checked before decoding", name="max_decoded_pixels_per_video", ge=1)
+
+    def __post_init__(self):
+        check_fields(self)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from deployments.config import AppArgs, LimitArgs
 from deployments.core.dispatch import MediaDispatcher
 from deployments.core.llm_inputs import LocalMedia, PendingRequest
 from deployments.core.readiness import Readiness
-from deployments.core.request_core import CoreSettings, RequestCore
+from deployments.core.request_core import RequestCore
 from llm_service.engine.sequence import TokenEvent
 
 
@@ -111,10 +111,9 @@ class FakeBackend:
 
 def make_core(model_dir: str, llm: FakeLLM | None = None, media: MediaDispatcher | None = None,
               limits: LimitArgs | None = None, readiness: Readiness | None = None, **args) -> RequestCore:
-    """`args`: `AppArgs` fields (api_key, max_pending_requests ...); the model card's root is None."""
-    settings = CoreSettings.from_args(AppArgs(served_model_name="m", limits=limits or LimitArgs(), **args))
-    return RequestCore.from_checkpoint(model_dir, settings, media or FakeDispatcher(), llm or FakeLLM(),
-                                       readiness=readiness)
+    """`args`: `AppArgs` fields (api_key, max_pending_requests ...)."""
+    args = AppArgs(model=model_dir, served_model_name="m", limits=limits or LimitArgs(), **args).on_node()
+    return RequestCore.from_checkpoint(args, media or FakeDispatcher(), llm or FakeLLM(), readiness=readiness)
 
 
 def reader(request):

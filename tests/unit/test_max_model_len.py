@@ -10,7 +10,8 @@ import json
 import pytest
 
 from deployments.api import openai_api
-from deployments.cli.local_serve import RefusedToStart, check_max_model_len
+from deployments.cli.local_serve import RefusedToStart, check_on_node
+from deployments.config import AppArgs
 from deployments.cli.main import main
 from llm_service.config import EngineConfig
 from llm_service.engine.llm_engine import LLMEngine
@@ -37,7 +38,7 @@ def test_a_setting_above_the_checkpoints_context_stops_router_and_engine(tiny_mo
     with pytest.raises(ValueError, match="engine.max_model_len 5000 exceeds"):
         LLMEngine(language_model(model_dir), EngineConfig(max_model_len=5000, **ONE_MIB_OF_KV))
     with pytest.raises(RefusedToStart, match="max_position_embeddings 4096"):
-        check_max_model_len(model_dir, 5000)
+        check_on_node(AppArgs(model=model_dir, engine={"max_model_len": 5000}))
 
 
 def test_a_pool_shorter_than_one_sequence_stops_the_engine_naming_both(tiny_models):

@@ -29,10 +29,10 @@ def test_text_over_the_character_limit_is_refused_before_tokenizing(planner_of):
 def test_a_prompt_over_the_context_is_refused_by_its_token_count(planner_of):
     text = "the cat sat on the mat " * 50
     tokens = len(planner_of().plan([Message("user", (text,))]).token_ids)
-    planner_of(max_prompt_tokens=tokens).plan([Message("user", (text,))])
+    planner_of(max_model_len=tokens).plan([Message("user", (text,))])
     with pytest.raises(InvalidRequest, match=f"prompt has {tokens} tokens, media included; the model's context is "
                                              f"{tokens - 1} tokens"):
-        planner_of(max_prompt_tokens=tokens - 1).plan([Message("user", (text,))])
+        planner_of(max_model_len=tokens - 1).plan([Message("user", (text,))])
 
 
 def test_tokenizing_a_long_prompt_leaves_the_event_loop_running(planner_of):

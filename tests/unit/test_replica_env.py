@@ -58,7 +58,7 @@ def test_missing_model_fails_the_replica_naming_the_path(replica):
         elif replica == "encoder":
             EncoderDeployment.func_or_class(args)
         else:
-            LLMDeployment.func_or_class(args, args.engine.resolve(1.0))
+            LLMDeployment.func_or_class(args)
 
 
 def test_replicas_on_one_node_build_the_tiny_model_once(tmp_path, monkeypatch):
@@ -90,7 +90,7 @@ def test_served_model_name_needs_no_disk():
     assert replica_env.model_name(None) == "tiny-qwen2_vl-seed0"
 
 
-def test_secrets_are_read_from_the_environment_on_the_replica(monkeypatch):
+def test_secrets_are_read_from_the_environment_on_the_replica(monkeypatch, tiny_models):
     monkeypatch.setenv("MMSERVE_TEST_TOKEN", "s3cret")
     args = AppArgs(api_key_env="MMSERVE_TEST_KEY", transport="grpc", grpc={"token_env": "MMSERVE_TEST_TOKEN"})
     assert "s3cret" not in args.model_dump_json()
@@ -99,9 +99,10 @@ def test_secrets_are_read_from_the_environment_on_the_replica(monkeypatch):
     with pytest.raises(RuntimeError, match="api_key_env: environment variable MMSERVE_TEST_KEY is not set"):
         replica_env.secret(None, args.api_key_env, "api_key_env")
     monkeypatch.setenv("MMSERVE_TEST_KEY", "k")
-    monkeypatch.setattr("deployments.replica_env.resolve_model_dir", lambda model: "/resolved")
+    monkeypatch.setattr("deployments.replica_env.resolve_model_dir", lambda model: tiny_models["qwen2_vl"])
     resolved = args.on_node()  # the Router's
-    assert (resolved.api_key, resolved.model, resolved.grpc.token) == ("k", "/resolved", "s3cret")
+    assert (resolved.api_key, resolved.model, resolved.grpc.token) == ("k", tiny_models["qwen2_vl"], "s3cret")
+    assert resolved.engine.max_model_len == 4096 and args.on_node(api_key=False).api_key is None  # an LLM replica's
 
 
 def test_secret_value_and_env_name_are_exclusive():

@@ -148,6 +148,28 @@ def test_the_request_core_and_its_adapters_load_no_ray():
     assert len(names) > 10 and out.stdout.strip() == "[]"
 
 
+def test_each_setting_is_declared_once():
+    """A setting a runtime dataclass declares (`mmserve.settings.setting` with a description) is
+    not declared again by the app's pydantic sections: the section holding it takes it from the
+    dataclass (`runtime_settings`), and no other declares its name."""
+    import dataclasses
+
+    from pydantic import BaseModel
+
+    from deployments import config, deployment_args
+    from mmserve.settings import setting_name
+
+    def settings(runtimes) -> set[str]:
+        return {setting_name(f) for r in runtimes for f in dataclasses.fields(r) if "description" in f.metadata}
+
+    models = {m for module in (config, deployment_args) for m in vars(module).values()
+              if isinstance(m, type) and issubclass(m, BaseModel)}
+    every = settings({r for m in models for r in getattr(m, "runtimes", ())})
+    again = {f"{m.__name__}.{name}" for m in models for name in vars(m).get("__annotations__", {})
+             if name in (settings(m.runtimes) if hasattr(m, "runtimes") else every)}
+    assert len(every) >= 30 and again == set()
+
+
 def _is_sys_path(node) -> bool:
     return isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", "") == "sys"
 

@@ -432,7 +432,7 @@ def test_a_video_streams_only_from_stream_min_frames_and_plans_the_same_either_w
         return out
 
     try:
-        assert cores[8].settings.stream_video and cores[8].planner.face.streams_video
+        assert cores[8].args.stream_video and cores[8].planner.face.streams_video
         decoded = pool.decoded
         assert streamed(load(cores[8], short, long)) == [False, True]  # 6 < 8 <= 10
         assert pool.decoded == decoded + 1  # only the short one decoded here
