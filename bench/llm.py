@@ -33,11 +33,13 @@ CUDA the device time of the step it reads (CUDA events). `host` is the engine's 
 the forward (schedule + prepare + sample + postprocess). Ops per step come from `torch.profiler`
 over a few more steps: CUDA kernels on a GPU, top-level aten ops on the CPU.
 
---grammar: structured outputs' cost. The small LM with Qwen's vocabulary (151,936 logits, the
-tokenizer of `mmserve.loadgen.vocab`), steady decode at batch 1 and 64 with the 30-property invoice
+--grammar: structured outputs' cost. Random LMs with Qwen's vocabulary (151,936 logits, the
+tokenizer of `mmserve.loadgen.vocab`): Qwen2-VL-2B's shape then the small one on CUDA, the small one
+on CPU (`--grammar-lm`); steady decode at batch 1 and 64 with the 30-property invoice
 schema (`mmserve.loadgen.grammar.SCHEMA`) on every row against none, side by side; the grammar is
 compiled once before (the LRU). Each side runs `--grammar-rounds` times, alternated, and the ratio
-is of the medians. Prints the ratios and the engine thread's time in masks (filling and applying).
+is of the medians. Prints the ratios, the engine thread's time in masks (filling and applying), the
+mean fill time per row and the fill's threads (`engine.grammar_threads`, `--grammar-threads`).
 On the CPU without overlap (its default) the forward runs inside the engine's `step()`, and its time
 swings by ±20% between runs on a shared 2-core host while the work is the same on both sides: the
 `same_forward` ratio gives both sides the median forward of all runs and keeps each side's own
@@ -91,12 +93,11 @@ IMAGE_TOKEN = 5
 HYBRID_SIZES = {"full": (1024, 256, 16), "quick": (256, 64, 16)}
 
 
-def random_checkpoint(args, vocab_size: int | None = None) -> Path:
+def random_checkpoint(args) -> Path:
     """`--model`, else a random Qwen2-VL (`random_lm`: small on CPU, Qwen2-VL-2B's LM on CUDA), removed at exit."""
-    if args.model and vocab_size is None:
+    if args.model:
         return Path(args.model)
-    out = random_lm("small" if args.device == "cpu" or vocab_size else "2b", dtype_for(args.device), args.device,
-                    vocab_size)
+    out = random_lm("small" if args.device == "cpu" else "2b", dtype_for(args.device), args.device)
     atexit.register(shutil.rmtree, out, True)
     return out
 
@@ -290,14 +291,28 @@ def decode_split_ms(engine: LLMEngine, batch: int, context: int, tokens: int, vo
 
 # -- --grammar ------------------------------------------------------------------------------------
 def bench_grammar(args) -> None:
+    """Each of `--grammar-lm`'s shapes in turn (default: Qwen2-VL-2B's LM then the small one on CUDA,
+    the small one on CPU); the first one's figures under the plain keys, the others' prefixed by
+    their shape (`small_grammar_b64_step_ratio`)."""
+    shapes = args.grammar_lm or (["small"] if args.device == "cpu" else ["2b", "small"])
+    result: dict = {"device": args.device, "lm": shapes[0]}
+    for i, shape in enumerate(shapes):
+        print(f"--grammar, the {shape} LM:")
+        result.update({(f"{shape}_" if i else "") + k: v for k, v in grammar_shape(args, shape).items()})
+    print(json.dumps(result))
+
+
+def grammar_shape(args, shape: str) -> dict:
     from mmserve.loadgen.grammar import SCHEMA
     from mmserve.loadgen.vocab import QWEN2_MODEL_VOCAB, qwen_size_tokenizer
 
-    model_dir = random_checkpoint(args, vocab_size=QWEN2_MODEL_VOCAB)
+    model_dir = random_lm(shape, dtype_for(args.device), args.device, QWEN2_MODEL_VOCAB)
+    atexit.register(shutil.rmtree, model_dir, True)
     qwen_size_tokenizer().save_pretrained(model_dir)  # the grammar compiles for the checkpoint's tokenizer
     lm = language_model(model_dir, args.device)
     overlap = None if args.overlap is None else args.overlap == "on"
-    engine = LLMEngine(lm, EngineConfig(max_num_seqs=64, max_num_batched_tokens=4096, async_scheduling=overlap))
+    engine = LLMEngine(lm, EngineConfig(max_num_seqs=64, max_num_batched_tokens=4096, async_scheduling=overlap,
+                                        grammar_threads=args.grammar_threads))
     engine.start()
     grammar = Grammar("json_schema", json.dumps(SCHEMA))
     start = time.perf_counter()
@@ -308,13 +323,15 @@ def bench_grammar(args) -> None:
     compile_ms = (time.perf_counter() - start) * 1000
     vocab, n = lm.vocab_size, args.decode_tokens
     bench_engine(engine, prompts(2, args.prompt_len, vocab), 4)  # warm up
-    result: dict = {"device": args.device, "vocab": vocab, "compiler_setup_ms": round(setup_ms, 1),
-                    "compile_ms": round(compile_ms, 1), "decode_tokens": n, "overlap": engine.overlap}
+    result: dict = {"vocab": vocab, "compiler_setup_ms": round(setup_ms, 1), "compile_ms": round(compile_ms, 1),
+                    "decode_tokens": n, "overlap": engine.overlap, "fill_threads": engine.masks.threads}
     cpu = args.device == "cpu" and not engine.overlap  # the forward runs inside `step()`, apart from the rest
     print(f"{'batch':>5} {'none ms/step':>13} {'grammar ms/step':>16} {'ratio':>6} {'mask ms/step':>13}"
+          f" {'fill ms/row':>12}"
           + (f" {'forward ms':>11} {'none rest':>10} {'grammar rest':>13} {'same-forward ratio':>19}" if cpu else ""))
     for batch in (1, 64):
         plain, constrained, mask, forward, plain_rest, constrained_rest = [], [], [], [], [], []
+        fill_before = engine.masks.fill_s, engine.masks.fill_rows
         for _ in range(args.grammar_rounds):  # alternated: a drift in the host's speed falls on both
             ms, fwd, rest = decode_split_ms(engine, batch, args.prompt_len, n, vocab)
             plain.append(ms), forward.append(fwd), plain_rest.append(rest)
@@ -323,9 +340,11 @@ def bench_grammar(args) -> None:
             constrained.append(ms), forward.append(fwd), constrained_rest.append(rest)
             mask.append((engine.masks.mask_s - mask_before) * 1000 / max(engine.num_steps - steps_before, 1))
         p, c, m = statistics.median(plain), statistics.median(constrained), statistics.median(mask)
+        fill = (engine.masks.fill_s - fill_before[0]) * 1000 / max(engine.masks.fill_rows - fill_before[1], 1)
         result.update({f"none_ms_per_step_b{batch}": round(p, 3), f"grammar_ms_per_step_b{batch}": round(c, 3),
-                       f"grammar_b{batch}_step_ratio": round(c / p, 3), f"mask_ms_per_step_b{batch}": round(m, 3)})
-        line = f"{batch:>5} {p:>13.3f} {c:>16.3f} {c / p:>6.2f} {m:>13.3f}"
+                       f"grammar_b{batch}_step_ratio": round(c / p, 3), f"mask_ms_per_step_b{batch}": round(m, 3),
+                       f"fill_ms_per_row_b{batch}": round(fill, 4)})
+        line = f"{batch:>5} {p:>13.3f} {c:>16.3f} {c / p:>6.2f} {m:>13.3f} {fill:>12.4f}"
         if cpu:  # the same forward on both sides (the median of all runs'): only the engine's own work differs
             f, pr, cr = statistics.median(forward), statistics.median(plain_rest), statistics.median(constrained_rest)
             ratio = (f + cr) / (f + pr)
@@ -334,8 +353,9 @@ def bench_grammar(args) -> None:
                            f"grammar_b{batch}_same_forward_ratio": round(ratio, 3)})
             line += f" {f:>11.3f} {pr:>10.3f} {cr:>13.3f} {ratio:>19.3f}"
         print(line)
+    print(f"mask fill: {engine.masks.threads} threads (engine.grammar_threads)")
     engine.shutdown()
-    print(json.dumps(result))
+    return result
 
 
 # -- --breakdown ----------------------------------------------------------------------------------
@@ -480,6 +500,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32, help="--breakdown: steps measured per case")
     ap.add_argument("--grammar", action="store_true",
                     help="step time with a 30-property JSON-schema grammar on every row vs none, batch 1 and 64")
+    ap.add_argument("--grammar-lm", nargs="+", choices=["small", "2b"], default=None,
+                    help="--grammar: the LM shapes, random weights, Qwen's vocabulary (default: 2b and small on "
+                         "CUDA, small on CPU)")
+    ap.add_argument("--grammar-threads", type=int, default=None,
+                    help="--grammar: engine.grammar_threads (default: torch's threads)")
     ap.add_argument("--overlap", choices=["on", "off"], default=None,
                     help="--grammar: steps overlapped (`async_scheduling`) or not (default: on CUDA only)")
     ap.add_argument("--moe", action="store_true", help="one MoE layer, engine experts path vs transformers' loop: "

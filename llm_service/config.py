@@ -32,7 +32,7 @@ class EngineConfig:
     KV pool cannot hold one sequence that long, except with `num_kv_blocks` (tests' tiny pools,
     taken as given: a prompt over the pool is refused, a sequence that outgrows it alone ends with
     `length`). `tensor_parallel_size` says how many ranks; the group is the caller's
-    (`llm_service.model.tensor_parallel`). `grammar_compile_timeout_s`: `llm_service.grammar.GrammarCompiler`.
+    (`llm_service.model.tensor_parallel`). `grammar_compile_timeout_s`: `llm_service.grammar.GrammarCompiler`; `grammar_threads`: `StepMasks`.
     """
 
     block_size: int = setting(16, "tokens per KV block (a power of two)", ge=1)
@@ -80,6 +80,10 @@ class EngineConfig:
         "for its n matchers (once per schema text, cached); past it the request is refused (400 / "
         "INVALID_ARGUMENT) and the compile runs on, cached when it ends. The Router compiles each request's "
         "grammar as the LLM replica does, within the same deadline, first", gt=0)
+    grammar_threads: int | None = setting(
+        None, "response_format and forced tool calls: threads filling a step's token masks (one row each at a "
+        "time, beside the forward); default: the LLM replica's compute threads (llm.cpu_threads, else the node's "
+        "cores shared among the replicas)", ge=1)
 
     def __post_init__(self):
         check_fields(self)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llm_service.config import EngineConfig
-from llm_service.model.transfer import ints, to_device
+from llm_service.model.transfer import ints
 from llm_service.sampling import DeviceSample, Grammar
 from mmserve.errors import InvalidRequest, grammar_engine_problem
 
@@ -362,6 +362,7 @@ class StepMasks:
         self._threads = threads  # default: torch's intra-op threads when the pool is made (the replica's share)
         self._executor = None  # llguidance's thread pool for many rows (made on first use)
         self.mask_s = 0.0  # seconds spent filling and applying masks, drained by metrics
+        self.fill_s, self.fill_rows = 0.0, 0  # seconds spent filling rows, and how many (bench/llm.py --grammar)
 
     @property
     def threads(self) -> int:
@@ -371,6 +372,7 @@ class StepMasks:
 
     def fill(self, matchers: Sequence[Matcher]) -> torch.Tensor:
         """The host bitmask rows of `matchers`, in order (row j: the tokens `matchers[j]` allows next)."""
+        start = time.perf_counter()
         if self._host.shape[0] < len(matchers):
             self._host = _bitmask(len(matchers), self.vocab_size)
         host = self._host[:len(matchers)]
@@ -382,6 +384,8 @@ class StepMasks:
 
                 self._executor = LLExecutor(num_threads=self.threads)
             Matcher.fill_all(self._executor, matchers, host)
+        self.fill_s += time.perf_counter() - start
+        self.fill_rows += len(matchers)
         return host
 
     def sample(self, logits: torch.Tensor, seqs, sample: Callable[[], DeviceSample],
@@ -431,13 +435,10 @@ class StepMasks:
                 logits.add_(add)
             else:
                 logits.index_add_(0, at, add)
-        else:  # copies from pinned memory: the host does not wait for the forward still running
-            bits = host.to(device, non_blocking=True)
-            allowed = ((bits.unsqueeze(-1) >> to_device(self._bits, device)) & 1).flatten(1)[:, :vocab].bool()
-            if at is None:
-                logits.masked_fill_(~allowed, float("-inf"))
-            else:
-                logits[at] = logits[at].masked_fill(~allowed, float("-inf"))
+        else:  # copied from pinned memory (the host does not wait for the forward still running), applied in place
+            from mmserve.kernels.triton_bitmask import apply_token_bitmask_
+
+            apply_token_bitmask_(logits, host.to(device, non_blocking=True), at)
         self.mask_s += time.perf_counter() - start
 
     def correct(self, logits: torch.Tensor, tokens: torch.Tensor, matchers: Sequence[tuple[int, Matcher]]) -> None:

@@ -103,7 +103,8 @@ class LLMEngine:
         self.num_generated = 0
         self.grammar_compiler: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
-        self.masks = StepMasks(self.model.vocab_size)
+        # the mask fill's threads, set here (default: the replica's torch threads, `replica_env.set_cpu_threads`)
+        self.masks = StepMasks(self.model.vocab_size, self.config.grammar_threads or torch.get_num_threads())
 
     @property
     def step_log(self) -> list[StepTimes] | None:

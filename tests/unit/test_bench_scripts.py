@@ -108,16 +108,19 @@ def test_grammar_run_sets_both_ratios_with_the_grammars_own_work_apart():
     CPU the same-forward ratio made of the printed medians, with mask time counted. (Which side's rest
     is dearer is not asserted: a busy host staggers a short run's admissions, so its steady steps
     may hold fewer rows on one side; CI once had no step of all 64.)"""
-    out = _run("llm.py", "--grammar", "--grammar-rounds", "1", "--decode-tokens", "6", "--prompt-len", "8", timeout=300)
+    out = _run("llm.py", "--grammar", "--grammar-rounds", "1", "--decode-tokens", "6", "--prompt-len", "8",
+               "--grammar-threads", "2", timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    assert r["vocab"] == 151936 and not r["overlap"]
+    assert r["vocab"] == 151936 and not r["overlap"] and r["lm"] == "small" and r["fill_threads"] == 2
+    assert "mask fill: 2 threads" in out.stdout
     for b in (1, 64):
         wall = r[f"grammar_ms_per_step_b{b}"] / r[f"none_ms_per_step_b{b}"]
         assert r[f"grammar_b{b}_step_ratio"] == pytest.approx(wall, abs=2e-3)
         f, plain, constrained = r[f"forward_ms_b{b}"], r[f"none_rest_ms_b{b}"], r[f"grammar_rest_ms_b{b}"]
         assert r[f"grammar_b{b}_same_forward_ratio"] == pytest.approx((f + constrained) / (f + plain), abs=2e-3)
         assert f > 0 and plain > 0 and constrained > 0 and r[f"mask_ms_per_step_b{b}"] > 0
+        assert r[f"fill_ms_per_row_b{b}"] >= 0  # (a CPU fills a greedy row only where its token is refused)
 
 
 def test_tensor_parallel_quick_run_sets_tp2_beside_tp1():

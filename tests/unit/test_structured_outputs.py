@@ -593,3 +593,18 @@ def test_greedy_cpu_rows_corrected_after_sampling_equal_the_masked_argmax(monkey
     StepMasks(vocab).correct(logits.clone(), got, list(rows.items()))
     assert torch.equal(got, want)
     assert filled == [rows[i] for i in (1, 2, 4, 6, 7, 8)]  # not rows 0, 3 and 5
+
+
+def test_the_engine_fills_masks_on_the_threads_it_is_told(tiny_models):
+    """`engine.grammar_threads`: the mask fill's threads and the compiler's roots per schema (one
+    grammar's rows fill in parallel up to it); unset, the replica's torch threads. The tokens are
+    the same either way, as the rows' masks are."""
+    import torch
+
+    requests = [(f"r{i}", user(text(f"Chart number {i}")), CHART, {"max_tokens": 10}) for i in range(3)]
+    told, engine = _run(tiny_models["qwen2_vl"], [(n, m, s, dict(x)) for n, m, s, x in requests], grammar_threads=3)
+    assert engine.masks.threads == 3 and engine.grammars.max_roots == 3
+    assert engine.masks.fill_rows > 0 and engine.masks.fill_s > 0  # (on CPU a greedy row is filled where its token is refused)
+    default, engine = _run(tiny_models["qwen2_vl"], [(n, m, s, dict(x)) for n, m, s, x in requests])
+    assert engine.masks.threads == torch.get_num_threads()
+    assert told == default
