@@ -20,19 +20,10 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 SESSION_SERVE = {"serve_ports", "serve_urls", "grpc_target", "secured_url", "external_encoder_url"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
-    """`scripts/test` runs the suite on two pytest-xdist workers (`--dist loadgroup`): the tests
-    that use the session's Ray and Serve instance are one group, run first and on one worker (one
-    Ray cluster, the session's apps deployed once), while the other worker takes every other
-    module whole, one after another (each module's fixtures made once). Without xdist the marks
-    change nothing but the order: the session's Serve tests first."""
-    def on_session_serve(item) -> bool:
-        return bool(SESSION_SERVE & set(item.fixturenames))
-
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("serve" if on_session_serve(item) else item.module.__name__))
-    items.sort(key=lambda item: not on_session_serve(item))  # stable: each group keeps its order
+    """The tests that use the session's Ray and Serve instance run first, while its apps stand
+    (docs/testing.md); each group keeps its order."""
+    items.sort(key=lambda item: not (SESSION_SERVE & set(item.fixturenames)))
 
 
 @pytest.fixture(scope="session")

@@ -168,7 +168,7 @@ def test_moe_quick_run_times_both_paths_once_they_agree():
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat (Linux)")
 def test_video_bench_counts_the_cpu_seconds_a_busy_thread_spends(monkeypatch, tmp_path):
     """The video bench's CPU floor (serve_video.cpu_busy_s): the machine's busy seconds hold at least
-    this thread's busy work (whatever else the machine runs: the suite runs on two workers), and
+    this thread's busy work (whatever else the machine runs: Ray replicas, other processes), and
     are /proc/stat's ticks but idle and I/O wait (an idle wait adds none)."""
     import builtins
     import time
