@@ -11,7 +11,7 @@ between families is their number: Qwen3-VL's (and its MoE sibling's, the same en
 part per DeepStack layer beside the merged rows, every other family's one part, the Qwen2-VL
 families' test (`secured_url`, test_serve_app.py) covers. Sub-items (MiniCPM-V's slices, Step3's
 crops) are joined in the encoder pool before an item leaves it. A video file is streamed when it
-samples to `STREAM_MIN_FRAMES` frames or more and decoded whole below, so one app covers both."""
+samples to the app's `stream_min_frames` or more and decoded whole below, so one app covers both."""
 
 from __future__ import annotations
 
@@ -26,8 +26,16 @@ from tests.support.serve_fixtures import _app_args
 
 pytestmark = pytest.mark.serve
 
-STREAM_MIN_FRAMES = 5  # the apps' video_decode.stream_min_frames: a shorter video is decoded whole (Qwen3-VL samples 0.6 s to its minimum, 4 frames; 3.4 s to 6)
-VIDEO = {"video_decode": {"stream_group_frames": 2, "stream_min_frames": STREAM_MIN_FRAMES}}
+
+def video(stream_min_frames: int) -> dict:
+    """An app's `video_decode`: a video sampling to `stream_min_frames` frames or more is streamed, a
+    shorter one decoded whole."""
+    return {"video_decode": {"stream_group_frames": 2, "stream_min_frames": stream_min_frames}}
+
+
+# The test's 3.4 s video streams and its 0.6 s one does not: Qwen3-VL's processor samples them to 6 and
+# 4 frames (its minimum), MiniCPM-V's to 4 and fewer.
+VIDEO, MINICPM_VIDEO = video(5), video(4)
 GRPC = {"transport": "grpc", "video_decode": {"stream": False}}  # embeddings over gRPC, a video decoded whole
 
 
@@ -45,7 +53,8 @@ SERVED = {
     "llava_siglip": Served({"llava_siglip": {}}, ("one_image", "three_images"), ("one_image",), "llava_siglip"),
     "step3p7": Served({"step3p7": {}}, ("text_only", "one_image", "three_images", "long_prompt"), ("one_image",),
                       "step3p7"),
-    "minicpmv4_6": Served({"minicpmv4_6": VIDEO}, ("text_only", "one_image", "sliced_images", "video", "long_prompt"),
+    "minicpmv4_6": Served({"minicpmv4_6": MINICPM_VIDEO},
+                          ("text_only", "one_image", "sliced_images", "video", "long_prompt"),
                           ("one_image",), "minicpmv4_6", video_seed=23),
     "qwen3_vl": Served({"qwen3_vl": VIDEO, "qwen3_vl_grpc": GRPC}, ("one_image", "video", "image_and_video"),
                        ("one_image", "video"), "qwen3_vl_grpc", video_seed=22),
@@ -105,7 +114,7 @@ def test_http_and_grpc_equal_monolithic(served, case, tiny_checkpoint, serve_por
 def test_video_url_equals_monolithic_streamed_and_decoded_whole(served, tiny_checkpoint, serve_ports):
     """A video file (mp4 `video_url`), decoded and sampled on the server at the family's own rate
     (Qwen3-VL: with the timestamps its processor writes from the sampled frames' numbers): a 3.4 s
-    one streamed through the pipeline, a 0.6 s one (fewer than `STREAM_MIN_FRAMES` frames sampled)
+    one streamed through the pipeline, a 0.6 s one (fewer than the app's `stream_min_frames` sampled)
     decoded whole, and on Qwen3-VL's gRPC app (`stream: false`) the long one whole too: the tokens
     of `generate`; the long one over the public gRPC API (`video_files`) too."""
     pytest.importorskip("av")
