@@ -81,11 +81,7 @@ FIGURES = (
     Figure("decode_b64_host_us", "us per step outside the forward (default overlap mode)", "engine"),
     Figure("decode_b1_ops_per_step", "kernels per step (CUDA; top-level aten ops on CPU)", "engine"),
     Figure("grammar_b1_step_ratio", "decode step with a 30-property JSON-schema grammar / without, batch 1", "engine"),
-    Figure("grammar_b64_step_ratio", "the same at batch 64 (target <= 1.10; Qwen2-VL-2B's LM shape on CUDA)",
-           "engine"),
-    Figure("mask_ms_per_step_b64", "ms per step filling and applying the 64 rows' masks (target <= 0.5)", "engine"),
-    Figure("fill_ms_per_row_b64", "ms per row filling a mask, batch 64", "engine"),
-    Figure("fill_threads", "threads filling the masks (engine.grammar_threads)", "engine"),
+    Figure("grammar_b64_step_ratio", "the same at batch 64 (target <= 1.10)", "engine"),
     Figure("moe_b1_ms", "ms per call of one MoE layer (Qwen3-VL-30B-A3B's), the engine's path (moe_engine_path)",
            "engine"),
     Figure("moe_b64_ms", "the same at batch 64", "engine"),
@@ -242,8 +238,7 @@ def moe_figures(r: dict, peak: Peaks) -> dict:
 
 
 def grammar_figures(r: dict, peak: Peaks | None = None) -> dict:
-    return {k: r[k] for k in ("grammar_b1_step_ratio", "grammar_b64_step_ratio", "mask_ms_per_step_b64",
-                              "fill_ms_per_row_b64", "fill_threads") if k in r}
+    return {k: r[k] for k in ("grammar_b1_step_ratio", "grammar_b64_step_ratio")}
 
 
 # bench/llm.py's runs in the engine part (their sizes: CPU_ARGS / CUDA_ARGS): (the flag, the key that tells
