@@ -56,8 +56,8 @@ def test_a_replicas_share_is_its_fraction_of_one_gpu(num_gpus, share):
 def test_the_app_hands_each_replica_its_share():
     app = build_app(AppArgs(encoder={"num_gpus": 0.3}, llm={"num_gpus": 0.7}))
     encoder, llm = (a._bound_deployment for a in app._bound_deployment.init_args[:2])
-    args, engine = llm.init_args[:2]  # the LLM replica's engine config; the encoder reads its share from AppArgs
-    assert engine.device_share == 0.7
+    args = llm.init_args[0]  # the LLM replica resolves its engine config from AppArgs on its node, as the encoder
+    assert args.engine.resolve(args.llm.device_share).device_share == 0.7
     assert encoder.init_args[0].encoder.device_share == 0.3
     assert (encoder.ray_actor_options["num_gpus"], llm.ray_actor_options["num_gpus"]) == (0.3, 0.7)
 
