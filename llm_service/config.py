@@ -32,7 +32,8 @@ class EngineConfig:
     KV pool cannot hold one sequence that long, except with `num_kv_blocks` (tests' tiny pools,
     taken as given: a prompt over the pool is refused, a sequence that outgrows it alone ends with
     `length`). `tensor_parallel_size` says how many ranks; the group is the caller's
-    (`llm_service.model.tensor_parallel`). `grammar_compile_timeout_s`: `llm_service.grammar.GrammarCompiler`; `grammar_threads`: `StepMasks`.
+    (`llm_service.model.tensor_parallel`). `grammar_compile_timeout_s`: `llm_service.grammar.GrammarCompiler`;
+    `grammar_threads`: `llm_service.grammar.StepMasks`.
     """
 
     block_size: int = setting(16, "tokens per KV block (a power of two)", ge=1)
