@@ -361,9 +361,13 @@ class AppArgs(FrozenArgs):
         "an Encoder replica when the app has an Encoder deployment, has loaded its model and warmed up) waits up "
         "to this long, then gets 503 + Retry-After / UNAVAILABLE; /health answers 503 until then",
     )
-    router: DeploymentArgs = Field(default=DeploymentArgs(num_cpus=0.25), description="the Router (ingress) "
-                                   "deployment; the four deployments' defaults fit a 2-core laptop (1.5 CPUs in all): "
-                                   "size them for real clusters (k8s/overlays/gpu)")
+    # the Router's requests are mostly streams past their first token (cheap: a socket and a task each); its own
+    # admission (max_fetching_requests, max_pending_requests, ttft_budget_s) sheds, not Serve's queue in front of
+    # it, which no admission sees (at 64, a 256-request burst waited there up to 24 s for streams to end)
+    router: DeploymentArgs = Field(default=DeploymentArgs(num_cpus=0.25, max_ongoing_requests=1024),
+                                   description="the Router (ingress) deployment; the four deployments' defaults fit a "
+                                   "2-core laptop (1.5 CPUs in all): size them for real clusters (k8s/overlays/gpu); "
+                                   "a deployment given in part keeps its defaults for the rest")
     encoder: DeploymentArgs = Field(default=DeploymentArgs(num_cpus=0.5), description="the Encoder deployment")
     llm: DeploymentArgs = Field(default=DeploymentArgs(num_cpus=0.5), description="the LLM deployment")
     video_decoder: DeploymentArgs = Field(default=DeploymentArgs(num_cpus=0.25),
@@ -408,6 +412,19 @@ class AppArgs(FrozenArgs):
         if api_key:
             update |= {"api_key": secret(self.api_key, self.api_key_env, "api_key_env"), "api_key_env": None}
         return self.model_copy(update=update)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _over_defaults(cls, data):
+        """A deployment given in part (`router: {num_replicas: 2}`) keeps its own defaults for the rest
+        (the Router's `num_cpus` 0.25, not the class's 1.0), as the configuration page lists them."""
+        if not isinstance(data, dict):
+            return data
+        merged = dict(data)
+        for name in ("router", "encoder", "llm", "video_decoder"):
+            if isinstance(given := data.get(name), dict):
+                merged[name] = {**cls.model_fields[name].default.model_dump(exclude_unset=True), **given}
+        return merged
 
     @model_validator(mode="after")
     def _check_deployments(self) -> "AppArgs":

@@ -373,18 +373,19 @@ def app_args(ns: argparse.Namespace, key_env: str | None, shares=None):
     together (`--tensor-parallel-size` with a fractional `--llm-gpus`)."""
     from pydantic import ValidationError
 
-    from deployments.config import AppArgs, DeploymentArgs, EngineArgs
+    from deployments.config import AppArgs, EngineArgs
 
     cpus, ranks = ns.num_cpus, ns.tensor_parallel_size
     encoder_gpus, llm_gpus = shares[:2] if shares else (ns.encoder_gpus or 0, ns.llm_gpus or 0)
     try:
         return AppArgs(
             model=ns.model, dtype=ns.dtype, device=ns.device, api_key_env=key_env,
-            router=DeploymentArgs(num_cpus=0.25 * cpus),
-            encoder=DeploymentArgs(num_cpus=0.25 * cpus, num_gpus=encoder_gpus),
+            # (given in part: the deployments' other defaults stay)
+            router={"num_cpus": 0.25 * cpus},
+            encoder={"num_cpus": 0.25 * cpus, "num_gpus": encoder_gpus},
             # a tensor-parallel replica's ranks share the LLM's quarter (each rank reserves its part)
-            llm=DeploymentArgs(num_cpus=0.25 * cpus / ranks, num_gpus=llm_gpus),
-            video_decoder=DeploymentArgs(num_cpus=0.125 * cpus),
+            llm={"num_cpus": 0.25 * cpus / ranks, "num_gpus": llm_gpus},
+            video_decoder={"num_cpus": 0.125 * cpus},
             engine=EngineArgs(max_model_len=ns.max_model_len, tensor_parallel_size=ranks),
         )
     except ValidationError as e:

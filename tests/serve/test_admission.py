@@ -25,12 +25,21 @@ def test_serve_queue_bounds_come_from_the_config():
     args = AppArgs()
     router, llm, encoder = args.router.options("Router"), args.llm.options("LLM"), args.encoder.options("Encoder")
     # as many as a replica runs: Serve queues requests it has not yet assigned even with idle replicas
-    assert router["max_queued_requests"] == router["max_ongoing_requests"] == 64
-    assert llm["max_queued_requests"] == llm["max_ongoing_requests"]
+    assert router["max_queued_requests"] == router["max_ongoing_requests"] == 1024  # streams, mostly
+    assert llm["max_queued_requests"] == llm["max_ongoing_requests"] == 64
     assert DeploymentArgs(max_ongoing_requests=200).options("Router")["max_queued_requests"] == 200
     assert encoder["max_queued_requests"] == -1  # the encoder is bounded by queued bytes
     assert router["backpressure_config"] == {"status_code": 429, "retry_after_s": 1}
     assert DeploymentArgs(max_queued_requests=3).options("LLM")["max_queued_requests"] == 3
+
+
+def test_a_deployment_given_in_part_keeps_its_own_defaults_for_the_rest():
+    """`router: {num_replicas: 2}` replaced the Router's defaults with the class's (1 CPU, 64 requests),
+    not those the configuration page lists for it (0.25, 1024)."""
+    args = AppArgs.model_validate({"router": {"num_replicas": 2}, "llm": {"num_cpus": 0.1}})
+    assert (args.router.num_replicas, args.router.num_cpus, args.router.max_ongoing_requests) == (2, 0.25, 1024)
+    assert (args.llm.num_cpus, args.llm.max_ongoing_requests) == (0.1, 64)
+    assert AppArgs.model_validate({"router": {"max_ongoing_requests": 8}}).router.num_cpus == 0.25
 
 
 @pytest.mark.serve

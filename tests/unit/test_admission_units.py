@@ -100,7 +100,7 @@ def test_one_clients_flood_does_not_lock_out_another():
     on "flood" holds at most half, and "other" gets the next free place. Alone, a client may take
     them all."""
     clock = Clock()
-    admission = Admission(max_sequences=4, ttft_budget_s=100.0, clock=clock)
+    admission = Admission(max_sequences=4, ttft_budget_s=10_000.0, clock=clock)  # places only
     held = [admission.take("flood", 1) for _ in range(4)]
     for hold in held:
         hold.__enter__()
@@ -134,3 +134,26 @@ def test_a_request_that_failed_over_teaches_no_pace(tiny_models):
     assert core.pending.seconds_per_work is None
     asyncio.run(run("plain"))
     assert core.pending.seconds_per_work is not None
+
+
+def test_a_burst_is_shed_from_its_start_by_what_its_first_requests_have_waited():
+    """A pace learned while idle undercounted a burst (its first requests' TTFT teaches the pace only
+    once they get it, 8.8 s p99 admitted against a 5 s budget): while the requests admitted first
+    still wait, what each has waited over the work pending at its admission bounds the pace from
+    below, and refuses more work, before its body is even read."""
+    clock = Clock()
+    admission = Admission(max_sequences=64, ttft_budget_s=2.0, clock=clock)
+    _served(admission, "a", 200 - WORK_PER_SEQUENCE, 0.02, clock)  # idle: 0.1 ms per token of work
+    assert admission.work_per_sequence == 64 + round(0.2 * (200 - 64))  # the guess before planning moves
+    with admission.take("a", 1) as first:
+        admission.admit(first, 200 - WORK_PER_SEQUENCE)
+        with admission.take("a", 1) as second:
+            admission.admit(second, 200 - WORK_PER_SEQUENCE)
+            admission.check("a")  # the idle pace: ~0.05 s expected
+            clock.now += 1.2  # the first has waited 1.2 s over 200 of work ahead: >= 6 ms per token of work
+            assert admission.rate() == pytest.approx(1.2 / 200)
+            with pytest.raises(QueueFull, match=r"~3\.2 s to a first token, over the budget of 2 s"):
+                admission.check("a")  # (400 pending + the guess, 130 by now) x 6 ms
+            admission.started(first)
+    assert admission.work == 0 and admission.held == 0 and not admission._waiting
+    assert admission.rate() == pytest.approx(0.8 * 0.0001 + 0.2 * 1.2 / 200)
