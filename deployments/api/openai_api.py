@@ -18,7 +18,7 @@ from deployments.api.openai_models import (ChatCompletionRequest, ImageURLPart, 
                                            TextPart, VideoURLPart)
 from deployments.deployment_args import RETRY_AFTER_S
 from deployments.core.failures import Failure
-from deployments.core.generation import OPTION_NAMES, Delta, Generation, GenerationOptions, response_format
+from deployments.core.generation import SAMPLING_OPTIONS, Delta, Generation, GenerationOptions, response_format
 from deployments.core.request_core import ChatRequest, RequestCore, new_request_id
 from llm_service.sampling import Grammar
 from mmserve.errors import InvalidRequest
@@ -26,6 +26,7 @@ from mmserve.inputs.media import MediaKind, MediaSource
 from mmserve.request.prompt_plan import Message
 from mmserve.request.tool_stream import ToolText
 from mmserve.request.tools import ToolCall, ToolSpec, answer, finish_with, new_call_id
+from mmserve.settings import setting_name
 from mmserve.video.container import VideoSampling
 
 logger = logging.getLogger("ray.serve")
@@ -88,14 +89,13 @@ def parse_body(body: bytes) -> ChatCompletionRequest:
 
 
 def options(request: ChatCompletionRequest) -> GenerationOptions:
-    """The sampling options: fields named as in `GenerationOptions` pass as they are."""
-    given = {name: getattr(request, name) for name in OPTION_NAMES if name in ChatCompletionRequest.model_fields}
-    given = {name: value for name, value in given.items() if value is not None}
+    """The sampling options: `SAMPLING_OPTIONS` pass as they are (by their names in the body; left out
+    or null: the default)."""
+    given = {f.name: value for f in SAMPLING_OPTIONS if (value := getattr(request, setting_name(f))) is not None}
     return GenerationOptions(**{
         **given,
         "max_tokens": request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens,
         "stop": (request.stop,) if isinstance(request.stop, str) else tuple(request.stop or ()),
-        "stop_token_ids": tuple(request.stop_token_ids or ()),
         "logprobs": (request.top_logprobs or 0) if request.logprobs else None,
         "response_format": _grammar(request.response_format),
     })

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, create_model
+
+from deployments.core.generation import SAMPLING_OPTIONS, GenerationOptions
+from mmserve.settings import setting_name, type_hints
 
 
 class _Model(BaseModel):
@@ -119,27 +122,19 @@ class ResponseFormat(_Model):
     json_schema: JSONSchemaFormat | None = None
 
 
-class ChatCompletionRequest(_Model):
+# The sampling options as `GenerationOptions` declares them, under their names in the API
+# (`top_logprobs`), each optional (None: the model's default); their ranges are checked there, for
+# HTTP and gRPC alike (`openai_api.options`)
+_SamplingOptions = create_model("_SamplingOptions", __base__=_Model, __module__=__name__, **{
+    setting_name(f): (type_hints(GenerationOptions)[f.name] | None, None) for f in SAMPLING_OPTIONS})
+
+
+class ChatCompletionRequest(_SamplingOptions):
     model: str | None = None
     messages: list[ChatCompletionMessage] = Field(min_length=1)
-    # sampling ranges are checked once, for HTTP and gRPC alike, by GenerationOptions; a field
-    # named as one of GenerationOptions' passes to it as it is (`openai_api.options`)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name of max_tokens (it wins when both are sent)
     logprobs: bool = False
-    top_logprobs: int | None = None
-    seed: int | None = None
-    n: int = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
     stream: bool = False
     return_token_ids: bool = False  # vLLM extension: generated token ids in each choice / chunk
     return_stage_times: bool = False  # mmserve extension: usage.stage_ms, milliseconds per stage of the request

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from mmserve.errors import InvalidRequest
 from mmserve.request.detokenize import IncrementalDetokenizer
 from mmserve.request.prompt_plan import RequestPlan
 from mmserve.request.tools import JSON_FORMAT
+from mmserve.settings import check_fields, setting
 
 logger = logging.getLogger("ray.serve")
 
@@ -30,32 +30,7 @@ def client_request_id(given: str | None, request_id: str) -> str:
     return given
 
 
-@dataclass(frozen=True)
-class GenerationOptions:
-    """What the client asked for; None means the model's default (vLLM semantics)."""
-
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None  # most likely alternatives to return per token; None: no logprobs
-    response_format: Grammar | None = None  # None: plain text
-    n: int = 1  # choices of the same prompt
-
-    def __post_init__(self):
-        check_options(self)
-
-
-# Accepted ranges (vLLM's / OpenAI's): the one check shared by HTTP and gRPC.
-INT64 = (-(2**63), 2**63 - 1)
+# Accepted ranges (vLLM's / OpenAI's), checked once for HTTP and gRPC alike.
 MAX_INT32 = 2**31 - 1
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
@@ -65,30 +40,43 @@ MAX_SCHEMA_CHARS = 65536  # a response_format's JSON Schema, as text
 MAX_N = 16
 
 
-def _check_range(name: str, value, low, high, *, low_open: bool = False) -> None:
-    """`value` in [low, high] ((low, high] with `low_open`); `high` None: no upper bound."""
-    if value is None:
-        return
-    if isinstance(value, float) and not math.isfinite(value):
-        raise InvalidRequest(f"{name} must be a finite number, got {value}")
-    if (value <= low if low_open else value < low) or (high is not None and value > high):
-        interval = f"{'(' if low_open else '['}{low}, {'inf)' if high is None else f'{high}]'}"
-        raise InvalidRequest(f"{name} must be in {interval}, got {value}")
+@dataclass(frozen=True)
+class GenerationOptions:
+    """What the client asked for; None means the model's default (vLLM semantics). The sampling
+    options are declared here once, with their bounds (`mmserve.settings`; checked when made) and
+    their names in the API where those differ (`top_logprobs`): the HTTP body takes them from here
+    (`openai_models`), the gRPC request's `SamplingParams` passes its fields by these names, and
+    `sampling_params` resolves them into the engine's."""
+
+    max_tokens: int | None = setting(None, ge=1)
+    temperature: float | None = setting(None, ge=0.0, le=2.0)
+    top_p: float | None = setting(None, gt=0.0, le=1.0)
+    top_k: int | None = setting(None, ge=-1, le=MAX_INT32)  # -1 and 0 disable it
+    min_p: float | None = setting(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = setting(None, gt=0.0)
+    frequency_penalty: float | None = setting(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = setting(None, ge=-2.0, le=2.0)
+    seed: int | None = setting(None, ge=-(2**63), le=2**63 - 1)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    # most likely alternatives to return per token; None: no logprobs
+    logprobs: int | None = setting(None, name="top_logprobs", ge=0, le=MAX_LOGPROBS)
+    response_format: Grammar | None = None  # None: plain text
+    n: int = setting(1, ge=1, le=MAX_N)  # choices of the same prompt
+
+    def __post_init__(self):
+        check_options(self)
+
+
+# The options both APIs pass as they are, by their names in the API (each spells `stop` and
+# `response_format` its own way)
+SAMPLING_OPTIONS = tuple(f for f in dataclasses.fields(GenerationOptions) if f.name not in ("stop", "response_format"))
 
 
 def check_options(opts: GenerationOptions) -> None:
     """InvalidRequest naming the first option out of range (None means the default: fine)."""
-    _check_range("max_tokens", opts.max_tokens, 1, None)
-    _check_range("temperature", opts.temperature, 0.0, 2.0)
-    _check_range("top_p", opts.top_p, 0.0, 1.0, low_open=True)
-    _check_range("top_k", opts.top_k, -1, MAX_INT32)  # -1 and 0 disable it
-    _check_range("min_p", opts.min_p, 0.0, 1.0)
-    _check_range("repetition_penalty", opts.repetition_penalty, 0.0, None, low_open=True)
-    _check_range("frequency_penalty", opts.frequency_penalty, -2.0, 2.0)
-    _check_range("presence_penalty", opts.presence_penalty, -2.0, 2.0)
-    _check_range("seed", opts.seed, *INT64)
-    _check_range("top_logprobs", opts.logprobs, 0, MAX_LOGPROBS)
-    _check_range("n", opts.n, 1, MAX_N)
+    check_fields(opts, InvalidRequest)
     if len(opts.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"stop has {len(opts.stop)} strings; the limit is {MAX_STOP_STRINGS}")
     if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in opts.stop):
@@ -96,7 +84,8 @@ def check_options(opts: GenerationOptions) -> None:
     if len(opts.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(f"stop_token_ids has {len(opts.stop_token_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")
     for token_id in opts.stop_token_ids:
-        _check_range("stop_token_ids", token_id, 0, MAX_INT32)
+        if not 0 <= token_id <= MAX_INT32:
+            raise InvalidRequest(f"stop_token_ids must be in [0, {MAX_INT32}], got {token_id}")
     if opts.response_format is not None and len(opts.response_format.schema) > MAX_SCHEMA_CHARS:
         raise InvalidRequest(f"response_format's JSON schema has {len(opts.response_format.schema)} characters; "
                              f"the limit is {MAX_SCHEMA_CHARS}")
@@ -114,9 +103,6 @@ def response_format(kind: str, schema: str | None = None) -> Grammar | None:
     if not schema:
         raise InvalidRequest("response_format json_schema needs its schema")
     return Grammar("json_schema", schema)
-
-
-OPTION_NAMES = tuple(f.name for f in dataclasses.fields(GenerationOptions))
 
 
 def sampling_params(opts: GenerationOptions, prompt_len: int, max_model_len: int, defaults) -> SamplingParams:
