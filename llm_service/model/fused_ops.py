@@ -7,6 +7,8 @@ costs about as much as the time it computes. Here:
 
 - RMSNorm is one kernel (`rms_norm`): float32 statistics, the normalised row cast to the input
   dtype and then times the weight, as `transformers` rounds it;
+- a residual add and the RMSNorm after it are one kernel too (`add_rms_norm`, the engine's own
+  decoder: `llm_service.model.layers`);
 - the MLP's gate and up projections are one GEMM over their stacked weights, followed by one
   kernel for SiLU(gate) x up (`silu_mul`), rounded like the unfused pair.
 
@@ -45,6 +47,22 @@ def _rms_norm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _add_rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, stride_y, stride_s, N, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    total = (x + r).to(X.dtype.element_ty)  # the residual sum in the input dtype, as torch's `residual + x`
+    tl.store(S + row * stride_s + offs, total, mask=mask)
+    total = total.to(tl.float32)
+    normed = (total * tl.rsqrt(tl.sum(total * total, 0) / N + eps)).to(X.dtype.element_ty)
+    w = tl.load(W + offs, mask=mask, other=0.0)
+    out = w.to(tl.float32) * normed.to(tl.float32)
+    tl.store(Y + row * stride_y + offs, out.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _silu_mul_kernel(GU, Y, stride_gu, stride_y, N, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -67,6 +85,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), n, float(eps),
                                            BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
     return out.view(*x.shape[:-1], n)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rms_norm(residual + x), residual + x)` over the last dimension, in one kernel (the sum
+    rounded to the input dtype first, as `transformers`' `hidden = residual + out` is)."""
+    n = x.shape[-1]
+    rows, res = x.reshape(-1, n).contiguous(), residual.reshape(-1, n).contiguous()
+    total = torch.empty_like(rows)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if rows.shape[0]:
+        _add_rms_norm_kernel[(rows.shape[0],)](rows, res, weight, out, total, rows.stride(0), res.stride(0),
+                                               out.stride(0), total.stride(0), n, float(eps),
+                                               BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
+    return out.view(*x.shape[:-1], n), total.view(*x.shape[:-1], n)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
