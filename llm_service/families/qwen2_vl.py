@@ -1,7 +1,7 @@
 """LM face of Qwen2-VL / Qwen2.5-VL: the text decoder (3-row M-RoPE), embedding table and lm_head.
 
 `QwenVLLMFace` holds what the Qwen VL families share (checkpoint names, positions); Qwen2-VL and
-Qwen2.5-VL run the engine's own decoder (`llm_service.model.layers`), whose packed projections
+Qwen2.5-VL (and dense Qwen3-VL) run the engine's own decoder (`llm_service.model.layers`), whose packed projections
 are made from the checkpoint's separate ones as they load; `transformers`' text model is its
 reference.
 """
@@ -60,7 +60,7 @@ class Qwen2VLLMFace(QwenVLLMFace):
         from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
 
         text = self.config.text_config
-        return layers.Decoder(text, dtype, Qwen2VLRotaryEmbedding(text))
+        return layers.Decoder(text, dtype, Qwen2VLRotaryEmbedding(text), layers.qwen2_spec(text))
 
 
 LM_FACE = Qwen2VLLMFace

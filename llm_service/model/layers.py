@@ -1,8 +1,9 @@
-"""The engine's own decoder (Qwen2-VL / Qwen2.5-VL text model): embeddings, layers, final norm.
+"""The engine's own decoder (Qwen2-VL, Qwen2.5-VL, dense Qwen3-VL text models): embeddings, layers, norm.
 
-It computes what `transformers`' `Qwen2VLTextModel` computes, rounding included, on the engine's
-packed step: hidden states `(T, hidden)` of every scheduled sequence, one M-RoPE position per
-token and row, attention through the paged KV pool (`llm_service.model.attention.paged`).
+It computes what `transformers`' `Qwen2VLTextModel` (or `Qwen3VLTextModel`: q/k norms, DeepStack)
+computes, rounding included, on the engine's packed step: hidden states `(T, hidden)` of every
+scheduled sequence, one M-RoPE position per token and row, attention through the paged KV pool
+(`llm_service.model.attention.paged`).
 
 - Every projection is one `Linear` whose output is a concatenation of named slices: Q, K and V
   are one GEMM (`qkv_proj`, with Qwen2's biases), the MLP's gate and up another (`gate_up_proj`);
@@ -18,6 +19,7 @@ as they are. On CUDA (`Decoder.use_kernels`) the add + norm and SiLU x up run as
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -92,24 +94,47 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return (x * cos) + (rotate_half(x) * sin)
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Where the families' attention layers differ."""
+
+    head_dim: int
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool  # an RMSNorm over each head's q and k before the rotary (Qwen3)
+
+
+def qwen2_spec(config) -> AttentionSpec:
+    return AttentionSpec(config.hidden_size // config.num_attention_heads, qkv_bias=True, o_bias=False, qk_norm=False)
+
+
+def qwen3_spec(config) -> AttentionSpec:
+    return AttentionSpec(config.head_dim, config.attention_bias, config.attention_bias, qk_norm=True)
+
+
 class Attention(nn.Module):
     """Packed QKV projection, rotary on Q and K, paged attention, output projection."""
 
-    def __init__(self, config, layer_idx: int, dtype: torch.dtype):
+    def __init__(self, config, layer_idx: int, dtype: torch.dtype, spec: AttentionSpec):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.num_key_value_heads = config.num_key_value_heads
-        self.head_dim = config.hidden_size // self.num_heads  # as Qwen2-VL's attention reads it
+        self.head_dim = spec.head_dim
         self.scaling = self.head_dim ** -0.5
         q, kv = self.num_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, (q, kv, kv), bias=True, dtype=dtype)
-        self.o_proj = Linear(q, (config.hidden_size,), bias=False, dtype=dtype)
+        self.qkv_proj = Linear(config.hidden_size, (q, kv, kv), bias=spec.qkv_bias, dtype=dtype)
+        self.o_proj = Linear(q, (config.hidden_size,), bias=spec.o_bias, dtype=dtype)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: attention.AttentionBatch) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         q, k, v = (s.view(t, -1, d) for s in self.qkv_proj.split(self.qkv_proj(x)))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
         out = attention.paged(self.layer_idx, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, batch,
                               self.scaling)
         return self.o_proj(out.reshape(t, -1))
@@ -140,9 +165,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, dtype: torch.dtype):
+    def __init__(self, config, layer_idx: int, dtype: torch.dtype, spec: AttentionSpec):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, dtype)
+        self.self_attn = Attention(config, layer_idx, dtype, spec)
         self.mlp = MLP(config, dtype)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -163,23 +188,30 @@ class Decoder(nn.Module):
     """The text model: `embed_tokens`, `layers`, `norm`; `rotary_emb` is the family's `transformers`
     rotary module (`forward(x, position_ids)` -> `(cos, sin)` `(1, T, head_dim)`, in `x`'s dtype)."""
 
-    def __init__(self, config, dtype: torch.dtype, rotary_emb: nn.Module):
+    def __init__(self, config, dtype: torch.dtype, rotary_emb: nn.Module, spec: AttentionSpec):
         super().__init__()
         weight = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight, _freeze=True)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, spec) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = rotary_emb
 
     def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, paged_batch: attention.AttentionBatch,
-                use_cache: bool = False) -> DecoderOutput:
+                use_cache: bool = False, visual_pos_masks: torch.Tensor | None = None,
+                deepstack_visual_embeds: list[torch.Tensor] | None = None) -> DecoderOutput:
         """The model runner's call: `inputs_embeds` `(1, T, hidden)` of the packed step,
-        `position_ids` `(3, 1, T)`; `use_cache` is `transformers`' (the KV pool is the cache)."""
+        `position_ids` `(3, 1, T)`; `use_cache` is `transformers`' (the KV pool is the cache).
+        DeepStack (Qwen3-VL), as `Qwen3VLTextModel` takes it: feature `k` `(num_visual, hidden)`
+        added after layer `k` to the rows `visual_pos_masks` `(1, T)` marks."""
         x = inputs_embeds[0]
         cos, sin = (c[0] for c in self.rotary_emb(x, position_ids))
+        deepstack = deepstack_visual_embeds or []
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, paged_batch)
+            if i < len(deepstack):  # the layer's output whole, then the features added to it
+                x, residual, mask = residual + x, None, visual_pos_masks[0]
+                x[mask] = x[mask] + deepstack[i].to(x.dtype)
         x, _ = self.norm(x, residual)
         return DecoderOutput(x.unsqueeze(0))
 

@@ -1,6 +1,7 @@
 """The decoder's fused RMSNorm (with the residual add before it) and SiLU x up
-(llm_service/model/fused_ops.py) against the modules they replace: the kernels (Triton's interpreter on CPU), a fused model's greedy tokens, a module whose
-math differs left alone, and the compile for a Hopper GPU."""
+(llm_service/model/fused_ops.py) against the modules they replace: the kernels (Triton's
+interpreter on CPU), a fused model's greedy tokens, a module whose math differs left alone, and
+the compile for a Hopper GPU."""
 
 from __future__ import annotations
 
@@ -52,10 +53,11 @@ def test_add_rms_norm_is_the_residual_sum_then_the_transformers_norm(dtype):
     torch.testing.assert_close(got, norm(residual + x), **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava"])
 def test_a_fused_model_keeps_its_greedy_tokens_and_its_weights(tiny_checkpoint, family):
     """float32 (on CPU the kernels run in the interpreter): the unfused model's tokens; the
-    engine's own decoder (Qwen2-VL) switches to its kernels, a `transformers` one is patched."""
+    engine's own decoder (Qwen2-VL, Qwen3-VL: q/k norms too) switches to its kernels, a
+    `transformers` one (LLaVA's Llama) is patched."""
     from llm_service.config import EngineConfig
     from llm_service.engine.llm_engine import LLMEngine
     from llm_service.model.language_model import LanguageModel
@@ -66,12 +68,12 @@ def test_a_fused_model_keeps_its_greedy_tokens_and_its_weights(tiny_checkpoint, 
     for fused in (False, True):
         model = LanguageModel(model_dir, dtype="float32", device=DEVICE)
         params, decoder = model.num_parameters, model.modules.decoder
-        if fused and family == "qwen2_vl":
-            layers = len(decoder.layers)
-            assert decoder.use_kernels() == {"MLP": layers, "RMSNorm": 2 * layers + 1}
+        if fused and family != "llava":
+            layers, per_layer = len(decoder.layers), 4 if family == "qwen3_vl" else 2
+            assert decoder.use_kernels() == {"MLP": layers, "RMSNorm": per_layer * layers + 1}
         elif fused:
             layers = len(decoder.layers)
-            assert fuse_decoder(decoder) == {"Qwen3VLTextMLP": layers, "Qwen3VLTextRMSNorm": 4 * layers + 1}
+            assert fuse_decoder(decoder) == {"LlamaMLP": layers, "LlamaRMSNorm": 2 * layers + 1}
             assert model.num_parameters == params  # the stacked gate/up weight replaced the two
             assert fuse_decoder(decoder) == {}  # once
         engine = LLMEngine(model, EngineConfig(num_kv_blocks=48, max_num_seqs=4, max_num_batched_tokens=64))

@@ -1,7 +1,7 @@
 """The engine's own decoder (llm_service/model/layers.py) against `transformers`' text model on the
 same weights: a prefill in two chunks and decode steps through the paged KV pool give the hidden
-states of one full `transformers` forward (float64: to rounding; float32: close); its packed
-projections are the checkpoint's q | k | v and gate | up."""
+states of one full `transformers` forward (float64: to rounding; float32: close), Qwen3-VL's
+DeepStack features included; its packed projections are the checkpoint's q | k | v and gate | up."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from llm_service.model.language_model import LanguageModel
 from tests.support.reference import load_reference
 
 BLOCK = 4
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+IMAGE = slice(4, 10)  # the rows of the image in `_positions`
 TOLERANCE = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=1e-4, atol=1e-4)}
 
 
@@ -37,39 +39,63 @@ def _batch(pool: torch.Tensor, table: torch.Tensor, start: int, end: int) -> Att
     return batch
 
 
+def _deepstack(model_dir: str, hidden: int, dtype: torch.dtype, start: int, end: int) -> dict:
+    """Qwen3-VL: the DeepStack arguments of a forward over rows `start .. end` (the image rows among them)."""
+    from transformers import AutoConfig
+
+    vision = AutoConfig.from_pretrained(model_dir).vision_config
+    lo, hi = max(IMAGE.start, start), min(IMAGE.stop, end)
+    if not hasattr(vision, "deepstack_visual_indexes") or lo >= hi:
+        return {}
+    g = torch.Generator().manual_seed(1)
+    features = [torch.randn(IMAGE.stop - IMAGE.start, hidden, generator=g, dtype=torch.float64).to(dtype)
+                for _ in vision.deepstack_visual_indexes]
+    mask = torch.zeros(end - start, dtype=torch.bool)
+    mask[lo - start:hi - start] = True
+    return {"visual_pos_masks": mask[None],
+            "deepstack_visual_embeds": [f[lo - IMAGE.start:hi - IMAGE.start] for f in features]}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_prefill_and_decode_equal_the_transformers_decoder(model_dir, dtype):
+def test_prefill_and_decode_equal_the_transformers_decoder(tiny_checkpoint, family, dtype):
+    model_dir = tiny_checkpoint(family)
     model = LanguageModel(model_dir, dtype=str(dtype).removeprefix("torch."))
-    decoder = model.modules.decoder
+    decoder, hidden = model.modules.decoder, model.text_config.hidden_size
     assert isinstance(decoder, layers.Decoder)
     reference = load_reference(model_dir, dtype)[1].model.language_model
-    length, steps = 16, (0, 7, 13, 14, 15, 16)  # a prefill in two chunks, then three decodes
-    embeds = torch.randn(length, model.text_config.hidden_size, generator=torch.Generator().manual_seed(0),
-                         dtype=torch.float64).to(dtype)
+    length, steps = 16, (0, 7, 13, 14, 15, 16)  # a prefill in two chunks (the image across them), three decodes
+    embeds = torch.randn(length, hidden, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(dtype)
     positions = _positions(length)
     with torch.inference_mode():
-        want = reference(inputs_embeds=embeds[None], position_ids=positions[:, None]).last_hidden_state[0]
+        want = reference(inputs_embeds=embeds[None], position_ids=positions[:, None],
+                         **_deepstack(model_dir, hidden, dtype, 0, length)).last_hidden_state[0]
         pool = allocate_pool(len(decoder.layers), 8, BLOCK, model.num_kv_heads, decoder.layers[0].self_attn.head_dim,
                              dtype, torch.device("cpu"))
         table = torch.tensor([5, 2, 7, 0])  # blocks out of order
         got = torch.cat([decoder(inputs_embeds=embeds[None, start:end], position_ids=positions[:, None, start:end],
-                                 paged_batch=_batch(pool, table, start, end)).last_hidden_state[0]
+                                 paged_batch=_batch(pool, table, start, end),
+                                 **_deepstack(model_dir, hidden, dtype, start, end)).last_hidden_state[0]
                          for start, end in zip(steps, steps[1:])])
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
 
 
-def test_packed_linears_expose_their_slices_and_hold_the_checkpoints_projections(model_dir):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_linears_expose_their_slices_and_hold_the_checkpoints_projections(tiny_checkpoint, family):
+    model_dir = tiny_checkpoint(family)
     model = LanguageModel(model_dir, dtype="float64")
     reference = load_reference(model_dir)[1].model.language_model
     text = model.text_config
-    head_dim = text.hidden_size // text.num_attention_heads
+    head_dim = reference.layers[0].self_attn.head_dim
     q, kv = text.num_attention_heads * head_dim, text.num_key_value_heads * head_dim
     for layer, ref in zip(model.modules.decoder.layers, reference.layers):
         qkv = layer.self_attn.qkv_proj
         assert qkv.output_sizes == (q, kv, kv)
         assert qkv.slices() == (slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv))
         for piece, proj in zip(qkv.slices(), (ref.self_attn.q_proj, ref.self_attn.k_proj, ref.self_attn.v_proj)):
-            assert torch.equal(qkv.weight[piece], proj.weight) and torch.equal(qkv.bias[piece], proj.bias)
+            assert torch.equal(qkv.weight[piece], proj.weight)
+            assert (qkv.bias is None) == (proj.bias is None)
+            assert proj.bias is None or torch.equal(qkv.bias[piece], proj.bias)
         gate_up = layer.mlp.gate_up_proj
         assert gate_up.output_sizes == (text.intermediate_size,) * 2 and gate_up.bias is None
         gate, up = gate_up.split(gate_up.weight.T)
