@@ -116,16 +116,28 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     return out.unsqueeze(0), None
 
 
+def layer_cache(batch: AttentionBatch, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoder layer `layer_idx`'s K and V in the pool, `(blocks, block_size, Hkv, D)` each."""
+    pool = batch.kv_pool[batch.kv_layers[layer_idx] if batch.kv_layers else layer_idx]
+    return pool[0], pool[1]
+
+
 def paged(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch,
           scaling: float | None = None) -> torch.Tensor:
     """Decoder layer `layer_idx`'s attention over the step: the new tokens' `k`/`v` `(T, Hkv, D)`
-    (rotary applied) written into the pool at `slot_mapping`, then the queries `q` `(T, H, D)`
-    attend over each sequence's K/V read back from the pool. Returns `(T, H, D)`."""
-    pool = batch.kv_pool[batch.kv_layers[layer_idx] if batch.kv_layers else layer_idx]
-    k_cache, v_cache = pool[0], pool[1]  # (blocks, block_size, Hkv, D)
+    (rotary applied) written into the pool at `slot_mapping`, then `attend`. Returns `(T, H, D)`."""
+    k_cache, v_cache = layer_cache(batch, layer_idx)
     num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v)
+    return attend(layer_idx, q, batch, scaling)
+
+
+def attend(layer_idx: int, q: torch.Tensor, batch: AttentionBatch, scaling: float | None = None) -> torch.Tensor:
+    """The queries `q` `(T, H, D)` of layer `layer_idx` over each sequence's K/V read back from
+    the pool (the step's own K/V already written). Returns `(T, H, D)`."""
+    k_cache, v_cache = layer_cache(batch, layer_idx)
+    head_dim = k_cache.shape[-1]
     window = batch.windows[layer_idx] if batch.windows else None
     if scaling is None:
         scaling = head_dim ** -0.5

@@ -13,8 +13,8 @@ scheduled sequence, one M-RoPE position per token and row, attention through the
   own `transformers` rotary module (M-RoPE sections over the 3 position rows).
 
 Parameter names are `transformers`' except the packed projections, so the checkpoint's keys map
-as they are. On CUDA (`Decoder.use_kernels`) the add + norm and SiLU x up run as Triton kernels
-(`llm_service.model.fused_ops`); elsewhere, and by default, plain torch.
+as they are. On CUDA (`Decoder.use_kernels`) the add + norm, SiLU x up, and rotary + K/V write
+run as Triton kernels (`llm_service.model.fused_ops`); elsewhere, and by default, plain torch.
 """
 
 from __future__ import annotations
@@ -128,6 +128,7 @@ class Attention(nn.Module):
         if spec.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.kernel = False  # rotary and the K/V write in one Triton kernel (`Decoder.use_kernels`)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 batch: attention.AttentionBatch) -> torch.Tensor:
@@ -135,8 +136,14 @@ class Attention(nn.Module):
         q, k, v = (s.view(t, -1, d) for s in self.qkv_proj.split(self.qkv_proj(x)))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
-        out = attention.paged(self.layer_idx, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, batch,
-                              self.scaling)
+        if self.kernel:
+            from llm_service.model.fused_ops import rotary_kv_write
+
+            q = rotary_kv_write(q, k, v, cos, sin, *attention.layer_cache(batch, self.layer_idx), batch.slot_mapping)
+            out = attention.attend(self.layer_idx, q, batch, self.scaling)
+        else:
+            out = attention.paged(self.layer_idx, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, batch,
+                                  self.scaling)
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -216,13 +223,13 @@ class Decoder(nn.Module):
         return DecoderOutput(x.unsqueeze(0))
 
     def use_kernels(self) -> dict[str, int]:
-        """Run the norms and SiLU MLPs as Triton kernels (CUDA; float32 and narrower: the kernels
-        compute in float32); {class name: modules}."""
+        """Run the norms, the SiLU MLPs and each attention's rotary + K/V write as Triton kernels
+        (CUDA; float32 and narrower: the kernels compute in float32); {class name: modules}."""
         if self.embed_tokens.weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return {}
         used: dict[str, int] = {}
         for module in self.modules():
-            if isinstance(module, RMSNorm) or (isinstance(module, MLP) and module.silu):
+            if isinstance(module, (RMSNorm, Attention)) or (isinstance(module, MLP) and module.silu):
                 module.kernel = True
                 used[type(module).__name__] = used.get(type(module).__name__, 0) + 1
         return used

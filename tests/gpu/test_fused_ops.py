@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from llm_service.model.fused_ops import add_rms_norm, fuse_decoder, rms_norm, silu_mul
+from llm_service.model.fused_ops import add_rms_norm, fuse_decoder, rms_norm, rotary_kv_write, silu_mul
 
 pytestmark = pytest.mark.kernel
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -53,6 +53,31 @@ def test_add_rms_norm_is_the_residual_sum_then_the_transformers_norm(dtype):
     torch.testing.assert_close(got, norm(residual + x), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rotary_kv_write_is_the_rotary_then_the_pool_write(dtype):
+    """Q and K rotated as `transformers` rotates them (equal: each product and the sum rounded to
+    the dtype), the rotated K and V at their slots of the pool, the other slots untouched."""
+    from llm_service.model.layers import apply_rotary
+
+    g = torch.Generator().manual_seed(4)
+    t, heads, kv_heads, d = 5, 4, 2, 24
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+    qkv = rand(t, (heads + 2 * kv_heads) * d)  # views of one packed projection, as the layer has them
+    q, k, v = (x.view(t, -1, d) for x in qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1))
+    angles = torch.randn(t, d // 2, generator=g).repeat(1, 2)
+    cos, sin = angles.cos().to(DEVICE, dtype), angles.sin().to(DEVICE, dtype)
+    k_cache, v_cache = rand(6, 4, kv_heads, d), rand(6, 4, kv_heads, d)
+    k_want, v_want = k_cache.clone().view(-1, kv_heads, d), v_cache.clone().view(-1, kv_heads, d)
+    slots = torch.tensor([9, 3, 22, 0, 17], device=DEVICE)
+    k_want[slots], v_want[slots] = apply_rotary(k, cos, sin), v
+    got = rotary_kv_write(q, k, v, cos, sin, k_cache, v_cache, slots)
+    assert torch.equal(got, apply_rotary(q, cos, sin))
+    assert torch.equal(k_cache.view(-1, kv_heads, d), k_want) and torch.equal(v_cache.view(-1, kv_heads, d), v_want)
+
+
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_vl", "llava"])
 def test_a_fused_model_keeps_its_greedy_tokens_and_its_weights(tiny_checkpoint, family):
     """float32 (on CPU the kernels run in the interpreter): the unfused model's tokens; the
@@ -70,7 +95,7 @@ def test_a_fused_model_keeps_its_greedy_tokens_and_its_weights(tiny_checkpoint, 
         params, decoder = model.num_parameters, model.modules.decoder
         if fused and family != "llava":
             layers, per_layer = len(decoder.layers), 4 if family == "qwen3_vl" else 2
-            assert decoder.use_kernels() == {"MLP": layers, "RMSNorm": per_layer * layers + 1}
+            assert decoder.use_kernels() == {"Attention": layers, "MLP": layers, "RMSNorm": per_layer * layers + 1}
         elif fused:
             layers = len(decoder.layers)
             assert fuse_decoder(decoder) == {"LlamaMLP": layers, "LlamaRMSNorm": 2 * layers + 1}
@@ -105,18 +130,22 @@ def test_a_norm_with_other_math_is_left_alone(caplog):
 
 def compile_for_sm90() -> list[str]:
     """The fused kernels compiled to Hopper cubins (ptxas ships with Triton; no GPU needed)."""
-    from llm_service.model.fused_ops import _add_rms_norm_kernel, _rms_norm_kernel, _silu_mul_kernel
+    from llm_service.model.fused_ops import _add_rms_norm_kernel, _rms_norm_kernel, _rotary_kv_kernel, _silu_mul_kernel
     from tests.support.sm90 import compile_sm90
 
     norm = compile_sm90(_rms_norm_kernel, {"BLOCK": 2048}, {"X": "*bf16", "W": "*bf16", "Y": "*bf16"}, {"eps": "fp32"})
     add_norm = compile_sm90(_add_rms_norm_kernel, {"BLOCK": 2048},
                             {"X": "*bf16", "R": "*bf16", "W": "*bf16", "Y": "*bf16", "S": "*bf16"}, {"eps": "fp32"})
     silu = compile_sm90(_silu_mul_kernel, {"BLOCK": 1024}, {"GU": "*bf16", "Y": "*bf16"})
-    return [f"rms_norm: {norm} bytes", f"add_rms_norm: {add_norm} bytes", f"silu_mul: {silu} bytes"]
+    rotary = compile_sm90(_rotary_kv_kernel, {"HQ": 16, "HALF": 64, "BLOCK": 64},
+                          {**{p: "*bf16" for p in ("Q", "K", "V", "COS", "SIN", "QO", "KC", "VC")}, "SLOTS": "*i64"},
+                          num_warps=1)
+    return [f"rms_norm: {norm} bytes", f"add_rms_norm: {add_norm} bytes", f"silu_mul: {silu} bytes",
+            f"rotary_kv_write: {rotary} bytes"]
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="compiled and run for real on CUDA")
 def test_fused_kernels_compile_for_hopper_without_a_gpu():
     from tests.support.sm90 import run_without_interpreter
 
-    assert run_without_interpreter("tests.gpu.test_fused_ops", "compile_for_sm90").count("bytes") == 3
+    assert run_without_interpreter("tests.gpu.test_fused_ops", "compile_for_sm90").count("bytes") == 4
