@@ -1,9 +1,9 @@
 """LM face of Qwen2-VL / Qwen2.5-VL: the text decoder (3-row M-RoPE), embedding table and lm_head.
 
 `QwenVLLMFace` holds what the Qwen VL families share (checkpoint names, positions); Qwen2-VL and
-Qwen2.5-VL (and dense Qwen3-VL) run the engine's own decoder (`llm_service.model.layers`), whose packed projections
-are made from the checkpoint's separate ones as they load; `transformers`' text model is its
-reference.
+Qwen2.5-VL (and dense Qwen3-VL) run the engine's own decoder (`llm_service.model.layers`), whose
+packed projections are made from the checkpoint's separate ones as they load; `transformers`'
+text model is its reference.
 """
 
 from __future__ import annotations

@@ -67,9 +67,8 @@ class ModelRunner:
 
     `prepare` packs the scheduled chunks into one `(1, T, hidden)` sequence with per-token
     positions from each request's plan (shaped for the decoder by the family's LM face); `run`
-    runs the decoder (the engine's own, `llm_service.model.layers`, or a `transformers` one) once with an
-    `AttentionBatch` (see `llm_service.model.attention`)
-    and, for a model with linear-attention layers, a `StateBatch` over the sequences' state slots
+    runs the decoder (the engine's own, `llm_service.model.layers`, or a `transformers` one) once
+    with an `AttentionBatch` (see `llm_service.model.attention`) and, for a model with linear-attention layers, a `StateBatch` over the sequences' state slots
     (see `llm_service.hybrid.state_cache`), and returns the logits of the last token of each sequence that
     has caught up with its tokens (the ones that sample this step). `config` is the engine config
     as this model runs it (`state_cache.resolve_config`). With prefix caching, the state pool

@@ -1,7 +1,8 @@
 """The engine's own decoder (llm_service/model/layers.py) against `transformers`' text model on the
 same weights: a prefill in two chunks and decode steps through the paged KV pool give the hidden
 states of one full `transformers` forward (float64: to rounding; float32: close), Qwen3-VL's
-DeepStack features included; its packed projections are the checkpoint's q | k | v and gate | up."""
+DeepStack features included; its packed projections are the checkpoint's q | k | v and gate | up,
+and a tensor-parallel rank's are its slice of each part."""
 
 from __future__ import annotations
 
@@ -117,3 +118,25 @@ def test_the_fused_norm_is_the_residual_add_then_the_norm():
     assert torch.equal(total, residual + x) and torch.equal(out, ref(residual + x))
     out, same = norm(x)
     assert same is x and torch.equal(out, ref(x))
+
+
+def test_a_tensor_parallel_rank_packs_its_own_slice_of_each_projection(tiny_checkpoint):
+    """2 ranks: half the heads each; 4 ranks: a quarter of the query heads, and the 2 KV heads
+    each shared by two ranks. A rank's q | k | v is its slice of each, and its slices say so."""
+    import copy
+
+    from llm_service.model.tensor_parallel import plan_shards
+
+    model = LanguageModel(tiny_checkpoint("qwen2_vl"), dtype="float64")
+    name = "decoder.layers.0.self_attn.qkv_proj.weight"
+    full = model.modules.state_dict()[name]
+    q, kv, _ = model.modules.decoder.layers[0].self_attn.qkv_proj.output_sizes
+    for size, shared in ((2, 1), (4, 2)):
+        decoders = [copy.deepcopy(model.modules.decoder) for _ in range(size)]
+        parts = [plan_shards(d, rank, size).take(name, full) for rank, d in enumerate(decoders)]
+        sizes = {d.layers[0].self_attn.qkv_proj.output_sizes for d in decoders}
+        assert sizes == {(q // size, kv * shared // size, kv * shared // size)}
+        pieces = [part.split(list(next(iter(sizes)))) for part in parts]
+        assert torch.equal(torch.cat([p[0] for p in pieces]), full[:q])
+        for i, whole in ((1, full[q:q + kv]), (2, full[q + kv:])):
+            assert torch.equal(torch.cat([p[i] for p in pieces[::shared]]), whole)
