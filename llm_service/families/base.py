@@ -55,7 +55,12 @@ class LMFace(ABC):
 
     @abstractmethod
     def decoder_class(self) -> type[nn.Module]:
-        """The `transformers` text decoder that `build` makes from `config.text_config`."""
+        """The `transformers` text decoder of `config.text_config`: what `build_decoder` makes,
+        or, for a face that builds the engine's own decoder, its reference."""
+
+    def build_decoder(self, dtype: torch.dtype) -> nn.Module:
+        """The text decoder with uninitialised storage: `decoder_class`'s, unless the face owns one."""
+        return self.decoder_class()._from_config(self.config.text_config, dtype=dtype)
 
     def build(self, dtype: torch.dtype) -> LanguageModelModules:
         """Decoder + lm_head with uninitialised storage on the current default device (the caller
@@ -64,7 +69,7 @@ class LMFace(ABC):
 
         text, tied = self.config.text_config, self.tied_embeddings()
         with no_init_weights():
-            decoder = self.decoder_class()._from_config(text, dtype=dtype)
+            decoder = self.build_decoder(dtype)
             lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=dtype,
                                 device="meta" if tied else None)
         return self.modules_class(decoder, lm_head, tied)

@@ -1,10 +1,17 @@
-"""LM face of Qwen2-VL / Qwen2.5-VL: the text decoder (3-row M-RoPE), embedding table and lm_head."""
+"""LM face of Qwen2-VL / Qwen2.5-VL: the text decoder (3-row M-RoPE), embedding table and lm_head.
+
+`QwenVLLMFace` holds what the Qwen VL families share (checkpoint names, positions); Qwen2-VL and
+Qwen2.5-VL (and dense Qwen3-VL) run the engine's own decoder (`llm_service.model.layers`), whose
+packed projections are made from the checkpoint's separate ones as they load; `transformers`'
+text model is its reference.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from llm_service.families.base import LMFace
+from llm_service.families.base import LanguageModelModules, LMFace
+from llm_service.model import layers
 from mmserve.checkpoint import strip_prefix
 from mmserve.inputs.positions import LinearPositions, PositionPlan
 
@@ -40,4 +47,20 @@ class QwenVLLMFace(LMFace):
         return Qwen2_5_VLTextModel
 
 
-LM_FACE = QwenVLLMFace
+class PackedLanguageModel(LanguageModelModules):
+    def convert(self, waiting: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return layers.pack_checkpoint_tensors(waiting)
+
+
+class Qwen2VLLMFace(QwenVLLMFace):
+    modules_class = PackedLanguageModel
+
+    def build_decoder(self, dtype: torch.dtype) -> layers.Decoder:
+        # the rotary module of both families computes the same (Qwen2.5-VL's is a copy)
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
+
+        text = self.config.text_config
+        return layers.Decoder(text, dtype, Qwen2VLRotaryEmbedding(text), layers.qwen2_spec(text))
+
+
+LM_FACE = Qwen2VLLMFace

@@ -5,13 +5,18 @@ the item's slots; feature `k` is added to the hidden states after decoder layer 
 positions: `Qwen3VLTextModel` takes them as `visual_pos_masks` `(1, T)` and
 `deepstack_visual_embeds` (one `(num_visual, hidden)` tensor per layer, rows in position order).
 With chunked prefill the engine hands over each item's parts already sliced to the chunk's slots.
+
+Dense Qwen3-VL runs the engine's own decoder (`llm_service.model.layers`: q/k norms, interleaved
+M-RoPE from `transformers`' rotary module, the same DeepStack arguments); `Qwen3VLLMFace`, which
+the MoE face shares, builds `transformers`' text model.
 """
 
 from __future__ import annotations
 
 import torch
 
-from llm_service.families.qwen2_vl import QwenVLLMFace
+from llm_service.families.qwen2_vl import PackedLanguageModel, QwenVLLMFace
+from llm_service.model import layers
 from llm_service.model.transfer import to_device
 
 
@@ -35,4 +40,14 @@ class Qwen3VLLMFace(QwenVLLMFace):
         return {"visual_pos_masks": mask.unsqueeze(0), "deepstack_visual_embeds": layers}
 
 
-LM_FACE = Qwen3VLLMFace
+class Qwen3VLDenseLMFace(Qwen3VLLMFace):
+    modules_class = PackedLanguageModel
+
+    def build_decoder(self, dtype: torch.dtype) -> layers.Decoder:
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+        text = self.config.text_config
+        return layers.Decoder(text, dtype, Qwen3VLTextRotaryEmbedding(text), layers.qwen3_spec(text))
+
+
+LM_FACE = Qwen3VLDenseLMFace

@@ -1,7 +1,6 @@
-"""Paged attention plugged into the `transformers` decoder layers through `AttentionInterface`.
-
-The decoder runs unchanged: its attention modules project Q/K/V and apply M-RoPE, then call the
-function registered here with an `AttentionBatch` in place of the mask. That function writes the
+"""Paged attention: the engine's own decoder layers call `paged` (`llm_service.model.layers`); a
+`transformers` decoder runs unchanged, its attention modules calling `paged_attention`, plugged in
+through `AttentionInterface`, with an `AttentionBatch` in place of the mask. Either writes the
 new K/V into the block pool at `slot_mapping` and attends over each sequence's K/V *read back
 from the pool* through its block table, packed (varlen) over all scheduled sequences.
 
@@ -112,27 +111,44 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     batch: AttentionBatch = kwargs.get("paged_batch", attention_mask)
     if not isinstance(batch, AttentionBatch):
         raise TypeError("paged attention needs an AttentionBatch in place of the mask")
-    pool = batch.kv_pool[batch.kv_layers[module.layer_idx] if batch.kv_layers else module.layer_idx]
-    k_cache, v_cache = pool[0], pool[1]  # (blocks, block_size, Hkv, D)
+    out = paged(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                batch, scaling)
+    return out.unsqueeze(0), None
+
+
+def layer_cache(batch: AttentionBatch, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoder layer `layer_idx`'s K and V in the pool, `(blocks, block_size, Hkv, D)` each."""
+    pool = batch.kv_pool[batch.kv_layers[layer_idx] if batch.kv_layers else layer_idx]
+    return pool[0], pool[1]
+
+
+def paged(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch,
+          scaling: float | None = None) -> torch.Tensor:
+    """Decoder layer `layer_idx`'s attention over the step: the new tokens' `k`/`v` `(T, Hkv, D)`
+    (rotary applied) written into the pool at `slot_mapping`, then `attend`. Returns `(T, H, D)`."""
+    k_cache, v_cache = layer_cache(batch, layer_idx)
     num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
-    k_new = key[0].transpose(0, 1)  # (T, Hkv, D)
-    v_new = value[0].transpose(0, 1)
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k_new)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v_new)
-    q = query[0].transpose(0, 1)  # (T, H, D)
-    window = batch.windows[module.layer_idx] if batch.windows else None
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, batch.slot_mapping, v)
+    return attend(layer_idx, q, batch, scaling)
+
+
+def attend(layer_idx: int, q: torch.Tensor, batch: AttentionBatch, scaling: float | None = None) -> torch.Tensor:
+    """The queries `q` `(T, H, D)` of layer `layer_idx` over each sequence's K/V read back from
+    the pool (the step's own K/V already written). Returns `(T, H, D)`."""
+    k_cache, v_cache = layer_cache(batch, layer_idx)
+    head_dim = k_cache.shape[-1]
+    window = batch.windows[layer_idx] if batch.windows else None
     if scaling is None:
         scaling = head_dim ** -0.5
     if batch.backend == "triton":
         from mmserve.kernels.triton_attention import paged_attention as triton_paged
 
-        out = triton_paged(q.contiguous(), k_cache, v_cache, batch.cu_seqlens_q, batch.context_lens,
-                           batch.block_tables, batch.max_query_len, scaling, window, batch.kv_splits)
-    elif batch.decode_slots is not None:
-        out = _sdpa_decode(q, k_cache, v_cache, batch.decode_slots, scaling, batch.masks[window])
-    else:
-        out = _sdpa(q, k_cache, v_cache, batch, scaling, batch.masks[window])
-    return out.unsqueeze(0), None
+        return triton_paged(q.contiguous(), k_cache, v_cache, batch.cu_seqlens_q, batch.context_lens,
+                            batch.block_tables, batch.max_query_len, scaling, window, batch.kv_splits)
+    if batch.decode_slots is not None:
+        return _sdpa_decode(q, k_cache, v_cache, batch.decode_slots, scaling, batch.masks[window])
+    return _sdpa(q, k_cache, v_cache, batch, scaling, batch.masks[window])
 
 
 def _sdpa_decode(q, k_cache, v_cache, slots, scaling, mask):
@@ -176,7 +192,11 @@ def choose_backend(requested: str, device: torch.device, dtype: torch.dtype, hea
     return backend
 
 
-def register() -> None:
-    from transformers import AttentionInterface
+def install(decoder) -> None:
+    """A `transformers` decoder's attention modules call `paged_attention` from now on (the
+    engine's own decoder, `llm_service.model.layers`, calls `paged` itself)."""
+    if hasattr(decoder, "set_attn_implementation"):
+        from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+        AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+        decoder.set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -7,6 +7,9 @@ costs about as much as the time it computes. Here:
 
 - RMSNorm is one kernel (`rms_norm`): float32 statistics, the normalised row cast to the input
   dtype and then times the weight, as `transformers` rounds it;
+- a residual add and the RMSNorm after it are one kernel too (`add_rms_norm`, the engine's own
+  decoder: `llm_service.model.layers`), and so are its rotary on Q and K and the K/V write into the
+  pool (`rotary_kv_write`);
 - the MLP's gate and up projections are one GEMM over their stacked weights, followed by one
   kernel for SiLU(gate) x up (`silu_mul`), rounded like the unfused pair.
 
@@ -45,6 +48,59 @@ def _rms_norm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _add_rms_norm_kernel(X, R, W, Y, S, stride_x, stride_r, stride_y, stride_s, N, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+    total = (x + r).to(X.dtype.element_ty)  # the residual sum in the input dtype, as torch's `residual + x`
+    tl.store(S + row * stride_s + offs, total, mask=mask)
+    total = total.to(tl.float32)
+    normed = (total * tl.rsqrt(tl.sum(total * total, 0) / N + eps)).to(X.dtype.element_ty)
+    w = tl.load(W + offs, mask=mask, other=0.0)
+    out = w.to(tl.float32) * normed.to(tl.float32)
+    tl.store(Y + row * stride_y + offs, out.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotate(X, COS, SIN, OUT, offs, mask, HALF: tl.constexpr):
+    """`x * cos + rotate_half(x) * sin` over one head, each product and the sum rounded to the
+    input dtype as torch rounds them (`transformers`' `apply_rotary_pos_emb`)."""
+    dt = X.dtype.element_ty
+    x1 = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(X + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(COS + offs, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(COS + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(SIN + offs, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(SIN + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    first = (x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)
+    second = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    tl.store(OUT + offs, first.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(OUT + HALF + offs, second.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_kv_kernel(Q, K, V, COS, SIN, QO, KC, VC, SLOTS, stride_qt, stride_qh, stride_kt, stride_kh,
+                      stride_vt, stride_vh, stride_ct, stride_qot, stride_qoh, stride_cs, stride_ch,
+                      HQ: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)  # a query head, then the KV heads
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    cos, sin = COS + t * stride_ct, SIN + t * stride_ct
+    if h < HQ:
+        _rotate(Q + t * stride_qt + h * stride_qh, cos, sin, QO + t * stride_qot + h * stride_qoh, offs, mask, HALF)
+    else:
+        kv = h - HQ
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        _rotate(K + t * stride_kt + kv * stride_kh, cos, sin, KC + slot * stride_cs + kv * stride_ch, offs, mask, HALF)
+        both = tl.arange(0, 2 * BLOCK)
+        value = tl.load(V + t * stride_vt + kv * stride_vh + both, mask=both < 2 * HALF, other=0.0)
+        tl.store(VC + slot * stride_cs + kv * stride_ch + both, value, mask=both < 2 * HALF)
+
+
+@triton.jit
 def _silu_mul_kernel(GU, Y, stride_gu, stride_y, N, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -67,6 +123,40 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), n, float(eps),
                                            BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
     return out.view(*x.shape[:-1], n)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rms_norm(residual + x), residual + x)` over the last dimension, in one kernel (the sum
+    rounded to the input dtype first, as `transformers`' `hidden = residual + out` is)."""
+    n = x.shape[-1]
+    rows, res = x.reshape(-1, n).contiguous(), residual.reshape(-1, n).contiguous()
+    total = torch.empty_like(rows)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    if rows.shape[0]:
+        _add_rms_norm_kernel[(rows.shape[0],)](rows, res, weight, out, total, rows.stride(0), res.stride(0),
+                                               out.stride(0), total.stride(0), n, float(eps),
+                                               BLOCK=triton.next_power_of_2(n), num_warps=4 if n <= 4096 else 8)
+    return out.view(*x.shape[:-1], n), total.view(*x.shape[:-1], n)
+
+
+def rotary_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotary on `q` `(T, H, D)` and `k` `(T, Hkv, D)` by `cos`/`sin` `(T, D)`, the rotated keys and
+    the values `v` written into the pool (`k_cache`/`v_cache` `(blocks, block_size, Hkv, D)`) at
+    `slot_mapping`, in one kernel; returns the rotated queries."""
+    t, hq, d = q.shape
+    if min(x.stride(-1) for x in (q, k, v, cos, sin)) != 1 or cos.stride() != sin.stride():
+        q, k, v, cos, sin = (x.contiguous() for x in (q, k, v, cos, sin))
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    kc, vc = k_cache.view(-1, *k_cache.shape[-2:]), v_cache.view(-1, *v_cache.shape[-2:])
+    if t:
+        _rotary_kv_kernel[(t, hq + k.shape[1])](
+            q, k, v, cos, sin, out, kc, vc, slot_mapping, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), cos.stride(0), out.stride(0), out.stride(1), kc.stride(0), kc.stride(1),
+            HQ=hq, HALF=d // 2, BLOCK=triton.next_power_of_2(d // 2), num_warps=1,
+            enable_fp_fusion=False)  # no FMA: each product rounded, as torch computes it
+    return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

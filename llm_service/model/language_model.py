@@ -94,7 +94,9 @@ class LanguageModel:
         decoder = self.modules.decoder
         for layer in decoder.layers:
             if (attn := getattr(layer, "self_attn", None)) is not None:
-                return int(attn.k_proj.weight.shape[0] // attn.head_dim)
+                packed = getattr(attn, "qkv_proj", None)  # the engine's own layer: [q | k | v]
+                k_rows = packed.output_sizes[1] if packed is not None else attn.k_proj.weight.shape[0]
+                return int(k_rows // attn.head_dim)
         return int(self.text_config.num_key_value_heads)
 
     @property

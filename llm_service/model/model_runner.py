@@ -10,7 +10,7 @@ import torch
 from llm_service.config import EngineConfig
 from llm_service.engine.scheduler import ScheduledSeq
 from llm_service.hybrid.state_cache import StateBatch, StatePool, resolve_config, slot_bytes
-from llm_service.model import attention, experts
+from llm_service.model import attention, experts, layers
 from llm_service.model.attention import AttentionBatch
 from llm_service.model.batch_state import BatchState
 from llm_service.model.kv_cache import allocate_pool, bytes_per_block, check_holds_a_sequence, pool_sizes
@@ -67,8 +67,8 @@ class ModelRunner:
 
     `prepare` packs the scheduled chunks into one `(1, T, hidden)` sequence with per-token
     positions from each request's plan (shaped for the decoder by the family's LM face); `run`
-    runs the `transformers` decoder once with an `AttentionBatch` as its mask (see `llm_service.model.attention`)
-    and, for a model with linear-attention layers, a `StateBatch` over the sequences' state slots
+    runs the decoder (the engine's own, `llm_service.model.layers`, or a `transformers` one) once
+    with an `AttentionBatch` (see `llm_service.model.attention`) and, for a model with linear-attention layers, a `StateBatch` over the sequences' state slots
     (see `llm_service.hybrid.state_cache`), and returns the logits of the last token of each sequence that
     has caught up with its tokens (the ones that sample this step). `config` is the engine config
     as this model runs it (`state_cache.resolve_config`). With prefix caching, the state pool
@@ -83,9 +83,8 @@ class ModelRunner:
         self.tp_broken = False
         self.state_specs = model.state_layers()
         self.device = model.device
-        attention.register()
         decoder = model.modules.decoder
-        decoder.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
+        attention.install(decoder)
         text = model.text_config
         self.num_layers = len(decoder.layers)
         state_layers = {s.layer_idx for s in self.state_specs}
@@ -130,11 +129,12 @@ class ModelRunner:
         cuda_triton = self.device.type == "cuda" and self.backend == "triton"
         self.expert_load = experts.ExpertLoad(experts.install(decoder, triton=cuda_triton))
         # the decoder's RMSNorms and SiLU MLPs in fewer kernels, before any graph captures them
+        # (the engine's own decoder has them; a `transformers` one is patched)
         self.fused_ops = {}
         if self.device.type == "cuda" and config.fused_ops and self.backend == "triton":
             from llm_service.model.fused_ops import fuse_decoder
 
-            self.fused_ops = fuse_decoder(decoder)
+            self.fused_ops = decoder.use_kernels() if isinstance(decoder, layers.Decoder) else fuse_decoder(decoder)
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs and self.backend == "triton" and self.tp is None:
             from llm_service.model.cuda_graphs import DecodeGraphs

@@ -9,9 +9,10 @@ The split (Megatron's): attention heads and their KV heads over the ranks (a KV 
 on several ranks when there are fewer KV heads than ranks), Q/K/V (and a gate per head) by
 rows, the output projection by columns; MLP gate/up by rows and down by columns; MoE experts
 by their intermediate dimension (every rank holds every expert, routing replicated); the
-Gated-DeltaNet layers by head (query/key heads as KV heads, value heads as attention heads). The
-embedding table, the norms and the routers are whole on every rank. A rank's KV pool and state
-slots hold its own heads.
+Gated-DeltaNet layers by head (query/key heads as KV heads, value heads as attention heads); a
+packed projection of the engine's own layer slice by slice (each rank packs its own q | k | v
+and gate | up). The embedding table, the norms and the routers are whole on every rank. A rank's
+KV pool and state slots hold its own heads.
 
 Ray-free: `llm_service.model.model_runner.rank_main` is what a rank worker process runs (a Ray actor
 in the Serve app, a plain process in the tests).
@@ -31,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from llm_service.model.layers import Linear
 
 logger = logging.getLogger(__name__)
 
@@ -202,14 +205,28 @@ class ShardPlan:
         return tensor if rule is None else rule(tensor)
 
 
+def _packed(prefix: str, linear: Linear, slice_rules: tuple[Rule, ...], rules: dict[str, Rule]) -> None:
+    """A packed `Linear` of the engine's own layer ([q | k | v], [gate | up]): each output slice
+    split by its rule; the linear's slices become this rank's."""
+    rule = segments(linear.output_sizes, slice_rules)
+    rules[f"{prefix}weight"] = rule
+    if linear.bias is not None:
+        rules[f"{prefix}bias"] = rule
+    linear.output_sizes = tuple(r(torch.empty(n, device="meta")).shape[0]
+                                for n, r in zip(linear.output_sizes, slice_rules))
+
+
 def _attention(prefix: str, attn: nn.Module, rank: int, size: int, rules: dict[str, Rule]) -> None:
     heads = attn.o_proj.weight.shape[1] // attn.head_dim
-    kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
+    packed = getattr(attn, "qkv_proj", None)  # the engine's own layer
+    kv_heads = (packed.output_sizes[1] if packed is not None else attn.k_proj.weight.shape[0]) // attn.head_dim
     if heads % size:
         raise ValueError(f"{heads} attention heads do not split over {size} ranks")
     q_first, q_count = part(heads, rank, size)
     kv_first, kv_count = part(kv_heads, rank, size)
     q, kv = rows(heads, q_first, q_count), rows(kv_heads, kv_first, kv_count)
+    if packed is not None:
+        _packed(f"{prefix}qkv_proj.", packed, (q, kv, kv), rules)
     for name, rule in (("q_proj", q), ("g_proj", q), ("k_proj", kv), ("v_proj", kv)):  # g_proj: Step3's gate per head
         if (proj := getattr(attn, name, None)) is not None:
             rules[f"{prefix}{name}.weight"] = rule
@@ -247,12 +264,17 @@ def _linear_attention(prefix: str, lin: nn.Module, rank: int, size: int, rules: 
 
 def _mlp(prefix: str, mlp: nn.Module, rank: int, size: int, rules: dict[str, Rule]) -> None:
     """A dense SiLU MLP, an experts module, or a MoE block of both (experts, shared experts)."""
-    if hasattr(mlp, "gate_proj") and hasattr(mlp, "down_proj"):
-        inter = mlp.gate_proj.weight.shape[0]
+    packed = getattr(mlp, "gate_up_proj", None)
+    packed = packed if isinstance(packed, Linear) else None  # the engine's own layer (not experts' tensor)
+    if (packed is not None or hasattr(mlp, "gate_proj")) and hasattr(mlp, "down_proj"):
+        inter = packed.output_sizes[0] if packed is not None else mlp.gate_proj.weight.shape[0]
         if inter % size:
             raise ValueError(f"MLP intermediate size {inter} does not split over {size} ranks")
         col = rows(size, rank, 1)
-        rules[f"{prefix}gate_proj.weight"] = rules[f"{prefix}up_proj.weight"] = col
+        if packed is not None:
+            _packed(f"{prefix}gate_up_proj.", packed, (col, col), rules)
+        else:
+            rules[f"{prefix}gate_proj.weight"] = rules[f"{prefix}up_proj.weight"] = col
         rules[f"{prefix}down_proj.weight"] = rows(size, rank, 1, dim=1)
         if mlp.down_proj.bias is not None:
             rules[f"{prefix}down_proj.bias"] = zeros_unless(rank == 0)

@@ -10,6 +10,8 @@ import functools
 
 import torch
 
+from llm_service.model import layers
+
 VISION_NAMES = ("blocks.", "merger", "patch_embed")
 DECODER_NAMES = ("embed_tokens", "lm_head", "layers.")
 
@@ -85,6 +87,8 @@ def test_weights_equal_the_monolithic_model(model_dir):
 
     llm = _llm(model_dir).modules
     mono_dec = dict(mono.model.language_model.named_parameters())
+    # the engine's own decoder packs q | k | v and gate | up (tests/unit/test_owned_layer.py checks the slices)
+    mono_dec |= layers.pack_checkpoint_tensors(mono_dec)
     dec_params = dict(llm.decoder.named_parameters())
     assert dec_params.keys() == mono_dec.keys()
     for name, p in dec_params.items():
