@@ -83,6 +83,14 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype), x
 
 
+def mrope_mix(per_row: torch.Tensor, section) -> torch.Tensor:
+    """`(3, B, T, D)` cos or sin of each M-RoPE row (temporal, height, width) -> `(B, T, D)`: each
+    row's part of the dimensions as `section` (over half of them, both halves alike) assigns them,
+    as Qwen2-VL's `apply_multimodal_rotary_pos_emb` mixed them before its rotary module did."""
+    parts = per_row.split(list(section) * 2, dim=-1)
+    return torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -202,6 +210,8 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, spec) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.rotary_emb = rotary_emb
+        rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+        self.mrope_section = rope.get("mrope_section")
 
     def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, paged_batch: attention.AttentionBatch,
                 use_cache: bool = False, visual_pos_masks: torch.Tensor | None = None,
@@ -211,7 +221,10 @@ class Decoder(nn.Module):
         DeepStack (Qwen3-VL), as `Qwen3VLTextModel` takes it: feature `k` `(num_visual, hidden)`
         added after layer `k` to the rows `visual_pos_masks` `(1, T)` marks."""
         x = inputs_embeds[0]
-        cos, sin = (c[0] for c in self.rotary_emb(x, position_ids))
+        cos, sin = self.rotary_emb(x, position_ids)
+        if cos.dim() == 4:  # transformers before ~5.1x: a (1, T, D) per M-RoPE row, mixed by its attention
+            cos, sin = mrope_mix(cos, self.mrope_section), mrope_mix(sin, self.mrope_section)
+        cos, sin = cos[0], sin[0]
         deepstack = deepstack_visual_embeds or []
         residual = None
         for i, layer in enumerate(self.layers):

@@ -140,3 +140,41 @@ def test_a_tensor_parallel_rank_packs_its_own_slice_of_each_projection(tiny_chec
         assert torch.equal(torch.cat([p[0] for p in pieces]), full[:q])
         for i, whole in ((1, full[q:q + kv]), (2, full[q + kv:])):
             assert torch.equal(torch.cat([p[i] for p in pieces[::shared]]), whole)
+
+
+def test_rotary_rows_from_a_transformers_that_does_not_mix_them_are_mixed_as_its_attention_did(tiny_checkpoint):
+    """transformers 5.0's Qwen2-VL rotary module returns cos/sin of each M-RoPE row `(3, 1, T, D)` and
+    its attention mixes them by `mrope_section`; later ones mix inside the module. The owned decoder
+    takes either: the rows, mixed by `mrope_mix`, are what today's module returns."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
+
+    decoder = LanguageModel(tiny_checkpoint("qwen2_vl"), dtype="float64").modules.decoder
+    rotary, positions = decoder.rotary_emb, _positions(16)[:, None]
+    assert isinstance(rotary, Qwen2VLRotaryEmbedding) and decoder.mrope_section
+    x = torch.zeros(1, dtype=torch.float64)
+    freqs = positions[..., None].double() * rotary.inv_freq.double()  # transformers 5.0's forward
+    per_row = torch.cat((freqs, freqs), dim=-1)
+    rows = tuple((f(per_row) * rotary.attention_scaling).to(x.dtype) for f in (torch.cos, torch.sin))
+    assert rows[0].shape[0] == 3 and rows[0].dim() == 4
+    mixed = [layers.mrope_mix(r, decoder.mrope_section) for r in rows]
+    for got, want in zip(mixed, rotary(x, positions)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(mixed[0], rows[0][0])  # the image's rows do differ: the mix matters here
+
+    class Unmixed(torch.nn.Module):  # the decoder on such a module: the same hidden states
+        def forward(self, x, position_ids):
+            return rows
+
+    embeds = torch.randn(1, 16, decoder.norm.weight.shape[0], generator=torch.Generator().manual_seed(0),
+                         dtype=torch.float64)
+
+    def run() -> torch.Tensor:
+        pool = allocate_pool(len(decoder.layers), 8, BLOCK, decoder.layers[0].self_attn.num_key_value_heads,
+                             decoder.layers[0].self_attn.head_dim, torch.float64, torch.device("cpu"))
+        with torch.inference_mode():
+            return decoder(inputs_embeds=embeds, position_ids=positions,
+                           paged_batch=_batch(pool, torch.tensor([0, 1, 2, 3]), 0, 16)).last_hidden_state
+
+    want = run()
+    decoder.rotary_emb = Unmixed()
+    torch.testing.assert_close(run(), want, rtol=1e-6, atol=1e-6)
