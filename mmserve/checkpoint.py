@@ -39,6 +39,7 @@ _FILE_DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _READ_CHUNK = 1 << 30  # one read() moves at most ~2 GiB on Linux
 
 
@@ -81,7 +82,7 @@ def resolve_dtype(name: str, config: dict) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _safetensors_files(model_dir: Path) -> list[Path]:
+def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -120,10 +121,15 @@ def stored_tensors(file: Path) -> list[StoredTensor]:
 
 
 def weight_bytes(model_dir: str | Path, select: Callable[[str], bool], dtype: torch.dtype) -> int:
-    """Bytes the tensors `select` picks (by checkpoint key) take in `dtype`, from the files' headers alone."""
+    """Bytes the tensors `select` picks (by checkpoint key) take in `dtype`, from the files' headers
+    alone; FP8 weights and their block scales (`weight_scale_inv`) count as stored: they are served so."""
     size = torch.empty((), dtype=dtype).element_size()
-    return sum(math.prod(t.shape) * size for file in _safetensors_files(Path(model_dir))
-               for t in stored_tensors(file) if select(t.key))
+
+    def served(t: StoredTensor) -> int:
+        kept = t.dtype in _FP8 or t.key.endswith(".weight_scale_inv")
+        return t.nbytes if kept else math.prod(t.shape) * size
+
+    return sum(served(t) for file in safetensors_files(Path(model_dir)) for t in stored_tensors(file) if select(t.key))
 
 
 def _read_into(f, stored: StoredTensor, out: torch.Tensor) -> torch.Tensor:
@@ -192,12 +198,15 @@ def load_weights(module: nn.Module, model_dir: str | Path, rename: Callable[[str
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(f"checkpoint tensor for {name} has shape {tuple(tensor.shape)}, the model "
                              f"expects {tuple(target.shape)}: does config.json match the weights?")
+        if tensor.dtype in _FP8 and target.dtype != tensor.dtype:  # its values mean nothing without their scales
+            raise ValueError(f"checkpoint tensor for {name} is {tensor.dtype}, which this model holds in "
+                             f"{target.dtype}: mmserve has no FP8 layer for it")
         if tensor is not target:
             with torch.no_grad():
                 target.copy_(tensor)
         loaded.add(name)
 
-    for file in _safetensors_files(Path(model_dir)):
+    for file in safetensors_files(Path(model_dir)):
         with open(file, "rb", buffering=0) as f:
             for stored in stored_tensors(file):
                 name = rename(stored.key)

@@ -40,7 +40,7 @@ def _serve(ns: argparse.Namespace) -> int:
 def _build_tiny(ns: argparse.Namespace) -> int:
     from mmserve.tiny import build_tiny_model
 
-    out = build_tiny_model(ns.family, ns.out, seed=ns.seed)
+    out = build_tiny_model(ns.family, ns.out, seed=ns.seed, quantization=ns.quantization)
     print(out)
     return 0
 
@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     from mmserve.checkpoint import DTYPE_CHOICES
     from mmserve.request.prompt_plan import MediaLimits
     from mmserve.tiny import FAMILIES
+    from mmserve.tiny.fp8 import QUANTIZATIONS
 
     parser = argparse.ArgumentParser(prog="mmserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -233,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     tiny_p.add_argument("--family", choices=FAMILIES, default="qwen2_vl")
     tiny_p.add_argument("--out", required=True)
     tiny_p.add_argument("--seed", type=int, default=0)
+    tiny_p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                        help="the language model's weights in this format (fp8-block: Qwen's -FP8 releases)")
     tiny_p.set_defaults(func=_build_tiny)
 
     chat_p = sub.add_parser("chat", help="stream one answer from a running server")

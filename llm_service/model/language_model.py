@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from llm_service.families.base import LMFace
+from llm_service.model import quantized
 from mmserve.checkpoint import load_config, load_weights, read_config, resolve_dtype, weight_bytes
 from mmserve.families import face_class, family_of
 
@@ -43,7 +44,16 @@ class LanguageModel:
         self.face: LMFace = face_class("llm_service.families", self.model_type, "LM_FACE")(config)
         self.tp = tp
         rename, take = self.face.rename, None
-        if tp is None:
+        fmt = quantized.read_format(model_dir)
+        if fmt is not None and tp is not None:
+            raise ValueError(f"{self.model_dir.name}: tensor-parallel serving of FP8 checkpoints is not supported yet")
+        if fmt is not None:  # parameters on meta until each has its stored dtype: no full-precision copy
+            from llm_service.model import tensor_parallel
+
+            with torch.device(self.device), tensor_parallel.parameters_on_meta():
+                modules = self.face.build(self.dtype)
+            quantized.quantize_modules(modules, model_dir, rename, fmt, self.device)
+        elif tp is None:
             with torch.device(self.device):  # built where it runs, without initial values
                 modules = self.face.build(self.dtype)
         else:

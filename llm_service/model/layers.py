@@ -43,8 +43,11 @@ class Linear(nn.Module):
         self.output_sizes = tuple(output_sizes)  # this process's (a tensor-parallel rank's shard)
         self.weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(output_sizes), dtype=dtype), requires_grad=False) if bias else None
+        self.quantization = None  # another weight format's forward (`llm_service.model.quantized`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantization is not None:
+            return self.quantization.forward(self, x)
         return F.linear(x, self.weight, self.bias)
 
     def slices(self) -> tuple[slice, ...]:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mmserve import families
+from mmserve.tiny import fp8
 
 # Names other code imports from here (tests, bench/serve.py).
 from mmserve.tiny.llava import LLAVA_CHAT_TEMPLATE, LLAVA_IMAGE_TOKEN, LLAVA_QWEN_CHAT_TEMPLATE  # noqa: F401
@@ -47,13 +48,16 @@ FAMILIES = tuple(_MODEL_TYPES)  # the tiny names (`mmserve build-tiny-model --fa
 LLAVA_FAMILIES = tuple(name for name, model_type in _MODEL_TYPES.items() if model_type == "llava")
 
 
-def build_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = 0) -> Path:
-    """Write the tiny checkpoint `family` (a name in `FAMILIES`) to `out_dir` (atomically) and return its path."""
+def build_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = 0, quantization: str | None = None) -> Path:
+    """Write the tiny checkpoint `family` (a name in `FAMILIES`) to `out_dir` (atomically) and return
+    its path; `quantization` (one of `fp8.QUANTIZATIONS`): its language model's weights in that format."""
     import torch
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
     if family not in _MODEL_TYPES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
+    if quantization not in (None, *fp8.QUANTIZATIONS):
+        raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(fp8.QUANTIZATIONS)}")
     out = Path(out_dir)
     build = families.face_class(__name__, _MODEL_TYPES[family], "build")
     config, processor, eos_ids, init_seed = build(family, seed)
@@ -67,15 +71,19 @@ def build_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = 0) -> 
         eos_token_id=eos_ids, pad_token_id=text_config.pad_token_id, **bos, do_sample=False
     )
 
-    save_checkpoint(model, processor, out, "mmserve_tiny.json", {"family": family, "seed": seed})
+    settings = {"family": family, "seed": seed} | ({"quantization": quantization} if quantization else {})
+    save_checkpoint(model, processor, out, "mmserve_tiny.json", settings,
+                    rewrite=fp8.quantize_checkpoint if quantization else None)
     return out
 
 
 def save_checkpoint(model, processor, out: Path, marker: str, settings: dict,
-                    config_layout: Callable[[dict], dict] | None = None) -> None:
+                    config_layout: Callable[[dict], dict] | None = None,
+                    rewrite: Callable[[Path], None] | None = None) -> None:
     """`model` and `processor` as a Hugging Face directory at `out`, with `marker` (JSON `settings`)
     written last; atomically: built beside `out`, then renamed over it. `config_layout` rewrites
-    the saved config.json (e.g. `qwen2_vl.published_layout`)."""
+    the saved config.json (e.g. `qwen2_vl.published_layout`); `rewrite(dir)` then changes the
+    saved directory (e.g. `fp8.quantize_checkpoint`)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -84,6 +92,8 @@ def save_checkpoint(model, processor, out: Path, marker: str, settings: dict,
         if config_layout is not None:
             path = tmp / "config.json"
             path.write_text(json.dumps(config_layout(json.loads(path.read_text())), indent=2) + "\n")
+        if rewrite is not None:
+            rewrite(tmp)
         (tmp / marker).write_text(json.dumps(settings) + "\n")
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
