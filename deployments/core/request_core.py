@@ -39,6 +39,7 @@ from deployments.core.readiness import Readiness
 from deployments.core.request_checks import RequestChecks
 from deployments.media.fetch import MediaFetcher
 from llm_service.sampling import Grammar
+from llm_service.model.quantized import read_format
 from mmserve.errors import InvalidRequest, NotReady, QueueFull, RequestTooLarge, ShuttingDown, Unauthenticated
 from mmserve.inputs.media import DecodedVideo, EncodeItem, MediaItem, MediaSource, warm_up_image
 from mmserve.request.prompt_plan import Message, RequestPlanner
@@ -152,6 +153,8 @@ class RequestCore:
                                     args.engine.grammar_compile_timeout_s)
         self.receiving = Bound(args.max_fetching_requests, "requests are being received (body, media)")
         self.created = int(time.time())
+        fmt = read_format(args.model)  # the language model's weights as the checkpoint stores them
+        self.quantization = fmt.name if fmt else None
 
     @classmethod
     def from_checkpoint(cls, args: AppArgs, media: MediaDispatcher, llm: LLMClient,
@@ -369,7 +372,8 @@ class RequestCore:
     def model_card(self) -> dict:
         """`GET /v1/models`'s entry for the served model."""
         return {"id": self.args.served_model_name, "object": "model", "created": self.created,
-                "owned_by": "mmserve", "root": self.args.model, "max_model_len": self.max_model_len}
+                "owned_by": "mmserve", "root": self.args.model, "max_model_len": self.max_model_len,
+                "quantization": self.quantization}
 
     def check_health(self) -> None:
         if not self.tokenizer.encode("ok"):

@@ -44,7 +44,7 @@ class LanguageModel:
         self.face: LMFace = face_class("llm_service.families", self.model_type, "LM_FACE")(config)
         self.tp = tp
         rename, take = self.face.rename, None
-        fmt = quantized.read_format(model_dir)
+        self.quantization = fmt = quantized.read_format(model_dir)
         if fmt is not None and tp is not None:
             raise ValueError(f"{self.model_dir.name}: tensor-parallel serving of FP8 checkpoints is not supported yet")
         if fmt is not None:  # parameters on meta until each has its stored dtype: no full-precision copy
@@ -70,8 +70,9 @@ class LanguageModel:
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.generation_config = gen
         logger.info(
-            "language model of %s loaded: %s; %.1fM params, %s on %s, %.1fs in all",
-            self.model_dir.name, self.load_report.summary(), self.num_parameters / 1e6, self.dtype, self.device,
+            "language model of %s loaded: %s; %.1fM params, %s%s on %s, %.1fs in all",
+            self.model_dir.name, self.load_report.summary(), self.num_parameters / 1e6, self.dtype,
+            f" with {fmt.name} weights" if fmt else "", self.device,
             time.perf_counter() - start,
         )
 

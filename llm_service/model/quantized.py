@@ -37,6 +37,11 @@ class BlockFP8:
 
     block: tuple[int, int]
 
+    @property
+    def name(self) -> str:
+        """As `GET /v1/models` and the load log say it."""
+        return f"fp8 (e4m3, {self.block[0]}x{self.block[1]} blocks)"
+
     def grid(self, shape: tuple[int, ...]) -> tuple[int, int]:
         """The scale grid of a weight of `shape` `(out, in)`."""
         return math.ceil(shape[0] / self.block[0]), math.ceil(shape[1] / self.block[1])

@@ -168,3 +168,11 @@ def test_cli_writes_the_published_format(tmp_path):
     assert dtypes[f"{Q_PROJ}.weight"] == torch.float8_e4m3fn and dtypes[f"{Q_PROJ}.weight_scale_inv"] == torch.float32
     assert dtypes[f"{Q_PROJ}.bias"] == torch.float32 and dtypes["lm_head.weight"] == torch.float32
     assert all(dtype == torch.float32 for key, dtype in dtypes.items() if key.startswith("visual."))
+
+
+def test_the_models_route_says_the_quantization(fp8_checkpoint, tiny_checkpoint):
+    """`GET /v1/models` (the Router core's card) says how the LM's weights are stored; None when dense."""
+    from tests.support.core_fakes import make_core
+
+    assert make_core(fp8_checkpoint("qwen2_vl")[0]).model_card()["quantization"] == "fp8 (e4m3, 16x16 blocks)"
+    assert make_core(tiny_checkpoint("qwen2_vl")).model_card()["quantization"] is None
