@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from llm_service.model.lora import LoraRequest
 from llm_service.sampling import SamplingParams
 from mmserve.inputs.embeddings import ItemEmbedding
 from mmserve.inputs.media import PlaceholderRange
@@ -45,6 +46,7 @@ class LLMRequest:
     # replica after its first replica was lost)
     matcher: object | None = None
     grammar_prefix: int = 0
+    lora: LoraRequest | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 class TokenEvent(NamedTuple):
@@ -113,6 +115,7 @@ class Sequence:
     added_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None  # its first step (the end of its prefill queue)
     matcher: object | None = None  # its place in its grammar (`llm_service.grammar.Matcher`), if it has one
+    holds_lora: bool = False  # it counts as a holder of its adapter (`LoraSet.hold`) until it finishes
     _sent: bool = False
 
     def __post_init__(self):
@@ -173,14 +176,15 @@ class Sequence:
 
     def block_hashes(self, block_size: int) -> list[int]:
         """Chained hashes of the full prompt blocks, last prompt token excluded (it must run to
-        give logits): block i's hash covers every token id before its end and, for image/video
-        tokens, which item and which of its rows they are. Equal hashes, equal K/V."""
+        give logits): block i's hash covers every token id before its end, for image/video
+        tokens which item and which of its rows they are, and the LoRA adapter (name and path)
+        the request runs under. Equal hashes, equal K/V."""
         if self._block_hashes is None:
             req = self.request
             self._block_hashes = []
             if not all(emb.key for _, emb in req.media):
                 return self._block_hashes
-            prev = b""
+            prev = b"" if req.lora is None else f"lora:{req.lora.name}:{req.lora.path}".encode()
             for i in range((self.num_prompt_tokens - 1) // block_size):
                 lo, hi = i * block_size, (i + 1) * block_size
                 h = hashlib.blake2b(prev, digest_size=16)

@@ -43,9 +43,11 @@ class Linear(nn.Module):
         self.output_sizes = tuple(output_sizes)  # this process's (a tensor-parallel rank's shard)
         self.weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(output_sizes), dtype=dtype), requires_grad=False) if bias else None
+        self.lora = None  # LoRA adapters' deltas on its slices (`llm_service.model.lora.LinearLoras`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
     def slices(self) -> tuple[slice, ...]:
         """Where each output slice lies along the output dimension."""
