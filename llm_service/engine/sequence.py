@@ -13,11 +13,19 @@ from typing import NamedTuple
 
 import torch
 
-from llm_service.model.lora import LoraRequest
 from llm_service.sampling import SamplingParams
 from mmserve.inputs.embeddings import ItemEmbedding
 from mmserve.inputs.media import PlaceholderRange
 from mmserve.inputs.positions import PositionPlan
+
+
+@dataclass(frozen=True)
+class LoraRequest:
+    """The LoRA adapter a request runs under: `name` identifies it (loaded once, shared by the
+    requests that name it: `llm_service.model.lora.LoraSet`), `path` is its PEFT directory."""
+
+    name: str
+    path: str
 
 
 @dataclass(frozen=True)

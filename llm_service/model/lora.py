@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from llm_service.engine.sequence import LoraRequest
 from llm_service.model import layers
 from llm_service.model.transfer import ints
 
@@ -33,20 +34,11 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _KEY_PREFIX = "base_model.model."
 # PEFT options that change what an adapter computes and that the engine does not implement
 _UNSUPPORTED = {"use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, "bias": "none",
-                "modules_to_save": None, "fan_in_fan_out": False, "layers_to_transform": None}
+                "modules_to_save": None, "fan_in_fan_out": False}
 
 
 class AdapterError(ValueError):
     """An adapter the engine cannot serve (the message names the adapter and what is wrong)."""
-
-
-@dataclass(frozen=True)
-class LoraRequest:
-    """The adapter a request runs under: `name` identifies it (loaded once, shared by requests),
-    `path` is its PEFT directory."""
-
-    name: str
-    path: str
 
 
 @dataclass(frozen=True)
@@ -222,7 +214,8 @@ class LoraSet:
             self.active.clear()
 
 
-def token_groups(names: list[str | None], counts: list[int], device: torch.device) -> tuple[tuple[str, torch.Tensor], ...]:
+def token_groups(names: list[str | None], counts: list[int],
+                 device: torch.device) -> tuple[tuple[str, torch.Tensor], ...]:
     """The packed step's token rows of each adapter: sequence i (`counts[i]` tokens in a row) runs
     under adapter `names[i]` (None: the base model, no group)."""
     rows: dict[str, list[int]] = {}
