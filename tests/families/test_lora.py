@@ -73,6 +73,20 @@ def test_two_adapters_and_the_base_in_one_batch_equal_peft_merged(model_dir, ada
     assert not any(engine.runner.loras.holders.values())  # every request let its adapter go
 
 
+def test_chunked_prefills_and_overlapped_steps_keep_each_adapter_on_its_tokens(tiny_models, adapters_root):
+    model_dir = tiny_models["qwen2_vl"]
+    adapters = _adapters(model_dir, adapters_root)
+    engine = make_engine(model_dir, max_loras=2, max_num_batched_tokens=32, async_scheduling=True)
+    collector = Collector()
+    for case, messages in PROMPTS.items():
+        for lora in (None, *adapters.values()):
+            collector.add(engine, _request(model_dir, messages, f"{case}-{lora and lora.name}", lora))
+    run_until_done(engine, collector)
+    for case in PROMPTS:
+        for lora in (None, *adapters.values()):
+            assert collector.tokens(f"{case}-{lora and lora.name}") == _expected(model_dir, case, lora), case
+
+
 def test_the_same_prompt_under_two_adapters_shares_no_cached_block(tiny_models, adapters_root):
     model_dir = tiny_models["qwen2_vl"]
     adapters = _adapters(model_dir, adapters_root)
