@@ -33,7 +33,8 @@ class EngineConfig:
     taken as given: a prompt over the pool is refused, a sequence that outgrows it alone ends with
     `length`). `tensor_parallel_size` says how many ranks; the group is the caller's
     (`llm_service.model.tensor_parallel`). `grammar_compile_timeout_s`: `llm_service.grammar.GrammarCompiler`;
-    `grammar_threads`: `llm_service.grammar.StepMasks`.
+    `grammar_threads`: `llm_service.grammar.StepMasks`. `max_loras`: LoRA adapters kept loaded
+    (`llm_service.model.lora.LoraSet`; 0: requests naming one are refused).
     """
 
     block_size: int = setting(16, "tokens per KV block (a power of two)", ge=1)
@@ -60,6 +61,7 @@ class EngineConfig:
     cuda_graphs: bool = setting(True, "CUDA: capture decode-only steps as graphs")
     max_graph_batch_size: int = 64
     max_logprobs: int = 20
+    max_loras: int = setting(0, ge=0)
     enable_prefix_caching: bool = setting(True, "reuse K/V of identical prompt prefixes (images by content hash)")
     attention_backend: Literal["auto", "sdpa", "triton"] = setting(
         "auto", "auto: the Triton paged kernel on CUDA, SDPA on CPU (checked at replica start); triton runs on "

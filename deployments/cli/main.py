@@ -1,4 +1,4 @@
-"""`mmserve` command line: serve, chat, encoder-server, build-tiny-model, bench, plan."""
+"""`mmserve` command line: serve, chat, encoder-server, build-tiny-model, build-tiny-adapter, bench, plan."""
 
 from __future__ import annotations
 
@@ -41,6 +41,15 @@ def _build_tiny(ns: argparse.Namespace) -> int:
     from mmserve.tiny import build_tiny_model
 
     out = build_tiny_model(ns.family, ns.out, seed=ns.seed, quantization=ns.quantization)
+    print(out)
+    return 0
+
+
+def _build_tiny_adapter(ns: argparse.Namespace) -> int:
+    from mmserve.tiny.lora import build_tiny_adapter
+
+    out = build_tiny_adapter(ns.model, ns.out, seed=ns.seed, rank=ns.rank, alpha=ns.alpha,
+                             targets=tuple(ns.targets.split(",")), use_rslora=ns.rslora)
     print(out)
     return 0
 
@@ -237,6 +246,19 @@ def main(argv: list[str] | None = None) -> int:
     tiny_p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
                         help="the language model's weights in this format (fp8-block: Qwen's -FP8 releases)")
     tiny_p.set_defaults(func=_build_tiny)
+
+    from mmserve.tiny.lora import LM_TARGETS
+
+    adapter_p = sub.add_parser("build-tiny-adapter", help="write a deterministic LoRA adapter (PEFT format) of a "
+                               "tiny checkpoint's language model (needs peft: mmserve[test])")
+    adapter_p.add_argument("--model", required=True, help="the tiny checkpoint directory")
+    adapter_p.add_argument("--out", required=True)
+    adapter_p.add_argument("--seed", type=int, default=0)
+    adapter_p.add_argument("--rank", type=_positive_int, default=4)
+    adapter_p.add_argument("--alpha", type=float, default=8.0)
+    adapter_p.add_argument("--targets", default=",".join(LM_TARGETS), help="comma-separated projections")
+    adapter_p.add_argument("--rslora", action="store_true", help="scale by alpha / sqrt(rank)")
+    adapter_p.set_defaults(func=_build_tiny_adapter)
 
     chat_p = sub.add_parser("chat", help="stream one answer from a running server")
     chat_p.add_argument("prompt")

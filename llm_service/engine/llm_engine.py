@@ -40,6 +40,7 @@ from llm_service.engine.sequence import LLMRequest, Sequence, TokenEvent
 from llm_service.engine.step_timing import StepClock, StepTimes
 from llm_service.grammar import GrammarCompiler, StepMasks
 from llm_service.model.language_model import LanguageModel
+from llm_service.model.lora import AdapterError
 from llm_service.model.model_runner import ModelRunner, StepInputs
 from llm_service.sampling import (DeviceSample, SamplingParams, SamplingRows, new_generator, sample_rows,
                                   settings_dtype)
@@ -386,25 +387,45 @@ class LLMEngine:
         self.clock.read(launched.began, launched.done, resume)
 
     def _admit(self) -> None:
+        """New requests join the scheduler, but one whose LoRA adapter cannot be loaded yet (every
+        place held by running requests) waits among the new ones."""
         with self._cv:
             new, self._new = self._new, []
             aborted, self._aborted = self._aborted, set()
+        held_back = []
         for seq in new:
-            if error := self._reject_reason(seq):
+            if error := self._reject_reason(seq) or (seq.request_id not in aborted and self._hold_lora(seq)):
                 seq.send(TokenEvent(None, "error", InvalidRequest(error)))
             elif seq.request_id in aborted:
                 seq.send(TokenEvent(None, "abort"))
+            elif seq.request.lora is not None and not seq.holds_lora:
+                held_back.append(seq)
             else:
                 self._by_id[seq.request_id] = seq
                 self.scheduler.add(seq)
+        if held_back:
+            with self._cv:
+                self._new[:0] = held_back
         for request_id in aborted:
             if (seq := self._by_id.get(request_id)) is not None:
                 self._finish(seq, TokenEvent(None, "abort"))
+
+    def _hold_lora(self, seq: Sequence) -> str | None:
+        """Load and hold `seq`'s LoRA adapter if it names one (`seq.holds_lora`: False while every
+        place is held); why the adapter cannot be served, if it cannot."""
+        if seq.request.lora is not None:
+            try:
+                seq.holds_lora = self.runner.loras.hold(seq.request.lora)
+            except AdapterError as e:
+                return str(e)
+        return None
 
     def _reject_reason(self, seq: Sequence) -> str | None:
         req = seq.request
         if not req.prompt_token_ids:
             return "empty prompt"
+        if req.lora is not None and self.runner.loras is None:
+            return f"LoRA adapter {req.lora.name!r} requested, but this engine serves none (max_loras is 0)"
         for rng, emb in req.media:
             if emb.rows.shape != (rng.num_embeds, self.model.text_config.hidden_size):
                 return f"embedding of shape {tuple(emb.rows.shape)} does not fit {rng.num_embeds} embedding slots"
@@ -441,4 +462,7 @@ class LLMEngine:
         if not seq.finished:
             self.scheduler.finish(seq)
             self._by_id.pop(seq.request_id, None)
+            if seq.holds_lora:
+                self.runner.loras.release(seq.request.lora.name)
+                seq.holds_lora = False
             seq.send(event)

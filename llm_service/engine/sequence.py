@@ -20,6 +20,15 @@ from mmserve.inputs.positions import PositionPlan
 
 
 @dataclass(frozen=True)
+class LoraRequest:
+    """The LoRA adapter a request runs under: `name` identifies it (loaded once, shared by the
+    requests that name it: `llm_service.model.lora.LoraSet`), `path` is its PEFT directory."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
 class LLMRequest:
     """A prompt ready for the LM: token ids, media embeddings at their ranges, the position plan.
 
@@ -45,6 +54,7 @@ class LLMRequest:
     # replica after its first replica was lost)
     matcher: object | None = None
     grammar_prefix: int = 0
+    lora: LoraRequest | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 class TokenEvent(NamedTuple):
@@ -113,6 +123,7 @@ class Sequence:
     added_at: float = field(default_factory=time.monotonic)
     scheduled_at: float | None = None  # its first step (the end of its prefill queue)
     matcher: object | None = None  # its place in its grammar (`llm_service.grammar.Matcher`), if it has one
+    holds_lora: bool = False  # it counts as a holder of its adapter (`LoraSet.hold`) until it finishes
     _sent: bool = False
 
     def __post_init__(self):
@@ -173,14 +184,15 @@ class Sequence:
 
     def block_hashes(self, block_size: int) -> list[int]:
         """Chained hashes of the full prompt blocks, last prompt token excluded (it must run to
-        give logits): block i's hash covers every token id before its end and, for image/video
-        tokens, which item and which of its rows they are. Equal hashes, equal K/V."""
+        give logits): block i's hash covers every token id before its end, for image/video
+        tokens which item and which of its rows they are, and the LoRA adapter (name and path)
+        the request runs under. Equal hashes, equal K/V."""
         if self._block_hashes is None:
             req = self.request
             self._block_hashes = []
             if not all(emb.key for _, emb in req.media):
                 return self._block_hashes
-            prev = b""
+            prev = b"" if req.lora is None else f"lora:{req.lora.name}:{req.lora.path}".encode()
             for i in range((self.num_prompt_tokens - 1) // block_size):
                 lo, hi = i * block_size, (i + 1) * block_size
                 h = hashlib.blake2b(prev, digest_size=16)

@@ -44,11 +44,11 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(output_sizes), dtype=dtype), requires_grad=False) if bias else None
         self.quantization = None  # another weight format's forward (`llm_service.model.quantized`)
+        self.lora = None  # LoRA adapters' deltas on its slices (`llm_service.model.lora.LinearLoras`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantization is not None:
-            return self.quantization.forward(self, x)
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias) if self.quantization is None else self.quantization.forward(self, x)
+        return y if self.lora is None else self.lora(x, y)
 
     def slices(self) -> tuple[slice, ...]:
         """Where each output slice lies along the output dimension."""

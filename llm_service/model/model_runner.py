@@ -10,7 +10,7 @@ import torch
 from llm_service.config import EngineConfig
 from llm_service.engine.scheduler import ScheduledSeq
 from llm_service.hybrid.state_cache import StateBatch, StatePool, resolve_config, slot_bytes
-from llm_service.model import attention, experts, layers
+from llm_service.model import attention, experts, layers, lora
 from llm_service.model.attention import AttentionBatch
 from llm_service.model.batch_state import BatchState
 from llm_service.model.kv_cache import allocate_pool, bytes_per_block, check_holds_a_sequence, pool_sizes
@@ -33,6 +33,7 @@ class StepInputs(NamedTuple):
     host: PackedStep | None = None  # a tensor-parallel step: what the other ranks are sent
     decode_index: torch.Tensor | None = None  # a decode from the rows' device state: their rows
     max_context: int = 0  # its longest context (SDPA's key length)
+    lora: tuple = ()  # its LoRA adapters' token rows (`lora.token_groups`)
 
 
 class StateOps(NamedTuple):
@@ -73,6 +74,8 @@ class ModelRunner:
     has caught up with its tokens (the ones that sample this step). `config` is the engine config
     as this model runs it (`state_cache.resolve_config`). With prefix caching, the state pool
     also holds the state snapshots: restored into slots by `prepare`, saved by `save_snapshots`.
+    With `max_loras`, `loras` holds the LoRA adapters loaded (`llm_service.model.lora`); a step
+    whose sequences run under adapters applies each to its tokens (an eager forward, no graph).
     """
 
     def __init__(self, model: LanguageModel, config: EngineConfig):
@@ -124,6 +127,11 @@ class ModelRunner:
         self.device_decode = self.states is None and self.tp is None
         self.arange = torch.arange(config.max_num_seqs + 1, dtype=torch.int32, device=self.device)
         self.num_forwards = 0
+        self.loras = None
+        if config.max_loras:
+            if self.tp is not None:
+                raise ValueError("engine.max_loras: LoRA adapters are not supported with tensor parallelism")
+            self.loras = lora.LoraSet(decoder, model.face.rename, config.max_loras, model.dtype, self.device)
         # the engine's experts path in every MoE layer (the fused kernel where the graphs' Triton
         # attention runs), before any graph captures them
         cuda_triton = self.device.type == "cuda" and self.backend == "triton"
@@ -174,13 +182,17 @@ class ModelRunner:
             if s.seq.batch_row is None:
                 self.batch.admit(s.seq)
         sample_rows = [i for i, s in enumerate(scheduled) if s.seq.num_computed + s.num_tokens == s.seq.num_tokens]
+        adapters = [s.seq.request.lora and s.seq.request.lora.name for s in scheduled]
         if self.device_decode and self._decodes_only(scheduled):
             seqs = [s.seq for s in scheduled]
-            padded = self.graphs.padded_size(len(seqs)) if self.graphs is not None else None
+            groups = lora.token_groups(adapters, [1] * len(seqs), self.device)
+            padded = self.graphs.padded_size(len(seqs)) if self.graphs is not None and not groups else None
             return StepInputs(scheduled, sample_rows, padded, decode_index=self.batch.stage_decode(seqs, padded),
-                              max_context=max(s.num_computed for s in seqs) + 1)
+                              max_context=max(s.num_computed for s in seqs) + 1, lora=groups)
         host = self._pack_host(scheduled, sample_rows)
-        return StepInputs(scheduled, sample_rows, None, self._on_device(host), host=host if self.tp else None)
+        groups = lora.token_groups(adapters, [s.num_tokens for s in scheduled], self.device)
+        return StepInputs(scheduled, sample_rows, None, self._on_device(host), host=host if self.tp else None,
+                          lora=groups)
 
     def _decodes_only(self, scheduled: tuple[ScheduledSeq, ...]) -> bool:
         """Every sequence decodes one token past its prompt (its row's device state is current:
@@ -193,6 +205,12 @@ class ModelRunner:
     def run(self, step: StepInputs) -> torch.Tensor:
         """Launch the step's forward (a graph replay for a staged decode): logits `(N, vocab)` of
         its sampling rows."""
+        if not step.lora:
+            return self._run(step)
+        with self.loras.step(step.lora):
+            return self._run(step)
+
+    def _run(self, step: StepInputs) -> torch.Tensor:
         if step.decode_index is not None:
             b = len(step.scheduled)
             if step.graph_batch is not None:

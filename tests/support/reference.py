@@ -39,9 +39,21 @@ def _load_reference(model_dir: str, dtype: torch.dtype, device: str):
     return load_processor(model_dir), model
 
 
+@functools.lru_cache(maxsize=4)
+def load_merged_reference(model_dir: str, adapter_dir: str, dtype: torch.dtype = torch.float64):
+    """The monolithic model with the LoRA adapter `adapter_dir` merged into its weights by `peft`
+    (`PeftModel.from_pretrained(...).merge_and_unload()`): the reference of an adapter's output."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype)  # its own copy: merged in place
+    return PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().eval()
+
+
 def drop_references() -> None:
     """Forget the loaded models (a large one need not stay for the rest of the session)."""
     _load_reference.cache_clear()
+    load_merged_reference.cache_clear()
 
 
 def _pil(data: bytes) -> Image.Image:
@@ -112,10 +124,14 @@ def load_video_file(model_dir: str, data: bytes, **sampling):
 
 
 def reference_generate(model_dir: str, messages: list[dict], max_new_tokens: int,
-                       dtype: torch.dtype = torch.float64, **generate) -> list[int]:
-    """Greedy tokens of the monolithic model, without the trailing EOS token (`generate`: more
-    arguments of `generate`, e.g. a repetition penalty)."""
-    _, model = load_reference(model_dir, dtype)
+                       dtype: torch.dtype = torch.float64, adapter: str | None = None, **generate) -> list[int]:
+    """Greedy tokens of the monolithic model (with the LoRA adapter directory `adapter` merged:
+    `load_merged_reference`), without the trailing EOS token (`generate`: more arguments of
+    `generate`, e.g. a repetition penalty)."""
+    if adapter is None:
+        _, model = load_reference(model_dir, dtype)
+    else:
+        model = load_merged_reference(model_dir, adapter, dtype)
     inputs = reference_inputs(model_dir, messages)
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, **generate)

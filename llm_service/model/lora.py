@@ -1,0 +1,227 @@
+"""LoRA adapters on the engine's own decoder (`llm_service.model.layers`), several in one step.
+
+An adapter is a PEFT directory: `adapter_config.json` (`r`, `lora_alpha`, `use_rslora`,
+`target_modules`) and `adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight`
+`(r, in)` and `.lora_B.weight` `(out, r)` for each targeted module of the checkpoint). The
+module names map to the engine's as the LM face's `rename` maps the checkpoint's keys; q/k/v
+become slices of `qkv_proj`, gate/up slices of `gate_up_proj`. Scaling is PEFT's:
+`lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`.
+
+In a step, each token belongs to one adapter or to the base model: `LoraSet.step(groups)`
+makes each targeted `Linear` add `scale * (x[rows] @ A^T) @ B^T` to its output slice for the
+rows of each adapter present (one pair of GEMMs per adapter and slice: the grouped matmul of
+the CPU; no CUDA kernel yet). Vision-tower adapters are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter, OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from llm_service.engine.sequence import LoraRequest
+from llm_service.model import layers
+from llm_service.model.transfer import ints
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+_KEY_PREFIX = "base_model.model."
+# PEFT options that change what an adapter computes and that the engine does not implement
+_UNSUPPORTED = {"use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, "bias": "none",
+                "modules_to_save": None, "fan_in_fan_out": False}
+
+
+class AdapterError(ValueError):
+    """An adapter the engine cannot serve (the message names the adapter and what is wrong)."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    """`y[:, out] += scale * (x @ a^T) @ b^T` on one `Linear`."""
+
+    out: slice
+    a: torch.Tensor  # (r, input_size)
+    b: torch.Tensor  # (out size, r)
+    scale: float
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str
+    path: str
+    rank: int
+    scaling: float
+    deltas: dict[str, tuple[Delta, ...]]  # decoder module name (e.g. "layers.0.self_attn.qkv_proj") -> its deltas
+
+
+def scaling(config: dict) -> float:
+    """PEFT's: `lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`."""
+    r = config["r"]
+    return config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
+
+
+def read_config(name: str, path: Path) -> dict:
+    """The adapter's config, checked (AdapterError naming the field)."""
+    if not (path / CONFIG_FILE).is_file():
+        raise AdapterError(f"adapter {name!r}: no {CONFIG_FILE} in {path}")
+    config = json.loads((path / CONFIG_FILE).read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"adapter {name!r}: peft_type {config['peft_type']!r} is not LORA")
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise AdapterError(f"adapter {name!r}: r must be a positive integer, got {r!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise AdapterError(f"adapter {name!r}: lora_alpha must be a number, got {alpha!r}")
+    for field, default in _UNSUPPORTED.items():
+        if config.get(field, default) not in (default, None, {}, False):
+            raise AdapterError(f"adapter {name!r}: {field} {config[field]!r} is not supported")
+    targets = config.get("target_modules")
+    if isinstance(targets, list):  # a str is a regular expression: the tensors say what it matched
+        if bad := sorted(set(targets) - set(TARGETS)):
+            raise AdapterError(f"adapter {name!r}: target_modules {bad} not supported (only {', '.join(TARGETS)})")
+    return config
+
+
+def read_adapter(request: LoraRequest, linears: dict[str, layers.Linear], rename, dtype: torch.dtype,
+                 device: torch.device) -> Adapter:
+    """The adapter of `request.path` fitted to the decoder's `linears` (module name -> `Linear`);
+    `rename`: the LM face's checkpoint key -> module key. AdapterError when it does not fit."""
+    from safetensors.torch import load_file
+
+    name, path = request.name, Path(request.path)
+    config = read_config(name, path)
+    if not (path / WEIGHTS_FILE).is_file():
+        raise AdapterError(f"adapter {name!r}: no {WEIGHTS_FILE} in {path}")
+    tensors = load_file(path / WEIGHTS_FILE)
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        module, _, part = key.removeprefix(_KEY_PREFIX).rpartition(".lora_")
+        if not key.startswith(_KEY_PREFIX) or part not in ("A.weight", "B.weight"):
+            raise AdapterError(f"adapter {name!r}: tensor {key!r} is not a LoRA A/B weight")
+        pairs.setdefault(module, {})[part[0]] = tensor
+    rank, scale = config["r"], scaling(config)
+    deltas: dict[str, list[Delta]] = {}
+    for module, ab in sorted(pairs.items()):
+        target, out = _engine_slice(name, module, linears, rename)
+        linear = linears[target]
+        if missing := {"A", "B"} - set(ab):
+            raise AdapterError(f"adapter {name!r}: {module} has no lora_{missing.pop()}.weight")
+        a, b = ab["A"], ab["B"]
+        want_a, want_b = (rank, linear.weight.shape[1]), (out.stop - out.start, rank)
+        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            raise AdapterError(f"adapter {name!r}: {module} lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
+                               f"fit r {rank} on the base model (want {want_a} / {want_b})")
+        deltas.setdefault(target, []).append(Delta(out, a.to(device, dtype), b.to(device, dtype), scale))
+    if not deltas:
+        raise AdapterError(f"adapter {name!r}: no LoRA tensors in {WEIGHTS_FILE}")
+    return Adapter(name, str(path), rank, scale, {k: tuple(v) for k, v in deltas.items()})
+
+
+def _engine_slice(name: str, module: str, linears: dict[str, layers.Linear], rename) -> tuple[str, slice]:
+    """The decoder `Linear` a checkpoint module maps to, and its output slice there."""
+    key = rename(module + ".weight")
+    if key is None or not key.startswith("decoder."):
+        raise AdapterError(f"adapter {name!r}: target {module} is not a language-model module "
+                           "(vision-tower adapters are not supported)")
+    owner, _, leaf = key.removeprefix("decoder.").removesuffix(".weight").rpartition(".")
+    if leaf not in TARGETS:
+        raise AdapterError(f"adapter {name!r}: target_modules: {leaf} ({module}) is not supported "
+                           f"(only {', '.join(TARGETS)})")
+    for packed, parts in layers.PACKED.items():
+        if leaf in parts and f"{owner}.{packed}" in linears:
+            linear = linears[f"{owner}.{packed}"]
+            return f"{owner}.{packed}", linear.slices()[parts.index(leaf)]
+    target = f"{owner}.{leaf}"
+    if target not in linears:
+        raise AdapterError(f"adapter {name!r}: target {module}: the engine's decoder has no {target}")
+    return target, linears[target].slices()[0]
+
+
+class LinearLoras:
+    """A `Linear`'s LoRA attachment (`Linear.lora`): the deltas of each loaded adapter that targets
+    it, applied to the rows of the step's groups (`LoraSet.step`)."""
+
+    def __init__(self, active: list):
+        self.active = active  # the step's (adapter name, token rows): shared by every attachment
+        self.deltas: dict[str, tuple[Delta, ...]] = {}
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for name, rows in self.active:
+            if deltas := self.deltas.get(name):
+                xs = x[rows]
+                for d in deltas:
+                    y[:, d.out].index_add_(0, rows, (xs @ d.a.T) @ d.b.T * d.scale)
+        return y
+
+
+class LoraSet:
+    """The adapters loaded on one decoder: at most `capacity`, by name; when a new one is needed,
+    the least recently used one that no request holds is dropped (`hold` / `release`)."""
+
+    def __init__(self, decoder: nn.Module, rename, capacity: int, dtype: torch.dtype, device: torch.device):
+        self.rename, self.capacity, self.dtype, self.device = rename, capacity, dtype, device
+        self.linears = {n: m for n, m in decoder.named_modules() if isinstance(m, layers.Linear)}
+        if not self.linears:
+            raise ValueError("LoRA adapters need the engine's own decoder (Qwen2-VL, Qwen2.5-VL, dense Qwen3-VL)")
+        self.active: list[tuple[str, torch.Tensor]] = []
+        for linear in self.linears.values():
+            linear.lora = LinearLoras(self.active)
+        self.loaded: OrderedDict[str, Adapter] = OrderedDict()
+        self.holders: Counter[str] = Counter()
+
+    def hold(self, request: LoraRequest) -> bool:
+        """Load `request`'s adapter if needed and count one more holder; False when all `capacity`
+        places are held (the request waits). AdapterError for an adapter that does not fit, or a
+        name already loaded from another path."""
+        if (adapter := self.loaded.get(request.name)) is not None:
+            if adapter.path != str(Path(request.path)):
+                raise AdapterError(f"adapter {request.name!r} is loaded from {adapter.path}, not {request.path}")
+            self.loaded.move_to_end(request.name)
+        else:
+            free = next((n for n in self.loaded if not self.holders[n]), None)
+            if len(self.loaded) >= self.capacity and free is None:
+                return False
+            adapter = read_adapter(request, self.linears, self.rename, self.dtype, self.device)
+            if len(self.loaded) >= self.capacity:
+                self._drop(free)
+            self.loaded[request.name] = adapter
+            for target, deltas in adapter.deltas.items():
+                self.linears[target].lora.deltas[request.name] = deltas
+        self.holders[request.name] += 1
+        return True
+
+    def release(self, name: str) -> None:
+        self.holders[name] -= 1
+
+    def _drop(self, name: str) -> None:
+        for target in self.loaded.pop(name).deltas:
+            del self.linears[target].lora.deltas[name]
+        del self.holders[name]
+
+    @contextmanager
+    def step(self, groups: tuple[tuple[str, torch.Tensor], ...]):
+        """Within it, the decoder's forward applies each group's adapter to its token rows."""
+        self.active[:] = groups
+        try:
+            yield
+        finally:
+            self.active.clear()
+
+
+def token_groups(names: list[str | None], counts: list[int],
+                 device: torch.device) -> tuple[tuple[str, torch.Tensor], ...]:
+    """The packed step's token rows of each adapter: sequence i (`counts[i]` tokens in a row) runs
+    under adapter `names[i]` (None: the base model, no group)."""
+    rows: dict[str, list[int]] = {}
+    start = 0
+    for name, n in zip(names, counts):
+        if name is not None:
+            rows.setdefault(name, []).extend(range(start, start + n))
+        start += n
+    return tuple((name, ints(r, device)) for name, r in rows.items())
