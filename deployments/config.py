@@ -306,12 +306,26 @@ class RoutingArgs(FrozenArgs):
         return options(self.epsilon), options(self.prefix_epsilon)
 
 
+def adapter_dir(name: str, path: str) -> str:
+    """`lora_modules[name]` as an absolute directory holding a PEFT adapter, or ValueError saying so."""
+    from pathlib import Path
+
+    found = Path(path).expanduser().resolve()
+    if not (found / "adapter_config.json").is_file():
+        raise ValueError(f"lora_modules.{name}: {path} holds no adapter_config.json (a PEFT adapter directory)")
+    return str(found)
+
+
 class AppArgs(FrozenArgs):
     """Arguments of `deployments.serve.app:build_app` (the `args:` of a Serve config YAML)."""
 
     model: str | None = Field(default=None, description="checkpoint directory; default: the embedded tiny model")
     served_model_name: str | None = Field(default=None, description="the model's name in the API (requests' "
                                           "`model`, /v1/models); default: the checkpoint directory's name")
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict, description="LoRA adapters served beside the base model: name -> PEFT adapter "
+        "directory (adapter_config.json + adapter_model.safetensors); a request names one as its `model`; each LLM "
+        "replica keeps engine.max_loras of them loaded (docs/lora.md)")
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = Field(
         default="auto", description="of the weights; auto: the checkpoint's own (float32 when it names none)")
     device: Literal["auto", "cpu", "cuda"] = Field(default="auto",
@@ -407,8 +421,11 @@ class AppArgs(FrozenArgs):
 
         model = resolve_model_dir(self.model)
         max_model_len = resolve_max_model_len(load_config(model), self.engine.max_model_len)
-        update = {"model": model, "engine": self.engine.model_copy(update={"max_model_len": max_model_len}),
-                  "grpc": self.grpc.on_node()}
+        engine = {"max_model_len": max_model_len}
+        if self.lora_modules and not self.engine.max_loras:
+            engine["max_loras"] = len(self.lora_modules)  # every adapter listed stays loaded
+        update = {"model": model, "engine": self.engine.model_copy(update=engine), "grpc": self.grpc.on_node(),
+                  "lora_modules": {name: adapter_dir(name, path) for name, path in self.lora_modules.items()}}
         if api_key:
             update |= {"api_key": secret(self.api_key, self.api_key_env, "api_key_env"), "api_key_env": None}
         return self.model_copy(update=update)
@@ -442,6 +459,17 @@ class AppArgs(FrozenArgs):
                     f"llm: target_ongoing_requests ({target:g}) > max_ongoing_requests "
                     f"({self.llm.max_ongoing_requests}): replicas could never reach the target"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _check_loras(self) -> "AppArgs":
+        for name in self.lora_modules:
+            if not name or name == self.served_model_name:
+                raise ValueError(f"lora_modules: {name!r} cannot name an adapter (it must be set and differ from "
+                                 "served_model_name)")
+        if self.lora_modules and self.engine.tensor_parallel_size > 1:
+            raise ValueError("lora_modules with engine.tensor_parallel_size > 1: LoRA adapters are not supported "
+                             "with tensor parallelism yet")
         return self
 
     @model_validator(mode="after")

@@ -61,7 +61,8 @@ class EngineConfig:
     cuda_graphs: bool = setting(True, "CUDA: capture decode-only steps as graphs")
     max_graph_batch_size: int = 64
     max_logprobs: int = 20
-    max_loras: int = setting(0, ge=0)
+    max_loras: int = setting(0, "LoRA adapters kept loaded per LLM replica (least recently used dropped); 0: as "
+                             "many as lora_modules lists", ge=0)
     enable_prefix_caching: bool = setting(True, "reuse K/V of identical prompt prefixes (images by content hash)")
     attention_backend: Literal["auto", "sdpa", "triton"] = setting(
         "auto", "auto: the Triton paged kernel on CUDA, SDPA on CPU (checked at replica start); triton runs on "

@@ -46,6 +46,18 @@ def tiny_models(tiny_checkpoint) -> dict[str, str]:
     return {f: tiny_checkpoint(f) for f in FAMILIES}
 
 
+@pytest.fixture(scope="session")
+def tiny_lora(tiny_models, models_root) -> str:
+    """A LoRA adapter (PEFT directory) of the tiny Qwen2-VL, built on first use; the session's qwen2_vl
+    app serves it as `TINY_LORA` (tests/serve/test_lora_serve.py)."""
+    from mmserve.tiny.lora import build_tiny_adapter
+
+    out = os.path.join(models_root, "qwen2_vl-lora")
+    if not os.path.isfile(os.path.join(out, "adapter_model.safetensors")):
+        build_tiny_adapter(tiny_models["qwen2_vl"], out, seed=1)
+    return out
+
+
 @pytest.fixture(params=FAMILIES)
 def family(request) -> str:
     return request.param

@@ -269,7 +269,7 @@ class OpenAIAdapter:
             return failure_response(self.core.failed(e, "-"))
         if reason := self.core.not_ready():
             return error_response(503, reason)
-        return JSONResponse({"object": "list", "data": [self.core.model_card()]})
+        return JSONResponse({"object": "list", "data": self.core.model_cards()})
 
     async def chat_completions(self, request: Request) -> Response:
         # the engine and encoders key requests by our own id. The client's x-request-id (or the one

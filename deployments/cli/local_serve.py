@@ -387,6 +387,7 @@ def app_args(ns: argparse.Namespace, key_env: str | None, shares=None):
             llm={"num_cpus": 0.25 * cpus / ranks, "num_gpus": llm_gpus},
             video_decoder={"num_cpus": 0.125 * cpus},
             engine=EngineArgs(max_model_len=ns.max_model_len, tensor_parallel_size=ranks),
+            lora_modules=dict(ns.lora),
         )
     except ValidationError as e:
         flags = {"tensor_parallel_size": "--tensor-parallel-size", "llm.num_gpus": "--llm-gpus"}

@@ -164,6 +164,13 @@ def _bench(ns: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not (sep and name and path):
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=DIR")
+    return name, path
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["plan"]:  # ahead of the other commands' imports (torch: seconds)
@@ -203,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                          help="ranks each LLM replica's decoder is split over, one process each on one node "
                          "(engine.tensor_parallel_size; with --llm-gpus 1, a GPU each; the LLM's CPUs are shared "
                          "among its ranks); default 1")
+    serve_p.add_argument("--lora", action="append", default=[], metavar="NAME=DIR", type=_lora_module,
+                         help="a LoRA adapter (PEFT directory) served beside the model as NAME, which requests name "
+                         "as their model (repeatable; lora_modules, docs/lora.md)")
     serve_p.add_argument("--grpc-port", type=int, default=None,
                          help="Serve's gRPC proxy port (default 9000; with --config: the file's grpc_options.port). "
                          "It listens on every interface whatever --host says: without an API key it starts only "

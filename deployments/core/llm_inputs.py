@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llm_service.engine.sequence import LoraRequest
 from llm_service.sampling import SamplingParams
 from mmserve.families.base import StreamGroup
 from mmserve.inputs.media import DecodedVideo, EncodeItem, PlaceholderRange
@@ -70,3 +71,4 @@ class PendingRequest:
     resumed_tokens: int = 0  # a failover continuation: the last this many prompt tokens were already sent
     attempt: int = 0  # 0: the first submission; n: the router's n-th resubmission (never refused as busy)
     n: int = 1  # choices: sequences of the same prompt, each sampled on its own (its seed + its index)
+    lora: LoraRequest | None = None  # the LoRA adapter it runs under (`lora_modules`); None: the base model

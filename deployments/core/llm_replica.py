@@ -120,7 +120,8 @@ class LLMReplica:
             self.listener.on_grammar(compiler.stats.cache_hits > hits)
         request = LLMRequest(pending.request_id, pending.prompt_token_ids, pending.sampling, pending.positions,
                              media=tuple(zip(pending.ranges, embeddings)), matcher=matchers[0],
-                             snapshot_boundaries=pending.snapshot_boundaries, grammar_prefix=pending.resumed_tokens)
+                             snapshot_boundaries=pending.snapshot_boundaries, grammar_prefix=pending.resumed_tokens,
+                             lora=pending.lora)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         if self._stats_task is None:

@@ -38,6 +38,7 @@ from deployments.core.llm_inputs import EmbeddingHandle, PendingRequest, Streame
 from deployments.core.readiness import Readiness
 from deployments.core.request_checks import RequestChecks
 from deployments.media.fetch import MediaFetcher
+from llm_service.engine.sequence import LoraRequest
 from llm_service.sampling import Grammar
 from llm_service.model.quantized import read_format
 from mmserve.errors import InvalidRequest, NotReady, QueueFull, RequestTooLarge, ShuttingDown, Unauthenticated
@@ -56,7 +57,7 @@ class ChatRequest:
 
     messages: tuple[Message[MediaSource], ...]
     options: GenerationOptions
-    model: str | None = None  # when set, it must name the served model
+    model: str | None = None  # when set, it must name the served model or one of its LoRA adapters
     tools: tuple[ToolSpec, ...] = ()
     # "none" (tools not shown), "auto" (the model may call), "required" (it must), or the one
     # function's name it must call
@@ -244,8 +245,9 @@ class RequestCore:
 
     def _check(self, request: ChatRequest) -> None:
         name = self.args.served_model_name
-        if request.model and request.model != name:
-            raise InvalidRequest(f"model {request.model!r} is not served here; use {name!r}")
+        if request.model and request.model != name and request.model not in self.args.lora_modules:
+            names = ", ".join(repr(n) for n in (name, *self.args.lora_modules))
+            raise InvalidRequest(f"model {request.model!r} is not served here; use {names}")
         if not request.messages:
             raise InvalidRequest("messages: at least one message is required")
         for i, message in enumerate(request.messages):
@@ -309,13 +311,15 @@ class RequestCore:
         self.pending.admit(ticket, len(plan.token_ids))
         sampling = sampling_params(options, len(plan.token_ids), self.max_model_len, self.generation_defaults)
         media = plan.media
+        adapter = self.args.lora_modules.get(request.model or "")
+        lora = LoraRequest(request.model, adapter) if adapter else None
         pending = PendingRequest(
             request_id=request_id, prompt_token_ids=tuple(plan.token_ids), sampling=sampling,
             positions=plan.positions, ranges=tuple(plan.ranges), embeddings=await self._dispatch(media),
             prefix_hashes=prefix_hashes(plan.token_ids, plan.ranges, [item.content_hash for item in plan.items],
-                                        self.args.engine.block_size),
+                                        self.args.engine.block_size, lora.name if lora else ""),
             snapshot_boundaries=plan.snapshot_boundaries,
-            n=options.n,
+            n=options.n, lora=lora,
         )
         logger.info("request %s: %d prompt tokens, %d media items (%d media tokens), max_tokens %d",
                     request_id, len(plan.token_ids), len(plan.items), plan.num_media_tokens, sampling.max_tokens)
@@ -369,11 +373,14 @@ class RequestCore:
             logger.warning("request %s failed (%s): %r", request_id, failure.kind, e)
         return failure
 
-    def model_card(self) -> dict:
-        """`GET /v1/models`'s entry for the served model."""
-        return {"id": self.args.served_model_name, "object": "model", "created": self.created,
-                "owned_by": "mmserve", "root": self.args.model, "max_model_len": self.max_model_len,
+    def model_cards(self) -> list[dict]:
+        """`GET /v1/models`'s entries: the served model, then each LoRA adapter (its `parent` the
+        served model, as vLLM lists them)."""
+        base = {"id": self.args.served_model_name, "object": "model", "created": self.created, "owned_by": "mmserve",
+                "root": self.args.model, "parent": None, "max_model_len": self.max_model_len,
                 "quantization": self.quantization}
+        return [base] + [base | {"id": name, "root": path, "parent": base["id"]}
+                         for name, path in self.args.lora_modules.items()]
 
     def check_health(self) -> None:
         if not self.tokenizer.encode("ok"):

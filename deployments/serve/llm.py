@@ -29,6 +29,7 @@ from deployments.serve.transport import GrpcFetcher, resolve
 from deployments.serve.video_decoder import ServeVideoClient
 from llm_service.config import EngineConfig
 from llm_service.engine.llm_engine import LLMEngine, TokenEvent
+from llm_service.engine.sequence import LoraRequest
 from llm_service.model.language_model import LanguageModel
 from mmserve.device import device_memory, hold_to_share, resolve_device
 from mmserve.inputs.embeddings import ItemEmbedding
@@ -59,6 +60,7 @@ class LLMDeployment:
             model = LanguageModel(model_dir, dtype=dtype, device=device, tp=group)
             llm = LLMEngine(model, engine)
             llm.warm_up()
+            llm.load_loras([LoraRequest(name, path) for name, path in args.lora_modules.items()])
             return model, llm
 
         self.ranks = None  # a tensor-parallel replica's other ranks (`deployments.serve.tp_ranks`)

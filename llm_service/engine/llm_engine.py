@@ -135,6 +135,17 @@ class LLMEngine:
         r = self.runner
         self.scheduler = Scheduler(self.config, r.num_blocks, r.num_slots, r.num_snapshots, r.batch.release)
 
+    def load_loras(self, adapters) -> None:
+        """Before `start()`: load each `LoraRequest` of `adapters` once (the last `max_loras` stay
+        loaded), so that a bad adapter stops the replica at start, naming it and the field."""
+        for adapter in adapters:
+            if self.runner.loras is None:
+                raise AdapterError(f"LoRA adapter {adapter.name!r}: this engine serves none (max_loras is 0)")
+            if not self.runner.loras.hold(adapter):
+                raise AdapterError(f"LoRA adapter {adapter.name!r}: no free place (max_loras is "
+                                   f"{self.runner.loras.capacity})")
+            self.runner.loras.release(adapter.name)
+
     def warm_up(self, num_prompt_tokens: int = 24, max_tokens: int = 3) -> None:
         """Before `start()`: run two short requests, one greedy and one sampled, through the real
         steps in the calling thread (a packed prefill, then `max_tokens - 1` decode steps), so that

@@ -85,11 +85,12 @@ class BoundedLoadRing:
 
 
 def prefix_hashes(token_ids: Sequence[int], ranges: Sequence[PlaceholderRange], media_keys: Sequence[str],
-                  block_size: int) -> tuple[int, ...]:
+                  block_size: int, adapter: str = "") -> tuple[int, ...]:
     """One hash per full block of the prompt, each covering everything before it: the block's
     token ids and the content hash of every media item overlapping it (`media_keys[i]` for
-    `ranges[i]`), so two prompts share a hash exactly where they share a prefix."""
-    hashes, previous = [], b""
+    `ranges[i]`), so two prompts share a hash exactly where they share a prefix; under a LoRA
+    `adapter` (its name) the chain starts from it, so no block is shared with the base's or another's."""
+    hashes, previous = [], adapter.encode()
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         end = start + block_size
         media = [key for rng, key in zip(ranges, media_keys) if rng.offset < end and rng.offset + rng.length > start]

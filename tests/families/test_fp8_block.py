@@ -174,5 +174,5 @@ def test_the_models_route_says_the_quantization(fp8_checkpoint, tiny_checkpoint)
     """`GET /v1/models` (the Router core's card) says how the LM's weights are stored; None when dense."""
     from tests.support.core_fakes import make_core
 
-    assert make_core(fp8_checkpoint("qwen2_vl")[0]).model_card()["quantization"] == "fp8 (e4m3, 16x16 blocks)"
-    assert make_core(tiny_checkpoint("qwen2_vl")).model_card()["quantization"] is None
+    assert make_core(fp8_checkpoint("qwen2_vl")[0]).model_cards()[0]["quantization"] == "fp8 (e4m3, 16x16 blocks)"
+    assert make_core(tiny_checkpoint("qwen2_vl")).model_cards()[0]["quantization"] is None

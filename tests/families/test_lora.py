@@ -226,3 +226,49 @@ def test_the_cli_builds_the_same_adapter_and_another_seed_another(tiny_models, a
     assert _digest(build_tiny_adapter(model_dir, tmp_path / "other", seed=3)) != _digest(built)
     keys = load_file(built / "adapter_model.safetensors")
     assert len(keys) == 2 * 7 * 2 and all(".language_model." in k for k in keys)  # 2 layers x 7 projections x A, B
+
+
+def test_the_router_core_sends_the_adapter_a_request_names_and_lists_each_adapter(tiny_models, adapters_root):
+    """`lora_modules`: a request whose `model` names an adapter reaches the LLM with it (its prefix
+    hashes their own chain), any other name is a 400 listing the served ones, and `GET /v1/models`
+    lists each adapter with the served model as its parent."""
+    import asyncio
+
+    from deployments.core.generation import GenerationOptions
+    from deployments.core.request_core import ChatRequest
+    from mmserve.request.prompt import Message
+    from tests.support.core_fakes import FakeLLM, make_core, reader
+
+    model_dir = tiny_models["qwen2_vl"]
+    adapter = _adapters(model_dir, adapters_root)["a"]
+    llm = FakeLLM()
+    core = make_core(model_dir, llm, lora_modules={"a": adapter.path})
+    prompt = (Message("user", ("Tell me a story about a cat, a long one please, with a dog in it too.",)),)
+
+    async def send(model: str):
+        gen = await core.generate(None, reader(ChatRequest(prompt, GenerationOptions(max_tokens=2), model=model)),
+                                  f"r-{model}")
+        async for _ in gen.deltas():
+            pass
+
+    asyncio.run(send("a"))
+    asyncio.run(send("m"))
+    (under, base) = llm.calls
+    assert under.lora == LoraRequest("a", adapter.path) and base.lora is None
+    assert under.prompt_token_ids == base.prompt_token_ids and under.prefix_hashes
+    assert not set(under.prefix_hashes) & set(base.prefix_hashes)
+    with pytest.raises(InvalidRequest, match="model 'b' is not served here; use 'm', 'a'"):
+        asyncio.run(send("b"))
+    cards = core.model_cards()
+    assert [(c["id"], c["parent"], c["root"]) for c in cards] == [("m", None, model_dir), ("a", "m", adapter.path)]
+
+
+def test_lora_modules_are_checked_at_start(tiny_models, tmp_path):
+    from deployments.config import AppArgs
+
+    with pytest.raises(ValueError, match=r"lora_modules\.x: .* holds no adapter_config.json"):
+        AppArgs(model=tiny_models["qwen2_vl"], lora_modules={"x": str(tmp_path)}).on_node()
+    with pytest.raises(ValueError, match="cannot name an adapter"):
+        AppArgs(served_model_name="m", lora_modules={"m": str(tmp_path)})
+    with pytest.raises(ValueError, match="not supported with tensor parallelism"):
+        AppArgs(lora_modules={"x": str(tmp_path)}, engine={"tensor_parallel_size": 2})

@@ -84,16 +84,21 @@ def hold(resource: str):
     return holder
 
 
+TINY_LORA = "tiny-lora"  # the session's qwen2_vl app serves the `tiny_lora` adapter under this name
+
+
 @pytest.fixture(scope="session")
-def serve_urls(serve_ports, tiny_models) -> dict[str, str]:
+def serve_urls(serve_ports, tiny_models, tiny_lora) -> dict[str, str]:
     """{family: base URL of its app}."""
     from ray import serve
 
     from deployments.serve.app import build_app
     from deployments.serve.router import wait_until_ready
 
+    extra = {"qwen2_vl": {"lora_modules": {TINY_LORA: tiny_lora}}}
     for family in FAMILIES:
-        serve.run(build_app(_app_args(tiny_models[family], family)), name=family, route_prefix=f"/{family}")
+        serve.run(build_app(_app_args(tiny_models[family], family, **extra.get(family, {}))), name=family,
+                  route_prefix=f"/{family}")
     for family in FAMILIES:
         wait_until_ready(family)
     return {f: f"http://127.0.0.1:{serve_ports[0]}/{f}" for f in FAMILIES}

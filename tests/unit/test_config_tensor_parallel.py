@@ -95,7 +95,7 @@ def test_one_rank_has_no_placement_group():
 
 def _serve_flags(**flags) -> argparse.Namespace:
     base = dict(model=None, dtype="auto", device="auto", num_cpus=2, encoder_gpus=0, llm_gpus=0,
-                max_model_len=None, tensor_parallel_size=1)
+                max_model_len=None, tensor_parallel_size=1, lora=[])
     return argparse.Namespace(**{**base, **flags})
 
 

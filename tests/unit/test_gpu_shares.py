@@ -63,7 +63,7 @@ def test_one_gpu_is_shared_in_twentieths_that_sum_to_one_and_fit_both(memory_gib
 
 def _flags(**given) -> argparse.Namespace:
     base = dict(model=None, dtype="auto", device="auto", num_cpus=2, encoder_gpus=None, llm_gpus=None,
-                max_model_len=None, tensor_parallel_size=1)
+                max_model_len=None, tensor_parallel_size=1, lora=[])
     return argparse.Namespace(**{**base, **given})
 
 

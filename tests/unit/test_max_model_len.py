@@ -70,7 +70,7 @@ def test_the_engine_refuses_prompt_and_max_tokens_over_its_max_model_len(tiny_mo
 def test_a_lower_setting_makes_the_router_refuse_a_prompt_over_it(tiny_models):
     llm = FakeLLM()
     core = make_core(tiny_models["qwen2_vl"], llm, engine={"max_model_len": 64})
-    assert core.max_model_len == 64 and core.model_card()["max_model_len"] == 64
+    assert core.max_model_len == 64 and core.model_cards()[0]["max_model_len"] == 64
     with pytest.raises(InvalidRequest, match="prompt has [0-9]+ tokens, media included; the model's context is 64 tokens"):
         asyncio.run(core.generate(None, reader(_chat(None, words=80)), "long"))
     with pytest.raises(InvalidRequest, match="context of 64 tokens"):
