@@ -108,7 +108,8 @@ class _FP8(WeightFormat):
                 raise ValueError(f"checkpoint tensor {key} ({tensor.dtype}, {tensor.shape}) is not an "
                                  f"e4m3 weight (out, in) with {self.scale_name}")
             if scale is None:
-                raise ValueError(f"checkpoint tensor {key} is F8_E4M3 but the checkpoint has no {base}.{self.scale_name}")
+                raise ValueError(f"checkpoint tensor {key} is F8_E4M3 but the checkpoint has no "
+                                 f"{base}.{self.scale_name}")
             if scale.shape != self.scale_shape(tensor.shape):
                 raise ValueError(f"checkpoint tensor {base}.{self.scale_name} has shape {scale.shape}; the weight "
                                  f"{tensor.shape} {self.scale_rule} needs {self.scale_shape(tensor.shape)}")
@@ -211,7 +212,8 @@ class AWQ(WeightFormat):
             if param != "qweight":
                 continue
             if tensor.dtype != torch.int32 or len(tensor.shape) != 2:
-                raise ValueError(f"checkpoint tensor {key} ({tensor.dtype}, {tensor.shape}) is not an int32 (in, out/8)")
+                raise ValueError(f"checkpoint tensor {key} ({tensor.dtype}, {tensor.shape}) is not an int32 "
+                                 "(in, out/8)")
             inp, out = tensor.shape[0], tensor.shape[1] * 8
             if inp % self.group_size:
                 raise ValueError(f"checkpoint tensor {key} has {inp} input rows, not whole groups of "
@@ -224,7 +226,8 @@ class AWQ(WeightFormat):
                     raise ValueError(f"checkpoint tensor {key} is AWQ int4 but the checkpoint has no {base}.{name}")
                 if (part.shape, part.dtype) != (shape, dtype):
                     raise ValueError(f"checkpoint tensor {base}.{name} is {part.dtype} {part.shape}; the qweight "
-                                     f"{tensor.shape} in groups of {self.group_size} (group_size) needs {dtype} {shape}")
+                                     f"{tensor.shape} in groups of {self.group_size} (group_size) needs "
+                                     f"{dtype} {shape}")
             found.append(key)
         return found
 

@@ -253,3 +253,15 @@ def test_lm_weight_bytes_count_awq_as_stored(quantized_checkpoint):
     int4 = sum(t.nbytes for t in stored if t.key.endswith((".qweight", ".qzeros", ".scales")))
     rest = sum(t.nbytes // 2 for t in stored if t.dtype == torch.float32)
     assert lm == int4 + rest  # float32 tensors served in bfloat16: half their stored bytes
+
+
+def test_bf16_channel_scales_load_widened_exactly(quantized_checkpoint, tmp_path):
+    model_dir = _copy(quantized_checkpoint, "fp8-channel", tmp_path)
+    scale = {}
+
+    def to_bf16(tensors):
+        scale["bf16"] = tensors[f"{Q_PROJ}.weight_scale"] = tensors[f"{Q_PROJ}.weight_scale"].bfloat16()
+
+    _edit_tensors(model_dir, to_bf16)
+    qkv = _lm(model_dir).modules.decoder.layers[0].self_attn.qkv_proj
+    assert qkv.weight_scale.dtype == torch.float32 and torch.equal(qkv.weight_scale[:64], scale["bf16"].float())
