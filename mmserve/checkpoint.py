@@ -40,6 +40,7 @@ _FILE_DTYPES = {
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_QUANTIZATION_SCALES = (".weight_scale_inv", ".weight_scale", ".scales")  # FP8 block, FP8 channel, AWQ
 _READ_CHUNK = 1 << 30  # one read() moves at most ~2 GiB on Linux
 
 
@@ -122,11 +123,11 @@ def stored_tensors(file: Path) -> list[StoredTensor]:
 
 def weight_bytes(model_dir: str | Path, select: Callable[[str], bool], dtype: torch.dtype) -> int:
     """Bytes the tensors `select` picks (by checkpoint key) take in `dtype`, from the files' headers
-    alone; FP8 weights and their block scales (`weight_scale_inv`) count as stored: they are served so."""
+    alone; quantized weights (FP8, AWQ's packed int32) and their scales count as stored: they are served so."""
     size = torch.empty((), dtype=dtype).element_size()
 
     def served(t: StoredTensor) -> int:
-        kept = t.dtype in _FP8 or t.key.endswith(".weight_scale_inv")
+        kept = t.dtype in _FP8 or t.dtype == torch.int32 or t.key.endswith(_QUANTIZATION_SCALES)
         return t.nbytes if kept else math.prod(t.shape) * size
 
     return sum(served(t) for file in safetensors_files(Path(model_dir)) for t in stored_tensors(file) if select(t.key))

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     from mmserve.checkpoint import DTYPE_CHOICES
     from mmserve.request.prompt_plan import MediaLimits
     from mmserve.tiny import FAMILIES
-    from mmserve.tiny.fp8 import QUANTIZATIONS
+    from mmserve.tiny.quantized import QUANTIZATIONS
 
     parser = argparse.ArgumentParser(prog="mmserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -254,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     tiny_p.add_argument("--out", required=True)
     tiny_p.add_argument("--seed", type=int, default=0)
     tiny_p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
-                        help="the language model's weights in this format (fp8-block: Qwen's -FP8 releases)")
+                        help="the language model's weights in this format (fp8-block: Qwen's -FP8 releases; "
+                             "fp8-channel: llm-compressor's FP8-dynamic; awq: AutoAWQ int4 GEMM)")
     tiny_p.set_defaults(func=_build_tiny)
 
     from mmserve.tiny.lora import LM_TARGETS

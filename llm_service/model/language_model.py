@@ -46,7 +46,8 @@ class LanguageModel:
         rename, take = self.face.rename, None
         self.quantization = fmt = quantized.read_format(model_dir)
         if fmt is not None and tp is not None:
-            raise ValueError(f"{self.model_dir.name}: tensor-parallel serving of FP8 checkpoints is not supported yet")
+            raise ValueError(f"{self.model_dir.name}: tensor-parallel serving of {fmt.name} checkpoints "
+                             "is not supported yet")
         if fmt is not None:  # parameters on meta until each has its stored dtype: no full-precision copy
             from llm_service.model import tensor_parallel
 

@@ -30,6 +30,8 @@ from llm_service.model import attention
 
 # packed module -> the checkpoint's modules it concatenates, in output order
 PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# the dimension a packed tensor concatenates its parts along: the output one (AWQ stores (in, out))
+PACKED_DIM = {"qweight": 1, "qzeros": 1, "scales": 1}
 
 
 class Linear(nn.Module):
@@ -262,5 +264,5 @@ def pack_checkpoint_tensors(waiting: dict[str, torch.Tensor]) -> dict[str, torch
         for packed, parts in PACKED.items():
             keys = [f"{owner}.{part}.{param}" for part in parts]
             if name in parts and all(k in waiting for k in keys):
-                made[f"{owner}.{packed}.{param}"] = torch.cat([waiting.pop(k) for k in keys])
+                made[f"{owner}.{packed}.{param}"] = torch.cat([waiting.pop(k) for k in keys], PACKED_DIM.get(param, 0))
     return made

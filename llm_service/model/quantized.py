@@ -1,22 +1,30 @@
-"""Block-scaled FP8 weights: the `quant_method: "fp8"` checkpoints Qwen publishes (`-FP8` releases).
+"""Quantized weight formats of the engine's `layers.Linear`, read as the checkpoints are published.
 
-`config.json` (top level, or its `text_config`) holds
-`quantization_config: {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-"weight_block_size": [bo, bi], "modules_to_not_convert": [...]}`. Each converted projection is
-stored as an `F8_E4M3` `weight` `(out, in)` and a `weight_scale_inv` `(ceil(out/bo), ceil(in/bi))`:
-stored value x its block's scale = the weight (edge blocks may be partial). Which projections are
-converted is read from the file: a weight stored in F8_E4M3 is one (the writer followed
-`modules_to_not_convert`: vision tower, lm_head), anything else is loaded as it is.
+`read_format` finds the format in `config.json` (top level, or its `text_config`)
+`quantization_config`; each is a `WeightFormat`:
 
-The engine's `layers.Linear` keeps the e4m3 weight and its scale grid (packed projections
-concatenate both along the output dimension, so each slice must cover whole blocks) and, in its
-forward, dequantizes into the input's dtype and runs a plain GEMM (`BlockFP8.forward`): the CPU
-path, and CUDA's until an FP8 tensor-core GEMM takes over.
+- `BlockFP8` (`quant_method: "fp8"`, Qwen's `-FP8` releases): an `F8_E4M3` `weight` `(out, in)`
+  and a float32 `weight_scale_inv` `(ceil(out/bo), ceil(in/bi))` per `weight_block_size` block
+  (edge blocks may be partial);
+- `ChannelFP8` (`quant_method: "compressed-tensors"`, `format: "float-quantized"`, llm-compressor's
+  FP8-dynamic scheme): an `F8_E4M3` `weight` `(out, in)` and a `weight_scale` `(out, 1)` per
+  output channel; activations are quantized per token at run time by a GPU kernel, not here;
+- `AWQ` (`quant_method: "awq"`, `version: "gemm"`): int4 with zero points per group of
+  `group_size` input rows: `qweight` int32 `(in, out/8)`, `qzeros` int32 `(in/group, out/8)`,
+  `scales` float16 `(in/group, out)`, eight 4-bit values per int32 in `AWQ_ORDER`; no `weight`.
+
+Which projections are quantized is read from the file (a weight stored in F8_E4M3, a `qweight`):
+the writer followed its own skip list (`modules_to_not_convert`, `ignore`: the vision tower,
+lm_head); anything else loads as it is. A converted `Linear` holds the stored tensors (packed
+projections concatenate each along the output dimension) and, in its forward, dequantizes into
+the input's dtype and runs a plain GEMM (`WeightFormat.forward`): the CPU path, and CUDA's until
+an FP8 / W4A16 GEMM takes over.
 """
 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,26 +33,119 @@ import torch.nn.functional as F
 from torch import nn
 
 from llm_service.model import layers
-from mmserve.checkpoint import read_config, safetensors_files, stored_tensors
+from mmserve.checkpoint import StoredTensor, read_config, safetensors_files, stored_tensors
 
 FP8 = torch.float8_e4m3fn
-SCALE = "weight_scale_inv"
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the 4 bits at 4*i of an int32 hold column AWQ_ORDER[i] of its 8
+_AWQ_SHIFTS = torch.tensor([4 * AWQ_ORDER.index(column) for column in range(8)], dtype=torch.int32)
+
+
+class WeightFormat(ABC):
+    """One quantized weight format of `layers.Linear`. A format reads the checkpoint's headers
+    (`quantized_tensors`), gives a `Linear` the tensors it stores (`convert`) and computes with
+    them (`forward`); `name` is what `GET /v1/models` and the load log say."""
+
+    label: str  # the kind of tensor in error messages ("FP8")
+    out_multiple: int = 1  # a packed projection's slices are multiples of this many output rows ...
+    out_reason: str = ""  # ... because of this
+
+    @property
+    @abstractmethod
+    def name(self) -> str: ...
+
+    @abstractmethod
+    def quantized_tensors(self, stored: dict[str, StoredTensor]) -> list[str]:
+        """Keys of the main stored tensor of each quantized projection (`...q_proj.weight`,
+        `...q_proj.qweight`), each checked against its companions' presence and shapes; a
+        ValueError naming the tensor otherwise."""
+
+    @abstractmethod
+    def params(self, out: int, inp: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The tensors a `Linear` of `(out, in)` holds: attribute -> (shape, dtype)."""
+
+    @abstractmethod
+    def dense(self, linear: layers.Linear, dtype: torch.dtype) -> torch.Tensor:
+        """`linear`'s weight `(out, in)` in `dtype`, computed in float32 (or `dtype` if wider)."""
+
+    def forward(self, linear: layers.Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dense(linear, x.dtype), linear.bias)
+
+    def convert(self, name: str, linear: layers.Linear, device: torch.device) -> None:
+        """Give `linear` (named `name`) empty tensors of this format to load into."""
+        sizes = linear.output_sizes
+        if len(sizes) > 1 and any(size % self.out_multiple for size in sizes):
+            raise ValueError(f"{name}: its packed slices {sizes} are not whole {self.out_reason}")
+        out, inp = linear.weight.shape
+        linear.weight = None  # a format that stores a `weight` sets it again below
+        for attr, (shape, dtype) in self.params(out, inp).items():
+            setattr(linear, attr, nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False))
+        linear.quantization = self
+
+
+class _FP8(WeightFormat):
+    """An e4m3 `weight` `(out, in)` and float32 scales (`scale_name`) of `scale_shape`."""
+
+    label = "FP8"
+    scale_name: str
+    scale_rule: str  # how the scale's shape follows from the weight's, for errors
+
+    @abstractmethod
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, int]: ...
+
+    def params(self, out, inp):
+        return {"weight": ((out, inp), FP8), self.scale_name: (self.scale_shape((out, inp)), torch.float32)}
+
+    def quantized_tensors(self, stored):
+        found = []
+        for key, tensor in stored.items():
+            base = key.rpartition(".")[0]
+            if key.endswith("." + self.scale_name) and stored.get(base + ".weight", tensor).dtype != FP8:
+                raise ValueError(f"checkpoint tensor {key} scales no F8_E4M3 weight {base}.weight")
+            if tensor.dtype not in (FP8, torch.float8_e5m2):
+                continue
+            scale = stored.get(f"{base}.{self.scale_name}")
+            if tensor.dtype != FP8 or not key.endswith(".weight") or len(tensor.shape) != 2:
+                raise ValueError(f"checkpoint tensor {key} ({tensor.dtype}, {tensor.shape}) is not an "
+                                 f"e4m3 weight (out, in) with {self.scale_name}")
+            if scale is None:
+                raise ValueError(f"checkpoint tensor {key} is F8_E4M3 but the checkpoint has no "
+                                 f"{base}.{self.scale_name}")
+            if scale.shape != self.scale_shape(tensor.shape):
+                raise ValueError(f"checkpoint tensor {base}.{self.scale_name} has shape {scale.shape}; the weight "
+                                 f"{tensor.shape} {self.scale_rule} needs {self.scale_shape(tensor.shape)}")
+            found.append(key)
+        return found
 
 
 @dataclass(frozen=True)
-class BlockFP8:
-    """One block-scaled FP8 format: `block` = (rows, columns) of the weight one scale covers."""
+class BlockFP8(_FP8):
+    """Block-scaled FP8: `block` = (rows, columns) of the weight one scale covers."""
 
     block: tuple[int, int]
+    scale_name = "weight_scale_inv"
 
     @property
     def name(self) -> str:
-        """As `GET /v1/models` and the load log say it."""
         return f"fp8 (e4m3, {self.block[0]}x{self.block[1]} blocks)"
+
+    @property
+    def out_multiple(self) -> int:
+        return self.block[0]
+
+    @property
+    def out_reason(self) -> str:
+        return (f"blocks of weight_block_size[0]={self.block[0]} rows: the scale grids of its parts cannot "
+                "be concatenated")
+
+    @property
+    def scale_rule(self) -> str:
+        return f"in blocks {list(self.block)} (weight_block_size)"
 
     def grid(self, shape: tuple[int, ...]) -> tuple[int, int]:
         """The scale grid of a weight of `shape` `(out, in)`."""
         return math.ceil(shape[0] / self.block[0]), math.ceil(shape[1] / self.block[1])
+
+    scale_shape = grid
 
     def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`weight` (e4m3) x each block's `scale`, computed in float32 (or `dtype` if wider), in `dtype`."""
@@ -56,37 +157,114 @@ class BlockFP8:
         out[:, whole:].mul_(per_row[:, -1:])  # a partial last column block
         return out.to(dtype)
 
-    def forward(self, linear: layers.Linear, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantize(linear.weight, linear.weight_scale_inv, x.dtype), linear.bias)
-
-    def convert(self, name: str, linear: layers.Linear, device: torch.device) -> None:
-        """Give `linear` (named `name`) an e4m3 `weight` and a float32 `weight_scale_inv` to load into."""
-        rows = self.block[0]
-        if len(linear.output_sizes) > 1 and any(size % rows for size in linear.output_sizes):
-            raise ValueError(f"{name}: its packed slices {linear.output_sizes} are not whole blocks of "
-                             f"weight_block_size[0]={rows} rows: the scale grids of its parts cannot be concatenated")
-        shape = tuple(linear.weight.shape)
-        linear.weight = nn.Parameter(torch.empty(shape, dtype=FP8, device=device), requires_grad=False)
-        linear.weight_scale_inv = nn.Parameter(torch.empty(self.grid(shape), dtype=torch.float32, device=device),
-                                               requires_grad=False)
-        linear.quantization = self
+    def dense(self, linear, dtype):
+        return self.dequantize(linear.weight, linear.weight_scale_inv, dtype)
 
 
-def read_format(model_dir: str | Path) -> BlockFP8 | None:
+@dataclass(frozen=True)
+class ChannelFP8(_FP8):
+    """Per-output-channel FP8 (compressed-tensors `float-quantized`, strategy `channel`)."""
+
+    scale_name = "weight_scale"
+    scale_rule = "(one scale per output channel)"
+
+    @property
+    def name(self) -> str:
+        return "compressed-tensors fp8 (e4m3, per-channel weights, dynamic per-token activations)"
+
+    def scale_shape(self, shape):
+        return shape[0], 1
+
+    def dense(self, linear, dtype):
+        wide = torch.promote_types(dtype, torch.float32)
+        return (linear.weight.to(wide) * linear.weight_scale.to(wide)).to(dtype)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """int32 `(rows, cols)` holding eight 4-bit values each (`AWQ_ORDER`) -> `(rows, 8 cols)` int32 in 0..15."""
+    return ((packed.unsqueeze(-1) >> _AWQ_SHIFTS.to(packed.device)) & 0xF).flatten(-2)
+
+
+@dataclass(frozen=True)
+class AWQ(WeightFormat):
+    """AWQ int4 (GEMM layout) with zero points: weight[in, out] = (q - z) * s per group of input rows."""
+
+    group_size: int
+    label = "AWQ int4"
+    out_multiple = 8
+    out_reason = "groups of 8 output columns (eight 4-bit values per int32)"
+
+    @property
+    def name(self) -> str:
+        return f"awq (int4, groups of {self.group_size}, zero points)"
+
+    def params(self, out, inp):
+        groups, words = inp // self.group_size, out // 8
+        return {"qweight": ((inp, words), torch.int32), "qzeros": ((groups, words), torch.int32),
+                "scales": ((groups, out), torch.float16)}
+
+    def quantized_tensors(self, stored):
+        found = []
+        for key, tensor in stored.items():
+            base, _, param = key.rpartition(".")
+            if param == "qzeros" and base + ".qweight" not in stored:
+                raise ValueError(f"checkpoint tensor {key} belongs to no qweight {base}.qweight")
+            if param != "qweight":
+                continue
+            if tensor.dtype != torch.int32 or len(tensor.shape) != 2:
+                raise ValueError(f"checkpoint tensor {key} ({tensor.dtype}, {tensor.shape}) is not an int32 "
+                                 "(in, out/8)")
+            inp, out = tensor.shape[0], tensor.shape[1] * 8
+            if inp % self.group_size:
+                raise ValueError(f"checkpoint tensor {key} has {inp} input rows, not whole groups of "
+                                 f"group_size={self.group_size}")
+            expected = {"qzeros": ((inp // self.group_size, out // 8), torch.int32),
+                        "scales": ((inp // self.group_size, out), torch.float16)}
+            for name, (shape, dtype) in expected.items():
+                part = stored.get(f"{base}.{name}")
+                if part is None:
+                    raise ValueError(f"checkpoint tensor {key} is AWQ int4 but the checkpoint has no {base}.{name}")
+                if (part.shape, part.dtype) != (shape, dtype):
+                    raise ValueError(f"checkpoint tensor {base}.{name} is {part.dtype} {part.shape}; the qweight "
+                                     f"{tensor.shape} in groups of {self.group_size} (group_size) needs "
+                                     f"{dtype} {shape}")
+            found.append(key)
+        return found
+
+    def dense(self, linear, dtype):
+        wide = torch.promote_types(dtype, torch.float32)
+        g = self.group_size
+        zeros = unpack_int4(linear.qzeros).repeat_interleave(g, 0)
+        scales = linear.scales.to(wide).repeat_interleave(g, 0)
+        weight = ((unpack_int4(linear.qweight) - zeros).to(wide) * scales).t()
+        return weight.to(dtype).contiguous()  # (out, in) rows, as a dense checkpoint's weight: the same GEMM
+
+
+def read_format(model_dir: str | Path) -> WeightFormat | None:
     """The checkpoint's weight format: None for a dense one; a ValueError naming the field for
     one mmserve does not read."""
     config = read_config(model_dir)
     q = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
     if not q:
         return None
-    if q.get("quant_method") != "fp8":
-        raise ValueError(f"quantization_config.quant_method {q.get('quant_method')!r} is not supported: "
-                         "mmserve reads 'fp8' (block-scaled e4m3)")
-    if q.get("fmt", "e4m3") != "e4m3":
-        raise ValueError(f"quantization_config.fmt {q['fmt']!r} is not supported: mmserve reads 'e4m3'")
-    if q.get("activation_scheme", "dynamic") != "dynamic":
-        raise ValueError(f"quantization_config.activation_scheme {q['activation_scheme']!r} is not supported: "
-                         "mmserve reads 'dynamic'")
+    method = q.get("quant_method")
+    readers = {"fp8": _read_block_fp8, "compressed-tensors": _read_compressed_tensors, "awq": _read_awq}
+    if method not in readers:
+        raise ValueError(f"quantization_config.quant_method {method!r} is not supported: mmserve reads "
+                         "'fp8' (block-scaled e4m3), 'compressed-tensors' (per-channel FP8) and 'awq' (int4 GEMM)")
+    return readers[method](q)
+
+
+def _require(q: dict, field: str, allowed, default=None, where: str = "quantization_config") -> None:
+    value = q.get(field, default)
+    if value not in allowed:
+        raise ValueError(f"{where}.{field} {value!r} is not supported: mmserve reads "
+                         f"{' or '.join(repr(a) for a in allowed)}")
+
+
+def _read_block_fp8(q: dict) -> BlockFP8:
+    _require(q, "fmt", ("e4m3",), "e4m3")
+    _require(q, "activation_scheme", ("dynamic",), "dynamic")
     block = q.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise ValueError(f"quantization_config.weight_block_size {block!r} is not two positive integers "
@@ -94,39 +272,46 @@ def read_format(model_dir: str | Path) -> BlockFP8 | None:
     return BlockFP8(tuple(block))
 
 
-def quantized_weights(model_dir: str | Path, fmt: BlockFP8) -> list[str]:
-    """Checkpoint keys of the weights stored in FP8, each checked against its `weight_scale_inv`
-    (present, the shape of its block grid) from the files' headers alone."""
+def _read_compressed_tensors(q: dict) -> ChannelFP8:
+    _require(q, "format", ("float-quantized",))
+    _require(q, "quantization_status", ("compressed",))
+    groups = q.get("config_groups")
+    if not (isinstance(groups, dict) and groups):
+        raise ValueError(f"quantization_config.config_groups {groups!r} names no quantization scheme")
+    for group, scheme in groups.items():
+        where = f"quantization_config.config_groups.{group}"
+        weights, inputs = scheme.get("weights") or {}, scheme.get("input_activations")
+        for field, allowed in (("num_bits", (8,)), ("type", ("float",)), ("strategy", ("channel",)),
+                               ("symmetric", (True,)), ("dynamic", (False,))):
+            _require(weights, field, allowed, where=where + ".weights")
+        _require(scheme, "format", ("float-quantized", None), where=where)
+        if inputs is not None:  # activations quantized at run time (no stored input_scale)
+            _require(inputs, "dynamic", (True,), where=where + ".input_activations")
+        if scheme.get("output_activations") is not None:
+            raise ValueError(f"{where}.output_activations is set: mmserve does not quantize outputs")
+    return ChannelFP8()
+
+
+def _read_awq(q: dict) -> AWQ:
+    _require(q, "bits", (4,))
+    _require(q, "version", ("gemm", "GEMM"))
+    _require(q, "zero_point", (True,))
+    group = q.get("group_size")
+    if not (isinstance(group, int) and group > 0):
+        raise ValueError(f"quantization_config.group_size {group!r} is not a positive integer")
+    return AWQ(group)
+
+
+def quantize_modules(modules: nn.Module, model_dir: str | Path, rename, fmt: WeightFormat, device: torch.device) -> int:
+    """Turn the `layers.Linear`s of `modules` whose checkpoint weights are quantized into ones of
+    `fmt`, then give every parameter still on the meta device (`tensor_parallel.parameters_on_meta`)
+    storage on `device`; returns how many were converted. A quantized tensor with no quantized place
+    (a module the family runs in `transformers`' own layers, a packed projection with some parts
+    dense) is refused here, before anything is read."""
     stored = {t.key: t for file in safetensors_files(Path(model_dir)) for t in stored_tensors(file)}
-    out = []
-    for key, tensor in stored.items():
-        base = key.rpartition(".")[0]
-        if key.endswith("." + SCALE) and stored.get(base + ".weight", tensor).dtype != FP8:
-            raise ValueError(f"checkpoint tensor {key} scales no F8_E4M3 weight {base}.weight")
-        if tensor.dtype not in (FP8, torch.float8_e5m2):
-            continue
-        scale = stored.get(f"{base}.{SCALE}")
-        if tensor.dtype != FP8 or not key.endswith(".weight") or len(tensor.shape) != 2:
-            raise ValueError(f"checkpoint tensor {key} ({tensor.dtype}, {tensor.shape}) is not a block-scaled "
-                             "e4m3 weight (out, in)")
-        if scale is None:
-            raise ValueError(f"checkpoint tensor {key} is F8_E4M3 but the checkpoint has no {base}.{SCALE}")
-        if scale.shape != fmt.grid(tensor.shape):
-            raise ValueError(f"checkpoint tensor {base}.{SCALE} has shape {scale.shape}; the weight {tensor.shape} "
-                             f"in blocks {list(fmt.block)} (weight_block_size) needs {fmt.grid(tensor.shape)}")
-        out.append(key)
-    return sorted(out)
-
-
-def quantize_modules(modules: nn.Module, model_dir: str | Path, rename, fmt: BlockFP8, device: torch.device) -> int:
-    """Turn the `layers.Linear`s of `modules` whose checkpoint weights are FP8 into FP8 ones, then
-    give every parameter still on the meta device (`tensor_parallel.parameters_on_meta`) storage
-    on `device`; returns how many were converted. A quantized tensor with no FP8 place (a module
-    the family runs in `transformers`' own layers, a packed projection with some parts dense) is
-    refused here, before anything is read."""
-    parts: dict[str, list[str]] = {}  # module name -> its checkpoint weights stored in FP8
-    for key in quantized_weights(model_dir, fmt):
-        name = rename(key)
+    parts: dict[str, list[str]] = {}  # module name -> its checkpoint tensors stored quantized
+    for key in sorted(fmt.quantized_tensors(stored)):
+        name = rename(key.rpartition(".")[0] + ".weight")  # the module's name, as its dense weight's
         if name is None:
             continue
         owner, _, module = name.removesuffix(".weight").rpartition(".")
@@ -135,11 +320,11 @@ def quantize_modules(modules: nn.Module, model_dir: str | Path, rename, fmt: Blo
     for name, keys in parts.items():
         linear = modules.get_submodule(name) if _has_module(modules, name) else None
         if not isinstance(linear, layers.Linear):
-            raise ValueError(f"checkpoint tensor {keys[0]} is FP8, but mmserve runs {name} in full precision only "
-                             "(FP8 weights go to the engine's own decoder layers)")
+            raise ValueError(f"checkpoint tensor {keys[0]} is {fmt.label}, but mmserve runs {name} in full precision "
+                             f"only ({fmt.label} weights go to the engine's own decoder layers)")
         if len(keys) != len(linear.output_sizes):
-            raise ValueError(f"{name} packs {len(linear.output_sizes)} projections but only {sorted(keys)} are FP8 "
-                             "in the checkpoint: a packed projection is all FP8 or all dense")
+            raise ValueError(f"{name} packs {len(linear.output_sizes)} projections but only {sorted(keys)} are "
+                             f"{fmt.label} in the checkpoint: a packed projection is all quantized or all dense")
         try:
             fmt.convert(name, linear, device)
         except ValueError as e:

@@ -22,10 +22,11 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from mmserve import families
-from mmserve.tiny import fp8
+from mmserve.tiny import quantized
 
 # Names other code imports from here (tests, bench/serve.py).
 from mmserve.tiny.llava import LLAVA_CHAT_TEMPLATE, LLAVA_IMAGE_TOKEN, LLAVA_QWEN_CHAT_TEMPLATE  # noqa: F401
@@ -50,14 +51,15 @@ LLAVA_FAMILIES = tuple(name for name, model_type in _MODEL_TYPES.items() if mode
 
 def build_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = 0, quantization: str | None = None) -> Path:
     """Write the tiny checkpoint `family` (a name in `FAMILIES`) to `out_dir` (atomically) and return
-    its path; `quantization` (one of `fp8.QUANTIZATIONS`): its language model's weights in that format."""
+    its path; `quantization` (one of `quantized.QUANTIZATIONS`): its language model's weights in that format."""
     import torch
     from transformers import AutoModelForImageTextToText, GenerationConfig
 
     if family not in _MODEL_TYPES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
-    if quantization not in (None, *fp8.QUANTIZATIONS):
-        raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(fp8.QUANTIZATIONS)}")
+    if quantization not in (None, *quantized.QUANTIZATIONS):
+        raise ValueError(f"unknown quantization {quantization!r}; "
+                         f"choose one of {', '.join(quantized.QUANTIZATIONS)}")
     out = Path(out_dir)
     build = families.face_class(__name__, _MODEL_TYPES[family], "build")
     config, processor, eos_ids, init_seed = build(family, seed)
@@ -72,8 +74,8 @@ def build_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = 0, qua
     )
 
     settings = {"family": family, "seed": seed} | ({"quantization": quantization} if quantization else {})
-    save_checkpoint(model, processor, out, "mmserve_tiny.json", settings,
-                    rewrite=fp8.quantize_checkpoint if quantization else None)
+    rewrite = partial(quantized.quantize_checkpoint, quantization=quantization) if quantization else None
+    save_checkpoint(model, processor, out, "mmserve_tiny.json", settings, rewrite=rewrite)
     return out
 
 
@@ -83,7 +85,7 @@ def save_checkpoint(model, processor, out: Path, marker: str, settings: dict,
     """`model` and `processor` as a Hugging Face directory at `out`, with `marker` (JSON `settings`)
     written last; atomically: built beside `out`, then renamed over it. `config_layout` rewrites
     the saved config.json (e.g. `qwen2_vl.published_layout`); `rewrite(dir)` then changes the
-    saved directory (e.g. `fp8.quantize_checkpoint`)."""
+    saved directory (e.g. `quantized.quantize_checkpoint`)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:

@@ -1,5 +1,5 @@
 """Block-FP8 checkpoints (Qwen's `-FP8` releases) on the engine: greedy tokens == `transformers`'
-monolithic model on the same checkpoint dequantized in float64 (`tests.support.fp8_reference`),
+monolithic model on the same checkpoint dequantized in float64 (`tests.support.quantized_reference`),
 float64 on both sides; the encoder reads its (unquantized) tower from the same directory."""
 
 import os
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.support.cases import CASE_TOKENS, family_cases
-from tests.support.fp8_reference import dequantized_copy
+from tests.support.quantized_reference import dequantized_copy
 from tests.support.pipeline import served_generate
 from tests.support.reference import reference_generate
 
@@ -91,8 +91,8 @@ Q_PROJ = "model.layers.0.self_attn.q_proj"
 
 def test_unknown_quant_method_is_refused(fp8_checkpoint, tmp_path):
     model_dir = _copy(fp8_checkpoint("qwen2_vl")[0], tmp_path)
-    _edit_config(model_dir, lambda c: c["quantization_config"].update(quant_method="awq"))
-    assert "quantization_config.quant_method 'awq'" in _load_error(model_dir)
+    _edit_config(model_dir, lambda c: c["quantization_config"].update(quant_method="gptq"))
+    assert "quantization_config.quant_method 'gptq'" in _load_error(model_dir)
 
 
 def test_missing_scale_is_refused(fp8_checkpoint, tmp_path):
@@ -117,7 +117,7 @@ def test_block_size_off_the_stored_grids_is_refused(fp8_checkpoint, tmp_path):
 def test_packed_slices_off_the_block_rows_are_refused(tiny_checkpoint, tmp_path):
     """Blocks of 48 rows: gate and up (128 rows each) end in a partial block, so gate | up cannot
     share one scale grid (nor q | k | v)."""
-    from mmserve.tiny.fp8 import quantize_checkpoint
+    from mmserve.tiny.quantized import quantize_checkpoint
 
     model_dir = _copy(tiny_checkpoint("qwen2_vl"), tmp_path)
     quantize_checkpoint(model_dir, block=[48, 16])
@@ -127,7 +127,7 @@ def test_packed_slices_off_the_block_rows_are_refused(tiny_checkpoint, tmp_path)
 
 
 def test_fp8_tensor_outside_the_owned_layers_is_refused(fp8_checkpoint, tmp_path):
-    from mmserve.tiny.fp8 import quantize_block_fp8
+    from mmserve.tiny.quantized import quantize_block_fp8
 
     model_dir = _copy(fp8_checkpoint("qwen2_vl")[0], tmp_path)
 

@@ -1,4 +1,4 @@
-"""Block-FP8 weights (`llm_service.model.quantized`) and the tiny writer's quantizer (`mmserve.tiny.fp8`)."""
+"""Block-FP8 weights (`llm_service.model.quantized`) and the tiny writer's quantizer (`mmserve.tiny.quantized`)."""
 
 import pytest
 import torch
@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from llm_service.model import layers
 from llm_service.model.quantized import BlockFP8
-from mmserve.tiny.fp8 import quantize_block_fp8
-from tests.support.fp8_reference import dequantize
+from mmserve.tiny.quantized import quantize_block_fp8
+from tests.support.quantized_reference import dequantize
 
 
 @pytest.mark.parametrize("shape,block", [((40, 50), [16, 16]), ((64, 128), [16, 16]), ((7, 130), [128, 128]),
