@@ -42,6 +42,7 @@ class Linear(nn.Module):
 
     def __init__(self, input_size: int, output_sizes: tuple[int, ...], bias: bool, dtype: torch.dtype):
         super().__init__()
+        self.input_size = input_size  # the whole model's (LoRA reads it: one rank only; AWQ holds no `weight`)
         self.output_sizes = tuple(output_sizes)  # this process's (a tensor-parallel rank's shard)
         self.weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(output_sizes), dtype=dtype), requires_grad=False) if bias else None

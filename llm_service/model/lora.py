@@ -113,7 +113,7 @@ def read_adapter(request: LoraRequest, linears: dict[str, layers.Linear], rename
         if missing := {"A", "B"} - set(ab):
             raise AdapterError(f"adapter {name!r}: {module} has no lora_{missing.pop()}.weight")
         a, b = ab["A"], ab["B"]
-        want_a, want_b = (rank, linear.weight.shape[1]), (out.stop - out.start, rank)
+        want_a, want_b = (rank, linear.input_size), (out.stop - out.start, rank)
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
             raise AdapterError(f"adapter {name!r}: {module} lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
                                f"fit r {rank} on the base model (want {want_a} / {want_b})")

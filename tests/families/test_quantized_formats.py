@@ -110,7 +110,7 @@ def test_cli_writes_autoawqs_format(tmp_path):
 def test_the_models_route_says_the_quantization(quantized_checkpoint, quantization, name):
     from tests.support.core_fakes import make_core
 
-    assert make_core(quantized_checkpoint("qwen2_vl", quantization)[0]).model_card()["quantization"] == name
+    assert make_core(quantized_checkpoint("qwen2_vl", quantization)[0]).model_cards()[0]["quantization"] == name
 
 
 # Refusals: a copy of the tiny checkpoint, edited.
