@@ -8,6 +8,7 @@
     python bench/llm.py --hybrid-prefix --quick    # the same, smaller prompt (seconds)
     python bench/llm.py --breakdown          # per-step time by phase, overlap off and on
     python bench/llm.py --grammar [--device cuda] [--overlap on|off]   # step time, a JSON-schema grammar on every row
+    python bench/llm.py --lora [--device cuda] [--lora-rounds 3]   # decode at batch 32: 4 LoRA adapters vs the base
     python bench/llm.py --moe [--quick] [--dtype float32] [--device cuda]   # one MoE layer (bench/moe.py)
     python bench/llm.py --tensor-parallel-size 2 [--quick] [--device cuda]   # TP 2 vs TP 1 (bench/llm_tp.py)
 
@@ -48,6 +49,12 @@ rest of the step (scheduling, inputs, sampling and masks, postprocessing; median
 step with constrained rows fills their masks after launching its forward, while it runs (on a
 CPU the forward has run by then: nothing is hidden, the figure checks the path costs no more).
 
+--lora: LoRA adapters' cost in decode. One engine (`max_loras` = `--lora-adapters`, 4) on the random LM
+(small on CPU, Qwen2-VL-2B's on CUDA), 4 adapters of rank 16 (`--lora-rank`) on every LM projection,
+written to a temporary directory; steady decode at batch 32 (`--lora-batch`) with row i under adapter
+i mod 4, against the base model at the same batch on the same engine, `--lora-rounds` runs a side,
+alternated, the ratio of the medians. A step under adapters runs eager (no CUDA graph).
+
 --moe: one MoE layer at Qwen3-VL-30B-A3B's sizes, the engine's experts path (`llm_service.model.experts`)
 against `transformers`' per-expert loop at batch 1 and 64, beside the floor of reading the touched
 experts' weights: bench/moe.py runs in this process's place with the other arguments (its own options).
@@ -75,6 +82,7 @@ import torch
 
 from llm_service.config import EngineConfig
 from llm_service.engine.llm_engine import LLMEngine, LLMRequest
+from llm_service.engine.sequence import LoraRequest
 from llm_service.model.kv_cache import bytes_per_block
 from llm_service.model.language_model import LanguageModel
 from llm_service.sampling import Grammar, SamplingParams
@@ -233,8 +241,10 @@ def bench_generate(model, reqs, max_tokens, device) -> tuple[float, float]:
     return total / (time.perf_counter() - start), 1000 * sum(gaps) / max(len(gaps), 1)
 
 
-def run_engine(engine: LLMEngine, reqs, max_tokens, grammar: Grammar | None = None) -> tuple[float, list[list[float]]]:
-    """All of `reqs` submitted at once: (seconds until the last finished, each one's token times)."""
+def run_engine(engine: LLMEngine, reqs, max_tokens, grammar: Grammar | None = None,
+               loras: list[LoraRequest] | None = None) -> tuple[float, list[list[float]]]:
+    """All of `reqs` submitted at once: (seconds until the last finished, each one's token times);
+    with `loras`, request i runs under adapter `loras[i % len(loras)]`."""
     times: list[list[float]] = [[] for _ in reqs]
     done = [threading.Event() for _ in reqs]
 
@@ -248,7 +258,8 @@ def run_engine(engine: LLMEngine, reqs, max_tokens, grammar: Grammar | None = No
     start = time.perf_counter()
     for i, ids in enumerate(reqs):
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, grammar=grammar)
-        engine.add_request(LLMRequest(f"b{start}-{i}", tuple(ids), params), emit(i))
+        lora = loras[i % len(loras)] if loras else None
+        engine.add_request(LLMRequest(f"b{start}-{i}", tuple(ids), params, lora=lora), emit(i))
     for event in done:
         event.wait()
     return time.perf_counter() - start, times
@@ -262,10 +273,10 @@ def bench_engine(engine: LLMEngine, reqs, max_tokens) -> tuple[float, float]:
 
 
 def decode_ms_per_step(engine: LLMEngine, batch: int, context: int, tokens: int, vocab: int,
-                       grammar: Grammar | None = None) -> float:
+                       grammar: Grammar | None = None, loras: list[LoraRequest] | None = None) -> float:
     """Steady decode of `batch` sequences over `context`-token prompts: the mean gap between a
     sequence's tokens once every sequence has its first (no prefill chunk falls in a gap)."""
-    _, times = run_engine(engine, prompts(batch, context, vocab), tokens, grammar)
+    _, times = run_engine(engine, prompts(batch, context, vocab), tokens, grammar, loras)
     steady = max(t[0] for t in times)
     gaps = [b - a for t in times for a, b in zip(t, t[1:]) if a >= steady]
     return 1000 * sum(gaps) / max(len(gaps), 1)
@@ -356,6 +367,68 @@ def grammar_shape(args, shape: str) -> dict:
     print(f"mask fill: {engine.masks.threads} threads (engine.grammar_threads)")
     engine.shutdown()
     return result
+
+
+# -- --lora ---------------------------------------------------------------------------------------
+def lora_adapters(model_dir: Path, count: int, rank: int) -> list[LoraRequest]:
+    """`count` adapters of `model_dir`'s LM (every projection of every layer, rank `rank`) in a
+    temporary directory removed at exit: the first written by `peft` (`build_tiny_adapter`), the
+    others its copies with other random weights (the same shapes; one model load, not `count`)."""
+    from safetensors.torch import load_file, save_file
+
+    from mmserve.tiny.lora import build_tiny_adapter
+
+    root = Path(tempfile.mkdtemp(prefix="mmserve-bench-lora-"))
+    atexit.register(shutil.rmtree, root, True)
+    first = build_tiny_adapter(model_dir, root / "a0", seed=0, rank=rank)
+    adapters = [LoraRequest("a0", str(first))]
+    for i in range(1, count):
+        out = root / f"a{i}"
+        shutil.copytree(first, out)
+        weights = out / "adapter_model.safetensors"
+        generator = torch.Generator().manual_seed(i)
+        tensors = load_file(weights)
+        redrawn = {k: (torch.randn(v.shape, generator=generator) * 0.05).to(v.dtype) for k, v in sorted(tensors.items())}
+        save_file(redrawn, weights)
+        adapters.append(LoraRequest(f"a{i}", str(out)))
+    return adapters
+
+
+def bench_lora(args) -> None:
+    """Steady decode at `--lora-batch` with the rows spread over `--lora-adapters` adapters (row i
+    under adapter i mod n) against the base model, the same engine (`max_loras` = n) and batch,
+    `--lora-rounds` alternated runs a side, the ratio of the medians."""
+    model_dir = random_checkpoint(args)
+    start = time.perf_counter()
+    adapters = lora_adapters(model_dir, args.lora_adapters, args.lora_rank)
+    build_s = time.perf_counter() - start
+    lm = language_model(model_dir, args.device)
+    batch, n = args.lora_batch, args.decode_tokens
+    config = EngineConfig(max_num_seqs=max(batch, 8), max_num_batched_tokens=max(4096, batch * args.prompt_len),
+                          max_loras=len(adapters))
+    engine = LLMEngine(lm, config)
+    engine.load_loras(adapters)
+    engine.start()
+    vocab = lm.vocab_size
+    run_engine(engine, prompts(len(adapters), args.prompt_len, vocab), 4, loras=adapters)  # warm up (adapters held)
+    bench_engine(engine, prompts(2, args.prompt_len, vocab), 4)
+    base, mixed = [], []
+    for _ in range(args.lora_rounds):  # alternated: a drift in the host's speed falls on both
+        base.append(decode_ms_per_step(engine, batch, args.prompt_len, n, vocab))
+        mixed.append(decode_ms_per_step(engine, batch, args.prompt_len, n, vocab, loras=adapters))
+    engine.shutdown()
+    b, m = statistics.median(base), statistics.median(mixed)
+    result = {"device": args.device, "model": model_dir.name, "lora_adapters": len(adapters),
+              "lora_rank": args.lora_rank, "lora_batch": batch, "prompt_len": args.prompt_len, "decode_tokens": n,
+              "rounds": args.lora_rounds, "lora_step_ms": round(m, 3), "base_step_ms": round(b, 3),
+              "lora_step_ratio": round(m / b, 3), "adapters_build_s": round(build_s, 2)}
+    print(f"--lora: batch {batch}, {len(adapters)} adapters of rank {args.lora_rank} (every LM projection), "
+          f"{batch // len(adapters)}+ rows each; {args.lora_rounds} rounds a side, alternated (medians)")
+    print(f"{'side':>6} {'ms/step':>9} {'rounds':>24}")
+    for side, ms, runs in (("base", b, base), ("lora", m, mixed)):
+        print(f"{side:>6} {ms:>9.3f} {' '.join(f'{r:.2f}' for r in runs):>24}")
+    print(f"lora / base: {m / b:.3f}")
+    print(json.dumps(result))
 
 
 # -- --breakdown ----------------------------------------------------------------------------------
@@ -507,6 +580,13 @@ def main() -> None:
                     help="--grammar: engine.grammar_threads (default: torch's threads)")
     ap.add_argument("--overlap", choices=["on", "off"], default=None,
                     help="--grammar: steps overlapped (`async_scheduling`) or not (default: on CUDA only)")
+    ap.add_argument("--lora", action="store_true",
+                    help="decode step, LoRA adapters mixed in the batch vs the base model alone, one engine")
+    ap.add_argument("--lora-adapters", type=int, default=4, help="--lora: adapters, the rows spread over them")
+    ap.add_argument("--lora-rank", type=int, default=16, help="--lora: each adapter's rank")
+    ap.add_argument("--lora-batch", type=int, default=32, help="--lora: sequences decoding together")
+    ap.add_argument("--lora-rounds", type=int, default=3,
+                    help="--lora: runs of each side, alternated (the medians' ratio)")
     ap.add_argument("--moe", action="store_true", help="one MoE layer, engine experts path vs transformers' loop: "
                     "bench/moe.py with the other arguments (--device, --dtype, --quick, --repeats, --inputs)")
     ap.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -520,8 +600,9 @@ def main() -> None:
                                   *(a for a in argv if a != "--moe")])
     args = ap.parse_args(argv)
     torch.set_num_threads(max(torch.get_num_threads(), 1))
-    if args.grammar or args.hybrid_prefix or args.breakdown:
-        run = bench_grammar if args.grammar else bench_hybrid_prefix if args.hybrid_prefix else bench_breakdown
+    modes = {"grammar": bench_grammar, "hybrid_prefix": bench_hybrid_prefix, "breakdown": bench_breakdown,
+             "lora": bench_lora}
+    if run := next((f for mode, f in modes.items() if getattr(args, mode)), None):
         return run(args)
     from transformers import AutoModelForImageTextToText
 

@@ -123,6 +123,18 @@ def test_grammar_run_sets_both_ratios_with_the_grammars_own_work_apart():
         assert r[f"fill_ms_per_row_b{b}"] >= 0  # (a CPU fills a greedy row only where its token is refused)
 
 
+def test_lora_run_sets_the_mixed_batch_beside_the_base_model():
+    """`llm.py --lora` (seconds with one round of 6 tokens): batch 32 over 4 adapters of rank 16
+    against the base model, both timed, the ratio theirs."""
+    out = _run("llm.py", "--lora", "--lora-rounds", "1", "--decode-tokens", "6", "--prompt-len", "8", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (r["device"], r["lora_adapters"], r["lora_rank"], r["lora_batch"]) == ("cpu", 4, 16, 32)
+    assert r["lora_step_ms"] > 0 and r["base_step_ms"] > 0 and r["lora_step_ratio"] > 0
+    assert r["lora_step_ratio"] == pytest.approx(r["lora_step_ms"] / r["base_step_ms"], abs=2e-3)
+    assert "lora / base:" in out.stdout
+
+
 def test_tensor_parallel_quick_run_sets_tp2_beside_tp1():
     """`llm.py --tensor-parallel-size 2 --quick` (~10 s; bench/llm_tp.py in its place): both sizes
     timed at batch 1 and 64, rank 0 holds part of the weights and half the KV, 2 all-reduces a layer and one for the embedding."""
