@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.support.cases import CASE_TOKENS, family_cases
-from tests.support.quantized_reference import dequantized_copy
+from tests.support.quantized_reference import dequantized_copy, edit_tensors
 from tests.support.pipeline import served_generate
 from tests.support.reference import reference_generate
 
@@ -60,15 +60,6 @@ def _copy(model_dir, tmp_path):
     return shutil.copytree(model_dir, tmp_path / "model")
 
 
-def _edit_tensors(model_dir, edit):
-    from safetensors.torch import load_file, save_file
-
-    path = model_dir / "model.safetensors"
-    tensors = load_file(path)
-    edit(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
-
-
 def _edit_config(model_dir, edit):
     import json
 
@@ -97,13 +88,13 @@ def test_unknown_quant_method_is_refused(fp8_checkpoint, tmp_path):
 
 def test_missing_scale_is_refused(fp8_checkpoint, tmp_path):
     model_dir = _copy(fp8_checkpoint("qwen2_vl")[0], tmp_path)
-    _edit_tensors(model_dir, lambda t: t.pop(f"{Q_PROJ}.weight_scale_inv"))
+    edit_tensors(model_dir, lambda t: t.pop(f"{Q_PROJ}.weight_scale_inv"))
     assert f"{Q_PROJ}.weight is F8_E4M3 but the checkpoint has no {Q_PROJ}.weight_scale_inv" in _load_error(model_dir)
 
 
 def test_scale_off_the_block_grid_is_refused(fp8_checkpoint, tmp_path):
     model_dir = _copy(fp8_checkpoint("qwen2_vl")[0], tmp_path)
-    _edit_tensors(model_dir, lambda t: t.update({f"{Q_PROJ}.weight_scale_inv": torch.ones(4, 3)}))
+    edit_tensors(model_dir, lambda t: t.update({f"{Q_PROJ}.weight_scale_inv": torch.ones(4, 3)}))
     error = _load_error(model_dir)
     assert f"{Q_PROJ}.weight_scale_inv has shape (4, 3)" in error and "needs (4, 4)" in error
 
@@ -135,7 +126,7 @@ def test_fp8_tensor_outside_the_owned_layers_is_refused(fp8_checkpoint, tmp_path
         tensors["lm_head.weight"], tensors["lm_head.weight_scale_inv"] = quantize_block_fp8(tensors["lm_head.weight"],
                                                                                             [16, 16])
 
-    _edit_tensors(model_dir, quantize_lm_head)
+    edit_tensors(model_dir, quantize_lm_head)
     error = _load_error(model_dir)
     assert "checkpoint tensor lm_head.weight is FP8, but mmserve runs lm_head in full precision" in error
 

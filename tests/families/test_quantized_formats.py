@@ -12,7 +12,7 @@ import torch
 
 from tests.support.cases import CASE_TOKENS, family_cases
 from tests.support.pipeline import served_generate
-from tests.support.quantized_reference import dequantized_copy
+from tests.support.quantized_reference import dequantized_copy, edit_tensors
 from tests.support.reference import reference_generate
 
 FORMATS = ("fp8-channel", "awq")
@@ -122,15 +122,6 @@ def _copy(quantized_checkpoint, quantization, tmp_path):
     return shutil.copytree(quantized_checkpoint("qwen2_vl", quantization)[0], tmp_path / "model")
 
 
-def _edit_tensors(model_dir, edit):
-    from safetensors.torch import load_file, save_file
-
-    path = model_dir / "model.safetensors"
-    tensors = load_file(path)
-    edit(tensors)
-    save_file(tensors, path, metadata={"format": "pt"})
-
-
 def _edit_config(model_dir, edit):
     path = model_dir / "config.json"
     config = json.loads(path.read_text())
@@ -150,7 +141,7 @@ def _load_error(model_dir) -> str:
                                                  ("awq", "scales")])
 def test_missing_companion_tensor_is_refused(quantized_checkpoint, tmp_path, quantization, tensor):
     model_dir = _copy(quantized_checkpoint, quantization, tmp_path)
-    _edit_tensors(model_dir, lambda t: t.pop(f"{Q_PROJ}.{tensor}"))
+    edit_tensors(model_dir, lambda t: t.pop(f"{Q_PROJ}.{tensor}"))
     assert f"but the checkpoint has no {Q_PROJ}.{tensor}" in _load_error(model_dir)
 
 
@@ -161,7 +152,7 @@ def test_missing_companion_tensor_is_refused(quantized_checkpoint, tmp_path, qua
     ("awq", "qzeros", torch.zeros(1, 8, dtype=torch.int32), "needs torch.int32 (2, 8)")])
 def test_companion_of_the_wrong_shape_is_refused(quantized_checkpoint, tmp_path, quantization, tensor, bad, needs):
     model_dir = _copy(quantized_checkpoint, quantization, tmp_path)
-    _edit_tensors(model_dir, lambda t: t.update({f"{Q_PROJ}.{tensor}": bad}))
+    edit_tensors(model_dir, lambda t: t.update({f"{Q_PROJ}.{tensor}": bad}))
     error = _load_error(model_dir)
     assert f"checkpoint tensor {Q_PROJ}.{tensor} " in error and needs in error
 
@@ -213,7 +204,7 @@ def test_awq_qweight_outside_the_owned_layers_is_refused(quantized_checkpoint, t
     def quantize_lm_head(tensors):
         tensors.update({f"lm_head.{k}": v for k, v in quantize_awq(tensors.pop("lm_head.weight"), 32).items()})
 
-    _edit_tensors(model_dir, quantize_lm_head)
+    edit_tensors(model_dir, quantize_lm_head)
     assert "checkpoint tensor lm_head.qweight is AWQ int4, but mmserve runs lm_head in full precision" in \
         _load_error(model_dir)
 
@@ -228,7 +219,7 @@ def test_awq_packed_projection_with_a_dense_part_is_refused(quantized_checkpoint
         parts = [tensors.pop(f"{base}.{p}") for p in ("qweight", "qzeros", "scales")]
         tensors[f"{base}.weight"] = dequantize_awq(*parts).float()
 
-    _edit_tensors(model_dir, densify_k)
+    edit_tensors(model_dir, densify_k)
     assert "decoder.layers.0.self_attn.qkv_proj packs 3 projections but only" in _load_error(model_dir)
 
 
@@ -263,6 +254,6 @@ def test_bf16_channel_scales_load_widened_exactly(quantized_checkpoint, tmp_path
     def to_bf16(tensors):
         scale["bf16"] = tensors[f"{Q_PROJ}.weight_scale"] = tensors[f"{Q_PROJ}.weight_scale"].bfloat16()
 
-    _edit_tensors(model_dir, to_bf16)
+    edit_tensors(model_dir, to_bf16)
     qkv = _lm(model_dir).modules.decoder.layers[0].self_attn.qkv_proj
     assert qkv.weight_scale.dtype == torch.float32 and torch.equal(qkv.weight_scale[:64], scale["bf16"].float())

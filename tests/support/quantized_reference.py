@@ -91,3 +91,14 @@ def dequantized_copy(model_dir: str | Path, out_dir: str | Path) -> str:
                                                                      indent=2) + "\n")
     tmp.rename(out_dir)
     return str(out_dir)
+
+
+def edit_tensors(model_dir: Path, edit) -> None:
+    """Rewrite `model_dir`'s `model.safetensors` after `edit(tensors)` changed the dict in place
+    (the bad-checkpoint tests)."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
