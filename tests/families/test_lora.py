@@ -272,3 +272,19 @@ def test_lora_modules_are_checked_at_start(tiny_models, tmp_path):
         AppArgs(served_model_name="m", lora_modules={"m": str(tmp_path)})
     with pytest.raises(ValueError, match="not supported with tensor parallelism"):
         AppArgs(lora_modules={"x": str(tmp_path)}, engine={"tensor_parallel_size": 2})
+
+
+
+def test_mmserve_serve_takes_adapters_as_name_equals_dir(tmp_path):
+    import argparse
+
+    from deployments.cli.local_serve import app_args
+    from deployments.cli.main import _lora_module
+
+    assert _lora_module("support=/adapters/s=1") == ("support", "/adapters/s=1")
+    with pytest.raises(argparse.ArgumentTypeError, match="is not NAME=DIR"):
+        _lora_module("support")
+    flags = dict(model=None, dtype="auto", device="auto", num_cpus=2, encoder_gpus=0, llm_gpus=0, max_model_len=None,
+                 tensor_parallel_size=1, lora=[("a", str(tmp_path / "a")), ("b", str(tmp_path / "b"))])
+    assert app_args(argparse.Namespace(**flags), None).lora_modules == {"a": str(tmp_path / "a"),
+                                                                         "b": str(tmp_path / "b")}
