@@ -39,6 +39,7 @@ from mmserve.video.container import (
 )
 
 logger = logging.getLogger("ray.serve")
+KILL_WAIT_S = 10.0  # how long closing waits for a killed worker to be reaped
 # a whole video crosses the pipe in groups of this many frames, so the worker decodes on while the
 # parent reads (one 166 MB message would leave each side waiting on the other)
 TRANSFER_GROUP_FRAMES = 8
@@ -194,7 +195,11 @@ class DecodeWorker:
     def kill(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.wait()
+        try:  # a killed worker with a thread stuck in the kernel stays a zombie ("Zl"): never wait forever on it
+            self.proc.wait(timeout=KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("video decode worker %d did not end %g s after SIGKILL; left to the OS", self.proc.pid,
+                           KILL_WAIT_S)
         for pipe in (self.proc.stdin, self.proc.stdout):
             try:
                 pipe.close()
