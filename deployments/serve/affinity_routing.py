@@ -9,7 +9,9 @@ groups), an `LLM.generate` call our `handles.PendingRequest` (its `prefix_hashes
 tokens it makes the replica run). The decisions and the loads are `mmserve.routing.affinity`'s
 `AffinityChooser` (Ray-free; the capacity planner runs the same): the tokens this router has in
 flight on each replica (routed, not completed), an item the replica already holds counting none.
-Anything else (a `stats` call) is routed by power-of-two choices.
+Anything else (a `stats` call) is routed by power-of-two choices. A request under a LoRA adapter
+(Serve's multiplexed model id) is routed among the replicas that report the adapter, if any, then
+to the others.
 
 Serve takes the first rank a replica of which has room: the owner (or the prefix's replica)
 alone first, then the rest, so a replica whose queue is full never blocks a request.
@@ -42,6 +44,20 @@ def _items(arg) -> list[tuple[str, int]] | None:
     return None
 
 
+def multiplexed_holders(model_id: str, loaded: dict[str, set[str]]) -> list[str]:
+    """The replicas (sorted ids) that report `model_id` (a LoRA adapter: Serve's multiplexed model
+    id) among their `loaded` ones; [] for none or no id."""
+    return sorted(i for i, ids in loaded.items() if model_id and model_id in ids)
+
+
+def ranks(choice: str, holders: list[str], ids: list[str]) -> list[list[str]]:
+    """Serve's ranks of replicas: the affinity choice alone, then the other `holders` of the
+    request's adapter, then the rest (each rank non-empty)."""
+    others = [i for i in holders if i != choice]
+    rest = [i for i in ids if i != choice and i not in holders]
+    return [rank for rank in ([choice], others, rest) if rank]
+
+
 class AffinityRequestRouter(RequestRouter):
     def initialize_state(self, epsilon: float, block_size: int):  # `RoutingArgs.deployment_options` passes both
         self._rules = AffinityChooser(epsilon, block_size)
@@ -57,14 +73,15 @@ class AffinityRequestRouter(RequestRouter):
         if not ids:
             return []
         arg = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        model_id = pending_request.metadata.multiplexed_model_id if pending_request is not None else ""
         try:
-            choice, outcome, prefix_blocks = self._choose(arg, ids)
+            holders = multiplexed_holders(model_id, {i: r.multiplexed_model_ids for i, r in by_id.items()})
+            choice, outcome, prefix_blocks = self._choose(arg, holders or ids)
             self._count(outcome, prefix_blocks * self._rules.block_size if isinstance(arg, PendingRequest) else None)
         except Exception:  # a routing bug must cost affinity, never the request (Serve would retry it forever)
             logger.exception("affinity routing failed; routing this request by load")
             return [candidate_replicas]
-        first = by_id[choice]
-        return [[first], [r for r in candidate_replicas if r is not first]]
+        return [[by_id[i] for i in rank] for rank in ranks(choice, holders, ids)]
 
     def _choose(self, arg, ids: list[str]) -> tuple[str, str, int]:
         """(replica id, outcome, prefix blocks the replica likely holds)."""

@@ -73,6 +73,8 @@ class LLMDeployment:
         fetcher = GrpcFetcher(args.grpc) if args.transport == "grpc" else None
         resolve_handles = functools.partial(resolve, fetcher=fetcher,
                                             encode_locally=self._encode_locally if self.pool else None)
+        self.multiplexed: set[str] = set()  # the LoRA adapters Serve counts as loaded here (reported to routers)
+        self.adapters = self._multiplex_adapters(args) if args.lora_modules else None
         self.core = LLMReplica(self.engine, args.engine.max_waiting_tokens, resolve_handles,
                                ServeVideoClient(video).frames if video is not None else None, self._group_encoder,
                                self._step_failed, LLMMetrics())
@@ -110,6 +112,34 @@ class LLMDeployment:
         except BaseException:
             self.ranks.kill()
             raise
+
+    def _multiplex_adapters(self, args: AppArgs):
+        """Serve's model multiplexing of the LoRA adapters: the router names a request's adapter as
+        its multiplexed model id, so Serve routes it to a replica that reported the adapter, and
+        `generate` calls this loader with it. A miss reads the adapter here, off the engine thread
+        (`LLMEngine.prepare_lora`), so the engine only installs it; Serve keeps at most
+        `engine.max_loras` per replica (least recently used dropped, as the engine's own `LoraSet`)."""
+        engine, paths = self.engine, dict(args.lora_modules)
+
+        class Lease:  # what Serve's multiplexer holds per adapter; dropping it forgets what was read ahead
+            def __init__(self, name: str):
+                self.name = name
+
+            def __del__(lease):  # called by Serve when it drops the adapter, then again when collected
+                if lease.name is not None:
+                    self.multiplexed.discard(lease.name)
+                    engine.forget_lora(lease.name)
+                    lease.name = None
+
+        async def load_adapter(name: str) -> Lease:
+            try:
+                await asyncio.to_thread(engine.prepare_lora, LoraRequest(name, paths[name]))
+            except Exception:  # checked at start; the engine reads it again at admission and answers the request
+                logger.exception("LoRA adapter %r could not be read ahead", name)
+            self.multiplexed.add(name)
+            return Lease(name)
+
+        return serve.multiplexed(max_num_models_per_replica=max(1, engine.config.max_loras))(load_adapter)
 
     async def _step_failed(self) -> None:
         ranks = self.ranks  # (None once the replica shuts down)
@@ -151,7 +181,8 @@ class LLMDeployment:
         with, its ranks (tensor parallelism) and which replica answered: for tests and debugging."""
         return {**self.engine.stats()._asdict(), "video_groups_reencoded": self.core.video_groups_reencoded,
                 "torch_threads": self.torch_threads, "replica": serve.get_replica_context().replica_id.unique_id,
-                "tensor_parallel_size": self.engine.config.tensor_parallel_size}
+                "tensor_parallel_size": self.engine.config.tensor_parallel_size,
+                "multiplexed_adapters": sorted(self.multiplexed)}
 
     def memory(self) -> dict:
         """This replica's device memory (`mmserve.device.device_memory`), its share of the
@@ -186,7 +217,12 @@ class LLMDeployment:
         return encode
 
     async def generate(self, pending: PendingRequest) -> AsyncIterator[TokenEvent]:
-        """`LLMReplica.generate`: stream of `TokenEvent`s, the last one carrying `finish_reason`."""
+        """`LLMReplica.generate`: stream of `TokenEvent`s, the last one carrying `finish_reason`. A
+        request under a LoRA adapter first has it loaded (`_multiplex_adapters`) by the multiplexed
+        model id the router set."""
+        lora = pending.lora
+        if self.adapters is not None and lora is not None and serve.get_multiplexed_model_id() == lora.name:
+            await self.adapters(lora.name)
         async with contextlib.aclosing(self.core.generate(pending)) as events:
             async for event in events:
                 yield event

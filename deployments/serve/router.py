@@ -101,7 +101,9 @@ class ServeLLMClient:
     handle: DeploymentHandle
 
     def generate(self, pending: PendingRequest) -> TokenStream:
-        return self.handle.options(stream=True).generate.remote(pending)
+        # a LoRA adapter is Serve's multiplexed model: replicas that hold it are preferred (`LLMDeployment`)
+        model_id = {"multiplexed_model_id": pending.lora.name} if pending.lora is not None else {}
+        return self.handle.options(stream=True, **model_id).generate.remote(pending)
 
 
 @serve.deployment

@@ -146,6 +146,18 @@ class LLMEngine:
                                    f"{self.runner.loras.capacity})")
             self.runner.loras.release(adapter.name)
 
+    def prepare_lora(self, adapter) -> None:
+        """From any thread (Serve's multiplexed loader, `deployments.serve.llm`): read the
+        `LoraRequest`'s adapter ahead, so that its request's admission on the engine thread only
+        installs it (`LoraSet.prepare`); `forget_lora(name)` drops it if it was never installed."""
+        if self.runner.loras is None:
+            raise AdapterError(f"LoRA adapter {adapter.name!r}: this engine serves none (max_loras is 0)")
+        self.runner.loras.prepare(adapter)
+
+    def forget_lora(self, name: str) -> None:
+        if self.runner.loras is not None:
+            self.runner.loras.forget(name)
+
     def warm_up(self, num_prompt_tokens: int = 24, max_tokens: int = 3) -> None:
         """Before `start()`: run two short requests, one greedy and one sampled, through the real
         steps in the calling thread (a packed prefill, then `max_tokens - 1` decode steps), so that

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -174,6 +175,21 @@ class LoraSet:
             linear.lora = LinearLoras(self.active)
         self.loaded: OrderedDict[str, Adapter] = OrderedDict()
         self.holders: Counter[str] = Counter()
+        self.ready: dict[str, Adapter] = {}  # read ahead by `prepare` (another thread), not installed yet
+        self._ready_lock = threading.Lock()
+
+    def prepare(self, request: LoraRequest) -> None:
+        """From any thread: read `request`'s adapter ahead (its tensors on the device), so that
+        `hold` on the engine thread only installs it. AdapterError when it does not fit."""
+        if request.name not in self.loaded:
+            adapter = read_adapter(request, self.linears, self.rename, self.dtype, self.device)
+            with self._ready_lock:
+                self.ready[request.name] = adapter
+
+    def forget(self, name: str) -> None:
+        """From any thread: drop what `prepare` read of `name` and `hold` has not installed."""
+        with self._ready_lock:
+            self.ready.pop(name, None)
 
     def hold(self, request: LoraRequest) -> bool:
         """Load `request`'s adapter if needed and count one more holder; False when all `capacity`
@@ -187,7 +203,10 @@ class LoraSet:
             free = next((n for n in self.loaded if not self.holders[n]), None)
             if len(self.loaded) >= self.capacity and free is None:
                 return False
-            adapter = read_adapter(request, self.linears, self.rename, self.dtype, self.device)
+            with self._ready_lock:
+                adapter = self.ready.pop(request.name, None)
+            if adapter is None or adapter.path != str(Path(request.path)):
+                adapter = read_adapter(request, self.linears, self.rename, self.dtype, self.device)
             if len(self.loaded) >= self.capacity:
                 self._drop(free)
             self.loaded[request.name] = adapter

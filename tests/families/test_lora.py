@@ -126,6 +126,33 @@ def test_at_most_max_loras_are_loaded_and_a_request_waits_for_a_place(tiny_model
         assert collector.tokens(name) == _expected(model_dir, "text", lora), name
 
 
+def test_an_adapter_read_ahead_in_another_thread_is_installed_not_read_again(tiny_models, adapters_root, monkeypatch):
+    """Serve's multiplexed loader reads a missing adapter off the engine thread (`prepare_lora`):
+    admission then only installs it; `forget_lora` drops one never installed."""
+    import threading
+
+    from llm_service.model import lora as lora_module
+
+    model_dir = tiny_models["qwen2_vl"]
+    adapters = _adapters(model_dir, adapters_root)
+    engine = make_engine(model_dir, max_loras=2)
+    reader = threading.Thread(target=lambda: [engine.prepare_lora(a) for a in adapters.values()])
+    reader.start()
+    reader.join()
+    engine.forget_lora("b")
+    assert set(engine.runner.loras.ready) == {"a"}
+    reads = []
+    monkeypatch.setattr(lora_module, "read_adapter", lambda request, *a: reads.append(request.name) or read_adapter(
+        request, *a))
+    collector = Collector()
+    for name, lora in adapters.items():
+        collector.add(engine, _request(model_dir, PROMPTS["text"], name, lora))
+    run_until_done(engine, collector)
+    assert reads == ["b"] and not engine.runner.loras.ready  # "a" was installed as read ahead
+    for name, lora in adapters.items():
+        assert collector.tokens(name) == _expected(model_dir, "text", lora), name
+
+
 def _copy(lora: LoraRequest, root: Path, name: str = "bad") -> Path:
     path = root / name
     shutil.copytree(lora.path, path)

@@ -1,7 +1,8 @@
 """LoRA adapters served (`lora_modules`): the session's qwen2_vl app serves `tiny_lora` as
 `TINY_LORA`; a request naming it, over HTTP (unary and streamed) and gRPC, gets `peft`'s merged
 model's greedy tokens while requests for the base model run beside it with the base's, and
-`GET /v1/models` lists the adapter with the served model as its parent."""
+`GET /v1/models` lists the adapter with the served model as its parent; the adapter reaches the
+LLM replica as Serve's multiplexed model id."""
 
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ def test_an_adapter_and_the_base_served_side_by_side_equal_peft_merged(serve_url
     with ThreadPoolExecutor(len(calls)) as pool:  # together: adapter and base rows share steps
         answers = list(pool.map(lambda call: chat_completion(c, call[0], api_messages, MAX_TOKENS, call[1]), calls))
     assert [tokens for _, tokens in answers] == [expected[model] for model, _ in calls]
+    # the router named the adapter as Serve's multiplexed model id: the replica's multiplexed loader ran
+    from ray import serve
+
+    assert serve.get_deployment_handle("LLM", app_name="qwen2_vl").stats.remote().result()[
+        "multiplexed_adapters"] == [TINY_LORA]
     with VLMClient(grpc_target, application="qwen2_vl") as g:
         reply = g.generate(proto_messages(ref_messages), max_tokens=MAX_TOKENS, model=TINY_LORA)
         streamed = [t for r in g.stream(proto_messages(ref_messages), max_tokens=MAX_TOKENS, model=TINY_LORA)

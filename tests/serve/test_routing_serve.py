@@ -1,6 +1,7 @@
 """Affinity routing in a real Serve app with two encoder and two LLM replicas (float64): the greedy
 tokens equal the single-replica app's, each repeated image is encoded once for the whole cluster
-(its owner encodes it, then hits its cache), and requests sharing a prefix go where it went."""
+(its owner encodes it, then hits its cache), and requests sharing a prefix go where it went; requests under a LoRA adapter go to the replica
+that holds it (Serve's model multiplexing)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import httpx
 import pytest
 
 from tests.support.media_factory import data_uri, image_bytes
-from tests.support.serve_fixtures import _app_args
+from tests.support.serve_fixtures import TINY_LORA, _app_args
 
 pytestmark = pytest.mark.serve
 APP = "routing"
@@ -37,7 +38,30 @@ def _tokens(url: str) -> list[list[int]]:
     return out
 
 
-def test_affinity_keeps_tokens_and_encodes_each_image_once_for_the_cluster(serve_ports, serve_urls, tiny_models):
+def _adapter_replicas(url: str) -> list[list[str]]:
+    """Six requests under the adapter, one after another, none sharing a first KV block with another
+    (each its own system prompt: no prefix affinity); then each LLM replica's multiplexed adapters."""
+    import time
+
+    from ray import serve
+
+    for i in range(6):
+        body = {**_body(None, "question"), "model": TINY_LORA}
+        body["messages"][0]["content"] = f"{i} {body['messages'][0]['content']}"
+        resp = httpx.post(url, json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        time.sleep(1.0 if i == 0 else 0.1)  # the first one's replica reports the adapter to the routers
+    handle, seen = serve.get_deployment_handle("LLM", app_name=APP), {}
+    for _ in range(50):
+        stats = handle.stats.remote().result()
+        seen[stats["replica"]] = stats["multiplexed_adapters"]
+        if len(seen) == 2:
+            break
+    return sorted(seen.values())
+
+
+def test_affinity_keeps_tokens_and_encodes_each_image_once_for_the_cluster(serve_ports, serve_urls, tiny_models,
+                                                                           tiny_lora):
     from ray import serve
 
     from deployments.serve.app import build_app
@@ -45,12 +69,17 @@ def test_affinity_keeps_tokens_and_encodes_each_image_once_for_the_cluster(serve
 
     expected = _tokens(serve_urls["qwen2_vl"] + "/v1/chat/completions")  # one encoder, one LLM replica
     group = {"num_replicas": 2, "num_cpus": 0.1}
-    args = _app_args(tiny_models["qwen2_vl"], APP, encoder=group, llm=group, routing={"policy": "affinity"})
+    args = _app_args(tiny_models["qwen2_vl"], APP, encoder=group, llm=group, routing={"policy": "affinity"},
+                     lora_modules={TINY_LORA: tiny_lora})
     serve.run(build_app(args), name=APP, route_prefix=f"/{APP}")
     try:
-        got = _tokens(f"http://127.0.0.1:{serve_ports[0]}/{APP}/v1/chat/completions")
+        url = f"http://127.0.0.1:{serve_ports[0]}/{APP}/v1/chat/completions"
+        got = _tokens(url)
         routed = serve.get_deployment_handle("Router", app_name=APP).routing_stats.remote().result()
         stats = encoder_stats(serve.get_deployment_handle("Encoder", app_name=APP), num_replicas=2)
+        # Serve's model multiplexing under the affinity router: every request under the adapter went to
+        # the replica that loaded it first (by load alone, 6 in a row on one of two replicas: 1 in 32)
+        assert _adapter_replicas(url) == [[], [TINY_LORA]]
     finally:
         serve.delete(APP)
     assert got == expected
