@@ -2,30 +2,21 @@
 monolithic model on the same checkpoint dequantized in float64 (`tests.support.quantized_reference`),
 float64 on both sides; the encoder reads its (unquantized) tower from the same directory."""
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.support.cases import CASE_TOKENS, family_cases
-from tests.support.quantized_reference import dequantized_copy, edit_tensors
+from tests.support.quantized_reference import edit_tensors
 from tests.support.pipeline import served_generate
 from tests.support.reference import reference_generate
 
 
 @pytest.fixture(scope="session")
-def fp8_checkpoint(models_root):
-    """family -> (its tiny FP8 checkpoint, that checkpoint dequantized), built on first use."""
-    from mmserve.tiny import build_tiny_model
-
-    def make(family):
-        out = os.path.join(models_root, f"{family}-fp8")
-        if not os.path.isfile(os.path.join(out, "mmserve_tiny.json")):
-            build_tiny_model(family, out, quantization="fp8-block")
-        return out, dequantized_copy(out, out + "-dequantized")
-
-    return make
+def fp8_checkpoint(quantized_checkpoint):
+    """family -> (its tiny block-FP8 checkpoint, that checkpoint dequantized), built on first use."""
+    return lambda family: quantized_checkpoint(family, "fp8-block")
 
 
 @pytest.mark.parametrize("family,case", [("qwen2_vl", "text_only"), ("qwen2_vl", "one_image"),

@@ -20,7 +20,8 @@ def test_colocated_args_refuse_a_remote_encoder():
 
 
 @pytest.mark.serve
-def test_colocated_app_gives_the_disaggregated_greedy_tokens(serve_ports, tiny_models):
+def test_colocated_app_gives_the_disaggregated_greedy_tokens(serve_ports, serve_urls, tiny_models):
+    """Against the session's (disaggregated) qwen2_vl app, on the same checkpoint."""
     from ray import serve
 
     from deployments.serve.app import build_app
@@ -29,17 +30,15 @@ def test_colocated_app_gives_the_disaggregated_greedy_tokens(serve_ports, tiny_m
     text = [{"role": "user", "content": [{"type": "text", "text": "tell me a story"}]}]
     image = [{"role": "user", "content": [{"type": "image", "bytes": image_bytes(56, 84, seed=5)},
                                           {"type": "text", "text": "what is this?"}]}]
-    outputs = {}
-    for app, colocated in (("disagg", False), ("colocated", True)):
-        serve.run(build_app(_app_args(tiny_models["qwen2_vl"], app, colocated=colocated)), name=app,
-                  route_prefix=f"/{app}")
-        try:
-            if colocated:
-                assert "Encoder" not in serve.status().applications[app].deployments
-            url = f"http://127.0.0.1:{serve_ports[0]}/{app}"
-            outputs[app] = [openai_chat(url, app, messages, 12, stream) for messages, stream in
-                            ((text, False), (image, True), (image, False))]
-        finally:
-            serve.delete(app)
-    assert all(tokens for _, tokens in outputs["disagg"])
-    assert outputs["colocated"] == outputs["disagg"]
+    calls = ((text, False), (image, True), (image, False))
+    app = "colocated"
+    serve.run(build_app(_app_args(tiny_models["qwen2_vl"], app, colocated=True)), name=app, route_prefix=f"/{app}")
+    try:
+        assert "Encoder" not in serve.status().applications[app].deployments
+        url = f"http://127.0.0.1:{serve_ports[0]}/{app}"
+        colocated = [openai_chat(url, app, messages, 12, stream) for messages, stream in calls]
+    finally:
+        serve.delete(app)
+    disaggregated = [openai_chat(serve_urls["qwen2_vl"], "qwen2_vl", messages, 12, stream) for messages, stream in calls]
+    assert all(tokens for _, tokens in disaggregated)
+    assert colocated == disaggregated

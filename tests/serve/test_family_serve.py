@@ -11,7 +11,11 @@ between families is their number: Qwen3-VL's (and its MoE sibling's, the same en
 part per DeepStack layer beside the merged rows, every other family's one part, the Qwen2-VL
 families' test (`secured_url`, test_serve_app.py) covers. Sub-items (MiniCPM-V's slices, Step3's
 crops) are joined in the encoder pool before an item leaves it. A video file is streamed when it
-samples to the app's `stream_min_frames` or more and decoded whole below, so one app covers both."""
+samples to the app's `stream_min_frames` or more and decoded whole below, so one app covers both.
+
+Qwen3-VL's gRPC app serves the family's block-FP8 checkpoint (Qwen's `-FP8` layout), so its tokens
+are those of that checkpoint dequantized (`tests/support/quantized_reference.py`): the quantized
+linears served over HTTP and the public gRPC API at no extra deployment."""
 
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ class Served:
     grpc_api: tuple[str, ...] = ()  # also sent over the public gRPC API (it carries a message's media before its text)
     grpc_app: str = ""  # the app the gRPC API calls go to
     video_seed: int | None = None  # a video file sent as `video_url` (the family takes videos)
+    quantized: dict[str, str] = dataclasses.field(default_factory=dict)  # app name -> the format of its checkpoint
 
 
 SERVED = {
@@ -57,7 +62,8 @@ SERVED = {
                           ("text_only", "one_image", "sliced_images", "video", "long_prompt"),
                           ("one_image",), "minicpmv4_6", video_seed=23),
     "qwen3_vl": Served({"qwen3_vl": VIDEO, "qwen3_vl_grpc": GRPC}, ("one_image", "video", "image_and_video"),
-                       ("one_image", "video"), "qwen3_vl_grpc", video_seed=22),
+                       ("one_image", "video"), "qwen3_vl_grpc", video_seed=22,
+                       quantized={"qwen3_vl_grpc": "fp8-block"}),
     "qwen3_vl_moe": Served({"qwen3_vl_moe": VIDEO}, ("text_only", "one_image", "video"), ("one_image",),
                            "qwen3_vl_moe", video_seed=24),
     "qwen3_5": Served({"qwen3_5": VIDEO}, ("text_only", "one_image", "video", "long_prompt"),
@@ -68,8 +74,15 @@ SERVED = {
 MOE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe", "step3p7")
 
 
+def checkpoints(family: str, name: str, tiny_checkpoint, quantized_checkpoint) -> tuple[str, str]:
+    """(the checkpoint app `name` of `family` serves, the checkpoint its reference runs)."""
+    if quantization := SERVED[family].quantized.get(name):
+        return quantized_checkpoint(family, quantization)
+    return tiny_checkpoint(family), tiny_checkpoint(family)
+
+
 @pytest.fixture(scope="module")
-def served(request, serve_ports, tiny_checkpoint):
+def served(request, serve_ports, tiny_checkpoint, quantized_checkpoint):
     """(family, {app name: base URL}): the family's apps on the session's Serve instance, up while
     the tests of that family run (they are grouped by family)."""
     from ray import serve
@@ -78,7 +91,8 @@ def served(request, serve_ports, tiny_checkpoint):
 
     family, apps = request.param, SERVED[request.param].apps
     for name, extra in apps.items():
-        serve.run(build_app(_app_args(tiny_checkpoint(family), name, **extra)), name=name, route_prefix=f"/{name}")
+        model_dir = checkpoints(family, name, tiny_checkpoint, quantized_checkpoint)[0]
+        serve.run(build_app(_app_args(model_dir, name, **extra)), name=name, route_prefix=f"/{name}")
     try:
         yield family, {name: f"http://127.0.0.1:{serve_ports[0]}/{name}" for name in apps}
     finally:
@@ -90,28 +104,52 @@ def served(request, serve_ports, tiny_checkpoint):
 @pytest.mark.parametrize("served,case", [(f, (f, c)) for f, s in SERVED.items() for c in s.cases],
                          ids=[f"{f}-{c}" for f, s in SERVED.items() for c in s.cases], indirect=["served"],
                          scope="module")
-def test_http_and_grpc_equal_monolithic(served, case, tiny_checkpoint, serve_ports):
+def test_http_and_grpc_equal_monolithic(served, case, tiny_checkpoint, quantized_checkpoint, serve_ports):
+    """Each app's tokens are its checkpoint's (a quantized app's: its checkpoint dequantized)."""
     family, urls = served
     spec, max_tokens, messages = SERVED[family], CASE_TOKENS[family], family_cases(family)[case[1]]
-    expected = reference_generate(tiny_checkpoint(family), messages, max_tokens)
+
+    def expected(name: str) -> list[int]:
+        return reference_generate(checkpoints(family, name, tiny_checkpoint, quantized_checkpoint)[1], messages,
+                                  max_tokens)
+
     first, *others = spec.apps
     text, tokens = openai_chat(urls[first], first, messages, max_tokens, stream=False)
-    assert tokens == expected
+    assert tokens == expected(first)
     assert openai_chat(urls[first], first, messages, max_tokens, stream=True) == (text, tokens)
     if case[1] != "text_only":  # text goes to no encoder: nothing crosses a transport
         for name in others:
-            assert openai_chat(urls[name], name, messages, max_tokens, stream=False) == (text, tokens), name
+            got = openai_chat(urls[name], name, messages, max_tokens, stream=False)
+            if name in spec.quantized:
+                assert got[1] == expected(name), name
+            else:
+                assert got == (text, tokens), name
     if case[1] in spec.grpc_api:
         with VLMClient(f"127.0.0.1:{serve_ports[1]}", application=spec.grpc_app) as c:
             unary = c.generate(proto_messages(messages), max_tokens=max_tokens)
             streamed = list(c.stream(proto_messages(messages), max_tokens=max_tokens))
-        assert list(unary.token_ids) == expected and unary.text == text
-        assert [t for r in streamed for t in r.token_ids] == expected
-        assert "".join(r.text for r in streamed) == text
+        want = expected(spec.grpc_app)
+        assert list(unary.token_ids) == want == [t for r in streamed for t in r.token_ids]
+        assert unary.text == "".join(r.text for r in streamed)
+        if spec.grpc_app not in spec.quantized:
+            assert unary.text == text
+
+
+@pytest.mark.parametrize("served", [f for f, s in SERVED.items() if s.quantized], indirect=True)
+def test_a_quantized_app_lists_its_format(served):
+    """A family's app serving a quantized checkpoint says so in `GET /v1/models` (and the others null)."""
+    import httpx
+
+    family, urls = served
+    for name, url in urls.items():
+        [card] = httpx.get(url + "/v1/models", timeout=30).json()["data"]
+        want = {"fp8-block": "fp8 (e4m3, 16x16 blocks)"}.get(SERVED[family].quantized.get(name))  # as read
+        assert card["quantization"] == want, name
 
 
 @pytest.mark.parametrize("served", [f for f, s in SERVED.items() if s.video_seed is not None], indirect=True)
-def test_video_url_equals_monolithic_streamed_and_decoded_whole(served, tiny_checkpoint, serve_ports):
+def test_video_url_equals_monolithic_streamed_and_decoded_whole(served, tiny_checkpoint, quantized_checkpoint,
+                                                                serve_ports):
     """A video file (mp4 `video_url`), decoded and sampled on the server at the family's own rate
     (Qwen3-VL: with the timestamps its processor writes from the sampled frames' numbers): a 3.4 s
     one streamed through the pipeline, a 0.6 s one (fewer than the app's `stream_min_frames` sampled)
@@ -127,15 +165,17 @@ def test_video_url_equals_monolithic_streamed_and_decoded_whole(served, tiny_che
     first = next(iter(spec.apps))
     for seconds, streams in ((3.4, True), (0.6, False)):
         data = video_file(seconds, 10, 56, 84, seed=spec.video_seed)
-        expected = reference_generate(tiny_checkpoint(family), reference_messages(data), max_tokens)
+        expected = {name: reference_generate(checkpoints(family, name, tiny_checkpoint, quantized_checkpoint)[1],
+                                             reference_messages(data), max_tokens) for name in spec.apps}
         for name in spec.apps if streams else [first]:
             before = decoder_stats(name)
             got = openai_chat(urls[name], name, reference_messages(data), max_tokens, stream=False)[1]
-            assert got == expected, (name, seconds)
+            assert got == expected[name], (name, seconds)
             assert decoder_stats(name)["streamed"] - before["streamed"] == (streams and name == first), (name, seconds)
         if streams:
             with VLMClient(f"127.0.0.1:{serve_ports[1]}", application=spec.grpc_app) as c:
-                assert list(c.generate([user(QUESTION, video_files=[data])], max_tokens=max_tokens).token_ids) == expected
+                got = list(c.generate([user(QUESTION, video_files=[data])], max_tokens=max_tokens).token_ids)
+            assert got == expected[spec.grpc_app]
 
 
 @pytest.mark.parametrize("served", MOE_FAMILIES, indirect=True)
