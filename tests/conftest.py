@@ -46,16 +46,31 @@ def tiny_models(tiny_checkpoint) -> dict[str, str]:
     return {f: tiny_checkpoint(f) for f in FAMILIES}
 
 
+# the session's apps serve two adapters per family (tests/serve/test_lora_serve.py): one on every LM
+# projection; one of rank 2 with rsLoRA on q, v (slices of qkv_proj) and down_proj
+TINY_ADAPTERS = {"tiny-lora": dict(seed=1), "tiny-lora-b": dict(seed=2, rank=2, alpha=4.0, use_rslora=True,
+                                                                targets=("q_proj", "v_proj", "down_proj"), std=0.1)}
+
+
 @pytest.fixture(scope="session")
-def tiny_lora(tiny_models, models_root) -> str:
-    """A LoRA adapter (PEFT directory) of the tiny Qwen2-VL, built on first use; the session's qwen2_vl
-    app serves it as `TINY_LORA` (tests/serve/test_lora_serve.py)."""
+def tiny_loras(tiny_models, models_root) -> dict[str, dict[str, str]]:
+    """family -> {adapter name: its PEFT directory} (`TINY_ADAPTERS`), built on first use."""
     from mmserve.tiny.lora import build_tiny_adapter
 
-    out = os.path.join(models_root, "qwen2_vl-lora")
-    if not os.path.isfile(os.path.join(out, "adapter_model.safetensors")):
-        build_tiny_adapter(tiny_models["qwen2_vl"], out, seed=1)
+    out = {}
+    for family in FAMILIES:
+        for name, kw in TINY_ADAPTERS.items():
+            path = os.path.join(models_root, f"{family}-{name}")
+            if not os.path.isfile(os.path.join(path, "adapter_model.safetensors")):
+                build_tiny_adapter(tiny_models[family], path, **kw)
+            out.setdefault(family, {})[name] = path
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_lora(tiny_loras) -> str:
+    """The tiny Qwen2-VL's first adapter, served as `TINY_LORA` by the session's qwen2_vl app."""
+    return tiny_loras["qwen2_vl"]["tiny-lora"]
 
 
 @pytest.fixture(scope="session")

@@ -88,16 +88,15 @@ TINY_LORA = "tiny-lora"  # the session's qwen2_vl app serves the `tiny_lora` ada
 
 
 @pytest.fixture(scope="session")
-def serve_urls(serve_ports, tiny_models, tiny_lora) -> dict[str, str]:
-    """{family: base URL of its app}."""
+def serve_urls(serve_ports, tiny_models, tiny_loras) -> dict[str, str]:
+    """{family: base URL of its app}; each app serves its family's `tiny_loras` adapters too."""
     from ray import serve
 
     from deployments.serve.app import build_app
     from deployments.serve.router import wait_until_ready
 
-    extra = {"qwen2_vl": {"lora_modules": {TINY_LORA: tiny_lora}}}
     for family in FAMILIES:
-        serve.run(build_app(_app_args(tiny_models[family], family, **extra.get(family, {}))), name=family,
+        serve.run(build_app(_app_args(tiny_models[family], family, lora_modules=tiny_loras[family])), name=family,
                   route_prefix=f"/{family}")
     for family in FAMILIES:
         wait_until_ready(family)
