@@ -4,7 +4,6 @@
 write them; bad ones refused with the tensor or field named."""
 
 import json
-import os
 import shutil
 
 import pytest
@@ -12,24 +11,10 @@ import torch
 
 from tests.support.cases import CASE_TOKENS, family_cases
 from tests.support.pipeline import served_generate
-from tests.support.quantized_reference import dequantized_copy, edit_tensors
+from tests.support.quantized_reference import edit_tensors
 from tests.support.reference import reference_generate
 
 FORMATS = ("fp8-channel", "awq")
-
-
-@pytest.fixture(scope="session")
-def quantized_checkpoint(models_root):
-    """(family, quantization) -> (its tiny checkpoint, that checkpoint dequantized), built on first use."""
-    from mmserve.tiny import build_tiny_model
-
-    def make(family, quantization):
-        out = os.path.join(models_root, f"{family}-{quantization}")
-        if not os.path.isfile(os.path.join(out, "mmserve_tiny.json")):
-            build_tiny_model(family, out, quantization=quantization)
-        return out, dequantized_copy(out, out + "-dequantized")
-
-    return make
 
 
 @pytest.mark.parametrize("quantization", FORMATS)
