@@ -98,7 +98,8 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     """sum over k of `top_k_weights[t, k] * expert[top_k_index[t, k]](hidden_states[t])`, `(T, H)`."""
     num_tokens, top_k = top_k_index.shape
     gate_up_w, down_w = self.gate_up_proj, self.down_proj
-    if isinstance(gate_up_w, ExpertsWeights) and hidden_states.is_cuda:  # no quantized grouped GEMM yet
+    if isinstance(gate_up_w, ExpertsWeights) and (self.use_triton or hidden_states.is_cuda):
+        # no quantized grouped GEMM yet: the layer's experts dequantized whole, without a host sync
         gate_up_w, down_w = gate_up_w.dense(hidden_states.dtype), down_w.dense(hidden_states.dtype)
     if self.use_triton:  # it sorts and pads the pairs itself
         from mmserve.kernels.triton_moe import fused_experts

@@ -118,3 +118,40 @@ def test_experts_partly_quantized_are_refused(quantized_checkpoint, tmp_path):
     error = _load_error(model_dir)
     assert "decoder.layers.1.mlp.experts: expert 3's down_proj is not AWQ int4" in error
     assert "a layer's experts are all quantized or all dense" in error
+
+
+# The experts path on quantized experts.
+
+def _installed_experts(quantized_checkpoint, quantization):
+    from llm_service.model import experts
+    from llm_service.model.language_model import LanguageModel
+
+    lm = LanguageModel(quantized_checkpoint(FAMILY, quantization)[0], dtype="float32")
+    return experts.install(lm.modules.decoder)[1]
+
+
+def test_only_the_experts_with_rows_are_dequantized(quantized_checkpoint):
+    module = _installed_experts(quantized_checkpoint, "awq")
+    asked = []
+    for stacked in (module.gate_up_proj, module.down_proj):
+        dense = stacked.dense
+        stacked.dense = lambda dtype, expert=None, dense=dense: asked.append(expert) or dense(dtype, expert)
+    index = torch.tensor([[5, 2, 9, 11], [2, 5, 11, 9]])
+    with torch.no_grad():
+        module(torch.randn(2, 64), index, torch.rand(2, 4))
+    assert sorted(asked) == [2, 2, 5, 5, 9, 9, 11, 11]  # gate_up and down of each routed expert, one by one
+
+
+@pytest.mark.kernel
+def test_the_fused_kernel_path_runs_the_experts_dequantized(quantized_checkpoint):
+    """What a CUDA replica runs (the whole layer dequantized, then `fused_experts`); on CPU in
+    Triton's interpreter."""
+    module = _installed_experts(quantized_checkpoint, "fp8-block")
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(9, 64, generator=gen)
+    index = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(9)])
+    weights = torch.rand(9, 4, generator=gen)
+    with torch.no_grad():
+        per_expert = module(hidden, index, weights)
+        module.use_triton = True  # on CUDA only, outside tests
+        torch.testing.assert_close(module(hidden, index, weights), per_expert, rtol=1e-5, atol=1e-5)
