@@ -52,7 +52,7 @@ def test_checkpoint_stores_one_quantized_projection_per_expert(quantized_checkpo
 @pytest.mark.parametrize("quantization", FORMATS)
 def test_experts_are_held_as_stored(quantized_checkpoint, quantization):
     from llm_service.model import experts, layers
-    from llm_service.model.language_model import LanguageModel
+    from llm_service.model.language_model import LanguageModel, weight_split
     from llm_service.model.quantized import ExpertsWeights
 
     lm = LanguageModel(quantized_checkpoint(FAMILY, quantization)[0], dtype="bfloat16")
@@ -64,6 +64,7 @@ def test_experts_are_held_as_stored(quantized_checkpoint, quantization):
     assert all(dtype in (torch.float8_e4m3fn, torch.float32, torch.int32, torch.float16) for dtype in stored.values())
     assert isinstance(layer.self_attn.q_proj, layers.Linear) and layer.self_attn.q_proj.quantization is lm.quantization
     assert layer.mlp.gate.weight.dtype == torch.bfloat16  # the router as stored (dense), in the compute dtype
+    assert sum(p.nbytes for p in lm.modules.parameters()) == weight_split(lm.model_dir, "bfloat16")[0]  # as stored
 
 
 @pytest.mark.parametrize("quantization", FORMATS)
