@@ -7,6 +7,7 @@ with the tensor named."""
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ def test_checkpoint_stores_one_quantized_projection_per_expert(quantized_checkpo
         assert tensors[f"{EXPERTS}.{j}.down_proj.weight_scale_inv"] == (torch.float32, (4, 3))  # 16 x 16 blocks
     router = "model.language_model.layers.1.mlp.gate"
     assert tensors[router + ".weight"][0] == torch.float32
-    q = json.loads(open(os.path.join(model_dir, "config.json")).read())["quantization_config"]
+    q = json.loads(Path(model_dir, "config.json").read_text())["quantization_config"]
     assert router in q["modules_to_not_convert"]
 
 
