@@ -41,6 +41,22 @@ def tiny_checkpoint(models_root):
 
 
 @pytest.fixture(scope="session")
+def quantized_checkpoint(models_root):
+    """(family, quantization) -> (its tiny checkpoint in that format, `mmserve.tiny.quantized`; that
+    checkpoint dequantized in float64, `tests.support.quantized_reference`), built on first use."""
+    from mmserve.tiny import build_tiny_model
+    from tests.support.quantized_reference import dequantized_copy
+
+    def make(family, quantization):
+        out = os.path.join(models_root, f"{family}-{quantization}")
+        if not os.path.isfile(os.path.join(out, "mmserve_tiny.json")):
+            build_tiny_model(family, out, quantization=quantization)
+        return out, dequantized_copy(out, out + "-dequantized")
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def tiny_models(tiny_checkpoint) -> dict[str, str]:
     """Both tiny Qwen2-VL-family checkpoints."""
     return {f: tiny_checkpoint(f) for f in FAMILIES}

@@ -24,6 +24,9 @@ class LanguageModelModules(nn.Module):
             self.lm_head.weight = decoder.embed_tokens.weight
 
     full_shapes: dict[str, tuple[int, ...]] = {}  # a tensor-parallel shard's: sharded key -> shape before the split
+    # `transformers` `nn.Linear`s (a regular expression over module names) that a quantized
+    # checkpoint's weights may turn into the engine's `layers.Linear` (`quantized.quantize_modules`)
+    engine_linears: str | None = None
 
     def full_shape(self, name: str) -> tuple[int, ...]:
         """The shape of parameter `name` in the whole model (a rank holds a part of some)."""

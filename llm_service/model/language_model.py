@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from llm_service.families.base import LMFace
-from llm_service.model import quantized
+from llm_service.model import layers, quantized
 from mmserve.checkpoint import load_config, load_weights, read_config, resolve_dtype, weight_bytes
 from mmserve.families import face_class, family_of
 
@@ -107,7 +107,9 @@ class LanguageModel:
         for layer in decoder.layers:
             if (attn := getattr(layer, "self_attn", None)) is not None:
                 packed = getattr(attn, "qkv_proj", None)  # the engine's own layer: [q | k | v]
-                k_rows = packed.output_sizes[1] if packed is not None else attn.k_proj.weight.shape[0]
+                k_proj = getattr(attn, "k_proj", None)  # `transformers`' (an engine `Linear` when quantized)
+                k_rows = (packed.output_sizes[1] if packed is not None else k_proj.output_sizes[0]
+                          if isinstance(k_proj, layers.Linear) else k_proj.weight.shape[0])
                 return int(k_rows // attn.head_dim)
         return int(self.text_config.num_key_value_heads)
 

@@ -19,11 +19,19 @@ lm_head); anything else loads as it is. A converted `Linear` holds the stored te
 projections concatenate each along the output dimension) and, in its forward, dequantizes into
 the input's dtype and runs a plain GEMM (`WeightFormat.forward`): the CPU path, and CUDA's until
 an FP8 / W4A16 GEMM takes over.
+
+A MoE layer's experts (`llm_service.model.experts`) are quantized the same way, one checkpoint
+projection per expert (`...experts.<j>.gate_proj.weight` + its scales); the layer holds each of
+its two stacked projections as an `ExpertsWeights`: the tensors a `Linear` of the format holds,
+with a leading experts dimension, dequantized by the same `WeightFormat.dense` (one expert's
+slices, or all at once).
 """
 
 from __future__ import annotations
 
 import math
+import re
+import types
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +73,9 @@ class WeightFormat(ABC):
 
     @abstractmethod
     def dense(self, linear: layers.Linear, dtype: torch.dtype) -> torch.Tensor:
-        """`linear`'s weight `(out, in)` in `dtype`, computed in float32 (or `dtype` if wider)."""
+        """`linear`'s weight `(out, in)` in `dtype`, computed in float32 (or `dtype` if wider); any
+        object holding the `params` tensors will do, with leading dimensions (`(E, out, in)` for
+        an `ExpertsWeights`)."""
 
     def forward(self, linear: layers.Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dense(linear, x.dtype), linear.bias)
@@ -148,13 +158,14 @@ class BlockFP8(_FP8):
     scale_shape = grid
 
     def dequantize(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """`weight` (e4m3) x each block's `scale`, computed in float32 (or `dtype` if wider), in `dtype`."""
+        """`weight` (e4m3, `(..., out, in)`) x each block's `scale`, computed in float32 (or `dtype`
+        if wider), in `dtype`."""
         wide = torch.promote_types(dtype, torch.float32)
-        (rows, cols), cols_per_block = weight.shape, self.block[1]
-        per_row = scale.to(wide).repeat_interleave(self.block[0], 0)[:rows]  # (rows, column blocks)
+        (rows, cols), cols_per_block = weight.shape[-2:], self.block[1]
+        per_row = scale.to(wide).repeat_interleave(self.block[0], -2)[..., :rows, :]  # (..., rows, column blocks)
         out, whole = weight.to(wide), cols // cols_per_block * cols_per_block
-        out[:, :whole].unflatten(1, (-1, cols_per_block)).mul_(per_row[:, :whole // cols_per_block, None])
-        out[:, whole:].mul_(per_row[:, -1:])  # a partial last column block
+        out[..., :whole].unflatten(-1, (-1, cols_per_block)).mul_(per_row[..., :whole // cols_per_block, None])
+        out[..., whole:].mul_(per_row[..., -1:])  # a partial last column block
         return out.to(dtype)
 
     def dense(self, linear, dtype):
@@ -234,10 +245,34 @@ class AWQ(WeightFormat):
     def dense(self, linear, dtype):
         wide = torch.promote_types(dtype, torch.float32)
         g = self.group_size
-        zeros = unpack_int4(linear.qzeros).repeat_interleave(g, 0)
-        scales = linear.scales.to(wide).repeat_interleave(g, 0)
-        weight = ((unpack_int4(linear.qweight) - zeros).to(wide) * scales).t()
+        zeros = unpack_int4(linear.qzeros).repeat_interleave(g, -2)
+        scales = linear.scales.to(wide).repeat_interleave(g, -2)
+        weight = ((unpack_int4(linear.qweight) - zeros).to(wide) * scales).transpose(-1, -2)
         return weight.to(dtype).contiguous()  # (out, in) rows, as a dense checkpoint's weight: the same GEMM
+
+
+class ExpertsWeights(nn.Module):
+    """One stacked projection of a MoE layer's experts (`gate_up_proj`: each expert's gate | up
+    rows, or `down_proj`) in a format: the tensors a `Linear` of `(out, in)` holds in it, each with
+    a leading experts dimension (block FP8: `weight` `(E, out, in)` e4m3, `weight_scale_inv`
+    `(E, out/bo, in/bi)`; AWQ: `qweight` `(E, in, out/8)`, ...). `shape`: the dense tensor's,
+    `(E, out, in)`."""
+
+    def __init__(self, fmt: WeightFormat, num_experts: int, out: int, inp: int, device: torch.device):
+        super().__init__()
+        for attr, (shape, dtype) in fmt.params(out, inp).items():
+            setattr(self, attr, nn.Parameter(torch.empty((num_experts, *shape), dtype=dtype, device=device),
+                                             requires_grad=False))
+        self.quantization = fmt
+        self.shape = (num_experts, out, inp)
+
+    def dense(self, dtype: torch.dtype, expert: int | None = None) -> torch.Tensor:
+        """Expert `expert`'s weight `(out, in)` in `dtype` (its slices dequantized), or every
+        expert's `(E, out, in)`."""
+        if expert is None:
+            return self.quantization.dense(self, dtype)
+        one = types.SimpleNamespace(**{attr: p[expert] for attr, p in self.named_parameters(recurse=False)})
+        return self.quantization.dense(one, dtype)
 
 
 def read_format(model_dir: str | Path) -> WeightFormat | None:
@@ -302,24 +337,38 @@ def _read_awq(q: dict) -> AWQ:
     return AWQ(group)
 
 
+# a MoE layer's experts as the checkpoints store them: one projection per expert
+_PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<part>gate_proj|up_proj|down_proj)$")
+EXPERT_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}  # stacked -> parts, in order
+
+
 def quantize_modules(modules: nn.Module, model_dir: str | Path, rename, fmt: WeightFormat, device: torch.device) -> int:
     """Turn the `layers.Linear`s of `modules` whose checkpoint weights are quantized into ones of
-    `fmt`, then give every parameter still on the meta device (`tensor_parallel.parameters_on_meta`)
-    storage on `device`; returns how many were converted. A quantized tensor with no quantized place
-    (a module the family runs in `transformers`' own layers, a packed projection with some parts
-    dense) is refused here, before anything is read."""
+    `fmt`, and the experts of a MoE layer whose per-expert weights are into `ExpertsWeights`,
+    then give every parameter still on the meta device (`tensor_parallel.parameters_on_meta`)
+    storage on `device`; returns how many were converted. A `transformers` `nn.Linear` whose name
+    `modules.engine_linears` (a regular expression) matches becomes a `layers.Linear` first. A
+    quantized tensor with no quantized place (a module the family runs in `transformers`' own
+    layers, a packed projection or a MoE layer with some parts dense) is refused here, before
+    anything is read."""
     stored = {t.key: t for file in safetensors_files(Path(model_dir)) for t in stored_tensors(file)}
     parts: dict[str, list[str]] = {}  # module name -> its checkpoint tensors stored quantized
+    experts: dict[str, dict[tuple[int, str], str]] = {}  # experts module -> (expert, part) -> its tensor
     for key in sorted(fmt.quantized_tensors(stored)):
         name = rename(key.rpartition(".")[0] + ".weight")  # the module's name, as its dense weight's
         if name is None:
             continue
+        if per_expert := _PER_EXPERT.match(name.removesuffix(".weight")):
+            experts.setdefault(per_expert["experts"], {})[int(per_expert["expert"]), per_expert["part"]] = key
+            continue
         owner, _, module = name.removesuffix(".weight").rpartition(".")
         packed = next((p for p, members in layers.PACKED.items() if module in members), module)
+        if not _has_module(modules, f"{owner}.{packed}".lstrip(".")):
+            packed = module  # `transformers`' layers: q_proj, k_proj, ... each a module
         parts.setdefault(f"{owner}.{packed}".lstrip("."), []).append(key)
     for name, keys in parts.items():
-        linear = modules.get_submodule(name) if _has_module(modules, name) else None
-        if not isinstance(linear, layers.Linear):
+        linear = _engine_linear(modules, name)
+        if linear is None:
             raise ValueError(f"checkpoint tensor {keys[0]} is {fmt.label}, but mmserve runs {name} in full precision "
                              f"only ({fmt.label} weights go to the engine's own decoder layers)")
         if len(keys) != len(linear.output_sizes):
@@ -329,6 +378,8 @@ def quantize_modules(modules: nn.Module, model_dir: str | Path, rename, fmt: Wei
             fmt.convert(name, linear, device)
         except ValueError as e:
             raise ValueError(f"{e} (checkpoint tensors {', '.join(sorted(keys))})") from None
+    for name, keys in experts.items():
+        _quantize_experts(modules, name, keys, fmt, device)
     made: dict[int, nn.Parameter] = {}  # tied parameters stay one tensor
     for name, param in list(modules.named_parameters(remove_duplicate=False)):
         if param.device.type == "meta":
@@ -336,7 +387,48 @@ def quantize_modules(modules: nn.Module, model_dir: str | Path, rename, fmt: Wei
                 made[id(param)] = nn.Parameter(torch.empty_like(param, device=device), requires_grad=False)
             owner, _, attr = name.rpartition(".")
             setattr(modules.get_submodule(owner), attr, made[id(param)])
-    return len(parts)
+    return len(parts) + len(experts)
+
+
+def _engine_linear(modules: nn.Module, name: str) -> layers.Linear | None:
+    """The engine's `Linear` at `name`: the one there, or one put in place of a `transformers`
+    `nn.Linear` the modules allow (`engine_linears`); None otherwise."""
+    module = modules.get_submodule(name) if _has_module(modules, name) else None
+    if isinstance(module, layers.Linear):
+        return module
+    allowed = getattr(modules, "engine_linears", None)
+    if type(module) is not nn.Linear or not allowed or not re.fullmatch(allowed, name):
+        return None
+    with torch.device("meta"):  # storage comes with the format's tensors (`convert`) or the meta pass after
+        linear = layers.Linear(module.in_features, (module.out_features,), module.bias is not None, module.weight.dtype)
+    owner, _, attr = name.rpartition(".")
+    setattr(modules.get_submodule(owner), attr, linear)
+    return linear
+
+
+def _quantize_experts(modules: nn.Module, name: str, keys: dict[tuple[int, str], str], fmt: WeightFormat,
+                      device: torch.device) -> None:
+    """The experts module `name`'s stacked projections as `ExpertsWeights` of `fmt`; `keys`: its
+    quantized checkpoint tensors, by (expert, part), all of them or a refusal."""
+    first = keys[min(keys)]
+    module = modules.get_submodule(name) if _has_module(modules, name) else None
+    stacked = {s: getattr(module, s, None) for s in EXPERT_PARTS}
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in stacked.values()):
+        raise ValueError(f"checkpoint tensor {first} is {fmt.label}, but {name} is no MoE layer's experts "
+                         "(gate_up_proj (E, 2I, H), down_proj (E, H, I)) mmserve runs")
+    num_experts = stacked["gate_up_proj"].shape[0]
+    for j in range(num_experts):
+        for part in (p for members in EXPERT_PARTS.values() for p in members):
+            if (j, part) not in keys:
+                raise ValueError(f"{name}: expert {j}'s {part} is not {fmt.label} in the checkpoint but {first} is: "
+                                 "a layer's experts are all quantized or all dense")
+    inter = stacked["gate_up_proj"].shape[1] // 2
+    if inter % fmt.out_multiple:
+        raise ValueError(f"{name}.gate_up_proj: its packed slices ({inter}, {inter}) are not whole "
+                         f"{fmt.out_reason} (checkpoint tensors {first}, ...)")
+    for attr, tensor in stacked.items():
+        delattr(module, attr)
+        setattr(module, attr, ExpertsWeights(fmt, *tensor.shape, device))
 
 
 def _has_module(modules: nn.Module, name: str) -> bool:

@@ -8,6 +8,12 @@ norms, biases, lm_head) as saved, `quantization_config` in `config.json`. The fo
   `F8_E4M3` `weight` + float32 `weight_scale` `(out, 1)`;
 - `awq`: AutoAWQ's int4 GEMM layout: `qweight`, `qzeros` (int32, 8 values each) and float16
   `scales` per group of input rows, no `weight`.
+
+A MoE checkpoint's experts, saved stacked (`mlp.experts.gate_up_proj` `(E, 2I, H)`,
+`mlp.experts.down_proj` `(E, H, I)`), are written as the quantized releases store them
+(Qwen3-VL-30B-A3B-Instruct-FP8): one projection per expert, `mlp.experts.<j>.gate_proj`,
+`up_proj`, `down_proj`, each quantized like any other; the routers (`mlp.gate`) stay dense and are
+named in the skip lists, as the releases name them.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 
 QUANTIZATIONS = ("fp8-block", "fp8-channel", "awq")
 BLOCK = [16, 16]  # weight_block_size: whole blocks in every tiny projection (the released ones use 128)
-GROUP = 32  # AWQ group_size: divides every tiny projection's input size (the released ones use 128)
+GROUP = 32  # AWQ group_size, or the largest divisor of it that divides every projection's input (the releases: 128)
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the 4 bits at 4*i of an int32 hold column AWQ_ORDER[i] of its 8
 
@@ -60,8 +66,22 @@ def quantize_awq(weight: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
 
 
 def not_converted(keys) -> list[str]:
-    """What the writers skip: lm_head and the vision tower, under the prefix the file uses."""
-    return ["lm_head", "model.visual" if any(k.startswith("model.visual.") for k in keys) else "visual"]
+    """What the writers skip: lm_head, the vision tower (under the prefix the file uses), each MoE
+    layer's router."""
+    routers = sorted(k.removesuffix(".weight") for k in keys if k.endswith(".mlp.gate.weight"))
+    return ["lm_head", "model.visual" if any(k.startswith("model.visual.") for k in keys) else "visual", *routers]
+
+
+def per_expert(key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A stacked experts tensor as one dense projection `(out, in)` per expert; any other as it is."""
+    prefix, _, stacked = key.rpartition(".")
+    if not prefix.endswith(".mlp.experts") or stacked not in ("gate_up_proj", "down_proj") or tensor.dim() != 3:
+        return {key: tensor}
+    if stacked == "down_proj":
+        return {f"{prefix}.{j}.down_proj.weight": tensor[j].contiguous() for j in range(tensor.shape[0])}
+    gate, up = tensor.chunk(2, dim=1)
+    return {f"{prefix}.{j}.{name}.weight": part[j].contiguous()
+            for j in range(tensor.shape[0]) for name, part in (("gate_proj", gate), ("up_proj", up))}
 
 
 def converted(key: str, tensor: torch.Tensor, skipped: list[str]) -> bool:
@@ -101,7 +121,7 @@ def quantization_config(quantization: str, skipped: list[str], block: list[int],
                                           "weights": args("channel", False, "minmax"),
                                           "input_activations": args("token", True, None),
                                           "output_activations": None}},
-            "ignore": [skipped[0], f"re:{re.escape(skipped[1])}\\..*"],
+            "ignore": [skipped[0], f"re:{re.escape(skipped[1])}\\..*", *skipped[2:]],
             "kv_cache_scheme": None, "sparsity_config": {}, "global_compression_ratio": None}
 
 
@@ -112,19 +132,20 @@ def quantize_checkpoint(model_dir: Path, quantization: str = "fp8-block", block:
 
     index_path = model_dir / "model.safetensors.index.json"
     index = json.loads(index_path.read_text()) if index_path.is_file() else None
-    files = {file: load_file(file) for file in sorted(model_dir.glob("*.safetensors"))}
+    files = {file: {k: t for key, tensor in load_file(file).items() for k, t in per_expert(key, tensor).items()}
+             for file in sorted(model_dir.glob("*.safetensors"))}
     skipped = not_converted([key for tensors in files.values() for key in tensors])
+    inputs = [t.shape[1] for tensors in files.values() for k, t in tensors.items() if converted(k, t, skipped)]
+    group = math.gcd(group, *inputs)
     for file, tensors in files.items():
         out = {}
         for key, tensor in tensors.items():
-            if not converted(key, tensor, skipped):
-                out[key] = tensor
-                continue
-            made = quantize(quantization, key.removesuffix(".weight"), tensor, block, group)
+            made = (quantize(quantization, key.removesuffix(".weight"), tensor, block, group)
+                    if converted(key, tensor, skipped) else {key: tensor})
             out.update(made)
-            if index is not None:
-                index["weight_map"].pop(key)
-                index["weight_map"].update(dict.fromkeys(made, file.name))
+        if index is not None:
+            index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != file.name}
+            index["weight_map"].update(dict.fromkeys(out, file.name))
         save_file(out, file, metadata={"format": "pt"})
     if index is not None:
         index_path.write_text(json.dumps(index, indent=2) + "\n")

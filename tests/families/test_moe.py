@@ -111,6 +111,27 @@ def test_the_published_transposed_experts_load_and_serve_the_same_tokens(tiny_ch
         assert torch.equal(a, b), name
 
 
+def test_experts_stored_one_projection_per_expert_load_the_same(tiny_checkpoint, tmp_path):
+    """The quantized releases' layout (`mlp.experts.<j>.gate_proj.weight`, ...), dense here:
+    each tensor is written into its slice of the stacked ones (`experts.PerExpertLoader`)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mmserve.tiny.quantized import per_expert
+
+    model_dir = tiny_checkpoint("qwen3_vl_moe")
+    split = tmp_path / "per_expert"
+    shutil.copytree(model_dir, split)
+    tensors = {k: t for key, tensor in load_file(split / "model.safetensors").items()
+               for k, t in per_expert(key, tensor).items()}
+    assert "model.language_model.layers.0.mlp.experts.15.up_proj.weight" in tensors
+    save_file(tensors, split / "model.safetensors", metadata={"format": "pt"})
+    ours, theirs = language_model(model_dir).modules, language_model(str(split)).modules
+    for (name, a), (_, b) in zip(ours.named_parameters(), theirs.named_parameters()):
+        assert torch.equal(a, b), name
+
+
 def test_a_repeated_long_prompt_reuses_its_blocks_with_the_moe_layers(tiny_checkpoint):
     model_dir = tiny_checkpoint("qwen3_vl_moe")
     engine = make_engine(model_dir, block_size=8)

@@ -2,7 +2,10 @@
 dense in float64 (where each product is exact) and no `quantization_config`, for `transformers`'
 dense loader (`tests.support.reference`). Block FP8 (`weight` x `weight_scale_inv` per block),
 per-channel FP8 (`weight` x `weight_scale` per row), AWQ (`qweight`/`qzeros`/`scales` ->
-`weight` `(out, in)` = ((q - z) x s)^T).
+`weight` `(out, in)` = ((q - z) x s)^T). A MoE checkpoint's per-expert projections
+(`mlp.experts.<j>.gate_proj.weight`, ...) are stacked back into the layout `transformers` loads
+(`mlp.experts.gate_up_proj` `(E, 2I, H)`: each expert's gate rows then its up rows;
+`mlp.experts.down_proj` `(E, H, I)`).
 
 Written on torch and safetensors alone, element by element where it can: not the engine's
 dequantization."""
@@ -10,6 +13,7 @@ dequantization."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -68,6 +72,23 @@ def dense_tensors(tensors: dict[str, torch.Tensor], q: dict) -> dict[str, torch.
     return dense
 
 
+def stacked_experts(dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`dense` with each MoE layer's per-expert projections stacked (the module layout)."""
+    out, experts = {}, {}
+    for key, t in dense.items():
+        found = re.match(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", key)
+        if found:
+            experts.setdefault(found[1], {})[int(found[2]), found[3]] = t
+        else:
+            out[key] = t
+    for prefix, parts in experts.items():
+        num = 1 + max(j for j, _ in parts)
+        out[prefix + ".gate_up_proj"] = torch.stack(
+            [torch.cat([parts[j, "gate_proj"], parts[j, "up_proj"]]) for j in range(num)])
+        out[prefix + ".down_proj"] = torch.stack([parts[j, "down_proj"] for j in range(num)])
+    return out
+
+
 def dequantized_copy(model_dir: str | Path, out_dir: str | Path) -> str:
     """`model_dir` copied to `out_dir` (once) with its quantized projections dense in float64."""
     from safetensors.torch import load_file, save_file
@@ -83,7 +104,7 @@ def dequantized_copy(model_dir: str | Path, out_dir: str | Path) -> str:
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     weight_map = {}
     for file in model_dir.glob("*.safetensors"):
-        dense = dense_tensors(load_file(file), q)
+        dense = stacked_experts(dense_tensors(load_file(file), q))
         save_file(dense, tmp / file.name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(dense, file.name))
     if (model_dir / "model.safetensors.index.json").is_file():
