@@ -89,22 +89,6 @@ def tiny_lora(tiny_loras) -> str:
     return tiny_loras["qwen2_vl"]["tiny-lora"]
 
 
-@pytest.fixture(scope="session")
-def quantized_checkpoint(models_root):
-    """(family, quantization) -> (its tiny checkpoint in that published format, that checkpoint
-    dequantized: the reference's), built on first use."""
-    from mmserve.tiny import build_tiny_model
-    from tests.support.quantized_reference import dequantized_copy
-
-    def make(family: str, quantization: str) -> tuple[str, str]:
-        out = os.path.join(models_root, f"{family}-{quantization}")
-        if not os.path.isfile(os.path.join(out, "mmserve_tiny.json")):
-            build_tiny_model(family, out, quantization=quantization)
-        return out, dequantized_copy(out, out + "-dequantized")
-
-    return make
-
-
 @pytest.fixture(params=FAMILIES)
 def family(request) -> str:
     return request.param
