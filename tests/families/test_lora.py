@@ -153,6 +153,23 @@ def test_an_adapter_read_ahead_in_another_thread_is_installed_not_read_again(tin
         assert collector.tokens(name) == _expected(model_dir, "text", lora), name
 
 
+@pytest.mark.parametrize("quantization", ["fp8-block", "awq"])
+def test_an_adapter_on_a_quantized_base_equals_peft_merged_on_the_dequantized_model(tiny_models, adapters_root,
+                                                                                    quantized_checkpoint, quantization):
+    """The deltas add to the quantized `Linear`'s output (its slices of qkv / gate_up as stored):
+    the same tokens as `peft` merging the adapter into the checkpoint dequantized."""
+    model_dir, reference_dir = quantized_checkpoint("qwen2_vl", quantization)
+    adapter = _adapters(tiny_models["qwen2_vl"], adapters_root)["b"]
+    engine = make_engine(model_dir, max_loras=1)
+    collector = Collector()
+    for lora in (adapter, None):
+        collector.add(engine, _request(model_dir, PROMPTS["image"], f"q-{lora and lora.name}", lora))
+    run_until_done(engine, collector)
+    expected = reference_generate(reference_dir, PROMPTS["image"], MAX_TOKENS, adapter=adapter.path)
+    assert collector.tokens("q-b") == expected != reference_generate(reference_dir, PROMPTS["image"], MAX_TOKENS)
+    assert collector.tokens("q-None") == reference_generate(reference_dir, PROMPTS["image"], MAX_TOKENS)
+
+
 def _copy(lora: LoraRequest, root: Path, name: str = "bad") -> Path:
     path = root / name
     shutil.copytree(lora.path, path)
