@@ -63,6 +63,8 @@ class EngineConfig:
     max_logprobs: int = 20
     max_loras: int = setting(0, "LoRA adapters kept loaded per LLM replica (least recently used dropped); 0: as "
                              "many as lora_modules lists", ge=0)
+    max_lora_rank: int = setting(16, "the largest LoRA rank (r) an adapter may have (the Triton path's slots "
+                                 "hold this rank)", ge=1)
     enable_prefix_caching: bool = setting(True, "reuse K/V of identical prompt prefixes (images by content hash)")
     attention_backend: Literal["auto", "sdpa", "triton"] = setting(
         "auto", "auto: the Triton paged kernel on CUDA, SDPA on CPU (checked at replica start); triton runs on "

@@ -9,12 +9,15 @@ tables) are gathered on the device from the runner's `BatchState` by batch row, 
 per-step input is the rows' index, copied into the graphs' static buffer; padding rows read the
 state's pad row (its table: the pool's scratch block, one token of context). Attention inside
 the graphs is the Triton paged kernel (one query per sequence, so shapes are fixed per size).
+With LoRA adapters the graphs hold the slot kernels (`llm_service.model.lora`): a row's adapter
+is its slot in the LoRA set's `token_slot` buffer, written before the replay.
 Written for CUDA; exercised by the tests marked `gpu`, and on the CPU uncaptured
 (`capture=False`: the same buffer and step, run eagerly) under the Triton interpreter.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -53,7 +56,8 @@ class DecodeGraphs:
             return graphs
         try:
             graphs = cls(runner)
-            graphs._graphs = capture_ladder(graphs.sizes, graphs.step_fn, runner.device)
+            with runner.loras.capturing() if runner.loras is not None else contextlib.nullcontext():
+                graphs._graphs = capture_ladder(graphs.sizes, graphs.step_fn, runner.device)
         except Exception as e:  # the replica stays up and decodes eagerly
             logger.warning("CUDA graph capture failed, decode runs without graphs: %s: %s", type(e).__name__, e)
             return None

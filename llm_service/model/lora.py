@@ -9,8 +9,16 @@ become slices of `qkv_proj`, gate/up slices of `gate_up_proj`. Scaling is PEFT's
 
 In a step, each token belongs to one adapter or to the base model: `LoraSet.step(groups)`
 makes each targeted `Linear` add `scale * (x[rows] @ A^T) @ B^T` to its output slice for the
-rows of each adapter present (one pair of GEMMs per adapter and slice: the grouped matmul of
-the CPU; no CUDA kernel yet). Vision-tower adapters are refused.
+rows of each adapter present. Two ways:
+
+- grouped (CPU, the SDPA backend): one pair of GEMMs per adapter present and slice, on its rows;
+- slots (the Triton backend: CUDA, or the interpreter): each loaded adapter owns a slot of
+  every `Linear`'s stacked buffers (`SlotStacks`, rank padded to `max_rank`), each token names its
+  slot (`token_slot`, -1: the base model), and two launches per `Linear` apply every row's delta
+  (`mmserve.kernels.triton_lora`) with the batch's shape whatever the adapters: the decode CUDA
+  graphs capture them, so decode steps with adapters replay graphs too.
+
+Vision-tower adapters are refused.
 """
 
 from __future__ import annotations
@@ -144,16 +152,47 @@ def _engine_slice(name: str, module: str, linears: dict[str, layers.Linear], ren
     return target, linears[target].slices()[0]
 
 
+class SlotStacks:
+    """One `Linear`'s adapters by slot, for the slot kernels: `a` `(slots, S, rank, in)` and `b`
+    `(slots, S, max slice, rank)` over its `S` output slices, zero where an adapter has no rank or
+    no delta; `offsets` / `sizes` where the slices lie in its output."""
+
+    def __init__(self, linear: layers.Linear, capacity: int, rank: int, dtype: torch.dtype, device: torch.device):
+        self.slices = linear.slices()
+        self.max_size = max(linear.output_sizes)
+        self.a = torch.zeros(capacity, len(self.slices), rank, linear.input_size, dtype=dtype, device=device)
+        self.b = torch.zeros(capacity, len(self.slices), self.max_size, rank, dtype=dtype, device=device)
+        self.offsets = ints([s.start for s in self.slices], device, torch.int32)
+        self.sizes = ints(list(linear.output_sizes), device, torch.int32)
+
+    def install(self, slot: int, deltas: tuple[Delta, ...]) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        for d in deltas:
+            i, rank = self.slices.index(d.out), d.a.shape[0]
+            self.a[slot, i, :rank].copy_(d.a)
+            self.b[slot, i, :d.b.shape[0], :rank].copy_(d.b)
+
+
 class LinearLoras:
     """A `Linear`'s LoRA attachment (`Linear.lora`): the deltas of each loaded adapter that targets
-    it, applied to the rows of the step's groups (`LoraSet.step`)."""
+    it, applied to the rows of the step's groups (`LoraSet.step`); with `stacks`, by slot."""
 
-    def __init__(self, active: list):
-        self.active = active  # the step's (adapter name, token rows): shared by every attachment
+    def __init__(self, owner: LoraSet, stacks: SlotStacks | None = None):
+        self.owner, self.stacks = owner, stacks
         self.deltas: dict[str, tuple[Delta, ...]] = {}
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        for name, rows in self.active:
+        owner = self.owner
+        if self.stacks is not None:
+            if owner.launch:
+                from mmserve.kernels.triton_lora import lora_shrink_expand_
+
+                st = self.stacks
+                lora_shrink_expand_(x, y, st.a, st.b, owner.scales, st.offsets, st.sizes, owner.token_slot,
+                                    st.max_size)
+            return y
+        for name, rows in owner.active:
             if deltas := self.deltas.get(name):
                 xs = x[rows]
                 for d in deltas:
@@ -163,16 +202,25 @@ class LinearLoras:
 
 class LoraSet:
     """The adapters loaded on one decoder: at most `capacity`, by name; when a new one is needed,
-    the least recently used one that no request holds is dropped (`hold` / `release`)."""
+    the least recently used one that no request holds is dropped (`hold` / `release`). Ranks up to
+    `max_rank`; `kernels`: by slot (the module docstring), `max_tokens` rows a step at most."""
 
-    def __init__(self, decoder: nn.Module, rename, capacity: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, decoder: nn.Module, rename, capacity: int, dtype: torch.dtype, device: torch.device,
+                 max_rank: int = 16, kernels: bool = False, max_tokens: int = 0):
         self.rename, self.capacity, self.dtype, self.device = rename, capacity, dtype, device
+        self.max_rank, self.kernels = max_rank, kernels
         self.linears = {n: m for n, m in decoder.named_modules() if isinstance(m, layers.Linear)}
         if not self.linears:
             raise ValueError("LoRA adapters need the engine's own decoder (Qwen2-VL, Qwen2.5-VL, dense Qwen3-VL)")
         self.active: list[tuple[str, torch.Tensor]] = []
+        self.launch = False  # the slot kernels run in this forward (a step with adapters, or a graph capture)
+        self.slot_of: dict[str, int] = {}
+        rank = max(4, 1 << (max_rank - 1).bit_length())  # slots' rank, a power of two: the kernels' vector width
+        if kernels:
+            self.scales = torch.zeros(capacity, dtype=torch.float32, device=device)
+            self.token_slot = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         for linear in self.linears.values():
-            linear.lora = LinearLoras(self.active)
+            linear.lora = LinearLoras(self, SlotStacks(linear, capacity, rank, dtype, device) if kernels else None)
         self.loaded: OrderedDict[str, Adapter] = OrderedDict()
         self.holders: Counter[str] = Counter()
         self.ready: dict[str, Adapter] = {}  # read ahead by `prepare` (another thread), not installed yet
@@ -207,11 +255,21 @@ class LoraSet:
                 adapter = self.ready.pop(request.name, None)
             if adapter is None or adapter.path != str(Path(request.path)):
                 adapter = read_adapter(request, self.linears, self.rename, self.dtype, self.device)
+            if adapter.rank > self.max_rank:
+                raise AdapterError(f"adapter {request.name!r}: r {adapter.rank} exceeds engine.max_lora_rank "
+                                   f"{self.max_rank}")
             if len(self.loaded) >= self.capacity:
                 self._drop(free)
             self.loaded[request.name] = adapter
-            for target, deltas in adapter.deltas.items():
-                self.linears[target].lora.deltas[request.name] = deltas
+            slot = self.slot_of[request.name] = min(set(range(self.capacity)) - set(self.slot_of.values()))
+            for target, linear in self.linears.items():
+                deltas = adapter.deltas.get(target, ())
+                if deltas:
+                    linear.lora.deltas[request.name] = deltas
+                if linear.lora.stacks is not None:  # (a Linear the adapter leaves alone: zeros in its slot)
+                    linear.lora.stacks.install(slot, deltas)
+            if self.kernels:
+                self.scales[slot] = adapter.scaling
         self.holders[request.name] += 1
         return True
 
@@ -222,15 +280,34 @@ class LoraSet:
         for target in self.loaded.pop(name).deltas:
             del self.linears[target].lora.deltas[name]
         del self.holders[name]
+        del self.slot_of[name]
 
     @contextmanager
     def step(self, groups: tuple[tuple[str, torch.Tensor], ...]):
-        """Within it, the decoder's forward applies each group's adapter to its token rows."""
+        """Within it, the decoder's forward applies each group's adapter to its token rows (by slot:
+        each row names its adapter's slot in `token_slot`, the others -1, as again after it)."""
         self.active[:] = groups
+        if self.kernels:
+            for name, rows in groups:
+                self.token_slot[rows] = self.slot_of[name]
+            self.launch = True
         try:
             yield
         finally:
             self.active.clear()
+            if self.kernels:
+                self.token_slot.fill_(-1)
+                self.launch = False
+
+    @contextmanager
+    def capturing(self):
+        """Within it (a decode graph's capture), the slot kernels launch whatever the rows: the graph
+        replays them for any mix of adapters (`token_slot`; all -1: no delta)."""
+        self.launch = True
+        try:
+            yield
+        finally:
+            self.launch = False
 
 
 def token_groups(names: list[str | None], counts: list[int],

@@ -75,7 +75,8 @@ class ModelRunner:
     as this model runs it (`state_cache.resolve_config`). With prefix caching, the state pool
     also holds the state snapshots: restored into slots by `prepare`, saved by `save_snapshots`.
     With `max_loras`, `loras` holds the LoRA adapters loaded (`llm_service.model.lora`); a step
-    whose sequences run under adapters applies each to its tokens (an eager forward, no graph).
+    whose sequences run under adapters applies each to its tokens (with the Triton backend by
+    slot, in the decode graphs too; else an eager forward).
     """
 
     def __init__(self, model: LanguageModel, config: EngineConfig):
@@ -131,7 +132,11 @@ class ModelRunner:
         if config.max_loras:
             if self.tp is not None:
                 raise ValueError("engine.max_loras: LoRA adapters are not supported with tensor parallelism")
-            self.loras = lora.LoraSet(decoder, model.face.rename, config.max_loras, model.dtype, self.device)
+            # by slot where the attention is Triton's (CUDA, or its interpreter): the decode graphs capture them
+            self.loras = lora.LoraSet(decoder, model.face.rename, config.max_loras, model.dtype, self.device,
+                                      config.max_lora_rank, kernels=self.backend == "triton",
+                                      max_tokens=max(config.max_num_batched_tokens, config.max_graph_batch_size,
+                                                     config.max_num_seqs))
         # the engine's experts path in every MoE layer (the fused kernel where the graphs' Triton
         # attention runs), before any graph captures them
         cuda_triton = self.device.type == "cuda" and self.backend == "triton"
@@ -186,7 +191,8 @@ class ModelRunner:
         if self.device_decode and self._decodes_only(scheduled):
             seqs = [s.seq for s in scheduled]
             groups = lora.token_groups(adapters, [1] * len(seqs), self.device)
-            padded = self.graphs.padded_size(len(seqs)) if self.graphs is not None and not groups else None
+            graphs = self.graphs is not None and (not groups or self.loras.kernels)
+            padded = self.graphs.padded_size(len(seqs)) if graphs else None
             return StepInputs(scheduled, sample_rows, padded, decode_index=self.batch.stage_decode(seqs, padded),
                               max_context=max(s.num_computed for s in seqs) + 1, lora=groups)
         host = self._pack_host(scheduled, sample_rows)
