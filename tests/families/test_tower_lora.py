@@ -228,3 +228,15 @@ def test_a_standalone_encoder_refuses_an_item_under_a_tower_adapter():
     item = EncodeItem(dataclasses.replace(_images()[0], tower_adapter=AdapterRef("v", "/adapters/v")), None, 1)
     with pytest.raises(InvalidRequest, match="adapter 'v' targets the vision tower"):
         asyncio.run(ExternalEncoderDispatcher("localhost:1").dispatch([item]))
+
+
+def test_the_cli_writes_a_tower_only_adapter(tiny_models, tmp_path, capsys):
+    from deployments.cli.main import main
+
+    out = tmp_path / "tower"
+    assert main(["build-tiny-adapter", "--model", tiny_models["qwen2_vl"], "--out", str(out), "--targets", "",
+                 "--vision-targets", "qkv,merger"]) == 0
+    keys = sorted(load_file(out / "adapter_model.safetensors"))
+    modules = sorted({k.removeprefix(_VISUAL).rpartition(".lora_")[0] for k in keys})
+    assert modules == ["blocks.0.attn.qkv", "blocks.1.attn.qkv", "merger.mlp.0", "merger.mlp.2"]
+    assert targets_tower(out)
