@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import threading
@@ -13,10 +14,13 @@ import torch
 
 from encoder_service.cache import EncoderIdentity
 from encoder_service.families.base import EncoderFace, PreparedItem
+from encoder_service.lora import TowerLoras
 from mmserve.checkpoint import load_config, load_weights, read_config, resolve_dtype
+from mmserve.errors import InvalidRequest
 from mmserve.families import face_class, family_of, router_face
 from mmserve.inputs.embeddings import ItemEmbedding
 from mmserve.inputs.media import EncodeItem, MediaItem, warm_up_image
+from mmserve.lora import AdapterError
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +45,11 @@ class VisionEncoder:
 
     `forward(prepared)` runs one batch through the face and returns each item's output parts on
     CPU; `encode(items)` is preprocess + forward for callers without a pool. Thread-safe:
-    forwards are serialised.
+    forwards are serialised. An item under a LoRA adapter of the tower (`MediaItem.tower_adapter`)
+    is encoded with it (`encoder_service.lora`; at most `max_loras` adapters kept read).
     """
 
-    def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "cpu"):
+    def __init__(self, model_dir: str | Path, dtype: str = "auto", device: str = "cpu", max_loras: int = 8):
         start = time.perf_counter()
         self.model_dir = Path(model_dir)
         self.model_type = family_of(model_dir)
@@ -68,6 +73,7 @@ class VisionEncoder:
             preprocess_fingerprint=hashlib.blake2b(self.face.preprocess_fingerprint().encode(), digest_size=16).hexdigest(),
             dtype=str(self.dtype),
         )
+        self.loras = TowerLoras(self.tower, self.face.rename, self.face.lora_stages, max_loras, self.dtype, self.device)
         self._lock = threading.Lock()
         logger.info(
             "vision tower of %s loaded: %s; %.1fM params, %s on %s, %.1fs in all",
@@ -87,10 +93,19 @@ class VisionEncoder:
         return EncodeItem(item, expansion.layout, expansion.cost)
 
     def preprocess(self, item: EncodeItem) -> PreparedItem:
-        return self.face.preprocess(item.item, item.layout)
+        """The face's prepared item, with its tower adapter (read here: InvalidRequest when it does
+        not fit, failing only this item)."""
+        prepared = self.face.preprocess(item.item, item.layout)
+        if (ref := item.item.tower_adapter) is None:
+            return prepared
+        try:
+            self.loras.get(ref)
+        except AdapterError as e:
+            raise InvalidRequest(str(e)) from None
+        return dataclasses.replace(prepared, lora=ref)
 
     def split(self, prepared: PreparedItem, budget: int, unit: str) -> list[PreparedItem]:
-        return self.face.split(prepared, budget, unit)
+        return [dataclasses.replace(piece, lora=prepared.lora) for piece in self.face.split(prepared, budget, unit)]
 
     def capture_graphs(self, max_cost: int, unit: str, capture: bool = True, max_patches: int | None = None) -> str:
         """CUDA graphs of the tower per budget up to the pool's `max_cost` and `max_patches` where the
@@ -107,7 +122,11 @@ class VisionEncoder:
         if not prepared:
             return []
         with self._lock:
-            outs = self.face.forward(self.tower, prepared)
+            if all(p.lora is None for p in prepared):
+                outs = self.face.forward(self.tower, prepared)
+            else:
+                with self.loras.step([p.lora for p in prepared], self.face.lora_rows(prepared)):
+                    outs = self.face.forward(self.tower, prepared)
         return [tuple(part.to("cpu") for part in parts) for parts in outs]
 
     def warm_up(self) -> None:

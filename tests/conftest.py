@@ -63,9 +63,11 @@ def tiny_models(tiny_checkpoint) -> dict[str, str]:
 
 
 # the session's apps serve two adapters per family (tests/serve/test_lora_serve.py): one on every LM
-# projection; one of rank 2 with rsLoRA on q, v (slices of qkv_proj) and down_proj
-TINY_ADAPTERS = {"tiny-lora": dict(seed=1), "tiny-lora-b": dict(seed=2, rank=2, alpha=4.0, use_rslora=True,
-                                                                targets=("q_proj", "v_proj", "down_proj"), std=0.1)}
+# projection; one of rank 2 with rsLoRA on q, v (slices of qkv_proj), down_proj and the vision tower's
+# attention and merger (the Encoder applies that part)
+TINY_ADAPTERS = {"tiny-lora": dict(seed=1),
+                 "tiny-lora-b": dict(seed=2, rank=2, alpha=4.0, use_rslora=True, targets=("q_proj", "v_proj", "down_proj"),
+                                     vision_targets=("qkv", "proj", "merger"), std=0.1)}
 
 
 @pytest.fixture(scope="session")

@@ -46,10 +46,12 @@ def _build_tiny(ns: argparse.Namespace) -> int:
 
 
 def _build_tiny_adapter(ns: argparse.Namespace) -> int:
-    from mmserve.tiny.lora import build_tiny_adapter
+    from mmserve.tiny.lora import VISION_TARGETS, build_tiny_adapter
 
+    vision = VISION_TARGETS if ns.vision else tuple(t for t in ns.vision_targets.split(",") if t)
     out = build_tiny_adapter(ns.model, ns.out, seed=ns.seed, rank=ns.rank, alpha=ns.alpha,
-                             targets=tuple(ns.targets.split(",")), use_rslora=ns.rslora)
+                             targets=tuple(t for t in ns.targets.split(",") if t), use_rslora=ns.rslora,
+                             vision_targets=vision)
     print(out)
     return 0
 
@@ -258,16 +260,22 @@ def main(argv: list[str] | None = None) -> int:
                              "fp8-channel: llm-compressor's FP8-dynamic; awq: AutoAWQ int4 GEMM)")
     tiny_p.set_defaults(func=_build_tiny)
 
-    from mmserve.tiny.lora import LM_TARGETS
+    from mmserve.tiny.lora import LM_TARGETS, VISION_TARGETS
 
     adapter_p = sub.add_parser("build-tiny-adapter", help="write a deterministic LoRA adapter (PEFT format) of a "
-                               "tiny checkpoint's language model (needs peft: mmserve[test])")
+                               "tiny checkpoint's language model, and optionally of its vision tower (needs peft: "
+                               "mmserve[test])")
     adapter_p.add_argument("--model", required=True, help="the tiny checkpoint directory")
     adapter_p.add_argument("--out", required=True)
     adapter_p.add_argument("--seed", type=int, default=0)
     adapter_p.add_argument("--rank", type=_positive_int, default=4)
     adapter_p.add_argument("--alpha", type=float, default=8.0)
-    adapter_p.add_argument("--targets", default=",".join(LM_TARGETS), help="comma-separated projections")
+    adapter_p.add_argument("--targets", default=",".join(LM_TARGETS), help="comma-separated projections of the "
+                           "language model (empty: none)")
+    adapter_p.add_argument("--vision-targets", default="", help="comma-separated linears of the vision tower, among "
+                           f"{','.join(VISION_TARGETS)} (merger: the merger's MLP); default none")
+    adapter_p.add_argument("--vision", action="store_true", help="every vision-tower linear and the merger "
+                           "(--vision-targets all of them)")
     adapter_p.add_argument("--rslora", action="store_true", help="scale by alpha / sqrt(rank)")
     adapter_p.set_defaults(func=_build_tiny_adapter)
 

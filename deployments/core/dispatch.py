@@ -20,6 +20,7 @@ from pathlib import Path
 from cachetools import LRUCache
 
 from deployments.core.llm_inputs import EmbeddingHandle, LocalMedia, PinnedEmbedding, StoredEmbedding
+from mmserve.errors import InvalidRequest
 from mmserve.request.encode_calls import affinity_spread, spread
 from mmserve.inputs.media import EncodeItem
 
@@ -79,6 +80,9 @@ class ExternalEncoderDispatcher(MediaDispatcher):
         self._client = None  # grpc.aio channels belong to the running loop: made on first use
 
     async def dispatch(self, media: Sequence[EncodeItem]) -> tuple[EmbeddingHandle, ...]:
+        if adapters := sorted({m.item.tower_adapter.name for m in media if m.item.tower_adapter is not None}):
+            raise InvalidRequest(f"LoRA adapter {adapters[0]!r} targets the vision tower, which a standalone encoder "
+                                 "(grpc.encoder_address) does not apply; use the app's Encoder deployment")
         if self._client is None:
             from mmserve.rpc.encoder_client import EncoderClient
 

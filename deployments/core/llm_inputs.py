@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from llm_service.engine.sequence import LoraRequest
 from llm_service.sampling import SamplingParams
 from mmserve.families.base import StreamGroup
-from mmserve.inputs.media import DecodedVideo, EncodeItem, PlaceholderRange
+from mmserve.inputs.media import AdapterRef, DecodedVideo, EncodeItem, PlaceholderRange
 from mmserve.inputs.positions import PositionPlan
 from mmserve.rpc.encoder_client import EncodedRef
 
@@ -46,11 +46,13 @@ class StreamedVideo:
     """A video file the LLM replica takes through the pipeline itself, frame group by frame group:
     it streams the groups from the VideoDecoder as they are decoded, sends each to be encoded at
     once, and prefills up to the last group whose rows are in (`deployments.core.video_stream`).
-    `header` is the decoder's (no pixels) and `groups` the router face's `stream_groups`."""
+    `header` is the decoder's (no pixels) and `groups` the router face's `stream_groups`;
+    `tower_adapter` the item's (`MediaItem.tower_adapter`), which each group is encoded under."""
 
     data: bytes
     header: DecodedVideo
     groups: tuple[StreamGroup, ...]
+    tower_adapter: AdapterRef | None = None
 
 
 EmbeddingHandle = StoredEmbedding | PinnedEmbedding | LocalMedia | StreamedVideo

@@ -42,7 +42,8 @@ from llm_service.engine.sequence import LoraRequest
 from llm_service.sampling import Grammar
 from llm_service.model.quantized import read_format
 from mmserve.errors import InvalidRequest, NotReady, QueueFull, RequestTooLarge, ShuttingDown, Unauthenticated
-from mmserve.inputs.media import DecodedVideo, EncodeItem, MediaItem, MediaSource, warm_up_image
+from mmserve.inputs.media import AdapterRef, DecodedVideo, EncodeItem, MediaItem, MediaSource, warm_up_image
+from mmserve.lora import tower_media
 from mmserve.request.prompt_plan import Message, RequestPlanner
 from mmserve.request.tools import ToolFormat, ToolSpec, check_tool_results
 from mmserve.video.container import VideoSampling
@@ -310,9 +311,10 @@ class RequestCore:
         plan = await self.checks.plan(messages, tools)
         self.pending.admit(ticket, len(plan.token_ids))
         sampling = sampling_params(options, len(plan.token_ids), self.max_model_len, self.generation_defaults)
-        media = plan.media
         adapter = self.args.lora_modules.get(request.model or "")
         lora = LoraRequest(request.model, adapter) if adapter else None
+        # under an adapter of the vision tower, each item carries it (its key too: `tower_media`)
+        media = tower_media(plan.media, AdapterRef(lora.name, lora.path) if lora else None)
         pending = PendingRequest(
             request_id=request_id, prompt_token_ids=tuple(plan.token_ids), sampling=sampling,
             positions=plan.positions, ranges=tuple(plan.ranges), embeddings=await self._dispatch(media),
@@ -348,7 +350,7 @@ class RequestCore:
         """A handle per item: the dispatcher's, or for a streamed video its file and frame groups."""
         def streamed_video(m: EncodeItem) -> StreamedVideo:
             groups = self.planner.face.stream_groups(m.item, m.layout, self.args.video_decode.stream_group_frames)
-            return StreamedVideo(m.item.frames[0], m.item.decoded, tuple(groups))
+            return StreamedVideo(m.item.frames[0], m.item.decoded, tuple(groups), tower_adapter=m.item.tower_adapter)
 
         streamed = {i: streamed_video(m) for i, m in enumerate(media)
                     if m.item.decoded is not None and m.item.decoded.pixels is None}

@@ -98,7 +98,8 @@ class VideoStream:
                         raise RuntimeError(f"the decoder sent {len(pixels)} frames as group {k} of a video planned "
                                            f"as {[g.frames for g in video.groups]}")
                     group = video.groups[k]
-                    item = MediaItem(MediaKind.VIDEO, (), decoded=video.header.group(first, pixels))
+                    item = MediaItem(MediaKind.VIDEO, (), decoded=video.header.group(first, pixels),
+                                     tower_adapter=video.tower_adapter)
                     encode = EncodeItem(item, group.layout, group.cost)
                     tasks.append(asyncio.ensure_future(self._group(index, k, row, encode)))
                     first, row = first + group.frames, row + group.cost

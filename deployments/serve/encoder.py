@@ -36,7 +36,9 @@ def start_pool(args: AppArgs, model_dir: str, device: str,
     """The vision tower loaded (its CUDA graphs captured where `encoder_pool` asks) and warmed up
     (before `ready()` can answer: the first request finds it warm), behind a pool reporting to its
     metrics: the Encoder deployment's, or a colocated LLM replica's (no graphs)."""
-    encoder, pool = VisionEncoder(model_dir, dtype=args.dtype, device=device), args.encoder_pool
+    # every listed adapter's tower modules stay read (`encoder_service.lora`)
+    encoder = VisionEncoder(model_dir, dtype=args.dtype, device=device, max_loras=max(1, len(args.lora_modules)))
+    pool = args.encoder_pool
     if capture_graphs and pool.cuda_graphs and torch.device(device).type == "cuda":
         encoder.capture_graphs(pool.max_batch_tokens, pool.cost_unit, max_patches=pool.cuda_graphs_max_patches)
     encoder.warm_up()

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmserve.inputs.media import MediaItem, decode_image, video_frames
+from mmserve.inputs.media import AdapterRef, MediaItem, decode_image, video_frames
 
 
 @dataclass(frozen=True, eq=False)
@@ -34,12 +34,15 @@ class PreparedItem:
     layout: the face's description of them (e.g. a patch grid).
     num_tokens: output rows of the item (its embedding slots).
     num_patches: input units of the tower (the alternative batch cost).
+    lora: the LoRA adapter the tower applies to it (`encoder_service.lora`), None for none; set
+        by the runtime, kept by its pieces.
     """
 
     tensors: tuple[torch.Tensor, ...]
     layout: object
     num_tokens: int
     num_patches: int
+    lora: AdapterRef | None = None
 
     def cost(self, unit: str) -> int:
         return self.num_tokens if unit == "tokens" else self.num_patches
@@ -50,7 +53,13 @@ class PreparedItem:
 
 
 class EncoderFace(ABC):
-    """One family's vision side. Built once per encoder process (processors loaded here)."""
+    """One family's vision side. Built once per encoder process (processors loaded here).
+
+    `lora_stages`: prefixes of the tower's module names whose linears take LoRA adapters, one per
+    stage of the packed forward whose rows `lora_rows` counts (empty: no vision-tower adapters).
+    """
+
+    lora_stages: tuple[str, ...] = ()
 
     @abstractmethod
     def __init__(self, model_dir: str, config, dtype: torch.dtype):
@@ -82,6 +91,11 @@ class EncoderFace(ABC):
         """Sub-items within `budget` whose outputs, concatenated in order, equal the item's own;
         `[prepared]` where the family cannot split (the item then runs alone)."""
         return [prepared]
+
+    def lora_rows(self, batch: Sequence[PreparedItem]) -> dict[str, list[int]]:
+        """Per stage of `lora_stages`, each item's rows in the packed forward there, in batch order
+        (an item's rows consecutive, items in batch order): the rows an item's adapter applies to."""
+        raise NotImplementedError
 
     def capture_graphs(self, tower: nn.Module, max_cost: int, unit: str, capture: bool = True,
                        max_patches: int | None = None) -> str:

@@ -43,6 +43,8 @@ class QwenVLEncoderFace(EncoderFace):
         self.merge = int(config.vision_config.spatial_merge_size)
         self.sizes = router.read_preprocess_config(model_dir)  # the processors' sizing rules
         self.graphs = None  # encoder_service.vit_graphs.TowerGraphs, once captured
+        if config.model_type in ("qwen2_vl", "qwen2_5_vl"):
+            self.lora_stages = ("blocks.", "merger.")
 
     def rename(self, key: str) -> str | None:
         return strip_prefix(key, VISION_PREFIXES)
@@ -106,11 +108,17 @@ class QwenVLEncoderFace(EncoderFace):
             raise RuntimeError(f"processor grid {tuple(made[0].tolist())} differs from the planned {grid}")
         return patches
 
+    def lora_rows(self, batch: Sequence[PreparedItem]) -> dict[str, list[int]]:
+        """The blocks see an item's patches, the merger's MLP its merged tokens, each in a row and
+        items in batch order: Qwen2.5-VL's window order permutes rows within an item only."""
+        return {"blocks.": [p.num_patches for p in batch], "merger.": [p.num_tokens for p in batch]}
+
     def forward(self, module: nn.Module, batch: Sequence[PreparedItem]) -> list[tuple[torch.Tensor, ...]]:
         device = next(module.parameters()).device
         pixels = self.pixel_values(batch, device).to(self.dtype)
-        merged = self.graphs.run(pixels, [p.layout for p in batch]) if self.graphs is not None else None
-        if merged is None:  # eager: no graphs, or none holds this batch
+        eager = self.graphs is None or any(p.lora is not None for p in batch)  # graphs hold no adapter
+        merged = None if eager else self.graphs.run(pixels, [p.layout for p in batch])
+        if merged is None:  # eager: no graphs, an adapter, or no graph holds this batch
             grid_thw = torch.tensor([p.layout for p in batch], dtype=torch.long, device=device)
             merged = module(pixels, grid_thw=grid_thw).pooler_output
         return [(out,) for out in torch.split(merged, [p.num_tokens for p in batch])]

@@ -1,11 +1,10 @@
 """LoRA adapters on the engine's own decoder (`llm_service.model.layers`), several in one step.
 
-An adapter is a PEFT directory: `adapter_config.json` (`r`, `lora_alpha`, `use_rslora`,
-`target_modules`) and `adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight`
-`(r, in)` and `.lora_B.weight` `(out, r)` for each targeted module of the checkpoint). The
-module names map to the engine's as the LM face's `rename` maps the checkpoint's keys; q/k/v
-become slices of `qkv_proj`, gate/up slices of `gate_up_proj`. Scaling is PEFT's:
-`lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`.
+An adapter is a PEFT directory (`mmserve.lora` reads it, for this service and the encoder). Its
+language-model module names map to the engine's as the LM face's `rename` maps the checkpoint's
+keys; q/k/v become slices of `qkv_proj`, gate/up slices of `gate_up_proj`. Scaling is PEFT's:
+`lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`. Its vision-tower modules are the
+encoder's (`encoder_service.lora`): left alone here.
 
 In a step, each token belongs to one adapter or to the base model: `LoraSet.step(groups)`
 makes each targeted `Linear` add `scale * (x[rows] @ A^T) @ B^T` to its output slice for the
@@ -17,14 +16,10 @@ rows of each adapter present. Two ways:
   slot (`token_slot`, -1: the base model), and two launches per `Linear` apply every row's delta
   (`mmserve.kernels.triton_lora`) with the batch's shape whatever the adapters: the decode CUDA
   graphs capture them, so decode steps with adapters replay graphs too.
-
-Vision-tower adapters are refused.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import threading
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
@@ -37,27 +32,8 @@ from torch import nn
 from llm_service.engine.sequence import LoraRequest
 from llm_service.model import layers
 from llm_service.model.transfer import ints
-
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
-_KEY_PREFIX = "base_model.model."
-# PEFT options that change what an adapter computes and that the engine does not implement
-_UNSUPPORTED = {"use_dora": False, "rank_pattern": {}, "alpha_pattern": {}, "bias": "none",
-                "modules_to_save": None, "fan_in_fan_out": False}
-
-
-class AdapterError(ValueError):
-    """An adapter the engine cannot serve (the message names the adapter and what is wrong)."""
-
-
-@dataclass(frozen=True)
-class Delta:
-    """`y[:, out] += scale * (x @ a^T) @ b^T` on one `Linear`."""
-
-    out: slice
-    a: torch.Tensor  # (r, input_size)
-    b: torch.Tensor  # (out size, r)
-    scale: float
+from mmserve.lora import AdapterError, Delta, fitted_delta, is_tower_module, read_pairs, row_groups, scaling
+from mmserve.lora import LM_TARGETS as TARGETS
 
 
 @dataclass(frozen=True)
@@ -69,66 +45,20 @@ class Adapter:
     deltas: dict[str, tuple[Delta, ...]]  # decoder module name (e.g. "layers.0.self_attn.qkv_proj") -> its deltas
 
 
-def scaling(config: dict) -> float:
-    """PEFT's: `lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`."""
-    r = config["r"]
-    return config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
-
-
-def read_config(name: str, path: Path) -> dict:
-    """The adapter's config, checked (AdapterError naming the field)."""
-    if not (path / CONFIG_FILE).is_file():
-        raise AdapterError(f"adapter {name!r}: no {CONFIG_FILE} in {path}")
-    config = json.loads((path / CONFIG_FILE).read_text())
-    if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"adapter {name!r}: peft_type {config['peft_type']!r} is not LORA")
-    r, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-        raise AdapterError(f"adapter {name!r}: r must be a positive integer, got {r!r}")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise AdapterError(f"adapter {name!r}: lora_alpha must be a number, got {alpha!r}")
-    for field, default in _UNSUPPORTED.items():
-        if config.get(field, default) not in (default, None, {}, False):
-            raise AdapterError(f"adapter {name!r}: {field} {config[field]!r} is not supported")
-    targets = config.get("target_modules")
-    if isinstance(targets, list):  # a str is a regular expression: the tensors say what it matched
-        if bad := sorted(set(targets) - set(TARGETS)):
-            raise AdapterError(f"adapter {name!r}: target_modules {bad} not supported (only {', '.join(TARGETS)})")
-    return config
-
-
 def read_adapter(request: LoraRequest, linears: dict[str, layers.Linear], rename, dtype: torch.dtype,
                  device: torch.device) -> Adapter:
     """The adapter of `request.path` fitted to the decoder's `linears` (module name -> `Linear`);
     `rename`: the LM face's checkpoint key -> module key. AdapterError when it does not fit."""
-    from safetensors.torch import load_file
-
     name, path = request.name, Path(request.path)
-    config = read_config(name, path)
-    if not (path / WEIGHTS_FILE).is_file():
-        raise AdapterError(f"adapter {name!r}: no {WEIGHTS_FILE} in {path}")
-    tensors = load_file(path / WEIGHTS_FILE)
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        module, _, part = key.removeprefix(_KEY_PREFIX).rpartition(".lora_")
-        if not key.startswith(_KEY_PREFIX) or part not in ("A.weight", "B.weight"):
-            raise AdapterError(f"adapter {name!r}: tensor {key!r} is not a LoRA A/B weight")
-        pairs.setdefault(module, {})[part[0]] = tensor
+    config, pairs = read_pairs(name, path)
     rank, scale = config["r"], scaling(config)
     deltas: dict[str, list[Delta]] = {}
-    for module, ab in sorted(pairs.items()):
+    for module, ab in pairs.items():
+        if is_tower_module(module):  # the encoder's
+            continue
         target, out = _engine_slice(name, module, linears, rename)
-        linear = linears[target]
-        if missing := {"A", "B"} - set(ab):
-            raise AdapterError(f"adapter {name!r}: {module} has no lora_{missing.pop()}.weight")
-        a, b = ab["A"], ab["B"]
-        want_a, want_b = (rank, linear.input_size), (out.stop - out.start, rank)
-        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
-            raise AdapterError(f"adapter {name!r}: {module} lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
-                               f"fit r {rank} on the base model (want {want_a} / {want_b})")
-        deltas.setdefault(target, []).append(Delta(out, a.to(device, dtype), b.to(device, dtype), scale))
-    if not deltas:
-        raise AdapterError(f"adapter {name!r}: no LoRA tensors in {WEIGHTS_FILE}")
+        delta = fitted_delta(name, module, ab, rank, linears[target].input_size, out, scale, dtype, device)
+        deltas.setdefault(target, []).append(delta)
     return Adapter(name, str(path), rank, scale, {k: tuple(v) for k, v in deltas.items()})
 
 
@@ -136,8 +66,8 @@ def _engine_slice(name: str, module: str, linears: dict[str, layers.Linear], ren
     """The decoder `Linear` a checkpoint module maps to, and its output slice there."""
     key = rename(module + ".weight")
     if key is None or not key.startswith("decoder."):
-        raise AdapterError(f"adapter {name!r}: target {module} is not a language-model module "
-                           "(vision-tower adapters are not supported)")
+        raise AdapterError(f"adapter {name!r}: target {module} is neither a language-model nor a "
+                           "vision-tower module")
     owner, _, leaf = key.removeprefix("decoder.").removesuffix(".weight").rpartition(".")
     if leaf not in TARGETS:
         raise AdapterError(f"adapter {name!r}: target_modules: {leaf} ({module}) is not supported "
@@ -196,7 +126,7 @@ class LinearLoras:
             if deltas := self.deltas.get(name):
                 xs = x[rows]
                 for d in deltas:
-                    y[:, d.out].index_add_(0, rows, (xs @ d.a.T) @ d.b.T * d.scale)
+                    d.add_to(y, xs, rows)
         return y
 
 
@@ -314,10 +244,4 @@ def token_groups(names: list[str | None], counts: list[int],
                  device: torch.device) -> tuple[tuple[str, torch.Tensor], ...]:
     """The packed step's token rows of each adapter: sequence i (`counts[i]` tokens in a row) runs
     under adapter `names[i]` (None: the base model, no group)."""
-    rows: dict[str, list[int]] = {}
-    start = 0
-    for name, n in zip(names, counts):
-        if name is not None:
-            rows.setdefault(name, []).extend(range(start, start + n))
-        start += n
-    return tuple((name, ints(r, device)) for name, r in rows.items())
+    return tuple((name, ints(rows, device)) for name, rows in row_groups(names, counts).items())

@@ -53,6 +53,15 @@ class PlaceholderRange(NamedTuple):
 
 
 @dataclass(frozen=True)
+class AdapterRef:
+    """A LoRA adapter by name and directory (`path`): the one an item is encoded under, when it
+    targets the vision tower (`mmserve.lora.tower_media`)."""
+
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
 class EncodeItem:
     """A media item on its way to the encoder with what the router face computed from its header:
     the family's `layout` (the encoder face never re-reads headers) and its encoder `cost`."""
@@ -118,12 +127,14 @@ class DecodedVideo:
 class MediaItem:
     """One image (one frame) or video as raw encoded bytes (frames in order, all used), or a
     video decoded on the server (`decoded`, no `frames`), or one streamed through the pipeline
-    (`decoded` its header, without pixels; `frames` its file)."""
+    (`decoded` its header, without pixels; `frames` its file). `tower_adapter`: the LoRA adapter
+    the vision tower applies to it (None: the base tower), folded into its content hash."""
 
     kind: MediaKind
     frames: tuple[bytes, ...]
     fps: float = 2.0
     decoded: DecodedVideo | None = None
+    tower_adapter: AdapterRef | None = None
 
     @property
     def num_frames(self) -> int:
@@ -155,6 +166,16 @@ class MediaItem:
 
     @property
     def content_hash(self) -> str:
+        """The media's hash, with the tower adapter's name and path folded in when it has one."""
+        media = self._media_hash()
+        if self.tower_adapter is None:
+            return media
+        h = hashlib.sha256(media.encode())
+        for part in ("lora", self.tower_adapter.name, self.tower_adapter.path):
+            h.update(b"\0" + part.encode())
+        return h.hexdigest()
+
+    def _media_hash(self) -> str:
         if self.decoded is not None:
             return self.decoded.content_hash
         h = hashlib.sha256(self.kind.value.encode())

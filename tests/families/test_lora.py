@@ -196,8 +196,9 @@ BAD = {
     "dora": (lambda p: _edit_config(p, use_dora=True), "use_dora"),
     "input size": (lambda p: _edit_tensors(p, lambda t: t.update({
         _PREFIX + "mlp.down_proj.lora_A.weight": torch.zeros(4, 7)})), "mlp.down_proj lora_A (4, 7)"),
-    "vision tower": (lambda p: _edit_tensors(p, lambda t: t.update({
-        "base_model.model.model.visual.blocks.0.attn.qkv.lora_A.weight": torch.zeros(4, 8)})), "vision-tower"),
+    "module of neither side": (lambda p: _edit_tensors(p, lambda t: t.update({
+        "base_model.model.lm_head.lora_A.weight": torch.zeros(4, 8), "base_model.model.lm_head.lora_B.weight":
+        torch.zeros(8, 4)})), "target lm_head is neither a language-model nor a vision-tower module"),
     "module the engine lacks": (lambda p: _edit_tensors(p, lambda t: t.update({
         "base_model.model.model.language_model.layers.9.mlp.down_proj.lora_A.weight": torch.zeros(4, 8)})),
         "has no layers.9.mlp.down_proj"),

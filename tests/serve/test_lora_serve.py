@@ -1,5 +1,6 @@
 """LoRA adapters served (`lora_modules`): each session app (qwen2_vl, qwen2_5_vl) serves its family's
-two `tiny_loras`; requests naming either, over HTTP (unary and streamed) and gRPC, get `peft`'s
+two `tiny_loras` (the second on the vision tower too: the Encoder applies it, keyed apart from the
+base's embeddings); requests naming either, over HTTP (unary and streamed) and gRPC, get `peft`'s
 merged model's greedy tokens while requests for the other adapter and the base model run beside
 them (one batch); `GET /v1/models` lists the adapters with the served model as their parent; an
 adapter reaches the LLM replica as Serve's multiplexed model id."""
