@@ -47,12 +47,15 @@ class EncoderPoolDispatcher(MediaDispatcher):
 
     async def dispatch(self, media: Sequence[EncodeItem]) -> tuple[EmbeddingHandle, ...]:
         groups = self._groups(media)
+        # a LoRA adapter of the tower (one per request) is Serve's multiplexed model: replicas that read it are preferred
+        adapter = next((m.item.tower_adapter.name for m in media if m.item.tower_adapter is not None), None)
+        encoder = self.encoder.options(multiplexed_model_id=adapter) if adapter else self.encoder
         if self.affinity:
             # each call routed before the next is made: calls made from one request share Serve's
             # internal request id, which a custom request router matches replicas by
-            refs = [await self.encoder.encode.remote([media[i] for i in group])._to_object_ref() for group in groups]
+            refs = [await encoder.encode.remote([media[i] for i in group])._to_object_ref() for group in groups]
         else:
-            responses = [self.encoder.encode.remote([media[i] for i in group]) for group in groups]
+            responses = [encoder.encode.remote([media[i] for i in group]) for group in groups]
             refs = [await r._to_object_ref() for r in responses]  # nested refs: the LLM need not wait for them
         if self.await_embeddings:
             import ray

@@ -7,6 +7,7 @@ report their queued tokens to Serve's autoscaler (`record_autoscaling_stats`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -60,6 +61,25 @@ class EncoderDeployment:
             from deployments.serve.transport import GrpcPublisher
 
             self.publisher = GrpcPublisher(grpc, self.encoder)
+        self.multiplexed: set[str] = set()  # the tower adapters Serve counts as read here (reported to routers)
+        self.adapters = self._multiplex_adapters(dict(args.lora_modules)) if args.lora_modules else None
+
+    def _multiplex_adapters(self, paths: dict[str, str]):
+        """Serve's model multiplexing of the tower's LoRA adapters: the router names an item's tower
+        adapter as its call's multiplexed model id (`EncoderPoolDispatcher`), so Serve prefers the
+        replicas that reported it, and `encode` has it read first, in a thread, off the forward's way
+        (`TowerLoras.get`; at most as many as `lora_modules` lists)."""
+        from mmserve.inputs.media import AdapterRef
+
+        async def load_adapter(name: str) -> str:
+            try:
+                await asyncio.to_thread(self.encoder.loras.get, AdapterRef(name, paths[name]))
+            except Exception:  # its items are refused by name when prepared (InvalidRequest)
+                logger.exception("LoRA adapter %r could not be read ahead", name)
+            self.multiplexed.add(name)
+            return name
+
+        return serve.multiplexed(max_num_models_per_replica=len(paths))(load_adapter)
 
     def ready(self) -> bool:
         """True: a call reaches a replica only once its constructor returned, the tower loaded and
@@ -71,6 +91,8 @@ class EncoderDeployment:
         fetch it by. InvalidRequest if an item cannot be decoded, Overloaded when the pool's queue
         (or the result store, or device memory) is full."""
         start = time.perf_counter()
+        if self.adapters is not None and (adapter := serve.get_multiplexed_model_id()):
+            await self.adapters(adapter)
         try:
             embeddings = await self.pool.encode(items)
         except Exception as e:
@@ -91,7 +113,8 @@ class EncoderDeployment:
         """The pool's counters (forwards, cache, dedup, queue), its torch threads and which replica answered: for
         tests, benches and debugging (`encoder_stats` collects every replica's)."""
         return {**self.pool.stats()._asdict(), "torch_threads": self.torch_threads,
-                "replica": serve.get_replica_context().replica_id.unique_id}
+                "replica": serve.get_replica_context().replica_id.unique_id,
+                "multiplexed_adapters": sorted(self.multiplexed)}
 
     def memory(self) -> dict:
         """This replica's device memory (`mmserve.device.device_memory`) and its share of the device."""

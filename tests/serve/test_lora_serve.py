@@ -46,6 +46,9 @@ def test_two_adapters_and_the_base_served_in_one_batch_equal_peft_merged(serve_u
     # the router named each adapter as Serve's multiplexed model id: the replica's multiplexed loader ran
     stats = serve.get_deployment_handle("LLM", app_name=family).stats.remote().result()
     assert stats["multiplexed_adapters"] == sorted(adapters)
+    # and the tower's adapter (only it) as the Encoder calls' multiplexed model id
+    stats = serve.get_deployment_handle("Encoder", app_name=family).stats.remote().result()
+    assert stats["multiplexed_adapters"] == ["tiny-lora-b"]
 
 
 def test_models_lists_the_adapters_and_an_unknown_name_is_a_400(serve_urls, tiny_loras):
