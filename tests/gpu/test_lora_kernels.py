@@ -81,3 +81,38 @@ def test_the_engine_by_slot_through_the_decode_graphs_equals_peft_merged(tiny_mo
         expected = reference_generate(model_dir, PROMPTS["text"], 6, adapter=lora and lora.path)
         assert collector.tokens(f"{lora and lora.name}") == expected, lora
     assert bool((engine.runner.loras.token_slot == -1).all())  # every row back to the base model
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_captured_decode_graphs_with_adapters_equal_eager_steps_and_peft_merged(tiny_models, tmp_path):
+    """On the GPU: the decode graphs captured with the slot kernels in them (`LoraSet.capturing`)
+    replay two adapters and the base in one batch: the tokens of the eager engine and of `peft`'s
+    merged model (float32)."""
+    from llm_service.config import EngineConfig
+    from llm_service.engine.llm_engine import LLMEngine
+    from llm_service.engine.sequence import LoraRequest
+    from llm_service.model.language_model import LanguageModel
+    from mmserve.tiny.lora import build_tiny_adapter
+    from tests.families.test_lora import ADAPTERS, PROMPTS, _request
+    from tests.support.engine_support import Collector, run_until_done
+    from tests.support.reference import reference_generate
+
+    model_dir = tiny_models["qwen2_vl"]
+    adapters = {name: LoraRequest(name, str(build_tiny_adapter(model_dir, tmp_path / name, **kw)))
+                for name, kw in ADAPTERS.items()}
+    model = LanguageModel(model_dir, dtype="float32", device="cuda")
+    results = []
+    for graphs in (True, False):
+        engine = LLMEngine(model, EngineConfig(num_kv_blocks=64, max_num_seqs=4, max_graph_batch_size=4, max_loras=2,
+                                               cuda_graphs=graphs))
+        assert engine.runner.loras.kernels and (engine.runner.graphs is not None) is graphs
+        collector = Collector()
+        for lora in (None, *adapters.values()):
+            collector.add(engine, _request(model_dir, PROMPTS["text"], f"{lora and lora.name}", lora, max_tokens=6))
+        run_until_done(engine, collector)
+        results.append({n: collector.tokens(n) for n in collector.events})
+    assert results[0] == results[1]
+    for lora in (None, *adapters.values()):
+        assert results[0][f"{lora and lora.name}"] == reference_generate(model_dir, PROMPTS["text"], 6,
+                                                                         adapter=lora and lora.path)
