@@ -13,6 +13,9 @@ it. On CUDA every part fits in 8 minutes on an H100:
 - tests: tests/gpu/test_gpu_app.py (the app on one GPU) -> gpu_app_tests {passed, failed, skipped}.
 - engine: bench/llm.py (Qwen2-VL-2B's LM, random bf16) -> steady decode at batch 1, 64, and 4 over
   8k tokens, each against its bound: (weight bytes + KV bytes read per step) / peak memory bandwidth;
+  bench/llm.py --quantization fp8-block -> the same LM's projections in block FP8 (128 x 128, the
+  FP8 GEMMs of llm_service/model/quantized_gemm.py) beside it in bf16, one run: decode at batch 1
+  and 64, each against its own bound (its weight bytes as held + KV), and the FP8 step over bf16's;
   bench/llm.py --moe -> one MoE layer at Qwen3-VL-30B-A3B's sizes (bf16), the engine's experts path
   (the Triton kernel on CUDA) at batch 1 and 64 against its bound, the weight bytes of the experts the
   batch touches / peak memory bandwidth, and the grouped PyTorch path against transformers' loop.
@@ -82,6 +85,14 @@ FIGURES = (
     Figure("decode_b1_ops_per_step", "kernels per step (CUDA; top-level aten ops on CPU)", "engine"),
     Figure("grammar_b1_step_ratio", "decode step with a 30-property JSON-schema grammar / without, batch 1", "engine"),
     Figure("grammar_b64_step_ratio", "the same at batch 64 (target <= 1.10)", "engine"),
+    Figure("fp8_decode_b1_ms", "ms/token, the LM's projections in block FP8 (bench/llm.py --quantization fp8-block)",
+           "engine"),
+    Figure("fp8_decode_b1_ratio_to_bound", "x the bound: the FP8 weights as held + KV at peak memory bandwidth",
+           "engine"),
+    Figure("fp8_decode_b64_ms", "ms/step, the same at batch 64", "engine"),
+    Figure("fp8_decode_b64_ratio_to_bound", "x the bound, batch 64", "engine"),
+    Figure("fp8_b1_step_vs_bf16", "FP8 step / the bf16 step of the same run, batch 1", "engine"),
+    Figure("fp8_b64_step_vs_bf16", "FP8 step / the bf16 step of the same run, batch 64 (target <= 0.7)", "engine"),
     Figure("moe_b1_ms", "ms per call of one MoE layer (Qwen3-VL-30B-A3B's), the engine's path (moe_engine_path)",
            "engine"),
     Figure("moe_b64_ms", "the same at batch 64", "engine"),
@@ -126,6 +137,7 @@ CPU_ARGS = {
     "breakdown": ["--steps", "4", "--prompt-len", "8"],
     "grammar": ["--prompt-len", "8", "--decode-tokens", "8", "--grammar-rounds", "1"],
     "moe": ["--quick", "--repeats", "2", "--inputs", "2"],
+    "fp8": ["--prompt-len", "8", "--decode-tokens", "8"],
     "encoder": ["--items", "4"],
     "serve": ["--compare", "colocated", "--quick", "--num-prompts", "8", "--unloaded-requests", "2",
               "--request-rate", "1"],
@@ -137,6 +149,7 @@ CUDA_ARGS = {
     "breakdown": ["--steps", "64"],
     "grammar": [],
     "moe": [],
+    "fp8": [],
     "encoder": ["--workers", "8"],
     "serve": ["--compare", "colocated", "--dtype", "bfloat16", "--num-cpus", "8", "--num-prompts", "32",
               "--unloaded-requests", "4", "--input-len", "128", "--output-len", "64"],
@@ -237,6 +250,22 @@ def moe_figures(r: dict, peak: Peaks) -> dict:
     return out
 
 
+def fp8_figures(r: dict, peak: Peaks) -> dict:
+    """bench/llm.py --quantization fp8-block's result -> the FP8 LM's decode at batch 1 and 64 against
+    its bound (its weight bytes as held + every sequence's KV at peak memory bandwidth, as
+    `engine_figures`) and over the bf16 LM's step in the same run."""
+    if r.get("quantization") != "fp8-block":
+        return {}
+    out = {}
+    for b in (1, 64):
+        ms = r["quantized_b%d_ms" % b]
+        kv = b * (r["prompt_len"] + r["decode_tokens"] / 2) * r["kv_bytes_per_token"]
+        bound = (r["quantized_weight_bytes"] + kv) / (peak.memory_gbs * 1e9) * 1e3 if peak.memory_gbs else None
+        out.update({f"fp8_decode_b{b}_ms": ms, f"fp8_decode_b{b}_ratio_to_bound": ratio(ms, bound),
+                    f"fp8_b{b}_step_vs_bf16": r[f"quantized_b{b}_step_ratio"]})
+    return out
+
+
 def grammar_figures(r: dict, peak: Peaks | None = None) -> dict:
     return {k: r[k] for k in ("grammar_b1_step_ratio", "grammar_b64_step_ratio")}
 
@@ -246,7 +275,8 @@ def grammar_figures(r: dict, peak: Peaks | None = None) -> dict:
 ENGINE_BENCHES = {"llm": ("", "decode_ms_per_token_b1", engine_figures),
                   "breakdown": ("--breakdown", "decode_b1_on_host_us", breakdown_figures),
                   "grammar": ("--grammar", "grammar_b1_step_ratio", grammar_figures),
-                  "moe": ("--moe", "moe_engine_path", moe_figures)}
+                  "moe": ("--moe", "moe_engine_path", moe_figures),
+                  "fp8": ("--quantization=fp8-block", "quantized_b64_step_ratio", fp8_figures)}
 
 
 def engine_part(ns, peak: Peaks) -> dict:
@@ -550,6 +580,10 @@ COLUMNS = (
     ("decode host us/step b1 / b64, ops b1", lambda r: ", ".join(
         c for c in (_pair(r, "decode_b1_host_us", "decode_b64_host_us", "{:.0f}"),
                     cell(r, "decode_b1_ops_per_step", "{:.0f} ops")) if c != "–") or "–"),
+    ("FP8 decode ms b1 / b64 (x bound)", lambda r: "–" if r.get("fp8_decode_b1_ms") is None
+     and r.get("fp8_decode_b64_ms") is None else " / ".join(
+         cell(r, f"fp8_decode_b{b}_ms", "{:.2f}", f"fp8_decode_b{b}_ratio_to_bound", "{:.2f}x") for b in (1, 64))),
+    ("FP8 step vs bf16 b1 / b64", lambda r: _pair(r, "fp8_b1_step_vs_bf16", "fp8_b64_step_vs_bf16", "{:.2f}x")),
     ("MoE layer ms b1 / b64 (x bound)", lambda r: "–" if r.get("moe_b1_ms") is None and r.get("moe_b64_ms") is None
      else " / ".join(cell(r, f"moe_b{b}_ms", "{:.3f}", f"moe_b{b}_vs_bandwidth_bound", "{:.2f}x") for b in (1, 64))),
     ("MoE grouped vs eager b1 / b64", lambda r: _pair(r, "moe_b1_grouped_vs_eager", "moe_b64_grouped_vs_eager",

@@ -11,6 +11,7 @@
     python bench/llm.py --lora [--device cuda] [--lora-rounds 3]   # decode at batch 32: 4 LoRA adapters vs the base
     python bench/llm.py --moe [--quick] [--dtype float32] [--device cuda]   # one MoE layer (bench/moe.py)
     python bench/llm.py --tensor-parallel-size 2 [--quick] [--device cuda]   # TP 2 vs TP 1 (bench/llm_tp.py)
+    python bench/llm.py --quantization fp8-block [--device cuda]   # decode b1 / b64, quantized LM vs dense
 
 (a) `generate` serves the requests one at a time (what a replica without batching does);
 (b) the engine gets all of them at once. The last line printed is one JSON object.
@@ -59,6 +60,15 @@ alternated, the ratio of the medians. A step under adapters runs eager (no CUDA 
 against `transformers`' per-expert loop at batch 1 and 64, beside the floor of reading the touched
 experts' weights: bench/moe.py runs in this process's place with the other arguments (its own options).
 
+--quantization fp8-block|fp8-channel|awq: the random LM (Qwen2-VL-2B's on CUDA, bf16; the small one on
+CPU, float32) and the same weights quantized by the format's own rule (`mmserve.tiny.quantized`, the
+released settings: 128 x 128 blocks, AWQ groups of 128), each on its own engine in turn: steady decode
+ms per step at batch 1 and 64, each against its bound (the side's weight bytes as held + the KV bytes a
+step reads, at the device's peak memory bandwidth), and the quantized step over the dense one
+(`quantized_b64_step_ratio`: FP8's target is <= 0.7 on an H100/H200). `gemm` says which GEMM the
+quantized side ran (`llm_service.model.quantized_gemm`: the kernels on CUDA, the dequantizing path on
+the CPU or with MMSERVE_QUANTIZED_GEMM=dequantize).
+
 --tensor-parallel-size N: decode ms per step at batch 1 and 64, TP N against TP 1 on the same
 checkpoint, the collectives' share of rank 0's step and the step message's bytes: bench/llm_tp.py
 runs in this process's place with every argument (its own options).
@@ -69,6 +79,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import math
 import os
 import shutil
 import statistics
@@ -431,6 +442,61 @@ def bench_lora(args) -> None:
     print(json.dumps(result))
 
 
+# -- --quantization ------------------------------------------------------------------------------
+def bench_quantized(args) -> None:
+    from llm_service.model import quantized_gemm
+    from mmserve.tiny.quantized import quantize_checkpoint
+
+    dense = random_checkpoint(args)
+    quantized = Path(tempfile.mkdtemp(prefix="mmserve-bench-quantized-"))
+    atexit.register(shutil.rmtree, quantized, True)
+    shutil.copytree(dense, quantized, dirs_exist_ok=True)
+    text = json.loads((dense / "config.json").read_text()).get("text_config") or {}
+    kv_rows = text.get("num_key_value_heads", 1) * (text.get("head_dim") or
+                                                     text.get("hidden_size", 128) // text.get("num_attention_heads", 1))
+    block = [math.gcd(128, kv_rows), 128]  # 128 x 128 (the small CPU LM's 64-row k / v: 64 x 128)
+    start = time.perf_counter()
+    quantize_checkpoint(quantized, args.quantization, block=block, group=128)
+    bandwidth = peaks(torch.cuda.get_device_name()).memory_gbs if args.device == "cuda" else None
+    n, dtype = args.decode_tokens, dtype_for(args.device)
+    probe = torch.zeros(1, 1, dtype=dtype, device=args.device)
+    kernels = quantized_gemm.kernel_runs(probe, fp8=args.quantization.startswith("fp8"))
+    result: dict = {"device": args.device, "quantization": args.quantization, "model": dense.name, "block": block,
+                    "dtype": str(dtype).removeprefix("torch."), "prompt_len": args.prompt_len, "decode_tokens": n,
+                    "quantize_s": round(time.perf_counter() - start, 1),
+                    "gemm": "kernels" if kernels else "dequantize", "gpu": torch.cuda.get_device_name()
+                    if args.device == "cuda" else None, "peak_gbs": bandwidth}
+    print(f"{'side':>10} {'weight GB':>10} {'b1 ms':>8} {'b1 bound':>9} {'b64 ms':>8} {'b64 bound':>10}")
+    for side, model_dir in (("dense", dense), ("quantized", quantized)):
+        lm = language_model(model_dir, args.device)
+        engine = LLMEngine(lm, EngineConfig(max_num_seqs=64, max_num_batched_tokens=4096))
+        engine.start()
+        vocab, runner = lm.vocab_size, engine.runner
+        bench_engine(engine, prompts(2, args.prompt_len, vocab), 4)  # warm up (CUDA graphs, Triton's compiles)
+        weights = sum(p.numel() * p.element_size() for p in lm.modules.parameters())
+        kv = bytes_per_block(runner.num_layers, runner.num_kv_heads, runner.head_dim, 1, lm.dtype)
+        result[f"{side}_weight_bytes"], result["kv_bytes_per_token"] = weights, kv
+        row = f"{side:>10} {weights / 1e9:>10.3f}"
+        for batch in (1, 64):
+            ms = decode_ms_per_step(engine, batch, args.prompt_len, n, vocab)
+            read = weights + batch * (args.prompt_len + n / 2) * kv
+            bound = read / (bandwidth * 1e9) * 1e3 if bandwidth else None
+            result.update({f"{side}_b{batch}_ms": round(ms, 3),
+                           f"{side}_b{batch}_bound_ms": round(bound, 4) if bound else None,
+                           f"{side}_b{batch}_ratio_to_bound": round(ms / bound, 3) if bound else None})
+            row += f" {ms:>8.3f} {bound or float('nan'):>9.3f}" if batch == 1 else f" {ms:>8.3f} {bound or float('nan'):>10.3f}"
+        print(row)
+        engine.shutdown()
+        del engine, lm
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    for batch in (1, 64):
+        result[f"quantized_b{batch}_step_ratio"] = round(result[f"quantized_b{batch}_ms"] / result[f"dense_b{batch}_ms"], 3)
+    print(f"{args.quantization} ({result['gemm']}) / dense: batch 1 {result['quantized_b1_step_ratio']}, "
+          f"batch 64 {result['quantized_b64_step_ratio']}")
+    print(json.dumps(result))
+
+
 # -- --breakdown ----------------------------------------------------------------------------------
 BREAKDOWN_COLUMNS = ("schedule", "prepare", "launch", "sample", "readback", "postprocess")
 
@@ -587,6 +653,8 @@ def main() -> None:
     ap.add_argument("--lora-batch", type=int, default=32, help="--lora: sequences decoding together")
     ap.add_argument("--lora-rounds", type=int, default=3,
                     help="--lora: runs of each side, alternated (the medians' ratio)")
+    ap.add_argument("--quantization", choices=["fp8-block", "fp8-channel", "awq"], default=None,
+                    help="decode b1 / b64 of the random LM quantized in this format beside the same LM dense")
     ap.add_argument("--moe", action="store_true", help="one MoE layer, engine experts path vs transformers' loop: "
                     "bench/moe.py with the other arguments (--device, --dtype, --quick, --repeats, --inputs)")
     ap.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -601,7 +669,7 @@ def main() -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     modes = {"grammar": bench_grammar, "hybrid_prefix": bench_hybrid_prefix, "breakdown": bench_breakdown,
-             "lora": bench_lora}
+             "lora": bench_lora, "quantization": bench_quantized}
     if run := next((f for mode, f in modes.items() if getattr(args, mode)), None):
         return run(args)
     from transformers import AutoModelForImageTextToText

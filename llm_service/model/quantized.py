@@ -17,8 +17,9 @@ Which projections are quantized is read from the file (a weight stored in F8_E4M
 the writer followed its own skip list (`modules_to_not_convert`, `ignore`: the vision tower,
 lm_head); anything else loads as it is. A converted `Linear` holds the stored tensors (packed
 projections concatenate each along the output dimension) and, in its forward, dequantizes into
-the input's dtype and runs a plain GEMM (`WeightFormat.forward`): the CPU path, and CUDA's until
-an FP8 / W4A16 GEMM takes over.
+the input's dtype and runs a plain GEMM (`WeightFormat.forward`): the CPU path (exact), and CUDA's
+where no kernel takes the shapes; on CUDA in float16 / bfloat16 each format's forward runs its GEMM on
+the stored tensors instead (`llm_service.model.quantized_gemm`: FP8 tensor cores, a W4A16 kernel).
 
 A MoE layer's experts (`llm_service.model.experts`) are quantized the same way, one checkpoint
 projection per expert (`...experts.<j>.gate_proj.weight` + its scales); the layer holds each of
@@ -40,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llm_service.model import layers
+from llm_service.model import layers, quantized_gemm
 from mmserve.checkpoint import StoredTensor, read_config, safetensors_files, stored_tensors
 
 FP8 = torch.float8_e4m3fn
@@ -171,6 +172,10 @@ class BlockFP8(_FP8):
     def dense(self, linear, dtype):
         return self.dequantize(linear.weight, linear.weight_scale_inv, dtype)
 
+    def forward(self, linear, x):
+        y = quantized_gemm.block_fp8(linear, x, self.block)
+        return super().forward(linear, x) if y is None else y
+
 
 @dataclass(frozen=True)
 class ChannelFP8(_FP8):
@@ -189,6 +194,10 @@ class ChannelFP8(_FP8):
     def dense(self, linear, dtype):
         wide = torch.promote_types(dtype, torch.float32)
         return (linear.weight.to(wide) * linear.weight_scale.to(wide)).to(dtype)
+
+    def forward(self, linear, x):
+        y = quantized_gemm.channel_fp8(linear, x)
+        return super().forward(linear, x) if y is None else y
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -249,6 +258,10 @@ class AWQ(WeightFormat):
         scales = linear.scales.to(wide).repeat_interleave(g, -2)
         weight = ((unpack_int4(linear.qweight) - zeros).to(wide) * scales).transpose(-1, -2)
         return weight.to(dtype).contiguous()  # (out, in) rows, as a dense checkpoint's weight: the same GEMM
+
+    def forward(self, linear, x):
+        y = quantized_gemm.awq(linear, x, self.group_size)
+        return super().forward(linear, x) if y is None else y
 
 
 class ExpertsWeights(nn.Module):
