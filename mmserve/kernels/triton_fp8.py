@@ -132,9 +132,10 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     if not M:
         return x.new_empty(*lead, N)
     bm = 16 if M <= 16 else 32 if M <= 32 else 64
-    tile_n = 64 if M <= 64 else 128
+    tile_n = 64 if M <= 16 else 32 if M <= 64 else 128  # more programs while M is small
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, tile_n)
-    split, per_split = splits_for(tiles, k_blocks) if M <= 64 else (1, k_blocks)
+    # the float32 partials (split x M x N x 4 bytes) at most a quarter of the weight's N x K bytes
+    split, per_split = splits_for(tiles, k_blocks, K // (16 * M)) if M <= 64 else (1, k_blocks)
     out = torch.empty((split, M, N), dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, tile_n), split)
     fused_bias = bias is not None and split == 1

@@ -15,10 +15,12 @@ BLOCK = 1024
 TARGET_PROGRAMS = 264
 
 
-def splits_for(tiles: int, k_tiles: int) -> tuple[int, int]:
+def splits_for(tiles: int, k_tiles: int, max_split: int) -> tuple[int, int]:
     """(splits, K tiles per split) for `tiles` output tiles over `k_tiles` K tiles: more splits
-    while the tiles alone are fewer than `TARGET_PROGRAMS`, every split non-empty."""
-    split = max(1, min(k_tiles, TARGET_PROGRAMS // max(tiles, 1)))
+    while the tiles alone are fewer than `TARGET_PROGRAMS`, at most `max_split` (the partial sums
+    are written and read once more: the caller bounds their bytes against the weight's), every
+    split non-empty."""
+    split = max(1, min(k_tiles, max_split, TARGET_PROGRAMS // max(tiles, 1)))
     per_split = triton.cdiv(k_tiles, split)
     return triton.cdiv(k_tiles, per_split), per_split
 

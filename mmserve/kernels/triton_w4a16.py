@@ -83,7 +83,9 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
     if not M:
         return x.new_empty(*lead, N)
     k_tiles = K // bk
-    split, per_split = splits_for(triton.cdiv(M, bm) * triton.cdiv(N, bn), k_tiles) if M <= 64 else (1, k_tiles)
+    # the float32 partials (split x M x N x 4 bytes) at most a quarter of the weight's N x K / 2 bytes
+    split, per_split = splits_for(triton.cdiv(M, bm) * triton.cdiv(N, bn), k_tiles, K // (32 * M)) if M <= 64 \
+        else (1, k_tiles)
     partial = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
     _awq_gemm_kernel[grid](x2, qweight, qzeros, scales, partial, M, N, K, x2.stride(0), per_split, GROUP=group_size,

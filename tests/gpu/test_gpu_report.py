@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_report import FIGURES, engine_figures, moe_figures, read_records, render, transfer_figures
+from bench.gpu_report import (FIGURES, engine_figures, fp8_figures, moe_figures, read_records, render,
+                               transfer_figures)
 from mmserve.loadgen.device_peaks import Peaks, peaks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,6 +93,39 @@ def test_moe_layer_is_set_against_reading_the_touched_experts_at_peak_bandwidth(
     assert no_triton["moe_b64_ms"] is None and no_triton["moe_b64_vs_bandwidth_bound"] is None
     cpu = moe_figures({**bench, "device": "cpu"}, Peaks(None, None))
     assert cpu["moe_b64_ms"] == 0.9 and cpu["moe_b64_vs_bandwidth_bound"] is None
+
+
+FP8_RUN = {"device": "cuda", "quantization": "fp8-block", "prompt_len": 64, "decode_tokens": 128,
+           "kv_bytes_per_token": 28_672, "dense_weight_bytes": 4_400_000_000, "quantized_weight_bytes": 2_000_000_000,
+           "dense_b1_ms": 2.8, "dense_b64_ms": 3.3, "quantized_b1_ms": 2.5, "quantized_b64_ms": 2.0,
+           "quantized_b1_step_ratio": 0.893, "quantized_b64_step_ratio": 0.606}
+
+
+def test_fp8_decode_is_set_against_its_own_bound_and_beside_the_bf16_step():
+    f = fp8_figures(FP8_RUN, Peaks(4800, 989))
+    kv_b64 = 64 * (64 + 64) * 28_672
+    assert (f["fp8_decode_b1_ms"], f["fp8_decode_b64_ms"]) == (2.5, 2.0)
+    assert f["fp8_decode_b64_ratio_to_bound"] == pytest.approx(2.0 / ((2e9 + kv_b64) / 4.8e12 * 1e3), rel=1e-3)
+    assert (f["fp8_b1_step_vs_bf16"], f["fp8_b64_step_vs_bf16"]) == (0.893, 0.606)
+    assert fp8_figures({**FP8_RUN, "quantization": "awq"}, Peaks(4800, 989)) == {}  # another format: not these
+    assert fp8_figures(FP8_RUN, Peaks(None, None))["fp8_decode_b1_ratio_to_bound"] is None
+
+
+def test_a_record_from_the_log_of_a_gpu_check_quantized_run(tmp_path):
+    """`scripts/gpu-check quantized DIR` runs `benches DIR S fp8`: its bench.log gives the FP8 figures."""
+    host = {"device": "NVIDIA H200", "driver": "580.159.04", "torch": "2.11.0", "triton": "3.6.0",
+            "transformers": "5.17.0"}
+    (tmp_path / "bench.log").write_text("\n".join([
+        "# host " + json.dumps(host), "== python3 bench/llm.py --device cuda --quantization=fp8-block (cap 240 s)",
+        "table lines", json.dumps(FP8_RUN), "== exit 0 after 150 s: python3 bench/llm.py --device"]) + "\n")
+    results = tmp_path / "gpu.jsonl"
+    out = _report("--from-log", str(tmp_path), "--results", str(results), "--markdown", str(tmp_path / "page.md"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    (record,) = read_records(results)
+    _check_shape(record)
+    assert record["parts"] == ["engine"] and not record["failed_parts"]
+    assert record["fp8_b64_step_vs_bf16"] == 0.606 and record["decode_b1_ms"] is None
+    assert "0.61x" in (tmp_path / "page.md").read_text()
 
 
 def test_cpu_run_of_the_tp_part_sets_tp2_beside_tp1(tmp_path):

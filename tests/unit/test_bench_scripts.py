@@ -224,6 +224,20 @@ def test_encoder_bench_ceiling_is_the_forward_at_the_measured_matmul_and_attenti
     assert images_per_s == pytest.approx(1e12 / (matmul / matmul_tflops + attention / attention_tflops))
 
 
+def test_quantized_run_sets_the_quantized_lm_beside_the_dense_one():
+    """`llm.py --quantization fp8-block` on the CPU (the small LM, float32: the dequantizing path):
+    decode at batch 1 and 64 of the dense LM and of its block-FP8 copy, their ratio, the weights as held."""
+    out = _run("llm.py", "--quantization", "fp8-block", "--prompt-len", "8", "--decode-tokens", "8", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["quantization"] == "fp8-block" and result["gemm"] == "dequantize" and result["block"] == [64, 128]
+    assert result["quantized_weight_bytes"] < 0.6 * result["dense_weight_bytes"]  # e4m3 projections, fp32 embeddings
+    for batch in (1, 64):
+        assert result[f"quantized_b{batch}_step_ratio"] == pytest.approx(
+            result[f"quantized_b{batch}_ms"] / result[f"dense_b{batch}_ms"], rel=0.01)
+        assert result[f"dense_b{batch}_bound_ms"] is None  # no bandwidth known for a CPU
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")
 def test_gpu_check_finds_the_gpu_test_files_and_refuses_without_a_gpu():
     """scripts/gpu-check (the GPU host's runbook): with Ray importable it installs nothing, and
