@@ -10,6 +10,9 @@ definition; none for AWQ, whose activations stay 16-bit): each case equals its g
 splits from them at a near-tie (tests/support/reference.py). The agreement with the plain bf16
 dequantized model (no activation quantization) over all the cases' tokens is printed (`-s`).
 
+On the CPU the same check runs smaller (two cases, 8 tokens) in float32 with the kernels forced
+(`MMSERVE_QUANTIZED_GEMM=kernels`, Triton's interpreter): the engine's path through them, off the GPU.
+
 The checkpoints: the tiny dense Qwen2-VL quantized by `mmserve.tiny.quantized` in blocks of
 32 x 32 (Hopper's FP8 `tl.dot` needs a K tile of 32: the tiny builder's 16 x 16 blocks take the
 dequantizing path) and AWQ groups of 32.
@@ -26,19 +29,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from llm_service.model import quantized_gemm
 from tests.support.cases import family_cases
 from tests.support.reference import NearTieTally, greedy_reference, load_reference
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-MAX_TOKENS = 32
-DEVICE, DTYPE = "cuda", torch.bfloat16
-CASE_NAMES = ("text_only", "one_image", "three_images", "video", "image_and_video", "long_prompt")
+CUDA = torch.cuda.is_available()
+GPU_RUN = dict(device="cuda", dtype=torch.bfloat16, max_tokens=32,
+               cases=("text_only", "one_image", "three_images", "video", "image_and_video", "long_prompt"))
+CPU_RUN = dict(device="cpu", dtype=torch.float32, max_tokens=8, cases=("text_only", "one_image"))
 KERNELS = {"fp8-block": ("triton_fp8", "block_fp8_linear", 32), "fp8-channel": ("triton_fp8", "channel_fp8_linear", 0),
            "awq": ("triton_w4a16", "awq_gemm", None)}  # module, function, activation group (0: the row)
 
 
 def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+    return CUDA and torch.cuda.get_device_capability() >= (9, 0)
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +63,9 @@ def gpu_checkpoint(tiny_models, models_root):
     return make
 
 
-def served(model_dir: str, named: dict[str, list[dict]]) -> dict[str, tuple[list[int], bool]]:
-    """Each case's greedy tokens from the engine (bf16, CUDA graphs) and whether it stopped on EOS."""
+def served(model_dir: str, named: dict[str, list[dict]], device: str, dtype: torch.dtype,
+           max_tokens: int) -> dict[str, tuple[list[int], bool]]:
+    """Each case's greedy tokens from the engine (on CUDA: in its decode graphs) and whether it stopped on EOS."""
     from transformers import AutoTokenizer
 
     from encoder_service import VisionEncoder
@@ -71,9 +76,9 @@ def served(model_dir: str, named: dict[str, list[dict]]) -> dict[str, tuple[list
     from tests.support.pipeline import collect, to_planner_messages
 
     planner = RequestPlanner(model_dir, AutoTokenizer.from_pretrained(model_dir))
-    dtype = str(DTYPE).removeprefix("torch.")
-    encoder = VisionEncoder(model_dir, dtype=dtype, device=DEVICE)
-    engine = LLMEngine(LanguageModel(model_dir, dtype=dtype, device=DEVICE))
+    name = str(dtype).removeprefix("torch.")
+    encoder = VisionEncoder(model_dir, dtype=name, device=device)
+    engine = LLMEngine(LanguageModel(model_dir, dtype=name, device=device))
     engine.start()
     out = {}
     try:
@@ -81,12 +86,12 @@ def served(model_dir: str, named: dict[str, list[dict]]) -> dict[str, tuple[list
             plan = planner.plan(to_planner_messages(messages), ())
             embeddings = encoder.encode(plan.media) if plan.items else []
             events: queue.Queue = queue.Queue()
-            engine.add_request(LLMRequest(name, tuple(plan.token_ids), SamplingParams(max_tokens=MAX_TOKENS),
+            engine.add_request(LLMRequest(name, tuple(plan.token_ids), SamplingParams(max_tokens=max_tokens),
                                           positions=plan.positions, media=tuple(zip(plan.ranges, embeddings))),
                                events.put)
             tokens, finish = collect(events)
             out[name] = tokens, finish == "stop"
-        assert DEVICE != "cuda" or engine.runner.graphs is not None  # decode ran in the CUDA graphs
+        assert device != "cuda" or engine.runner.graphs is not None  # decode ran in the CUDA graphs
     finally:
         engine.shutdown()
     return out
@@ -105,27 +110,25 @@ def quantize_inputs(model, group: int):
             if isinstance(m, torch.nn.Linear) and "language_model" in name and name.endswith("_proj")]
 
 
-@pytest.mark.parametrize("quantization", list(KERNELS))
-def test_served_tokens_equal_the_dequantized_model_with_the_same_activation_quantization_or_split_at_near_ties(
-        quantization, gpu_checkpoint, monkeypatch):
-    if quantization.startswith("fp8") and not _hopper():
-        pytest.skip("FP8 tensor cores need compute capability >= 9.0")
+def check_format(quantization: str, model_dir: str, reference_dir: str, monkeypatch, device: str,
+                 dtype: torch.dtype, max_tokens: int, cases: tuple[str, ...]) -> None:
+    """The engine's tokens with the format's kernel == the same-quantization reference's, or splits at
+    near-ties; the agreement with the plain dequantized model printed."""
     module, function, group = KERNELS[quantization]
-    model_dir, reference_dir = gpu_checkpoint(quantization)
     kernel = importlib.import_module(f"mmserve.kernels.{module}")
     calls, original = [], getattr(kernel, function)
     monkeypatch.setattr(kernel, function, lambda *a, **k: calls.append(1) or original(*a, **k))
-    named = {name: family_cases("qwen2_vl")[name] for name in CASE_NAMES}
-    got = served(model_dir, named)
+    named = {name: family_cases("qwen2_vl")[name] for name in cases}
+    got = served(model_dir, named, device, dtype, max_tokens)
     assert calls  # the kernel ran (eager prefill steps and the graphs' capture)
 
-    _, model = load_reference(reference_dir, DTYPE, DEVICE)
-    plain = {name: greedy_reference(reference_dir, messages, MAX_TOKENS, DTYPE, DEVICE)
+    _, model = load_reference(reference_dir, dtype, device)
+    plain = {name: greedy_reference(reference_dir, messages, max_tokens, dtype, device)
              for name, messages in named.items()}
     handles = quantize_inputs(model, group) if group is not None else []
     try:
         assert group is None or len(handles) == 7 * model.config.get_text_config().num_hidden_layers
-        same_quantization = {name: greedy_reference(reference_dir, messages, MAX_TOKENS, DTYPE, DEVICE)
+        same_quantization = {name: greedy_reference(reference_dir, messages, max_tokens, dtype, device)
                              for name, messages in named.items()}
     finally:
         for handle in handles:
@@ -138,6 +141,26 @@ def test_served_tokens_equal_the_dequantized_model_with_the_same_activation_quan
         want = plain[name].tokens
         total += len(want)
         agreed += next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), min(len(tokens), len(want)))
-    print(f"\n{quantization}: vs the dequantized bf16 model with the same activation quantization: "
-          f"{tally.summary(len(got))}; tokens agreeing with the plain bf16 model (up to each first split): "
+    print(f"\n{quantization} ({device}, {dtype}): vs the dequantized model with the same activation quantization: "
+          f"{tally.summary(len(got))}; tokens agreeing with the plain dequantized model (up to each first split): "
           f"{agreed}/{total} ({agreed / max(total, 1):.0%})")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("quantization", list(KERNELS))
+def test_served_tokens_equal_the_dequantized_model_with_the_same_activation_quantization_or_split_at_near_ties(
+        quantization, gpu_checkpoint, monkeypatch):
+    if quantization.startswith("fp8") and not _hopper():
+        pytest.skip("FP8 tensor cores need compute capability >= 9.0")
+    monkeypatch.delenv(quantized_gemm.ENV, raising=False)  # auto: what a replica does
+    check_format(quantization, *gpu_checkpoint(quantization), monkeypatch, **GPU_RUN)
+
+
+@pytest.mark.kernel
+@pytest.mark.skipif(CUDA, reason="the CPU's run of the check above (interpreter)")
+@pytest.mark.parametrize("quantization", list(KERNELS))
+def test_engine_with_the_kernels_forced_on_the_cpu_equals_the_same_quantization_reference(
+        quantization, gpu_checkpoint, monkeypatch):
+    monkeypatch.setenv(quantized_gemm.ENV, "kernels")
+    check_format(quantization, *gpu_checkpoint(quantization), monkeypatch, **CPU_RUN)
