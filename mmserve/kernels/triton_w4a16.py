@@ -7,9 +7,9 @@ the 4-bit values of `qweight` `(K, N/8)` / `qzeros` `(K/group_size, N/8)` int32 
 is `scales` `(K/group_size, N)` float16. Program `(m, n, split)` loads the words of its `BLOCK_N`
 columns over its share of the K tiles (each tile lies in one group: `BLOCK_K` divides
 `group_size`), shifts each column's nibble out, applies its group's zero and scale in float32,
-casts to `x`'s dtype and accumulates `tl.dot` in float32 into its float32 partial `(SPLIT, M, N)`;
-one more launch adds the splits (+ bias) in `x`'s dtype (`triton_splitk`: small M, decode, splits K
-over more programs; deterministic, no atomics). Shapes are fixed by `(M, N, K)` alone: no host sync, a CUDA graph captures it.
+casts to `x`'s dtype and accumulates `tl.dot` in float32, then writes `x`'s dtype (+ bias); small M
+(decode) splits K over more programs, each writing its float32 partial `(SPLIT, M, N)`, and one more
+launch adds them (+ bias) in order (`triton_splitk`: deterministic, no atomics). Shapes are fixed by `(M, N, K)` alone: no host sync, a CUDA graph captures it.
 
 On CPU the kernel runs only in Triton's interpreter (`TRITON_INTERPRET=1`, tests), where bfloat16
 `tl.dot` is wrong: the CPU tests run float16 and float32. Tiles are vLLM's `awq_triton` sizes, not
@@ -26,9 +26,8 @@ from mmserve.kernels.triton_splitk import splits_for, sum_splits
 
 
 @triton.jit
-def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, M, N, K, stride_xm,
-                     tiles_per_split,
-                     GROUP: tl.constexpr, PRECISION: tl.constexpr,
+def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, bias_ptr, out_ptr, M, N, K, stride_xm,
+                     tiles_per_split, GROUP: tl.constexpr, PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -52,8 +51,10 @@ def _awq_gemm_kernel(x_ptr, qweight_ptr, qzeros_ptr, scales_ptr, out_ptr, M, N, 
         z = (z >> shifts) & 0xF
         w = ((q - z[None, :]).to(tl.float32) * s[None, :]).to(x.dtype)
         acc += tl.dot(x, w, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + split.to(tl.int64) * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    tl.store(out, acc, mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
 def block_k(group_size: int) -> int | None:
@@ -86,9 +87,12 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
     # the float32 partials (split x M x N x 4 bytes) at most a quarter of the weight's N x K / 2 bytes
     split, per_split = splits_for(triton.cdiv(M, bm) * triton.cdiv(N, bn), k_tiles, K // (32 * M)) if M <= 64 \
         else (1, k_tiles)
-    partial = torch.empty((split, M, N), dtype=torch.float32, device=x.device)
+    out = torch.empty((split, M, N), dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
-    _awq_gemm_kernel[grid](x2, qweight, qzeros, scales, partial, M, N, K, x2.stride(0), per_split, GROUP=group_size,
-                           PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_M=bm, BLOCK_N=bn,
-                           BLOCK_K=bk, num_warps=4, num_stages=2 if M <= 16 else 3)
-    return sum_splits(partial, bias, x.dtype).reshape(*lead, N)
+    fused_bias = bias is not None and split == 1
+    _awq_gemm_kernel[grid](x2, qweight, qzeros, scales, bias if fused_bias else out, out, M, N, K, x2.stride(0),
+                           per_split, GROUP=group_size, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                           HAS_BIAS=fused_bias, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4,
+                           num_stages=2 if M <= 16 else 3)
+    out = out[0] if split == 1 else sum_splits(out, bias, x.dtype)
+    return out.reshape(*lead, N)

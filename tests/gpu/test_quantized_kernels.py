@@ -262,11 +262,13 @@ def compile_for_sm90() -> list[str]:
     out = []
     for dtype in ("bf16", "fp16"):
         for bm, bn in ((16, 64), (64, 128)):
-            size = compile_sm90(_awq_gemm_kernel, dict(GROUP=128, PRECISION="tf32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128),
+            result = "fp32" if bm == 16 else dtype  # split-K partials; whole K into x's dtype (+ bias)
+            size = compile_sm90(_awq_gemm_kernel, dict(GROUP=128, PRECISION="tf32", HAS_BIAS=bm != 16, BLOCK_M=bm,
+                                                       BLOCK_N=bn, BLOCK_K=128),
                                 {"x_ptr": f"*{dtype}", "qweight_ptr": "*i32", "qzeros_ptr": "*i32",
-                                 "scales_ptr": "*fp16", "out_ptr": "*fp32"}, num_stages=2,
-                                aligned=("x_ptr", "qweight_ptr", "qzeros_ptr", "scales_ptr", "out_ptr", "N", "K",
-                                         "stride_xm"))
+                                 "scales_ptr": "*fp16", "bias_ptr": f"*{dtype}", "out_ptr": f"*{result}"}, num_stages=2,
+                                aligned=("x_ptr", "qweight_ptr", "qzeros_ptr", "scales_ptr", "bias_ptr", "out_ptr", "N",
+                                         "K", "stride_xm"))
             out.append(f"w4a16 {dtype} {bm}x{bn}: {size} bytes")
         for bm, bn, result in ((16, 64, "fp32"), (64, 128, dtype)):
             size = compile_sm90(_block_fp8_kernel, dict(HAS_BIAS=result != "fp32", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128),
