@@ -484,14 +484,15 @@ def bench_quantized(args) -> None:
             result.update({f"{side}_b{batch}_ms": round(ms, 3),
                            f"{side}_b{batch}_bound_ms": round(bound, 4) if bound else None,
                            f"{side}_b{batch}_ratio_to_bound": round(ms / bound, 3) if bound else None})
-            row += f" {ms:>8.3f} {bound or float('nan'):>9.3f}" if batch == 1 else f" {ms:>8.3f} {bound or float('nan'):>10.3f}"
+            row += f" {ms:>8.3f} {bound or float('nan'):>{9 if batch == 1 else 10}.3f}"
         print(row)
         engine.shutdown()
         del engine, lm
         if args.device == "cuda":
             torch.cuda.empty_cache()
     for batch in (1, 64):
-        result[f"quantized_b{batch}_step_ratio"] = round(result[f"quantized_b{batch}_ms"] / result[f"dense_b{batch}_ms"], 3)
+        ratio = result[f"quantized_b{batch}_ms"] / result[f"dense_b{batch}_ms"]
+        result[f"quantized_b{batch}_step_ratio"] = round(ratio, 3)
     print(f"{args.quantization} ({result['gemm']}) / dense: batch 1 {result['quantized_b1_step_ratio']}, "
           f"batch 64 {result['quantized_b64_step_ratio']}")
     print(json.dumps(result))

@@ -45,7 +45,8 @@ def kernel_runs(x: torch.Tensor, fp8: bool) -> bool:
         return x.dtype in (*HALF, torch.float32)
     if chosen == "dequantize" or not x.is_cuda or x.dtype not in HALF:
         return False
-    return not fp8 or _capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= (9, 0)
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return not fp8 or _capability(index) >= (9, 0)
 
 
 def block_fp8(linear, x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor | None:
