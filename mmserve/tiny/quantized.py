@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 
 QUANTIZATIONS = ("fp8-block", "fp8-channel", "awq")
-BLOCK = [16, 16]  # weight_block_size: whole blocks in every tiny projection (the released ones use 128)
-GROUP = 32  # AWQ group_size: divides every tiny projection's input size (the released ones use 128)
+BLOCK = [16, 16]  # weight_block_size: whole blocks in every tiny projection
+GROUP = 32  # AWQ group_size: divides every tiny projection's input size
+RELEASED_BLOCK, RELEASED_GROUP = [128, 128], 128  # the released checkpoints' (real-size builders use them)
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the 4 bits at 4*i of an int32 hold column AWQ_ORDER[i] of its 8
 
@@ -107,25 +108,32 @@ def quantization_config(quantization: str, skipped: list[str], block: list[int],
 
 def quantize_checkpoint(model_dir: Path, quantization: str = "fp8-block", block: list[int] = BLOCK,
                         group: int = GROUP) -> None:
-    """Rewrite the safetensors files and `config.json` of `model_dir` in place (see the module docstring)."""
-    from safetensors.torch import load_file, save_file
+    """Rewrite the safetensors files and `config.json` of `model_dir` in place (see the module
+    docstring), one tensor at a time: a real-size checkpoint is never all in memory."""
+    from safetensors import safe_open
+
+    from mmserve.checkpoint import stored_tensors, write_safetensors
 
     index_path = model_dir / "model.safetensors.index.json"
     index = json.loads(index_path.read_text()) if index_path.is_file() else None
-    files = {file: load_file(file) for file in sorted(model_dir.glob("*.safetensors"))}
-    skipped = not_converted([key for tensors in files.values() for key in tensors])
-    for file, tensors in files.items():
-        out = {}
-        for key, tensor in tensors.items():
-            if not converted(key, tensor, skipped):
-                out[key] = tensor
-                continue
-            made = quantize(quantization, key.removesuffix(".weight"), tensor, block, group)
-            out.update(made)
-            if index is not None:
-                index["weight_map"].pop(key)
-                index["weight_map"].update(dict.fromkeys(made, file.name))
-        save_file(out, file, metadata={"format": "pt"})
+    files = sorted(model_dir.glob("*.safetensors"))
+    skipped = not_converted([t.key for file in files for t in stored_tensors(file)])
+
+    def rewritten(file: Path):
+        with safe_open(file, framework="pt") as f:
+            for key in f.keys():
+                tensor = f.get_tensor(key)
+                if not converted(key, tensor, skipped):
+                    yield key, tensor
+                    continue
+                made = quantize(quantization, key.removesuffix(".weight"), tensor, block, group)
+                yield from made.items()
+                if index is not None:
+                    index["weight_map"].pop(key)
+                    index["weight_map"].update(dict.fromkeys(made, file.name))
+
+    for file in files:
+        write_safetensors(file, rewritten(file), metadata={"format": "pt"})
     if index is not None:
         index_path.write_text(json.dumps(index, indent=2) + "\n")
     config_path = model_dir / "config.json"
