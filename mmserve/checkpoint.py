@@ -1,4 +1,5 @@
-"""Reading a Hugging Face checkpoint directory: config, processor settings, tensors.
+"""Reading a Hugging Face checkpoint directory: config, processor settings, tensors (and writing
+a safetensors file tensor by tensor, for the builders that rewrite one).
 
 Each runtime reads only the tensors of its own half of the model, one tensor at a time, straight
 from the safetensors files into the parameters of modules built without initial values: loading
@@ -15,10 +16,12 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, BinaryIO, NamedTuple
 
 import torch
 from torch import nn
@@ -42,6 +45,7 @@ _FILE_DTYPES = {
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _QUANTIZATION_SCALES = (".weight_scale_inv", ".weight_scale", ".scales")  # FP8 block, FP8 channel, AWQ
 _READ_CHUNK = 1 << 30  # one read() moves at most ~2 GiB on Linux
+_CONVERT_CHUNK = 1 << 26  # bytes of the file read at a time into a CPU parameter of another dtype
 
 
 def read_config(model_dir: str | Path) -> dict:
@@ -133,6 +137,44 @@ def weight_bytes(model_dir: str | Path, select: Callable[[str], bool], dtype: to
     return sum(served(t) for file in safetensors_files(Path(model_dir)) for t in stored_tensors(file) if select(t.key))
 
 
+def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
+                      metadata: dict[str, str] | None = None) -> None:
+    """Write (or atomically replace) the safetensors file `path` from `(key, tensor)` pairs, holding
+    one tensor at a time: each one's bytes go to a spool file as it comes, one spool per element
+    size (largest first in the file, as safetensors' own writer orders them, so every tensor starts
+    aligned to its element size), then the header and the spools are joined."""
+    names = {dtype: name for name, dtype in _FILE_DTYPES.items()}
+    with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as tmp:
+        spools: dict[int, BinaryIO] = {}
+        entries: dict[int, list[tuple[str, str, list[int], int, int]]] = {}
+        try:
+            for key, tensor in tensors:
+                size = tensor.element_size()
+                if size not in spools:
+                    spools[size] = open(Path(tmp) / f"spool{size}", "w+b")
+                spool, begin = spools[size], spools[size].tell()
+                spool.write(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+                entries.setdefault(size, []).append((key, names[tensor.dtype], list(tensor.shape), begin, spool.tell()))
+            header: dict = {"__metadata__": metadata} if metadata else {}
+            offset, order = 0, sorted(spools, reverse=True)
+            for size in order:
+                for key, dtype, shape, begin, end in entries[size]:
+                    header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset + begin, offset + end]}
+                offset += spools[size].tell()
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+            written = Path(tmp) / path.name
+            with open(written, "wb") as out:
+                out.write(len(raw).to_bytes(8, "little") + raw)
+                for size in order:
+                    spools[size].seek(0)
+                    shutil.copyfileobj(spools[size], out, 1 << 24)
+            os.replace(written, path)
+        finally:
+            for spool in spools.values():
+                spool.close()
+
+
 def _read_into(f, stored: StoredTensor, out: torch.Tensor) -> torch.Tensor:
     """The stored bytes into `out` (CPU, contiguous, the stored dtype and shape)."""
     view = memoryview(out.detach().reshape(-1).view(torch.uint8).numpy())
@@ -144,6 +186,18 @@ def _read_into(f, stored: StoredTensor, out: torch.Tensor) -> torch.Tensor:
             raise ValueError(f"{stored.key}: the file ends before the tensor does")
         done += n
     return out
+
+
+def _read_converted(f, stored: StoredTensor, out: torch.Tensor) -> None:
+    """The stored tensor into `out` (CPU, contiguous, its shape, another dtype), `_CONVERT_CHUNK`
+    bytes of the file at a time: no copy of the whole tensor in its stored dtype beside `out`."""
+    size = stored.dtype.itemsize
+    step, numel = max(1, _CONVERT_CHUNK // size), stored.nbytes // size
+    buffer, flat = torch.empty(min(step, numel), dtype=stored.dtype), out.detach().view(-1)
+    for begin in range(0, numel, step):
+        n = min(step, numel - begin)
+        part = StoredTensor(stored.key, stored.dtype, (n,), stored.start + begin * size, n * size)
+        flat[begin:begin + n].copy_(_read_into(f, part, buffer[:n]))
 
 
 def rss_bytes() -> int | None:
@@ -176,8 +230,9 @@ def load_weights(module: nn.Module, model_dir: str | Path, rename: Callable[[str
     """Stream the checkpoint's tensors into `module`'s parameters and buffers, one at a time.
 
     `module` is built with uninitialised storage on its device, in its dtype; each tensor is read
-    from the file into it (straight into the parameter when the dtypes agree on CPU; else through
-    one tensor-sized buffer that `copy_` converts and moves). A tensor whose module key names no
+    from the file into it (straight into the parameter when the dtypes agree on CPU; in another
+    dtype on CPU, 64 MiB at a time through a buffer that `copy_` converts; else through one
+    tensor-sized buffer that `copy_` converts and moves). A tensor whose module key names no
     parameter waits for `convert` (a family's layout conversion: fused or split projections),
     which returns the module tensors it can make from the waiting ones and removes those it used.
     Every parameter and persistent buffer must be loaded except the `optional` ones (tied weights).
@@ -214,9 +269,18 @@ def load_weights(module: nn.Module, model_dir: str | Path, rename: Callable[[str
                 if name is None or name in optional:
                     continue
                 target = targets.get(name)
-                direct = (target is not None and target.device.type == "cpu" and target.dtype == stored.dtype
-                          and target.is_contiguous() and tuple(target.shape) == stored.shape)
-                tensor = _read_into(f, stored, target if direct else torch.empty(stored.shape, dtype=stored.dtype))
+                in_place = (target is not None and target.device.type == "cpu" and target.is_contiguous()
+                            and tuple(target.shape) == stored.shape)
+                convert_in_place = (in_place and target.dtype != stored.dtype and stored.dtype not in _FP8
+                                    and on_read is None and take is None)  # those two see the tensor as stored
+                if convert_in_place:
+                    with torch.no_grad():
+                        _read_converted(f, stored, target)
+                    tensor = target
+                else:
+                    direct = in_place and target.dtype == stored.dtype
+                    buffer = target if direct else torch.empty(stored.shape, dtype=stored.dtype)
+                    tensor = _read_into(f, stored, buffer)
                 keys.append(stored.key)
                 nbytes += stored.nbytes
                 if on_read is not None:

@@ -107,11 +107,13 @@ def random_lm(size: str, dtype, device: str = "cpu", vocab_size: int | None = No
 
 
 def qwen2_vl_2b(out: str | Path, seed: int = 0, text_layers: int | None = None, vision_depth: int | None = None,
-                flat: bool = False) -> str:
+                flat: bool = False, quantization: str | None = None) -> str:
     """Qwen2-VL-2B-Instruct's architecture (bf16). Writes the checkpoint to `out` (once: an existing
     one with the same settings is kept) and returns its path. `text_layers` / `vision_depth` shrink
-    it (for CPU tests of this builder); `flat`: config.json in the released checkpoint's flat layout."""
-    return _full_size(QWEN2_VL_2B, out, seed, text_layers, vision_depth, flat)
+    it (for CPU tests of this builder); `flat`: config.json in the released checkpoint's flat layout;
+    `quantization` (`mmserve.tiny.quantized.QUANTIZATIONS`): the language model's projections in
+    that published format, at the released block / group size (128), quantized tensor by tensor."""
+    return _full_size(QWEN2_VL_2B, out, seed, text_layers, vision_depth, flat, quantization)
 
 
 def qwen2_5_vl_3b(out: str | Path, seed: int = 0, text_layers: int | None = None, vision_depth: int | None = None,
@@ -122,28 +124,32 @@ def qwen2_5_vl_3b(out: str | Path, seed: int = 0, text_layers: int | None = None
 
 
 def _full_size(arch: _Architecture, out: str | Path, seed: int, text_layers: int | None, vision_depth: int | None,
-               flat: bool) -> str:
+               flat: bool, quantization: str | None = None) -> str:
     out = Path(out)
     settings = {"architecture": arch.name, "seed": seed, "text_layers": text_layers, "vision_depth": vision_depth}
     if flat:
         settings["layout"] = "flat"
+    if quantization:
+        settings["quantization"] = quantization
     out.parent.mkdir(parents=True, exist_ok=True)
     # one builder at a time (scripts/gpu-check builds it in the background while the tests that need it start):
     # a second caller waits, then finds it built
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not ((out / MARKER).exists() and json.loads((out / MARKER).read_text()) == settings):
-            _build(arch, out, seed, settings, text_layers, vision_depth, flat)
+            _build(arch, out, seed, settings, text_layers, vision_depth, flat, quantization)
     return str(out)
 
 
 def _build(arch: _Architecture, out: Path, seed: int, settings: dict, text_layers: int | None,
-           vision_depth: int | None, flat: bool) -> None:
+           vision_depth: int | None, flat: bool, quantization: str | None) -> None:
+    from functools import partial
+
     import torch
     import transformers
     from transformers import AutoModelForImageTextToText, GenerationConfig, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-    from mmserve.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, save_checkpoint
+    from mmserve.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, quantized, save_checkpoint
     from mmserve.tiny.qwen2_vl import published_layout
     from mmserve.tiny.tokenizer import build_tokenizer, text_config
 
@@ -170,4 +176,6 @@ def _build(arch: _Architecture, out: Path, seed: int, settings: dict, text_layer
         video_processor=Qwen2VLVideoProcessor(cap_pixels_per_frame=False), tokenizer=tokenizer,
         chat_template=CHAT_TEMPLATE,
     )
-    save_checkpoint(model, processor, out, MARKER, settings, published_layout if flat else None)
+    rewrite = partial(quantized.quantize_checkpoint, quantization=quantization, block=quantized.RELEASED_BLOCK,
+                      group=quantized.RELEASED_GROUP) if quantization else None
+    save_checkpoint(model, processor, out, MARKER, settings, published_layout if flat else None, rewrite)

@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 
 QUANTIZATIONS = ("fp8-block", "fp8-channel", "awq")
-BLOCK = [16, 16]  # weight_block_size: whole blocks in every tiny projection (the released ones use 128)
-GROUP = 32  # AWQ group_size, or the largest divisor of it that divides every projection's input (the releases: 128)
+BLOCK = [16, 16]  # weight_block_size: whole blocks in every tiny projection
+GROUP = 32  # AWQ group_size, or the largest divisor of it that divides every projection's input
+RELEASED_BLOCK, RELEASED_GROUP = [128, 128], 128  # the released checkpoints' (real-size builders use them)
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the 4 bits at 4*i of an int32 hold column AWQ_ORDER[i] of its 8
 
@@ -127,26 +128,35 @@ def quantization_config(quantization: str, skipped: list[str], block: list[int],
 
 def quantize_checkpoint(model_dir: Path, quantization: str = "fp8-block", block: list[int] = BLOCK,
                         group: int = GROUP) -> None:
-    """Rewrite the safetensors files and `config.json` of `model_dir` in place (see the module docstring)."""
-    from safetensors.torch import load_file, save_file
+    """Rewrite the safetensors files and `config.json` of `model_dir` in place (see the module
+    docstring), one tensor at a time: a real-size checkpoint is never all in memory."""
+    from safetensors import safe_open
+
+    from mmserve.checkpoint import stored_tensors, write_safetensors
 
     index_path = model_dir / "model.safetensors.index.json"
     index = json.loads(index_path.read_text()) if index_path.is_file() else None
-    files = {file: {k: t for key, tensor in load_file(file).items() for k, t in per_expert(key, tensor).items()}
-             for file in sorted(model_dir.glob("*.safetensors"))}
-    skipped = not_converted([key for tensors in files.values() for key in tensors])
-    inputs = [t.shape[1] for tensors in files.values() for k, t in tensors.items() if converted(k, t, skipped)]
-    group = math.gcd(group, *inputs)
-    for file, tensors in files.items():
-        out = {}
-        for key, tensor in tensors.items():
-            made = (quantize(quantization, key.removesuffix(".weight"), tensor, block, group)
-                    if converted(key, tensor, skipped) else {key: tensor})
-            out.update(made)
+    files = sorted(model_dir.glob("*.safetensors"))
+    # the projections as written (a MoE's experts one by one), from the headers: shapes only
+    shapes = [(k, t) for file in files for st in stored_tensors(file)
+              for k, t in per_expert(st.key, torch.empty(st.shape, device="meta")).items()]
+    skipped = not_converted([key for key, _ in shapes])
+    group = math.gcd(group, *(t.shape[1] for key, t in shapes if converted(key, t, skipped)))
+
+    def rewritten(file: Path):
+        with safe_open(file, framework="pt") as f:
+            for stored in f.keys():
+                for key, tensor in per_expert(stored, f.get_tensor(stored)).items():
+                    made = (quantize(quantization, key.removesuffix(".weight"), tensor, block, group)
+                            if converted(key, tensor, skipped) else {key: tensor})
+                    yield from made.items()
+                    if index is not None:
+                        index["weight_map"].update(dict.fromkeys(made, file.name))
+
+    for file in files:
         if index is not None:
             index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != file.name}
-            index["weight_map"].update(dict.fromkeys(out, file.name))
-        save_file(out, file, metadata={"format": "pt"})
+        write_safetensors(file, rewritten(file), metadata={"format": "pt"})
     if index is not None:
         index_path.write_text(json.dumps(index, indent=2) + "\n")
     config_path = model_dir / "config.json"

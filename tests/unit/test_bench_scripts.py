@@ -91,6 +91,17 @@ def test_serve_runs_its_experiments_as_their_own_scripts(monkeypatch, argv, scri
     assert done.value.code == [sys.executable, str(BENCH / script), *passed]
 
 
+def test_load_of_a_quantized_tiny_counts_its_quantized_bytes():
+    """`load.py --tiny --quantization fp8-block` (~20 s): the LLM replica holds the FP8 weights and
+    their scales beside the dense embeddings, the encoder nothing quantized."""
+    out = _run("load.py", "--tiny", "--quantization", "fp8-block", "--dtypes", "bfloat16", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    llm, encoder = result["rows"]
+    assert result["quantization"] == "fp8-block" and (llm["role"], encoder["role"]) == ("llm", "encoder")
+    assert 0 < llm["quantized_gb"] < llm["weights_gb"] and encoder["quantized_gb"] == 0
+
+
 def test_breakdown_reports_every_phase_for_each_case_both_ways():
     """`llm.py --breakdown` (seconds with 4 steps): a row per case and overlap mode, host time below the step."""
     out = _run("llm.py", "--breakdown", "--steps", "4", "--prompt-len", "8", timeout=300)

@@ -1,4 +1,5 @@
-"""`mmserve.checkpoint.load_weights`: safetensors files streamed into a module, one tensor at a time."""
+"""`mmserve.checkpoint.load_weights`: safetensors files streamed into a module, one tensor at a time;
+`write_safetensors`: one written the same way."""
 
 import json
 
@@ -7,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from mmserve.checkpoint import load_weights, stored_tensors
+from mmserve.checkpoint import load_weights, stored_tensors, write_safetensors
 
 
 class Small(nn.Module):
@@ -76,6 +77,25 @@ def test_every_tensor_lands_in_its_parameter(tmp_path, shards, stored, wanted):
     assert report.bytes_read == sum(t.numel() * stored.itemsize for k, t in tensors.items() if k != "vision.never_read")
 
 
+def test_another_dtype_is_read_in_chunks_exactly(tmp_path, monkeypatch):
+    """bf16 on disk into float32 parameters, 12 bytes (6 values) of the file at a time: each tensor
+    (40 values: a partial last chunk) lands whole, through no buffer of its size."""
+    import mmserve.checkpoint
+
+    monkeypatch.setattr(mmserve.checkpoint, "_CONVERT_CHUNK", 12)
+    chunks = []
+    read_into = mmserve.checkpoint._read_into
+    monkeypatch.setattr(mmserve.checkpoint, "_read_into", lambda f, stored, out: chunks.append(out.numel()) or
+                        read_into(f, stored, out))
+    tensors = _tensors()
+    module = Small(torch.float32)
+    load_weights(module, _write(tmp_path / "ckpt", tensors, dtype=torch.bfloat16), rename, convert=join_halves)
+    for name in ("embed", "head"):
+        expected = tensors[f"model.{name}.weight"].to(torch.bfloat16).float()
+        torch.testing.assert_close(getattr(module, name).weight, expected, rtol=0, atol=0)
+    assert 40 not in chunks and chunks.count(4) == 2  # embed and head: 40 values = 6 x 6 + 4 each
+
+
 def test_tied_weights_are_one_tensor_and_never_overwritten(tmp_path):
     tensors = _tensors()
     path = _write(tmp_path / "ckpt", tensors)
@@ -124,3 +144,23 @@ def test_the_fingerprint_hook_sees_each_tensor_as_stored(tmp_path):
     dtype, tensor = seen["model.head.weight"]
     assert dtype == torch.bfloat16
     torch.testing.assert_close(tensor, tensors["model.head.weight"].to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_a_file_written_tensor_by_tensor_reads_back_aligned(tmp_path):
+    """Mixed element sizes, in any order: safetensors reads every tensor back bit for bit, each
+    starting at a multiple of its element size; an existing file is replaced, no spool left."""
+    from safetensors import safe_open
+
+    tensors = {"b": torch.randn(3, 5).to(torch.bfloat16), "w8": torch.randn(7, 3).to(torch.float8_e4m3fn),
+               "s": torch.rand(2, 1), "q": torch.randint(-2 ** 31, 2 ** 31 - 1, (3, 2), dtype=torch.int32),
+               "h": torch.randn(5).half(), "one": torch.tensor(1.5, dtype=torch.float64)}
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"old")
+    write_safetensors(path, iter(tensors.items()), metadata={"format": "pt"})
+    with safe_open(path, framework="pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        for key, tensor in tensors.items():
+            assert f.get_tensor(key).dtype == tensor.dtype
+            assert torch.equal(f.get_tensor(key).reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))
+    assert all(t.start % torch.empty((), dtype=t.dtype).element_size() == 0 for t in stored_tensors(path))
+    assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
