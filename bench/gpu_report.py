@@ -93,6 +93,8 @@ FIGURES = (
     Figure("fp8_decode_b64_ratio_to_bound", "x the bound, batch 64", "engine"),
     Figure("fp8_b1_step_vs_bf16", "FP8 step / the bf16 step of the same run, batch 1", "engine"),
     Figure("fp8_b64_step_vs_bf16", "FP8 step / the bf16 step of the same run, batch 64 (target <= 0.7)", "engine"),
+    Figure("lora_b32_step_vs_base", "decode step at batch 32 with 4 rank-16 LoRA adapters on every LM projection / "
+           "the base model's, the same engine (bench/llm.py --lora; target <= 1.3 on CUDA)", "engine"),
     Figure("moe_b1_ms", "ms per call of one MoE layer (Qwen3-VL-30B-A3B's), the engine's path (moe_engine_path)",
            "engine"),
     Figure("moe_b64_ms", "the same at batch 64", "engine"),
@@ -138,6 +140,8 @@ CPU_ARGS = {
     "grammar": ["--prompt-len", "8", "--decode-tokens", "8", "--grammar-rounds", "1"],
     "moe": ["--quick", "--repeats", "2", "--inputs", "2"],
     "fp8": ["--prompt-len", "8", "--decode-tokens", "8"],
+    "lora": ["--prompt-len", "8", "--decode-tokens", "4", "--lora-rounds", "1", "--lora-batch", "8",
+             "--lora-adapters", "2", "--lora-rank", "4"],
     "encoder": ["--items", "4"],
     "serve": ["--compare", "colocated", "--quick", "--num-prompts", "8", "--unloaded-requests", "2",
               "--request-rate", "1"],
@@ -150,6 +154,7 @@ CUDA_ARGS = {
     "grammar": [],
     "moe": [],
     "fp8": [],
+    "lora": [],
     "encoder": ["--workers", "8"],
     "serve": ["--compare", "colocated", "--dtype", "bfloat16", "--num-cpus", "8", "--num-prompts", "32",
               "--unloaded-requests", "4", "--input-len", "128", "--output-len", "64"],
@@ -266,6 +271,10 @@ def fp8_figures(r: dict, peak: Peaks) -> dict:
     return out
 
 
+def lora_figures(r: dict, peak: Peaks | None = None) -> dict:
+    return {"lora_b32_step_vs_base": r["lora_step_ratio"]}
+
+
 def grammar_figures(r: dict, peak: Peaks | None = None) -> dict:
     return {k: r[k] for k in ("grammar_b1_step_ratio", "grammar_b64_step_ratio")}
 
@@ -276,7 +285,8 @@ ENGINE_BENCHES = {"llm": ("", "decode_ms_per_token_b1", engine_figures),
                   "breakdown": ("--breakdown", "decode_b1_on_host_us", breakdown_figures),
                   "grammar": ("--grammar", "grammar_b1_step_ratio", grammar_figures),
                   "moe": ("--moe", "moe_engine_path", moe_figures),
-                  "fp8": ("--quantization=fp8-block", "quantized_b64_step_ratio", fp8_figures)}
+                  "fp8": ("--quantization=fp8-block", "quantized_b64_step_ratio", fp8_figures),
+                  "lora": ("--lora", "lora_step_ratio", lora_figures)}
 
 
 def engine_part(ns, peak: Peaks) -> dict:
@@ -584,6 +594,7 @@ COLUMNS = (
      and r.get("fp8_decode_b64_ms") is None else " / ".join(
          cell(r, f"fp8_decode_b{b}_ms", "{:.2f}", f"fp8_decode_b{b}_ratio_to_bound", "{:.2f}x") for b in (1, 64))),
     ("FP8 step vs bf16 b1 / b64", lambda r: _pair(r, "fp8_b1_step_vs_bf16", "fp8_b64_step_vs_bf16", "{:.2f}x")),
+    ("LoRA step vs base b32", lambda r: cell(r, "lora_b32_step_vs_base", "{:.2f}x")),
     ("MoE layer ms b1 / b64 (x bound)", lambda r: "–" if r.get("moe_b1_ms") is None and r.get("moe_b64_ms") is None
      else " / ".join(cell(r, f"moe_b{b}_ms", "{:.3f}", f"moe_b{b}_vs_bandwidth_bound", "{:.2f}x") for b in (1, 64))),
     ("MoE grouped vs eager b1 / b64", lambda r: _pair(r, "moe_b1_grouped_vs_eager", "moe_b64_grouped_vs_eager",
