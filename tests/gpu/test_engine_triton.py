@@ -274,3 +274,34 @@ def test_cuda_bf16_greedy_equals_transformers_generate_or_splits_at_a_near_tie(t
         tally.check(name, collector.tokens(name), collector.finish_reason(name) == "stop", ref)
     print(f"bf16 vs generate: {tally.summary(len(cases))}")
     assert tally.exact >= len(cases) // 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_decode_step_s_launch_never_waits_for_the_device(tiny_models):
+    """Issue 63 item 3: a decode step's launch (prepare, the graph replay, sampling; overlap on) makes
+    no host sync: under `torch.cuda.set_sync_debug_mode("error")` any would raise."""
+    model_dir = tiny_models["qwen2_vl"]
+    engine = LLMEngine(LanguageModel(model_dir, dtype="bfloat16", device="cuda"),
+                       EngineConfig(num_kv_blocks=256, max_graph_batch_size=8, async_scheduling=True))
+    assert engine.runner.graphs is not None and engine.overlap
+    launch, checked = engine._launch, []
+
+    def strict_launch(scheduled):
+        decode = all(n == 1 and s.num_computed >= s.num_prompt_tokens for s, n in scheduled)
+        if not decode:
+            return launch(scheduled)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(scheduled)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            checked.append(len(scheduled))
+
+    engine._launch = strict_launch
+    collector = Collector()
+    for i in range(4):
+        name, messages = mixed_cases()[i]
+        collector.add(engine, plan_request(model_dir, messages, name, 8))
+    run_until_done(engine, collector)
+    assert checked and all(collector.tokens(n) for n in collector.events)
