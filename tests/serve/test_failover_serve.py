@@ -180,13 +180,37 @@ def _stats(app: str) -> dict:
     return serve.get_deployment_handle("Router", app_name=app).failover_stats.remote().result()
 
 
+def _wait_until_whole(app: str, timeout_s: float = 180) -> None:
+    """Until every deployment of `app` runs all its replicas and each LLM replica answers its load
+    probe at once: a replica killed by an earlier run (or test) is replaced, and a watcher's probe
+    of one still starting would wait for its constructor while the streams run out."""
+    import ray
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        deployments = serve.status().applications[app].deployments
+        if all(set(d.replica_states) == {"RUNNING"} for d in deployments.values()):
+            want = deployments["LLM"].replica_states["RUNNING"]
+            try:
+                found = _replicas(app, "LLM")
+                if len(found) == want and all(ray.get(r.get_num_ongoing_requests.remote(), timeout=2) == 0
+                                              for r in found):
+                    return
+            except Exception:  # one gone or still starting
+                pass
+        time.sleep(0.5)
+    pytest.fail(f"{app} did not come back whole: {serve.status().applications[app].deployments}")
+
+
 def _with_fault(url: str, bodies: list[dict], watch, app: str, counter: str, tries: int = 10, also: str = ""):
     """(outputs, errors, what `watch` returned, increase of `counter`) of the first run in which the
     fault cost its replica requests (the Router's failover `counter` grew, and `also` if given).
-    Every run must match."""
+    Every run must match. Each run starts with the app whole (`_wait_until_whole`)."""
     # A loaded machine may let the requests outrun the watcher, and calls only queued on a killed
     # encoder (not yet running) are re-run by Serve itself, re-encoding nothing: try again
     for _attempt in range(tries):
+        _wait_until_whole(app)
         before = _stats(app)
         outputs, errors, held = _run_all(url, bodies, watch)
         after = _stats(app)
