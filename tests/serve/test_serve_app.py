@@ -78,7 +78,8 @@ def check_embedding_stages(stages: dict, hit: bool) -> None:
     that wait from its end, and on a slow host the encode may finish before the replica asks."""
     assert set(stages) == STAGES | EMBEDDING_STAGES and all(v >= 0 for v in stages.values())
     # each part and the total rounded to 1 us: the parts' sum may pass the total by half a us each, and half more
-    assert sum(stages[k] for k in EMBEDDING_STAGES) <= stages["embeddings_ms"] + (len(EMBEDDING_STAGES) + 1) * 5e-4 + 1e-9
+    rounding = (len(EMBEDDING_STAGES) + 1) * 5e-4 + 1e-9
+    assert sum(stages[k] for k in EMBEDDING_STAGES) <= stages["embeddings_ms"] + rounding
     if hit:
         assert stages["encode_ms"] == 0
     else:
