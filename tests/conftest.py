@@ -26,6 +26,19 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: not (SESSION_SERVE & set(item.fixturenames)))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_ray_unless_marked_serve():
+    """`scripts/test` runs the tests not marked `serve` beside those that are, with MMSERVE_TEST_NO_RAY
+    set: none of them may start a Ray of its own (docs/testing.md)."""
+    if os.environ.get("MMSERVE_TEST_NO_RAY"):
+        import ray
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError("this test starts Ray: mark it `serve` (docs/testing.md)")
+
+        ray.init = refuse
+
+
 @pytest.fixture(scope="session")
 def models_root(tmp_path_factory) -> str:
     """Where the test checkpoints are built: $MMSERVE_TEST_MODELS (reused across runs), else a temporary folder."""
