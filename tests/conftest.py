@@ -20,9 +20,13 @@ FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 SESSION_SERVE = {"serve_ports", "serve_urls", "grpc_target", "secured_url", "external_encoder_url"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects
 def pytest_collection_modifyitems(config, items):
-    """The tests that use the session's Ray and Serve instance run first, while its apps stand
-    (docs/testing.md); each group keeps its order."""
+    """A test on the session's Ray and Serve instance is marked `serve` whatever its module says, and
+    those run first, while its apps stand (docs/testing.md); each group keeps its order."""
+    for item in items:
+        if SESSION_SERVE & set(item.fixturenames):
+            item.add_marker(pytest.mark.serve)
     items.sort(key=lambda item: not (SESSION_SERVE & set(item.fixturenames)))
 
 
