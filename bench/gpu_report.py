@@ -151,15 +151,10 @@ CPU_ARGS = {
 CUDA_ARGS = {
     "llm": ["--long-context", "8192", "--long-batch", "4"],
     "breakdown": ["--steps", "64"],
-    "grammar": [],
-    "moe": [],
-    "fp8": [],
-    "lora": [],
     "encoder": ["--workers", "8"],
     "serve": ["--compare", "colocated", "--dtype", "bfloat16", "--num-cpus", "8", "--num-prompts", "32",
               "--unloaded-requests", "4", "--input-len", "128", "--output-len", "64"],
     "transfer": ["--iters", "8", "--ingress-iters", "16"],  # host-side figures: a short run fits a device call
-    "tp": [],
 }
 
 
@@ -173,6 +168,11 @@ class PartFailed(Exception):
 
 def ratio(a: float | None, b: float | None, digits: int = 4) -> float | None:
     return round(a / b, digits) if a is not None and b else None
+
+
+def bound_ms(nbytes: float, peak: Peaks) -> float | None:
+    """Reading `nbytes` once at peak memory bandwidth, ms (None: no bandwidth known)."""
+    return nbytes / (peak.memory_gbs * 1e9) * 1e3 if peak.memory_gbs else None
 
 
 # -- running what measures ----------------------------------------------------------------------
@@ -219,8 +219,8 @@ def engine_figures(r: dict, peak: Peaks) -> dict:
     """bench/llm.py's result -> decode figures; a step's bound reads the weights once and every
     sequence's KV (mean context over the measured tokens) at peak memory bandwidth."""
     def bound(batch: int, context: float) -> float | None:
-        kv = batch * context * r["kv_bytes_per_token"]
-        return round((r["weight_bytes"] + kv) / (peak.memory_gbs * 1e9) * 1e3, 4) if peak.memory_gbs else None
+        ms = bound_ms(r["weight_bytes"] + batch * context * r["kv_bytes_per_token"], peak)
+        return ms and round(ms, 4)
 
     mean_context = r["prompt_len"] + r["decode_tokens"] / 2
     b1, b1_bound = r["decode_ms_per_token_b1"], bound(1, mean_context)
@@ -249,23 +249,22 @@ def moe_figures(r: dict, peak: Peaks) -> dict:
     out = {}
     for b in (1, 64):
         ms = r.get(f"moe_b{b}_{path}_ms")
-        bound = r[f"moe_b{b}_bytes_touched"] / (peak.memory_gbs * 1e9) * 1e3 if peak.memory_gbs else None
+        bound = bound_ms(r[f"moe_b{b}_bytes_touched"], peak)
         out.update({f"moe_b{b}_ms": ms, f"moe_b{b}_vs_bandwidth_bound": ratio(ms, bound, 3),
                     f"moe_b{b}_grouped_vs_eager": r[f"moe_b{b}_grouped_vs_eager"]})
     return out
 
 
 def fp8_figures(r: dict, peak: Peaks) -> dict:
-    """bench/llm.py --quantization fp8-block's result -> the FP8 LM's decode at batch 1 and 64 against
-    its bound (its weight bytes as held + every sequence's KV at peak memory bandwidth, as
-    `engine_figures`) and over the bf16 LM's step in the same run."""
+    """bench/llm.py --quantization fp8-block's result -> the FP8 LM's decode against its bound (as
+    `engine_figures`, its weight bytes as held) and over the bf16 LM's step in the same run."""
     if r.get("quantization") != "fp8-block":
         return {}
     out = {}
     for b in (1, 64):
         ms = r["quantized_b%d_ms" % b]
         kv = b * (r["prompt_len"] + r["decode_tokens"] / 2) * r["kv_bytes_per_token"]
-        bound = (r["quantized_weight_bytes"] + kv) / (peak.memory_gbs * 1e9) * 1e3 if peak.memory_gbs else None
+        bound = bound_ms(r["quantized_weight_bytes"] + kv, peak)
         out.update({f"fp8_decode_b{b}_ms": ms, f"fp8_decode_b{b}_ratio_to_bound": ratio(ms, bound),
                     f"fp8_b{b}_step_vs_bf16": r[f"quantized_b{b}_step_ratio"]})
     return out
@@ -292,7 +291,7 @@ ENGINE_BENCHES = {"llm": ("", "decode_ms_per_token_b1", engine_figures),
 def engine_part(ns, peak: Peaks) -> dict:
     out = {}
     for run, (flag, _, figures) in ENGINE_BENCHES.items():
-        args = ["--device", ns.device, *([flag] if flag else []), *ns.sizes[run]]
+        args = ["--device", ns.device, *([flag] if flag else []), *ns.sizes.get(run, [])]
         out |= figures(bench_json("llm.py", args, ns.timeout), peak)
     return out
 
@@ -305,9 +304,8 @@ def tp_figures(r: dict, peak: Peaks) -> dict:
     out = {"size": n, "device_gbs": peak.memory_gbs}
     for b in (1, 64):
         one, many = r[f"tp1_ms_per_step_b{b}"], r[f"tp{n}_ms_per_step_b{b}"]
-        bounds = [(w + b * context * kv) / (peak.memory_gbs * 1e9) * 1e3 if peak.memory_gbs else None
-                  for w, kv in ((r["weight_bytes"], r["kv_bytes_per_token"]),
-                                (r["rank0_weight_bytes"], r["rank0_kv_bytes_per_token"]))]
+        bounds = [bound_ms(w + b * context * kv, peak) for w, kv in (
+            (r["weight_bytes"], r["kv_bytes_per_token"]), (r["rank0_weight_bytes"], r["rank0_kv_bytes_per_token"]))]
         out.update({f"b{b}_tp1_ms": one, f"b{b}_tp{n}_ms": many, f"b{b}_speedup": ratio(one, many, 3),
                     f"b{b}_tp1_bound_ms": bounds[0] and round(bounds[0], 4),
                     f"b{b}_tp{n}_bound_ms": bounds[1] and round(bounds[1], 4),
@@ -322,7 +320,7 @@ def tp_part(ns, peak: Peaks) -> dict:
         found = len((_out(["nvidia-smi", "-L"]) or "").splitlines())
         if found < TP_SIZE:
             return {"tp": {"skipped": f"needs >= {TP_SIZE} GPUs, found {found}"}}
-    args = ["--device", ns.device, "--tensor-parallel-size", str(TP_SIZE), *ns.sizes["tp"]]
+    args = ["--device", ns.device, "--tensor-parallel-size", str(TP_SIZE), *ns.sizes.get("tp", [])]
     return tp_figures(bench_json("llm_tp.py", args, ns.timeout), peak)
 
 
@@ -349,13 +347,11 @@ def encoder_part(ns, peak: Peaks) -> dict:
 
 
 def serve_figures(summary: dict) -> dict:
-    """bench/serve.py's result -> goodput and p99 TTFT of both modes."""
     return {f"serve_{mode}_{k}": summary[f"{mode}_{k}"] for mode in ("disagg", "colocated")
             for k in ("goodput_rps", "p99_ttft_ms")}
 
 
 def transfer_figures(transfer: dict, peak: Peaks) -> dict:
-    """bench/transfer.py's result -> GB/s of a 20 MB embedding by each transport, and of the bandwidth."""
     out = {}
     for transport in ("object_store", "grpc"):
         gbs = round(transfer[f"{transport}_mb_s_20mb"] / 1000, 3)
@@ -365,7 +361,6 @@ def transfer_figures(transfer: dict, peak: Peaks) -> dict:
 
 
 def cli_figures(r: dict) -> dict:
-    """bench/cli.py's result -> its figures (`readme_passed`: every check passed)."""
     return {k: r[k] for k in ("readme_ready_s", "readme_first_answer_ms", "readme_passed")}
 
 

@@ -35,26 +35,8 @@ CUDA the device time of the step it reads (CUDA events). `host` is the engine's 
 the forward (schedule + prepare + sample + postprocess). Ops per step come from `torch.profiler`
 over a few more steps: CUDA kernels on a GPU, top-level aten ops on the CPU.
 
---grammar: structured outputs' cost. Random LMs with Qwen's vocabulary (151,936 logits, the
-tokenizer of `mmserve.loadgen.vocab`): Qwen2-VL-2B's shape then the small one on CUDA, the small one
-on CPU (`--grammar-lm`); steady decode at batch 1 and 64 with the 30-property invoice
-schema (`mmserve.loadgen.grammar.SCHEMA`) on every row against none, side by side; the grammar is
-compiled once before (the LRU). Each side runs `--grammar-rounds` times, alternated, and the ratio
-is of the medians. Prints the ratios, the engine thread's time in masks (filling and applying), the
-mean fill time per row and the fill's threads (`engine.grammar_threads`, `--grammar-threads`).
-On the CPU without overlap (its default) the forward runs inside the engine's `step()`, and its time
-swings by ±20% between runs on a shared 2-core host while the work is the same on both sides: the
-`same_forward` ratio gives both sides the median forward of all runs and keeps each side's own
-rest of the step (scheduling, inputs, sampling and masks, postprocessing; medians from `step_log`).
-`--overlap on|off`: steps overlapped or not (default: as the engine, on CUDA only); with overlap a
-step with constrained rows fills their masks after launching its forward, while it runs (on a
-CPU the forward has run by then: nothing is hidden, the figure checks the path costs no more).
-
---lora: LoRA adapters' cost in decode. One engine (`max_loras` = `--lora-adapters`, 4) on the random LM
-(small on CPU, Qwen2-VL-2B's on CUDA), 4 adapters of rank 16 (`--lora-rank`) on every LM projection,
-written to a temporary directory; steady decode at batch 32 (`--lora-batch`) with row i under adapter
-i mod 4, against the base model at the same batch on the same engine, `--lora-rounds` runs a side,
-alternated, the ratio of the medians. A step under adapters runs eager (no CUDA graph).
+--grammar (structured outputs' cost: a JSON-schema grammar on every row against none) and --lora (LoRA
+adapters mixed in a decode batch against the base model): docs/benchmarks.md#components.
 
 --moe: one MoE layer at Qwen3-VL-30B-A3B's sizes, the engine's experts path (`llm_service.model.experts`)
 against `transformers`' per-expert loop at batch 1 and 64, beside the floor of reading the touched
@@ -112,13 +94,16 @@ IMAGE_TOKEN = 5
 HYBRID_SIZES = {"full": (1024, 256, 16), "quick": (256, 64, 16)}
 
 
+def removed_at_exit(path: Path) -> Path:
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def random_checkpoint(args) -> Path:
     """`--model`, else a random Qwen2-VL (`random_lm`: small on CPU, Qwen2-VL-2B's LM on CUDA), removed at exit."""
     if args.model:
         return Path(args.model)
-    out = random_lm("small" if args.device == "cpu" else "2b", dtype_for(args.device), args.device)
-    atexit.register(shutil.rmtree, out, True)
-    return out
+    return removed_at_exit(random_lm("small" if args.device == "cpu" else "2b", dtype_for(args.device), args.device))
 
 
 def dtype_for(device: str) -> torch.dtype:
@@ -138,10 +123,8 @@ def hybrid_checkpoint() -> Path:
     config = MiniCPMV4_6Config(text_config=HYBRID_TEXT, vision_config=vision, insert_layer_id=1,
                                image_token_id=IMAGE_TOKEN, video_token_id=IMAGE_TOKEN + 1)
     torch.manual_seed(0)
-    model = MiniCPMV4_6ForConditionalGeneration(config)
-    out = Path(tempfile.mkdtemp(prefix="mmserve-bench-hybrid-"))
-    model.save_pretrained(out)
-    atexit.register(shutil.rmtree, out, True)
+    out = removed_at_exit(Path(tempfile.mkdtemp(prefix="mmserve-bench-hybrid-")))
+    MiniCPMV4_6ForConditionalGeneration(config).save_pretrained(out)
     return out
 
 
@@ -328,8 +311,7 @@ def grammar_shape(args, shape: str) -> dict:
     from mmserve.loadgen.grammar import SCHEMA
     from mmserve.loadgen.vocab import QWEN2_MODEL_VOCAB, qwen_size_tokenizer
 
-    model_dir = random_lm(shape, dtype_for(args.device), args.device, QWEN2_MODEL_VOCAB)
-    atexit.register(shutil.rmtree, model_dir, True)
+    model_dir = removed_at_exit(random_lm(shape, dtype_for(args.device), args.device, QWEN2_MODEL_VOCAB))
     qwen_size_tokenizer().save_pretrained(model_dir)  # the grammar compiles for the checkpoint's tokenizer
     lm = language_model(model_dir, args.device)
     overlap = None if args.overlap is None else args.overlap == "on"
@@ -389,8 +371,7 @@ def lora_adapters(model_dir: Path, count: int, rank: int) -> list[LoraRequest]:
 
     from mmserve.tiny.lora import build_tiny_adapter
 
-    root = Path(tempfile.mkdtemp(prefix="mmserve-bench-lora-"))
-    atexit.register(shutil.rmtree, root, True)
+    root = removed_at_exit(Path(tempfile.mkdtemp(prefix="mmserve-bench-lora-")))
     first = build_tiny_adapter(model_dir, root / "a0", seed=0, rank=rank)
     adapters = [LoraRequest("a0", str(first))]
     for i in range(1, count):
@@ -406,9 +387,6 @@ def lora_adapters(model_dir: Path, count: int, rank: int) -> list[LoraRequest]:
 
 
 def bench_lora(args) -> None:
-    """Steady decode at `--lora-batch` with the rows spread over `--lora-adapters` adapters (row i
-    under adapter i mod n) against the base model, the same engine (`max_loras` = n) and batch,
-    `--lora-rounds` alternated runs a side, the ratio of the medians."""
     model_dir = random_checkpoint(args)
     start = time.perf_counter()
     adapters = lora_adapters(model_dir, args.lora_adapters, args.lora_rank)
@@ -448,8 +426,7 @@ def bench_quantized(args) -> None:
     from mmserve.tiny.quantized import quantize_checkpoint
 
     dense = random_checkpoint(args)
-    quantized = Path(tempfile.mkdtemp(prefix="mmserve-bench-quantized-"))
-    atexit.register(shutil.rmtree, quantized, True)
+    quantized = removed_at_exit(Path(tempfile.mkdtemp(prefix="mmserve-bench-quantized-")))
     shutil.copytree(dense, quantized, dirs_exist_ok=True)
     text = json.loads((dense / "config.json").read_text()).get("text_config") or {}
     kv_rows = text.get("num_key_value_heads", 1) * (text.get("head_dim") or
@@ -531,10 +508,8 @@ def breakdown_case(engine: LLMEngine, batch: int, context: int, steps: int, mixe
         engine.step()
     log, engine.step_log = engine.step_log, None
     log = [t for t in log if t.num_seqs and (t.decode_only != mixed)]
-    activities = [torch.profiler.ProfilerActivity.CPU]
     cuda = engine.model.device.type == "cuda"
-    if cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    activities = [torch.profiler.ProfilerActivity.CPU, *([torch.profiler.ProfilerActivity.CUDA] if cuda else [])]
     with torch.profiler.profile(activities=activities) as prof:
         for k in range(profile_steps):
             if arrivals:
