@@ -161,7 +161,6 @@ def ttft(engine: LLMEngine, request: LLMRequest) -> float:
 
 
 def bench_hybrid_prefix(args) -> None:
-    repeats = args.repeats
     lm = LanguageModel(hybrid_checkpoint(), dtype="float32")
     sizes = HYBRID_SIZES["quick" if args.quick else "full"]
     hidden, vocab = lm.text_config.hidden_size, lm.vocab_size
@@ -175,14 +174,14 @@ def bench_hybrid_prefix(args) -> None:
         ttft(engine, warm)  # first-forward costs (one block, nothing to cache)
         firsts, seconds = [], []
         cached = engine.stats().num_cached_tokens
-        for k in range(repeats):
+        for k in range(args.repeats):
             first, second = hybrid_requests(name, sizes, vocab, hidden, k)
             firsts.append(ttft(engine, first))
             seconds.append(ttft(engine, second))
         stats = engine.stats()
         engine.shutdown()
         rows[name] = (statistics.median(firsts), statistics.median(seconds),
-                      (stats.num_cached_tokens - cached) // repeats, stats)
+                      (stats.num_cached_tokens - cached) // args.repeats, stats)
         if engine.scheduler.snapshots is not None:
             result["snapshot_budget_mb"] = round(engine.runner.states.snapshot_bytes / 2**20, 1)
     off, on = rows["off"], rows["on"]
@@ -199,7 +198,7 @@ def bench_hybrid_prefix(args) -> None:
                    "cached_tokens_second_on": on[2], "hybrid_prefix_ttft_speedup": round(speedup, 2),
                    "snapshots": on[3].num_snapshots, "snapshot_mb": round(snapshot_mb, 3),
                    "snapshot_kib_each": round(on[3].snapshot_bytes / max(on[3].num_snapshots, 1) / 2**10, 1),
-                   "repeats": repeats})
+                   "repeats": args.repeats})
     print(json.dumps(result))
 
 
@@ -467,9 +466,8 @@ def bench_quantized(args) -> None:
         del engine, lm
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    for batch in (1, 64):
-        ratio = result[f"quantized_b{batch}_ms"] / result[f"dense_b{batch}_ms"]
-        result[f"quantized_b{batch}_step_ratio"] = round(ratio, 3)
+    result.update({f"quantized_b{b}_step_ratio": round(result[f"quantized_b{b}_ms"] / result[f"dense_b{b}_ms"], 3)
+                   for b in (1, 64)})
     print(f"{args.quantization} ({result['gemm']}) / dense: batch 1 {result['quantized_b1_step_ratio']}, "
           f"batch 64 {result['quantized_b64_step_ratio']}")
     print(json.dumps(result))
@@ -530,8 +528,7 @@ def breakdown_case(engine: LLMEngine, batch: int, context: int, steps: int, mixe
     row["step"] = sum(row[c] for c in BREAKDOWN_COLUMNS)
     devices = [t.device for t in log if t.device is not None]
     row["device"] = 1e6 * statistics.fmean(devices) if devices else None
-    row["ops"] = ops
-    row["steps"] = len(log)
+    row.update(ops=ops, steps=len(log))
     return row
 
 
