@@ -93,8 +93,7 @@ def dashboard_serve_app(url: str, gpus: bool) -> dict:
 
     from deployments.cli.local_serve import token_location
 
-    where = token_location()
-    token = os.environ.get("RAY_AUTH_TOKEN") or Path(where).read_text().strip()
+    token = os.environ.get("RAY_AUTH_TOKEN") or Path(token_location()).read_text().strip()
     reply = httpx.get(f"{url}/api/serve/applications/", headers={"Authorization": f"Bearer {token}"}, timeout=30)
     if reply.status_code != 200:
         raise Failed(f"{url}/api/serve/applications/ answered {reply.status_code}")
@@ -164,7 +163,6 @@ def main(argv: list[str] | None = None) -> int:
             checks[name] = str(e)
         except Exception as e:  # noqa: BLE001  a check that broke is a check that failed
             checks[name] = f"{type(e).__name__}: {e}"
-        return None
 
     began = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "deployments.cli.main", *argv_serve], cwd=ROOT, env=env,

@@ -70,6 +70,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -209,27 +210,16 @@ def prompts(n: int, length: int, vocab: int, seed: int = 1) -> list[tuple[int, .
 
 def bench_generate(model, reqs, max_tokens, device) -> tuple[float, float]:
     """(tokens/s, mean inter-token ms) serving `reqs` one at a time with `generate`."""
-    from transformers.generation.streamers import BaseStreamer
-
-    class Clock(BaseStreamer):
-        def __init__(self):
-            self.times = []
-
-        def put(self, value):
-            self.times.append(time.perf_counter())
-
-        def end(self):
-            pass
-
     gaps, total, start = [], 0, time.perf_counter()
     for ids in reqs:
-        clock = Clock()
+        times = []  # a streamer is what has put() and end()
+        clock = SimpleNamespace(put=lambda value: times.append(time.perf_counter()), end=lambda: None)
         x = torch.tensor([ids], device=device)
         with torch.inference_mode():
             out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
                                  max_new_tokens=max_tokens, min_new_tokens=max_tokens, streamer=clock)
         total += out.shape[1] - x.shape[1]
-        t = clock.times[1:]  # first put() is the prompt
+        t = times[1:]  # first put() is the prompt
         gaps += [b - a for a, b in zip(t, t[1:])]
     return total / (time.perf_counter() - start), 1000 * sum(gaps) / max(len(gaps), 1)
 

@@ -93,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     unloaded_specs = generate_requests(dataset, args.unloaded_requests, args.seed + 1)
     warm_specs = generate_requests(dataset, 8, args.seed + 2)  # other images: the unloaded run misses the cache
     modes = ["disaggregated", "colocated"] if args.compare else ["colocated" if args.colocated else "disaggregated"]
-    model = None
-    if not (args.url or args.grpc_target):
-        model = args.model or bench_checkpoint()
+    model = None if args.url or args.grpc_target else args.model or bench_checkpoint()
     slo = SLO.parse(args.goodput)
     rates = args.request_rate
     runs: dict[str, list[tuple[float, dict, list[RequestRecord]]]] = {}

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -145,8 +146,6 @@ def start(model: str, clip_dir: Path, num_cpus: float) -> dict[str, str]:
 def cpu_busy_s() -> float | None:
     """Seconds all of this machine's CPUs have been busy (not idle, not waiting on I/O) since boot;
     None where there is no /proc/stat."""
-    import os
-
     try:
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
@@ -224,8 +223,6 @@ def run(args) -> dict:
         results = {name: asyncio.run(measure(urls, clip, 3 if args.quick else 8)) for name, clip in clips.items()}
     finally:
         stop_app()
-    import os
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(f"{'clip':>5} {'mode':>9} {'TTFT p50 s':>11} {'p99 s':>7} {'decode s':>9} {'decode share':>13} "
           f"{'CPU s':>6} {'CPU floor s':>12}")
