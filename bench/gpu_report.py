@@ -130,7 +130,6 @@ FIGURES = (
     Figure("readme_passed", "every step of scripts/gpu-check cli passed (README curl, chat over HTTP and gRPC, "
            "reflection, the dashboard's Serve API, the drain)", "cli"),
 )
-UNITS = {f.name: f.unit for f in FIGURES}
 
 # CPU: the small sizes the benches' own smallest runs use (tests/unit/test_bench_scripts.py)
 CPU_ARGS = {
@@ -270,22 +269,16 @@ def fp8_figures(r: dict, peak: Peaks) -> dict:
     return out
 
 
-def lora_figures(r: dict, peak: Peaks | None = None) -> dict:
-    return {"lora_b32_step_vs_base": r["lora_step_ratio"]}
-
-
-def grammar_figures(r: dict, peak: Peaks | None = None) -> dict:
-    return {k: r[k] for k in ("grammar_b1_step_ratio", "grammar_b64_step_ratio")}
-
-
 # bench/llm.py's runs in the engine part (their sizes: CPU_ARGS / CUDA_ARGS): (the flag, the key that tells
 # each result apart in a log, its figures)
 ENGINE_BENCHES = {"llm": ("", "decode_ms_per_token_b1", engine_figures),
                   "breakdown": ("--breakdown", "decode_b1_on_host_us", breakdown_figures),
-                  "grammar": ("--grammar", "grammar_b1_step_ratio", grammar_figures),
+                  "grammar": ("--grammar", "grammar_b1_step_ratio",
+                              lambda r, peak: {k: r[k] for k in ("grammar_b1_step_ratio", "grammar_b64_step_ratio")}),
                   "moe": ("--moe", "moe_engine_path", moe_figures),
                   "fp8": ("--quantization=fp8-block", "quantized_b64_step_ratio", fp8_figures),
-                  "lora": ("--lora", "lora_step_ratio", lora_figures)}
+                  "lora": ("--lora", "lora_step_ratio",
+                           lambda r, peak: {"lora_b32_step_vs_base": r["lora_step_ratio"]})}
 
 
 def engine_part(ns, peak: Peaks) -> dict:
@@ -425,9 +418,8 @@ def new_record(device: str, peak: Peaks, host: dict | None = None) -> dict:
     }
     if host is not None:
         record.update({k: host.get(k) for k in ("driver", "torch", "triton", "transformers")})
-    record.update({f.name: None for f in FIGURES})
-    record["tp"] = None  # tp_part's figures or {"skipped": why}
-    record["units"] = dict(UNITS)
+    # tp: tp_part's figures or {"skipped": why}
+    record.update({f.name: None for f in FIGURES}, tp=None, units={f.name: f.unit for f in FIGURES})
     return record
 
 

@@ -135,14 +135,12 @@ def hybrid_requests(tag: str, sizes: tuple[int, int, int], vocab: int, hidden: i
     g = torch.Generator().manual_seed(seed)
     system = torch.randint(10, vocab, (system_len,), generator=g).tolist()
     image = ItemEmbedding((torch.randn(image_len, hidden, generator=g),), key=f"bench-image-{seed}")
-    out = []
-    for i in range(2):
-        question = torch.randint(10, vocab, (question_len,), generator=g).tolist()
-        ids = tuple(system + [IMAGE_TOKEN] * image_len + question)
-        out.append(LLMRequest(f"{tag}-{seed}-{i}", ids, SamplingParams(max_tokens=2, ignore_eos=True),
-                              media=((PlaceholderRange(system_len, image_len), image),),
-                              snapshot_boundaries=(system_len,)))  # where the router says the system prompt ends
-    return out
+    questions = [torch.randint(10, vocab, (question_len,), generator=g).tolist() for _ in range(2)]
+    # snapshot_boundaries: where the router says the system prompt ends
+    return [LLMRequest(f"{tag}-{seed}-{i}", tuple(system + [IMAGE_TOKEN] * image_len + question),
+                       SamplingParams(max_tokens=2, ignore_eos=True),
+                       media=((PlaceholderRange(system_len, image_len), image),), snapshot_boundaries=(system_len,))
+            for i, question in enumerate(questions)]
 
 
 def ttft(engine: LLMEngine, request: LLMRequest) -> float:

@@ -146,8 +146,7 @@ class Parent:
         try:
             view = np.frombuffer(segment, dtype=np.uint8).reshape(self.shape)
             pixels = np.empty(self.shape, dtype=np.uint8) if copy else view
-            _send(self.proc.stdin, ("shm", path, reuse))
-            status, value = self.next()
+            status, value = self.call("shm", path, reuse)
             while status == "frames":
                 start, count = value
                 if copy:
