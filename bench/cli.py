@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import suppress
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,11 +116,9 @@ def session_processes(session: int) -> list:
 
     found = []
     for process in psutil.process_iter(["pid", "name"]):
-        try:
+        with suppress(ProcessLookupError, PermissionError):
             if os.getsid(process.pid) == session:
                 found.append(process)
-        except (ProcessLookupError, PermissionError):
-            continue
     return found
 
 

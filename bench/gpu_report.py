@@ -49,6 +49,7 @@ import sys
 import tempfile
 import threading
 import xml.etree.ElementTree as ET
+from contextlib import suppress
 from importlib import metadata
 from pathlib import Path
 from typing import NamedTuple
@@ -382,17 +383,13 @@ PART_RUNS = {"tests": tests_part, "engine": engine_part, "encoder": encoder_part
 
 # -- the record ---------------------------------------------------------------------------------
 def _version(package: str) -> str | None:
-    try:
+    with suppress(metadata.PackageNotFoundError):
         return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _out(cmd: list[str]) -> str | None:
-    try:
+    with suppress(OSError, subprocess.SubprocessError):
         return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def device_name(device: str) -> str:

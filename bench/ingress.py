@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import httpx
@@ -82,11 +83,9 @@ def kill_session(sid: int) -> None:
     import psutil
 
     for p in psutil.process_iter():
-        try:
+        with suppress(psutil.Error, ProcessLookupError, PermissionError):
             if os.getsid(p.pid) == sid:
                 p.kill()
-        except (psutil.Error, ProcessLookupError, PermissionError):
-            continue
 
 
 class Server:
