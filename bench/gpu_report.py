@@ -11,14 +11,9 @@ Each part runs what already measures (subprocesses; their last JSON line is read
 figures to the run's record; every figure is in every record, null when this run did not measure
 it. On CUDA every part fits in 8 minutes on an H100:
 - tests: tests/gpu/test_gpu_app.py (the app on one GPU) -> gpu_app_tests {passed, failed, skipped}.
-- engine: bench/llm.py (Qwen2-VL-2B's LM, random bf16) -> steady decode at batch 1, 64, and 4 over
-  8k tokens, each against its bound: (weight bytes + KV bytes read per step) / peak memory bandwidth;
-  bench/llm.py --quantization fp8-block -> the same LM's projections in block FP8 (128 x 128, the
-  FP8 GEMMs of llm_service/model/quantized_gemm.py) beside it in bf16, one run: decode at batch 1
-  and 64, each against its own bound (its weight bytes as held + KV), and the FP8 step over bf16's;
-  bench/llm.py --moe -> one MoE layer at Qwen3-VL-30B-A3B's sizes (bf16), the engine's experts path
-  (the Triton kernel on CUDA) at batch 1 and 64 against its bound, the weight bytes of the experts the
-  batch touches / peak memory bandwidth, and the grouped PyTorch path against transformers' loop.
+- engine: bench/llm.py (Qwen2-VL-2B's LM, random bf16) and its runs in ENGINE_BENCHES (--breakdown,
+  --grammar, --moe, --quantization fp8-block, --lora) -> steady decode, each against its bound
+  (docs/gpu-figures.md says which).
 - encoder: bench/encoder.py (the full-size Qwen2-VL vision tower) -> forward images/s and MFU against
   the dense bf16 peak at 448^2 and 1024^2, the pool end to end over the forward alone, the token
   budget over one image per forward.

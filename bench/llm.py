@@ -38,9 +38,7 @@ over a few more steps: CUDA kernels on a GPU, top-level aten ops on the CPU.
 --grammar (structured outputs' cost: a JSON-schema grammar on every row against none) and --lora (LoRA
 adapters mixed in a decode batch against the base model): docs/benchmarks.md#components.
 
---moe: one MoE layer at Qwen3-VL-30B-A3B's sizes, the engine's experts path (`llm_service.model.experts`)
-against `transformers`' per-expert loop at batch 1 and 64, beside the floor of reading the touched
-experts' weights: bench/moe.py runs in this process's place with the other arguments (its own options).
+--moe (one MoE layer: bench/moe.py) runs that script in this process's place with the other arguments.
 
 --quantization fp8-block|fp8-channel|awq: the random LM (Qwen2-VL-2B's on CUDA, bf16; the small one on
 CPU, float32) and the same weights quantized by the format's own rule (`mmserve.tiny.quantized`, the
@@ -51,9 +49,7 @@ step reads, at the device's peak memory bandwidth), and the quantized step over 
 quantized side ran (`llm_service.model.quantized_gemm`: the kernels on CUDA, the dequantizing path on
 the CPU or with MMSERVE_QUANTIZED_GEMM=dequantize).
 
---tensor-parallel-size N: decode ms per step at batch 1 and 64, TP N against TP 1 on the same
-checkpoint, the collectives' share of rank 0's step and the step message's bytes: bench/llm_tp.py
-runs in this process's place with every argument (its own options).
+--tensor-parallel-size N (TP N against TP 1: bench/llm_tp.py) runs that script with every argument.
 """
 
 from __future__ import annotations
