@@ -145,9 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     log = ns.log or work / "serve.log"
     key = secrets.token_urlsafe(24)
     http_port, grpc_port = (free_loopback_port(), free_loopback_port()) if ns.free_ports else (8000, 9000)
-    argv_serve = ["serve", *(["--model", ns.model] if ns.model else []), "--dtype", ns.dtype]
-    if ns.free_ports:
-        argv_serve += ["--http-port", str(http_port), "--grpc-port", str(grpc_port)]
+    argv_serve = ["serve", *(["--model", ns.model] if ns.model else []), "--dtype", ns.dtype,
+                  *(["--http-port", str(http_port), "--grpc-port", str(grpc_port)] if ns.free_ports else [])]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_SERVE_ENABLE"))}
     env.update(MMSERVE_API_KEY=key, RAY_USAGE_STATS_ENABLED="0")
     checks: dict[str, bool | str] = {}
