@@ -303,9 +303,10 @@ def cuda_rows(args) -> dict:
         mfu = tflops / args.peak_tflops
         best, matmul_tflops, attention_tflops = ceiling(tower.config, grid, len(prepared), torch.bfloat16,
                                                         torch.device("cuda"))
-        results.update({f"cuda_{side}_images_per_s": len(items) / seconds, f"cuda_{side}_forward_images_per_s":
-                        1 / forward_s, f"cuda_{side}_forward_tflops": tflops, f"cuda_{side}_mfu": mfu,
-                        f"cuda_{side}_ceiling_images_per_s": best, f"cuda_{side}_frac_of_ceiling": 1 / forward_s / best,
+        results.update({f"cuda_{side}_images_per_s": len(items) / seconds,
+                        f"cuda_{side}_forward_images_per_s": 1 / forward_s, f"cuda_{side}_forward_tflops": tflops,
+                        f"cuda_{side}_mfu": mfu, f"cuda_{side}_ceiling_images_per_s": best,
+                        f"cuda_{side}_frac_of_ceiling": 1 / forward_s / best,
                         f"cuda_{side}_ceiling_mfu": best * flops / 1e12 / args.peak_tflops,
                         f"cuda_{side}_matmul_tflops": matmul_tflops, f"cuda_{side}_attention_tflops": attention_tflops})
         print(f"cuda {side}^2 (grid {grid}): pool {len(items) / seconds:.1f} images/s end to end "
