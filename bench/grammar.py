@@ -33,18 +33,12 @@ import time
 
 
 def _median_s(fn, repeats: int) -> float:
-    return _medians(fn, repeats)[0]
-
-
-def _medians(fn, repeats: int) -> tuple[float, float]:
-    """Median wall seconds and median CPU seconds (the process's, every thread) of `repeats` calls."""
-    walls, cpus = [], []
+    walls = []
     for _ in range(repeats):
-        wall, cpu = time.perf_counter(), time.process_time()
+        start = time.perf_counter()
         fn()
-        cpus.append(time.process_time() - cpu)
-        walls.append(time.perf_counter() - wall)
-    return statistics.median(walls), statistics.median(cpus)
+        walls.append(time.perf_counter() - start)
+    return statistics.median(walls)
 
 
 def _gil_share(g, compile_once) -> float:
