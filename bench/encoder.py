@@ -325,7 +325,6 @@ def cuda_rows(args) -> dict:
 
 
 def graph_rows(tower: FullSizeTower, args) -> dict:
-    """Encoder CUDA graphs against the eager tower, forwards alone, per budget they land in."""
     what = tower._face.capture_graphs(tower.tower, args.cuda_batch_tokens, "tokens")
     graphs, results = tower._face.graphs, {}
     print(f"encoder graphs: {what}")

@@ -547,7 +547,6 @@ def print_breakdown(rows: dict) -> None:
 
 
 def breakdown_summary(rows: dict) -> dict:
-    """The JSON figures: per case and mode, host and step microseconds and ops per step."""
     out = {}
     for case, row in rows.items():
         key = case.replace(" ", "_")
