@@ -23,12 +23,8 @@ at a time, the modes alternating; the decoder's busy seconds per request come fr
 `VideoDecoder.stats`. The table gives TTFT p50 / p99 per clip and mode and the share of the TTFT
 spent decoding.
 
-Streaming overlaps stages; it cannot make their work smaller. Every stage here (decode, encode,
-prefill) runs on the same CPUs, so no schedule brings a TTFT below the CPU seconds the box spent on
-the request over its core count. The bench reads those seconds from /proc/stat around each request
-(less what the idle box burns: Ray's own processes) and prints that floor and the speedup it
-allows (`cpu_bound_speedup`: unstreamed TTFT over the floor). On a GPU box the encoder and the
-LLM run on the GPU, beside the decode, and the bound is the decode alone.
+It also prints each TTFT's CPU floor, the CPU seconds the request took (/proc/stat, less the idle
+box's own) over the core count, and `cpu_bound_speedup` (why: docs/video.md#measured).
 
 The last line is one JSON object: `decode_speedup_30s`, `video_ttft_speedup_30s` (TTFT p50 of
 baseline over default, 30 s clip), `video_ttft_over_floor_30s` (the default's TTFT p50 over its CPU
