@@ -64,7 +64,6 @@ def main() -> None:
     ns = parser.parse_args()
     if ns.quick:
         ns.compiles, ns.steps, ns.no_torch_compile = 1, 48, True
-    bpe = ns.bpe_tokens or (4000 if ns.quick else None)
     batches = [int(b) for b in ns.batches.split(",")]
 
     import torch
@@ -72,7 +71,7 @@ def main() -> None:
     from mmserve.loadgen import grammar as g
     from mmserve.loadgen.vocab import QWEN2_BPE_TOKENS, QWEN2_MODEL_VOCAB, qwen_size_tokenizer
 
-    bpe = bpe or QWEN2_BPE_TOKENS
+    bpe = ns.bpe_tokens or (4000 if ns.quick else QWEN2_BPE_TOKENS)
     model_vocab = ns.model_vocab or (QWEN2_MODEL_VOCAB if bpe == QWEN2_BPE_TOKENS else -(-(bpe + 64) // 128) * 128)
     start = time.perf_counter()
     tokenizer = qwen_size_tokenizer(bpe)
