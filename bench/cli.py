@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import suppress
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,8 +94,7 @@ def dashboard_serve_app(url: str, gpus: bool) -> dict:
 
     from deployments.cli.local_serve import token_location
 
-    where = token_location()
-    token = os.environ.get("RAY_AUTH_TOKEN") or Path(where).read_text().strip()
+    token = os.environ.get("RAY_AUTH_TOKEN") or Path(token_location()).read_text().strip()
     reply = httpx.get(f"{url}/api/serve/applications/", headers={"Authorization": f"Bearer {token}"}, timeout=30)
     if reply.status_code != 200:
         raise Failed(f"{url}/api/serve/applications/ answered {reply.status_code}")
@@ -116,11 +116,9 @@ def session_processes(session: int) -> list:
 
     found = []
     for process in psutil.process_iter(["pid", "name"]):
-        try:
+        with suppress(ProcessLookupError, PermissionError):
             if os.getsid(process.pid) == session:
                 found.append(process)
-        except (ProcessLookupError, PermissionError):
-            continue
     return found
 
 
@@ -147,9 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     log = ns.log or work / "serve.log"
     key = secrets.token_urlsafe(24)
     http_port, grpc_port = (free_loopback_port(), free_loopback_port()) if ns.free_ports else (8000, 9000)
-    argv_serve = ["serve", *(["--model", ns.model] if ns.model else []), "--dtype", ns.dtype]
-    if ns.free_ports:
-        argv_serve += ["--http-port", str(http_port), "--grpc-port", str(grpc_port)]
+    argv_serve = ["serve", *(["--model", ns.model] if ns.model else []), "--dtype", ns.dtype,
+                  *(["--http-port", str(http_port), "--grpc-port", str(grpc_port)] if ns.free_ports else [])]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAY_SERVE_ENABLE"))}
     env.update(MMSERVE_API_KEY=key, RAY_USAGE_STATS_ENABLED="0")
     checks: dict[str, bool | str] = {}
@@ -164,7 +161,6 @@ def main(argv: list[str] | None = None) -> int:
             checks[name] = str(e)
         except Exception as e:  # noqa: BLE001  a check that broke is a check that failed
             checks[name] = f"{type(e).__name__}: {e}"
-        return None
 
     began = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "deployments.cli.main", *argv_serve], cwd=ROOT, env=env,

@@ -34,9 +34,8 @@ def _ttft_ms(url: str, image: bytes) -> float:
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as resp:
         resp.raise_for_status()
         for line in resp.iter_lines():
-            if line.startswith("data: ") and '"content": "' in line and '"content": ""' not in line:
-                return (time.perf_counter() - start) * 1000
-            if '"finish_reason": "' in line:
+            token = line.startswith("data: ") and '"content": "' in line and '"content": ""' not in line
+            if token or '"finish_reason": "' in line:
                 return (time.perf_counter() - start) * 1000
     raise RuntimeError("stream ended without a token")
 

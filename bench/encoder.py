@@ -225,13 +225,10 @@ class FullSizeTower:
     def forward(self, prepared):
         return [tuple(p.to("cpu") for p in parts) for parts in self._face.forward(self.tower, prepared)]
 
-    def flops(self, grid: tuple[int, int, int]) -> float:
-        """Forward FLOPs of one item: 24 d^2 per patch per block (qkv, proj, 4x MLP) + 4 n d attention."""
-        return sum(flops_by_kind(self.config, grid))
-
 
 def flops_by_kind(config, grid: tuple[int, int, int]) -> tuple[float, float]:
-    """(matmul, attention) FLOPs of one item's forward through a Qwen2-VL vision tower."""
+    """(matmul, attention) FLOPs of one item's forward through a Qwen2-VL vision tower: 24 d^2 per patch
+    per block (qkv, proj, 4x MLP) + the merger, and 4 n d per patch of attention."""
     c = config
     patches = grid[0] * grid[1] * grid[2]
     seq = grid[1] * grid[2]
@@ -270,10 +267,7 @@ def ceiling(config, grid: tuple[int, int, int], items: int, dtype: torch.dtype,
 
 def device_seconds(fn, device: torch.device | str = "cuda", repeat: int = 10) -> float:
     """Seconds of one call of `fn` on `device` (after a warm-up, mean of `repeat`)."""
-    def sync():
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize()
-
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     fn()
     sync()
     start = time.perf_counter()
@@ -281,11 +275,6 @@ def device_seconds(fn, device: torch.device | str = "cuda", repeat: int = 10) ->
         fn()
     sync()
     return (time.perf_counter() - start) / repeat
-
-
-def cuda_forward_s(tower, prepared, repeat: int) -> float:
-    """Seconds of one forward over `prepared` on the GPU (after a warm-up, mean of `repeat`)."""
-    return device_seconds(lambda: tower.forward(prepared), "cuda", repeat)
 
 
 def cuda_rows(args) -> dict:
@@ -302,23 +291,23 @@ def cuda_rows(args) -> dict:
         torch.cuda.synchronize()
         # the device's own rate: forwards only, prepared once
         prepared = [tower.preprocess(i) for i in items[:16]]
-        forward_s = cuda_forward_s(tower, prepared, repeat=3) / len(prepared)
+        forward_s = device_seconds(lambda: tower.forward(prepared), repeat=3) / len(prepared)
         if side == 448:  # where the next change to the ViT starts
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 tower.forward(prepared)
                 torch.cuda.synchronize()
             print(f"top kernels of one forward over {len(prepared)} images of 448^2:")
             print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10))
-        tflops = tower.flops(grid) / forward_s / 1e12
+        flops = sum(flops_by_kind(tower.config, grid))
+        tflops = flops / forward_s / 1e12
         mfu = tflops / args.peak_tflops
-        results[f"cuda_{side}_images_per_s"] = len(items) / seconds
-        results[f"cuda_{side}_forward_images_per_s"] = 1 / forward_s
-        results[f"cuda_{side}_forward_tflops"] = tflops
-        results[f"cuda_{side}_mfu"] = mfu
         best, matmul_tflops, attention_tflops = ceiling(tower.config, grid, len(prepared), torch.bfloat16,
                                                         torch.device("cuda"))
-        results.update({f"cuda_{side}_ceiling_images_per_s": best, f"cuda_{side}_frac_of_ceiling": 1 / forward_s / best,
-                        f"cuda_{side}_ceiling_mfu": best * tower.flops(grid) / 1e12 / args.peak_tflops,
+        results.update({f"cuda_{side}_images_per_s": len(items) / seconds,
+                        f"cuda_{side}_forward_images_per_s": 1 / forward_s, f"cuda_{side}_forward_tflops": tflops,
+                        f"cuda_{side}_mfu": mfu, f"cuda_{side}_ceiling_images_per_s": best,
+                        f"cuda_{side}_frac_of_ceiling": 1 / forward_s / best,
+                        f"cuda_{side}_ceiling_mfu": best * flops / 1e12 / args.peak_tflops,
                         f"cuda_{side}_matmul_tflops": matmul_tflops, f"cuda_{side}_attention_tflops": attention_tflops})
         print(f"cuda {side}^2 (grid {grid}): pool {len(items) / seconds:.1f} images/s end to end "
               f"({stats.forwards} forwards), forward alone {1 / forward_s:.1f} images/s, MFU {mfu:.1%}; "
@@ -336,7 +325,6 @@ def cuda_rows(args) -> dict:
 
 
 def graph_rows(tower: FullSizeTower, args) -> dict:
-    """Encoder CUDA graphs against the eager tower, forwards alone, per budget they land in."""
     what = tower._face.capture_graphs(tower.tower, args.cuda_batch_tokens, "tokens")
     graphs, results = tower._face.graphs, {}
     print(f"encoder graphs: {what}")
@@ -345,7 +333,7 @@ def graph_rows(tower: FullSizeTower, args) -> dict:
 
     def ms(prepared, use: bool) -> float:
         tower._face.graphs = graphs if use else None
-        return cuda_forward_s(tower, prepared, repeat=5) * 1000
+        return device_seconds(lambda: tower.forward(prepared), repeat=5) * 1000
 
     print(f"{'side':>5} {'items':>6} {'budget':>7} {'eager ms':>9} {'graph ms':>9} {'speedup':>8}")
     for side in (448, 1024):

@@ -11,14 +11,9 @@ Each part runs what already measures (subprocesses; their last JSON line is read
 figures to the run's record; every figure is in every record, null when this run did not measure
 it. On CUDA every part fits in 8 minutes on an H100:
 - tests: tests/gpu/test_gpu_app.py (the app on one GPU) -> gpu_app_tests {passed, failed, skipped}.
-- engine: bench/llm.py (Qwen2-VL-2B's LM, random bf16) -> steady decode at batch 1, 64, and 4 over
-  8k tokens, each against its bound: (weight bytes + KV bytes read per step) / peak memory bandwidth;
-  bench/llm.py --quantization fp8-block -> the same LM's projections in block FP8 (128 x 128, the
-  FP8 GEMMs of llm_service/model/quantized_gemm.py) beside it in bf16, one run: decode at batch 1
-  and 64, each against its own bound (its weight bytes as held + KV), and the FP8 step over bf16's;
-  bench/llm.py --moe -> one MoE layer at Qwen3-VL-30B-A3B's sizes (bf16), the engine's experts path
-  (the Triton kernel on CUDA) at batch 1 and 64 against its bound, the weight bytes of the experts the
-  batch touches / peak memory bandwidth, and the grouped PyTorch path against transformers' loop.
+- engine: bench/llm.py (Qwen2-VL-2B's LM, random bf16) and its runs in ENGINE_BENCHES (--breakdown,
+  --grammar, --moe, --quantization fp8-block, --lora) -> steady decode, each against its bound
+  (docs/gpu-figures.md says which).
 - encoder: bench/encoder.py (the full-size Qwen2-VL vision tower) -> forward images/s and MFU against
   the dense bf16 peak at 448^2 and 1024^2, the pool end to end over the forward alone, the token
   budget over one image per forward.
@@ -49,6 +44,7 @@ import sys
 import tempfile
 import threading
 import xml.etree.ElementTree as ET
+from contextlib import suppress
 from importlib import metadata
 from pathlib import Path
 from typing import NamedTuple
@@ -130,7 +126,6 @@ FIGURES = (
     Figure("readme_passed", "every step of scripts/gpu-check cli passed (README curl, chat over HTTP and gRPC, "
            "reflection, the dashboard's Serve API, the drain)", "cli"),
 )
-UNITS = {f.name: f.unit for f in FIGURES}
 
 # CPU: the small sizes the benches' own smallest runs use (tests/unit/test_bench_scripts.py)
 CPU_ARGS = {
@@ -151,15 +146,10 @@ CPU_ARGS = {
 CUDA_ARGS = {
     "llm": ["--long-context", "8192", "--long-batch", "4"],
     "breakdown": ["--steps", "64"],
-    "grammar": [],
-    "moe": [],
-    "fp8": [],
-    "lora": [],
     "encoder": ["--workers", "8"],
     "serve": ["--compare", "colocated", "--dtype", "bfloat16", "--num-cpus", "8", "--num-prompts", "32",
               "--unloaded-requests", "4", "--input-len", "128", "--output-len", "64"],
     "transfer": ["--iters", "8", "--ingress-iters", "16"],  # host-side figures: a short run fits a device call
-    "tp": [],
 }
 
 
@@ -173,6 +163,11 @@ class PartFailed(Exception):
 
 def ratio(a: float | None, b: float | None, digits: int = 4) -> float | None:
     return round(a / b, digits) if a is not None and b else None
+
+
+def bound_ms(nbytes: float, peak: Peaks) -> float | None:
+    """Reading `nbytes` once at peak memory bandwidth, ms (None: no bandwidth known)."""
+    return nbytes / (peak.memory_gbs * 1e9) * 1e3 if peak.memory_gbs else None
 
 
 # -- running what measures ----------------------------------------------------------------------
@@ -219,8 +214,8 @@ def engine_figures(r: dict, peak: Peaks) -> dict:
     """bench/llm.py's result -> decode figures; a step's bound reads the weights once and every
     sequence's KV (mean context over the measured tokens) at peak memory bandwidth."""
     def bound(batch: int, context: float) -> float | None:
-        kv = batch * context * r["kv_bytes_per_token"]
-        return round((r["weight_bytes"] + kv) / (peak.memory_gbs * 1e9) * 1e3, 4) if peak.memory_gbs else None
+        ms = bound_ms(r["weight_bytes"] + batch * context * r["kv_bytes_per_token"], peak)
+        return ms and round(ms, 4)
 
     mean_context = r["prompt_len"] + r["decode_tokens"] / 2
     b1, b1_bound = r["decode_ms_per_token_b1"], bound(1, mean_context)
@@ -249,50 +244,43 @@ def moe_figures(r: dict, peak: Peaks) -> dict:
     out = {}
     for b in (1, 64):
         ms = r.get(f"moe_b{b}_{path}_ms")
-        bound = r[f"moe_b{b}_bytes_touched"] / (peak.memory_gbs * 1e9) * 1e3 if peak.memory_gbs else None
+        bound = bound_ms(r[f"moe_b{b}_bytes_touched"], peak)
         out.update({f"moe_b{b}_ms": ms, f"moe_b{b}_vs_bandwidth_bound": ratio(ms, bound, 3),
                     f"moe_b{b}_grouped_vs_eager": r[f"moe_b{b}_grouped_vs_eager"]})
     return out
 
 
 def fp8_figures(r: dict, peak: Peaks) -> dict:
-    """bench/llm.py --quantization fp8-block's result -> the FP8 LM's decode at batch 1 and 64 against
-    its bound (its weight bytes as held + every sequence's KV at peak memory bandwidth, as
-    `engine_figures`) and over the bf16 LM's step in the same run."""
+    """bench/llm.py --quantization fp8-block's result -> the FP8 LM's decode against its bound (as
+    `engine_figures`, its weight bytes as held) and over the bf16 LM's step in the same run."""
     if r.get("quantization") != "fp8-block":
         return {}
     out = {}
     for b in (1, 64):
         ms = r["quantized_b%d_ms" % b]
         kv = b * (r["prompt_len"] + r["decode_tokens"] / 2) * r["kv_bytes_per_token"]
-        bound = (r["quantized_weight_bytes"] + kv) / (peak.memory_gbs * 1e9) * 1e3 if peak.memory_gbs else None
+        bound = bound_ms(r["quantized_weight_bytes"] + kv, peak)
         out.update({f"fp8_decode_b{b}_ms": ms, f"fp8_decode_b{b}_ratio_to_bound": ratio(ms, bound),
                     f"fp8_b{b}_step_vs_bf16": r[f"quantized_b{b}_step_ratio"]})
     return out
-
-
-def lora_figures(r: dict, peak: Peaks | None = None) -> dict:
-    return {"lora_b32_step_vs_base": r["lora_step_ratio"]}
-
-
-def grammar_figures(r: dict, peak: Peaks | None = None) -> dict:
-    return {k: r[k] for k in ("grammar_b1_step_ratio", "grammar_b64_step_ratio")}
 
 
 # bench/llm.py's runs in the engine part (their sizes: CPU_ARGS / CUDA_ARGS): (the flag, the key that tells
 # each result apart in a log, its figures)
 ENGINE_BENCHES = {"llm": ("", "decode_ms_per_token_b1", engine_figures),
                   "breakdown": ("--breakdown", "decode_b1_on_host_us", breakdown_figures),
-                  "grammar": ("--grammar", "grammar_b1_step_ratio", grammar_figures),
+                  "grammar": ("--grammar", "grammar_b1_step_ratio",
+                              lambda r, peak: {k: r[k] for k in ("grammar_b1_step_ratio", "grammar_b64_step_ratio")}),
                   "moe": ("--moe", "moe_engine_path", moe_figures),
                   "fp8": ("--quantization=fp8-block", "quantized_b64_step_ratio", fp8_figures),
-                  "lora": ("--lora", "lora_step_ratio", lora_figures)}
+                  "lora": ("--lora", "lora_step_ratio",
+                           lambda r, peak: {"lora_b32_step_vs_base": r["lora_step_ratio"]})}
 
 
 def engine_part(ns, peak: Peaks) -> dict:
     out = {}
     for run, (flag, _, figures) in ENGINE_BENCHES.items():
-        args = ["--device", ns.device, *([flag] if flag else []), *ns.sizes[run]]
+        args = ["--device", ns.device, *([flag] if flag else []), *ns.sizes.get(run, [])]
         out |= figures(bench_json("llm.py", args, ns.timeout), peak)
     return out
 
@@ -305,9 +293,8 @@ def tp_figures(r: dict, peak: Peaks) -> dict:
     out = {"size": n, "device_gbs": peak.memory_gbs}
     for b in (1, 64):
         one, many = r[f"tp1_ms_per_step_b{b}"], r[f"tp{n}_ms_per_step_b{b}"]
-        bounds = [(w + b * context * kv) / (peak.memory_gbs * 1e9) * 1e3 if peak.memory_gbs else None
-                  for w, kv in ((r["weight_bytes"], r["kv_bytes_per_token"]),
-                                (r["rank0_weight_bytes"], r["rank0_kv_bytes_per_token"]))]
+        bounds = [bound_ms(w + b * context * kv, peak) for w, kv in (
+            (r["weight_bytes"], r["kv_bytes_per_token"]), (r["rank0_weight_bytes"], r["rank0_kv_bytes_per_token"]))]
         out.update({f"b{b}_tp1_ms": one, f"b{b}_tp{n}_ms": many, f"b{b}_speedup": ratio(one, many, 3),
                     f"b{b}_tp1_bound_ms": bounds[0] and round(bounds[0], 4),
                     f"b{b}_tp{n}_bound_ms": bounds[1] and round(bounds[1], 4),
@@ -322,7 +309,7 @@ def tp_part(ns, peak: Peaks) -> dict:
         found = len((_out(["nvidia-smi", "-L"]) or "").splitlines())
         if found < TP_SIZE:
             return {"tp": {"skipped": f"needs >= {TP_SIZE} GPUs, found {found}"}}
-    args = ["--device", ns.device, "--tensor-parallel-size", str(TP_SIZE), *ns.sizes["tp"]]
+    args = ["--device", ns.device, "--tensor-parallel-size", str(TP_SIZE), *ns.sizes.get("tp", [])]
     return tp_figures(bench_json("llm_tp.py", args, ns.timeout), peak)
 
 
@@ -349,13 +336,11 @@ def encoder_part(ns, peak: Peaks) -> dict:
 
 
 def serve_figures(summary: dict) -> dict:
-    """bench/serve.py's result -> goodput and p99 TTFT of both modes."""
     return {f"serve_{mode}_{k}": summary[f"{mode}_{k}"] for mode in ("disagg", "colocated")
             for k in ("goodput_rps", "p99_ttft_ms")}
 
 
 def transfer_figures(transfer: dict, peak: Peaks) -> dict:
-    """bench/transfer.py's result -> GB/s of a 20 MB embedding by each transport, and of the bandwidth."""
     out = {}
     for transport in ("object_store", "grpc"):
         gbs = round(transfer[f"{transport}_mb_s_20mb"] / 1000, 3)
@@ -365,7 +350,6 @@ def transfer_figures(transfer: dict, peak: Peaks) -> dict:
 
 
 def cli_figures(r: dict) -> dict:
-    """bench/cli.py's result -> its figures (`readme_passed`: every check passed)."""
     return {k: r[k] for k in ("readme_ready_s", "readme_first_answer_ms", "readme_passed")}
 
 
@@ -394,17 +378,13 @@ PART_RUNS = {"tests": tests_part, "engine": engine_part, "encoder": encoder_part
 
 # -- the record ---------------------------------------------------------------------------------
 def _version(package: str) -> str | None:
-    try:
+    with suppress(metadata.PackageNotFoundError):
         return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _out(cmd: list[str]) -> str | None:
-    try:
+    with suppress(OSError, subprocess.SubprocessError):
         return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def device_name(device: str) -> str:
@@ -430,9 +410,8 @@ def new_record(device: str, peak: Peaks, host: dict | None = None) -> dict:
     }
     if host is not None:
         record.update({k: host.get(k) for k in ("driver", "torch", "triton", "transformers")})
-    record.update({f.name: None for f in FIGURES})
-    record["tp"] = None  # tp_part's figures or {"skipped": why}
-    record["units"] = dict(UNITS)
+    # tp: tp_part's figures or {"skipped": why}
+    record.update({f.name: None for f in FIGURES}, tp=None, units={f.name: f.unit for f in FIGURES})
     return record
 
 

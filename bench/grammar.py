@@ -33,18 +33,12 @@ import time
 
 
 def _median_s(fn, repeats: int) -> float:
-    return _medians(fn, repeats)[0]
-
-
-def _medians(fn, repeats: int) -> tuple[float, float]:
-    """Median wall seconds and median CPU seconds (the process's, every thread) of `repeats` calls."""
-    walls, cpus = [], []
+    walls = []
     for _ in range(repeats):
-        wall, cpu = time.perf_counter(), time.process_time()
+        start = time.perf_counter()
         fn()
-        cpus.append(time.process_time() - cpu)
-        walls.append(time.perf_counter() - wall)
-    return statistics.median(walls), statistics.median(cpus)
+        walls.append(time.perf_counter() - start)
+    return statistics.median(walls)
 
 
 def _gil_share(g, compile_once) -> float:
@@ -70,7 +64,6 @@ def main() -> None:
     ns = parser.parse_args()
     if ns.quick:
         ns.compiles, ns.steps, ns.no_torch_compile = 1, 48, True
-    bpe = ns.bpe_tokens or (4000 if ns.quick else None)
     batches = [int(b) for b in ns.batches.split(",")]
 
     import torch
@@ -78,7 +71,7 @@ def main() -> None:
     from mmserve.loadgen import grammar as g
     from mmserve.loadgen.vocab import QWEN2_BPE_TOKENS, QWEN2_MODEL_VOCAB, qwen_size_tokenizer
 
-    bpe = bpe or QWEN2_BPE_TOKENS
+    bpe = ns.bpe_tokens or (4000 if ns.quick else QWEN2_BPE_TOKENS)
     model_vocab = ns.model_vocab or (QWEN2_MODEL_VOCAB if bpe == QWEN2_BPE_TOKENS else -(-(bpe + 64) // 128) * 128)
     start = time.perf_counter()
     tokenizer = qwen_size_tokenizer(bpe)
@@ -120,10 +113,8 @@ def main() -> None:
         r["mask_b1_no_maxlength_us"] = g.walk(engine, engine.compile(unbounded), docs[:1], ns.steps)["step_us"]
         if name == "xgrammar":
             r["cache_hit_us"] = _median_s(lambda: engine.compile(g.SCHEMA, cached), 20) * 1e6
-            one_thread = engine.compiler(threads=1)
-            r["gil_free_share"] = _gil_share(g, lambda: engine.compile(g.SMALL_SCHEMA, one_thread))
-        else:
-            r["gil_free_share"] = _gil_share(g, lambda: engine.compile(g.SMALL_SCHEMA))
+        one_thread = engine.compiler(threads=1) if name == "xgrammar" else None
+        r["gil_free_share"] = _gil_share(g, lambda: engine.compile(g.SMALL_SCHEMA, one_thread))
         for i, b in enumerate(batches, 1):  # a fresh compile: a new schema's first requests, lazy states included
             w = g.walk(engine, grammars[i], docs[:b], ns.steps)
             r.update({f"mask_b{b}_us": w["step_us"], f"fill_b{b}_us": w["fill_us"], f"accept_b{b}_us": w["accept_us"],
@@ -160,8 +151,7 @@ def main() -> None:
             result[f"{name}_{key}"] = round(value, 3) if isinstance(value, float) else value
 
     checked = g.check_walk(engines, compiled, tokenizer, docs[0])
-    result["masks_identical_steps"] = checked["identical_steps"]
-    result["checked_steps"] = checked["steps"]
+    result.update(masks_identical_steps=checked["identical_steps"], checked_steps=checked["steps"])
     for e in engines:
         result[f"{e.name}_mean_allowed_tokens"] = round(checked["mean_allowed"][e.name], 1)
         result[f"{e.name}_special_steps"] = checked["special_steps"][e.name]
@@ -171,11 +161,9 @@ def main() -> None:
     shipped.name = "as shipped"
     small_doc = tokenizer.encode(g.SMALL_DOC, add_special_tokens=False) + [tokenizer.eos_token_id]
     as_is = g.check_walk([shipped], [shipped.compile(g.SMALL_SCHEMA)], tokenizer, small_doc)
-    result["xgrammar_unblanked_special_steps"] = as_is["special_steps"][shipped.name]
-    result["small_doc_steps"] = len(small_doc)
-    result["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
-    result["probes"] = len(g.PROBES)
-    result["invalid_schemas"] = len(g.INVALID_SCHEMAS)
+    result.update(xgrammar_unblanked_special_steps=as_is["special_steps"][shipped.name], small_doc_steps=len(small_doc),
+                  loadavg_1m_end=round(os.getloadavg()[0], 2), probes=len(g.PROBES),
+                  invalid_schemas=len(g.INVALID_SCHEMAS))
 
     x, ll = "xgrammar", "llguidance"
     table = [("version", "version", ""), ("vocab ids it sees", "vocab_ids", ""),
@@ -206,9 +194,7 @@ def main() -> None:
             v = result.get(f"{name}_mask_b{b}_us")
             return f"{v / b:.1f}" if v is not None else "-"
         v = result.get(f"{name}_{key}")
-        if v is None:
-            return "-"
-        return f"{v:,.1f}" if isinstance(v, float) else str(v)
+        return "-" if v is None else f"{v:,.1f}" if isinstance(v, float) else str(v)
 
     print(f"tokenizer: {len(tokenizer):,} ids ({bpe:,} BPE + {len(tokenizer) - bpe} special), logits {model_vocab:,} "
           f"wide ({model_vocab - len(tokenizer)} padding ids); built/loaded in {tokenizer_s:.1f} s; "
@@ -217,10 +203,9 @@ def main() -> None:
     print(f"{'':34}{'unit':>6}{x:>14}{ll:>14}{'llg / xgr':>11}")
     for label, key, unit in table:
         a, c = cell(x, key, label), cell(ll, key, label)
-        ratio = ""
         va, vc = result.get(f"{x}_{key}"), result.get(f"{ll}_{key}")
-        if unit and unit != "x" and isinstance(va, float) and isinstance(vc, float) and va > 0:
-            ratio = f"{vc / va:.2f}"
+        timed = unit not in ("", "x") and isinstance(va, float) and isinstance(vc, float) and va > 0
+        ratio = f"{vc / va:.2f}" if timed else ""
         print(f"{label:<34}{unit:>6}{a:>14}{c:>14}{ratio:>11}")
     for b in batches:
         print(f"plain torch apply b={b}: {result[f'torch_apply_b{b}_us']:,.1f} us (the same result as xgrammar's)")

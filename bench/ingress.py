@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import httpx
@@ -42,31 +43,24 @@ def direct_ports(pid: int, timeout_s: float = 30.0) -> tuple[int, int]:
     """The Router replica's direct-ingress HTTP and gRPC ports (Serve allocates them from 30000
     and 40000), found among `pid`'s descendants as a load balancer's health check would (its gRPC
     port: the one whose server has the health service), waiting up to `timeout_s` for them."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return _direct_ports(pid)
-        except RuntimeError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1.0)
-
-
-def _direct_ports(pid: int) -> tuple[int, int]:
     import psutil
 
-    for p in psutil.Process(pid).children(recursive=True):
-        try:
-            if "Router" not in " ".join(p.cmdline()):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for p in psutil.Process(pid).children(recursive=True):
+            try:
+                if "Router" not in " ".join(p.cmdline()):
+                    continue
+                ports = {c.laddr.port for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+            except psutil.NoSuchProcess:
                 continue
-            ports = {c.laddr.port for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN}
-        except psutil.NoSuchProcess:
-            continue
-        http = [port for port in ports if 30000 <= port < 31000]
-        grpc = [port for port in sorted(ports) if 40000 <= port < 41000 and _serves_health(port)]
-        if http and grpc:
-            return min(http), grpc[0]
-    raise RuntimeError("no Router replica listens on direct-ingress ports")
+            http = [port for port in ports if 30000 <= port < 31000]
+            grpc = [port for port in sorted(ports) if 40000 <= port < 41000 and _serves_health(port)]
+            if http and grpc:
+                return min(http), grpc[0]
+        if time.monotonic() > deadline:
+            raise RuntimeError("no Router replica listens on direct-ingress ports")
+        time.sleep(1.0)
 
 
 def _serves_health(port: int) -> bool:
@@ -89,11 +83,9 @@ def kill_session(sid: int) -> None:
     import psutil
 
     for p in psutil.process_iter():
-        try:
+        with suppress(psutil.Error, ProcessLookupError, PermissionError):
             if os.getsid(p.pid) == sid:
                 p.kill()
-        except (psutil.Error, ProcessLookupError, PermissionError):
-            continue
 
 
 class Server:
@@ -198,17 +190,13 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 server.stop()
             print(f"{mode}: {figures[mode]}", flush=True)
-    keys = ("health_p50_ms", "small_request_p50_ms", "unloaded_p99_ttft_ms", "burst_shed", "burst_admitted",
-            "burst_shed_p50_ms", "burst_admitted_p99_ttft_ms", "burst_p99_ttft_over_unloaded")
     print(f"{'':32}" + "".join(f"{m:>14}" for m in figures))
-    for k in keys:
+    for k in next(iter(figures.values()), {}):
         print(f"{k:32}" + "".join(f"{str(figures[m][k]):>14}" for m in figures))
     result = {f"{k}_{m.replace('-', '_')}": v for m, f in figures.items() for k, v in f.items()}
-    if "proxy" in figures:
-        for m in figures:
-            if m != "proxy":
-                result[f"small_request_p50_{m.replace('-', '_')}_over_proxy"] = round(
-                    figures[m]["small_request_p50_ms"] / figures["proxy"]["small_request_p50_ms"], 3)
+    result.update({f"small_request_p50_{m.replace('-', '_')}_over_proxy": round(
+        figures[m]["small_request_p50_ms"] / figures["proxy"]["small_request_p50_ms"], 3)
+        for m in figures if m != "proxy" and "proxy" in figures})
     print(json.dumps(result))
 
 

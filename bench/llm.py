@@ -35,30 +35,10 @@ CUDA the device time of the step it reads (CUDA events). `host` is the engine's 
 the forward (schedule + prepare + sample + postprocess). Ops per step come from `torch.profiler`
 over a few more steps: CUDA kernels on a GPU, top-level aten ops on the CPU.
 
---grammar: structured outputs' cost. Random LMs with Qwen's vocabulary (151,936 logits, the
-tokenizer of `mmserve.loadgen.vocab`): Qwen2-VL-2B's shape then the small one on CUDA, the small one
-on CPU (`--grammar-lm`); steady decode at batch 1 and 64 with the 30-property invoice
-schema (`mmserve.loadgen.grammar.SCHEMA`) on every row against none, side by side; the grammar is
-compiled once before (the LRU). Each side runs `--grammar-rounds` times, alternated, and the ratio
-is of the medians. Prints the ratios, the engine thread's time in masks (filling and applying), the
-mean fill time per row and the fill's threads (`engine.grammar_threads`, `--grammar-threads`).
-On the CPU without overlap (its default) the forward runs inside the engine's `step()`, and its time
-swings by ±20% between runs on a shared 2-core host while the work is the same on both sides: the
-`same_forward` ratio gives both sides the median forward of all runs and keeps each side's own
-rest of the step (scheduling, inputs, sampling and masks, postprocessing; medians from `step_log`).
-`--overlap on|off`: steps overlapped or not (default: as the engine, on CUDA only); with overlap a
-step with constrained rows fills their masks after launching its forward, while it runs (on a
-CPU the forward has run by then: nothing is hidden, the figure checks the path costs no more).
+--grammar (structured outputs' cost: a JSON-schema grammar on every row against none) and --lora (LoRA
+adapters mixed in a decode batch against the base model): docs/benchmarks.md#components.
 
---lora: LoRA adapters' cost in decode. One engine (`max_loras` = `--lora-adapters`, 4) on the random LM
-(small on CPU, Qwen2-VL-2B's on CUDA), 4 adapters of rank 16 (`--lora-rank`) on every LM projection,
-written to a temporary directory; steady decode at batch 32 (`--lora-batch`) with row i under adapter
-i mod 4, against the base model at the same batch on the same engine, `--lora-rounds` runs a side,
-alternated, the ratio of the medians. A step under adapters runs eager (no CUDA graph).
-
---moe: one MoE layer at Qwen3-VL-30B-A3B's sizes, the engine's experts path (`llm_service.model.experts`)
-against `transformers`' per-expert loop at batch 1 and 64, beside the floor of reading the touched
-experts' weights: bench/moe.py runs in this process's place with the other arguments (its own options).
+--moe (one MoE layer: bench/moe.py) runs that script in this process's place with the other arguments.
 
 --quantization fp8-block|fp8-channel|awq: the random LM (Qwen2-VL-2B's on CUDA, bf16; the small one on
 CPU, float32) and the same weights quantized by the format's own rule (`mmserve.tiny.quantized`, the
@@ -69,9 +49,7 @@ step reads, at the device's peak memory bandwidth), and the quantized step over 
 quantized side ran (`llm_service.model.quantized_gemm`: the kernels on CUDA, the dequantizing path on
 the CPU or with MMSERVE_QUANTIZED_GEMM=dequantize).
 
---tensor-parallel-size N: decode ms per step at batch 1 and 64, TP N against TP 1 on the same
-checkpoint, the collectives' share of rank 0's step and the step message's bytes: bench/llm_tp.py
-runs in this process's place with every argument (its own options).
+--tensor-parallel-size N (TP N against TP 1: bench/llm_tp.py) runs that script with every argument.
 """
 
 from __future__ import annotations
@@ -88,6 +66,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -112,13 +91,16 @@ IMAGE_TOKEN = 5
 HYBRID_SIZES = {"full": (1024, 256, 16), "quick": (256, 64, 16)}
 
 
+def removed_at_exit(path: Path) -> Path:
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 def random_checkpoint(args) -> Path:
     """`--model`, else a random Qwen2-VL (`random_lm`: small on CPU, Qwen2-VL-2B's LM on CUDA), removed at exit."""
     if args.model:
         return Path(args.model)
-    out = random_lm("small" if args.device == "cpu" else "2b", dtype_for(args.device), args.device)
-    atexit.register(shutil.rmtree, out, True)
-    return out
+    return removed_at_exit(random_lm("small" if args.device == "cpu" else "2b", dtype_for(args.device), args.device))
 
 
 def dtype_for(device: str) -> torch.dtype:
@@ -138,10 +120,8 @@ def hybrid_checkpoint() -> Path:
     config = MiniCPMV4_6Config(text_config=HYBRID_TEXT, vision_config=vision, insert_layer_id=1,
                                image_token_id=IMAGE_TOKEN, video_token_id=IMAGE_TOKEN + 1)
     torch.manual_seed(0)
-    model = MiniCPMV4_6ForConditionalGeneration(config)
-    out = Path(tempfile.mkdtemp(prefix="mmserve-bench-hybrid-"))
-    model.save_pretrained(out)
-    atexit.register(shutil.rmtree, out, True)
+    out = removed_at_exit(Path(tempfile.mkdtemp(prefix="mmserve-bench-hybrid-")))
+    MiniCPMV4_6ForConditionalGeneration(config).save_pretrained(out)
     return out
 
 
@@ -151,14 +131,12 @@ def hybrid_requests(tag: str, sizes: tuple[int, int, int], vocab: int, hidden: i
     g = torch.Generator().manual_seed(seed)
     system = torch.randint(10, vocab, (system_len,), generator=g).tolist()
     image = ItemEmbedding((torch.randn(image_len, hidden, generator=g),), key=f"bench-image-{seed}")
-    out = []
-    for i in range(2):
-        question = torch.randint(10, vocab, (question_len,), generator=g).tolist()
-        ids = tuple(system + [IMAGE_TOKEN] * image_len + question)
-        out.append(LLMRequest(f"{tag}-{seed}-{i}", ids, SamplingParams(max_tokens=2, ignore_eos=True),
-                              media=((PlaceholderRange(system_len, image_len), image),),
-                              snapshot_boundaries=(system_len,)))  # where the router says the system prompt ends
-    return out
+    questions = [torch.randint(10, vocab, (question_len,), generator=g).tolist() for _ in range(2)]
+    # snapshot_boundaries: where the router says the system prompt ends
+    return [LLMRequest(f"{tag}-{seed}-{i}", tuple(system + [IMAGE_TOKEN] * image_len + question),
+                       SamplingParams(max_tokens=2, ignore_eos=True),
+                       media=((PlaceholderRange(system_len, image_len), image),), snapshot_boundaries=(system_len,))
+            for i, question in enumerate(questions)]
 
 
 def ttft(engine: LLMEngine, request: LLMRequest) -> float:
@@ -178,7 +156,6 @@ def ttft(engine: LLMEngine, request: LLMRequest) -> float:
 
 
 def bench_hybrid_prefix(args) -> None:
-    repeats = args.repeats
     lm = LanguageModel(hybrid_checkpoint(), dtype="float32")
     sizes = HYBRID_SIZES["quick" if args.quick else "full"]
     hidden, vocab = lm.text_config.hidden_size, lm.vocab_size
@@ -192,14 +169,14 @@ def bench_hybrid_prefix(args) -> None:
         ttft(engine, warm)  # first-forward costs (one block, nothing to cache)
         firsts, seconds = [], []
         cached = engine.stats().num_cached_tokens
-        for k in range(repeats):
+        for k in range(args.repeats):
             first, second = hybrid_requests(name, sizes, vocab, hidden, k)
             firsts.append(ttft(engine, first))
             seconds.append(ttft(engine, second))
         stats = engine.stats()
         engine.shutdown()
         rows[name] = (statistics.median(firsts), statistics.median(seconds),
-                      (stats.num_cached_tokens - cached) // repeats, stats)
+                      (stats.num_cached_tokens - cached) // args.repeats, stats)
         if engine.scheduler.snapshots is not None:
             result["snapshot_budget_mb"] = round(engine.runner.states.snapshot_bytes / 2**20, 1)
     off, on = rows["off"], rows["on"]
@@ -216,7 +193,7 @@ def bench_hybrid_prefix(args) -> None:
                    "cached_tokens_second_on": on[2], "hybrid_prefix_ttft_speedup": round(speedup, 2),
                    "snapshots": on[3].num_snapshots, "snapshot_mb": round(snapshot_mb, 3),
                    "snapshot_kib_each": round(on[3].snapshot_bytes / max(on[3].num_snapshots, 1) / 2**10, 1),
-                   "repeats": repeats})
+                   "repeats": args.repeats})
     print(json.dumps(result))
 
 
@@ -227,27 +204,16 @@ def prompts(n: int, length: int, vocab: int, seed: int = 1) -> list[tuple[int, .
 
 def bench_generate(model, reqs, max_tokens, device) -> tuple[float, float]:
     """(tokens/s, mean inter-token ms) serving `reqs` one at a time with `generate`."""
-    from transformers.generation.streamers import BaseStreamer
-
-    class Clock(BaseStreamer):
-        def __init__(self):
-            self.times = []
-
-        def put(self, value):
-            self.times.append(time.perf_counter())
-
-        def end(self):
-            pass
-
     gaps, total, start = [], 0, time.perf_counter()
     for ids in reqs:
-        clock = Clock()
+        times = []  # a streamer is what has put() and end()
+        clock = SimpleNamespace(put=lambda value: times.append(time.perf_counter()), end=lambda: None)
         x = torch.tensor([ids], device=device)
         with torch.inference_mode():
             out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
                                  max_new_tokens=max_tokens, min_new_tokens=max_tokens, streamer=clock)
         total += out.shape[1] - x.shape[1]
-        t = clock.times[1:]  # first put() is the prompt
+        t = times[1:]  # first put() is the prompt
         gaps += [b - a for a, b in zip(t, t[1:])]
     return total / (time.perf_counter() - start), 1000 * sum(gaps) / max(len(gaps), 1)
 
@@ -328,8 +294,7 @@ def grammar_shape(args, shape: str) -> dict:
     from mmserve.loadgen.grammar import SCHEMA
     from mmserve.loadgen.vocab import QWEN2_MODEL_VOCAB, qwen_size_tokenizer
 
-    model_dir = random_lm(shape, dtype_for(args.device), args.device, QWEN2_MODEL_VOCAB)
-    atexit.register(shutil.rmtree, model_dir, True)
+    model_dir = removed_at_exit(random_lm(shape, dtype_for(args.device), args.device, QWEN2_MODEL_VOCAB))
     qwen_size_tokenizer().save_pretrained(model_dir)  # the grammar compiles for the checkpoint's tokenizer
     lm = language_model(model_dir, args.device)
     overlap = None if args.overlap is None else args.overlap == "on"
@@ -389,8 +354,7 @@ def lora_adapters(model_dir: Path, count: int, rank: int) -> list[LoraRequest]:
 
     from mmserve.tiny.lora import build_tiny_adapter
 
-    root = Path(tempfile.mkdtemp(prefix="mmserve-bench-lora-"))
-    atexit.register(shutil.rmtree, root, True)
+    root = removed_at_exit(Path(tempfile.mkdtemp(prefix="mmserve-bench-lora-")))
     first = build_tiny_adapter(model_dir, root / "a0", seed=0, rank=rank)
     adapters = [LoraRequest("a0", str(first))]
     for i in range(1, count):
@@ -406,9 +370,6 @@ def lora_adapters(model_dir: Path, count: int, rank: int) -> list[LoraRequest]:
 
 
 def bench_lora(args) -> None:
-    """Steady decode at `--lora-batch` with the rows spread over `--lora-adapters` adapters (row i
-    under adapter i mod n) against the base model, the same engine (`max_loras` = n) and batch,
-    `--lora-rounds` alternated runs a side, the ratio of the medians."""
     model_dir = random_checkpoint(args)
     start = time.perf_counter()
     adapters = lora_adapters(model_dir, args.lora_adapters, args.lora_rank)
@@ -448,8 +409,7 @@ def bench_quantized(args) -> None:
     from mmserve.tiny.quantized import quantize_checkpoint
 
     dense = random_checkpoint(args)
-    quantized = Path(tempfile.mkdtemp(prefix="mmserve-bench-quantized-"))
-    atexit.register(shutil.rmtree, quantized, True)
+    quantized = removed_at_exit(Path(tempfile.mkdtemp(prefix="mmserve-bench-quantized-")))
     shutil.copytree(dense, quantized, dirs_exist_ok=True)
     text = json.loads((dense / "config.json").read_text()).get("text_config") or {}
     kv_rows = text.get("num_key_value_heads", 1) * (text.get("head_dim") or
@@ -490,9 +450,8 @@ def bench_quantized(args) -> None:
         del engine, lm
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    for batch in (1, 64):
-        ratio = result[f"quantized_b{batch}_ms"] / result[f"dense_b{batch}_ms"]
-        result[f"quantized_b{batch}_step_ratio"] = round(ratio, 3)
+    result.update({f"quantized_b{b}_step_ratio": round(result[f"quantized_b{b}_ms"] / result[f"dense_b{b}_ms"], 3)
+                   for b in (1, 64)})
     print(f"{args.quantization} ({result['gemm']}) / dense: batch 1 {result['quantized_b1_step_ratio']}, "
           f"batch 64 {result['quantized_b64_step_ratio']}")
     print(json.dumps(result))
@@ -531,10 +490,8 @@ def breakdown_case(engine: LLMEngine, batch: int, context: int, steps: int, mixe
         engine.step()
     log, engine.step_log = engine.step_log, None
     log = [t for t in log if t.num_seqs and (t.decode_only != mixed)]
-    activities = [torch.profiler.ProfilerActivity.CPU]
     cuda = engine.model.device.type == "cuda"
-    if cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    activities = [torch.profiler.ProfilerActivity.CPU, *([torch.profiler.ProfilerActivity.CUDA] if cuda else [])]
     with torch.profiler.profile(activities=activities) as prof:
         for k in range(profile_steps):
             if arrivals:
@@ -555,8 +512,7 @@ def breakdown_case(engine: LLMEngine, batch: int, context: int, steps: int, mixe
     row["step"] = sum(row[c] for c in BREAKDOWN_COLUMNS)
     devices = [t.device for t in log if t.device is not None]
     row["device"] = 1e6 * statistics.fmean(devices) if devices else None
-    row["ops"] = ops
-    row["steps"] = len(log)
+    row.update(ops=ops, steps=len(log))
     return row
 
 
@@ -591,7 +547,6 @@ def print_breakdown(rows: dict) -> None:
 
 
 def breakdown_summary(rows: dict) -> dict:
-    """The JSON figures: per case and mode, host and step microseconds and ops per step."""
     out = {}
     for case, row in rows.items():
         key = case.replace(" ", "_")

@@ -28,13 +28,13 @@ import json
 import multiprocessing
 import os
 import shutil
-import socket
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from deployments.cli.ingress_modes import free_loopback_port
 from llm_service.config import EngineConfig
 from llm_service.engine.llm_engine import LLMEngine, LLMRequest
 from llm_service.model.kv_cache import bytes_per_block
@@ -99,9 +99,7 @@ def run_size(size: int, args, model_dir: Path, batches: list[int]) -> tuple[dict
                           block_size=BLOCK, num_kv_blocks=(max(batches) + 1) * -(-longest // BLOCK) + 8)
     group, procs = None, []
     if size > 1:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        init = f"tcp://127.0.0.1:{free_loopback_port()}"
         ctx = multiprocessing.get_context("spawn")
         procs = [ctx.Process(target=_rank, args=(r, size, init, str(model_dir), args.dtype, args.device, config,
                                                  args.threads), daemon=True) for r in range(1, size)]
@@ -161,8 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.device == "cpu":
         model_dir = random_lm("small", getattr(torch, args.dtype))
     else:
-        model_dir = Path(tempfile.mkdtemp(prefix="mmserve-bench-tp-2b-"))
-        qwen2_vl_2b(model_dir)
+        model_dir = Path(qwen2_vl_2b(tempfile.mkdtemp(prefix="mmserve-bench-tp-2b-")))
     try:
         base, facts1 = run_size(1, args, model_dir, args.batches)
         split, facts_n = run_size(n, args, model_dir, args.batches)

@@ -218,8 +218,7 @@ def main() -> None:
                                   *(["--warm"] if args.warm else [])], capture_output=True, text=True, check=False)
             if out.returncode:
                 raise SystemExit(f"{role} {dtype} failed:\n{out.stderr[-3000:]}")
-            rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            r = rows[-1]
+            rows.append(r := json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"{r['role']:>12} {r['dtype']:>9}  weights {_size(r['weights_gb'])} (quantized "
                   f"{_size(r['quantized_gb'])})  peak +{_size(r['peak_growth_gb'])}  {r['peak_over_weights']:5.2f}x"
                   f"  {r['seconds']:6.1f}s" + (f"  warm +{_size(r['warm_peak_growth_gb'])} "

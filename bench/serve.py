@@ -86,16 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     dataset = DatasetConfig(buckets=QUICK_BUCKETS if args.quick else DatasetConfig().buckets, max_images=args.max_images,
                             text_only_share=args.text_only_share, repeat_share=args.repeat_share,
                             input_len=args.input_len, output_len=args.output_len)
-    # each rate gets its own requests (the same in every mode): a rate that replayed an earlier
-    # rate's images and prompts would measure the encoder and prefix caches, not the load
-    def rate_specs(k: int) -> list[RequestSpec]:
-        return generate_requests(dataset, num_prompts, args.seed + 10 + k)
     unloaded_specs = generate_requests(dataset, args.unloaded_requests, args.seed + 1)
     warm_specs = generate_requests(dataset, 8, args.seed + 2)  # other images: the unloaded run misses the cache
     modes = ["disaggregated", "colocated"] if args.compare else ["colocated" if args.colocated else "disaggregated"]
-    model = None
-    if not (args.url or args.grpc_target):
-        model = args.model or bench_checkpoint()
+    model = None if args.url or args.grpc_target else args.model or bench_checkpoint()
     slo = SLO.parse(args.goodput)
     rates = args.request_rate
     runs: dict[str, list[tuple[float, dict, list[RequestRecord]]]] = {}
@@ -121,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                 # rates below and above one request at a time
                 slo, rates = from_unloaded(base, args.goodput and slo, rates, (0.75, 1.5))
             for k, rate in enumerate(rates):
-                specs = rate_specs(k)
+                # each rate gets its own requests (the same in every mode): a rate that replayed an earlier
+                # rate's images and prompts would measure the encoder and prefix caches, not the load
+                specs = generate_requests(dataset, num_prompts, args.seed + 10 + k)
                 offsets = arrival_times(len(specs), rate, args.seed, args.burstiness)
                 records = asyncio.run(run_load(target, args.model_name, specs, offsets, f"{mode} @{rate}/s",
                                                transport=args.transport))

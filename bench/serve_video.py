@@ -23,12 +23,8 @@ at a time, the modes alternating; the decoder's busy seconds per request come fr
 `VideoDecoder.stats`. The table gives TTFT p50 / p99 per clip and mode and the share of the TTFT
 spent decoding.
 
-Streaming overlaps stages; it cannot make their work smaller. Every stage here (decode, encode,
-prefill) runs on the same CPUs, so no schedule brings a TTFT below the CPU seconds the box spent on
-the request over its core count. The bench reads those seconds from /proc/stat around each request
-(less what the idle box burns: Ray's own processes) and prints that floor and the speedup it
-allows (`cpu_bound_speedup`: unstreamed TTFT over the floor). On a GPU box the encoder and the
-LLM run on the GPU, beside the decode, and the bound is the decode alone.
+It also prints each TTFT's CPU floor, the CPU seconds the request took (/proc/stat, less the idle
+box's own) over the core count, and `cpu_bound_speedup` (why: docs/video.md#measured).
 
 The last line is one JSON object: `decode_speedup_30s`, `video_ttft_speedup_30s` (TTFT p50 of
 baseline over default, 30 s clip), `video_ttft_over_floor_30s` (the default's TTFT p50 over its CPU
@@ -40,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -145,8 +142,6 @@ def start(model: str, clip_dir: Path, num_cpus: float) -> dict[str, str]:
 def cpu_busy_s() -> float | None:
     """Seconds all of this machine's CPUs have been busy (not idle, not waiting on I/O) since boot;
     None where there is no /proc/stat."""
-    import os
-
     try:
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
@@ -224,8 +219,6 @@ def run(args) -> dict:
         results = {name: asyncio.run(measure(urls, clip, 3 if args.quick else 8)) for name, clip in clips.items()}
     finally:
         stop_app()
-    import os
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     print(f"{'clip':>5} {'mode':>9} {'TTFT p50 s':>11} {'p99 s':>7} {'decode s':>9} {'decode share':>13} "
           f"{'CPU s':>6} {'CPU floor s':>12}")

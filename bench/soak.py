@@ -101,8 +101,7 @@ def main() -> int:
     shot = burst(url, ns.burst, ns.seed + 2)
     rss_end = replica_rss_mb(APP)
     loaded = burst_summary(shot, pct(unloaded_ttft, 99))
-    both = sorted(set(rss_start) & set(rss_end))
-    growth = {n: rss_end[n] - rss_start[n] for n in both}
+    growth = {n: rss_end[n] - rss_start[n] for n in set(rss_start) & set(rss_end)}
 
     rows = [
         ("unloaded", f"{len(unloaded)} sequential", f"{pct(unloaded_ttft, 50):.0f}", f"{pct(unloaded_ttft, 99):.0f}"),

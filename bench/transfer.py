@@ -234,15 +234,11 @@ def main() -> None:
                   f"{g['p50_ms']:>8.2f} / {g['p99_ms']:>7.2f} {g['mb_s']:>8.1f}")
     for name, (p50, p99) in ingress.items():
         print(f"ingress {name:>4}: p50 {p50:.2f} ms, p99 {p99:.2f} ms (text, max_tokens=1)")
-
-    def pick(mb: float, transport: str, key: str) -> float:
-        return transfer[(mb, "bfloat16", transport)][key]
-
     summary = {
-        "object_store_mb_s_20mb": pick(20.0, "object_store", "mb_s"),
-        "grpc_mb_s_20mb": pick(20.0, "grpc", "mb_s"),
-        "object_store_p50_ms_4mb": pick(4.0, "object_store", "p50_ms"),
-        "grpc_p50_ms_4mb": pick(4.0, "grpc", "p50_ms"),
+        "object_store_mb_s_20mb": transfer[(20.0, "bfloat16", "object_store")]["mb_s"],
+        "grpc_mb_s_20mb": transfer[(20.0, "bfloat16", "grpc")]["mb_s"],
+        "object_store_p50_ms_4mb": transfer[(4.0, "bfloat16", "object_store")]["p50_ms"],
+        "grpc_p50_ms_4mb": transfer[(4.0, "bfloat16", "grpc")]["p50_ms"],
         "transfer": {f"{t}_{d}_{mb}mb": v for (mb, d, t), v in transfer.items()},
         "ingress_http_p50_ms": round(ingress["http"][0], 2),
         "ingress_grpc_p50_ms": round(ingress["grpc"][0], 2),

@@ -71,11 +71,8 @@ def child() -> None:
         elif op == "shm":  # (path, keep): stack each group into the segment at `path`; `keep`: map it once
             path, keep = args
             if kept is None or kept[0] != path:
-                fd = os.open(path, os.O_RDWR)
-                try:
-                    segment = mmap.mmap(fd, 0)
-                finally:
-                    os.close(fd)
+                with open(path, "r+b") as f:
+                    segment = mmap.mmap(f.fileno(), 0)
                 kept = (path, segment) if keep else None
             else:
                 segment = kept[1]
@@ -149,8 +146,7 @@ class Parent:
         try:
             view = np.frombuffer(segment, dtype=np.uint8).reshape(self.shape)
             pixels = np.empty(self.shape, dtype=np.uint8) if copy else view
-            _send(self.proc.stdin, ("shm", path, reuse))
-            status, value = self.next()
+            status, value = self.call("shm", path, reuse)
             while status == "frames":
                 start, count = value
                 if copy:
