@@ -145,9 +145,6 @@ def main(argv: list[str] | None = None, collect=None, collect_routing=None) -> i
         profile = with_transfer_rates(profile, ns.transfer_json)
     try:
         profile = with_changes(profile, ns.set)
-    except ValueError as e:
-        p.error(str(e))
-    try:
         workload = Workload(rate=1.0, images=tuple(ns.images), text_tokens=ns.text_tokens,
                             output_tokens=ns.output_tokens, length_range_ratio=ns.length_range_ratio,
                             repeat_share=ns.repeat_share, burstiness=ns.burstiness, **image_tokens_arg(ns.image_tokens))
@@ -197,8 +194,7 @@ def routing_main(ns) -> int:
           f"{'prefix hits':>12} {'backlog/s':>10} {'req/GPU':>8} {'aff/def':>8}")
 
     def show(row) -> None:
-        for policy, result, rate in (("default", row.default, row.default_goodput),
-                                     ("affinity", row.affinity, row.affinity_goodput)):
+        for policy, result, rate in row.policies():
             # backlog: its growth a second as a share of the rate, at goodput; req/GPU: the run's arrivals
             # (* : too short to judge at the cap, --max-requests-per-gpu)
             ttft, enc, pre, grow, run = ((f"{result.ttft_p99_s:.2f}", f"{result.encoder_hit_ratio:.2f}",
@@ -219,11 +215,9 @@ def routing_main(ns) -> int:
                       "max_requests_per_gpu": ns.max_requests_per_gpu or MAX_REQUESTS_PER_GPU,
                       "ttft_p99_s": ns.ttft_p99, "tpot_p99_s": ns.tpot_p99,
                       "goodput_per_gpu": {f"{r.workload}/{r.gpus}/{policy}": round(rate / r.gpus, 3) for r in rows
-                                          for policy, rate in (("default", r.default_goodput),
-                                                               ("affinity", r.affinity_goodput))},
+                                          for policy, _, rate in r.policies()},
                       # the run at each goodput: its arrivals per GPU, and whether it was long enough to judge
                       "run_requests_per_gpu": {f"{r.workload}/{r.gpus}/{policy}": (res.requests // r.gpus, res.judged)
-                                               for r in rows for policy, res in (("default", r.default),
-                                                                                 ("affinity", r.affinity)) if res},
+                                               for r in rows for policy, res, _ in r.policies() if res},
                       "affinity_over_default_goodput": ratios}))
     return 0
