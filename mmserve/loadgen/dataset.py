@@ -7,6 +7,7 @@ arguments give the same requests and the same send times.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass, field
@@ -131,12 +132,8 @@ def arrival_times(num_requests: int, request_rate: float, seed: int, burstiness:
     if math.isinf(request_rate):
         return [0.0] * num_requests
     rng = random.Random(seed ^ 0x5EED)
-    now = 0.0
-    times = []
-    for _ in range(num_requests):
-        times.append(now)
-        now += rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness))
-    return times
+    gaps = [rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness)) for _ in range(num_requests)]
+    return list(itertools.accumulate(gaps, initial=0.0))[:num_requests]
 
 
 def synthesize_image(spec: ImageSpec) -> bytes:

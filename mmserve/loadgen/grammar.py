@@ -225,10 +225,12 @@ class XGrammar:
     name = "xgrammar"
 
     def __init__(self, tokenizer, model_vocab: int, threads: int, blank_specials: bool = True):
+        from importlib.metadata import version
+
         import xgrammar as xgr
 
         self.xgr = xgr
-        self.version = xgr.__version__ if hasattr(xgr, "__version__") else _version("xgrammar")
+        self.version = getattr(xgr, "__version__", None) or version("xgrammar")
         self.eos = tokenizer.eos_token_id
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model_vocab, stop_token_ids=[self.eos])
         if blank_specials:  # as shipped, an added special token is its literal text ("<|image_pad|>" in a string)
@@ -354,12 +356,6 @@ class LLGuidance:
 
 
 ENGINES = {"xgrammar": XGrammar, "llguidance": LLGuidance}
-
-
-def _version(dist: str) -> str:
-    from importlib.metadata import version
-
-    return version(dist)
 
 
 def install_footprint(dist: str) -> dict[str, Any]:
@@ -503,12 +499,7 @@ def probe(engine, compiled, tokenizer) -> list[tuple[str, bool, bool]]:
     for what, valid, text in PROBES:
         m = engine.matcher(compiled)
         ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-        ok = True
-        for t in ids:
-            if not engine.accept([m], [t])[0]:
-                ok = False
-                break
-        out.append((what, valid, ok))
+        out.append((what, valid, all(engine.accept([m], [t])[0] for t in ids)))
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,13 +82,7 @@ class SLO:
     def met_by(self, record: RequestRecord) -> bool:
         if not record.ok or record.output_tokens == 0:
             return False
-        if self.ttft_ms is not None and record.ttft * 1000 > self.ttft_ms:
-            return False
-        if self.tpot_ms is not None and (record.tpot or 0.0) * 1000 > self.tpot_ms:
-            return False
-        if self.e2el_ms is not None and record.e2el * 1000 > self.e2el_ms:
-            return False
-        return True
+        return all((getattr(record, key) or 0.0) * 1000 <= limit for key, limit in self.as_dict().items())
 
     def as_dict(self) -> dict[str, float]:
         return {k: v for k, v in (("ttft", self.ttft_ms), ("tpot", self.tpot_ms), ("e2el", self.e2el_ms)) if v is not None}
@@ -131,9 +126,7 @@ def compute_metrics(records: list[RequestRecord], slo: SLO = SLO(), percentiles:
     duration = max(end - start, 1e-9)
     output_tokens = sum(r.output_tokens for r in done)
     good = sum(1 for r in records if slo.met_by(r))
-    statuses: dict[str, int] = {}
-    for r in records:
-        statuses[r.status] = statuses.get(r.status, 0) + 1
+    statuses = dict(Counter(r.status for r in records))
     result = {
         "duration": duration,
         "num_prompts": len(records),

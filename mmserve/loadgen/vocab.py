@@ -84,13 +84,6 @@ def corpus(bpe_tokens: int, seed: int = 0) -> list[str]:
     return lines
 
 
-def mean_token_bytes(tokenizer, regular: int) -> float:
-    """The mean length in UTF-8 bytes of the first `regular` tokens (the BPE ones)."""
-    decoder = tokenizer.backend_tokenizer.decoder
-    lengths = [len(decoder.decode([t]).encode()) for t, i in tokenizer.get_vocab().items() if i < regular]
-    return sum(lengths) / len(lengths)
-
-
 def qwen_size_tokenizer(bpe_tokens: int = QWEN2_BPE_TOKENS, seed: int = 0, cache_dir: str | Path | None = None):
     """A `PreTrainedTokenizerFast`: `bpe_tokens` BPE tokens then the Qwen2-VL special tokens
     (`<|endoftext|>` = `bpe_tokens`, EOS `<|im_end|>`), cached under `cache_dir` (default: the temporary
