@@ -105,7 +105,6 @@ class EncoderReplica:
         self.cache = EmbeddingLRU(cache_bytes)
         self.bytes_per_token = max(1, profile.embedding_token_bytes)
         self._encoding: dict[str, list[Callable[[], None]]] = {}
-        self.encoded = 0  # items run through the ViT
 
     def encode(self, key: str, tokens: int, done: Callable[[], None]) -> bool:
         """`done()` once `key`'s embedding is ready; whether it had to be encoded."""
@@ -116,7 +115,6 @@ class EncoderReplica:
             self._encoding[key].append(done)
             return False
         self._encoding[key] = [done]
-        self.encoded += 1
         self.station.submit(tokens, lambda: self._finish(key, tokens))
         return True
 
