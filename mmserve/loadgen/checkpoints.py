@@ -57,10 +57,7 @@ BENCH_CHECKPOINT = Path(tempfile.gettempdir()) / "mmserve-bench-serve-qwen2_vl-v
 
 def bench_checkpoint(out: Path = BENCH_CHECKPOINT) -> str:
     """A random Qwen2-VL (float32) whose ViT is big enough to matter: embed 256, depth 6, ≤336² images."""
-    import torch
-    from transformers import (
-        AutoModelForImageTextToText, GenerationConfig, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor,
-    )
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
     from mmserve import tiny
     from mmserve.tiny import qwen2_vl, tokenizer as tiny_tokenizer
@@ -71,10 +68,7 @@ def bench_checkpoint(out: Path = BENCH_CHECKPOINT) -> str:
     config = qwen2_vl.config("qwen2_vl", tokenizer)
     for key, value in dict(depth=6, embed_dim=256, num_heads=4, mlp_ratio=4).items():
         setattr(config.vision_config, key, value)
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
-    model.generation_config = GenerationConfig(eos_token_id=[config.text_config.eos_token_id],
-                                               pad_token_id=config.text_config.pad_token_id, do_sample=False)
+    model = tiny.random_model(config, 0, "float32", [config.text_config.eos_token_id], config.text_config.pad_token_id)
     processor = Qwen2VLProcessor(
         image_processor=Qwen2VLImageProcessor(min_pixels=tiny.MIN_PIXELS, max_pixels=336 * 336),
         tokenizer=tokenizer, chat_template=tiny.CHAT_TEMPLATE,
@@ -145,16 +139,14 @@ def _build(arch: _Architecture, out: Path, seed: int, settings: dict, text_layer
            vision_depth: int | None, flat: bool, quantization: str | None) -> None:
     from functools import partial
 
-    import torch
     import transformers
-    from transformers import AutoModelForImageTextToText, GenerationConfig, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-    from mmserve.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, quantized, save_checkpoint
+    from mmserve.tiny import CHAT_TEMPLATE, quantized, random_model, save_checkpoint
     from mmserve.tiny.qwen2_vl import published_layout
-    from mmserve.tiny.tokenizer import build_tokenizer, text_config
+    from mmserve.tiny.tokenizer import build_tokenizer, text_config, vision_token_ids
 
     tokenizer = build_tokenizer(seed, vocab_size=1024)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     text = text_config(tokenizer, **arch.text, initializer_range=0.02, tie_word_embeddings=True,
                        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]})
     vision = dict(arch.vision, initializer_range=0.02)
@@ -162,15 +154,9 @@ def _build(arch: _Architecture, out: Path, seed: int, settings: dict, text_layer
         text["num_hidden_layers"] = text_layers
     if vision_depth is not None:
         vision["depth"] = vision_depth
-    config = getattr(transformers, arch.config_class)(
-        text_config=text, vision_config=vision, tie_word_embeddings=True, image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16).eval()
-    model.generation_config = GenerationConfig(eos_token_id=[text["eos_token_id"], text["bos_token_id"]],
-                                               pad_token_id=text["pad_token_id"], do_sample=False)
+    config = getattr(transformers, arch.config_class)(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                                                      **vision_token_ids(tokenizer))
+    model = random_model(config, seed, "bfloat16", [text["eos_token_id"], text["bos_token_id"]], text["pad_token_id"])
     processor = getattr(transformers, arch.processor_class)(
         image_processor=Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
         video_processor=Qwen2VLVideoProcessor(cap_pixels_per_frame=False), tokenizer=tokenizer,

@@ -30,17 +30,13 @@ MINICPMV_CHAT_TEMPLATE = chat_template("minicpmv4_6")
 
 def build(name: str, seed: int):
     """The tiny MiniCPM-V 4.6 (see `mmserve.tiny` for the contract)."""
-    from transformers import MiniCPMV4_6Config, PreTrainedTokenizerFast
+    from transformers import MiniCPMV4_6Config
     from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import MiniCPMV4_6ImageProcessor
     from transformers.models.minicpmv4_6.processing_minicpmv4_6 import MiniCPMV4_6Processor
     from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import MiniCPMV4_6VideoProcessor
 
-    base = build_tokenizer(seed, 1024, MINICPMV_SPECIAL_TOKENS, added_tokens=QWEN3_ADDED_TOKENS)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        unk_token=None, extra_special_tokens=MINICPMV_NAMED_TOKENS, model_max_length=4096,
-        clean_up_tokenization_spaces=False, split_special_tokens=False,
-    )
+    tokenizer = build_tokenizer(seed, 1024, MINICPMV_SPECIAL_TOKENS, added_tokens=QWEN3_ADDED_TOKENS,
+                                extra_special_tokens=MINICPMV_NAMED_TOKENS)
     ids = tokenizer.convert_tokens_to_ids
     text = dict(
         model_type="qwen3_5_text", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,

@@ -4,7 +4,7 @@ window attention (full attention in blocks 1 and 3)."""
 
 from __future__ import annotations
 
-from mmserve.tiny.tokenizer import QWEN2_5_ADDED_TOKENS, SPECIAL_TOKENS, build_tokenizer, chat_template, text_config
+from mmserve.tiny.tokenizer import QWEN2_5_ADDED_TOKENS, build_tokenizer, chat_template, text_config, vision_token_ids
 
 VARIANTS: dict[str, str] = {}
 
@@ -22,16 +22,9 @@ def config(model_type: str, tokenizer):
     """The tiny `Qwen2VLConfig` / `Qwen2_5_VLConfig` for `tokenizer`'s vocabulary."""
     from transformers import Qwen2VLConfig, Qwen2_5_VLConfig
 
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     text = text_config(tokenizer, tie_word_embeddings=False, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-    common = dict(
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
+    common = dict(vision_token_ids(tokenizer), tie_word_embeddings=False)
     if model_type == "qwen2_vl":
         vision = dict(
             depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=4, in_channels=3,

@@ -20,7 +20,7 @@ shortened, and of the generation prompt, which opens a thinking block (`<think>\
 from __future__ import annotations
 
 from mmserve.tiny import qwen3_vl
-from mmserve.tiny.tokenizer import chat_template, text_config
+from mmserve.tiny.tokenizer import chat_template, text_config, vision_token_ids
 
 VARIANTS: dict[str, str] = {}
 
@@ -59,13 +59,8 @@ def config(tokenizer, config_class=None, **text):
     """The tiny `Qwen3_5Config` (`config_class`, `text`: the MoE sibling's class and decoder fields)."""
     from transformers import Qwen3_5Config
 
-    ids = tokenizer.convert_tokens_to_ids
-    return (config_class or Qwen3_5Config)(
-        text_config=text_overrides(tokenizer, **text), vision_config=vision_fields(),
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
-        tie_word_embeddings=False,
-    )
+    return (config_class or Qwen3_5Config)(text_config=text_overrides(tokenizer, **text), vision_config=vision_fields(),
+                                           **vision_token_ids(tokenizer), tie_word_embeddings=False)
 
 
 def build(name: str, seed: int, make_config=config):

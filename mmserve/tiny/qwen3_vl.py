@@ -10,7 +10,9 @@ Qwen3-VL special tokens.
 
 from __future__ import annotations
 
-from mmserve.tiny.tokenizer import QWEN3_ADDED_TOKENS, SPECIAL_TOKENS, build_tokenizer, chat_template, text_config
+from mmserve.tiny.tokenizer import (
+    QWEN3_ADDED_TOKENS, SPECIAL_TOKENS, build_tokenizer, chat_template, text_config, vision_token_ids,
+)
 
 VARIANTS: dict[str, str] = {}
 
@@ -39,7 +41,6 @@ def config(tokenizer, config_class=None, **text_overrides):
     a sibling model type with the same vision side, e.g. Qwen3-VL-MoE)."""
     from transformers import Qwen3VLConfig
 
-    ids = tokenizer.convert_tokens_to_ids
     text = text_config(tokenizer, num_hidden_layers=3, head_dim=16, tie_word_embeddings=False, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True},
         **text_overrides)
@@ -49,15 +50,8 @@ def config(tokenizer, config_class=None, **text_overrides):
         num_position_embeddings=64, deepstack_visual_indexes=list(DEEPSTACK_VISUAL_INDEXES),
         initializer_range=0.2,
     )
-    return (config_class or Qwen3VLConfig)(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids("<|image_pad|>"),
-        video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"),
-        vision_end_token_id=ids("<|vision_end|>"),
-        tie_word_embeddings=False,
-    )
+    return (config_class or Qwen3VLConfig)(text_config=text, vision_config=vision, **vision_token_ids(tokenizer),
+                                           tie_word_embeddings=False)
 
 
 def build(name: str, seed: int, make_config=config, chat_template: str = QWEN3_CHAT_TEMPLATE):
