@@ -171,8 +171,7 @@ def main(argv: list[str] | None = None, collect=None, collect_routing=None) -> i
         print(f"searched from the analytic capacity to {TOLERANCE:.1%} (--full: every split, bisected from 1 req/s); "
               f"left out by their capacity at {smallest.gpus} GPUs: {ruled_out}")
     if ns.plot:
-        with open(ns.plot, "w") as f:
-            f.write(plot_svg(recommendations, profile.source))
+        Path(ns.plot).write_text(plot_svg(recommendations, profile.source))
     print(json.dumps({"profile": profile.source, "recommendations": [r.as_dict() for r in recommendations]}))
     return 0
 
@@ -180,6 +179,7 @@ def main(argv: list[str] | None = None, collect=None, collect_routing=None) -> i
 def routing_main(ns) -> int:
     """`mmserve plan --routing-scale`: the table, then one JSON line."""
     import json
+    from pathlib import Path
 
     from mmserve.capacity.routing import MAX_REQUESTS_PER_GPU, TYPICAL, routing_scale, typical_workload
 
@@ -209,8 +209,7 @@ def routing_main(ns) -> int:
                          max_requests_per_gpu=ns.max_requests_per_gpu)
     ratios = {name: {str(r.gpus): round(r.ratio, 3) for r in rows if r.workload == name} for name in workloads}
     if ns.plot:
-        with open(ns.plot, "w") as f:
-            f.write(routing_plot_svg(rows, profile.source))
+        Path(ns.plot).write_text(routing_plot_svg(rows, profile.source))
     print(json.dumps({"profile": profile.source, "requests_per_gpu": ns.requests_per_gpu,
                       "max_requests_per_gpu": ns.max_requests_per_gpu or MAX_REQUESTS_PER_GPU,
                       "ttft_p99_s": ns.ttft_p99, "tpot_p99_s": ns.tpot_p99,

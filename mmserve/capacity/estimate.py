@@ -1,13 +1,7 @@
 """The planner's analytic first answer: a split's capacity (requests/s) from the profile's service
-times and the workload's mean request, before any simulation. `mmserve.capacity.goodput.recommend`
-starts each goodput search there and leaves out the splits it rules out.
-
-A pool at capacity is busy all the time with batches as large as they get, so its per-forward and
-per-step costs are shared out as thinly as the budgets allow; a request's work is then what is left
-per request, and the capacity `replicas / work`. The figure is an optimistic bound, not a
-prediction: the SLOs, the queueing before saturation and the encoder's split calls only lower the
-goodput (the simulation's goodput per split came to 0.91-1.04x of it on the bundled profile: a
-finite run past capacity still keeps 95% of the rate)."""
+times and the workload's mean request at full batches, before any simulation: where
+`mmserve.capacity.goodput.recommend` starts each goodput search, and what rules a split out. An
+optimistic bound, not a prediction (docs/capacity.md#the-search-seconds-by-default---full-for-every-split)."""
 
 from __future__ import annotations
 

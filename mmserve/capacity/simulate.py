@@ -105,9 +105,6 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
                                      lambda: sum(r.in_flight for r in llms if not r.draining),
                                      lambda: llms.append(new_llm()), drain_llm, active)
 
-    def to_llm(request: Request) -> None:
-        least_loaded().add(request)
-
     def encode_locally(request: Request, misses: tuple[int, ...]) -> None:
         llm = least_loaded()
         llm.encoding += 1
@@ -134,12 +131,12 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
             pending.add(request.index)
         misses = tuple(tokens for tokens in request.image_sizes if rng.random() >= workload.repeat_share)
         if not misses:
-            route(profile.router_s, lambda: to_llm(request))
+            route(profile.router_s, lambda: least_loaded().add(request))
         elif encoders is None:
             route(profile.router_s, lambda: encode_locally(request, misses))
         else:
             def encoded() -> None:  # every call back: ship the embeddings, then prefill
-                sim.after(profile.transfer_seconds(sum(misses), transport), lambda: to_llm(request))
+                sim.after(profile.transfer_seconds(sum(misses), transport), lambda: least_loaded().add(request))
 
             route(profile.router_s, lambda: encoders.submit(misses, encoded))
 

@@ -1,15 +1,11 @@
 """The benches' checkpoints, built without the hub (torch and transformers imported lazily).
 
 `bench_checkpoint()`: a random Qwen2-VL (float32) whose ViT is big enough to matter, served by the
-CPU serving benches and `mmserve plan --validate`. `qwen2_vl_2b(out)` / `qwen2_5_vl_3b(out)`:
-Qwen2-VL-2B-Instruct's / Qwen2.5-VL-3B-Instruct's architecture with random weights, a whole
-servable checkpoint (vision tower, merger, language model, the tiny models' tokenizer and Qwen2-VL
-chat template, the released image processor bounds), bf16, drawn on the CPU from a fixed seed: the
-same bytes on every host with the same torch; `flat=True` writes config.json in the released
-checkpoints' flat layout. The GPU figures (bench/gpu_report.py) and the GPU app tests serve the
-2B; its answers are gibberish, its sizes (weights, KV bytes per token, ViT FLOPs) are the real model's.
-`random_lm(size, dtype)`: the LLM benches' checkpoint (bench/llm.py, bench/llm_tp.py), a one-layer vision
-tower and a random LM, "small" (CPU) or "2b" (Qwen2-VL-2B's LM).
+CPU serving benches and `mmserve plan --validate`. `qwen2_vl_2b(out)` / `qwen2_5_vl_3b(out)`: those
+models' architectures with random weights, a whole servable checkpoint (the tiny models' tokenizer
+and Qwen2-VL chat template), bf16, drawn on the CPU from a fixed seed: the same bytes on every host
+with the same torch; its answers are gibberish, its sizes (weights, KV bytes per token, ViT FLOPs)
+are the real model's. `random_lm(size, dtype)`: the LLM benches' checkpoint (bench/llm.py, bench/llm_tp.py).
 """
 
 from __future__ import annotations

@@ -50,9 +50,7 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
-        if self.output_tokens < 2:
-            return None
-        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+        return (self.e2el - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
     @property
     def itls(self) -> list[float]:
@@ -68,11 +66,8 @@ class SLO:
     @classmethod
     def parse(cls, text: str | list[str] | None) -> "SLO":
         """`"ttft:500 tpot:50"` (or its words as a list) -> SLO; unknown keys are a ValueError."""
-        if not text:
-            return cls()
-        parts = text.split() if isinstance(text, str) else list(text)
         values: dict[str, float] = {}
-        for part in parts:
+        for part in text.split() if isinstance(text, str) else text or ():
             key, sep, value = part.partition(":")
             if not sep or key not in ("ttft", "tpot", "e2el"):
                 raise ValueError(f"goodput SLO {part!r}: expected ttft:MS, tpot:MS or e2el:MS")

@@ -1,15 +1,11 @@
 """A tokenizer of Qwen2's real vocabulary size, built here without the hub (bench/grammar.py).
 
-Qwen2's tokenizer has 151,643 byte-level BPE tokens, its special tokens after them
-(`<|endoftext|>` = 151,643, `<|im_start|>`, `<|im_end|>`, ...), and the model's embedding and
-logits pad the vocabulary to 151,936 rows. `qwen_size_tokenizer()` trains the tiny models'
-tokenizer (`mmserve.tiny.tokenizer.build_tokenizer`: Qwen2's split pattern, the Qwen2-VL special
-tokens) on a larger deterministic corpus: the tiny corpus, JSON documents (compact, spaced and
-indented: tokens such as `":"`, `","`, `"},{"`), runs of CJK characters and seeded pseudo-words
-drawn with Zipf frequencies, enough distinct words for the merges. The same arguments give the same
-vocabulary; the result is cached under the temporary directory (~15 s to train at full size, ~0.5 s
-to load). Its token strings are not Qwen's (a mean of ~8 bytes: whole pseudo-words, where a real
-vocabulary holds more short pieces); its size, byte-level alphabet and split pattern are.
+Qwen2's tokenizer has 151,643 byte-level BPE tokens, its special tokens after them, and the model's
+embedding and logits pad the vocabulary to 151,936 rows. `qwen_size_tokenizer()` trains the tiny
+models' tokenizer (`mmserve.tiny.tokenizer.build_tokenizer`) on a larger deterministic corpus (JSON
+documents, CJK runs, seeded pseudo-words with Zipf frequencies), cached under the temporary
+directory. Its token strings are not Qwen's (whole pseudo-words); its size, byte-level alphabet and
+split pattern are.
 """
 
 from __future__ import annotations

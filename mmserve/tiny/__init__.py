@@ -115,6 +115,4 @@ def default_model_dir(family: str = "qwen2_vl") -> Path:
 
 def ensure_tiny_model(family: str = "qwen2_vl", out_dir: str | os.PathLike | None = None) -> Path:
     out = Path(out_dir) if out_dir is not None else default_model_dir(family)
-    if (out / "mmserve_tiny.json").exists():
-        return out
-    return build_tiny_model(family, out)
+    return out if (out / "mmserve_tiny.json").exists() else build_tiny_model(family, out)
