@@ -42,17 +42,14 @@ def build(name: str, seed: int):
         model_type="qwen3_5_text", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-        initializer_range=0.2, pad_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
-    )
+        initializer_range=0.2, pad_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"))
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                   image_size=MINICPMV_SCALE, patch_size=14, insert_layer_id=1)
     config = MiniCPMV4_6Config(
         text_config=text, vision_config=vision, insert_layer_id=1,
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-    )
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"))
     processor = MiniCPMV4_6Processor(
         image_processor=MiniCPMV4_6ImageProcessor(scale_resolution=MINICPMV_SCALE, max_slice_nums=9),
         video_processor=MiniCPMV4_6VideoProcessor(scale_resolution=MINICPMV_SCALE, max_slice_nums=2),
-        tokenizer=tokenizer, chat_template=MINICPMV_CHAT_TEMPLATE,
-    )
+        tokenizer=tokenizer, chat_template=MINICPMV_CHAT_TEMPLATE)
     return config, processor, [ids("<|im_end|>"), ids("<|endoftext|>")], seed + INIT_SEED_OFFSET

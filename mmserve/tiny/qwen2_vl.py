@@ -26,16 +26,12 @@ def config(model_type: str, tokenizer):
         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
     common = dict(vision_token_ids(tokenizer), tie_word_embeddings=False)
     if model_type == "qwen2_vl":
-        vision = dict(
-            depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=4, in_channels=3,
-            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.2,
-        )
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=4, in_channels=3,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.2)
         return Qwen2VLConfig(text_config=text, vision_config=vision, **common)
-    vision = dict(
-        depth=4, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3, out_hidden_size=64,
-        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-        fullatt_block_indexes=[1, 3], tokens_per_second=2, initializer_range=0.2,
-    )
+    vision = dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3, out_hidden_size=64,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                  fullatt_block_indexes=[1, 3], tokens_per_second=2, initializer_range=0.2)
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
 
 
@@ -65,15 +61,10 @@ def build(name: str, seed: int):
     tokenizer = build_tokenizer(seed, vocab_size=1024, added_tokens=QWEN2_5_ADDED_TOKENS if name == "qwen2_5_vl" else ())
     model_config = config(name, tokenizer)
     image_processor = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
-    video_processor = Qwen2VLVideoProcessor(
-        min_pixels=VIDEO_MIN_PIXELS, max_pixels=VIDEO_MAX_PIXELS, cap_pixels_per_frame=False
-    )
-    processor_cls = Qwen2VLProcessor if name == "qwen2_vl" else Qwen2_5_VLProcessor
-    processor = processor_cls(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        video_processor=video_processor,
-        chat_template=CHAT_TEMPLATE,
-    )
+    video_processor = Qwen2VLVideoProcessor(min_pixels=VIDEO_MIN_PIXELS, max_pixels=VIDEO_MAX_PIXELS,
+                                            cap_pixels_per_frame=False)
+    processor = (Qwen2VLProcessor if name == "qwen2_vl" else Qwen2_5_VLProcessor)(
+        image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE)
     text = model_config.text_config
     return model_config, processor, [text.eos_token_id, text.bos_token_id], seed

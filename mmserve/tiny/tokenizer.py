@@ -54,17 +54,10 @@ def _corpus(seed: int) -> list[str]:
     return lines
 
 
-def build_tokenizer(
-    seed: int,
-    vocab_size: int,
-    special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
-    eos_token: str = "<|im_end|>",
-    pad_token: str = "<|endoftext|>",
-    bos_token: str | None = None,
-    extra_corpus: list[str] | None = None,
-    added_tokens: tuple[str, ...] = (),
-    extra_special_tokens: dict[str, str] | None = None,
-):
+def build_tokenizer(seed: int, vocab_size: int, special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
+                    eos_token: str = "<|im_end|>", pad_token: str = "<|endoftext|>", bos_token: str | None = None,
+                    extra_corpus: list[str] | None = None, added_tokens: tuple[str, ...] = (),
+                    extra_special_tokens: dict[str, str] | None = None):
     """Byte-level BPE trained on a fixed corpus; with `bos_token`, it is prepended to every encoding.
     `extra_corpus`: lines trained on after the fixed ones (`mmserve/loadgen/vocab.py`: a vocabulary
     of a real model's size). `special_tokens`, then `added_tokens` (plain: decoded even when special
@@ -75,34 +68,20 @@ def build_tokenizer(
 
     tok = Tokenizer(models.BPE(byte_fallback=False))
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(special_tokens) - len(added_tokens),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(special_tokens) - len(added_tokens),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_corpus(seed) + list(extra_corpus or ()), trainer=trainer)
     tok.add_special_tokens(list(special_tokens))
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     bos = {} if bos_token is None else {"bos_token": bos_token, "add_bos_token": True}
     named = {"extra_special_tokens": extra_special_tokens} if extra_special_tokens else {}
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=eos_token,
-        pad_token=pad_token,
-        unk_token=None,
-        **bos,
-        **named,
-        model_max_length=4096,
-        clean_up_tokenization_spaces=False,
-        split_special_tokens=False,
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token, pad_token=pad_token, unk_token=None,
+                                   **bos, **named, model_max_length=4096, clean_up_tokenization_spaces=False,
+                                   split_special_tokens=False)
 
 
 def text_config(tokenizer, bos: str | None = "<|endoftext|>", eos: str = "<|im_end|>", pad: str = "<|endoftext|>",
