@@ -53,24 +53,18 @@ BENCH_CHECKPOINT = Path(tempfile.gettempdir()) / "mmserve-bench-serve-qwen2_vl-v
 
 def bench_checkpoint(out: Path = BENCH_CHECKPOINT) -> str:
     """A random Qwen2-VL (float32) whose ViT is big enough to matter: embed 256, depth 6, ≤336² images."""
-    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+    from transformers import Qwen2VLImageProcessor
 
     from mmserve import tiny
-    from mmserve.tiny import qwen2_vl, tokenizer as tiny_tokenizer
+    from mmserve.tiny import qwen2_vl
 
     if (out / "mmserve_tiny.json").exists():
         return str(out)
-    tokenizer = tiny_tokenizer.build_tokenizer(0, vocab_size=1024)
-    config = qwen2_vl.config("qwen2_vl", tokenizer)
+    config, processor, _, _ = qwen2_vl.build("qwen2_vl", 0)  # the tiny Qwen2-VL, its ViT and images larger
     for key, value in dict(depth=6, embed_dim=256, num_heads=4, mlp_ratio=4).items():
         setattr(config.vision_config, key, value)
+    processor.image_processor = Qwen2VLImageProcessor(min_pixels=tiny.MIN_PIXELS, max_pixels=336 * 336)
     model = tiny.random_model(config, 0, "float32", [config.text_config.eos_token_id], config.text_config.pad_token_id)
-    processor = Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessor(min_pixels=tiny.MIN_PIXELS, max_pixels=336 * 336),
-        tokenizer=tokenizer, chat_template=tiny.CHAT_TEMPLATE,
-        video_processor=Qwen2VLVideoProcessor(min_pixels=tiny.VIDEO_MIN_PIXELS, max_pixels=tiny.VIDEO_MAX_PIXELS,
-                                              cap_pixels_per_frame=False),
-    )
     tiny.save_checkpoint(model, processor, out, "mmserve_tiny.json", {"family": "qwen2_vl", "seed": 0, "bench": True})
     return str(out)
 

@@ -14,28 +14,25 @@ import random
 import string
 from typing import Any
 
-_ADDRESS = {
-    "type": "object",
-    "properties": {
-        "street": {"type": "string", "maxLength": 64},
-        "city": {"type": "string", "maxLength": 32},
-        "postal_code": {"type": "string", "maxLength": 12},
-        "country": {"type": "string", "enum": ["US", "DE", "FR", "GB", "JP", "CN", "CH", "NL"]},
-    },
-    "required": ["street", "city", "postal_code", "country"],
-    "additionalProperties": False,
-}
-_LINE_ITEM = {
-    "type": "object",
-    "properties": {
-        "description": {"type": "string", "maxLength": 80},
-        "quantity": {"type": "integer", "minimum": 1, "maximum": 10000},
-        "unit_price_cents": {"type": "integer", "minimum": 0, "maximum": 100000000},
-        "tax_rate_percent": {"type": "integer", "minimum": 0, "maximum": 100},
-    },
-    "required": ["description", "quantity", "unit_price_cents", "tax_rate_percent"],
-    "additionalProperties": False,
-}
+
+def _object(properties: dict[str, dict], optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A closed object schema (`additionalProperties: false`) requiring every property but `optional`."""
+    return {"type": "object", "properties": properties, "required": [k for k in properties if k not in optional],
+            "additionalProperties": False}
+
+
+_ADDRESS = _object({
+    "street": {"type": "string", "maxLength": 64},
+    "city": {"type": "string", "maxLength": 32},
+    "postal_code": {"type": "string", "maxLength": 12},
+    "country": {"type": "string", "enum": ["US", "DE", "FR", "GB", "JP", "CN", "CH", "NL"]},
+})
+_LINE_ITEM = _object({
+    "description": {"type": "string", "maxLength": 80},
+    "quantity": {"type": "integer", "minimum": 1, "maximum": 10000},
+    "unit_price_cents": {"type": "integer", "minimum": 0, "maximum": 100000000},
+    "tax_rate_percent": {"type": "integer", "minimum": 0, "maximum": 100},
+})
 _CENTS = {"type": "integer", "minimum": 0, "maximum": 999999999}
 _PROPERTIES: dict[str, dict] = {
     "invoice_number": {"type": "string", "maxLength": 32},
@@ -70,17 +67,10 @@ _PROPERTIES: dict[str, dict] = {
     "confidence": {"type": "number", "minimum": 0, "maximum": 1},
 }
 OPTIONAL = ("billing_address", "po_number", "discount_cents", "notes")
-SCHEMA: dict[str, Any] = {
-    "title": "Invoice",
-    "type": "object",
-    "properties": _PROPERTIES,
-    "required": [k for k in _PROPERTIES if k not in OPTIONAL],
-    "additionalProperties": False,
-}
+SCHEMA: dict[str, Any] = {"title": "Invoice", **_object(_PROPERTIES, OPTIONAL)}
 
 # one bounded string: what xgrammar's compile time grows with (the GIL check, the special tokens check)
-SMALL_SCHEMA = {"type": "object", "properties": {"note": {"type": "string", "maxLength": 64}}, "required": ["note"],
-                "additionalProperties": False}
+SMALL_SCHEMA = _object({"note": {"type": "string", "maxLength": 64}})
 SMALL_DOC = '{"note":"North Star Trading 東京 50% off"}'
 
 

@@ -1,20 +1,10 @@
 """Tiny Qwen3.5 (`qwen3_5`): Qwen/Qwen3.5-* shrunk, natively multimodal with a hybrid decoder.
 
-Structure as the published configs: a 16-px patch ViT with a learned position grid and no
-DeepStack (`Qwen3_5VisionModel`), a `qwen3_5_text` decoder of Gated-DeltaNet linear-attention
-layers and full-attention layers (3 of every 4 linear, `layer_types`), interleaved M-RoPE on a
-quarter of each head (`partial_rotary_factor` 0.25, `mrope_section` [2, 1, 1] for the real
-[11, 11, 10]), untied lm_head. `transformers` maps `qwen3_5` to `Qwen3VLProcessor` (the Qwen2-VL
-image processor, the Qwen3-VL video processor with timestamps per temporal group), shrunk here as
-Qwen3-VL's tiny one; the tokenizer has the Qwen3 special tokens.
-
-The chat template is written after Qwen3.5's published one (the hub checkpoints'
-`chat_template.jinja`): the same rendering of system, user, assistant and tool turns (contents
-trimmed, media placeholders in place, `Picture N:` with `add_vision_id`, no media in a system
-turn, earlier turns' reasoning dropped), of the tools section's layout (a `<tools>` list of JSON
-signatures, calls as `<tool_call><function=NAME><parameter=ARG>` XML) with its instructions
-shortened, and of the generation prompt, which opens a thinking block (`<think>\\n`) unless
-`enable_thinking` is false (then an empty one).
+Structure as the published configs: a 16-px patch ViT without DeepStack, a `qwen3_5_text` decoder of
+Gated-DeltaNet linear-attention and full-attention layers (3 of every 4 linear), interleaved M-RoPE
+on a quarter of each head, untied lm_head; Qwen3-VL's tiny processor and tokenizer. The chat template
+follows Qwen3.5's published one (turns, tools as `<tool_call><function=NAME>` XML, a thinking block
+opened by the generation prompt unless `enable_thinking` is false), its instructions shortened.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Tiny Qwen3-VL (`qwen3_vl`).
-
-Like Qwen/Qwen3-VL-*-Instruct, shrunk: a 16-px patch ViT with a learned position grid and
-DeepStack mergers (`deepstack_visual_indexes` non-empty: their features are added to the hidden
-states of the first LM layers), a text decoder with interleaved M-RoPE, the Qwen2-VL image
-processor and the Qwen3-VL video processor (timestamps per temporal group) with small pixel
-bounds, the Qwen3-VL chat template (no default system message) and a tokenizer with the
-Qwen3-VL special tokens.
+"""Tiny Qwen3-VL (`qwen3_vl`): Qwen/Qwen3-VL-*-Instruct shrunk: a 16-px patch ViT with a learned
+position grid and DeepStack mergers, interleaved M-RoPE, the Qwen2-VL image and Qwen3-VL video
+processors with small pixel bounds, the Qwen3-VL chat template and special tokens.
 """
 
 from __future__ import annotations
