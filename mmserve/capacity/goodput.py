@@ -197,9 +197,7 @@ def recommend(profile: Profile, workload: Workload, slo: SLO, gpus: int, unit: i
 def _cell_goodput(profile: Profile, workload: Workload, slo: SLO, cell: int, num_requests: int, seed: int,
                   transport: str, full: bool) -> tuple[tuple[tuple[int, float], ...], float, tuple[tuple[int, float], ...]]:
     """((encoders, goodput) for each disaggregated split of `cell` GPUs simulated, colocated goodput,
-    (encoders, capacity) for each split ruled out). By default in two rounds: colocated and the
-    splits within HEADROOM of the best capacity, then those whose capacity x HEADROOM reaches the
-    best goodput of the first."""
+    (encoders, capacity) for each split ruled out)."""
     caps = {e: capacity(profile, workload, e, cell - e) for e in range(cell)}
 
     def search(e: int) -> functools.partial:

@@ -259,9 +259,8 @@ def cluster_goodput(profile: Profile, shapes: Sequence[Content], slo: SLO, gpus:
                     encoder_share: float = ENCODER_SHARE,
                     max_requests: int | None = None) -> tuple[float, ClusterResult | None]:
     """The highest rate (requests/s) at which p99 TTFT and TPOT stay within `slo` and the cluster
-    keeps up (its backlog stops growing: `stability`), by bisection; with the run at that rate.
-    A run too short to judge is run again with twice the arrivals (`contents(workload, ...)`
-    extending `shapes`), up to `max_requests` (default: MAX_REQUESTS_PER_GPU x gpus)."""
+    keeps up (`stability`), by bisection; with the run at that rate. A run too short to judge is
+    run again with twice the arrivals, up to `max_requests` (default: MAX_REQUESTS_PER_GPU x gpus)."""
     encoders, llms = split(gpus, encoder_share)
     cap = max(len(shapes), MAX_REQUESTS_PER_GPU * gpus if max_requests is None else max_requests)
 

@@ -108,23 +108,17 @@ def generate_requests(config: DatasetConfig, num_requests: int, seed: int) -> li
                 seen.append(spec)
                 images.append(spec)
         requests.append(RequestSpec(
-            index=index,
-            prompt_words=_spread(rng, config.input_len, config.range_ratio),
-            max_tokens=_spread(rng, config.output_len, config.range_ratio),
-            images=tuple(images),
+            index=index, prompt_words=_spread(rng, config.input_len, config.range_ratio),
+            max_tokens=_spread(rng, config.output_len, config.range_ratio), images=tuple(images),
             system=rng.randrange(config.system_prompts) if rng.random() < config.system_share else None,
-            text_seed=text_rng.getrandbits(32),
-        ))
+            text_seed=text_rng.getrandbits(32)))
     return requests
 
 
 def arrival_times(num_requests: int, request_rate: float, seed: int, burstiness: float = 1.0) -> list[float]:
-    """Send offsets in seconds from the start, as vLLM's `--request-rate` / `--burstiness`.
-
-    Inter-arrival gaps are gamma(shape=burstiness, scale=1/(rate*burstiness)): mean 1/rate and
-    coefficient of variation 1/sqrt(burstiness); burstiness 1 is a Poisson process. An infinite
-    rate sends everything at time 0.
-    """
+    """Send offsets in seconds from the start, as vLLM's `--request-rate` / `--burstiness`: gamma
+    gaps of mean 1/rate and coefficient of variation 1/sqrt(burstiness) (1: Poisson); an infinite
+    rate sends everything at time 0."""
     if request_rate <= 0:
         raise ValueError(f"request_rate must be > 0, got {request_rate}")
     if burstiness <= 0:

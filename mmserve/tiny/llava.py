@@ -1,10 +1,8 @@
 """Tiny LLaVA (`llava`) in two shapes, the model type and its variant `llava_siglip`:
-- `llava` like llava-hf/llava-1.5-*-hf: CLIP tower, Llama LM, `vision_feature_layer: -2`,
-  strategy `default` (CLS dropped), CLIPImageProcessor (resize shortest edge + center crop), a
-  tokenizer that prepends `<s>` (the chat template does not), "USER: <image>\n... ASSISTANT:".
-- `llava_siglip` like llava-hf/llava-interleave-qwen-*-hf: SigLIP tower (no CLS, no head),
-  Qwen2 LM with tied embeddings, `vision_feature_layer: -1`, strategy `full`,
-  SiglipImageProcessor (resize to a fixed square), im_start/im_end chat template.
+- `llava` like llava-hf/llava-1.5-*-hf: CLIP tower, Llama LM, layer -2, strategy `default` (CLS
+  dropped), resize + center crop, a tokenizer that prepends `<s>`, "USER: <image>\n... ASSISTANT:".
+- `llava_siglip` like llava-hf/llava-interleave-qwen-*-hf: SigLIP tower (no CLS, no head), Qwen2 LM
+  with tied embeddings, layer -1, strategy `full`, resize to a fixed square, im_start/im_end turns.
 """
 
 from __future__ import annotations
