@@ -101,14 +101,9 @@ def percentile(values: list[float], q: float) -> float:
 
 def _summary(name: str, seconds: list[float], percentiles: tuple[float, ...]) -> dict[str, float]:
     ms = [s * 1000 for s in seconds]
-    out = {
-        f"mean_{name}_ms": statistics.fmean(ms) if ms else 0.0,
-        f"median_{name}_ms": percentile(ms, 50),
-        f"std_{name}_ms": statistics.pstdev(ms) if ms else 0.0,
-    }
-    for q in percentiles:
-        out[f"p{q:g}_{name}_ms"] = percentile(ms, q)
-    return out
+    return {f"mean_{name}_ms": statistics.fmean(ms) if ms else 0.0, f"median_{name}_ms": percentile(ms, 50),
+            f"std_{name}_ms": statistics.pstdev(ms) if ms else 0.0,
+            **{f"p{q:g}_{name}_ms": percentile(ms, q) for q in percentiles}}
 
 
 def compute_metrics(records: list[RequestRecord], slo: SLO = SLO(), percentiles: tuple[float, ...] = (50, 90, 99)) -> dict:

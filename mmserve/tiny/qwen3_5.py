@@ -26,31 +26,23 @@ INIT_SEED_OFFSET = 0
 QWEN3_5_CHAT_TEMPLATE = chat_template("qwen3_5")
 
 
-def text_overrides(tokenizer, **overrides) -> dict:
-    """The tiny `qwen3_5_text` decoder's fields (`overrides`: the MoE sibling's)."""
-    return text_config(
+def config(tokenizer, config_class=None, **text):
+    """The tiny `Qwen3_5Config` (`config_class`, `text`: the MoE sibling's class and decoder fields);
+    its ViT is Qwen3-VL's without DeepStack."""
+    from transformers import Qwen3_5Config
+
+    decoder = text_config(
         tokenizer, num_hidden_layers=LAYERS, head_dim=HEAD_DIM, tie_word_embeddings=False,
         layer_types=["linear_attention"] * (LAYERS - 1) + ["full_attention"],
         linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
         linear_conv_kernel_dim=4,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
-    ) | overrides
-
-
-def vision_fields() -> dict:
-    """The tiny ViT: Qwen3-VL's without DeepStack."""
-    return dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3, out_hidden_size=64,
-                patch_size=qwen3_vl.PATCH_SIZE, spatial_merge_size=qwen3_vl.MERGE_SIZE, temporal_patch_size=2,
-                num_position_embeddings=64, initializer_range=0.2)
-
-
-def config(tokenizer, config_class=None, **text):
-    """The tiny `Qwen3_5Config` (`config_class`, `text`: the MoE sibling's class and decoder fields)."""
-    from transformers import Qwen3_5Config
-
-    return (config_class or Qwen3_5Config)(text_config=text_overrides(tokenizer, **text), vision_config=vision_fields(),
-                                           **vision_token_ids(tokenizer), tie_word_embeddings=False)
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True}, **text)
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3, out_hidden_size=64,
+                  patch_size=qwen3_vl.PATCH_SIZE, spatial_merge_size=qwen3_vl.MERGE_SIZE, temporal_patch_size=2,
+                  num_position_embeddings=64, initializer_range=0.2)
+    return (config_class or Qwen3_5Config)(text_config=decoder, vision_config=vision, **vision_token_ids(tokenizer),
+                                           tie_word_embeddings=False)
 
 
 def build(name: str, seed: int, make_config=config):
