@@ -5,6 +5,7 @@ recently freed first: `llm_service/engine/block_manager.py`). Bookkeeping only: 
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
@@ -51,13 +52,8 @@ class PrefixCache:
 
     def acquire(self, hashes: Sequence[int]) -> int:
         """Take the longest cached run of `hashes` from the start (one more holder each); its length."""
-        held = 0
-        for h in hashes:
-            if not self.cached(h):
-                break
-            self._free.pop(h, None)
-            self._refs[h] += 1
-            held += 1
+        held = len(list(itertools.takewhile(self.cached, hashes)))
+        self.register(hashes[:held], 0)
         return held
 
     def register(self, hashes: Sequence[int], held: int) -> None:

@@ -15,11 +15,8 @@ def image_tokens_arg(values: list[str]) -> dict:
     """`--image-tokens 400` (every image) or `--image-tokens 256:0.7 1296:0.3` (a mix: tokens:share)."""
     if len(values) == 1 and ":" not in values[0]:
         return {"image_tokens": int(values[0])}
-    mix = []
-    for value in values:
-        tokens, _, share = value.partition(":")
-        mix.append((int(tokens), float(share or 1)))
-    return {"image_tokens": round(sum(t * s for t, s in mix) / sum(s for _, s in mix)), "image_mix": tuple(mix)}
+    mix = tuple((int(tokens), float(share or 1)) for tokens, _, share in (value.partition(":") for value in values))
+    return {"image_tokens": round(sum(t * s for t, s in mix) / sum(s for _, s in mix)), "image_mix": mix}
 
 
 def bars_svg(groups: list[tuple[list[str], list[tuple[float, str]]]], title: str, source: str, footer: str) -> str:

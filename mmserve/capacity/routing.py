@@ -246,8 +246,7 @@ def simulate_cluster(profile: Profile, shapes: Sequence[Content], num_encoders: 
     stable = stability([r.arrival for r in all_requests], [r.finish for r in all_requests], start)
     return ClusterResult(policy, num_encoders, num_llms, rate, (len(measured) - 1) / window, done / window,
                          stable.growth, stable.latency_s, stable.judged, len(shapes),
-                         percentile(ttft, 99),
-                         percentile(tpot, 99), 1 - misses[0] / items[0] if items[0] else 0.0,
+                         percentile(ttft, 99), percentile(tpot, 99), 1 - misses[0] / items[0] if items[0] else 0.0,
                          sum(r.cached_tokens for r in measured) / sum(r.prompt_tokens for r in measured))
 
 

@@ -112,14 +112,13 @@ def simulated_figures(run_set: dict, policy: str, profile, image_tokens: int, sy
     """Each held-out run's figures, from one replay of the policy's whole session."""
     encoders, llms = run_set["replicas"]
     runs = run_set["policies"][policy]["runs"]
-    fresh, shapes, arrivals, owner = [1 << 20], [], [], []
+    fresh, replay = [1 << 20], []  # (arrival, run, content) per request
     for k, run in enumerate(runs):
         for r in sorted(run["requests"], key=lambda r: r["send_s"]):
-            shapes.append(_content(r, image_tokens, system_tokens, fresh, run_set.get("template_tokens", 0)))
-            arrivals.append(run["start_s"] + r["send_s"])
-            owner.append(k)
-    order = sorted(range(len(shapes)), key=arrivals.__getitem__)
-    shapes, arrivals, owner = [shapes[i] for i in order], [arrivals[i] for i in order], [owner[i] for i in order]
+            content = _content(r, image_tokens, system_tokens, fresh, run_set.get("template_tokens", 0))
+            replay.append((run["start_s"] + r["send_s"], k, content))
+    replay.sort(key=lambda request: request[0])
+    arrivals, owner, shapes = (list(column) for column in zip(*replay))
     trace: dict = {}
     simulate_cluster(profile, shapes, encoders, llms, policy, rate=1.0, seed=seed, warmup=0.0, arrivals=arrivals,
                      trace=trace)

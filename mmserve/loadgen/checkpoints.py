@@ -111,10 +111,7 @@ def _full_size(arch: _Architecture, out: str | Path, seed: int, text_layers: int
                flat: bool, quantization: str | None = None) -> str:
     out = Path(out)
     settings = {"architecture": arch.name, "seed": seed, "text_layers": text_layers, "vision_depth": vision_depth}
-    if flat:
-        settings["layout"] = "flat"
-    if quantization:
-        settings["quantization"] = quantization
+    settings |= ({"layout": "flat"} if flat else {}) | ({"quantization": quantization} if quantization else {})
     out.parent.mkdir(parents=True, exist_ok=True)
     # one builder at a time (scripts/gpu-check builds it in the background while the tests that need it start):
     # a second caller waits, then finds it built
@@ -150,8 +147,7 @@ def _build(arch: _Architecture, out: Path, seed: int, settings: dict, text_layer
     processor = getattr(transformers, arch.processor_class)(
         image_processor=Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
         video_processor=Qwen2VLVideoProcessor(cap_pixels_per_frame=False), tokenizer=tokenizer,
-        chat_template=CHAT_TEMPLATE,
-    )
+        chat_template=CHAT_TEMPLATE)
     rewrite = partial(quantized.quantize_checkpoint, quantization=quantization, block=quantized.RELEASED_BLOCK,
                       group=quantized.RELEASED_GROUP) if quantization else None
     save_checkpoint(model, processor, out, MARKER, settings, published_layout if flat else None, rewrite)

@@ -37,10 +37,7 @@ class DatasetConfig:
     """
 
     buckets: tuple[ResolutionBucket, ...] = (
-        ResolutionBucket(256, 256, 0.5),
-        ResolutionBucket(512, 512, 0.3),
-        ResolutionBucket(640, 640, 0.2),
-    )
+        ResolutionBucket(256, 256, 0.5), ResolutionBucket(512, 512, 0.3), ResolutionBucket(640, 640, 0.2))
     max_images: int = 2
     text_only_share: float = 0.2
     repeat_share: float = 0.1

@@ -30,15 +30,11 @@ _KEYS = ("id name type value status count total price amount date time email pho
 
 
 def _pseudo_words(rng: random.Random, n: int) -> list[str]:
-    seen: set[str] = set()
-    words: list[str] = []
+    words: dict[str, None] = {}  # in the order drawn, each once
     while len(words) < n:
-        word = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
-                       for _ in range(rng.choice((1, 1, 2, 2, 3))))
-        if word not in seen:
-            seen.add(word)
-            words.append(word)
-    return words
+        words["".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+                      for _ in range(rng.choice((1, 1, 2, 2, 3))))] = None
+    return list(words)
 
 
 def _json_value(rng: random.Random, words: list[str], depth: int):
