@@ -32,7 +32,6 @@ class EmbeddingLRU:
         self._entries[key] = size
 
     def keys(self) -> list[str]:
-        """The cached keys."""
         return list(self._entries.keys())
 
 

@@ -35,10 +35,8 @@ def capacity(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
     colocated (each LLM replica's device does its requests' encoding too). On a shared box
     (`Profile.shared_capacity`) every replica's work and the router's share its cores."""
     encode, step = encoder_seconds(profile, workload), llm_seconds(profile, workload)
-    if num_encoders:
-        bound = min(num_encoders / encode if encode else float("inf"), num_llms / step)
-    else:
-        bound = num_llms / (encode + step)
+    bound = (min(num_encoders / encode if encode else float("inf"), num_llms / step) if num_encoders
+             else num_llms / (encode + step))
     if profile.shared_capacity:
         bound = min(bound, profile.shared_capacity / (profile.router_s + encode + step))
     return bound

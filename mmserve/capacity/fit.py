@@ -65,8 +65,7 @@ def fit_profile(mode: str, runs: list[dict], encoders: int = 1, llms: int = 1,
         encode_batch_s=max(0.0, encode_batch_s), encode_token_s=max(0.0, encode_token_s),  # the transfer inside
         step_s=step_s, decode_seq_s=decode_seq_s, prefill_token_s=max(0.0, prefill_token_s),
         max_batched_tokens=2048, max_num_seqs=64,  # the engine's defaults (EngineArgs)
-        max_pending_requests=max_pending_requests,
-    )
+        max_pending_requests=max_pending_requests)
     shape = {"image_tokens": image_tokens, "text_tokens": round(text_tokens),
              "output_tokens": round(statistics.fmean(r["output_tokens"] for r in requests))}
     floods = [by_label[label] for label in ("fit-saturated", "fit-saturated-after") if label in by_label]

@@ -172,5 +172,4 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
         encoder_utilisation=encoders.busy_seconds / (mean_encoders * elapsed) if encoders else 0.0,
         llm_utilisation=sum(r.busy_seconds for r in llms) / (mean_llms * elapsed),
         preemptions=sum(r.preemptions for r in requests), mean_encoders=mean_encoders, mean_llms=mean_llms,
-        peak_encoders=peak_encoders, peak_llms=peak_llms,
-    )
+        peak_encoders=peak_encoders, peak_llms=peak_llms)

@@ -166,7 +166,6 @@ def data_uri(data: bytes, mime: str = "image/png") -> str:
 
 
 def system_text(index: int, words: int) -> str:
-    """The `index`-th shared system prompt."""
     vocabulary = ("you", "are", "a", "careful", "assistant", "for", "images", "answer", "briefly", "and", "kindly")
     return f"Role {index}: " + " ".join(vocabulary[(index * 7 + i) % len(vocabulary)] for i in range(words))
 

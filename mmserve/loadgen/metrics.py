@@ -107,7 +107,6 @@ def _summary(name: str, seconds: list[float], percentiles: tuple[float, ...]) ->
 
 
 def compute_metrics(records: list[RequestRecord], slo: SLO = SLO(), percentiles: tuple[float, ...] = (50, 90, 99)) -> dict:
-    """The benchmark's result dict for `records` (see the module docstring for definitions)."""
     if not records:
         raise ValueError("no requests in the trace")
     done = [r for r in records if r.ok and r.output_tokens > 0]

@@ -29,7 +29,6 @@ MINICPMV_CHAT_TEMPLATE = chat_template("minicpmv4_6")
 
 
 def build(name: str, seed: int):
-    """The tiny MiniCPM-V 4.6 (see `mmserve.tiny` for the contract)."""
     from transformers import MiniCPMV4_6Config
     from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import MiniCPMV4_6ImageProcessor
     from transformers.models.minicpmv4_6.processing_minicpmv4_6 import MiniCPMV4_6Processor

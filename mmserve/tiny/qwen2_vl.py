@@ -19,7 +19,6 @@ VIDEO_MAX_PIXELS = 28 * 28 * 16
 
 
 def config(model_type: str, tokenizer):
-    """The tiny `Qwen2VLConfig` / `Qwen2_5_VLConfig` for `tokenizer`'s vocabulary."""
     from transformers import Qwen2VLConfig, Qwen2_5_VLConfig
 
     text = text_config(tokenizer, tie_word_embeddings=False, rope_parameters={
@@ -54,7 +53,6 @@ def published_layout(nested: dict) -> dict:
 
 
 def build(name: str, seed: int):
-    """The tiny Qwen2-VL / Qwen2.5-VL (see `mmserve.tiny` for the contract)."""
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
     # Qwen2.5-VL's tokenizer adds the tool-call and fill-in-the-middle tokens; Qwen2-VL's has none

@@ -29,7 +29,6 @@ STEP3_CHAT_TEMPLATE = chat_template("step3p7")
 
 
 def build(name: str, seed: int):
-    """The tiny Step3 (see `mmserve.tiny` for the contract)."""
     from transformers import Step3p7Config
     from transformers.models.step3p7.image_processing_step3p7 import Step3p7ImageProcessor
     from transformers.models.step3p7.processing_step3p7 import Step3p7Processor
