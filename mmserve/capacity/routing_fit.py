@@ -46,14 +46,10 @@ def _run(run_set: dict, policy: str, label: str) -> dict:
 def prompt_shape(run_set: dict, image_tokens: int) -> int:
     """Tokens a system prompt adds to a prompt (its turn replaces the template's default one), from the
     requests' token counts (least squares on images and system)."""
-    rows, targets = [], []
-    for entry in run_set["policies"].values():
-        for run in entry["runs"]:
-            for r in run["requests"]:
-                if r.get("input_tokens"):
-                    rows.append([1, r["images"] * image_tokens, r.get("system") is not None])
-                    targets.append(r["input_tokens"])
-    return max(0, round(_least_squares(rows, targets)[2]))
+    requests = [r for entry in run_set["policies"].values() for run in entry["runs"] for r in run["requests"]
+                if r.get("input_tokens")]
+    rows = [[1, r["images"] * image_tokens, r.get("system") is not None] for r in requests]
+    return max(0, round(_least_squares(rows, [r["input_tokens"] for r in requests])[2]))
 
 
 TEMPLATE_BASE = -50_000  # the template opening's token ids (apart from the system prompts')
