@@ -129,34 +129,33 @@ def arrival_times(num_requests: int, request_rate: float, seed: int, burstiness:
 
 def synthesize_image(spec: ImageSpec) -> bytes:
     """PNG bytes of a seeded random image (numpy and PIL imported lazily)."""
-    import io
-
     import numpy as np
     from PIL import Image
 
     pixels = np.random.default_rng(spec.seed).integers(0, 256, (spec.height, spec.width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
+    return _encoded(Image.fromarray(pixels), "PNG")
 
 
 def image_bytes(height: int, width: int, seed: int, fmt: str = "PNG", exif_orientation: int | None = None) -> bytes:
     """A seeded image, smooth-ish (so JPEG round trips stay meaningful), encoded as `fmt`."""
-    import io
-
     import numpy as np
     from PIL import Image
 
     base = np.random.default_rng(seed).integers(0, 255, (max(2, height // 8), max(2, width // 8), 3), dtype=np.uint8)
     img = Image.fromarray(base).resize((width, height), Image.BILINEAR)
-    buf = io.BytesIO()
-    if exif_orientation is not None:
-        exif = Image.Exif()
-        exif[0x0112] = exif_orientation
-        img.save(buf, fmt, exif=exif)
-    else:
-        img.save(buf, fmt)
-    return buf.getvalue()
+    if exif_orientation is None:
+        return _encoded(img, fmt)
+    exif = Image.Exif()
+    exif[0x0112] = exif_orientation
+    return _encoded(img, fmt, exif=exif)
+
+
+def _encoded(image, fmt: str, **options) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **options)
+    return buffer.getvalue()
 
 
 def data_uri(data: bytes, mime: str = "image/png") -> str:
