@@ -5,6 +5,7 @@ recently freed first: `llm_service/engine/block_manager.py`). Bookkeeping only: 
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
@@ -15,19 +16,14 @@ ENCODER_CACHE_BYTES = 1 << 30  # the app's `encoder_pool.cache_bytes` default (e
 
 class EmbeddingLRU:
     """Item keys and their embedding bytes, at most `capacity_bytes` in all, least recently used
-    evicted first; an item larger than the whole capacity is not kept (as `EmbeddingCache.put`).
-    Attributes: `hits`, `misses` (counted by `get`)."""
+    evicted first; an item larger than the whole capacity is not kept (as `EmbeddingCache.put`)."""
 
     def __init__(self, capacity_bytes: int):
         self._entries: LRUCache[str, int] = LRUCache(maxsize=capacity_bytes, getsizeof=lambda size: size)
-        self.hits = self.misses = 0
 
     def get(self, key: str) -> bool:
         """Whether `key` is cached (refreshing it)."""
-        found = self._entries.get(key) is not None
-        self.hits += found
-        self.misses += not found
-        return found
+        return self._entries.get(key) is not None
 
     def put(self, key: str, size: int) -> None:
         if size > self._entries.maxsize:
@@ -36,7 +32,6 @@ class EmbeddingLRU:
         self._entries[key] = size
 
     def keys(self) -> list[str]:
-        """The cached keys."""
         return list(self._entries.keys())
 
 
@@ -44,29 +39,20 @@ class PrefixCache:
     """An LLM replica's cached prompt blocks: `blocks` in the pool; a block held by a running
     sequence is referenced, a freed one stays cached (a later prompt with the same prefix takes it
     back) until the pool needs room, the least recently freed first. A sequence frees its blocks
-    last-first, as the engine does, so a prompt's tail leaves the cache before its head.
-    Attributes: `hit_blocks`, `looked_up_blocks` (counted by `acquire`)."""
+    last-first, as the engine does, so a prompt's tail leaves the cache before its head."""
 
     def __init__(self, blocks: int):
         self.blocks = blocks
         self._refs: Counter = Counter()  # block hash -> holders (referenced blocks only)
         self._free: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, least recently freed first
-        self.hit_blocks = self.looked_up_blocks = 0
 
     def cached(self, h: int) -> bool:
         return h in self._refs or h in self._free
 
     def acquire(self, hashes: Sequence[int]) -> int:
         """Take the longest cached run of `hashes` from the start (one more holder each); its length."""
-        held = 0
-        for h in hashes:
-            if not self.cached(h):
-                break
-            self._free.pop(h, None)
-            self._refs[h] += 1
-            held += 1
-        self.hit_blocks += held
-        self.looked_up_blocks += len(hashes)
+        held = len(list(itertools.takewhile(self.cached, hashes)))
+        self.register(hashes[:held], 0)
         return held
 
     def register(self, hashes: Sequence[int], held: int) -> None:

@@ -15,11 +15,8 @@ def image_tokens_arg(values: list[str]) -> dict:
     """`--image-tokens 400` (every image) or `--image-tokens 256:0.7 1296:0.3` (a mix: tokens:share)."""
     if len(values) == 1 and ":" not in values[0]:
         return {"image_tokens": int(values[0])}
-    mix = []
-    for value in values:
-        tokens, _, share = value.partition(":")
-        mix.append((int(tokens), float(share or 1)))
-    return {"image_tokens": round(sum(t * s for t, s in mix) / sum(s for _, s in mix)), "image_mix": tuple(mix)}
+    mix = tuple((int(tokens), float(share or 1)) for tokens, _, share in (value.partition(":") for value in values))
+    return {"image_tokens": round(sum(t * s for t, s in mix) / sum(s for _, s in mix)), "image_mix": mix}
 
 
 def bars_svg(groups: list[tuple[list[str], list[tuple[float, str]]]], title: str, source: str, footer: str) -> str:
@@ -145,9 +142,6 @@ def main(argv: list[str] | None = None, collect=None, collect_routing=None) -> i
         profile = with_transfer_rates(profile, ns.transfer_json)
     try:
         profile = with_changes(profile, ns.set)
-    except ValueError as e:
-        p.error(str(e))
-    try:
         workload = Workload(rate=1.0, images=tuple(ns.images), text_tokens=ns.text_tokens,
                             output_tokens=ns.output_tokens, length_range_ratio=ns.length_range_ratio,
                             repeat_share=ns.repeat_share, burstiness=ns.burstiness, **image_tokens_arg(ns.image_tokens))
@@ -174,8 +168,7 @@ def main(argv: list[str] | None = None, collect=None, collect_routing=None) -> i
         print(f"searched from the analytic capacity to {TOLERANCE:.1%} (--full: every split, bisected from 1 req/s); "
               f"left out by their capacity at {smallest.gpus} GPUs: {ruled_out}")
     if ns.plot:
-        with open(ns.plot, "w") as f:
-            f.write(plot_svg(recommendations, profile.source))
+        Path(ns.plot).write_text(plot_svg(recommendations, profile.source))
     print(json.dumps({"profile": profile.source, "recommendations": [r.as_dict() for r in recommendations]}))
     return 0
 
@@ -183,6 +176,7 @@ def main(argv: list[str] | None = None, collect=None, collect_routing=None) -> i
 def routing_main(ns) -> int:
     """`mmserve plan --routing-scale`: the table, then one JSON line."""
     import json
+    from pathlib import Path
 
     from mmserve.capacity.routing import MAX_REQUESTS_PER_GPU, TYPICAL, routing_scale, typical_workload
 
@@ -197,8 +191,7 @@ def routing_main(ns) -> int:
           f"{'prefix hits':>12} {'backlog/s':>10} {'req/GPU':>8} {'aff/def':>8}")
 
     def show(row) -> None:
-        for policy, result, rate in (("default", row.default, row.default_goodput),
-                                     ("affinity", row.affinity, row.affinity_goodput)):
+        for policy, result, rate in row.policies():
             # backlog: its growth a second as a share of the rate, at goodput; req/GPU: the run's arrivals
             # (* : too short to judge at the cap, --max-requests-per-gpu)
             ttft, enc, pre, grow, run = ((f"{result.ttft_p99_s:.2f}", f"{result.encoder_hit_ratio:.2f}",
@@ -213,17 +206,14 @@ def routing_main(ns) -> int:
                          max_requests_per_gpu=ns.max_requests_per_gpu)
     ratios = {name: {str(r.gpus): round(r.ratio, 3) for r in rows if r.workload == name} for name in workloads}
     if ns.plot:
-        with open(ns.plot, "w") as f:
-            f.write(routing_plot_svg(rows, profile.source))
+        Path(ns.plot).write_text(routing_plot_svg(rows, profile.source))
     print(json.dumps({"profile": profile.source, "requests_per_gpu": ns.requests_per_gpu,
                       "max_requests_per_gpu": ns.max_requests_per_gpu or MAX_REQUESTS_PER_GPU,
                       "ttft_p99_s": ns.ttft_p99, "tpot_p99_s": ns.tpot_p99,
                       "goodput_per_gpu": {f"{r.workload}/{r.gpus}/{policy}": round(rate / r.gpus, 3) for r in rows
-                                          for policy, rate in (("default", r.default_goodput),
-                                                               ("affinity", r.affinity_goodput))},
+                                          for policy, _, rate in r.policies()},
                       # the run at each goodput: its arrivals per GPU, and whether it was long enough to judge
                       "run_requests_per_gpu": {f"{r.workload}/{r.gpus}/{policy}": (res.requests // r.gpus, res.judged)
-                                               for r in rows for policy, res in (("default", r.default),
-                                                                                 ("affinity", r.affinity)) if res},
+                                               for r in rows for policy, res, _ in r.policies() if res},
                       "affinity_over_default_goodput": ratios}))
     return 0

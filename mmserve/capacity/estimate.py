@@ -1,13 +1,7 @@
 """The planner's analytic first answer: a split's capacity (requests/s) from the profile's service
-times and the workload's mean request, before any simulation. `mmserve.capacity.goodput.recommend`
-starts each goodput search there and leaves out the splits it rules out.
-
-A pool at capacity is busy all the time with batches as large as they get, so its per-forward and
-per-step costs are shared out as thinly as the budgets allow; a request's work is then what is left
-per request, and the capacity `replicas / work`. The figure is an optimistic bound, not a
-prediction: the SLOs, the queueing before saturation and the encoder's split calls only lower the
-goodput (the simulation's goodput per split came to 0.91-1.04x of it on the bundled profile: a
-finite run past capacity still keeps 95% of the rate)."""
+times and the workload's mean request at full batches, before any simulation: where
+`mmserve.capacity.goodput.recommend` starts each goodput search, and what rules a split out. An
+optimistic bound, not a prediction (docs/capacity.md#the-search-seconds-by-default---full-for-every-split)."""
 
 from __future__ import annotations
 
@@ -41,10 +35,8 @@ def capacity(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
     colocated (each LLM replica's device does its requests' encoding too). On a shared box
     (`Profile.shared_capacity`) every replica's work and the router's share its cores."""
     encode, step = encoder_seconds(profile, workload), llm_seconds(profile, workload)
-    if num_encoders:
-        bound = min(num_encoders / encode if encode else float("inf"), num_llms / step)
-    else:
-        bound = num_llms / (encode + step)
+    bound = (min(num_encoders / encode if encode else float("inf"), num_llms / step) if num_encoders
+             else num_llms / (encode + step))
     if profile.shared_capacity:
         bound = min(bound, profile.shared_capacity / (profile.router_s + encode + step))
     return bound

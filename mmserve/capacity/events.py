@@ -101,6 +101,18 @@ def serving(sim: Simulator, cores: SharedCores | OneAtATime | None) -> Callable[
     return cores.run if cores is not None else sim.after
 
 
+def countdown(n: int, done: Callable[[], None]) -> Callable[[], None]:
+    """A callback that calls `done()` on its `n`-th call (the last of `n` parts back)."""
+    left = [n]
+
+    def part_done() -> None:
+        left[0] -= 1
+        if not left[0]:
+            done()
+
+    return part_done
+
+
 class BatchStation:
     """`servers` identical servers sharing one FIFO queue. A free server takes the longest queue
     prefix whose summed cost fits `max_cost` (one job at least) and holds it for
@@ -125,11 +137,14 @@ class BatchStation:
         return self.in_service + sum(cost for cost, _ in self.queue)
 
     def add_server(self) -> None:
+        self._server_back()
+        self._start()
+
+    def _server_back(self) -> None:
         if self._retiring:
             self._retiring -= 1
         else:
             self.free += 1
-        self._start()
 
     def retire_server(self) -> None:
         """One server fewer: an idle one now, else the next to finish its batch."""
@@ -144,7 +159,7 @@ class BatchStation:
 
     def _start(self) -> None:
         while self.free and self.queue:
-            batch, total = [self.queue.popleft()], 0.0
+            batch = [self.queue.popleft()]
             total = batch[0][0]
             while self.queue and len(batch) < self.max_jobs and total + self.queue[0][0] <= self.max_cost:
                 total += self.queue[0][0]
@@ -157,10 +172,7 @@ class BatchStation:
 
     def _finish(self, batch, total: float) -> None:
         self.in_service -= total
-        if self._retiring:
-            self._retiring -= 1
-        else:
-            self.free += 1
+        self._server_back()
         for _, done in batch:
             done()
         self._start()

@@ -1,17 +1,12 @@
-"""The capacity planner against real runs (`mmserve plan --validate`): a profile fitted on runs of
-the app on this machine, the held-out runs it predicts, and the relative errors.
+"""The capacity planner against real runs (`mmserve plan --validate`, docs/capacity.md#--validate): a
+profile fitted on runs of the app on this machine, the held-out runs it predicts, the relative errors.
 
 A run set (deployments/cli/plan_runs.py collects it): {"max_pending_requests": the app's admission bound
 (its router's `max_pending_requests` x router replicas), "modes": {mode: {"encoders": E, "llms": L, "runs": [
   {"label": "fit-unloaded" | "fit-loaded" | "fit-saturated" | "fit-refused" | "held-out" | "repeat" |
              "fit-saturated-after",
    "rate": r or null, "concurrency": k or null, "requests": [bench serve's per-request records + "images"]}]}}}
-Stage times are fitted on the first two fit runs; "fit-saturated" (the app flooded) gives how much
-of the box the replicas share (`fit_shared_capacity`) and places the held-out rates. The same
-flood once more after the held-out runs ("fit-saturated-after", where recorded) measures how far
-the box's own speed moved meanwhile; the profile takes the mean of the two floods' capacities. A
-flood past the admission bound ("fit-refused", where recorded) gives what a refused request
-costs the box (`fit_refuse_cost`). Held-out runs are never fitted on.
+Held-out runs are never fitted on.
 """
 
 from __future__ import annotations
@@ -39,10 +34,11 @@ def _ok(requests: list[dict]) -> list[dict]:
 def fit_profile(mode: str, runs: list[dict], encoders: int = 1, llms: int = 1,
                 max_pending_requests: int | None = None) -> tuple[Profile, dict]:
     """A profile fitted on a mode's fit runs: one request at a time (stage times without queueing)
-    and `FIT_LOADED_CONCURRENCY` at a time (how a step grows with its sequences); with a flood of
-    the app's `encoders` + `llms` replicas ("fit-saturated"), how much of the box they share; the
-    app's admission bound (`max_pending_requests`, not fitted: its setting). Returns it with the workload's shape (image tokens, mean text and output tokens) read off the
-    same requests."""
+    and `FIT_LOADED_CONCURRENCY` at a time (how a step grows with its sequences); the floods of the
+    app's `encoders` + `llms` replicas ("fit-saturated" and "-after": the mean), how much of the box
+    they share; a flood past the admission bound ("fit-refused"), what a refusal costs the box; the
+    admission bound (`max_pending_requests`, not fitted: its setting). Returns it with the workload's
+    shape (image tokens, mean text and output tokens) read off the same requests."""
     by_label = {run["label"]: _ok(run["requests"]) for run in runs}
     alone, loaded = by_label["fit-unloaded"], by_label["fit-loaded"]
     requests = alone + loaded
@@ -69,8 +65,7 @@ def fit_profile(mode: str, runs: list[dict], encoders: int = 1, llms: int = 1,
         encode_batch_s=max(0.0, encode_batch_s), encode_token_s=max(0.0, encode_token_s),  # the transfer inside
         step_s=step_s, decode_seq_s=decode_seq_s, prefill_token_s=max(0.0, prefill_token_s),
         max_batched_tokens=2048, max_num_seqs=64,  # the engine's defaults (EngineArgs)
-        max_pending_requests=max_pending_requests,
-    )
+        max_pending_requests=max_pending_requests)
     shape = {"image_tokens": image_tokens, "text_tokens": round(text_tokens),
              "output_tokens": round(statistics.fmean(r["output_tokens"] for r in requests))}
     floods = [by_label[label] for label in ("fit-saturated", "fit-saturated-after") if label in by_label]

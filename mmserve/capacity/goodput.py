@@ -45,10 +45,8 @@ class Stability:
 def stability(arrivals: Sequence[float], finishes: Sequence[float], start: float | None = None,
               points: int = 256) -> Stability:
     """The backlog's growth over the arrival phase, from `start` (default: the first arrival) but
-    no sooner than FILL_LATENCIES median latencies in, to the last arrival. The backlog at a time
-    depends only on what happened before it, so the drain after the last arrival (in which a
-    batching replica speeds up) does not enter, as it does a latency trend or a completion count
-    over a window; and a fit over the window weighs every moment of it, not only its two ends."""
+    no sooner than FILL_LATENCIES median latencies in, to the last arrival (why the backlog:
+    docs/capacity.md#routing-at-cluster-scale---routing-scale)."""
     a = sorted(arrivals)
     f = sorted(x for x in finishes if x is not None and math.isfinite(x))
     first, last = a[0], a[-1]
@@ -179,14 +177,9 @@ HEADROOM = 1.15
 
 def recommend(profile: Profile, workload: Workload, slo: SLO, gpus: int, unit: int = 8, num_requests: int = 1000,
               seed: int = 0, transport: str = "object_store", full: bool = False) -> Recommendation:
-    """The encoder:LLM split of `gpus` that maximises goodput per GPU, against all-colocated.
-
-    A cluster of `gpus` is gpus/unit cells of `unit` GPUs, requests spread evenly over them, so
-    goodput per GPU is the cell's; a cluster smaller than one cell is simulated whole. By default
-    each goodput is searched from the split's analytic capacity (`estimate.capacity`) to TOLERANCE,
-    and a split whose capacity x HEADROOM cannot reach the best goodput is left out (`ruled_out`).
-    `full`: every split, each goodput bisected from 1 req/s (minutes). The searches run on a
-    process per core."""
+    """The encoder:LLM split of `gpus` that maximises goodput per GPU, against all-colocated. A
+    cluster is gpus/unit cells of `unit` GPUs (a smaller one is simulated whole); the search and
+    `full`: docs/capacity.md#the-search-seconds-by-default---full-for-every-split."""
     cell = min(gpus, unit)
     splits, colocated, ruled_out = _cell_goodput(profile, workload, slo, cell, num_requests, seed, transport, full)
     scale = gpus / cell
@@ -204,9 +197,7 @@ def recommend(profile: Profile, workload: Workload, slo: SLO, gpus: int, unit: i
 def _cell_goodput(profile: Profile, workload: Workload, slo: SLO, cell: int, num_requests: int, seed: int,
                   transport: str, full: bool) -> tuple[tuple[tuple[int, float], ...], float, tuple[tuple[int, float], ...]]:
     """((encoders, goodput) for each disaggregated split of `cell` GPUs simulated, colocated goodput,
-    (encoders, capacity) for each split ruled out). By default in two rounds: colocated and the
-    splits within HEADROOM of the best capacity, then those whose capacity x HEADROOM reaches the
-    best goodput of the first."""
+    (encoders, capacity) for each split ruled out)."""
     caps = {e: capacity(profile, workload, e, cell - e) for e in range(cell)}
 
     def search(e: int) -> functools.partial:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 from mmserve.capacity.caches import PrefixCache
-from mmserve.capacity.events import BatchStation, OneAtATime, SharedCores, Simulator, serving
+from mmserve.capacity.events import BatchStation, OneAtATime, SharedCores, Simulator, countdown, serving
 from mmserve.capacity.inputs import Profile
 from mmserve.request.encode_calls import spread
 
@@ -249,21 +249,17 @@ class EncoderPool:
     def submit(self, sizes: tuple[int, ...], done: Callable[[], None]) -> None:
         """Encode items of these token counts; `done()` once every call is back."""
         groups = _calls(sizes)
-        calls_left = [len(groups)]
+        call_done = countdown(len(groups), done)
         for group in groups:
-            replica, items_left = self._pick(), [len(group)]
+            replica = self._pick()
             self.calls[id(replica)] += 1
-
-            def item_done(replica=replica, items_left=items_left) -> None:
-                items_left[0] -= 1
-                if not items_left[0]:
-                    self.calls[id(replica)] -= 1
-                    calls_left[0] -= 1
-                    if not calls_left[0]:
-                        done()
-
+            item_done = countdown(len(group), functools.partial(self._call_back, replica, call_done))
             for i in group:
                 replica.submit(sizes[i], item_done)
+
+    def _call_back(self, replica: BatchStation, call_done: Callable[[], None]) -> None:
+        self.calls[id(replica)] -= 1
+        call_done()
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,41 +1,27 @@
 """Routing at cluster scale (`mmserve plan --routing-scale`): the whole cluster as one routing domain,
 its encoder replicas' embedding caches and its LLM replicas' prefix caches (`mmserve.capacity.caches`)
-fed by content with popularity (`Workload.image_pool` and the rest), routed by Serve's default or by
-affinity, as the app runs them:
-
-- default: each encoder call (`spread`, the router's split) and each LLM request to the replica
-  with fewer in flight of two drawn at random (`power_of_two`, Serve's power of two choices);
-- affinity: `AffinityChooser` itself, the rules the app's `AffinityRequestRouter` runs: an item
-  seen before alone in its call (`affinity_spread`), each call to a replica holding its first item
-  or to that item's owner on the bounded-load ring (epsilon 0.25), each request to the replica that
-  got its longest prefix within (1 + 0.1) x the mean load, else power of two.
-
-One router sees every request (a cluster's several Router replicas each keep their own view; one
-view is the best case for affinity). The LLM request is routed at dispatch, as the app does (it does
-not wait for its embeddings), and prefills once every embedding has crossed the transport. Caches
-start empty; the first `warmup` share of the arrivals fills them and is left out of the figures.
-A rate is sustainable when the backlog (requests arrived, not finished) stops growing over the
-arrival phase once the queue has filled (`mmserve.capacity.goodput.stability`: a slope under 5% of
-the rate a second, judged over at least 4 median latencies); a run at least `requests_per_gpu`
-arrivals per GPU long (the content: `contents`, once per workload) that is too short for that is
-run again with twice the arrivals (the same content, extended), up to `max_requests_per_gpu`."""
+fed by content with popularity (`Workload.image_pool` and the rest), routed by Serve's default
+(`power_of_two`) or by affinity (`AffinityChooser` itself, the app's rules). One router sees every
+request (the best case for affinity); the LLM request is routed at dispatch, as the app does, and
+prefills once every embedding has crossed the transport. Warm-up, the "keeps up" test and the run
+lengths: docs/capacity.md#routing-at-cluster-scale---routing-scale."""
 
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 import random
 from collections import Counter
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from cachetools import LRUCache
 
 from mmserve.capacity.caches import ENCODER_CACHE_BYTES, EmbeddingLRU, PrefixCache
-from mmserve.capacity.events import BatchStation, Simulator
-from mmserve.capacity.goodput import GROWTH, WINDOW_LATENCIES, stability
+from mmserve.capacity.events import BatchStation, Simulator, countdown
+from mmserve.capacity.goodput import GROWTH, WINDOW_LATENCIES, meets, stability
 from mmserve.capacity.inputs import SLO, Profile, Workload
 from mmserve.capacity.replicas import LLMReplica, Request
 from mmserve.capacity.simulate import percentile
@@ -119,7 +105,6 @@ class EncoderReplica:
         self.cache = EmbeddingLRU(cache_bytes)
         self.bytes_per_token = max(1, profile.embedding_token_bytes)
         self._encoding: dict[str, list[Callable[[], None]]] = {}
-        self.encoded = 0  # items run through the ViT
 
     def encode(self, key: str, tokens: int, done: Callable[[], None]) -> bool:
         """`done()` once `key`'s embedding is ready; whether it had to be encoded."""
@@ -130,7 +115,6 @@ class EncoderReplica:
             self._encoding[key].append(done)
             return False
         self._encoding[key] = [done]
-        self.encoded += 1
         self.station.submit(tokens, lambda: self._finish(key, tokens))
         return True
 
@@ -216,17 +200,15 @@ def simulate_cluster(profile: Profile, shapes: Sequence[Content], num_encoders: 
         if not groups:
             to_llm()
             return
-        left = [len(groups)]
         tokens = sum(t for _, t in shape.images)
+        all_back = countdown(len(groups), lambda: sim.after(profile.transfer_seconds(tokens, transport), to_llm))
 
         def call_done(encoder: str, cost: int) -> None:
             if policy == "affinity":
                 encoder_rules.completed(encoder, cost)
             else:
                 calls[encoder] -= 1
-            left[0] -= 1
-            if not left[0]:
-                sim.after(profile.transfer_seconds(tokens, transport), to_llm)
+            all_back()
 
         for group in groups:
             call = [shape.images[i] for i in group]
@@ -236,13 +218,7 @@ def simulate_cluster(profile: Profile, shapes: Sequence[Content], num_encoders: 
             else:
                 encoder, cost = power_of_two(encoder_ids, calls, rng), 0
                 calls[encoder] += 1
-            waiting = [len(call)]
-
-            def item_done(encoder=encoder, cost=cost, waiting=waiting) -> None:
-                waiting[0] -= 1
-                if not waiting[0]:
-                    call_done(encoder, cost)
-
+            item_done = countdown(len(call), functools.partial(call_done, encoder, cost))
             for key, size in call:
                 encoded = encoders[encoder].encode(key, size, item_done)
                 if measured:
@@ -270,14 +246,11 @@ def simulate_cluster(profile: Profile, shapes: Sequence[Content], num_encoders: 
     stable = stability([r.arrival for r in all_requests], [r.finish for r in all_requests], start)
     return ClusterResult(policy, num_encoders, num_llms, rate, (len(measured) - 1) / window, done / window,
                          stable.growth, stable.latency_s, stable.judged, len(shapes),
-                         percentile(ttft, 99),
-                         percentile(tpot, 99), 1 - misses[0] / items[0] if items[0] else 0.0,
+                         percentile(ttft, 99), percentile(tpot, 99), 1 - misses[0] / items[0] if items[0] else 0.0,
                          sum(r.cached_tokens for r in measured) / sum(r.prompt_tokens for r in measured))
 
 
-@functools.lru_cache(maxsize=4)
-def _contents(workload: Workload, n: int, seed: int) -> list[Content]:
-    return contents(workload, n, seed)  # the first n of a longer run's content are these
+_contents = functools.lru_cache(maxsize=4)(contents)  # the first n of a longer run's content are these
 
 
 def cluster_goodput(profile: Profile, shapes: Sequence[Content], slo: SLO, gpus: int, policy: str,
@@ -285,9 +258,8 @@ def cluster_goodput(profile: Profile, shapes: Sequence[Content], slo: SLO, gpus:
                     encoder_share: float = ENCODER_SHARE,
                     max_requests: int | None = None) -> tuple[float, ClusterResult | None]:
     """The highest rate (requests/s) at which p99 TTFT and TPOT stay within `slo` and the cluster
-    keeps up (its backlog stops growing: `stability`), by bisection; with the run at that rate.
-    A run too short to judge is run again with twice the arrivals (`contents(workload, ...)`
-    extending `shapes`), up to `max_requests` (default: MAX_REQUESTS_PER_GPU x gpus)."""
+    keeps up (`stability`), by bisection; with the run at that rate. A run too short to judge is
+    run again with twice the arrivals, up to `max_requests` (default: MAX_REQUESTS_PER_GPU x gpus)."""
     encoders, llms = split(gpus, encoder_share)
     cap = max(len(shapes), MAX_REQUESTS_PER_GPU * gpus if max_requests is None else max_requests)
 
@@ -305,8 +277,7 @@ def cluster_goodput(profile: Profile, shapes: Sequence[Content], slo: SLO, gpus:
             run_shapes = _contents(workload, n, seed)
 
     def ok(result: ClusterResult) -> bool:
-        return (result.ttft_p99_s <= slo.ttft_p99_s and result.tpot_p99_s <= slo.tpot_p99_s
-                and result.backlog_growth < GROWTH)
+        return meets(result, slo) and result.backlog_growth < GROWTH
 
     low, high, best = 0.0, 4.0 * gpus, None
     while ok(result := run(high)):
@@ -342,6 +313,10 @@ class ScaleRow:
     @property
     def ratio(self) -> float:
         return self.affinity_goodput / self.default_goodput if self.default_goodput else math.inf
+
+    def policies(self) -> tuple[tuple[str, ClusterResult | None, float], ...]:
+        """(policy, the run at its goodput, goodput) for each policy."""
+        return ("default", self.default, self.default_goodput), ("affinity", self.affinity, self.affinity_goodput)
 
 
 def routing_scale(profile: Profile, workloads: dict[str, Workload], sizes: Sequence[int], slo: SLO,

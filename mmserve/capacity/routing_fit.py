@@ -1,6 +1,7 @@
 """The routing simulation against real runs (`mmserve plan --validate-routing`): a routing run set
 (deployments/cli/routing_runs.py collects it; tests/data/routing_runs.json is one) replayed in
-`mmserve.capacity.routing.simulate_cluster`, per policy, against what the app did.
+`mmserve.capacity.routing.simulate_cluster`, per policy, against what the app did; the fit, the
+figures and the SLOs: docs/capacity.md#--validate-routing.
 
 A run set: {"replicas": [E, L], "max_pending_requests": n, "rates": [...], "policies": {policy: {"runs": [
   {"label": "warm-up" | "fit-unloaded" | "fit-loaded" | "fit-saturated" | "held-out", "rate": r or null,
@@ -8,19 +9,10 @@ A run set: {"replicas": [E, L], "max_pending_requests": n, "rates": [...], "poli
    all encoder replicas), "cached_tokens": prompt tokens the prefix caches served across it,
    "requests": [bench serve's records + "images", "image_seeds", "system"]}]}}}
 
-The profile is fitted on the default app's fit runs (`fit.fit_profile`: fresh images, no system
-prompt); the prompt's shape (tokens per image, per system prompt) is read off the requests' token
-counts. Each policy's session is replayed whole, every run at its start and its requests at their
-send times, so that the simulated caches carry over from run to run as the app's did (the same
-popular images, the same system prompts). A request's prompt: its system prompt's tokens (shared by
-every request with that prompt) or, without one, the chat template's opening (`template_tokens` of
-the run set: its default system turn, shared by every such request), its images' (keyed by seed),
-then its own text. Figures per held-out
-run: encoder hit ratio (items needing no encode), prefix hit ratio (prompt tokens served by the
-prefix caches), TTFT p50 and p99, goodput (requests within the SLOs a second, first send to last
-end; SLOs: 3 x the unloaded median TTFT and TPOT, as the bench). Real and simulated figures are
-compared per policy and rate on the mean over the repeats; the real runs' spread is the largest
-relative difference between two repeats of a rate (TTFT p50, goodput)."""
+Each policy's session is replayed whole, every run at its start and its requests at their send times,
+so that the simulated caches carry over from run to run as the app's did. A request's prompt: its
+system prompt's tokens (shared by every request with that prompt) or, without one, the chat template's
+opening (`template_tokens` of the run set), its images' (keyed by seed), then its own text."""
 
 from __future__ import annotations
 
@@ -54,14 +46,10 @@ def _run(run_set: dict, policy: str, label: str) -> dict:
 def prompt_shape(run_set: dict, image_tokens: int) -> int:
     """Tokens a system prompt adds to a prompt (its turn replaces the template's default one), from the
     requests' token counts (least squares on images and system)."""
-    rows, targets = [], []
-    for entry in run_set["policies"].values():
-        for run in entry["runs"]:
-            for r in run["requests"]:
-                if r.get("input_tokens"):
-                    rows.append([1, r["images"] * image_tokens, r.get("system") is not None])
-                    targets.append(r["input_tokens"])
-    return max(0, round(_least_squares(rows, targets)[2]))
+    requests = [r for entry in run_set["policies"].values() for run in entry["runs"] for r in run["requests"]
+                if r.get("input_tokens")]
+    rows = [[1, r["images"] * image_tokens, r.get("system") is not None] for r in requests]
+    return max(0, round(_least_squares(rows, [r["input_tokens"] for r in requests])[2]))
 
 
 TEMPLATE_BASE = -50_000  # the template opening's token ids (apart from the system prompts')
@@ -88,19 +76,15 @@ def _content(r: dict, image_tokens: int, system_tokens: int, fresh: list[int], t
     return Content(images, len(tokens), max(1, r["output_tokens"] or 1), prefix_hashes(tokens, ranges, keys, BLOCK_SIZE))
 
 
-def _goodput(rows: list[tuple[float, float | None, float | None, float]], slo: tuple[float, float]) -> float:
-    """rows: (send, ttft, tpot, end) in seconds; requests within both SLOs a second, first send to last end."""
-    span = max(end for *_, end in rows) - min(send for send, *_ in rows)
-    good = sum(1 for _, ttft, tpot, _ in rows if ttft is not None and ttft <= slo[0] and (tpot or 0.0) <= slo[1])
-    return good / max(span, 1e-9)
-
-
 def _figures(rows: list[tuple[float, float | None, float | None, float]], slo: tuple[float, float],
              encoder_hit_ratio: float, prefix_hit_ratio: float, embeddings: list[float], prefill: list[float]) -> dict:
-    """A run's figures (`FIGURES`, `STAGES`) from its requests' (send, ttft, tpot, end) rows and stage times."""
+    """A run's figures (`FIGURES`, `STAGES`) from its requests' (send, ttft, tpot, end) rows in seconds and
+    stage times; goodput: requests within both SLOs a second, first send to last end."""
     ttft = [t for _, t, _, _ in rows if t is not None]
+    span = max(end for *_, end in rows) - min(send for send, *_ in rows)
+    good = sum(1 for _, t, tpot, _ in rows if t is not None and t <= slo[0] and (tpot or 0.0) <= slo[1])
     return {"encoder_hit_ratio": encoder_hit_ratio, "prefix_hit_ratio": prefix_hit_ratio,
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "goodput": _goodput(rows, slo),
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "goodput": good / max(span, 1e-9),
             "embeddings_p50_s": percentile(embeddings, 50) if embeddings else 0.0,
             "prefill_p50_s": percentile(prefill, 50) if prefill else 0.0}
 
@@ -124,14 +108,13 @@ def simulated_figures(run_set: dict, policy: str, profile, image_tokens: int, sy
     """Each held-out run's figures, from one replay of the policy's whole session."""
     encoders, llms = run_set["replicas"]
     runs = run_set["policies"][policy]["runs"]
-    fresh, shapes, arrivals, owner = [1 << 20], [], [], []
+    fresh, replay = [1 << 20], []  # (arrival, run, content) per request
     for k, run in enumerate(runs):
         for r in sorted(run["requests"], key=lambda r: r["send_s"]):
-            shapes.append(_content(r, image_tokens, system_tokens, fresh, run_set.get("template_tokens", 0)))
-            arrivals.append(run["start_s"] + r["send_s"])
-            owner.append(k)
-    order = sorted(range(len(shapes)), key=arrivals.__getitem__)
-    shapes, arrivals, owner = [shapes[i] for i in order], [arrivals[i] for i in order], [owner[i] for i in order]
+            content = _content(r, image_tokens, system_tokens, fresh, run_set.get("template_tokens", 0))
+            replay.append((run["start_s"] + r["send_s"], k, content))
+    replay.sort(key=lambda request: request[0])
+    arrivals, owner, shapes = (list(column) for column in zip(*replay))
     trace: dict = {}
     simulate_cluster(profile, shapes, encoders, llms, policy, rate=1.0, seed=seed, warmup=0.0, arrivals=arrivals,
                      trace=trace)

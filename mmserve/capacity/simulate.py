@@ -1,33 +1,8 @@
 """Capacity planning (`mmserve plan`): how many encoder replicas per LLM replica a workload needs.
 
-A discrete-event simulation of the app, one request at a time through its stages:
-
-- the router: a fixed overhead per request;
-- the encoder pool: `num_encoders` replicas, each batching its own queue of items by token
-  budget. A request's items become calls by size (`mmserve.request.encode_calls.spread`, the router's
-  rule), each call to the replica with fewer calls in flight of two picked at random (Serve's
-  power of two choices). A cache hit (`Workload.repeat_share`) skips the encoder;
-- the transfer: a time per embedding byte, for the object store or for gRPC (`transport`);
-- the LLM pool: each request to the replica with the fewest requests in flight; a replica runs
-  continuous-batching steps (every running sequence decodes one token; waiting prompts prefill in
-  chunks within `max_batched_tokens`, up to `max_num_seqs` sequences, while the KV cache
-  (`kv_tokens`) has room; past it the youngest sequence is preempted and recomputed later);
-- colocated (no encoder pool): each LLM replica encodes its requests' images itself, in
-  token-budget batches that share the replica's device with its steps (processor sharing: the
-  colocated replica's `EncoderPool` thread and its engine interleave on one GPU), so a busy
-  encoder slows that replica's decodes and the reverse; or, with `Profile.colocated_encoder`
-  "in_step" (vLLM's engine, the ViT inside the step), one at a time, a step waiting for an encode.
-
-Service times come from a `Profile`: fitted from bench results, or a hand-written file, labelled as
-such in every output (`Profile.source`). It is a model: replica counts are fixed unless a pool is
-given its `Autoscaling` (Serve's loop, with its delays and the replicas' start time); admission
-refuses nothing unless the profile bounds the requests waiting for their first token
-(`max_pending_requests`, the router's 429 rule); a step's time is linear in its prefill tokens and
-decoding sequences; each replica has its device to itself, unless the profile says that the
-replicas share one box (`Profile.shared_capacity`: every encoder forward, LLM step and the
-router's work then run on one processor-sharing resource, `SharedCores`, as on the CPU box
-`--validate` runs on).
-
+A discrete-event simulation of the app, one request at a time through its stages (router, encoder
+pool, transfer, LLM replicas; colocated: each LLM replica encodes beside or inside its steps), from
+a `Profile` labelled with its source: docs/capacity.md#the-model says what it models and leaves out.
 Named apart from `mmserve.request.prompt_plan`, the router's per-request planner.
 """
 
@@ -37,7 +12,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from mmserve.capacity.events import Autoscaler, BatchStation, OneAtATime, SharedCores, Simulator, serving
+from mmserve.capacity.events import Autoscaler, BatchStation, OneAtATime, SharedCores, Simulator, countdown, serving
 from mmserve.capacity.inputs import SLO, Autoscaling, Profile, Workload
 from mmserve.capacity.replicas import EncoderPool, LLMReplica, Request
 
@@ -130,21 +105,17 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
                                      lambda: sum(r.in_flight for r in llms if not r.draining),
                                      lambda: llms.append(new_llm()), drain_llm, active)
 
-    def to_llm(request: Request) -> None:
-        least_loaded().add(request)
-
     def encode_locally(request: Request, misses: tuple[int, ...]) -> None:
-        llm, remaining = least_loaded(), [len(misses)]
+        llm = least_loaded()
         llm.encoding += 1
 
         def encoded() -> None:
-            remaining[0] -= 1
-            if not remaining[0]:
-                llm.encoding -= 1
-                llm.add(request)
+            llm.encoding -= 1
+            llm.add(request)
 
+        item_done = countdown(len(misses), encoded)
         for tokens in misses:
-            llm.encoder.submit(tokens, encoded)
+            llm.encoder.submit(tokens, item_done)
 
     def arrive(request: Request) -> None:
         if profile.kv_tokens is not None and request.prompt_tokens + request.output_tokens > profile.kv_tokens:
@@ -160,12 +131,12 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
             pending.add(request.index)
         misses = tuple(tokens for tokens in request.image_sizes if rng.random() >= workload.repeat_share)
         if not misses:
-            route(profile.router_s, lambda: to_llm(request))
+            route(profile.router_s, lambda: least_loaded().add(request))
         elif encoders is None:
             route(profile.router_s, lambda: encode_locally(request, misses))
         else:
             def encoded() -> None:  # every call back: ship the embeddings, then prefill
-                sim.after(profile.transfer_seconds(sum(misses), transport), lambda: to_llm(request))
+                sim.after(profile.transfer_seconds(sum(misses), transport), lambda: least_loaded().add(request))
 
             route(profile.router_s, lambda: encoders.submit(misses, encoded))
 
@@ -201,5 +172,4 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
         encoder_utilisation=encoders.busy_seconds / (mean_encoders * elapsed) if encoders else 0.0,
         llm_utilisation=sum(r.busy_seconds for r in llms) / (mean_llms * elapsed),
         preemptions=sum(r.preemptions for r in requests), mean_encoders=mean_encoders, mean_llms=mean_llms,
-        peak_encoders=peak_encoders, peak_llms=peak_llms,
-    )
+        peak_encoders=peak_encoders, peak_llms=peak_llms)

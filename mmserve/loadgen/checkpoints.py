@@ -1,15 +1,11 @@
 """The benches' checkpoints, built without the hub (torch and transformers imported lazily).
 
 `bench_checkpoint()`: a random Qwen2-VL (float32) whose ViT is big enough to matter, served by the
-CPU serving benches and `mmserve plan --validate`. `qwen2_vl_2b(out)` / `qwen2_5_vl_3b(out)`:
-Qwen2-VL-2B-Instruct's / Qwen2.5-VL-3B-Instruct's architecture with random weights, a whole
-servable checkpoint (vision tower, merger, language model, the tiny models' tokenizer and Qwen2-VL
-chat template, the released image processor bounds), bf16, drawn on the CPU from a fixed seed: the
-same bytes on every host with the same torch; `flat=True` writes config.json in the released
-checkpoints' flat layout. The GPU figures (bench/gpu_report.py) and the GPU app tests serve the
-2B; its answers are gibberish, its sizes (weights, KV bytes per token, ViT FLOPs) are the real model's.
-`random_lm(size, dtype)`: the LLM benches' checkpoint (bench/llm.py, bench/llm_tp.py), a one-layer vision
-tower and a random LM, "small" (CPU) or "2b" (Qwen2-VL-2B's LM).
+CPU serving benches and `mmserve plan --validate`. `qwen2_vl_2b(out)` / `qwen2_5_vl_3b(out)`: those
+models' architectures with random weights, a whole servable checkpoint (the tiny models' tokenizer
+and Qwen2-VL chat template), bf16, drawn on the CPU from a fixed seed: the same bytes on every host
+with the same torch; its answers are gibberish, its sizes (weights, KV bytes per token, ViT FLOPs)
+are the real model's. `random_lm(size, dtype)`: the LLM benches' checkpoint (bench/llm.py, bench/llm_tp.py).
 """
 
 from __future__ import annotations
@@ -57,30 +53,18 @@ BENCH_CHECKPOINT = Path(tempfile.gettempdir()) / "mmserve-bench-serve-qwen2_vl-v
 
 def bench_checkpoint(out: Path = BENCH_CHECKPOINT) -> str:
     """A random Qwen2-VL (float32) whose ViT is big enough to matter: embed 256, depth 6, ≤336² images."""
-    import torch
-    from transformers import (
-        AutoModelForImageTextToText, GenerationConfig, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor,
-    )
+    from transformers import Qwen2VLImageProcessor
 
     from mmserve import tiny
-    from mmserve.tiny import qwen2_vl, tokenizer as tiny_tokenizer
+    from mmserve.tiny import qwen2_vl
 
     if (out / "mmserve_tiny.json").exists():
         return str(out)
-    tokenizer = tiny_tokenizer.build_tokenizer(0, vocab_size=1024)
-    config = qwen2_vl.config("qwen2_vl", tokenizer)
+    config, processor, _, _ = qwen2_vl.build("qwen2_vl", 0)  # the tiny Qwen2-VL, its ViT and images larger
     for key, value in dict(depth=6, embed_dim=256, num_heads=4, mlp_ratio=4).items():
         setattr(config.vision_config, key, value)
-    torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
-    model.generation_config = GenerationConfig(eos_token_id=[config.text_config.eos_token_id],
-                                               pad_token_id=config.text_config.pad_token_id, do_sample=False)
-    processor = Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessor(min_pixels=tiny.MIN_PIXELS, max_pixels=336 * 336),
-        tokenizer=tokenizer, chat_template=tiny.CHAT_TEMPLATE,
-        video_processor=Qwen2VLVideoProcessor(min_pixels=tiny.VIDEO_MIN_PIXELS, max_pixels=tiny.VIDEO_MAX_PIXELS,
-                                              cap_pixels_per_frame=False),
-    )
+    processor.image_processor = Qwen2VLImageProcessor(min_pixels=tiny.MIN_PIXELS, max_pixels=336 * 336)
+    model = tiny.random_model(config, 0, "float32", [config.text_config.eos_token_id], config.text_config.pad_token_id)
     tiny.save_checkpoint(model, processor, out, "mmserve_tiny.json", {"family": "qwen2_vl", "seed": 0, "bench": True})
     return str(out)
 
@@ -127,10 +111,7 @@ def _full_size(arch: _Architecture, out: str | Path, seed: int, text_layers: int
                flat: bool, quantization: str | None = None) -> str:
     out = Path(out)
     settings = {"architecture": arch.name, "seed": seed, "text_layers": text_layers, "vision_depth": vision_depth}
-    if flat:
-        settings["layout"] = "flat"
-    if quantization:
-        settings["quantization"] = quantization
+    settings |= ({"layout": "flat"} if flat else {}) | ({"quantization": quantization} if quantization else {})
     out.parent.mkdir(parents=True, exist_ok=True)
     # one builder at a time (scripts/gpu-check builds it in the background while the tests that need it start):
     # a second caller waits, then finds it built
@@ -145,16 +126,14 @@ def _build(arch: _Architecture, out: Path, seed: int, settings: dict, text_layer
            vision_depth: int | None, flat: bool, quantization: str | None) -> None:
     from functools import partial
 
-    import torch
     import transformers
-    from transformers import AutoModelForImageTextToText, GenerationConfig, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+    from transformers import Qwen2VLImageProcessor, Qwen2VLVideoProcessor
 
-    from mmserve.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, quantized, save_checkpoint
+    from mmserve.tiny import CHAT_TEMPLATE, quantized, random_model, save_checkpoint
     from mmserve.tiny.qwen2_vl import published_layout
-    from mmserve.tiny.tokenizer import build_tokenizer, text_config
+    from mmserve.tiny.tokenizer import build_tokenizer, text_config, vision_token_ids
 
     tokenizer = build_tokenizer(seed, vocab_size=1024)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     text = text_config(tokenizer, **arch.text, initializer_range=0.02, tie_word_embeddings=True,
                        rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]})
     vision = dict(arch.vision, initializer_range=0.02)
@@ -162,20 +141,13 @@ def _build(arch: _Architecture, out: Path, seed: int, settings: dict, text_layer
         text["num_hidden_layers"] = text_layers
     if vision_depth is not None:
         vision["depth"] = vision_depth
-    config = getattr(transformers, arch.config_class)(
-        text_config=text, vision_config=vision, tie_word_embeddings=True, image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.bfloat16).eval()
-    model.generation_config = GenerationConfig(eos_token_id=[text["eos_token_id"], text["bos_token_id"]],
-                                               pad_token_id=text["pad_token_id"], do_sample=False)
+    config = getattr(transformers, arch.config_class)(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                                                      **vision_token_ids(tokenizer))
+    model = random_model(config, seed, "bfloat16", [text["eos_token_id"], text["bos_token_id"]], text["pad_token_id"])
     processor = getattr(transformers, arch.processor_class)(
         image_processor=Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
         video_processor=Qwen2VLVideoProcessor(cap_pixels_per_frame=False), tokenizer=tokenizer,
-        chat_template=CHAT_TEMPLATE,
-    )
+        chat_template=CHAT_TEMPLATE)
     rewrite = partial(quantized.quantize_checkpoint, quantization=quantization, block=quantized.RELEASED_BLOCK,
                       group=quantized.RELEASED_GROUP) if quantization else None
     save_checkpoint(model, processor, out, MARKER, settings, published_layout if flat else None, rewrite)

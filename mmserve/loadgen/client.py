@@ -104,11 +104,8 @@ async def run_load(target: str, model_name: str, specs: list[RequestSpec], offse
         gate = asyncio.Semaphore(concurrency) if concurrency else None
 
         async def tracked(spec: RequestSpec, offset: float) -> RequestRecord:
-            if gate:
-                async with gate:
-                    record = await send(spec, 0.0)
-            else:
-                record = await send(spec, start + offset)
+            async with gate or contextlib.nullcontext():
+                record = await send(spec, 0.0 if gate else start + offset)
             bar.update(1)
             return record
 

@@ -7,6 +7,7 @@ arguments give the same requests and the same send times.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass, field
@@ -36,10 +37,7 @@ class DatasetConfig:
     """
 
     buckets: tuple[ResolutionBucket, ...] = (
-        ResolutionBucket(256, 256, 0.5),
-        ResolutionBucket(512, 512, 0.3),
-        ResolutionBucket(640, 640, 0.2),
-    )
+        ResolutionBucket(256, 256, 0.5), ResolutionBucket(512, 512, 0.3), ResolutionBucket(640, 640, 0.2))
     max_images: int = 2
     text_only_share: float = 0.2
     repeat_share: float = 0.1
@@ -107,23 +105,17 @@ def generate_requests(config: DatasetConfig, num_requests: int, seed: int) -> li
                 seen.append(spec)
                 images.append(spec)
         requests.append(RequestSpec(
-            index=index,
-            prompt_words=_spread(rng, config.input_len, config.range_ratio),
-            max_tokens=_spread(rng, config.output_len, config.range_ratio),
-            images=tuple(images),
+            index=index, prompt_words=_spread(rng, config.input_len, config.range_ratio),
+            max_tokens=_spread(rng, config.output_len, config.range_ratio), images=tuple(images),
             system=rng.randrange(config.system_prompts) if rng.random() < config.system_share else None,
-            text_seed=text_rng.getrandbits(32),
-        ))
+            text_seed=text_rng.getrandbits(32)))
     return requests
 
 
 def arrival_times(num_requests: int, request_rate: float, seed: int, burstiness: float = 1.0) -> list[float]:
-    """Send offsets in seconds from the start, as vLLM's `--request-rate` / `--burstiness`.
-
-    Inter-arrival gaps are gamma(shape=burstiness, scale=1/(rate*burstiness)): mean 1/rate and
-    coefficient of variation 1/sqrt(burstiness); burstiness 1 is a Poisson process. An infinite
-    rate sends everything at time 0.
-    """
+    """Send offsets in seconds from the start, as vLLM's `--request-rate` / `--burstiness`: gamma
+    gaps of mean 1/rate and coefficient of variation 1/sqrt(burstiness) (1: Poisson); an infinite
+    rate sends everything at time 0."""
     if request_rate <= 0:
         raise ValueError(f"request_rate must be > 0, got {request_rate}")
     if burstiness <= 0:
@@ -131,44 +123,39 @@ def arrival_times(num_requests: int, request_rate: float, seed: int, burstiness:
     if math.isinf(request_rate):
         return [0.0] * num_requests
     rng = random.Random(seed ^ 0x5EED)
-    now = 0.0
-    times = []
-    for _ in range(num_requests):
-        times.append(now)
-        now += rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness))
-    return times
+    gaps = [rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness)) for _ in range(num_requests)]
+    return list(itertools.accumulate(gaps, initial=0.0))[:num_requests]
 
 
 def synthesize_image(spec: ImageSpec) -> bytes:
     """PNG bytes of a seeded random image (numpy and PIL imported lazily)."""
-    import io
-
     import numpy as np
     from PIL import Image
 
     pixels = np.random.default_rng(spec.seed).integers(0, 256, (spec.height, spec.width, 3), dtype=np.uint8)
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
+    return _encoded(Image.fromarray(pixels), "PNG")
 
 
 def image_bytes(height: int, width: int, seed: int, fmt: str = "PNG", exif_orientation: int | None = None) -> bytes:
     """A seeded image, smooth-ish (so JPEG round trips stay meaningful), encoded as `fmt`."""
-    import io
-
     import numpy as np
     from PIL import Image
 
     base = np.random.default_rng(seed).integers(0, 255, (max(2, height // 8), max(2, width // 8), 3), dtype=np.uint8)
     img = Image.fromarray(base).resize((width, height), Image.BILINEAR)
-    buf = io.BytesIO()
-    if exif_orientation is not None:
-        exif = Image.Exif()
-        exif[0x0112] = exif_orientation
-        img.save(buf, fmt, exif=exif)
-    else:
-        img.save(buf, fmt)
-    return buf.getvalue()
+    if exif_orientation is None:
+        return _encoded(img, fmt)
+    exif = Image.Exif()
+    exif[0x0112] = exif_orientation
+    return _encoded(img, fmt, exif=exif)
+
+
+def _encoded(image, fmt: str, **options) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    image.save(buffer, fmt, **options)
+    return buffer.getvalue()
 
 
 def data_uri(data: bytes, mime: str = "image/png") -> str:
@@ -178,7 +165,6 @@ def data_uri(data: bytes, mime: str = "image/png") -> str:
 
 
 def system_text(index: int, words: int) -> str:
-    """The `index`-th shared system prompt."""
     vocabulary = ("you", "are", "a", "careful", "assistant", "for", "images", "answer", "briefly", "and", "kindly")
     return f"Role {index}: " + " ".join(vocabulary[(index * 7 + i) % len(vocabulary)] for i in range(words))
 

@@ -1,8 +1,6 @@
 """Physical limits of the GPUs figures are taken on: peak memory bandwidth and dense bf16 tensor
-throughput, looked up by the name CUDA reports (`torch.cuda.get_device_name()`).
-
-Vendor datasheet figures (dense, no sparsity). The benches and bench/gpu_report.py take their
-bounds from here; `--peak-gbs` / `--peak-tflops` override them for a GPU not listed.
+throughput (vendor datasheets, no sparsity), by the name CUDA reports; `--peak-gbs` /
+`--peak-tflops` override them for a GPU not listed.
 """
 
 from __future__ import annotations

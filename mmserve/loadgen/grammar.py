@@ -1,14 +1,10 @@
 """Structured outputs' grammar engines side by side (bench/grammar.py): xgrammar and llguidance.
 
-`SCHEMA`: a fixed extraction schema (an invoice: 30 top-level properties; strings with maxLength,
-integers with minimum/maximum, a number in [0, 1], enums, a nested object, an array of objects
-with maxItems, `required`, `additionalProperties: false` everywhere); `instance(seed)` a valid
-document of it, `dumps()` its compact JSON (the form both engines are compiled for: no free
-whitespace, separators "," and ":"). `ENGINES`: one adapter per library, the same calls an engine
-integration makes (tokenizer info, compile, a matcher per sequence, fill a batch of bitmask rows,
-accept a token each, rollback, reset); both fill the same bitmask format (int32 words, bit j of
-word i = token 32 i + j, 1 = allowed), so one apply kernel serves either. `PROBES`: documents
-just inside and just outside each bound; `INVALID_SCHEMAS`: schemas either engine should refuse.
+`SCHEMA`: a fixed extraction schema (an invoice of 30 top-level properties, with every bound
+keyword); `instance(seed)` a valid document of it, `dumps()` its compact JSON (the form both engines
+are compiled for). `ENGINES`: one adapter per library, the same calls an engine integration makes;
+both fill the same bitmask format (int32 words, bit j of word i = token 32 i + j, 1 = allowed).
+`PROBES`: documents just inside and just outside each bound; `INVALID_SCHEMAS`: schemas to refuse.
 """
 
 from __future__ import annotations
@@ -18,28 +14,25 @@ import random
 import string
 from typing import Any
 
-_ADDRESS = {
-    "type": "object",
-    "properties": {
-        "street": {"type": "string", "maxLength": 64},
-        "city": {"type": "string", "maxLength": 32},
-        "postal_code": {"type": "string", "maxLength": 12},
-        "country": {"type": "string", "enum": ["US", "DE", "FR", "GB", "JP", "CN", "CH", "NL"]},
-    },
-    "required": ["street", "city", "postal_code", "country"],
-    "additionalProperties": False,
-}
-_LINE_ITEM = {
-    "type": "object",
-    "properties": {
-        "description": {"type": "string", "maxLength": 80},
-        "quantity": {"type": "integer", "minimum": 1, "maximum": 10000},
-        "unit_price_cents": {"type": "integer", "minimum": 0, "maximum": 100000000},
-        "tax_rate_percent": {"type": "integer", "minimum": 0, "maximum": 100},
-    },
-    "required": ["description", "quantity", "unit_price_cents", "tax_rate_percent"],
-    "additionalProperties": False,
-}
+
+def _object(properties: dict[str, dict], optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A closed object schema (`additionalProperties: false`) requiring every property but `optional`."""
+    return {"type": "object", "properties": properties, "required": [k for k in properties if k not in optional],
+            "additionalProperties": False}
+
+
+_ADDRESS = _object({
+    "street": {"type": "string", "maxLength": 64},
+    "city": {"type": "string", "maxLength": 32},
+    "postal_code": {"type": "string", "maxLength": 12},
+    "country": {"type": "string", "enum": ["US", "DE", "FR", "GB", "JP", "CN", "CH", "NL"]},
+})
+_LINE_ITEM = _object({
+    "description": {"type": "string", "maxLength": 80},
+    "quantity": {"type": "integer", "minimum": 1, "maximum": 10000},
+    "unit_price_cents": {"type": "integer", "minimum": 0, "maximum": 100000000},
+    "tax_rate_percent": {"type": "integer", "minimum": 0, "maximum": 100},
+})
 _CENTS = {"type": "integer", "minimum": 0, "maximum": 999999999}
 _PROPERTIES: dict[str, dict] = {
     "invoice_number": {"type": "string", "maxLength": 32},
@@ -74,17 +67,10 @@ _PROPERTIES: dict[str, dict] = {
     "confidence": {"type": "number", "minimum": 0, "maximum": 1},
 }
 OPTIONAL = ("billing_address", "po_number", "discount_cents", "notes")
-SCHEMA: dict[str, Any] = {
-    "title": "Invoice",
-    "type": "object",
-    "properties": _PROPERTIES,
-    "required": [k for k in _PROPERTIES if k not in OPTIONAL],
-    "additionalProperties": False,
-}
+SCHEMA: dict[str, Any] = {"title": "Invoice", **_object(_PROPERTIES, OPTIONAL)}
 
 # one bounded string: what xgrammar's compile time grows with (the GIL check, the special tokens check)
-SMALL_SCHEMA = {"type": "object", "properties": {"note": {"type": "string", "maxLength": 64}}, "required": ["note"],
-                "additionalProperties": False}
+SMALL_SCHEMA = _object({"note": {"type": "string", "maxLength": 64}})
 SMALL_DOC = '{"note":"North Star Trading 東京 50% off"}'
 
 
@@ -225,10 +211,12 @@ class XGrammar:
     name = "xgrammar"
 
     def __init__(self, tokenizer, model_vocab: int, threads: int, blank_specials: bool = True):
+        from importlib.metadata import version
+
         import xgrammar as xgr
 
         self.xgr = xgr
-        self.version = xgr.__version__ if hasattr(xgr, "__version__") else _version("xgrammar")
+        self.version = getattr(xgr, "__version__", None) or version("xgrammar")
         self.eos = tokenizer.eos_token_id
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model_vocab, stop_token_ids=[self.eos])
         if blank_specials:  # as shipped, an added special token is its literal text ("<|image_pad|>" in a string)
@@ -356,12 +344,6 @@ class LLGuidance:
 ENGINES = {"xgrammar": XGrammar, "llguidance": LLGuidance}
 
 
-def _version(dist: str) -> str:
-    from importlib.metadata import version
-
-    return version(dist)
-
-
 def install_footprint(dist: str) -> dict[str, Any]:
     """The installed distribution's bytes on disk (its own files) and what it requires."""
     from importlib.metadata import distribution
@@ -477,20 +459,20 @@ def check_walk(engines: list, compiled: list, tokenizer, doc: list[int]) -> dict
     k = min(20, len(doc) - 1)
     for e, c in zip(engines, compiled):
         m, b = e.matcher(c), e.allocate(1)
-        e.fill([m], b)
-        first = b.clone()
+
+        def mask(e=e, m=m, b=b):
+            e.fill([m], b)
+            return b.clone()
+
+        first = mask()
         assert all(e.accept([m], [t])[0] for t in doc[:k])
-        e.fill([m], b)
-        at_k = b.clone()
+        at_k = mask()
         e.rollback(m, k)
-        e.fill([m], b)
-        back = bool((b == first).all())
+        back = mask()
         assert all(e.accept([m], [t])[0] for t in doc[:k])
-        e.fill([m], b)
-        again = bool((b == at_k).all())
+        again = mask()
         e.reset(m)
-        e.fill([m], b)
-        rollback_ok[e.name] = back and again and bool((b == first).all())
+        rollback_ok[e.name] = bool((back == first).all() and (again == at_k).all() and (mask() == first).all())
     return {"steps": len(doc), "identical_steps": identical,
             "mean_allowed": {e.name: allowed[i] / len(doc) for i, e in enumerate(engines)},
             "special_steps": {e.name: leaks[i] for i, e in enumerate(engines)},
@@ -503,12 +485,7 @@ def probe(engine, compiled, tokenizer) -> list[tuple[str, bool, bool]]:
     for what, valid, text in PROBES:
         m = engine.matcher(compiled)
         ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-        ok = True
-        for t in ids:
-            if not engine.accept([m], [t])[0]:
-                ok = False
-                break
-        out.append((what, valid, ok))
+        out.append((what, valid, all(engine.accept([m], [t])[0] for t in ids)))
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,9 +50,7 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
-        if self.output_tokens < 2:
-            return None
-        return (self.e2el - self.ttft) / (self.output_tokens - 1)
+        return (self.e2el - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else None
 
     @property
     def itls(self) -> list[float]:
@@ -67,11 +66,8 @@ class SLO:
     @classmethod
     def parse(cls, text: str | list[str] | None) -> "SLO":
         """`"ttft:500 tpot:50"` (or its words as a list) -> SLO; unknown keys are a ValueError."""
-        if not text:
-            return cls()
-        parts = text.split() if isinstance(text, str) else list(text)
         values: dict[str, float] = {}
-        for part in parts:
+        for part in text.split() if isinstance(text, str) else text or ():
             key, sep, value = part.partition(":")
             if not sep or key not in ("ttft", "tpot", "e2el"):
                 raise ValueError(f"goodput SLO {part!r}: expected ttft:MS, tpot:MS or e2el:MS")
@@ -81,13 +77,7 @@ class SLO:
     def met_by(self, record: RequestRecord) -> bool:
         if not record.ok or record.output_tokens == 0:
             return False
-        if self.ttft_ms is not None and record.ttft * 1000 > self.ttft_ms:
-            return False
-        if self.tpot_ms is not None and (record.tpot or 0.0) * 1000 > self.tpot_ms:
-            return False
-        if self.e2el_ms is not None and record.e2el * 1000 > self.e2el_ms:
-            return False
-        return True
+        return all((getattr(record, key) or 0.0) * 1000 <= limit for key, limit in self.as_dict().items())
 
     def as_dict(self) -> dict[str, float]:
         return {k: v for k, v in (("ttft", self.ttft_ms), ("tpot", self.tpot_ms), ("e2el", self.e2el_ms)) if v is not None}
@@ -111,18 +101,12 @@ def percentile(values: list[float], q: float) -> float:
 
 def _summary(name: str, seconds: list[float], percentiles: tuple[float, ...]) -> dict[str, float]:
     ms = [s * 1000 for s in seconds]
-    out = {
-        f"mean_{name}_ms": statistics.fmean(ms) if ms else 0.0,
-        f"median_{name}_ms": percentile(ms, 50),
-        f"std_{name}_ms": statistics.pstdev(ms) if ms else 0.0,
-    }
-    for q in percentiles:
-        out[f"p{q:g}_{name}_ms"] = percentile(ms, q)
-    return out
+    return {f"mean_{name}_ms": statistics.fmean(ms) if ms else 0.0, f"median_{name}_ms": percentile(ms, 50),
+            f"std_{name}_ms": statistics.pstdev(ms) if ms else 0.0,
+            **{f"p{q:g}_{name}_ms": percentile(ms, q) for q in percentiles}}
 
 
 def compute_metrics(records: list[RequestRecord], slo: SLO = SLO(), percentiles: tuple[float, ...] = (50, 90, 99)) -> dict:
-    """The benchmark's result dict for `records` (see the module docstring for definitions)."""
     if not records:
         raise ValueError("no requests in the trace")
     done = [r for r in records if r.ok and r.output_tokens > 0]
@@ -131,9 +115,7 @@ def compute_metrics(records: list[RequestRecord], slo: SLO = SLO(), percentiles:
     duration = max(end - start, 1e-9)
     output_tokens = sum(r.output_tokens for r in done)
     good = sum(1 for r in records if slo.met_by(r))
-    statuses: dict[str, int] = {}
-    for r in records:
-        statuses[r.status] = statuses.get(r.status, 0) + 1
+    statuses = dict(Counter(r.status for r in records))
     result = {
         "duration": duration,
         "num_prompts": len(records),

@@ -1,15 +1,11 @@
 """A tokenizer of Qwen2's real vocabulary size, built here without the hub (bench/grammar.py).
 
-Qwen2's tokenizer has 151,643 byte-level BPE tokens, its special tokens after them
-(`<|endoftext|>` = 151,643, `<|im_start|>`, `<|im_end|>`, ...), and the model's embedding and
-logits pad the vocabulary to 151,936 rows. `qwen_size_tokenizer()` trains the tiny models'
-tokenizer (`mmserve.tiny.tokenizer.build_tokenizer`: Qwen2's split pattern, the Qwen2-VL special
-tokens) on a larger deterministic corpus: the tiny corpus, JSON documents (compact, spaced and
-indented: tokens such as `":"`, `","`, `"},{"`), runs of CJK characters and seeded pseudo-words
-drawn with Zipf frequencies, enough distinct words for the merges. The same arguments give the same
-vocabulary; the result is cached under the temporary directory (~15 s to train at full size, ~0.5 s
-to load). Its token strings are not Qwen's (a mean of ~8 bytes: whole pseudo-words, where a real
-vocabulary holds more short pieces); its size, byte-level alphabet and split pattern are.
+Qwen2's tokenizer has 151,643 byte-level BPE tokens, its special tokens after them, and the model's
+embedding and logits pad the vocabulary to 151,936 rows. `qwen_size_tokenizer()` trains the tiny
+models' tokenizer (`mmserve.tiny.tokenizer.build_tokenizer`) on a larger deterministic corpus (JSON
+documents, CJK runs, seeded pseudo-words with Zipf frequencies), cached under the temporary
+directory. Its token strings are not Qwen's (whole pseudo-words); its size, byte-level alphabet and
+split pattern are.
 """
 
 from __future__ import annotations
@@ -34,15 +30,11 @@ _KEYS = ("id name type value status count total price amount date time email pho
 
 
 def _pseudo_words(rng: random.Random, n: int) -> list[str]:
-    seen: set[str] = set()
-    words: list[str] = []
+    words: dict[str, None] = {}  # in the order drawn, each once
     while len(words) < n:
-        word = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
-                       for _ in range(rng.choice((1, 1, 2, 2, 3))))
-        if word not in seen:
-            seen.add(word)
-            words.append(word)
-    return words
+        words["".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+                      for _ in range(rng.choice((1, 1, 2, 2, 3))))] = None
+    return list(words)
 
 
 def _json_value(rng: random.Random, words: list[str], depth: int):
@@ -82,13 +74,6 @@ def corpus(bpe_tokens: int, seed: int = 0) -> list[str]:
                                 separators=(",", ":") if style == 0 else None))
     lines += hanzi + words + [" " + w for w in words]  # each seen alone, and each word after a space
     return lines
-
-
-def mean_token_bytes(tokenizer, regular: int) -> float:
-    """The mean length in UTF-8 bytes of the first `regular` tokens (the BPE ones)."""
-    decoder = tokenizer.backend_tokenizer.decoder
-    lengths = [len(decoder.decode([t]).encode()) for t, i in tokenizer.get_vocab().items() if i < regular]
-    return sum(lengths) / len(lengths)
 
 
 def qwen_size_tokenizer(bpe_tokens: int = QWEN2_BPE_TOKENS, seed: int = 0, cache_dir: str | Path | None = None):

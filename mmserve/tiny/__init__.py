@@ -52,9 +52,6 @@ LLAVA_FAMILIES = tuple(name for name, model_type in _MODEL_TYPES.items() if mode
 def build_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = 0, quantization: str | None = None) -> Path:
     """Write the tiny checkpoint `family` (a name in `FAMILIES`) to `out_dir` (atomically) and return
     its path; `quantization` (one of `quantized.QUANTIZATIONS`): its language model's weights in that format."""
-    import torch
-    from transformers import AutoModelForImageTextToText, GenerationConfig
-
     if family not in _MODEL_TYPES:
         raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
     if quantization not in (None, *quantized.QUANTIZATIONS):
@@ -63,20 +60,26 @@ def build_tiny_model(family: str, out_dir: str | os.PathLike, seed: int = 0, qua
     out = Path(out_dir)
     build = families.face_class(__name__, _MODEL_TYPES[family], "build")
     config, processor, eos_ids, init_seed = build(family, seed)
-    torch.manual_seed(init_seed)
-    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
-    text_config = config.text_config
     # A tokenizer that prepends a BOS (LLaVA's `<s>`) names it in the generation config too.
     prepends_bos = getattr(processor.tokenizer, "add_bos_token", False)
-    bos = {"bos_token_id": text_config.bos_token_id} if prepends_bos else {}
-    model.generation_config = GenerationConfig(
-        eos_token_id=eos_ids, pad_token_id=text_config.pad_token_id, **bos, do_sample=False
-    )
-
+    bos = {"bos_token_id": config.text_config.bos_token_id} if prepends_bos else {}
+    model = random_model(config, init_seed, "float32", eos_ids, config.text_config.pad_token_id, **bos)
     settings = {"family": family, "seed": seed} | ({"quantization": quantization} if quantization else {})
     rewrite = partial(quantized.quantize_checkpoint, quantization=quantization) if quantization else None
     save_checkpoint(model, processor, out, "mmserve_tiny.json", settings, rewrite=rewrite)
     return out
+
+
+def random_model(config, seed: int, dtype: str, eos_ids: list[int], pad_id: int, **generation):
+    """`config`'s model in `dtype` (a torch dtype's name), its weights drawn at torch seed `seed`;
+    its generation config greedy, stopping at `eos_ids` (`generation`: more of its fields)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, GenerationConfig
+
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=getattr(torch, dtype)).eval()
+    model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=pad_id, **generation, do_sample=False)
+    return model
 
 
 def save_checkpoint(model, processor, out: Path, marker: str, settings: dict,
@@ -112,6 +115,4 @@ def default_model_dir(family: str = "qwen2_vl") -> Path:
 
 def ensure_tiny_model(family: str = "qwen2_vl", out_dir: str | os.PathLike | None = None) -> Path:
     out = Path(out_dir) if out_dir is not None else default_model_dir(family)
-    if (out / "mmserve_tiny.json").exists():
-        return out
-    return build_tiny_model(family, out)
+    return out if (out / "mmserve_tiny.json").exists() else build_tiny_model(family, out)

@@ -29,34 +29,26 @@ MINICPMV_CHAT_TEMPLATE = chat_template("minicpmv4_6")
 
 
 def build(name: str, seed: int):
-    """The tiny MiniCPM-V 4.6 (see `mmserve.tiny` for the contract)."""
-    from transformers import MiniCPMV4_6Config, PreTrainedTokenizerFast
+    from transformers import MiniCPMV4_6Config
     from transformers.models.minicpmv4_6.image_processing_minicpmv4_6 import MiniCPMV4_6ImageProcessor
     from transformers.models.minicpmv4_6.processing_minicpmv4_6 import MiniCPMV4_6Processor
     from transformers.models.minicpmv4_6.video_processing_minicpmv4_6 import MiniCPMV4_6VideoProcessor
 
-    base = build_tokenizer(seed, 1024, MINICPMV_SPECIAL_TOKENS, added_tokens=QWEN3_ADDED_TOKENS)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=base.backend_tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        unk_token=None, extra_special_tokens=MINICPMV_NAMED_TOKENS, model_max_length=4096,
-        clean_up_tokenization_spaces=False, split_special_tokens=False,
-    )
+    tokenizer = build_tokenizer(seed, 1024, MINICPMV_SPECIAL_TOKENS, added_tokens=QWEN3_ADDED_TOKENS,
+                                extra_special_tokens=MINICPMV_NAMED_TOKENS)
     ids = tokenizer.convert_tokens_to_ids
     text = dict(
         model_type="qwen3_5_text", vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
-        initializer_range=0.2, pad_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
-    )
+        initializer_range=0.2, pad_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"))
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
                   image_size=MINICPMV_SCALE, patch_size=14, insert_layer_id=1)
     config = MiniCPMV4_6Config(
         text_config=text, vision_config=vision, insert_layer_id=1,
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-    )
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"))
     processor = MiniCPMV4_6Processor(
         image_processor=MiniCPMV4_6ImageProcessor(scale_resolution=MINICPMV_SCALE, max_slice_nums=9),
         video_processor=MiniCPMV4_6VideoProcessor(scale_resolution=MINICPMV_SCALE, max_slice_nums=2),
-        tokenizer=tokenizer, chat_template=MINICPMV_CHAT_TEMPLATE,
-    )
+        tokenizer=tokenizer, chat_template=MINICPMV_CHAT_TEMPLATE)
     return config, processor, [ids("<|im_end|>"), ids("<|endoftext|>")], seed + INIT_SEED_OFFSET

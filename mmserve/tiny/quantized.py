@@ -1,19 +1,9 @@
-"""A saved tiny checkpoint rewritten as a quantized release is: the language model's projections
-quantized from the dense weights by the format's own rules, the rest (vision tower, embeddings,
-norms, biases, lm_head) as saved, `quantization_config` in `config.json`. The formats
-(`mmserve build-tiny-model --quantization`):
-
-- `fp8-block`: Qwen's `-FP8` releases: `F8_E4M3` `weight` + float32 `weight_scale_inv` per block;
-- `fp8-channel`: llm-compressor's FP8-dynamic scheme (compressed-tensors `float-quantized`):
-  `F8_E4M3` `weight` + float32 `weight_scale` `(out, 1)`;
-- `awq`: AutoAWQ's int4 GEMM layout: `qweight`, `qzeros` (int32, 8 values each) and float16
-  `scales` per group of input rows, no `weight`.
-
-A MoE checkpoint's experts, saved stacked (`mlp.experts.gate_up_proj` `(E, 2I, H)`,
-`mlp.experts.down_proj` `(E, H, I)`), are written as the quantized releases store them
-(Qwen3-VL-30B-A3B-Instruct-FP8): one projection per expert, `mlp.experts.<j>.gate_proj`,
-`up_proj`, `down_proj`, each quantized like any other; the routers (`mlp.gate`) stay dense and are
-named in the skip lists, as the releases name them.
+"""A saved tiny checkpoint rewritten as a quantized release is (`mmserve build-tiny-model
+--quantization`; the formats: docs/quantization.md): the language model's projections quantized from
+the dense weights by the format's own rules, the rest (vision tower, embeddings, norms, biases,
+lm_head) as saved, `quantization_config` in `config.json`. A MoE checkpoint's stacked experts are
+written one projection per expert, as the quantized releases store them (Qwen3-VL-30B-A3B-Instruct-FP8);
+the routers (`mlp.gate`) stay dense and are named in the skip lists, as the releases name them.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ window attention (full attention in blocks 1 and 3)."""
 
 from __future__ import annotations
 
-from mmserve.tiny.tokenizer import QWEN2_5_ADDED_TOKENS, SPECIAL_TOKENS, build_tokenizer, chat_template, text_config
+from mmserve.tiny.tokenizer import QWEN2_5_ADDED_TOKENS, build_tokenizer, chat_template, text_config, vision_token_ids
 
 VARIANTS: dict[str, str] = {}
 
@@ -19,30 +19,18 @@ VIDEO_MAX_PIXELS = 28 * 28 * 16
 
 
 def config(model_type: str, tokenizer):
-    """The tiny `Qwen2VLConfig` / `Qwen2_5_VLConfig` for `tokenizer`'s vocabulary."""
     from transformers import Qwen2VLConfig, Qwen2_5_VLConfig
 
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     text = text_config(tokenizer, tie_word_embeddings=False, rope_parameters={
         "rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
-    common = dict(
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=False,
-    )
+    common = dict(vision_token_ids(tokenizer), tie_word_embeddings=False)
     if model_type == "qwen2_vl":
-        vision = dict(
-            depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=4, in_channels=3,
-            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.2,
-        )
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=4, in_channels=3,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, initializer_range=0.2)
         return Qwen2VLConfig(text_config=text, vision_config=vision, **common)
-    vision = dict(
-        depth=4, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3, out_hidden_size=64,
-        patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-        fullatt_block_indexes=[1, 3], tokens_per_second=2, initializer_range=0.2,
-    )
+    vision = dict(depth=4, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3, out_hidden_size=64,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                  fullatt_block_indexes=[1, 3], tokens_per_second=2, initializer_range=0.2)
     return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
 
 
@@ -65,22 +53,16 @@ def published_layout(nested: dict) -> dict:
 
 
 def build(name: str, seed: int):
-    """The tiny Qwen2-VL / Qwen2.5-VL (see `mmserve.tiny` for the contract)."""
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
     # Qwen2.5-VL's tokenizer adds the tool-call and fill-in-the-middle tokens; Qwen2-VL's has none
     tokenizer = build_tokenizer(seed, vocab_size=1024, added_tokens=QWEN2_5_ADDED_TOKENS if name == "qwen2_5_vl" else ())
     model_config = config(name, tokenizer)
     image_processor = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
-    video_processor = Qwen2VLVideoProcessor(
-        min_pixels=VIDEO_MIN_PIXELS, max_pixels=VIDEO_MAX_PIXELS, cap_pixels_per_frame=False
-    )
-    processor_cls = Qwen2VLProcessor if name == "qwen2_vl" else Qwen2_5_VLProcessor
-    processor = processor_cls(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        video_processor=video_processor,
-        chat_template=CHAT_TEMPLATE,
-    )
+    video_processor = Qwen2VLVideoProcessor(min_pixels=VIDEO_MIN_PIXELS, max_pixels=VIDEO_MAX_PIXELS,
+                                            cap_pixels_per_frame=False)
+    processor = (Qwen2VLProcessor if name == "qwen2_vl" else Qwen2_5_VLProcessor)(
+        image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+        chat_template=CHAT_TEMPLATE)
     text = model_config.text_config
     return model_config, processor, [text.eos_token_id, text.bos_token_id], seed

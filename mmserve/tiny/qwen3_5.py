@@ -1,26 +1,16 @@
 """Tiny Qwen3.5 (`qwen3_5`): Qwen/Qwen3.5-* shrunk, natively multimodal with a hybrid decoder.
 
-Structure as the published configs: a 16-px patch ViT with a learned position grid and no
-DeepStack (`Qwen3_5VisionModel`), a `qwen3_5_text` decoder of Gated-DeltaNet linear-attention
-layers and full-attention layers (3 of every 4 linear, `layer_types`), interleaved M-RoPE on a
-quarter of each head (`partial_rotary_factor` 0.25, `mrope_section` [2, 1, 1] for the real
-[11, 11, 10]), untied lm_head. `transformers` maps `qwen3_5` to `Qwen3VLProcessor` (the Qwen2-VL
-image processor, the Qwen3-VL video processor with timestamps per temporal group), shrunk here as
-Qwen3-VL's tiny one; the tokenizer has the Qwen3 special tokens.
-
-The chat template is written after Qwen3.5's published one (the hub checkpoints'
-`chat_template.jinja`): the same rendering of system, user, assistant and tool turns (contents
-trimmed, media placeholders in place, `Picture N:` with `add_vision_id`, no media in a system
-turn, earlier turns' reasoning dropped), of the tools section's layout (a `<tools>` list of JSON
-signatures, calls as `<tool_call><function=NAME><parameter=ARG>` XML) with its instructions
-shortened, and of the generation prompt, which opens a thinking block (`<think>\\n`) unless
-`enable_thinking` is false (then an empty one).
+Structure as the published configs: a 16-px patch ViT without DeepStack, a `qwen3_5_text` decoder of
+Gated-DeltaNet linear-attention and full-attention layers (3 of every 4 linear), interleaved M-RoPE
+on a quarter of each head, untied lm_head; Qwen3-VL's tiny processor and tokenizer. The chat template
+follows Qwen3.5's published one (turns, tools as `<tool_call><function=NAME>` XML, a thinking block
+opened by the generation prompt unless `enable_thinking` is false), its instructions shortened.
 """
 
 from __future__ import annotations
 
 from mmserve.tiny import qwen3_vl
-from mmserve.tiny.tokenizer import chat_template, text_config
+from mmserve.tiny.tokenizer import chat_template, text_config, vision_token_ids
 
 VARIANTS: dict[str, str] = {}
 
@@ -36,36 +26,23 @@ INIT_SEED_OFFSET = 0
 QWEN3_5_CHAT_TEMPLATE = chat_template("qwen3_5")
 
 
-def text_overrides(tokenizer, **overrides) -> dict:
-    """The tiny `qwen3_5_text` decoder's fields (`overrides`: the MoE sibling's)."""
-    return text_config(
+def config(tokenizer, config_class=None, **text):
+    """The tiny `Qwen3_5Config` (`config_class`, `text`: the MoE sibling's class and decoder fields);
+    its ViT is Qwen3-VL's without DeepStack."""
+    from transformers import Qwen3_5Config
+
+    decoder = text_config(
         tokenizer, num_hidden_layers=LAYERS, head_dim=HEAD_DIM, tie_word_embeddings=False,
         layer_types=["linear_attention"] * (LAYERS - 1) + ["full_attention"],
         linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
         linear_conv_kernel_dim=4,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                         "mrope_section": [2, 1, 1], "mrope_interleaved": True},
-    ) | overrides
-
-
-def vision_fields() -> dict:
-    """The tiny ViT: Qwen3-VL's without DeepStack."""
-    return dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3, out_hidden_size=64,
-                patch_size=qwen3_vl.PATCH_SIZE, spatial_merge_size=qwen3_vl.MERGE_SIZE, temporal_patch_size=2,
-                num_position_embeddings=64, initializer_range=0.2)
-
-
-def config(tokenizer, config_class=None, **text):
-    """The tiny `Qwen3_5Config` (`config_class`, `text`: the MoE sibling's class and decoder fields)."""
-    from transformers import Qwen3_5Config
-
-    ids = tokenizer.convert_tokens_to_ids
-    return (config_class or Qwen3_5Config)(
-        text_config=text_overrides(tokenizer, **text), vision_config=vision_fields(),
-        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
-        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
-        tie_word_embeddings=False,
-    )
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True}, **text)
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3, out_hidden_size=64,
+                  patch_size=qwen3_vl.PATCH_SIZE, spatial_merge_size=qwen3_vl.MERGE_SIZE, temporal_patch_size=2,
+                  num_position_embeddings=64, initializer_range=0.2)
+    return (config_class or Qwen3_5Config)(text_config=decoder, vision_config=vision, **vision_token_ids(tokenizer),
+                                           tie_word_embeddings=False)
 
 
 def build(name: str, seed: int, make_config=config):

@@ -1,12 +1,7 @@
-"""Tiny Qwen3.5-MoE (`qwen3_5_moe`): Qwen/Qwen3.5-35B-A3B shrunk.
-
-Qwen3.5's tiny checkpoint (same ViT, processor, chat template, tokenizer and hybrid layer pattern:
-3 linear-attention layers of every 4) with every decoder layer's MLP a sparse block as in the
-published MoE configs: a softmax router over 16 experts of width 48, 4 per token renormalised,
-plus a shared expert of width 32 behind a sigmoid gate (the real: 256 experts of 512, 8 per
-token, a shared expert of 512). The experts are saved in `transformers`' layout, `gate_up_proj`
-`(E, 2I, H)` and `down_proj` `(E, H, I)`; 2I and I differ from H so that a transposed layout
-could not be mistaken for it.
+"""Tiny Qwen3.5-MoE (`qwen3_5_moe`): Qwen3.5's tiny checkpoint with every decoder MLP a sparse block
+as in Qwen/Qwen3.5-35B-A3B: a softmax router over 16 experts of width 48, 4 per token renormalised,
+plus a shared expert of width 32 behind a sigmoid gate. The experts are saved in transformers'
+layout (`gate_up_proj` `(E, 2I, H)`, `down_proj` `(E, H, I)`; 2I and I differ from H).
 """
 
 from __future__ import annotations

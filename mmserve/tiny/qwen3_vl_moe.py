@@ -1,12 +1,8 @@
-"""Tiny Qwen3-VL-MoE (`qwen3_vl_moe`).
-
-Qwen3-VL's tiny checkpoint (same ViT, DeepStack, processor, chat template and tokenizer) with the
-decoder of Qwen/Qwen3-VL-30B-A3B-Instruct shrunk: every layer's MLP a sparse block (softmax
-router, top-k renormalised, no shared expert; `decoder_sparse_step` 1, no dense layers), 16
-experts of width 48 and 4 per token, against the real 128, 768 and 8. `save_pretrained` writes
-the experts in transformers' in-memory layout, `gate_up_proj` `(E, 2I, H)` and `down_proj`
-`(E, H, I)`; the published checkpoints hold them transposed, which the LM face reads as well
-(2I and I differ from H here, so the two layouts cannot be confused).
+"""Tiny Qwen3-VL-MoE (`qwen3_vl_moe`): Qwen3-VL's tiny checkpoint with every decoder MLP a sparse
+block as in Qwen/Qwen3-VL-30B-A3B-Instruct (softmax router, top-k renormalised, no shared expert):
+16 experts of width 48, 4 per token. The experts are saved in transformers' layout, `gate_up_proj`
+`(E, 2I, H)` and `down_proj` `(E, H, I)`; 2I and I differ from H so the published transposed
+layout, which the LM face reads too, cannot be confused with it.
 """
 
 from __future__ import annotations

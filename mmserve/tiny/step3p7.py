@@ -29,7 +29,6 @@ STEP3_CHAT_TEMPLATE = chat_template("step3p7")
 
 
 def build(name: str, seed: int):
-    """The tiny Step3 (see `mmserve.tiny` for the contract)."""
     from transformers import Step3p7Config
     from transformers.models.step3p7.image_processing_step3p7 import Step3p7ImageProcessor
     from transformers.models.step3p7.processing_step3p7 import Step3p7Processor
@@ -45,17 +44,14 @@ def build(name: str, seed: int):
         moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, share_expert_dim=32,
         rope_theta=[10000.0, 5000.0, 5000.0, 10000.0], max_position_embeddings=4096,
         initializer_range=0.2, pad_token_id=ids("<|endoftext|>"), eos_token_id=ids("<|im_end|>"),
-        tie_word_embeddings=False,
-    )
+        tie_word_embeddings=False)
     vision = dict(
         hidden_size=32, num_hidden_layers=2, num_attention_heads=4, image_size=STEP3_IMAGE_SIZE,
-        patch_size=STEP3_VIT_PATCH, mlp_ratio=2.0, initializer_range=0.2,
-    )
+        patch_size=STEP3_VIT_PATCH, mlp_ratio=2.0, initializer_range=0.2)
     config = Step3p7Config(text_config=text, vision_config=vision, image_token_id=ids(STEP3_IMAGE_TOKEN))
     image_processor = Step3p7ImageProcessor(
         size={"height": STEP3_IMAGE_SIZE, "width": STEP3_IMAGE_SIZE}, patch_size=STEP3_CROP_SIZE,
-        vision_patch_size=STEP3_VIT_PATCH,
-    )
+        vision_patch_size=STEP3_VIT_PATCH)
     processor = Step3p7Processor(image_processor=image_processor, tokenizer=tokenizer,
                                  chat_template=STEP3_CHAT_TEMPLATE)
     return config, processor, [ids("<|im_end|>"), ids("<|endoftext|>")], seed

@@ -54,51 +54,34 @@ def _corpus(seed: int) -> list[str]:
     return lines
 
 
-def build_tokenizer(
-    seed: int,
-    vocab_size: int,
-    special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
-    eos_token: str = "<|im_end|>",
-    pad_token: str = "<|endoftext|>",
-    bos_token: str | None = None,
-    extra_corpus: list[str] | None = None,
-    added_tokens: tuple[str, ...] = (),
-):
+def build_tokenizer(seed: int, vocab_size: int, special_tokens: tuple[str, ...] = SPECIAL_TOKENS,
+                    eos_token: str = "<|im_end|>", pad_token: str = "<|endoftext|>", bos_token: str | None = None,
+                    extra_corpus: list[str] | None = None, added_tokens: tuple[str, ...] = (),
+                    extra_special_tokens: dict[str, str] | None = None):
     """Byte-level BPE trained on a fixed corpus; with `bos_token`, it is prepended to every encoding.
     `extra_corpus`: lines trained on after the fixed ones (`mmserve/loadgen/vocab.py`: a vocabulary
     of a real model's size). `special_tokens`, then `added_tokens` (plain: decoded even when special
-    tokens are skipped), are added tokens, none normalized, as in the released Qwen tokenizers."""
+    tokens are skipped), are added tokens, none normalized, as in the released Qwen tokenizers;
+    `extra_special_tokens` names some of them (`{"image_token": "<|image_pad|>"}`: MiniCPM-V's)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(byte_fallback=False))
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(special_tokens) - len(added_tokens),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(special_tokens) - len(added_tokens),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_corpus(seed) + list(extra_corpus or ()), trainer=trainer)
     tok.add_special_tokens(list(special_tokens))
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     bos = {} if bos_token is None else {"bos_token": bos_token, "add_bos_token": True}
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token=eos_token,
-        pad_token=pad_token,
-        unk_token=None,
-        **bos,
-        model_max_length=4096,
-        clean_up_tokenization_spaces=False,
-        split_special_tokens=False,
-    )
+    named = {"extra_special_tokens": extra_special_tokens} if extra_special_tokens else {}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos_token, pad_token=pad_token, unk_token=None,
+                                   **bos, **named, model_max_length=4096, clean_up_tokenization_spaces=False,
+                                   split_special_tokens=False)
 
 
 def text_config(tokenizer, bos: str | None = "<|endoftext|>", eos: str = "<|im_end|>", pad: str = "<|endoftext|>",
@@ -111,3 +94,10 @@ def text_config(tokenizer, bos: str | None = "<|endoftext|>", eos: str = "<|im_e
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         bos_token_id=ids(bos) if bos else None, eos_token_id=ids(eos), pad_token_id=ids(pad),
     ) | overrides
+
+
+def vision_token_ids(tokenizer) -> dict[str, int]:
+    """The Qwen-VL configs' placeholder and vision-span token ids, from the Qwen2-VL special tokens."""
+    ids = tokenizer.convert_tokens_to_ids
+    return dict(image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+                vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"))
