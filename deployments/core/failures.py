@@ -21,36 +21,27 @@ from mmserve.errors import (InvalidRequest, NotReady, Overloaded, QueueFull, Rep
 
 Kind = Literal["invalid", "too_large", "unauthenticated", "busy", "overloaded", "lost", "unavailable", "deadline",
                "internal"]
-HTTP_STATUS: dict[str, int] = {
-    "invalid": 400, "too_large": 413, "unauthenticated": 401, "busy": 429, "overloaded": 503, "lost": 503,
-    "unavailable": 503, "deadline": 504, "internal": 500,
-}
-GRPC_CODE: dict[str, grpc.StatusCode] = {
-    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
-    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
-    "too_large": grpc.StatusCode.INVALID_ARGUMENT,
-    "busy": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "lost": grpc.StatusCode.UNAVAILABLE,
-    "unavailable": grpc.StatusCode.UNAVAILABLE,
-    "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
-    "internal": grpc.StatusCode.INTERNAL,
-}
+# kind -> (HTTP status, gRPC status code)
+CODES: dict[str, tuple[int, grpc.StatusCode]] = {kind: (http, getattr(grpc.StatusCode, code)) for kind, http, code in (
+    ("invalid", 400, "INVALID_ARGUMENT"), ("too_large", 413, "INVALID_ARGUMENT"),
+    ("unauthenticated", 401, "UNAUTHENTICATED"), ("busy", 429, "RESOURCE_EXHAUSTED"),
+    ("overloaded", 503, "RESOURCE_EXHAUSTED"), ("lost", 503, "UNAVAILABLE"), ("unavailable", 503, "UNAVAILABLE"),
+    ("deadline", 504, "DEADLINE_EXCEEDED"), ("internal", 500, "INTERNAL"))}
 
 
 class Failure(NamedTuple):
-    """How every API reports a failed request: `kind` (see HTTP_STATUS) and a client-safe message."""
+    """How every API reports a failed request: `kind` (see CODES) and a client-safe message."""
 
     kind: Kind
     message: str
 
     @property
     def http_status(self) -> int:
-        return HTTP_STATUS[self.kind]
+        return CODES[self.kind][0]
 
     @property
     def grpc_code(self) -> grpc.StatusCode:
-        return GRPC_CODE[self.kind]
+        return CODES[self.kind][1]
 
 
 def root_cause(e: BaseException) -> BaseException:
@@ -102,12 +93,10 @@ def classify(e: BaseException) -> Failure:
     from ray.serve import exceptions as serve_exceptions
 
     cause = root_cause(e)
-    if isinstance(cause, RequestTooLarge):
-        return Failure("too_large", str(cause))
-    if isinstance(cause, InvalidRequest):
-        return Failure("invalid", str(cause))
-    if isinstance(cause, Unauthenticated):
-        return Failure("unauthenticated", str(cause))
+    for error_type, kind in ((RequestTooLarge, "too_large"), (InvalidRequest, "invalid"),
+                             (Unauthenticated, "unauthenticated")):
+        if isinstance(cause, error_type):
+            return Failure(kind, str(cause))
     for error in (e, cause):
         if isinstance(error, (ShuttingDown, NotReady)):
             return Failure("unavailable", f"{error}; retry shortly")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -13,7 +14,8 @@ from llm_service.sampling import Grammar, SamplingParams
 from mmserve.errors import InvalidRequest
 from mmserve.request.detokenize import IncrementalDetokenizer
 from mmserve.request.prompt_plan import RequestPlan
-from mmserve.request.tools import JSON_FORMAT
+from mmserve.request.tool_stream import ToolText
+from mmserve.request.tools import JSON_FORMAT, ToolCall, answer
 from mmserve.settings import check_fields, setting
 
 logger = logging.getLogger("ray.serve")
@@ -230,6 +232,32 @@ class Generation:
                         return
         finally:
             self._stream.cancel()
+
+    async def choices(self) -> list[tuple[str, str | None, list[Delta]]]:
+        """Every choice's (text, finish reason, deltas), once the last has ended."""
+        deltas: list[list[Delta]] = [[] for _ in range(self.n)]
+        async for delta in self.deltas():
+            deltas[delta.index].append(delta)
+        return [("".join(d.text for d in ds), ds[-1].finish_reason if ds else None, ds) for ds in deltas]
+
+    def answer(self, text: str, finish: str | None) -> tuple[str | None, list[ToolCall], str | None]:
+        """(content, tool calls, finish reason) of a choice's text (`mmserve.request.tools.answer`)."""
+        return answer(text, finish, self.tools, self.parallel_tool_calls, self.tool_format, self.forced_tool_calls)
+
+    async def tool_deltas(self) -> AsyncIterator[tuple[Delta, list[tuple] | None, list[ToolCall]]]:
+        """`deltas()`, each with its `ToolText` events when the request has tools (else None) and, at
+        its choice's end, the choice's calls: the streamed answer is the unstreamed one."""
+        texts = [ToolText(self.tools, self.parallel_tool_calls, self.tool_format, self.forced_tool_calls)
+                 for _ in range(self.n)] if self.tools else None
+        async with contextlib.aclosing(self.deltas()) as deltas:
+            async for delta in deltas:
+                events, calls = None, []
+                if texts is not None:
+                    events = texts[delta.index].add(delta.text)
+                    if delta.finish_reason:
+                        more, calls = texts[delta.index].end()
+                        events += more
+                yield delta, events, calls
 
     def token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id])
