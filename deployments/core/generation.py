@@ -68,29 +68,26 @@ class GenerationOptions:
     n: int = setting(1, ge=1, le=MAX_N)  # choices of the same prompt
 
     def __post_init__(self):
-        check_options(self)
+        """InvalidRequest naming the first option out of range (None means the default: fine)."""
+        check_fields(self, InvalidRequest)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop has {len(self.stop)} strings; the limit is {MAX_STOP_STRINGS}")
+        if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise InvalidRequest(f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"stop_token_ids has {len(self.stop_token_ids)} ids; "
+                                 f"the limit is {MAX_STOP_TOKEN_IDS}")
+        for token_id in self.stop_token_ids:
+            if not 0 <= token_id <= MAX_INT32:
+                raise InvalidRequest(f"stop_token_ids must be in [0, {MAX_INT32}], got {token_id}")
+        if self.response_format is not None and len(self.response_format.schema) > MAX_SCHEMA_CHARS:
+            raise InvalidRequest(f"response_format's JSON schema has {len(self.response_format.schema)} characters; "
+                                 f"the limit is {MAX_SCHEMA_CHARS}")
 
 
 # The options both APIs pass as they are, by their names in the API (each spells `stop` and
 # `response_format` its own way)
 SAMPLING_OPTIONS = tuple(f for f in dataclasses.fields(GenerationOptions) if f.name not in ("stop", "response_format"))
-
-
-def check_options(opts: GenerationOptions) -> None:
-    """InvalidRequest naming the first option out of range (None means the default: fine)."""
-    check_fields(opts, InvalidRequest)
-    if len(opts.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"stop has {len(opts.stop)} strings; the limit is {MAX_STOP_STRINGS}")
-    if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in opts.stop):
-        raise InvalidRequest(f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters")
-    if len(opts.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequest(f"stop_token_ids has {len(opts.stop_token_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")
-    for token_id in opts.stop_token_ids:
-        if not 0 <= token_id <= MAX_INT32:
-            raise InvalidRequest(f"stop_token_ids must be in [0, {MAX_INT32}], got {token_id}")
-    if opts.response_format is not None and len(opts.response_format.schema) > MAX_SCHEMA_CHARS:
-        raise InvalidRequest(f"response_format's JSON schema has {len(opts.response_format.schema)} characters; "
-                             f"the limit is {MAX_SCHEMA_CHARS}")
 
 
 def response_format(kind: str, schema: str | None = None) -> Grammar | None:

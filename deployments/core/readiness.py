@@ -78,7 +78,7 @@ class Readiness:
         while True:
             attempt += 1
             try:
-                await asyncio.wait_for(self._ask(name), self._attempt_timeout_s)
+                await asyncio.wait_for(self._backends[name](), self._attempt_timeout_s)
                 break
             except asyncio.TimeoutError:  # no replica up yet (a handle call waits for one): ask again
                 logger.info("readiness: the %s deployment has not answered in %.0fs", name, self._attempt_timeout_s)
@@ -91,6 +91,3 @@ class Readiness:
         if not self._waiting:
             logger.info("readiness: ready")
             self._answered.set()
-
-    async def _ask(self, name: str) -> object:
-        return await self._backends[name]()

@@ -19,23 +19,16 @@ NAMESPACE = "mmserve_drain"
 POLL_S = 0.25  # how soon a Router replica sees the mark
 
 
-def _key(app_name: str) -> bytes:
-    return app_name.encode()
-
-
-def set_draining(app_name: str, draining: bool = True) -> None:
+def set_draining(app_name: str) -> None:
     from ray.experimental import internal_kv
 
-    if draining:
-        internal_kv._internal_kv_put(_key(app_name), b"1", overwrite=True, namespace=NAMESPACE)
-    else:
-        internal_kv._internal_kv_del(_key(app_name), namespace=NAMESPACE)
+    internal_kv._internal_kv_put(app_name.encode(), b"1", overwrite=True, namespace=NAMESPACE)
 
 
 def is_draining(app_name: str) -> bool:
     from ray.experimental import internal_kv
 
-    return internal_kv._internal_kv_get(_key(app_name), namespace=NAMESPACE) is not None
+    return internal_kv._internal_kv_get(app_name.encode(), namespace=NAMESPACE) is not None
 
 
 class DrainWatch:
