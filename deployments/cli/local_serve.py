@@ -51,6 +51,7 @@ metrics to every interface).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import signal
@@ -269,11 +270,9 @@ def wait_until_serving(app_names: list[str], stop: StopSignal, asked: list[str] 
         if failed:
             raise RuntimeError("; ".join(f"application {n} failed to deploy: {m}" for n, m in failed.items()))
         if all(a is not None and a.status == "RUNNING" for a in statuses.values()):
-            try:
+            with contextlib.suppress(TimeoutError):
                 if all(app_unavailable(name, timeout_s=1.0) is None for name in asked):
                     return True
-            except TimeoutError:
-                pass
         time.sleep(0.25)
     return False
 

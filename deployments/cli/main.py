@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -95,10 +96,8 @@ def _encoder_server(ns: argparse.Namespace) -> int:
         pool.start(asyncio.get_running_loop())
         await serve_forever(PooledEncoder(pool), options, ttl_s=ns.result_ttl_s)
 
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

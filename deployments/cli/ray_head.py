@@ -23,6 +23,7 @@ raises `RayStartFailed` with the lines of those logs that name the cause, and wh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -182,11 +183,9 @@ class RayHead:
         import psutil
 
         found = {}
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             root = psutil.Process(self.proc.pid)
             found = {p.pid: p for p in (root, *root.children(recursive=True))}
-        except psutil.NoSuchProcess:
-            pass
         for process in psutil.process_iter():
             try:
                 if process.pid not in found and process.environ().get(HEAD_MARK_ENV) == str(self.dir):
@@ -212,10 +211,8 @@ class RayHead:
             self.proc.terminate()  # the child's Ray handler stops the node's processes, then it exits
         _, left = psutil.wait_procs(node, timeout=timeout_s)
         for process in left:  # what outlived it (a worker its raylet left behind)
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
-            except psutil.NoSuchProcess:
-                pass
         psutil.wait_procs(left, timeout=5)
         self.proc.wait()
         self.proc = None

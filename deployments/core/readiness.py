@@ -17,6 +17,7 @@ moment the app is busiest.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 
@@ -67,10 +68,8 @@ class Readiness:
         self.start()
         if not self._waiting:
             return True
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._answered.wait()), timeout_s)
-        except asyncio.TimeoutError:
-            pass
         return self.ready
 
     async def _watch(self, name: str) -> None:
