@@ -1,51 +1,11 @@
-"""`mmserve serve`: an embedded Ray cluster on this machine, the app deployed on it, drained on
-SIGTERM / Ctrl-C, and nothing exposed that the operator did not ask for.
-
-- Ray's head runs in a process of its own, started as every entry point starts it
-  (`deployments.cli.ray_head`); a start that fails exits 1 with the lines of Ray's logs that say why.
-
-- "mmserve ready" is printed once the app answers ready (what `/health` says: an LLM replica and an
-  Encoder replica loaded and warmed up), not when the Router alone is up. SIGTERM / Ctrl-C are
-  caught from the start: one that comes while Ray starts or the replicas load stops everything
-  cleanly (exit 0) at the next step; one that comes after "ready" drains first.
-
-- Secrets never travel in argv: the API key comes from an environment variable (`--api-key-env
-  NAME`, or `MMSERVE_API_KEY` when set) that the replicas read where they run; `--api-key KEY`
-  still works, with a warning (every local user sees it in `ps`). With `--config`, the key goes to
-  every application of the file that names none, and `--host`, `--http-port`, `--grpc-port`
-  replace its `http_options.host` / `.port` and `grpc_options.port` (`config_with_flags`), or the
-  combination is refused; the app flags (`--model`, `--dtype`, ...)
-  are ignored, as `--help` says.
-- Ray's token authentication must be on (Ray's default; `RAY_AUTH_MODE=disabled` is refused):
-  Serve binds some gRPC servers to every interface, whatever `--host` says, with no setting to
-  move them, and without the token they unpickle what they are sent.
-- The embedded cluster runs in Ray's single-machine mode (its default on macOS and Windows): its
-  node address is 127.0.0.1, so Ray's own ports listen on loopback only, unless `--public-metrics`
-  (then on this machine's address, as Ray does by default on Linux).
-
-What listens in the default mode (`mmserve serve`, `--host 127.0.0.1`, `--ingress proxy`):
-
-- every interface, `[::]:9000` (`--grpc-port`): Serve's gRPC proxy, the public API; the API key
-  when one is set; without one it is not started unless `--grpc-port` is given (then a warning:
-  anyone who reaches the port can call the model: `public_grpc_port`); gRPC health and reflection
-  need none.
-- every interface, `[::]:<any>`: one inter-deployment gRPC server per replica (Router, Encoder, LLM,
-  VideoDecoder); Ray's token.
-- 127.0.0.1:8000 (`--host`, `--http-port`): the request cap (HAProxy: headers, the body's pace,
-  connections per client, body size; `ingress_modes`), once the app answers ready, with Serve's HTTP
-  proxy on a loopback port behind it; the API key when one is set (`/health` needs none).
-- 127.0.0.1:8265: the Ray dashboard (it runs jobs: code), whatever `--host` says unless
-  `--dashboard-host`; Ray's token.
-- 127.0.0.1:<any>: the GCS, the raylet (node and object managers), the gRPC server of every Ray
-  worker (driver, Serve controller, proxy, replicas), the dashboard and runtime-env agents; Ray's
-  token.
-- 127.0.0.1:<any>: Ray's Prometheus metrics export; no authentication (metrics only).
-
-`--ingress proxy|direct` picks Serve's ingress mode (deployments/cli/ingress_modes.py). `proxy`
-gets the request cap in front of its HTTP port on every interface (on loopback without HAProxy: a
-warning, and none), and `direct` is refused beyond loopback (the Router replicas' own HTTP servers
-bound no header). Serve's own HAProxy mode is not offered (ingress_modes: it binds its stats and
-metrics to every interface).
+"""`mmserve serve`: an embedded Ray cluster on this machine (its head started as `deployments.cli.ray_head`
+starts it), the app deployed on it, drained on SIGTERM / Ctrl-C, and nothing exposed that the operator
+did not ask for: the API key only from the environment (`--api-key` warns), Ray's token authentication
+required, Ray's ports on loopback (single-machine mode) unless `--public-metrics`, Serve's keyless gRPC
+proxy only when `--grpc-port` asks for it, the request cap in front of the HTTP port (`ingress_modes`).
+"mmserve ready" is printed once the app answers ready (what `/health` says); a signal before that stops
+everything cleanly (exit 0), one after it drains first. The command: docs/operations.md#mmserve-serve;
+what listens where, per `--ingress` mode: docs/security.md#what-listens-where.
 """
 
 from __future__ import annotations
