@@ -61,12 +61,10 @@ class HeadSpec:
     dashboard_host: str = "127.0.0.1"
 
     def init_kwargs(self, temp_dir: str) -> dict:
-        kwargs = {"num_cpus": self.num_cpus, "resources": dict(self.resources), "_temp_dir": temp_dir,
-                  # None: Ray's default, the dashboard started and its failure only logged (we say it)
-                  "include_dashboard": None if self.dashboard else False, "dashboard_host": self.dashboard_host}
-        if self.num_gpus is not None:
-            kwargs["num_gpus"] = self.num_gpus
-        return kwargs
+        gpus = {} if self.num_gpus is None else {"num_gpus": self.num_gpus}
+        return {"num_cpus": self.num_cpus, "resources": dict(self.resources), "_temp_dir": temp_dir, **gpus,
+                # None: Ray's default, the dashboard started and its failure only logged (we say it)
+                "include_dashboard": None if self.dashboard else False, "dashboard_host": self.dashboard_host}
 
 
 def cause_lines(logs: Path, only: str = "") -> list[str]:

@@ -142,10 +142,6 @@ class RequestChecks:
         step.at("the prompt (its chat template and tokens)")
         return self.planner.plan(messages, tools)
 
-    def shutdown(self) -> None:
-        self.schemas.shutdown()
-        self.prompts.shutdown()
-
 
 @functools.lru_cache(maxsize=64)  # keyed by the grammar's text: at most max_prompt_chars each
 def _grammar_problem(tokenizer, grammar: Grammar) -> str | None:

@@ -35,13 +35,9 @@ SERVICER_FUNCTIONS = (
 )
 
 
-def grpc_options(port: int = 9000, request_timeout_s: float | None = None,
-                 enable_reflection: bool = True) -> gRPCOptions:
+def grpc_options(port: int = 9000) -> gRPCOptions:
     """Serve's gRPC proxy options for this app (`serve.start(grpc_options=...)`)."""
-    return gRPCOptions(
-        port=port, grpc_servicer_functions=list(SERVICER_FUNCTIONS),
-        request_timeout_s=request_timeout_s, enable_reflection=enable_reflection,
-    )
+    return gRPCOptions(port=port, grpc_servicer_functions=list(SERVICER_FUNCTIONS), enable_reflection=True)
 
 
 def app_unavailable(app_name: str, timeout_s: float = 5.0) -> str | None:
