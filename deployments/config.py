@@ -439,7 +439,7 @@ class AppArgs(FrozenArgs):
         return merged
 
     @model_validator(mode="after")
-    def _check_deployments(self) -> "AppArgs":
+    def _check_across_sections(self) -> "AppArgs":
         if self.api_key is not None and self.api_key_env is not None:
             raise ValueError("set api_key or api_key_env, not both")
         if self.encoder.autoscaling is not None:
@@ -450,14 +450,8 @@ class AppArgs(FrozenArgs):
         if self.llm.autoscaling is not None:
             target = self.llm.autoscaling.target_ongoing_requests or self.engine.max_num_seqs
             if target > self.llm.max_ongoing_requests:
-                raise ValueError(
-                    f"llm: target_ongoing_requests ({target:g}) > max_ongoing_requests "
-                    f"({self.llm.max_ongoing_requests}): replicas could never reach the target"
-                )
-        return self
-
-    @model_validator(mode="after")
-    def _check_loras(self) -> "AppArgs":
+                raise ValueError(f"llm: target_ongoing_requests ({target:g}) > max_ongoing_requests "
+                                 f"({self.llm.max_ongoing_requests}): replicas could never reach the target")
         for name in self.lora_modules:
             if not name or name == self.served_model_name:
                 raise ValueError(f"lora_modules: {name!r} cannot name an adapter (it must be set and differ from "
@@ -465,29 +459,18 @@ class AppArgs(FrozenArgs):
         if self.lora_modules and self.engine.tensor_parallel_size > 1:
             raise ValueError("lora_modules with engine.tensor_parallel_size > 1: LoRA adapters are not supported "
                              "with tensor parallelism yet")
-        return self
-
-    @model_validator(mode="after")
-    def _check_tensor_parallel(self) -> "AppArgs":
-        size = self.engine.tensor_parallel_size
-        if size == 1:
-            return self
-        if self.colocated:
+        size, gpus = self.engine.tensor_parallel_size, self.llm.num_gpus
+        if size > 1 and self.colocated:
             raise ValueError(f"engine.tensor_parallel_size {size} with colocated: true: a colocated replica encodes "
                              "in its own process, which the other ranks do not share; run the Encoder deployment "
                              "(colocated: false) with tensor parallelism")
-        gpus = self.llm.num_gpus
-        if 0 < gpus < 1:
+        if size > 1 and 0 < gpus < 1:
             raise ValueError(f"engine.tensor_parallel_size {size} with llm.num_gpus {gpus:g}: every rank takes one "
                              "whole GPU (its share of a device cannot be split over ranks); set llm.num_gpus: 1 "
                              "(or 0 on CPU)")
-        if gpus > 1:
+        if size > 1 and gpus > 1:
             raise ValueError(f"engine.tensor_parallel_size {size} with llm.num_gpus {gpus:g}: llm.num_gpus is each "
                              f"rank's GPU (1), the replica takes {size} in all; set llm.num_gpus: 1")
-        return self
-
-    @model_validator(mode="after")
-    def _check_external_encoder(self) -> "AppArgs":
         if self.grpc.encoder_address and self.transport != "grpc":
             raise ValueError("grpc.encoder_address (a standalone encoder) needs transport: grpc")
         if self.colocated and (self.grpc.encoder_address or self.transport != "object_store"):
