@@ -278,8 +278,8 @@ class RequestCore:
             # (max_decoded_pixels_per_video); several are read to their headers first and bounded together
             # before any is decoded
             sampling, min_frames = request.video_sampling, self.args.video_decode.stream_min_frames
-            read = (self.videos.probe if len(files) > 1 else functools.partial(self.videos.probe, decode_below=min_frames)
-                    if stream else self.videos.decode)
+            probe = functools.partial(self.videos.probe, decode_below=min_frames)
+            read = self.videos.probe if len(files) > 1 else probe if stream else self.videos.decode
             decoded = dict(zip(files, await _all_or_none([read(frames[i][0], request_id, sampling) for i in files])))
             if len(files) > 1:
                 self._check_decoded_pixels(list(decoded.values()))
