@@ -45,12 +45,8 @@ def options(request: vlm_pb2.GenerateRequest) -> GenerationOptions:
     """The sampling options: each `SamplingParams` field passes to the `GenerationOptions` field
     of its name (unset optional fields: the model's default); InvalidRequest when out of range."""
     s = request.sampling
-    given = {}
-    for field in s.DESCRIPTOR.fields:
-        if field.has_presence and not s.HasField(field.name):
-            continue
-        value = getattr(s, field.name)
-        given[field.name] = tuple(value) if field.is_repeated else value
+    given = {f.name: tuple(getattr(s, f.name)) if f.is_repeated else getattr(s, f.name) for f in s.DESCRIPTOR.fields
+             if not f.has_presence or s.HasField(f.name)}
     fmt = request.response_format
     return GenerationOptions(**given, response_format=response_format(fmt.type, fmt.json_schema))
 

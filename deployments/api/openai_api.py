@@ -77,11 +77,9 @@ def parse_body(body: bytes) -> ChatCompletionRequest:
     try:
         request = ChatCompletionRequest.model_validate_json(body)
     except ValidationError as e:
-        problems = []
-        for err in e.errors()[:3]:
-            where = _location(tuple(err.get("loc", ())))
-            problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-        raise InvalidRequest("invalid request: " + "; ".join(problems)) from None
+        problems = [(_location(tuple(err.get("loc", ()))), err.get("msg")) for err in e.errors()[:3]]
+        raise InvalidRequest("invalid request: " + "; ".join(f"{where}: {msg}" if where else str(msg)
+                                                             for where, msg in problems)) from None
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true")
     return request

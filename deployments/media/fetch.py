@@ -150,9 +150,7 @@ class MediaFetcher:
 
 
 def _scheme(url: str) -> str:
-    if url.startswith("/"):
-        return ""
-    return urlsplit(url).scheme.lower()
+    return "" if url.startswith("/") else urlsplit(url).scheme.lower()
 
 
 # -- http(s) ------------------------------------------------------------------------------------------
@@ -203,7 +201,5 @@ async def check_http_url(url: str, allowlist: Sequence[str]) -> HttpTarget:
             f"{host!r} resolves to {', '.join(addresses)}: a private, loopback or link-local address is fetched "
             "only from a host listed exactly (with this port) in http_media_allowlist"
         )
-    path = parts.path or "/"
-    if parts.query:
-        path += "?" + parts.query
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     return HttpTarget(scheme, host, port, addresses[0], path)
