@@ -326,10 +326,8 @@ class RequestCore:
 
         async def reencode(handles: tuple[EmbeddingHandle, ...], lost: tuple[int, ...]):
             self.listener.on_reencode(len(lost))
-            new = list(handles)
-            for i, handle in zip(lost, await self._dispatch([media[i] for i in lost])):
-                new[i] = handle
-            return tuple(new)
+            redone = dict(zip(lost, await self._dispatch([media[i] for i in lost])))
+            return tuple(redone.get(i, handle) for i, handle in enumerate(handles))
 
         failover = Failover(self.llm, pending, self.args.llm_retries, self.listener.on_resubmit, reencode)
         router_ms = (time.perf_counter() - received) * 1000  # read, fetch, plan, dispatch the media
