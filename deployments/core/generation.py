@@ -190,11 +190,9 @@ class Generation:
                     if self._resume is None:
                         raise
                     self._stream.cancel()
-                    if self.n > 1 and any(sent.values()):
-                        left = {i: tuple(tokens) for i, tokens in sent.items() if i not in ended}
-                        self._stream, event = await self._resume(e, left)
-                    else:
-                        self._stream, event = await self._resume(e, tuple(sent[0]))
+                    by_choice = self.n > 1 and any(sent.values())  # each unfinished choice resumes on its own
+                    left = {i: tuple(t) for i, t in sent.items() if i not in ended} if by_choice else tuple(sent[0])
+                    self._stream, event = await self._resume(e, left)
             if event.token_id is not None:
                 sent[event.choice].append(event.token_id)
             if event.finish_reason and event.stages:  # the last choice's end
