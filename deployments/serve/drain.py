@@ -11,6 +11,7 @@ down.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -59,13 +60,10 @@ def requests_in_flight(app_name: str, deployment: str = "Router") -> int:
 
     total = 0
     for actor in ray.util.list_named_actors(all_namespaces=True):
-        if f"{app_name}#{deployment}#" not in actor["name"]:
-            continue
-        try:
-            replica = ray.get_actor(actor["name"], namespace=actor["namespace"])
-            total += ray.get(replica.get_num_ongoing_requests.remote(), timeout=5)
-        except Exception:  # a replica that is gone holds nothing
-            continue
+        if f"{app_name}#{deployment}#" in actor["name"]:
+            with contextlib.suppress(Exception):  # a replica that is gone holds nothing
+                replica = ray.get_actor(actor["name"], namespace=actor["namespace"])
+                total += ray.get(replica.get_num_ongoing_requests.remote(), timeout=5)
     return total
 
 
