@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 API_KEY_ENV = "MMSERVE_API_KEY"
@@ -283,22 +284,18 @@ def serve_app(ns: argparse.Namespace) -> int:
     check_on_node(args)
     if stop.received:
         return stop_during_startup(stop)
-    limit_grpc_messages(args.limits.max_request_bytes)
-    head = start_ray(ns, stop)
-    if head is None or stop.received:
-        return stop_during_startup(stop)
-    try:
+
+    def deploy() -> tuple[list[str], list[str], str]:
         serve.start(http_options={"host": serve_host, "port": serve_port},
                     grpc_options=grpc_options(port=grpc_port) if grpc_port else None)
         serve.run_many([serve.RunTarget(build_app(args), name="mmserve", route_prefix="/")],
                        wait_for_applications_running=False)
         grpc = f"gRPC mmserve.v1.VLMService on port {grpc_port}" if grpc_port else "no gRPC (no API key)"
-        where = (f"http://{ns.host}:{ns.http_port}/v1/chat/completions, {grpc}"
-                 f"{f' (API key from {key_env})' if key_env else ''}; {ingress_line(ns.ingress, cap)} (Ctrl-C to stop)")
-        return serve_once_ready(["mmserve"], ["mmserve"], stop, cap, ns.grace_period,
-                                lambda: f"mmserve ready in {time.perf_counter() - start:.1f}s: {where}")
-    finally:
-        head.stop()
+        return ["mmserve"], ["mmserve"], (f": http://{ns.host}:{ns.http_port}/v1/chat/completions, {grpc}"
+                                          f"{f' (API key from {key_env})' if key_env else ''}; "
+                                          f"{ingress_line(ns.ingress, cap)} (Ctrl-C to stop)")
+
+    return serve_on_ray(ns, stop, cap, args.limits.max_request_bytes, start, deploy)
 
 
 def gpu_shares(ns: argparse.Namespace, model_dir: str):
@@ -453,44 +450,49 @@ def serve_config(ns: argparse.Namespace) -> int:
 
     config = ServeDeploySchema.model_validate(raw)
     http = config.http_options
-    limit_grpc_messages(max_body)
-    head = start_ray(ns, stop)
-    if head is None or stop.received:
-        return stop_during_startup(stop)
-    try:
+
+    def deploy() -> tuple[list[str], list[str], str]:
         options = config.model_dump(include={"proxy_location", "http_options", "grpc_options"}, exclude_unset=True)
         options["http_options"] = {**options.get("http_options", {}), "host": serve_host, "port": serve_port}
         serve.start(**options)
         _get_global_client().deploy_apps(config)
         names = [app.name for app in config.applications]
         ours = [app.name for app in config.applications if app.import_path in APP_IMPORT_PATHS]
-        where = f"http://{http.host}:{http.port} ({', '.join(names)}; {ingress_line(ns.ingress, cap)}; Ctrl-C to stop)"
-        return serve_once_ready(
-            names, ours, stop, cap, ns.grace_period,
-            lambda: f"mmserve ready in {time.perf_counter() - start:.1f}s from {ns.config}: {where}")
-    finally:
-        head.stop()
+        return names, ours, (f" from {ns.config}: http://{http.host}:{http.port} ({', '.join(names)}; "
+                             f"{ingress_line(ns.ingress, cap)}; Ctrl-C to stop)")
+
+    return serve_on_ray(ns, stop, cap, max_body, start, deploy)
 
 
-def serve_once_ready(app_names: list[str], ours: list[str], stop: StopSignal, cap, grace_s: float,
-                     ready_line) -> int:
-    """Wait until the apps serve (`wait_until_serving`), then print `ready_line()` and serve until a
-    signal; a signal first stops Serve (exit 0), a failed deploy exits 1 (the caller stops Ray)."""
+def serve_on_ray(ns: argparse.Namespace, stop: StopSignal, cap, max_request_bytes: int, start: float,
+                 deploy: Callable[[], tuple[list[str], list[str], str]]) -> int:
+    """The embedded cluster started (`start_ray`; Serve's gRPC messages capped: `limit_grpc_messages`)
+    and `deploy()` on it: (its apps, mmserve's among them, where they listen, for the ready line). Once
+    they serve (`wait_until_serving`) "mmserve ready" and served until a signal; a signal first stops
+    everything (exit 0), a failed deploy exits 1; Ray is stopped last."""
     from ray import serve
 
-    try:
-        serving = wait_until_serving(app_names, stop, ours)
-    except RuntimeError as e:
-        print(e, file=sys.stderr)
-        serve.shutdown()
-        return 1
-    if not serving:
-        serve.shutdown()
+    limit_grpc_messages(max_request_bytes)
+    head = start_ray(ns, stop)
+    if head is None or stop.received:
         return stop_during_startup(stop)
-    if cap is not None:
-        cap.start()
-    print(ready_line(), flush=True)
-    return serve_until_signal(app_names, grace_s, stop, cap)
+    try:
+        app_names, ours, where = deploy()
+        try:
+            serving = wait_until_serving(app_names, stop, ours)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            serve.shutdown()
+            return 1
+        if not serving:
+            serve.shutdown()
+            return stop_during_startup(stop)
+        if cap is not None:
+            cap.start()
+        print(f"mmserve ready in {time.perf_counter() - start:.1f}s{where}", flush=True)
+        return serve_until_signal(app_names, ns.grace_period, stop, cap)
+    finally:
+        head.stop()
 
 
 def serve_until_signal(app_names: list[str], grace_s: float, stop: StopSignal, cap=None) -> int:
