@@ -1,12 +1,7 @@
-"""Why a request failed, decided once for every API: the one place errors are classified.
-
-Only the client's faults are 4xx: `InvalidRequest` (400 / INVALID_ARGUMENT), `RequestTooLarge`
-(413 / INVALID_ARGUMENT), `Unauthenticated` (401 / UNAUTHENTICATED). A full bounded resource
-(`Overloaded`, device out of memory) is 503 / RESOURCE_EXHAUSTED, a full queue (Serve's
-`max_queued_requests`, the LLM's waiting tokens: `QueueFull`) 429 + Retry-After / RESOURCE_EXHAUSTED, a backend that is gone 503 / UNAVAILABLE (a lost replica, "lost", is one the
-router fails over from first: `replica_lost`), an app still starting (`NotReady`) or draining
-(`ShuttingDown`) 503 + Retry-After / UNAVAILABLE, and anything else is a bug:
-500 / INTERNAL, with only the exception's type shown to the client.
+"""Why a request failed, decided once for every API: the one place errors are classified (`CODES`:
+kind -> HTTP status and gRPC code; docs/api.md#errors-and-status-codes). Only the client's faults are
+4xx; a lost replica ("lost") is one the router fails over from first (`replica_lost`); anything
+unclassified is a bug: 500 / INTERNAL, with only the exception's type shown to the client.
 """
 
 from __future__ import annotations
