@@ -397,14 +397,9 @@ class AppArgs(FrozenArgs):
     def replicas_at_start(self, deployment: Literal["encoder", "llm", "video_decoder"]) -> int:
         """Replicas of the Encoder, LLM or VideoDecoder deployment when the app starts (autoscaling:
         its minimum, at least 1); the default `cpu_threads` (`decode_threads`) divides a node's cores among them."""
-        if deployment == "llm":
-            count = self.llm.autoscaling.min_replicas if self.llm.autoscaling else self.llm.num_replicas
-        elif deployment == "video_decoder":
-            decode = self.video_decode
-            count = decode.min_replicas if decode.autoscale else self.video_decoder.num_replicas
-        else:
-            count = self.encoder_pool.min_replicas if self.encoder_pool.autoscale else self.encoder.num_replicas
-        return max(count, 1)
+        scaling = {"llm": self.llm.autoscaling, "encoder": self.encoder_pool if self.encoder_pool.autoscale else None,
+                   "video_decoder": self.video_decode if self.video_decode.autoscale else None}[deployment]
+        return max(scaling.min_replicas if scaling else getattr(self, deployment).num_replicas, 1)
 
     @property
     def stream_video(self) -> bool:
@@ -444,7 +439,7 @@ class AppArgs(FrozenArgs):
         return merged
 
     @model_validator(mode="after")
-    def _check_deployments(self) -> "AppArgs":
+    def _check_across_sections(self) -> "AppArgs":
         if self.api_key is not None and self.api_key_env is not None:
             raise ValueError("set api_key or api_key_env, not both")
         if self.encoder.autoscaling is not None:
@@ -455,14 +450,8 @@ class AppArgs(FrozenArgs):
         if self.llm.autoscaling is not None:
             target = self.llm.autoscaling.target_ongoing_requests or self.engine.max_num_seqs
             if target > self.llm.max_ongoing_requests:
-                raise ValueError(
-                    f"llm: target_ongoing_requests ({target:g}) > max_ongoing_requests "
-                    f"({self.llm.max_ongoing_requests}): replicas could never reach the target"
-                )
-        return self
-
-    @model_validator(mode="after")
-    def _check_loras(self) -> "AppArgs":
+                raise ValueError(f"llm: target_ongoing_requests ({target:g}) > max_ongoing_requests "
+                                 f"({self.llm.max_ongoing_requests}): replicas could never reach the target")
         for name in self.lora_modules:
             if not name or name == self.served_model_name:
                 raise ValueError(f"lora_modules: {name!r} cannot name an adapter (it must be set and differ from "
@@ -470,29 +459,18 @@ class AppArgs(FrozenArgs):
         if self.lora_modules and self.engine.tensor_parallel_size > 1:
             raise ValueError("lora_modules with engine.tensor_parallel_size > 1: LoRA adapters are not supported "
                              "with tensor parallelism yet")
-        return self
-
-    @model_validator(mode="after")
-    def _check_tensor_parallel(self) -> "AppArgs":
-        size = self.engine.tensor_parallel_size
-        if size == 1:
-            return self
-        if self.colocated:
+        size, gpus = self.engine.tensor_parallel_size, self.llm.num_gpus
+        if size > 1 and self.colocated:
             raise ValueError(f"engine.tensor_parallel_size {size} with colocated: true: a colocated replica encodes "
                              "in its own process, which the other ranks do not share; run the Encoder deployment "
                              "(colocated: false) with tensor parallelism")
-        gpus = self.llm.num_gpus
-        if 0 < gpus < 1:
+        if size > 1 and 0 < gpus < 1:
             raise ValueError(f"engine.tensor_parallel_size {size} with llm.num_gpus {gpus:g}: every rank takes one "
                              "whole GPU (its share of a device cannot be split over ranks); set llm.num_gpus: 1 "
                              "(or 0 on CPU)")
-        if gpus > 1:
+        if size > 1 and gpus > 1:
             raise ValueError(f"engine.tensor_parallel_size {size} with llm.num_gpus {gpus:g}: llm.num_gpus is each "
                              f"rank's GPU (1), the replica takes {size} in all; set llm.num_gpus: 1")
-        return self
-
-    @model_validator(mode="after")
-    def _check_external_encoder(self) -> "AppArgs":
         if self.grpc.encoder_address and self.transport != "grpc":
             raise ValueError("grpc.encoder_address (a standalone encoder) needs transport: grpc")
         if self.colocated and (self.grpc.encoder_address or self.transport != "object_store"):

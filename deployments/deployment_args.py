@@ -148,22 +148,13 @@ class DeploymentArgs(FrozenArgs):
 
     def options(self, name: str, default_target_ongoing_requests: float | None = None, ranks: int = 1) -> dict:
         """Serve's deployment options; `ranks` > 1: each replica with its placement group (`placement`)."""
-        actor: dict = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
-        if self.label_selector:
-            actor["label_selector"] = dict(self.label_selector)
-        if self.resources:
-            actor["resources"] = dict(self.resources)
-        if self.accelerator_type:
-            actor["accelerator_type"] = self.accelerator_type
+        placed = self.model_dump(include={"label_selector", "resources", "accelerator_type"})
+        actor = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, **{k: v for k, v in placed.items() if v}}
         queued = self.max_queued_requests
         if queued is None:
             queued = -1 if name in UNBOUNDED_QUEUE else self.max_ongoing_requests
-        options = {
-            "name": name,
-            "max_ongoing_requests": self.max_ongoing_requests,
-            "max_queued_requests": queued,
-            "ray_actor_options": actor,
-        }
+        options = {"name": name, "max_ongoing_requests": self.max_ongoing_requests, "max_queued_requests": queued,
+                   "ray_actor_options": actor}
         if ranks > 1:
             options.update(self.placement(ranks))
         if serve_has("backpressure_config"):  # Serve >= 2.5x; older ones answer 503 without Retry-After
@@ -171,13 +162,7 @@ class DeploymentArgs(FrozenArgs):
         if self.autoscaling is None:
             options["num_replicas"] = self.num_replicas
             return options
-        scaling = self.autoscaling
-        target = scaling.target_ongoing_requests or default_target_ongoing_requests
-        options["autoscaling_config"] = {
-            "min_replicas": scaling.min_replicas,
-            "max_replicas": scaling.max_replicas,
-            **({"target_ongoing_requests": target} if target else {}),
-            "upscale_delay_s": scaling.upscale_delay_s,
-            "downscale_delay_s": scaling.downscale_delay_s,
-        }
+        target = self.autoscaling.target_ongoing_requests or default_target_ongoing_requests
+        options["autoscaling_config"] = {**self.autoscaling.model_dump(exclude={"target_ongoing_requests"}),
+                                         **({"target_ongoing_requests": target} if target else {})}
         return options

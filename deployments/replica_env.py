@@ -8,6 +8,7 @@ constructor. A failure names the path or variable and the node, and fails that r
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -72,12 +73,10 @@ def node_cores() -> int:
     """The cores this process may use: its CPU affinity (a cpuset), within its cgroup's CPU quota
     (a Kubernetes CPU limit), rounded up."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    try:
+    with contextlib.suppress(OSError, ValueError):
         quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]  # cgroup v2: "max 100000" or "Q P"
         if quota != "max":
             cores = min(cores, max(1, -(-int(quota) // int(period))))
-    except (OSError, ValueError):
-        pass
     return cores
 
 

@@ -34,8 +34,7 @@ from mmserve.errors import InvalidRequest
 from mmserve.video.container import VideoSampling
 from mmserve.inputs.media import MediaKind, MediaSource
 from mmserve.request.prompt_plan import Message
-from mmserve.request.tool_stream import ToolText
-from mmserve.request.tools import ToolCall, ToolSpec, answer, finish_with, new_call_id
+from mmserve.request.tools import ToolCall, ToolSpec, finish_with, new_call_id
 from protos.mmserve.v1 import vlm_pb2
 
 logger = logging.getLogger("ray.serve")
@@ -46,12 +45,8 @@ def options(request: vlm_pb2.GenerateRequest) -> GenerationOptions:
     """The sampling options: each `SamplingParams` field passes to the `GenerationOptions` field
     of its name (unset optional fields: the model's default); InvalidRequest when out of range."""
     s = request.sampling
-    given = {}
-    for field in s.DESCRIPTOR.fields:
-        if field.has_presence and not s.HasField(field.name):
-            continue
-        value = getattr(s, field.name)
-        given[field.name] = tuple(value) if field.is_repeated else value
+    given = {f.name: tuple(getattr(s, f.name)) if f.is_repeated else getattr(s, f.name) for f in s.DESCRIPTOR.fields
+             if not f.has_presence or s.HasField(f.name)}
     fmt = request.response_format
     return GenerationOptions(**given, response_format=response_format(fmt.type, fmt.json_schema))
 
@@ -126,19 +121,12 @@ def usage(gen: Generation) -> vlm_pb2.Usage:
 async def completion(gen: Generation, request_id: str) -> vlm_pb2.GenerateResponse:
     """The whole answer; `request_id` is the id shown to the client (its own, when it sent one).
     With n > 1, every choice in `choices` and choice 0's in the fields."""
-    text, tokens = [[] for _ in range(gen.n)], [[] for _ in range(gen.n)]
-    finish = [""] * gen.n
-    async for delta in gen.deltas():
-        text[delta.index].append(delta.text)
-        if delta.token_id is not None:
-            tokens[delta.index].append(delta.token_id)
-        finish[delta.index] = delta.finish_reason or finish[delta.index]
     choices = []
-    for i in range(gen.n):
-        content, calls, reason = answer("".join(text[i]), finish[i], gen.tools, gen.parallel_tool_calls,
-                                       gen.tool_format, gen.forced_tool_calls)
-        choices.append(vlm_pb2.GenerateResponse(request_id=request_id, text=content or "", token_ids=tokens[i],
-                                                finish_reason=reason, tool_calls=_calls(calls), index=i))
+    for i, (text, finish, deltas) in enumerate(await gen.choices()):
+        content, calls, reason = gen.answer(text, finish or "")
+        choices.append(vlm_pb2.GenerateResponse(request_id=request_id, text=content or "", finish_reason=reason,
+                                                token_ids=[d.token_id for d in deltas if d.token_id is not None],
+                                                tool_calls=_calls(calls), index=i))
     response = vlm_pb2.GenerateResponse()
     response.CopyFrom(choices[0])
     response.usage.CopyFrom(usage(gen))
@@ -152,17 +140,9 @@ async def stream(gen: Generation, request_id: str) -> AsyncIterator[vlm_pb2.Gene
     tools: the content goes out as it comes, a `<tool_call>` block held until it closes: `ToolText`).
     With n > 1 each carries its choice's index, each choice's last its finish_reason, and a last
     response the usage."""
-    texts = [ToolText(gen.tools, gen.parallel_tool_calls, gen.tool_format, gen.forced_tool_calls)
-             for _ in range(gen.n)] if gen.tools else None
-    async for delta in gen.deltas():
-        content, calls, finish = delta.text, [], delta.finish_reason or ""
-        if texts is not None:
-            text = texts[delta.index]
-            events = text.add(delta.text)
-            if finish:
-                more, calls = text.end()
-                events += more
-                finish = finish_with(finish, calls)
+    async for delta, events, calls in gen.tool_deltas():
+        content, finish = delta.text, finish_with(delta.finish_reason or "", calls)
+        if events is not None:
             content = "".join(e[1] for e in events if e[0] == "content")
         response = vlm_pb2.GenerateResponse(
             request_id=request_id, text=content,

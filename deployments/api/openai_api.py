@@ -24,8 +24,7 @@ from llm_service.sampling import Grammar
 from mmserve.errors import InvalidRequest
 from mmserve.inputs.media import MediaKind, MediaSource
 from mmserve.request.prompt_plan import Message
-from mmserve.request.tool_stream import ToolText
-from mmserve.request.tools import ToolCall, ToolSpec, answer, finish_with, new_call_id
+from mmserve.request.tools import ToolCall, ToolSpec, finish_with, new_call_id
 from mmserve.settings import setting_name
 from mmserve.video.container import VideoSampling
 
@@ -78,11 +77,9 @@ def parse_body(body: bytes) -> ChatCompletionRequest:
     try:
         request = ChatCompletionRequest.model_validate_json(body)
     except ValidationError as e:
-        problems = []
-        for err in e.errors()[:3]:
-            where = _location(tuple(err.get("loc", ())))
-            problems.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-        raise InvalidRequest("invalid request: " + "; ".join(problems)) from None
+        problems = [(_location(tuple(err.get("loc", ()))), err.get("msg")) for err in e.errors()[:3]]
+        raise InvalidRequest("invalid request: " + "; ".join(f"{where}: {msg}" if where else str(msg)
+                                                             for where, msg in problems)) from None
     if request.top_logprobs is not None and not request.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true")
     return request
@@ -157,36 +154,19 @@ def _logprob_entry(gen: Generation, delta: Delta) -> dict:
             "top_logprobs": [entry(t, lp) for t, lp in delta.top_logprobs or ()]}
 
 
-def _message(text: str, finish: str | None, gen: Generation) -> tuple[dict, str | None]:
-    """The assistant message of a choice's text (its tool calls parsed out in the family's form
-    when the request has tools, the first only without `parallel_tool_calls`), and its finish
-    reason (`tool_calls` when it made any)."""
-    content, calls, finish = answer(text, finish, gen.tools, gen.parallel_tool_calls, gen.tool_format,
-                                    gen.forced_tool_calls)
-    if not calls:
-        return {"role": "assistant", "content": content}, finish
-    return {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}, finish
-
-
 async def completion(gen: Generation, model: str, with_token_ids: bool) -> dict:
-    text, tokens, logprobs = ([[] for _ in range(gen.n)] for _ in range(3))
-    finish: list[str | None] = [None] * gen.n
-    async for delta in gen.deltas():
-        i = delta.index
-        text[i].append(delta.text)
-        if delta.token_id is not None:
-            tokens[i].append(delta.token_id)
-            if delta.logprob is not None:
-                logprobs[i].append(_logprob_entry(gen, delta))
-        finish[i] = delta.finish_reason
     choices = []
-    for i in range(gen.n):
-        message, finish[i] = _message("".join(text[i]), finish[i], gen)
-        choice = {"index": i, "message": message, "finish_reason": finish[i]}
+    for i, (text, finish, deltas) in enumerate(await gen.choices()):
+        tokens = [d for d in deltas if d.token_id is not None]
+        content, calls, finish = gen.answer(text, finish)  # tool calls parsed out when the request has tools
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.as_openai() for c in calls]
+        choice = {"index": i, "message": message, "finish_reason": finish}
         if gen.sampling.logprobs is not None:
-            choice["logprobs"] = {"content": logprobs[i]}
+            choice["logprobs"] = {"content": [_logprob_entry(gen, d) for d in tokens if d.logprob is not None]}
         if with_token_ids:
-            choice["token_ids"] = tokens[i]
+            choice["token_ids"] = [d.token_id for d in tokens]
         choices.append(choice)
     return {
         "id": gen.request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
@@ -218,24 +198,16 @@ async def sse(gen: Generation, model: str, with_token_ids: bool, include_usage: 
 
     for i in range(gen.n):
         yield chunk(i, {"role": "assistant", "content": ""})
-    texts = [ToolText(gen.tools, gen.parallel_tool_calls, gen.tool_format, gen.forced_tool_calls)
-             for _ in range(gen.n)] if gen.tools else None
     try:
-        async for delta in gen.deltas():
+        async for delta, pending, calls in gen.tool_deltas():
             extra = {}
             if with_token_ids:
                 extra["token_ids"] = [delta.token_id] if delta.token_id is not None else []
             if delta.logprob is not None and delta.token_id is not None:
                 extra["logprobs"] = {"content": [_logprob_entry(gen, delta)]}
-            if texts is None:
+            if pending is None:  # no tools
                 yield chunk(delta.index, {"content": delta.text} if delta.text else {}, delta.finish_reason, **extra)
                 continue
-            tool_text = texts[delta.index]
-            pending = tool_text.add(delta.text)
-            calls = []
-            if delta.finish_reason:
-                more, calls = tool_text.end()
-                pending += more
             if extra:  # the token ids / logprobs of this delta
                 yield chunk(delta.index, {}, None, **extra)
             for piece in pending:  # content; a call's id and name; its arguments, piece by piece

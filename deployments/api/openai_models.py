@@ -55,15 +55,11 @@ class MMProcessorKwargs(_Model):
 ContentPart = Annotated[Union[TextPart, ImageURLPart, VideoPart, VideoURLPart], Field(discriminator="type")]
 
 
-def _content_kind(value: Any) -> str:
-    return "text" if isinstance(value, str) else "parts"
-
-
 # A string or a list of parts, chosen by the value's type: a bad part is reported as
 # "messages.0.content.1.image_url...", without the unrelated "content.str: ..." branch error.
 Content = Annotated[
     Union[Annotated[str, Tag("text")], Annotated[list[ContentPart], Tag("parts")]],
-    Discriminator(_content_kind),
+    Discriminator(lambda value: "text" if isinstance(value, str) else "parts"),
 ]
 
 

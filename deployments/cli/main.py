@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+from pathlib import Path
 
 
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return int(text)
+def _int_from(least: int, what: str):
+    def parse(text: str) -> int:
+        if not text.isdigit() or int(text) < least:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return int(text)
+    return parse
 
 
-def _count(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a count (0 or more)")
-    return int(text)
+_positive_int, _count = _int_from(1, "a positive integer"), _int_from(0, "a count (0 or more)")
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -29,19 +30,15 @@ def _serve(ns: argparse.Namespace) -> int:
         ns.http_port = 8000 if ns.http_port is None else ns.http_port
     try:
         return serve_config(ns) if ns.config else serve_app(ns)
-    except RefusedToStart as e:
+    except (RefusedToStart, RayStartFailed) as e:
         print(f"mmserve serve: {e}", file=sys.stderr)
-        return 2
-    except RayStartFailed as e:
-        print(f"mmserve serve: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, RefusedToStart) else 1
 
 
 def _build_tiny(ns: argparse.Namespace) -> int:
     from mmserve.tiny import build_tiny_model
 
-    out = build_tiny_model(ns.family, ns.out, seed=ns.seed, quantization=ns.quantization)
-    print(out)
+    print(build_tiny_model(ns.family, ns.out, seed=ns.seed, quantization=ns.quantization))
     return 0
 
 
@@ -49,10 +46,8 @@ def _build_tiny_adapter(ns: argparse.Namespace) -> int:
     from mmserve.tiny.lora import VISION_TARGETS, build_tiny_adapter
 
     vision = VISION_TARGETS if ns.vision else tuple(t for t in ns.vision_targets.split(",") if t)
-    out = build_tiny_adapter(ns.model, ns.out, seed=ns.seed, rank=ns.rank, alpha=ns.alpha,
-                             targets=tuple(t for t in ns.targets.split(",") if t), use_rslora=ns.rslora,
-                             vision_targets=vision)
-    print(out)
+    print(build_tiny_adapter(ns.model, ns.out, seed=ns.seed, rank=ns.rank, alpha=ns.alpha, vision_targets=vision,
+                             targets=tuple(t for t in ns.targets.split(",") if t), use_rslora=ns.rslora))
     return 0
 
 
@@ -61,10 +56,7 @@ def _chat_grpc(ns: argparse.Namespace) -> int:
 
     from mmserve.rpc.vlm_client import VLMClient, user
 
-    images = []
-    for path in ns.image or []:
-        with open(path, "rb") as f:
-            images.append(f.read())
+    images = [Path(path).read_bytes() for path in ns.image or []]
     with VLMClient(ns.grpc, api_key=ns.api_key, application=ns.application) as client:
         try:
             for response in client.stream([user(ns.prompt, images)], max_tokens=ns.max_tokens):
@@ -104,10 +96,8 @@ def _encoder_server(ns: argparse.Namespace) -> int:
         pool.start(asyncio.get_running_loop())
         await serve_forever(PooledEncoder(pool), options, ttl_s=ns.result_ttl_s)
 
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
     return 0
 
 
@@ -118,13 +108,9 @@ def _chat(ns: argparse.Namespace) -> int:
     import mimetypes
     import urllib.request
 
-    content: list[dict] = []
-    for path in ns.image or []:
-        mime = mimetypes.guess_type(path)[0] or "image/png"
-        with open(path, "rb") as f:
-            uri = f"data:{mime};base64," + base64.b64encode(f.read()).decode()
-        content.append({"type": "image_url", "image_url": {"url": uri}})
-    content.append({"type": "text", "text": ns.prompt})
+    uris = [f"data:{mimetypes.guess_type(p)[0] or 'image/png'};base64,{base64.b64encode(Path(p).read_bytes()).decode()}"
+            for p in ns.image or []]
+    content = [{"type": "image_url", "image_url": {"url": uri}} for uri in uris] + [{"type": "text", "text": ns.prompt}]
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": ns.max_tokens, "stream": True}
     headers = {"Content-Type": "application/json"}
     if ns.api_key:
@@ -155,7 +141,6 @@ BENCHMARKS = ("encoder", "llm", "transfer", "dispatch", "serve", "soak", "load",
 def _bench(ns: argparse.Namespace, extra: list[str]) -> int:
     """Runs `bench/<name>.py` of this source checkout with the remaining arguments."""
     import runpy
-    from pathlib import Path
 
     script = Path(__file__).resolve().parents[2] / "bench" / f"{ns.name}.py"
     if not script.is_file():

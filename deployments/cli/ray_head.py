@@ -23,6 +23,7 @@ raises `RayStartFailed` with the lines of those logs that name the cause, and wh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -60,12 +61,10 @@ class HeadSpec:
     dashboard_host: str = "127.0.0.1"
 
     def init_kwargs(self, temp_dir: str) -> dict:
-        kwargs = {"num_cpus": self.num_cpus, "resources": dict(self.resources), "_temp_dir": temp_dir,
-                  # None: Ray's default, the dashboard started and its failure only logged (we say it)
-                  "include_dashboard": None if self.dashboard else False, "dashboard_host": self.dashboard_host}
-        if self.num_gpus is not None:
-            kwargs["num_gpus"] = self.num_gpus
-        return kwargs
+        gpus = {} if self.num_gpus is None else {"num_gpus": self.num_gpus}
+        return {"num_cpus": self.num_cpus, "resources": dict(self.resources), "_temp_dir": temp_dir, **gpus,
+                # None: Ray's default, the dashboard started and its failure only logged (we say it)
+                "include_dashboard": None if self.dashboard else False, "dashboard_host": self.dashboard_host}
 
 
 def cause_lines(logs: Path, only: str = "") -> list[str]:
@@ -182,11 +181,9 @@ class RayHead:
         import psutil
 
         found = {}
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             root = psutil.Process(self.proc.pid)
             found = {p.pid: p for p in (root, *root.children(recursive=True))}
-        except psutil.NoSuchProcess:
-            pass
         for process in psutil.process_iter():
             try:
                 if process.pid not in found and process.environ().get(HEAD_MARK_ENV) == str(self.dir):
@@ -212,10 +209,8 @@ class RayHead:
             self.proc.terminate()  # the child's Ray handler stops the node's processes, then it exits
         _, left = psutil.wait_procs(node, timeout=timeout_s)
         for process in left:  # what outlived it (a worker its raylet left behind)
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 process.kill()
-            except psutil.NoSuchProcess:
-                pass
         psutil.wait_procs(left, timeout=5)
         self.proc.wait()
         self.proc = None

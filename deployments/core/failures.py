@@ -1,12 +1,7 @@
-"""Why a request failed, decided once for every API: the one place errors are classified.
-
-Only the client's faults are 4xx: `InvalidRequest` (400 / INVALID_ARGUMENT), `RequestTooLarge`
-(413 / INVALID_ARGUMENT), `Unauthenticated` (401 / UNAUTHENTICATED). A full bounded resource
-(`Overloaded`, device out of memory) is 503 / RESOURCE_EXHAUSTED, a full queue (Serve's
-`max_queued_requests`, the LLM's waiting tokens: `QueueFull`) 429 + Retry-After / RESOURCE_EXHAUSTED, a backend that is gone 503 / UNAVAILABLE (a lost replica, "lost", is one the
-router fails over from first: `replica_lost`), an app still starting (`NotReady`) or draining
-(`ShuttingDown`) 503 + Retry-After / UNAVAILABLE, and anything else is a bug:
-500 / INTERNAL, with only the exception's type shown to the client.
+"""Why a request failed, decided once for every API: the one place errors are classified (`CODES`:
+kind -> HTTP status and gRPC code; docs/api.md#errors-and-status-codes). Only the client's faults are
+4xx; a lost replica ("lost") is one the router fails over from first (`replica_lost`); anything
+unclassified is a bug: 500 / INTERNAL, with only the exception's type shown to the client.
 """
 
 from __future__ import annotations
@@ -21,36 +16,27 @@ from mmserve.errors import (InvalidRequest, NotReady, Overloaded, QueueFull, Rep
 
 Kind = Literal["invalid", "too_large", "unauthenticated", "busy", "overloaded", "lost", "unavailable", "deadline",
                "internal"]
-HTTP_STATUS: dict[str, int] = {
-    "invalid": 400, "too_large": 413, "unauthenticated": 401, "busy": 429, "overloaded": 503, "lost": 503,
-    "unavailable": 503, "deadline": 504, "internal": 500,
-}
-GRPC_CODE: dict[str, grpc.StatusCode] = {
-    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
-    "unauthenticated": grpc.StatusCode.UNAUTHENTICATED,
-    "too_large": grpc.StatusCode.INVALID_ARGUMENT,
-    "busy": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "lost": grpc.StatusCode.UNAVAILABLE,
-    "unavailable": grpc.StatusCode.UNAVAILABLE,
-    "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
-    "internal": grpc.StatusCode.INTERNAL,
-}
+# kind -> (HTTP status, gRPC status code)
+CODES: dict[str, tuple[int, grpc.StatusCode]] = {kind: (http, getattr(grpc.StatusCode, code)) for kind, http, code in (
+    ("invalid", 400, "INVALID_ARGUMENT"), ("too_large", 413, "INVALID_ARGUMENT"),
+    ("unauthenticated", 401, "UNAUTHENTICATED"), ("busy", 429, "RESOURCE_EXHAUSTED"),
+    ("overloaded", 503, "RESOURCE_EXHAUSTED"), ("lost", 503, "UNAVAILABLE"), ("unavailable", 503, "UNAVAILABLE"),
+    ("deadline", 504, "DEADLINE_EXCEEDED"), ("internal", 500, "INTERNAL"))}
 
 
 class Failure(NamedTuple):
-    """How every API reports a failed request: `kind` (see HTTP_STATUS) and a client-safe message."""
+    """How every API reports a failed request: `kind` (see CODES) and a client-safe message."""
 
     kind: Kind
     message: str
 
     @property
     def http_status(self) -> int:
-        return HTTP_STATUS[self.kind]
+        return CODES[self.kind][0]
 
     @property
     def grpc_code(self) -> grpc.StatusCode:
-        return GRPC_CODE[self.kind]
+        return CODES[self.kind][1]
 
 
 def root_cause(e: BaseException) -> BaseException:
@@ -102,12 +88,10 @@ def classify(e: BaseException) -> Failure:
     from ray.serve import exceptions as serve_exceptions
 
     cause = root_cause(e)
-    if isinstance(cause, RequestTooLarge):
-        return Failure("too_large", str(cause))
-    if isinstance(cause, InvalidRequest):
-        return Failure("invalid", str(cause))
-    if isinstance(cause, Unauthenticated):
-        return Failure("unauthenticated", str(cause))
+    for error_type, kind in ((RequestTooLarge, "too_large"), (InvalidRequest, "invalid"),
+                             (Unauthenticated, "unauthenticated")):
+        if isinstance(cause, error_type):
+            return Failure(kind, str(cause))
     for error in (e, cause):
         if isinstance(error, (ShuttingDown, NotReady)):
             return Failure("unavailable", f"{error}; retry shortly")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -13,7 +14,8 @@ from llm_service.sampling import Grammar, SamplingParams
 from mmserve.errors import InvalidRequest
 from mmserve.request.detokenize import IncrementalDetokenizer
 from mmserve.request.prompt_plan import RequestPlan
-from mmserve.request.tools import JSON_FORMAT
+from mmserve.request.tool_stream import ToolText
+from mmserve.request.tools import JSON_FORMAT, ToolCall, answer
 from mmserve.settings import check_fields, setting
 
 logger = logging.getLogger("ray.serve")
@@ -66,29 +68,26 @@ class GenerationOptions:
     n: int = setting(1, ge=1, le=MAX_N)  # choices of the same prompt
 
     def __post_init__(self):
-        check_options(self)
+        """InvalidRequest naming the first option out of range (None means the default: fine)."""
+        check_fields(self, InvalidRequest)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"stop has {len(self.stop)} strings; the limit is {MAX_STOP_STRINGS}")
+        if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise InvalidRequest(f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"stop_token_ids has {len(self.stop_token_ids)} ids; "
+                                 f"the limit is {MAX_STOP_TOKEN_IDS}")
+        for token_id in self.stop_token_ids:
+            if not 0 <= token_id <= MAX_INT32:
+                raise InvalidRequest(f"stop_token_ids must be in [0, {MAX_INT32}], got {token_id}")
+        if self.response_format is not None and len(self.response_format.schema) > MAX_SCHEMA_CHARS:
+            raise InvalidRequest(f"response_format's JSON schema has {len(self.response_format.schema)} characters; "
+                                 f"the limit is {MAX_SCHEMA_CHARS}")
 
 
 # The options both APIs pass as they are, by their names in the API (each spells `stop` and
 # `response_format` its own way)
 SAMPLING_OPTIONS = tuple(f for f in dataclasses.fields(GenerationOptions) if f.name not in ("stop", "response_format"))
-
-
-def check_options(opts: GenerationOptions) -> None:
-    """InvalidRequest naming the first option out of range (None means the default: fine)."""
-    check_fields(opts, InvalidRequest)
-    if len(opts.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"stop has {len(opts.stop)} strings; the limit is {MAX_STOP_STRINGS}")
-    if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in opts.stop):
-        raise InvalidRequest(f"each stop string must have 1 to {MAX_STOP_STRING_CHARS} characters")
-    if len(opts.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequest(f"stop_token_ids has {len(opts.stop_token_ids)} ids; the limit is {MAX_STOP_TOKEN_IDS}")
-    for token_id in opts.stop_token_ids:
-        if not 0 <= token_id <= MAX_INT32:
-            raise InvalidRequest(f"stop_token_ids must be in [0, {MAX_INT32}], got {token_id}")
-    if opts.response_format is not None and len(opts.response_format.schema) > MAX_SCHEMA_CHARS:
-        raise InvalidRequest(f"response_format's JSON schema has {len(opts.response_format.schema)} characters; "
-                             f"the limit is {MAX_SCHEMA_CHARS}")
 
 
 def response_format(kind: str, schema: str | None = None) -> Grammar | None:
@@ -191,11 +190,9 @@ class Generation:
                     if self._resume is None:
                         raise
                     self._stream.cancel()
-                    if self.n > 1 and any(sent.values()):
-                        left = {i: tuple(tokens) for i, tokens in sent.items() if i not in ended}
-                        self._stream, event = await self._resume(e, left)
-                    else:
-                        self._stream, event = await self._resume(e, tuple(sent[0]))
+                    by_choice = self.n > 1 and any(sent.values())  # each unfinished choice resumes on its own
+                    left = {i: tuple(t) for i, t in sent.items() if i not in ended} if by_choice else tuple(sent[0])
+                    self._stream, event = await self._resume(e, left)
             if event.token_id is not None:
                 sent[event.choice].append(event.token_id)
             if event.finish_reason and event.stages:  # the last choice's end
@@ -230,6 +227,32 @@ class Generation:
                         return
         finally:
             self._stream.cancel()
+
+    async def choices(self) -> list[tuple[str, str | None, list[Delta]]]:
+        """Every choice's (text, finish reason, deltas), once the last has ended."""
+        deltas: list[list[Delta]] = [[] for _ in range(self.n)]
+        async for delta in self.deltas():
+            deltas[delta.index].append(delta)
+        return [("".join(d.text for d in ds), ds[-1].finish_reason if ds else None, ds) for ds in deltas]
+
+    def answer(self, text: str, finish: str | None) -> tuple[str | None, list[ToolCall], str | None]:
+        """(content, tool calls, finish reason) of a choice's text (`mmserve.request.tools.answer`)."""
+        return answer(text, finish, self.tools, self.parallel_tool_calls, self.tool_format, self.forced_tool_calls)
+
+    async def tool_deltas(self) -> AsyncIterator[tuple[Delta, list[tuple] | None, list[ToolCall]]]:
+        """`deltas()`, each with its `ToolText` events when the request has tools (else None) and, at
+        its choice's end, the choice's calls: the streamed answer is the unstreamed one."""
+        texts = [ToolText(self.tools, self.parallel_tool_calls, self.tool_format, self.forced_tool_calls)
+                 for _ in range(self.n)] if self.tools else None
+        async with contextlib.aclosing(self.deltas()) as deltas:
+            async for delta in deltas:
+                events, calls = None, []
+                if texts is not None:
+                    events = texts[delta.index].add(delta.text)
+                    if delta.finish_reason:
+                        more, calls = texts[delta.index].end()
+                        events += more
+                yield delta, events, calls
 
     def token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id])

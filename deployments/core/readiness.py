@@ -17,6 +17,7 @@ moment the app is busiest.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 
@@ -67,10 +68,8 @@ class Readiness:
         self.start()
         if not self._waiting:
             return True
-        try:
+        with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(self._answered.wait()), timeout_s)
-        except asyncio.TimeoutError:
-            pass
         return self.ready
 
     async def _watch(self, name: str) -> None:
@@ -78,7 +77,7 @@ class Readiness:
         while True:
             attempt += 1
             try:
-                await asyncio.wait_for(self._ask(name), self._attempt_timeout_s)
+                await asyncio.wait_for(self._backends[name](), self._attempt_timeout_s)
                 break
             except asyncio.TimeoutError:  # no replica up yet (a handle call waits for one): ask again
                 logger.info("readiness: the %s deployment has not answered in %.0fs", name, self._attempt_timeout_s)
@@ -91,6 +90,3 @@ class Readiness:
         if not self._waiting:
             logger.info("readiness: ready")
             self._answered.set()
-
-    async def _ask(self, name: str) -> object:
-        return await self._backends[name]()

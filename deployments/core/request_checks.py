@@ -1,15 +1,7 @@
-"""The Router's costly work on a request, off its event loop and bounded in time and threads.
-
-A request's tool schemas, the grammar the LLM replica will compile for it (a forced tool call,
-`response_format`) and its prompt (chat template, tokens) can cost seconds each: 128 tools of
-costly schemas held the Router's loop 44 s, so that `/health` failed and Serve replaced the
-replica. Here they run on `CheckPool`s, threads of their own (a flood of costly schemas holds
-only those, never the loop nor the default executor), each job refused past `timeout_s`
-(`limits.check_timeout_s`) with what it was doing named; a job its caller stopped waiting for
-stops at its next step. The grammar's compile keeps the LLM replica's deadline
-(`engine.grammar_compile_timeout_s`) and its words, so that both refuse the same grammars. First
-of all, every character that will be tokenized or compiled is counted against
-`max_prompt_chars` (a 413 before any of that work).
+"""The Router's costly work on a request (tool schemas, the grammar the LLM replica will compile, the
+prompt) off its event loop on `CheckPool`s, each job refused past `limits.check_timeout_s` naming its
+step, the grammar's compile within the LLM replica's deadline and words, every character counted against
+`max_prompt_chars` first: docs/security.md#costly-work-on-a-request.
 """
 
 from __future__ import annotations
@@ -149,10 +141,6 @@ class RequestChecks:
     def _plan(self, step: Step, messages, tools) -> RequestPlan:
         step.at("the prompt (its chat template and tokens)")
         return self.planner.plan(messages, tools)
-
-    def shutdown(self) -> None:
-        self.schemas.shutdown()
-        self.prompts.shutdown()
 
 
 @functools.lru_cache(maxsize=64)  # keyed by the grammar's text: at most max_prompt_chars each

@@ -278,10 +278,8 @@ class RequestCore:
             # (max_decoded_pixels_per_video); several are read to their headers first and bounded together
             # before any is decoded
             sampling, min_frames = request.video_sampling, self.args.video_decode.stream_min_frames
-            if len(files) == 1:
-                read = functools.partial(self.videos.probe, decode_below=min_frames) if stream else self.videos.decode
-            else:
-                read = self.videos.probe
+            probe = functools.partial(self.videos.probe, decode_below=min_frames)
+            read = self.videos.probe if len(files) > 1 else probe if stream else self.videos.decode
             decoded = dict(zip(files, await _all_or_none([read(frames[i][0], request_id, sampling) for i in files])))
             if len(files) > 1:
                 self._check_decoded_pixels(list(decoded.values()))
@@ -328,10 +326,8 @@ class RequestCore:
 
         async def reencode(handles: tuple[EmbeddingHandle, ...], lost: tuple[int, ...]):
             self.listener.on_reencode(len(lost))
-            new = list(handles)
-            for i, handle in zip(lost, await self._dispatch([media[i] for i in lost])):
-                new[i] = handle
-            return tuple(new)
+            redone = dict(zip(lost, await self._dispatch([media[i] for i in lost])))
+            return tuple(redone.get(i, handle) for i, handle in enumerate(handles))
 
         failover = Failover(self.llm, pending, self.args.llm_retries, self.listener.on_resubmit, reencode)
         router_ms = (time.perf_counter() - received) * 1000  # read, fetch, plan, dispatch the media

@@ -47,7 +47,7 @@ class VideoStream:
         self.embeddings: dict[int, ItemEmbedding] = {}
         self._filled = {i: [False] * len(v.groups) for i, v in self.videos.items()}
         self._first = {i: asyncio.get_running_loop().create_future() for i in self.videos}
-        self._task: asyncio.Task | None = None
+        self.task: asyncio.Task | None = None  # every video's, from `start`
         self.on_progress: Callable[[int | None], None] = lambda ready: None
         self.on_reencode: Callable[[], None] = lambda: None  # a group's encoder replica was lost
         self.groups_in = 0  # groups whose rows are in (all items)
@@ -55,19 +55,15 @@ class VideoStream:
     async def start(self) -> dict[int, ItemEmbedding]:
         """Start every video; each item's embedding (rows still being filled) once its first group
         is in. Raises the stream's failure if it comes first."""
-        self._task = asyncio.ensure_future(self._run())
+        self.task = asyncio.ensure_future(self._run())
         waiting = asyncio.ensure_future(asyncio.gather(*self._first.values()))
         waiting.add_done_callback(lambda f: f.cancelled() or f.exception())  # a cancelled wait is no error
-        await asyncio.wait([self._task, waiting], return_when=asyncio.FIRST_COMPLETED)
-        if self._task.done():  # all in, or failed (first groups in or not), or cancelled
+        await asyncio.wait([self.task, waiting], return_when=asyncio.FIRST_COMPLETED)
+        if self.task.done():  # all in, or failed (first groups in or not), or cancelled
             waiting.cancel()
-            if self._task.cancelled() or self._task.exception() is not None:
-                self._task.result()  # raises
+            if self.task.cancelled() or self.task.exception() is not None:
+                self.task.result()  # raises
         return dict(self.embeddings)
-
-    @property
-    def task(self) -> asyncio.Task:
-        return self._task
 
     def ready(self) -> int | None:
         """Prompt tokens whose inputs are present (None: all of them)."""
@@ -80,8 +76,8 @@ class VideoStream:
         return None
 
     def cancel(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        if self.task is not None:
+            self.task.cancel()
 
     async def _run(self) -> None:
         await asyncio.gather(*(self._item(i, video) for i, video in self.videos.items()))

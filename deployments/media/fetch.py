@@ -1,29 +1,10 @@
-"""Media URLs -> bytes for the router, under the server's media-access rules.
-
-- `data:` URIs: always.
-- Local files (a path or `file://`): only with `limits.allow_local_media`, and only beneath
-  `limits.local_media_dir`. The file is opened relative to a descriptor of that directory with
-  no symlink followed and no `..` (openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS, else a walk one
-  component at a time with O_NOFOLLOW), so swapping a directory for a symlink mid-open cannot lead
-  outside. Any failure, whether the file is missing, unreadable, not a regular file, a symlink or
-  outside the directory, gets the same message.
-- http(s): only with `limits.allow_http_media`, to `host[:port]` entries of
-  `limits.http_media_allowlist`: an entry without a port admits ports 80 and 443, `host:port`
-  (`[v6addr]:port`) that port only; a name also admits its subdomains. Redirects are followed by
-  hand, each hop checked the same way. Hosts are resolved here and every address must be public;
-  a private, loopback or link-local address is admitted only for a host listed exactly (an IP
-  literal or full name). The connection goes to the checked address (no second lookup). Bodies
-  are streamed under a byte cap.
-- Any other scheme is refused as such.
-
-What the client is told: refusals decided from its URL alone (disabled, scheme, credentials, not
-in the allowlist) and the byte limit name the problem. Every other failure (DNS, a private
-address, connect, TLS, a status other than 200, a redirect the rules refuse, too many redirects)
-is the one message `FETCH_FAILED`, so answers cannot map what listens behind the server; the
-reason goes to the "ray.serve" log with the request id.
-
-`MediaFetcher` is per request: it counts the bytes fetched against `limits.max_request_bytes`
-and bounds all of them by one deadline, `limits.media_fetch_timeout_s`.
+"""Media URLs -> bytes for the router, under the server's media-access rules (docs/security.md#media-access):
+`data:` URIs always; local files beneath `limits.local_media_dir` (`local_files`) with
+`limits.allow_local_media`; http(s) with `limits.allow_http_media`, to `limits.http_media_allowlist`
+only, each redirect hop checked, every address public unless the host is listed exactly, the connection
+to the checked address (no second lookup), bodies under a byte cap. Refusals decided from the client's
+URL alone and the byte limit name the problem; every other failure is the one message `FETCH_FAILED`
+(the reason is logged with the request id), so answers cannot map what listens behind the server.
 """
 
 from __future__ import annotations
@@ -169,9 +150,7 @@ class MediaFetcher:
 
 
 def _scheme(url: str) -> str:
-    if url.startswith("/"):
-        return ""
-    return urlsplit(url).scheme.lower()
+    return "" if url.startswith("/") else urlsplit(url).scheme.lower()
 
 
 # -- http(s) ------------------------------------------------------------------------------------------
@@ -222,7 +201,5 @@ async def check_http_url(url: str, allowlist: Sequence[str]) -> HttpTarget:
             f"{host!r} resolves to {', '.join(addresses)}: a private, loopback or link-local address is fetched "
             "only from a host listed exactly (with this port) in http_media_allowlist"
         )
-    path = parts.path or "/"
-    if parts.query:
-        path += "?" + parts.query
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     return HttpTarget(scheme, host, port, addresses[0], path)

@@ -1,10 +1,5 @@
-"""Local media files, read beneath one directory with no way out of it.
-
-The file is opened relative to a descriptor of `local_media_dir`, following no symlink and no
-`..` (openat2 with RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS, else a walk one component at a time
-with O_NOFOLLOW), so swapping a directory for a symlink while a request reads cannot lead
-outside. Every failure (missing, unreadable, not a regular file, a symlink, outside the
-directory) gets the same message.
+"""Local media files, read beneath one directory with no way out of it (openat2 RESOLVE_BENEATH |
+RESOLVE_NO_SYMLINKS, else an O_NOFOLLOW walk), each failure with the same message: docs/security.md#media-access.
 """
 
 from __future__ import annotations

@@ -38,11 +38,8 @@ class QueuedWorkPolicy:
 
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
         per_replica = (ctx.aggregated_metrics or {}).get(self.metric)
-        if not per_replica:
-            desired = ctx.target_num_replicas
-        else:
-            total = sum(per_replica.values())
-            desired = math.ceil(total / self.target_per_replica)
+        queued = sum(per_replica.values()) if per_replica else None
+        desired = ctx.target_num_replicas if queued is None else math.ceil(queued / self.target_per_replica)
         desired = max(ctx.capacity_adjusted_min_replicas, min(ctx.capacity_adjusted_max_replicas, desired))
         return desired, dict(ctx.policy_state)
 
@@ -61,25 +58,16 @@ def scaled(scaling, options: dict, **target) -> dict:
     if not scaling.autoscale:
         return options
     options = {k: v for k, v in options.items() if k != "num_replicas"}
-    options["autoscaling_config"] = autoscaling_config(
-        min_replicas=scaling.min_replicas, max_replicas=scaling.max_replicas, upscale_delay_s=scaling.upscale_delay_s,
-        downscale_delay_s=scaling.downscale_delay_s, look_back_period_s=scaling.look_back_period_s,
-        metrics_interval_s=scaling.metrics_interval_s, **target,
-    )
+    settings = ("min_replicas", "max_replicas", "upscale_delay_s", "downscale_delay_s", "look_back_period_s",
+                "metrics_interval_s")
+    options["autoscaling_config"] = autoscaling_config(**{name: getattr(scaling, name) for name in settings}, **target)
     return options
 
 
-def autoscaling_config(
-    *,
-    min_replicas: int,
-    max_replicas: int,
-    upscale_delay_s: float,
-    downscale_delay_s: float,
-    look_back_period_s: float,
-    metrics_interval_s: float,
-    target_tokens_per_replica: int | None = None,
-    target_decode_s_per_replica: float | None = None,
-) -> dict:
+def autoscaling_config(*, min_replicas: int, max_replicas: int, upscale_delay_s: float, downscale_delay_s: float,
+                       look_back_period_s: float, metrics_interval_s: float,
+                       target_tokens_per_replica: int | None = None, target_decode_s_per_replica: float | None = None
+                       ) -> dict:
     """A Serve `autoscaling_config` (deployment option) running `QueuedTokensPolicy` (given
     `target_tokens_per_replica`) or `QueuedWorkPolicy` on queued decode seconds."""
     if target_tokens_per_replica is not None:
@@ -88,14 +76,7 @@ def autoscaling_config(
     else:
         policy = {"policy_function": f"{__name__}:{QueuedWorkPolicy.__name__}",
                   "policy_kwargs": {"metric": QUEUED_DECODE_S, "target_per_replica": target_decode_s_per_replica}}
-    return {
-        "min_replicas": min_replicas,
-        "initial_replicas": min_replicas,
-        "max_replicas": max_replicas,
-        "upscale_delay_s": upscale_delay_s,
-        "downscale_delay_s": downscale_delay_s,
-        "look_back_period_s": look_back_period_s,
-        # Deprecated in Serve but still the replica's metrics push period in 2.60.
-        "metrics_interval_s": metrics_interval_s,
-        "policy": policy,
-    }
+    # (metrics_interval_s: deprecated in Serve but still the replica's metrics push period in 2.60)
+    return {"min_replicas": min_replicas, "initial_replicas": min_replicas, "max_replicas": max_replicas,
+            "upscale_delay_s": upscale_delay_s, "downscale_delay_s": downscale_delay_s,
+            "look_back_period_s": look_back_period_s, "metrics_interval_s": metrics_interval_s, "policy": policy}

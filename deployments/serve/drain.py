@@ -11,6 +11,7 @@ down.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -19,23 +20,16 @@ NAMESPACE = "mmserve_drain"
 POLL_S = 0.25  # how soon a Router replica sees the mark
 
 
-def _key(app_name: str) -> bytes:
-    return app_name.encode()
-
-
-def set_draining(app_name: str, draining: bool = True) -> None:
+def set_draining(app_name: str) -> None:
     from ray.experimental import internal_kv
 
-    if draining:
-        internal_kv._internal_kv_put(_key(app_name), b"1", overwrite=True, namespace=NAMESPACE)
-    else:
-        internal_kv._internal_kv_del(_key(app_name), namespace=NAMESPACE)
+    internal_kv._internal_kv_put(app_name.encode(), b"1", overwrite=True, namespace=NAMESPACE)
 
 
 def is_draining(app_name: str) -> bool:
     from ray.experimental import internal_kv
 
-    return internal_kv._internal_kv_get(_key(app_name), namespace=NAMESPACE) is not None
+    return internal_kv._internal_kv_get(app_name.encode(), namespace=NAMESPACE) is not None
 
 
 class DrainWatch:
@@ -66,13 +60,10 @@ def requests_in_flight(app_name: str, deployment: str = "Router") -> int:
 
     total = 0
     for actor in ray.util.list_named_actors(all_namespaces=True):
-        if f"{app_name}#{deployment}#" not in actor["name"]:
-            continue
-        try:
-            replica = ray.get_actor(actor["name"], namespace=actor["namespace"])
-            total += ray.get(replica.get_num_ongoing_requests.remote(), timeout=5)
-        except Exception:  # a replica that is gone holds nothing
-            continue
+        if f"{app_name}#{deployment}#" in actor["name"]:
+            with contextlib.suppress(Exception):  # a replica that is gone holds nothing
+                replica = ray.get_actor(actor["name"], namespace=actor["namespace"])
+                total += ray.get(replica.get_num_ongoing_requests.remote(), timeout=5)
     return total
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from ray import serve
@@ -22,7 +23,7 @@ from encoder_service import VisionEncoder
 from encoder_service.pool import EncoderPool
 from mmserve.device import device_memory, hold_to_share, resolve_device
 from mmserve.errors import InvalidRequest, Overloaded
-from mmserve.inputs.media import EncodeItem
+from mmserve.inputs.media import AdapterRef, EncodeItem
 
 logger = logging.getLogger("ray.serve")
 
@@ -47,6 +48,26 @@ def start_pool(args: AppArgs, model_dir: str, device: str,
     return EncoderPool(encoder, pool.resolve(), PoolMetrics(metrics)), metrics
 
 
+def multiplexed_adapters(read_ahead: Callable[[str], object], held: set[str], most: int, lease=lambda name: name):
+    """Serve's model multiplexing of LoRA adapters: the router names a call's adapter as its
+    multiplexed model id, so Serve prefers the replicas that reported it, and the call's method awaits
+    the loader this returns with it first. A miss runs `read_ahead(name)` in a thread, off the
+    forward's way (a failure is only logged: the adapter is read again where it is used, which
+    answers the request), records it in `held` (what this replica reports) and returns `lease(name)`,
+    what Serve holds while it keeps the adapter (at most `most` per replica, least recently used
+    dropped)."""
+
+    async def load_adapter(name: str):
+        try:
+            await asyncio.to_thread(read_ahead, name)
+        except Exception:
+            logger.exception("LoRA adapter %r could not be read ahead", name)
+        held.add(name)
+        return lease(name)
+
+    return serve.multiplexed(max_num_models_per_replica=most)(load_adapter)
+
+
 @serve.deployment
 class EncoderDeployment:
     def __init__(self, args: AppArgs):
@@ -62,24 +83,10 @@ class EncoderDeployment:
 
             self.publisher = GrpcPublisher(grpc, self.encoder)
         self.multiplexed: set[str] = set()  # the tower adapters Serve counts as read here (reported to routers)
-        self.adapters = self._multiplex_adapters(dict(args.lora_modules)) if args.lora_modules else None
-
-    def _multiplex_adapters(self, paths: dict[str, str]):
-        """Serve's model multiplexing of the tower's LoRA adapters: the router names an item's tower
-        adapter as its call's multiplexed model id (`EncoderPoolDispatcher`), so Serve prefers the
-        replicas that reported it, and `encode` has it read first, in a thread, off the forward's way
-        (`TowerLoras.get`; at most as many as `lora_modules` lists)."""
-        from mmserve.inputs.media import AdapterRef
-
-        async def load_adapter(name: str) -> str:
-            try:
-                await asyncio.to_thread(self.encoder.loras.get, AdapterRef(name, paths[name]))
-            except Exception:  # its items are refused by name when prepared (InvalidRequest)
-                logger.exception("LoRA adapter %r could not be read ahead", name)
-            self.multiplexed.add(name)
-            return name
-
-        return serve.multiplexed(max_num_models_per_replica=len(paths))(load_adapter)
+        self.adapters = None  # the tower's adapters (`TowerLoras.get`), named by `EncoderPoolDispatcher`
+        if paths := dict(args.lora_modules):
+            self.adapters = multiplexed_adapters(lambda name: self.encoder.loras.get(AdapterRef(name, paths[name])),
+                                                 self.multiplexed, len(paths))
 
     def ready(self) -> bool:
         """True: a call reaches a replica only once its constructor returned, the tower loaded and

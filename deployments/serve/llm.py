@@ -24,6 +24,7 @@ from deployments.core.llm_inputs import PendingRequest, StoredEmbedding
 from deployments.core.llm_replica import LLMReplica
 from deployments.core.video_stream import Encode
 from deployments.replica_env import set_cpu_threads
+from deployments.serve.encoder import multiplexed_adapters, start_pool
 from deployments.serve.metrics import LLMMetrics
 from deployments.serve.transport import GrpcFetcher, resolve
 from deployments.serve.video_decoder import ServeVideoClient
@@ -51,8 +52,6 @@ class LLMDeployment:
         self.torch_threads = set_cpu_threads(args.llm.cpu_threads, args.replicas_at_start("llm"), "LLM", ranks=tp)
         self.pool = None
         if args.colocated:  # encode the media the router hands over, in-process
-            from deployments.serve.encoder import start_pool
-
             # loaded before the engine sizes its KV pool, so the pool leaves room for these weights
             self.pool, self.encoder_metrics = start_pool(args, model_dir, device, capture_graphs=False)
 
@@ -114,11 +113,8 @@ class LLMDeployment:
             raise
 
     def _multiplex_adapters(self, args: AppArgs):
-        """Serve's model multiplexing of the LoRA adapters: the router names a request's adapter as
-        its multiplexed model id, so Serve routes it to a replica that reported the adapter, and
-        `generate` calls this loader with it. A miss reads the adapter here, off the engine thread
-        (`LLMEngine.prepare_lora`), so the engine only installs it; Serve keeps at most
-        `engine.max_loras` per replica (least recently used dropped, as the engine's own `LoraSet`)."""
+        """`multiplexed_adapters` of the engine's (`LLMEngine.prepare_lora`: the engine then only
+        installs it), at most `engine.max_loras` (as the engine's own `LoraSet`)."""
         engine, paths = self.engine, dict(args.lora_modules)
 
         class Lease:  # what Serve's multiplexer holds per adapter; dropping it forgets what was read ahead
@@ -131,15 +127,8 @@ class LLMDeployment:
                     engine.forget_lora(lease.name)
                     lease.name = None
 
-        async def load_adapter(name: str) -> Lease:
-            try:
-                await asyncio.to_thread(engine.prepare_lora, LoraRequest(name, paths[name]))
-            except Exception:  # checked at start; the engine reads it again at admission and answers the request
-                logger.exception("LoRA adapter %r could not be read ahead", name)
-            self.multiplexed.add(name)
-            return Lease(name)
-
-        return serve.multiplexed(max_num_models_per_replica=max(1, engine.config.max_loras))(load_adapter)
+        return multiplexed_adapters(lambda name: engine.prepare_lora(LoraRequest(name, paths[name])), self.multiplexed,
+                                    max(1, engine.config.max_loras), Lease)
 
     async def _step_failed(self) -> None:
         ranks = self.ranks  # (None once the replica shuts down)

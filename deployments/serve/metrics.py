@@ -96,17 +96,15 @@ class PoolMetrics(PoolListener):
         self.metrics = metrics
 
     def on_lookup(self, outcome: Lookup) -> None:
-        {"hit": self.metrics.cache_hits, "miss": self.metrics.cache_misses, "dedup": self.metrics.dedup_hits}[
-            outcome
-        ].inc()
+        m = self.metrics
+        {"hit": m.cache_hits, "miss": m.cache_misses, "dedup": m.dedup_hits}[outcome].inc()
 
     def on_batch(self, record: BatchRecord) -> None:
         m = self.metrics
-        m.batch_tokens.observe(record.cost)
-        m.batch_items.observe(record.items)
-        m.batch_fill.observe(record.fill_ratio)
-        m.batch_wait_ms.observe(record.wait_ms)
-        m.forward_ms.observe(record.forward_ms)
+        for histogram, value in ((m.batch_tokens, record.cost), (m.batch_items, record.items),
+                                 (m.batch_fill, record.fill_ratio), (m.batch_wait_ms, record.wait_ms),
+                                 (m.forward_ms, record.forward_ms)):
+            histogram.observe(value)
 
     def on_queue(self, queued_tokens: int, queued_items: int, cache_bytes: int) -> None:
         self.metrics.queued_tokens.set(queued_tokens)

@@ -6,6 +6,7 @@ LLM deployment's handle and the VideoDecoder's, the OpenAI adapter behind the Fa
 behind the methods named as the RPCs (Serve's gRPC proxy calls those), and the Ray metrics.
 """
 
+import contextlib
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -34,13 +35,9 @@ SERVICER_FUNCTIONS = (
 )
 
 
-def grpc_options(port: int = 9000, request_timeout_s: float | None = None,
-                 enable_reflection: bool = True) -> gRPCOptions:
+def grpc_options(port: int = 9000) -> gRPCOptions:
     """Serve's gRPC proxy options for this app (`serve.start(grpc_options=...)`)."""
-    return gRPCOptions(
-        port=port, grpc_servicer_functions=list(SERVICER_FUNCTIONS),
-        request_timeout_s=request_timeout_s, enable_reflection=enable_reflection,
-    )
+    return gRPCOptions(port=port, grpc_servicer_functions=list(SERVICER_FUNCTIONS), enable_reflection=True)
 
 
 def app_unavailable(app_name: str, timeout_s: float = 5.0) -> str | None:
@@ -64,11 +61,9 @@ def wait_until_ready(app_name: str, timeout_s: float = 600.0) -> None:
     deadline = time.monotonic() + timeout_s
     reason = "no Router replica answered"
     while time.monotonic() < deadline:
-        try:
+        with contextlib.suppress(TimeoutError):
             if (reason := app_unavailable(app_name)) is None:
                 return
-        except TimeoutError:
-            pass
         time.sleep(0.1)
     raise TimeoutError(f"application {app_name} not ready after {timeout_s:g}s: {reason}")
 

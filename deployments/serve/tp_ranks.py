@@ -16,6 +16,7 @@ the replica: Ray ends them with it, and `RankWorkers.close` kills them on a grac
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -150,10 +151,8 @@ class RankWorkers:
 
     def kill(self) -> None:
         for actor in self.actors:
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 ray.kill(actor, no_restart=True)
-            except Exception:  # already gone
-                pass
 
     def close(self, timeout_s: float = 10.0) -> None:
         """After the engine stopped the group: wait for the ranks to return, then end their actors."""

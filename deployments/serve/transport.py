@@ -89,10 +89,8 @@ class GrpcFetcher:
         self._token = args.token
         self._timeout_s = args.fetch_timeout_s
         self._clients: dict[str, EncoderClient] = {}
-        # a standalone encoder may be behind TLS; encoder replicas inside the cluster are not
-        self._tls_roots: dict[str, bytes] = {}
-        if args.tls_ca and args.encoder_address:
-            self._tls_roots[args.encoder_address] = Path(args.tls_ca).read_bytes()
+        tls = args.tls_ca and args.encoder_address  # a standalone encoder's; encoder replicas in the cluster have none
+        self._tls_roots = {args.encoder_address: Path(args.tls_ca).read_bytes()} if tls else {}
 
     def _client(self, address: str) -> EncoderClient:
         client = self._clients.get(address)

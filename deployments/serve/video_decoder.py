@@ -71,8 +71,7 @@ class VideoDecoder:
         options = DecodeOptions(threads, skip_unsampled, decode_segments(segments, replicas, threads))
         self.pool = VideoDecodePool(FrameSampler(resolve_model_dir(model_dir)), limits, workers, options)
         self.metrics = VideoMetrics()
-        self._fallbacks_reported = 0
-        self._segment_fallbacks_reported = 0
+        self._fallbacks_reported = dict.fromkeys(("skip_fallbacks", "segment_fallbacks"), 0)
         if not pyav_available():
             logger.warning("PyAV is not installed: video_url requests get 400 (install mmserve[video])")
 
@@ -117,12 +116,10 @@ class VideoDecoder:
         self.metrics.videos.inc()
         self.metrics.frames.inc(frames)
         self.metrics.decode_ms.observe((time.perf_counter() - start) * 1000)
-        if fallbacks := self.pool.stats.skip_fallbacks - self._fallbacks_reported:
-            self.metrics.skip_fallbacks.inc(fallbacks)
-            self._fallbacks_reported += fallbacks
-        if fallbacks := self.pool.stats.segment_fallbacks - self._segment_fallbacks_reported:
-            self.metrics.segment_fallbacks.inc(fallbacks)
-            self._segment_fallbacks_reported += fallbacks
+        for name, reported in self._fallbacks_reported.items():
+            if fallbacks := getattr(self.pool.stats, name) - reported:
+                getattr(self.metrics, name).inc(fallbacks)
+                self._fallbacks_reported[name] += fallbacks
 
     def stats(self) -> dict:
         """The pool's counters and which replica answered (tests, benches, debugging)."""

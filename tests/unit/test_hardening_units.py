@@ -85,7 +85,7 @@ def test_encoder_deployment_keeps_failures_honest(error, expected):
     cls = EncoderDeployment.func_or_class
     deployment = cls.__new__(cls)
     deployment.pool, deployment.metrics, deployment.publisher = _FailingPool(error), _Metrics(), None
-    deployment.adapters = None  # no LoRA adapters listed (`_multiplex_adapters`)
+    deployment.adapters = None  # no LoRA adapters listed (`multiplexed_adapters`)
     with pytest.raises(expected) as raised:
         asyncio.run(deployment.encode([fake_item(1, 2)]))
     assert not isinstance(raised.value, InvalidRequest) or expected is InvalidRequest

@@ -14,6 +14,7 @@ import json
 import jsonschema
 import pytest
 
+from deployments.core.generation import Delta, Generation
 from llm_service.sampling import Grammar
 from mmserve.errors import InvalidRequest
 from mmserve.request.tool_stream import ToolText
@@ -566,9 +567,9 @@ TWO_CALLS = ('I will click.\n<tool_call>\n{"name": "click", "arguments": {"x": 1
              '<tool_call>\n{"name": "type_text", "arguments": {"text": "hi"}}\n</tool_call>')
 
 
-class _Generation:
-    """A `Generation` as the API adapters read it, whose one choice writes `output` (`TWO_CALLS`)
-    and stops, in the tool-call form `fmt`."""
+class _Generation(Generation):
+    """A `Generation` as the API adapters read it (its `deltas` replaced), whose one choice writes
+    `output` (`TWO_CALLS`) and stops, in the tool-call form `fmt`."""
 
     def __init__(self, parallel: bool, output: str = TWO_CALLS, fmt: ToolFormat = JSON_FORMAT):
         from types import SimpleNamespace
@@ -580,8 +581,6 @@ class _Generation:
         self.plan, self.num_generated = SimpleNamespace(token_ids=[1, 2], num_media_tokens=0), 0
 
     async def deltas(self):
-        from deployments.core.generation import Delta
-
         for i in range(0, len(self.output), 5):
             yield Delta(self.output[i:i + 5], None, "stop" if i + 5 >= len(self.output) else None)
 
