@@ -29,12 +29,7 @@ from torch import nn
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
+_DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")}
 DTYPE_CHOICES = ("auto", *_DTYPES)
 # safetensors' dtype names (https://github.com/huggingface/safetensors, format spec)
 _FILE_DTYPES = {
@@ -90,8 +85,7 @@ def resolve_dtype(name: str, config: dict) -> torch.dtype:
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / n for n in names]
+        return [model_dir / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
@@ -150,9 +144,8 @@ def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
         try:
             for key, tensor in tensors:
                 size = tensor.element_size()
-                if size not in spools:
-                    spools[size] = open(Path(tmp) / f"spool{size}", "w+b")
-                spool, begin = spools[size], spools[size].tell()
+                spool = spools.get(size) or spools.setdefault(size, open(Path(tmp) / f"spool{size}", "w+b"))
+                begin = spool.tell()
                 spool.write(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
                 entries.setdefault(size, []).append((key, names[tensor.dtype], list(tensor.shape), begin, spool.tell()))
             header: dict = {"__metadata__": metadata} if metadata else {}
@@ -298,26 +291,20 @@ def load_weights(module: nn.Module, model_dir: str | Path, rename: Callable[[str
                 del tensor
     if waiting:
         raise ValueError(f"checkpoint tensors with no place in the model: {sorted(waiting)[:5]}")
-    missing = set(targets) - loaded - optional
-    if missing:
+    if missing := set(targets) - loaded - optional:
         raise ValueError(f"checkpoint lacks tensors of the model: {sorted(missing)[:5]}")
     return LoadReport(tuple(keys), nbytes, time.perf_counter() - start, peak if rss0 is not None else None)
 
 
 def strip_prefix(key: str, prefixes: tuple[str, ...]) -> str | None:
-    for prefix in prefixes:
-        if key.startswith(prefix):
-            return key[len(prefix):]
-    return None
+    return next((key[len(prefix):] for prefix in prefixes if key.startswith(prefix)), None)
 
 
 def processor_settings(model_dir: Path, section: str, legacy_file: str) -> dict:
     """One processor's settings from `processor_config.json` (transformers 5) or its own legacy file."""
     combined = model_dir / "processor_config.json"
-    if combined.is_file():
-        data = json.loads(combined.read_text())
-        if section in data:
-            return data[section]
+    if combined.is_file() and section in (data := json.loads(combined.read_text())):
+        return data[section]
     legacy = model_dir / legacy_file
     return json.loads(legacy.read_text()) if legacy.is_file() else {}
 
@@ -329,8 +316,6 @@ def read_chat_template(model_dir: str | Path) -> str | None:
         return jinja.read_text()
     for name in ("chat_template.json", "processor_config.json", "tokenizer_config.json"):
         path = model_dir / name
-        if path.is_file():
-            template = json.loads(path.read_text()).get("chat_template")
-            if template:
-                return template
+        if path.is_file() and (template := json.loads(path.read_text()).get("chat_template")):
+            return template
     return None

@@ -13,7 +13,7 @@ interleaving of the three rows over the rotary dimensions happens in the decoder
 
 from __future__ import annotations
 
-import math
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -26,6 +26,7 @@ from mmserve.families.qwen2_vl import (
     VisionPreprocessConfig,
     image_grid,
     read_preprocess_config,
+    smart_resize,
 )
 from mmserve.inputs.media import MediaItem, MediaKind, PlaceholderRange
 from mmserve.inputs.mrope import mrope_positions
@@ -47,20 +48,7 @@ def video_resize(num_frames: int, height: int, width: int, cfg: VisionPreprocess
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > 200:
-        raise InvalidRequest(f"video aspect ratio {max(height, width) / min(height, width):.1f} exceeds 200")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    t_bar = round(num_frames / temporal) * temporal
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((num_frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    return smart_resize(height, width, factor, min_pixels, max_pixels, num_frames, temporal, "video")
 
 
 def video_grid(num_frames: int, height: int, width: int, cfg: VisionPreprocessConfig) -> tuple[int, int, int]:
@@ -91,23 +79,16 @@ class Qwen3VLRouterFace(QwenVLRouterFace):
     def from_checkpoint(cls, model_dir: str, config: PreTrainedConfig) -> Qwen3VLRouterFace:
         from transformers import AutoTokenizer
 
-        return cls(
-            model_type=config.model_type,
-            preprocess=read_preprocess_config(model_dir),
-            image_token_id=int(config.image_token_id),
-            video_token_id=int(config.video_token_id),
-            tokens_per_second=None,
-            timestamp_ids=_TimestampTokens(AutoTokenizer.from_pretrained(model_dir)),
-            vision_start_id=int(config.vision_start_token_id),
-            vision_end_id=int(config.vision_end_token_id),
-        )
+        return cls(model_type=config.model_type, preprocess=read_preprocess_config(model_dir),
+                   image_token_id=int(config.image_token_id), video_token_id=int(config.video_token_id),
+                   tokens_per_second=None, timestamp_ids=_TimestampTokens(AutoTokenizer.from_pretrained(model_dir)),
+                   vision_start_id=int(config.vision_start_token_id), vision_end_id=int(config.vision_end_token_id))
 
     def layout(self, item: MediaItem, max_pixels: int) -> QwenLayout:
         height, width = item.frame_size(max_pixels)
-        cfg = self.preprocess
         if item.kind is MediaKind.IMAGE:
-            return QwenLayout(image_grid(height, width, cfg))
-        return QwenLayout(video_grid(item.num_frames, height, width, cfg))
+            return QwenLayout(image_grid(height, width, self.preprocess))
+        return QwenLayout(video_grid(item.num_frames, height, width, self.preprocess))
 
     def expand(self, item: MediaItem, max_pixels: int) -> ItemExpansion:
         if item.kind is MediaKind.IMAGE:
@@ -136,19 +117,14 @@ class Qwen3VLRouterFace(QwenVLRouterFace):
             for start, length in _embed_runs(rng):
                 runs.append(PlaceholderRange(rng.offset + start, length))
                 grids.append((1, h, w))
-        positions, delta = mrope_positions(len(token_ids), runs, grids, self.preprocess.merge_size)
-        return ExplicitPositions(positions, delta)
+        return ExplicitPositions(*mrope_positions(len(token_ids), runs, grids, self.preprocess.merge_size))
 
 
 def _embed_runs(rng: PlaceholderRange) -> list[tuple[int, int]]:
     """(start, length) of each run of consecutive embedding slots in `rng`, from its start."""
-    runs: list[tuple[int, int]] = []
-    for slot in rng.embed_slots():
-        if runs and runs[-1][0] + runs[-1][1] == slot:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((slot, 1))
-    return runs
+    runs = [[slot for _, slot in run] for _, run in itertools.groupby(enumerate(rng.embed_slots()),
+                                                                      lambda pair: pair[1] - pair[0])]
+    return [(run[0], len(run)) for run in runs]
 
 
 class _TimestampTokens:

@@ -82,9 +82,8 @@ class PromptBuilder:
         # what a user's text may not bring into the rendering as it is: added-token strings, and
         # the sentinel's own marks (so that a typed sentinel stays text too)
         self._escaped_re = re.compile("|".join([*(re.escape(tok) for tok, _ in added), "\ue000", "\ue001"]))
-        self._placeholder_ids = {
-            kind: tokenizer.convert_tokens_to_ids(tok) for kind, tok in placeholders.items() if tok is not None
-        }
+        self._placeholder_ids = {kind: tokenizer.convert_tokens_to_ids(tok) for kind, tok in placeholders.items()
+                                 if tok is not None}
         self._prefix, self._suffix = _special_wrapping(tokenizer)
 
     def _render(self, messages: list[Message], add_generation_prompt: bool = True,
@@ -114,15 +113,15 @@ class PromptBuilder:
                     content.append({"type": "text", "text": text})
             entry = {"role": message.role, "content": content}
             if message.tool_calls:
+                # the XML form's template iterates `arguments` as a mapping (`tools.check_call_arguments`)
                 entry["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": (
-                    _arguments_mapping(c) if self._tool_format.xml else c.arguments)}} for c in message.tool_calls]
+                    json.loads(c.arguments) if self._tool_format.xml else c.arguments)}} for c in message.tool_calls]
             if message.tool_call_id is not None:
                 entry["tool_call_id"] = message.tool_call_id
             conversation.append(entry)
-        rendered = self._tokenizer.apply_chat_template(
-            conversation, tools=[t.as_openai() for t in tools] or None, chat_template=self._template, tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-        )
+        rendered = self._tokenizer.apply_chat_template(conversation, tools=[t.as_openai() for t in tools] or None,
+                                                       chat_template=self._template, tokenize=False,
+                                                       add_generation_prompt=add_generation_prompt)
         return rendered, escaped
 
     def _system_end(self, messages: list[Message], rendered: str) -> int | None:
@@ -172,22 +171,12 @@ class PromptBuilder:
                 system_end = len(ids)
             pos = match.end()
         ids += self._encode_plain(rendered[pos:], escaped)
-        if self._prefix:
-            ranges = [r._replace(offset=r.offset + len(self._prefix)) for r in ranges]
-        ids = self._prefix + ids + self._suffix
         if len(ranges) != len(expansions):
-            raise InvalidRequest(
-                f"chat template placed {len(ranges)} media placeholders for {len(expansions)} media items"
-            )
-        if system_end is not None:
-            system_end += len(self._prefix)
-        return Prompt(ids, ranges, kinds, system_end)
-
-
-def _arguments_mapping(call: ToolCall) -> dict:
-    """A call's `arguments` (JSON text of an object: `tools.check_call_arguments`) as the mapping
-    the XML form's template iterates."""
-    return json.loads(call.arguments)
+            raise InvalidRequest(f"chat template placed {len(ranges)} media placeholders for {len(expansions)} "
+                                 "media items")
+        shift = len(self._prefix)
+        return Prompt(self._prefix + ids + self._suffix, [r._replace(offset=r.offset + shift) for r in ranges], kinds,
+                      None if system_end is None else system_end + shift)
 
 
 def _tools_as_text(messages: list[Message], tools: tuple[ToolSpec, ...],

@@ -60,12 +60,7 @@ class BoundedLoadRing:
     def preference(self, key: str) -> list[str]:
         """Every member once, in ring order from `key`'s point: its owner first."""
         start = bisect.bisect(self._hashes, stable_hash(key.encode()))
-        seen: dict[str, None] = {}
-        for i in range(len(self._owners)):
-            seen.setdefault(self._owners[(start + i) % len(self._owners)])
-            if len(seen) == len(self.members):
-                break
-        return list(seen)
+        return list(dict.fromkeys(self._owners[start:] + self._owners[:start]))
 
     def owner(self, key: str, loads: Mapping[str, float], cost: float, epsilon: float,
               holders: Collection[str] = ()) -> str:
@@ -73,15 +68,11 @@ class BoundedLoadRing:
         to add); else the first whose load + `cost` fits the bound (the least loaded member if
         none does: an item larger than the bound alone)."""
         preference = self.preference(key)
-        for member in preference:
-            if member in holders:
-                return member
+        if held := [m for m in preference if m in holders]:
+            return held[0]
         loads = {m: loads.get(m, 0.0) for m in self.members}
         bound = capacity(loads, cost, epsilon)
-        for member in preference:
-            if loads[member] + cost <= bound:
-                return member
-        return min(self.members, key=lambda m: loads[m])
+        return next((m for m in preference if loads[m] + cost <= bound), min(self.members, key=loads.__getitem__))
 
 
 def prefix_hashes(token_ids: Sequence[int], ranges: Sequence[PlaceholderRange], media_keys: Sequence[str],

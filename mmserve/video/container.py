@@ -18,30 +18,8 @@ every limit checked before the work it bounds:
    than it shows stops at its first frame), and the picked frames' pixels together are bounded
    (`max_decoded_pixels`) before any is decoded.
 
-How step 4 decodes is `DecodeOptions`: FFmpeg's own threads (frame threading, `threads`),
-`segments` (below), and `skip_unsampled`, which hands the decoder each packet of a frame that is
-not sampled with `skip_frame = NONREF`, so such a frame is not decoded at all when no other frame
-refers to it.
-Frames are then picked by their timestamps: the k-th frame in display order is the one with the
-k-th smallest packet pts (counted in step 2), and every frame that does come out is checked
-against that order, so a decoder that drops a frame of its own (leading frames of an open GOP at
-the start of a stream) is noticed and the video decoded again with nothing skipped. Reference
-frames are decoded exactly as without skipping, so the sampled frames are bit-identical
-(`tests/unit/test_video_decode.py`). `SEQUENTIAL` (one thread, nothing skipped) is the decode
-before these options, kept as the benchmark's baseline.
-
-With `segments` > 1 a clip whose sampled frames lie in more than one GOP is decoded in segments at
-once (`_segmented`): step 2 also notes the keyframes the stream splits at (`VideoProbe.splits`:
-every packet before one shows before it, every one after it after it, i.e. a closed GOP starts
-there); the GOPs holding sampled frames are cut into up to `segments` chunks of about even work,
-and each chunk is decoded in a thread of its own (PyAV decodes without the GIL) from a container
-of its own, seeked to its keyframe, its first frame out checked to be that keyframe and the rest
-against the pts as above; GOPs with no sampled frame are not decoded at all. A closed GOP decodes
-the same from its keyframe as from the stream's start, so the frames are bit-identical
-(`tests/unit/test_video_segments.py`). An open-GOP stream (a keyframe with leading frames, which
-refer to the GOP before: `VideoProbe.open_keys`) is decoded in one pass, and so are the frames
-still to pick when a chunk's frames do not come out where the probe said; both set
-`segment_fell_back` (counted: `mmserve_video_segment_fallbacks`).
+How step 4 decodes (`DecodeOptions`: FFmpeg's threads, skipping unsampled frames, GOP segments decoded
+at once) is docs/video.md#decoding-fast; the sampled frames are bit-identical whatever the options.
 
 Steps 1-2 and 4 run in a worker process (`mmserve.video.workers`), under a deadline, so a decoder
 that hangs or crashes on a hostile file takes only its own request down.
@@ -267,7 +245,7 @@ class ContainerReader:
 
         cap = math.floor(self.limits.max_seconds * fps) + 1
         count = 0
-        pts: list[int] | None = []
+        pts: list[int | None] = []
         keys: list[int] = []  # decode positions of the keyframe packets
         try:
             for packet in self.container.demux(stream):
@@ -276,19 +254,15 @@ class ContainerReader:
                 count += 1
                 if packet.is_keyframe:
                     keys.append(count - 1)
-                if pts is not None:
-                    pts = None if packet.pts is None else pts
-                    if pts is not None:
-                        pts.append(packet.pts)
+                pts.append(packet.pts)
                 if count > cap:
                     raise InvalidRequest(f"video is longer than the limit of {self.limits.max_seconds:g} s "
                                          f"(more than {cap - 1} frames at {fps:g} fps), whatever its header says")
         except av.error.FFmpegError as e:
             raise InvalidRequest(f"video is truncated or corrupt after {count} frames ({_reason(e)})") from None
-        ordered = tuple(sorted(pts or ()))
-        unique = len(ordered) == count and len(set(ordered)) == count
-        if not unique:
+        if None in pts or len(set(pts)) != count:
             return count, (), (), ()
+        ordered = tuple(sorted(pts))
         return count, ordered, *_split_points(pts, ordered, keys)
 
     def decode(self, indices: list[int], group_size: int = 0, options: DecodeOptions = SEQUENTIAL
@@ -604,14 +578,10 @@ class FrameSampler:
         the sampler cannot sample this video (or takes no such argument)."""
         from transformers.video_utils import VideoMetadata
 
-        kwargs = sampling.kwargs() if sampling is not None else {}
-        if kwargs:
-            takes = inspect.signature(self.processor.sample_frames).parameters
-            for name in kwargs:
-                if name not in takes:
-                    raise InvalidRequest(f"mm_processor_kwargs.{name}: this model's video sampler takes no {name}")
-        else:
-            kwargs = self.kwargs
+        kwargs = (sampling.kwargs() if sampling is not None else {}) or self.kwargs
+        takes = inspect.signature(self.processor.sample_frames).parameters
+        if unknown := [name for name in kwargs if name not in takes]:
+            raise InvalidRequest(f"mm_processor_kwargs.{unknown[0]}: this model's video sampler takes no {unknown[0]}")
 
         metadata = VideoMetadata(total_num_frames=probe.total_num_frames, fps=probe.fps, width=probe.width,
                                  height=probe.height, duration=probe.duration, video_backend="pyav")

@@ -97,12 +97,12 @@ def main() -> None:
         except EOFError:
             return
         try:
-            if op == "probe":
+            if op in ("probe", "close"):
                 if reader is not None:
                     reader.close()
                 reader = None
-                reader = ContainerReader(*args)
-                reply = ("ok", reader.probe)
+                reader = ContainerReader(*args) if op == "probe" else None
+                reply = ("ok", reader.probe if reader else None)
             elif op == "decode":  # (indices, group_size, options): one ("frames", array) per group, then
                 # ("ok", (whether skipping fell back to the plain decode, whether a segmented decode fell
                 # back to one pass, segments decoded at once (0: one pass)))
@@ -115,11 +115,6 @@ def main() -> None:
                 finally:
                     reader.close()
                     reader = None
-            elif op == "close":
-                if reader is not None:
-                    reader.close()
-                reader = None
-                reply = ("ok", None)
             else:
                 raise RuntimeError(f"unknown operation {op!r}")
         except InvalidRequest as e:
@@ -201,10 +196,8 @@ class DecodeWorker:
             logger.warning("video decode worker %d did not end %g s after SIGKILL; left to the OS", self.proc.pid,
                            KILL_WAIT_S)
         for pipe in (self.proc.stdin, self.proc.stdout):
-            try:
+            with contextlib.suppress(OSError):
                 pipe.close()
-            except OSError:
-                pass
 
 
 @dataclass
