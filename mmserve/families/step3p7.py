@@ -83,17 +83,13 @@ class Step3RouterFace(RouterFace):
         processor = json.loads((Path(model_dir) / "processor_config.json").read_text())["image_processor"]
         tokenizer = json.loads((Path(model_dir) / "tokenizer.json").read_text())
         added = {t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])}
-        missing = [t for t in (IMAGE_TOKEN, *STRUCTURE) if t not in added]
-        if missing:
+        if missing := [t for t in (IMAGE_TOKEN, *STRUCTURE) if t not in added]:
             raise ValueError(f"the tokenizer of {model_dir} lacks Step3's tokens {missing}")
-        return cls(
-            image_token_id=added[IMAGE_TOKEN],
-            structure_ids={t: added[t] for t in STRUCTURE},
-            image_size=int(processor.get("size", {}).get("height", 728)),
-            patch_size=int(processor.get("patch_size", 504)),
-            max_image_size=int(processor.get("max_image_size", 3024)),
-            stride=int(processor.get("vision_patch_size", 14)) * int(processor.get("downsampler_stride", 4)),
-        )
+        return cls(image_token_id=added[IMAGE_TOKEN], structure_ids={t: added[t] for t in STRUCTURE},
+                   image_size=int(processor.get("size", {}).get("height", 728)),
+                   patch_size=int(processor.get("patch_size", 504)),
+                   max_image_size=int(processor.get("max_image_size", 3024)),
+                   stride=int(processor.get("vision_patch_size", 14)) * int(processor.get("downsampler_stride", 4)))
 
     def placeholder(self, kind: MediaKind) -> str | None:
         return IMAGE_TOKEN if kind is MediaKind.IMAGE else None

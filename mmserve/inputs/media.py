@@ -47,9 +47,7 @@ class PlaceholderRange(NamedTuple):
 
     def embed_slots(self) -> list[int]:
         """Offsets (from `offset`) of the tokens that take encoder rows, ascending."""
-        if self.is_embed is None:
-            return list(range(self.length))
-        return [i for i, e in enumerate(self.is_embed) if e]
+        return list(range(self.length)) if self.is_embed is None else [i for i, e in enumerate(self.is_embed) if e]
 
 
 @dataclass(frozen=True)
@@ -143,9 +141,8 @@ class MediaItem:
     @property
     def sampled_fps(self) -> float:
         """Frames per second of the frames the model sees (`VideoMetadata.sampled_fps`)."""
-        if self.decoded is None:
-            return self.fps
-        return len(self.decoded.indices) / self.decoded.total_num_frames * self.decoded.fps
+        decoded = self.decoded
+        return self.fps if decoded is None else len(decoded.indices) / decoded.total_num_frames * decoded.fps
 
     @property
     def frame_seconds(self) -> list[float]:
@@ -216,9 +213,7 @@ def read_image_size(data: bytes, max_pixels: int) -> tuple[int, int]:
         with Image.open(io.BytesIO(data)) as img:
             width, height = img.size
             if width * height > max_pixels:
-                raise InvalidRequest(
-                    f"image of {width}x{height} pixels exceeds the limit of {max_pixels} pixels"
-                )
+                raise InvalidRequest(f"image of {width}x{height} pixels exceeds the limit of {max_pixels} pixels")
             orientation = _header_orientation(img)
     except InvalidRequest:
         raise

@@ -76,9 +76,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self._append(self._step(token_id))
-        if self.stopped:
-            return self._release(len(self.text))
-        return self._release(len(self.text) - self._hold)
+        return self._release(len(self.text) - (0 if self.stopped else self._hold))
 
     def _held(self) -> str:
         """The text of the ids the stream holds back (half a character), decoded as they are."""

@@ -241,9 +241,7 @@ def parse_calls(text: str, tools: list[ToolSpec]) -> tuple[str | None, list[Tool
 def _split_calls(text: str, block: re.Pattern, read) -> tuple[str | None, list[ToolCall]]:
     """(content, calls): each match of `block` that `read` (its first group -> a call or None)
     makes a call is cut out of the text; the rest is content, None when nothing but calls."""
-    calls: list[ToolCall] = []
-    kept: list[str] = []
-    pos = 0
+    calls, kept, pos = [], [], 0
     for match in block.finditer(text):
         call = read(match.group(1))
         if call is None:
@@ -324,9 +322,9 @@ def _raw_object(text: str) -> tuple[str | None, int]:
             continue
         if ch == '"':
             in_string = True
-        elif ch == "{" or ch == "[":
+        elif ch in "{[":
             depth += 1
-        elif ch == "}" or ch == "]":
+        elif ch in "}]":
             depth -= 1
             if depth == 0:
                 return text[:i + 1], i + 1
@@ -362,9 +360,7 @@ def _xml_call(body: str, by_name: dict[str, ToolSpec]) -> ToolCall | None:
         if parameter.start() != at or parameter.group(1) in arguments:
             return None  # text between parameters, or a key twice
         at = parameter.end()
-        raw = parameter.group(2)
-        raw = raw[1:] if raw.startswith("\n") else raw  # the form's newlines around the value
-        raw = raw[:-1] if raw.endswith("\n") else raw
+        raw = parameter.group(2).removeprefix("\n").removesuffix("\n")  # the form's newlines around the value
         arguments[parameter.group(1)] = xml_value(raw, properties.get(parameter.group(1)))
     if at != len(inner):
         return None

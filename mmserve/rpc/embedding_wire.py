@@ -22,13 +22,9 @@ class WireError(ValueError):
 
 
 def header_of(content_hash: str, tensor: torch.Tensor, key: str = "") -> encoder_pb2.EmbeddingHeader:
-    return encoder_pb2.EmbeddingHeader(
-        content_hash=content_hash,
-        key=key,
-        dtype=str(tensor.dtype).removeprefix("torch."),
-        shape=list(tensor.shape),
-        num_bytes=tensor.numel() * tensor.element_size(),
-    )
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return encoder_pb2.EmbeddingHeader(content_hash=content_hash, key=key, dtype=dtype, shape=list(tensor.shape),
+                                       num_bytes=tensor.numel() * tensor.element_size())
 
 
 def to_chunks(content_hash: str, tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES,

@@ -53,10 +53,8 @@ class EncoderClient:
         self.address = address
         self.timeout_s = timeout_s
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        if root_certificates is not None:
-            self._channel = grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates))
-        else:
-            self._channel = grpc.aio.insecure_channel(address)
+        self._channel = (grpc.aio.insecure_channel(address) if root_certificates is None else
+                         grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates)))
         self._stub = encoder_pb2_grpc.EncoderServiceStub(self._channel)
 
     def _call(self, item: MediaItem, return_embedding: bool):
@@ -92,10 +90,8 @@ class EncoderClient:
     async def fetch(self, content_hash: str, wait_ms: int = 0) -> torch.Tensor:
         """The tensor pinned under `content_hash` (`ItemEmbedding.to_wire`), bit for bit; releases the pin."""
         request = encoder_pb2.FetchEmbeddingRequest(content_hash=content_hash, wait_ms=wait_ms)
-        _, tensor = await self._receive(
-            self._stub.FetchEmbedding(request, metadata=self._metadata, timeout=self.timeout_s)
-        )
-        return tensor
+        return (await self._receive(self._stub.FetchEmbedding(request, metadata=self._metadata,
+                                                              timeout=self.timeout_s)))[1]
 
     async def fetch_embedding(self, ref: EncodedRef, wait_ms: int = 0) -> ItemEmbedding:
         return ItemEmbedding.from_wire(await self.fetch(ref.content_hash, wait_ms), ref.key)
