@@ -78,10 +78,8 @@ def video_grid(num_frames: int, height: int, width: int, cfg: VisionPreprocessCo
     """(t, h, w) patch grid of a video: frames padded to a multiple of the temporal patch size."""
     max_pixels = cfg.video_max_pixels
     if cfg.video_cap_pixels_per_frame:
-        total = int(cfg.video_max_tokens * cfg.factor * cfg.factor * 0.9)
-        max_pixels = max(
-            min(max_pixels, total * cfg.temporal_patch_size // num_frames), int(cfg.video_min_pixels * 1.05)
-        )
+        total = int(cfg.video_max_tokens * cfg.factor * cfg.factor * 0.9) * cfg.temporal_patch_size
+        max_pixels = max(min(max_pixels, total // num_frames), int(cfg.video_min_pixels * 1.05))
     h, w = smart_resize(height, width, cfg.factor, cfg.video_min_pixels, max_pixels)
     t = -(-num_frames // cfg.temporal_patch_size)
     return t, h // cfg.patch_size, w // cfg.patch_size

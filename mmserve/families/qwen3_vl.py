@@ -21,12 +21,7 @@ from typing import TYPE_CHECKING
 from mmserve.errors import InvalidRequest
 from mmserve.families.base import ItemExpansion
 from mmserve.families.qwen2_vl import (
-    QwenLayout,
-    QwenVLRouterFace,
-    VisionPreprocessConfig,
-    image_grid,
-    read_preprocess_config,
-    smart_resize,
+    QwenLayout, QwenVLRouterFace, VisionPreprocessConfig, image_grid, read_preprocess_config, smart_resize,
 )
 from mmserve.inputs.media import MediaItem, MediaKind, PlaceholderRange
 from mmserve.inputs.mrope import mrope_positions

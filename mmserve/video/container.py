@@ -165,11 +165,6 @@ class VideoSampling:
         return {k: v for k, v in (("fps", self.fps), ("num_frames", self.num_frames)) if v is not None}
 
 
-def decoded_frame_count(indices) -> int:
-    """Frames a decode keeps for `indices`: each sampled frame once (a sampler may repeat one)."""
-    return len(set(indices))
-
-
 def video_content_hash(data: bytes, indices) -> str:
     """The embedding cache's key of a decoded video: its file and the frames sampled from it."""
     h = hashlib.sha256(b"video-file\0")
@@ -204,8 +199,7 @@ class ContainerReader:
 
     def _probe(self) -> VideoProbe:
         container = self.container
-        names = set(container.format.name.split(","))
-        if not names & set(CONTAINERS):
+        if not set(container.format.name.split(",")) & set(CONTAINERS):
             raise InvalidRequest(f"unsupported video container {container.format.name!r}; send mp4, webm, mkv or mov")
         if not container.streams.video:
             what = "an audio-only file" if container.streams.audio else "no video stream"
@@ -218,8 +212,7 @@ class ContainerReader:
         if width * height > self.limits.max_pixels_per_frame:
             raise InvalidRequest(f"video frames of {width}x{height} pixels exceed the limit of "
                                  f"{self.limits.max_pixels_per_frame} pixels per frame")
-        rate = stream.average_rate  # what `transformers` uses
-        fps = float(rate) if rate else 0.0
+        fps = float(stream.average_rate or 0)  # what `transformers` uses
         if not 0 < fps <= MAX_STREAM_FPS:
             raise InvalidRequest(f"video stream declares a frame rate of {fps:g} fps; it must be in (0, {MAX_STREAM_FPS:g}]")
         declared = _declared_seconds(stream, container)
@@ -283,10 +276,8 @@ class ContainerReader:
             context.thread_type, context.thread_count = "AUTO", threads
         skip = options.skip_unsampled and len(probe.pts) == probe.total_num_frames
         chunks = self._chunks(wanted, options.usable_segments())
-        if len(chunks) > 1:
-            picked = self._segmented(chunks, wanted, end, skip, max(1, threads // len(chunks)))
-        else:
-            picked = self._picked(wanted, end, skip)
+        picked = (self._segmented(chunks, wanted, end, skip, max(1, threads // len(chunks))) if len(chunks) > 1
+                  else self._picked(wanted, end, skip))
         while group := list(itertools.islice(picked, group_size)):
             yield np.stack(group)
 

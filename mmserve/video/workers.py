@@ -34,8 +34,8 @@ import numpy as np
 from mmserve.errors import InvalidRequest
 from mmserve.inputs.media import DecodedVideo
 from mmserve.video.container import (
-    PYAV_MISSING, ContainerReader, DecodeOptions, FrameSampler, VideoLimits, VideoSampling, decoded_frame_count,
-    pyav_available, video_content_hash,
+    PYAV_MISSING, ContainerReader, DecodeOptions, FrameSampler, VideoLimits, VideoSampling, pyav_available,
+    video_content_hash,
 )
 
 logger = logging.getLogger("ray.serve")
@@ -338,7 +338,7 @@ class VideoDecodePool:
             asked = f" at mm_processor_kwargs.fps {sampling.fps:g}" if sampling and sampling.fps else ""
             raise InvalidRequest(f"video samples to {len(indices)} frames for this model{asked}; the limit is "
                                  f"{self.limits.max_frames} (max_frames_per_video)")
-        shape = (decoded_frame_count(indices), probe.height, probe.width)
+        shape = (len(set(indices)), probe.height, probe.width)  # each sampled frame once (a sampler may repeat one)
         if shape[0] * shape[1] * shape[2] > self.limits.max_decoded_pixels:
             raise InvalidRequest(
                 f"video samples to {shape[0]} frames of {probe.width}x{probe.height}: {shape[0] * shape[1] * shape[2]} "
