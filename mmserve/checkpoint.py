@@ -194,7 +194,6 @@ def _read_converted(f, stored: StoredTensor, out: torch.Tensor) -> None:
 
 
 def rss_bytes() -> int | None:
-    """This process's resident memory (Linux; None elsewhere)."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

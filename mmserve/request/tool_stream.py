@@ -20,27 +20,10 @@ class _Streaming:
 class ToolText:
     """One choice's streamed text when the request has tools, as events to send: `("content", text)`,
     `("call", index, ToolCall)` (its id and name) and `("arguments", index, piece)`. The rule is that
-    the streamed answer is the unstreamed one (`answer` on the whole text).
-
-    Under `tool_choice` auto a `<tool_call>` block is held until its `</tool_call>` is written (text
-    that may be a block's start is held back too), then parsed as `answer` parses it (the first
-    `</tool_call>` after a `<tool_call>` closes it, as the parsers' patterns do). A call sends its id
-    and name, then its arguments: in the JSON form in the pieces the model generated them in, in the
-    XML form whole (their JSON is only known then: a value's type is read from its whole text). A
-    block that is no call, or one never closed (malformed, or cut off by `max_tokens`), is content,
-    sent when it closes or at the end (`end`): no event of a call goes out before the call is known
-    to be one.
-
-    `forced` (`tool_choice` required or a function: a grammar holds the text to calls of the tools):
-    a call goes out as it is generated, its id and name once its head is written, then its
-    arguments as they come (`ToolFormat.arguments_so_far`: the JSON form's text as written, the XML
-    form's parameters each when it closes); a call cut off by `max_tokens` ends with what was sent
-    (`answer(..., forced=True)` makes the same call of the whole text).
-
-    Whitespace is held until content follows, and dropped at the end when there are calls (the
-    unstreamed content is stripped then); only whitespace at the very start, sent before a call was
-    seen, can differ. Without `parallel`, the events of calls after the first are dropped, as
-    `answer` drops them."""
+    the streamed answer is the unstreamed one (`answer` on the whole text): under `tool_choice` auto a
+    `<tool_call>` block is held until its `</tool_call>` is written, and no event of a call goes out
+    before the call is known to be one; `forced` (a grammar holds the text to calls) sends a call as it
+    is generated (`ToolFormat.arguments_so_far`). What is held, sent and dropped: docs/api.md#tool-calls."""
 
     def __init__(self, tools, parallel: bool = True, fmt: ToolFormat = JSON_FORMAT, forced: bool = False):
         self.tools, self.parallel, self.fmt, self.forced = list(tools), parallel, fmt, forced

@@ -1,16 +1,12 @@
 """Tool calls in Qwen's formats: the tools described to the model, its calls parsed from the text it
 wrote, and the grammar that forces a valid call (`tool_choice` required or a named function).
 
-A call is `<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>` (the JSON form), the
-layout Qwen's chat templates render an assistant's `tool_calls` in (so a call the model made renders
-back as it was written). Qwen3.5 writes its calls in an XML form instead (`XML`, the layout of
-Qwen3-Coder and of Qwen3.5's template, which takes a call's `arguments` as a mapping):
-`<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`,
-a string value written as it is, any other as JSON. The family says which form
-(`RouterFace.tool_call_format`). `<tool_call>` is an added token in the tokenizers of Qwen2.5-VL on
-(not special in the released ones; a checkpoint may mark it special) and plain text in the others;
-`ToolFormat` says which, and the tags' ids always reach the text (`ToolFormat.markers`). A family whose template has no tools section gets the
-tools described in a system message in the same words as Qwen's (`fallback_system_text`).
+A call is `<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>` (the JSON form, as Qwen's
+templates render an assistant's `tool_calls`), or in Qwen3.5's XML form (`XML`, Qwen3-Coder's layout):
+`<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`; the
+family says which (`RouterFace.tool_call_format`). `<tool_call>` may be an added token (`ToolFormat`
+says which; its ids always reach the text: `ToolFormat.markers`). A family whose template has no
+tools section gets them in a system message in Qwen's words (`fallback_system_text`). docs/api.md#tool-calls.
 """
 
 from __future__ import annotations
@@ -428,11 +424,8 @@ def render_xml_call(call: ToolCall) -> str:
 
 
 def _xml_function(i: int, tool: ToolSpec) -> list[str]:
-    """Lark rules `fn_<i>` of a call to `tool` in the XML form, the template's layout: its
-    schema's properties in their order (the required ones always, the others optional), none
-    other; each value as the parser reads it back (`xml_value`): a string one written as it is
-    (its enum or const, length bounds and pattern honoured, never holding a marker of the form nor
-    being `null`), any other as compact JSON valid against the property's schema."""
+    """Lark rules `fn_<i>` of a call to `tool` in the XML form, the template's layout, each value as
+    the parser reads it back (`xml_value`; the rules: docs/api.md#tool-calls)."""
     schema = tool.schema
     properties = dict(schema.get("properties") or {})
     for name in schema.get("required") or ():

@@ -96,11 +96,9 @@ class DecodeOptions:
     segments: int = 1
 
     def usable_threads(self) -> int:
-        """`threads`, never more than the cores this process may run on."""
         return max(1, min(self.threads, _cores()))
 
     def usable_segments(self) -> int:
-        """`segments`, never more than the cores this process may run on."""
         return max(1, min(self.segments, _cores()))
 
 

@@ -1,17 +1,13 @@
 """Video decoding in worker processes that can be killed: a deadline per video, crashes contained.
 
-`VideoDecodePool` (the VideoDecoder replica's) keeps up to `workers` processes of
-`python -m mmserve.video.workers` (started on first use), each decoding one video at a time. A
-video is two calls to its worker: `probe` (open, check, count frames) and, once the model's
-sampler has picked frames from the probe, `decode`, answered by one reply per group of frames as
-they are decoded (a whole video: one group). Both share the video's deadline; a worker past it is
-killed and replaced, and so is one that dies (a decoder crash on a hostile file) or whose caller
-went away mid-video: the request gets a 400 naming what happened, the next request a fresh worker.
+A video is two calls to its worker (`python -m mmserve.video.workers`): `probe` (open, check, count
+frames) and, once the model's sampler has picked frames, `decode`, answered by one reply per group of
+frames. Both share the video's deadline; a worker past it, dead, or whose caller went away mid-video is
+killed and replaced, and the request gets a 400 naming what happened (docs/video.md).
 
-The protocol is length-prefixed pickles over the worker's stdin/stdout (the worker's own stdout
-goes to stderr, so nothing FFmpeg prints can corrupt it). Pickles come only from our own child.
-Frames travel out of band (pickle protocol 5): their bytes are written straight from the decoded
-array and read straight into the receiving one, never copied into a pickle.
+The protocol is length-prefixed pickles over the worker's stdin/stdout (the worker's own stdout goes
+to stderr, so nothing FFmpeg prints can corrupt it); pickles come only from our own child. Frames
+travel out of band (pickle protocol 5), never copied into a pickle.
 """
 
 from __future__ import annotations
@@ -232,7 +228,6 @@ class VideoDecodePool:
 
     @property
     def num_running(self) -> int:
-        """Videos a worker is busy with now."""
         return len(self._running)
 
     @property
