@@ -13,6 +13,7 @@ model's fields at the top level, `rope_scaling: {"type": "mrope", "mrope_section
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -138,34 +139,31 @@ def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
     size (largest first in the file, as safetensors' own writer orders them, so every tensor starts
     aligned to its element size), then the header and the spools are joined."""
     names = {dtype: name for name, dtype in _FILE_DTYPES.items()}
-    with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as tmp, contextlib.ExitStack() as files:
         spools: dict[int, BinaryIO] = {}
         entries: dict[int, list[tuple[str, str, list[int], int, int]]] = {}
-        try:
-            for key, tensor in tensors:
-                size = tensor.element_size()
-                spool = spools.get(size) or spools.setdefault(size, open(Path(tmp) / f"spool{size}", "w+b"))
-                begin = spool.tell()
-                spool.write(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
-                entries.setdefault(size, []).append((key, names[tensor.dtype], list(tensor.shape), begin, spool.tell()))
-            header: dict = {"__metadata__": metadata} if metadata else {}
-            offset, order = 0, sorted(spools, reverse=True)
+        for key, tensor in tensors:
+            size = tensor.element_size()
+            if size not in spools:
+                spools[size] = files.enter_context(open(Path(tmp) / f"spool{size}", "w+b"))
+            spool, begin = spools[size], spools[size].tell()
+            spool.write(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+            entries.setdefault(size, []).append((key, names[tensor.dtype], list(tensor.shape), begin, spool.tell()))
+        header: dict = {"__metadata__": metadata} if metadata else {}
+        offset, order = 0, sorted(spools, reverse=True)
+        for size in order:
+            for key, dtype, shape, begin, end in entries[size]:
+                header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset + begin, offset + end]}
+            offset += spools[size].tell()
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        written = Path(tmp) / path.name
+        with open(written, "wb") as out:
+            out.write(len(raw).to_bytes(8, "little") + raw)
             for size in order:
-                for key, dtype, shape, begin, end in entries[size]:
-                    header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset + begin, offset + end]}
-                offset += spools[size].tell()
-            raw = json.dumps(header, separators=(",", ":")).encode()
-            raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-            written = Path(tmp) / path.name
-            with open(written, "wb") as out:
-                out.write(len(raw).to_bytes(8, "little") + raw)
-                for size in order:
-                    spools[size].seek(0)
-                    shutil.copyfileobj(spools[size], out, 1 << 24)
-            os.replace(written, path)
-        finally:
-            for spool in spools.values():
-                spool.close()
+                spools[size].seek(0)
+                shutil.copyfileobj(spools[size], out, 1 << 24)
+        os.replace(written, path)
 
 
 def _read_into(f, stored: StoredTensor, out: torch.Tensor) -> torch.Tensor:

@@ -5,14 +5,12 @@ positions. Images only: LLaVA's processor takes no video.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mmserve.errors import InvalidRequest
 from mmserve.families.base import ItemExpansion, RouterFace
-from mmserve.inputs.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
-from mmserve.inputs.positions import LinearPositions, PositionPlan
+from mmserve.inputs.media import MediaItem, MediaKind, read_image_size
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -57,10 +55,6 @@ class LlavaRouterFace(RouterFace):
         read_image_size(item.frames[0], max_pixels)  # a readable image within the pixel limit
         n = self.tokens_per_image
         return ItemExpansion((self.image_token_id,) * n, None, cost=n)
-
-    def position_plan(self, token_ids: Sequence[int], ranges: Sequence[PlaceholderRange],
-                      expansions: Sequence[ItemExpansion]) -> PositionPlan:
-        return LinearPositions(rows=1)
 
 
 ROUTER_FACE = LlavaRouterFace

@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmserve.families.base import ItemExpansion, RouterFace, StreamGroup
-from mmserve.inputs.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
-from mmserve.inputs.positions import LinearPositions, PositionPlan
+from mmserve.inputs.media import MediaItem, MediaKind, read_image_size
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -151,8 +150,7 @@ class MiniCPMVRouterFace(RouterFace):
         frames = (plan_views(*size, settings),) * (1 if image else item.num_frames)
         layout = ItemViews(frames, 4 if settings["downsample_mode"] == "4x" else 16)
         pad = self._id("image_token" if image else "video_token")
-        tokens: list[int] = []
-        embed: list[bool] = []
+        tokens, embed = [], []
 
         def plain(ids) -> None:
             tokens.extend(ids)
@@ -189,10 +187,6 @@ class MiniCPMVRouterFace(RouterFace):
         """`<image_id>N</image_id>`: N counts the request's images and its videos separately."""
         kinds = [item.kind for item in items]
         return [self.expand(item, max_pixels, kinds[:i].count(item.kind)) for i, item in enumerate(items)]
-
-    def position_plan(self, token_ids: Sequence[int], ranges: Sequence[PlaceholderRange],
-                      expansions: Sequence[ItemExpansion]) -> PositionPlan:
-        return LinearPositions(rows=1)
 
 
 ROUTER_FACE = MiniCPMVRouterFace

@@ -91,8 +91,7 @@ class Qwen3VLRouterFace(QwenVLRouterFace):
         layout = self.layout(item, max_pixels)
         t, h, w = layout.grid
         per_group = h * w // (self.preprocess.merge_size ** 2)
-        tokens: list[int] = []
-        is_embed: list[bool] = []
+        tokens, is_embed = [], []
         for seconds in group_timestamps(item.frame_seconds, self.preprocess.temporal_patch_size):
             stamp = self.timestamp_ids(f"<{seconds:.1f} seconds>")
             tokens += [*stamp, self.vision_start_id, *[self.video_token_id] * per_group, self.vision_end_id]

@@ -102,15 +102,11 @@ class PromptBuilder:
             escaped.append(match.group(0))
             return _SENTINEL.format(len(escaped) - 1)
 
-        conversation = []
+        conversation, sub = [], self._escaped_re.sub
         for message in messages:
-            content = []
-            for part in message.parts:
-                if not isinstance(part, str):
-                    content.append({"type": part.kind.value})
-                else:
-                    text = part if isinstance(part, TemplateText) else self._escaped_re.sub(escape, part)
-                    content.append({"type": "text", "text": text})
+            content = [{"type": part.kind.value} if not isinstance(part, str) else
+                       {"type": "text", "text": part if isinstance(part, TemplateText) else sub(escape, part)}
+                       for part in message.parts]
             entry = {"role": message.role, "content": content}
             if message.tool_calls:
                 # the XML form's template iterates `arguments` as a mapping (`tools.check_call_arguments`)
@@ -146,10 +142,7 @@ class PromptBuilder:
         to the model (by the template's tools section, else in a system message)."""
         rendered, escaped = self._render(messages, tools=tools)
         stop = None if tools else self._system_end(messages, rendered)
-        system_end = None
-        ids: list[int] = []
-        ranges: list[PlaceholderRange] = []
-        kinds: list[MediaKind] = []
+        system_end, ids, ranges, kinds = None, [], [], []
         placeholder_kind = {v: k for k, v in self._placeholder_ids.items()}
         pos = 0
         for match in self._added_re.finditer(rendered):
