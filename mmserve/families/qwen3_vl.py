@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mmserve.errors import InvalidRequest
@@ -66,7 +66,8 @@ def group_timestamps(frame_seconds: Sequence[float], temporal_patch_size: int) -
 class Qwen3VLRouterFace(QwenVLRouterFace):
     """Qwen2-VL's face with Qwen3-VL's video sizing, timestamps and per-group positions."""
 
-    timestamp_ids: object = None  # str -> token ids of a timestamp (the checkpoint's tokenizer)
+    # str -> token ids of a timestamp (the checkpoint's tokenizer; one per tokenizer: no part of equality)
+    timestamp_ids: object = field(default=None, compare=False)
     vision_start_id: int = -1
     vision_end_id: int = -1
 
@@ -133,12 +134,6 @@ class _TimestampTokens:
         if text not in self._cache:
             self._cache[text] = tuple(self._tokenizer(text, add_special_tokens=False)["input_ids"])
         return self._cache[text]
-
-    def __eq__(self, other) -> bool:  # one per tokenizer; the face's equality ignores it
-        return isinstance(other, _TimestampTokens)
-
-    def __hash__(self) -> int:
-        return 0
 
 
 ROUTER_FACE = Qwen3VLRouterFace

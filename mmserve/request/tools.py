@@ -177,9 +177,7 @@ class ToolFormat:
                 lines += _xml_function(i, tool)
                 continue
             head = json.dumps('{"name": "' + tool.name + '", "arguments": ')
-            schema = {**tool.schema, "x-guidance": {"whitespace_flexible": False}}
-            lines.append(f"fn_{i}: {head} args_{i} \"}}\"")
-            lines.append(f"args_{i}: %json {json.dumps(schema)}")
+            lines += [f"fn_{i}: {head} args_{i} \"}}\"", f"args_{i}: %json {_json_schema(tool.schema, {})}"]
         return "\n".join(lines) + "\n"
 
     def parse(self, text: str, tools: list[ToolSpec]) -> tuple[str | None, list[ToolCall]]:

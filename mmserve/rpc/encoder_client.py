@@ -74,37 +74,32 @@ class EncoderClient:
 
     async def encode(self, item: MediaItem) -> ItemEmbedding:
         """Encode `item` and stream the embedding back (nothing stays pinned on the server)."""
-        header, tensor = await self._receive(self._call(item, return_embedding=True))
+        header, tensor = from_chunks(await _chunks(self._call(item, return_embedding=True)))
         return ItemEmbedding.from_wire(tensor, header.key)
 
     async def encode_pinned(self, item: MediaItem) -> EncodedRef:
         """Encode `item` and leave the embedding pinned on the server for one `fetch`."""
-        call = self._call(item, return_embedding=False)
-        try:
-            chunks = [chunk async for chunk in call]
-        except grpc.aio.AioRpcError as e:
-            raise _translate(e) from None
-        header = chunks[0].header
+        header = (await _chunks(self._call(item, return_embedding=False)))[0].header
         return EncodedRef(self.address, header.content_hash, header.dtype, tuple(header.shape), header.key)
 
     async def fetch(self, content_hash: str, wait_ms: int = 0) -> torch.Tensor:
         """The tensor pinned under `content_hash` (`ItemEmbedding.to_wire`), bit for bit; releases the pin."""
         request = encoder_pb2.FetchEmbeddingRequest(content_hash=content_hash, wait_ms=wait_ms)
-        return (await self._receive(self._stub.FetchEmbedding(request, metadata=self._metadata,
-                                                              timeout=self.timeout_s)))[1]
+        call = self._stub.FetchEmbedding(request, metadata=self._metadata, timeout=self.timeout_s)
+        return from_chunks(await _chunks(call))[1]
 
     async def fetch_embedding(self, ref: EncodedRef, wait_ms: int = 0) -> ItemEmbedding:
         return ItemEmbedding.from_wire(await self.fetch(ref.content_hash, wait_ms), ref.key)
 
-    async def _receive(self, call: AsyncIterable[encoder_pb2.EmbeddingChunk]):
-        try:
-            chunks = [chunk async for chunk in call]
-        except grpc.aio.AioRpcError as e:
-            raise _translate(e) from None
-        return from_chunks(chunks)
-
     async def close(self) -> None:
         await self._channel.close()
+
+
+async def _chunks(call: AsyncIterable[encoder_pb2.EmbeddingChunk]) -> list[encoder_pb2.EmbeddingChunk]:
+    try:
+        return [chunk async for chunk in call]
+    except grpc.aio.AioRpcError as e:
+        raise _translate(e) from None
 
 
 def _item_proto(item: MediaItem, with_pixels: bool = True) -> encoder_pb2.MediaItem:
