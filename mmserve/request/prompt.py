@@ -70,9 +70,7 @@ class PromptBuilder:
         """`placeholders`: the added token the template writes per media kind (None: kind not taken);
         `tool_format`: the family's call form (the XML form's template takes a call's `arguments` as
         a mapping, the JSON form's as the JSON text)."""
-        self._tokenizer = tokenizer
-        self._tool_format = tool_format
-        self._template = chat_template
+        self._tokenizer, self._tool_format, self._template = tokenizer, tool_format, chat_template
         self.native_tools = "tools" in chat_template  # the template has a tools section (Qwen3-VL's)
         self._plain = copy.deepcopy(tokenizer.backend_tokenizer)
         self._plain.encode_special_tokens = True

@@ -50,8 +50,7 @@ class EncoderClient:
 
     def __init__(self, address: str, token: str | None = None, root_certificates: bytes | None = None,
                  timeout_s: float = 60.0):
-        self.address = address
-        self.timeout_s = timeout_s
+        self.address, self.timeout_s = address, timeout_s
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._channel = (grpc.aio.insecure_channel(address) if root_certificates is None else
                          grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates)))

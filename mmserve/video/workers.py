@@ -216,9 +216,7 @@ class VideoDecodePool:
 
     def __init__(self, sampler: FrameSampler, limits: VideoLimits, workers: int,
                  options: DecodeOptions = DecodeOptions()):
-        self.sampler = sampler
-        self.limits = limits
-        self.options = options
+        self.sampler, self.limits, self.options = sampler, limits, options
         self.stats = DecodeStats()
         self._idle: list[DecodeWorker] = []
         self._slots = asyncio.Semaphore(workers)
