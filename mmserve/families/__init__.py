@@ -40,6 +40,5 @@ def face_class(package: str, model_type: str, attribute: str):
 
 
 def router_face(model_dir: str | Path):
-    """The router face of the checkpoint's family."""
     face = face_class("mmserve.families", family_of(model_dir), "ROUTER_FACE")
     return face.from_checkpoint(str(model_dir), load_config(model_dir))

@@ -91,7 +91,6 @@ class ToolText:
         self.streaming = None
 
     def _take(self, n: int) -> str:
-        """The first `n` characters of `held`, read."""
         taken, self.held, self.base = self.held[:n], self.held[n:], self.base + n
         return taken
 
