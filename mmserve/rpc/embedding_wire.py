@@ -61,10 +61,8 @@ def from_chunks(chunks: Iterable[encoder_pb2.EmbeddingChunk]) -> tuple[encoder_p
 def tensor_of(header: encoder_pb2.EmbeddingHeader, buffer: bytearray, filled: int) -> torch.Tensor:
     if filled != header.num_bytes:
         raise WireError(f"embedding stream ended after {filled} of {header.num_bytes} bytes")
-    dtype = _DTYPES.get(header.dtype)
-    if dtype is None:
+    if (dtype := _DTYPES.get(header.dtype)) is None:
         raise WireError(f"unsupported dtype {header.dtype!r}")
-    shape = tuple(header.shape)
     if not buffer:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(shape)
+        return torch.empty(tuple(header.shape), dtype=dtype)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(tuple(header.shape))

@@ -48,9 +48,8 @@ def _send(stream, message) -> None:
     body = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
     views = [b.raw() for b in buffers]
     stream.write(struct.pack(f"<QQ{len(views)}Q", len(body), len(views), *(v.nbytes for v in views)))
-    stream.write(body)
-    for view in views:
-        stream.write(view)
+    for part in (body, *views):
+        stream.write(part)
     stream.flush()
 
 
@@ -172,10 +171,9 @@ class DecodeWorker:
             return _receive(self.proc.stdout, into)
         except (EOFError, OSError, ValueError, pickle.UnpicklingError):  # ValueError: pipes closed by kill()
             self.kill()
-            code = self.proc.returncode
             if self._timed_out:
                 raise WorkerLost("killed at its deadline", timed_out=True) from None
-            raise WorkerLost(f"exited with code {code}", timed_out=False) from None
+            raise WorkerLost(f"exited with code {self.proc.returncode}", timed_out=False) from None
         finally:
             timer.cancel()
 
