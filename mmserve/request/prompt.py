@@ -196,9 +196,7 @@ def _tools_as_text(messages: list[Message], tools: tuple[ToolSpec, ...],
 
 def _special_wrapping(tokenizer) -> tuple[list[int], list[int]]:
     """The ids the tokenizer puts before and after any text when it adds special tokens."""
-    probe = "a"
-    plain = tokenizer.encode(probe, add_special_tokens=False)
-    full = tokenizer.encode(probe, add_special_tokens=True)
+    plain, full = (tokenizer.encode("a", add_special_tokens=special) for special in (False, True))
     for start in range(len(full) - len(plain) + 1):
         if full[start:start + len(plain)] == plain:
             return full[:start], full[start + len(plain):]

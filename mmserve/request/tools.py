@@ -356,9 +356,7 @@ def _xml_call(body: str, by_name: dict[str, ToolSpec]) -> ToolCall | None:
         at = parameter.end()
         raw = parameter.group(2).removeprefix("\n").removesuffix("\n")  # the form's newlines around the value
         arguments[parameter.group(1)] = xml_value(raw, properties.get(parameter.group(1)))
-    if at != len(inner):
-        return None
-    return ToolCall(new_call_id(), tool.name, json.dumps(arguments, ensure_ascii=False))
+    return ToolCall(new_call_id(), tool.name, json.dumps(arguments, ensure_ascii=False)) if at == len(inner) else None
 
 
 def _json_types(schema: dict) -> set[str] | None:
@@ -409,9 +407,7 @@ def xml_value(raw: str, schema: dict | None):
     except ValueError:
         return raw
     kind = _type_of(value)
-    if types is None or kind in types or (kind == "integer" and "number" in types):
-        return value
-    return raw
+    return value if types is None or kind in types or (kind == "integer" and "number" in types) else raw
 
 
 def render_xml_call(call: ToolCall) -> str:

@@ -531,9 +531,7 @@ def _codec_name(stream) -> str:
 def _declared_seconds(stream, container) -> float | None:
     if stream.duration and stream.time_base:
         return float(stream.duration * stream.time_base)
-    if container.duration:
-        return container.duration / 1_000_000  # AV_TIME_BASE
-    return None
+    return container.duration / 1_000_000 if container.duration else None  # AV_TIME_BASE
 
 
 def _reason(e: Exception) -> str:
