@@ -219,10 +219,8 @@ def load_weights(module: nn.Module, model_dir: str | Path, rename: Callable[[str
                  take: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> LoadReport:
     """Stream the checkpoint's tensors into `module`'s parameters and buffers, one at a time.
 
-    `module` is built with uninitialised storage on its device, in its dtype; each tensor is read
-    from the file into it (straight into the parameter when the dtypes agree on CPU; in another
-    dtype on CPU, 64 MiB at a time through a buffer that `copy_` converts; else through one
-    tensor-sized buffer that `copy_` converts and moves). A tensor whose module key names no
+    `module` is built with uninitialised storage on its device, in its dtype; how each tensor gets
+    there: docs/operations.md#loading-and-cpu-threads. A tensor whose module key names no
     parameter waits for `convert` (a family's layout conversion: fused or split projections),
     which returns the module tensors it can make from the waiting ones and removes those it used.
     Every parameter and persistent buffer must be loaded except the `optional` ones (tied weights).
