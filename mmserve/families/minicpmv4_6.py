@@ -45,16 +45,10 @@ def sliced_grid(height: int, width: int, max_slices: int, scale: int) -> tuple[i
     multiple = min(math.ceil(width * height / (scale * scale)), max_slices)
     if multiple <= 1:
         return None
-    best, best_error = (1, 1), float("inf")
-    for n in (multiple - 1, multiple, multiple + 1):
-        if n == 1 or n > max_slices:
-            continue
-        for rows in range(1, n + 1):
-            if n % rows == 0:
-                error = abs(log_ratio - math.log((n // rows) / rows))
-                if error < best_error or (error == best_error and rows > best[0]):
-                    best, best_error = (rows, n // rows), error
-    return best
+    grids = [(rows, n // rows) for n in (multiple - 1, multiple, multiple + 1) if 1 < n <= max_slices
+             for rows in range(1, n + 1) if n % rows == 0]
+    # the closest aspect ratio; of equal ones the first with the most rows
+    return min(grids, key=lambda g: (abs(log_ratio - math.log(g[1] / g[0])), -g[0]), default=(1, 1))
 
 
 @dataclass(frozen=True)
