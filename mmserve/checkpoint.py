@@ -47,8 +47,7 @@ _CONVERT_CHUNK = 1 << 26  # bytes of the file read at a time into a CPU paramete
 def read_config(model_dir: str | Path) -> dict:
     """The raw `config.json`: only for the top-level fields every layout shares (`model_type`,
     `dtype`); anything else through `load_config`."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
+    if not (path := Path(model_dir) / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a Hugging Face checkpoint: no config.json")
     return json.loads(path.read_text())
 
@@ -84,11 +83,9 @@ def resolve_dtype(name: str, config: dict) -> torch.dtype:
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
+    if (index := model_dir / "model.safetensors.index.json").is_file():
         return [model_dir / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
+    if not (files := sorted(model_dir.glob("*.safetensors"))):
         raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
     return files
 
@@ -172,8 +169,7 @@ def _read_into(f, stored: StoredTensor, out: torch.Tensor) -> torch.Tensor:
     f.seek(stored.start)
     done = 0
     while done < stored.nbytes:
-        n = f.readinto(view[done:done + _READ_CHUNK])
-        if not n:
+        if not (n := f.readinto(view[done:done + _READ_CHUNK])):
             raise ValueError(f"{stored.key}: the file ends before the tensor does")
         done += n
     return out
@@ -253,8 +249,7 @@ def load_weights(module: nn.Module, model_dir: str | Path, rename: Callable[[str
     for file in safetensors_files(Path(model_dir)):
         with open(file, "rb", buffering=0) as f:
             for stored in stored_tensors(file):
-                name = rename(stored.key)
-                if name is None or name in optional:
+                if (name := rename(stored.key)) is None or name in optional:
                     continue
                 target = targets.get(name)
                 in_place = (target is not None and target.device.type == "cpu" and target.is_contiguous()
@@ -306,8 +301,7 @@ def processor_settings(model_dir: Path, section: str, legacy_file: str) -> dict:
 
 def read_chat_template(model_dir: str | Path) -> str | None:
     model_dir = Path(model_dir)
-    jinja = model_dir / "chat_template.jinja"
-    if jinja.is_file():
+    if (jinja := model_dir / "chat_template.jinja").is_file():
         return jinja.read_text()
     for name in ("chat_template.json", "processor_config.json", "tokenizer_config.json"):
         path = model_dir / name

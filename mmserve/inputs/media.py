@@ -195,8 +195,7 @@ def _header_orientation(img: Image.Image) -> int:
     `Image.getexif()` would decode a whole PNG to look for an eXIf chunk after the pixel data;
     such (rare) files are treated as unrotated.
     """
-    raw = img.info.get("exif")
-    if not raw:
+    if not (raw := img.info.get("exif")):
         return 1
     exif = Image.Exif()
     exif.load(raw)

@@ -148,8 +148,7 @@ class PromptBuilder:
             if match.start() == stop:
                 system_end = len(ids)
             token_id = self._added_ids[match.group(0)]
-            kind = placeholder_kind.get(token_id)
-            if kind is None:
+            if (kind := placeholder_kind.get(token_id)) is None:
                 ids.append(token_id)
             else:
                 if len(ranges) >= len(expansions):

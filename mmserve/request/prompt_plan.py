@@ -82,8 +82,7 @@ class RequestPlanner:
 
     def __init__(self, model_dir: str | Path, tokenizer, limits: MediaLimits = MediaLimits(),
                  max_prompt_chars: int | None = None, max_model_len: int | None = None):
-        template = read_chat_template(model_dir)
-        if template is None:
+        if (template := read_chat_template(model_dir)) is None:
             raise ValueError(f"{model_dir} has no chat template")
         self.face = router_face(model_dir)
         self.model_type = family_of(model_dir)

@@ -41,8 +41,7 @@ class ToolText:
         events: list[tuple] = []
         while (at := self.held.find(START)) >= 0:
             self._content(self._take(at), events)
-            close = self.held.find(END, len(START))
-            if close < 0:  # an open block: a call or not when it closes (forced: a call, sent as it comes)
+            if (close := self.held.find(END, len(START))) < 0:  # an open block: a call or not when it closes
                 if self.forced:
                     self._stream(self.held, events)
                 return self._kept(events)

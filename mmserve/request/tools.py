@@ -237,8 +237,7 @@ def _split_calls(text: str, block: re.Pattern, read) -> tuple[str | None, list[T
     makes a call is cut out of the text; the rest is content, None when nothing but calls."""
     calls, kept, pos = [], [], 0
     for match in block.finditer(text):
-        call = read(match.group(1))
-        if call is None:
+        if (call := read(match.group(1))) is None:
             continue  # malformed: stays in the content
         kept.append(text[pos:match.start()])
         pos = match.end()
@@ -344,8 +343,7 @@ def parse_xml_calls(text: str, tools: list[ToolSpec]) -> tuple[str | None, list[
 
 
 def _xml_call(body: str, by_name: dict[str, ToolSpec]) -> ToolCall | None:
-    function = _XML_FUNCTION_RE.fullmatch(body)
-    if function is None or function.group(1) not in by_name:
+    if (function := _XML_FUNCTION_RE.fullmatch(body)) is None or function.group(1) not in by_name:
         return None
     tool, inner, at = by_name[function.group(1)], function.group(2), 0
     properties = tool.schema.get("properties") or {}
@@ -471,8 +469,7 @@ def _raw_string(schema: dict, terminal: str) -> tuple[str, list[str]]:
     """A string value written as it is, with its closing, as one lexeme (so the value ends where
     its closing does): its enum's words, or a terminal of the regexes intersected (llguidance's
     `&` and `~`): the length bounds, the pattern, no marker of the form, not `null`."""
-    values = _enum_values(schema)
-    if values is not None:
+    if (values := _enum_values(schema)) is not None:
         words = [v for v in values if isinstance(v, str) and not any(m in v for m in _XML_MARKERS)
                  and v.lower() != "null"]
         if not words:

@@ -102,8 +102,7 @@ class PrefixRecord:
         blocks); (None, 0) when no prefix of `hashes` was sent to any of them."""
         live = set(members)
         for depth in range(len(hashes), 0, -1):
-            member = self._where.get(hashes[depth - 1])
-            if member in live:
+            if (member := self._where.get(hashes[depth - 1])) in live:
                 return member, depth
         return None, 0
 
@@ -124,8 +123,7 @@ class HolderRecord:
         return tuple(m for m in self._held.get(key, ()) if m in members)
 
     def record(self, key: str, member: str) -> None:
-        held = self._held.get(key, ())
-        if member not in held:
+        if member not in (held := self._held.get(key, ())):
             self._held[key] = (*held, member)
 
 

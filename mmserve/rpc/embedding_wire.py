@@ -30,8 +30,7 @@ def header_of(content_hash: str, tensor: torch.Tensor, key: str = "") -> encoder
 def to_chunks(content_hash: str, tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
               key: str = "") -> Iterator[encoder_pb2.EmbeddingChunk]:
     """The tensor (any supported dtype, on CPU) as header + data chunks of at most `chunk_bytes`."""
-    header = header_of(content_hash, tensor, key)
-    if header.dtype not in _DTYPES:
+    if (header := header_of(content_hash, tensor, key)).dtype not in _DTYPES:
         raise WireError(f"unsupported dtype {tensor.dtype}")
     data = memoryview(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
     yield encoder_pb2.EmbeddingChunk(header=header, data=bytes(data[:chunk_bytes]))
@@ -48,8 +47,7 @@ def from_chunks(chunks: Iterable[encoder_pb2.EmbeddingChunk]) -> tuple[encoder_p
                 raise WireError("embedding stream does not start with a header")
             header = chunk.header
             buffer = bytearray(header.num_bytes)
-        end = filled + len(chunk.data)
-        if end > len(buffer):
+        if (end := filled + len(chunk.data)) > len(buffer):
             raise WireError(f"embedding stream carries more than the {header.num_bytes} bytes announced")
         buffer[filled:end] = chunk.data
         filled = end

@@ -217,8 +217,7 @@ class ContainerReader:
         if declared is not None and declared > self.limits.max_seconds:
             raise InvalidRequest(f"video is {declared:.1f} s long; the limit is {self.limits.max_seconds:g} s")
         counted, pts, splits, open_keys = self._count_frames(stream, fps)
-        header = int(stream.frames or 0)
-        if header and header != counted:
+        if (header := int(stream.frames or 0)) and header != counted:
             raise InvalidRequest(f"video is truncated or inconsistent: its header declares {header} frames, "
                                  f"its stream holds {counted}")
         if counted == 0:
@@ -268,8 +267,7 @@ class ContainerReader:
             raise InvalidRequest(f"sampled frame indices fall outside the video's {probe.total_num_frames} frames")
         wanted, end = set(indices), max(indices)
         group_size = group_size or len(wanted)
-        threads = options.usable_threads()
-        if threads > 1:  # before the decoder opens (its first packet)
+        if (threads := options.usable_threads()) > 1:  # before the decoder opens (its first packet)
             context = self.container.streams.video[0].codec_context
             context.thread_type, context.thread_count = "AUTO", threads
         skip = options.skip_unsampled and len(probe.pts) == probe.total_num_frames

@@ -56,8 +56,7 @@ def _send(stream, message) -> None:
 def _read_into(stream, view: memoryview) -> None:
     done = 0
     while done < len(view):
-        n = stream.readinto(view[done:])
-        if not n:
+        if not (n := stream.readinto(view[done:])):
             raise EOFError("worker pipe closed mid-message")
         done += n
 
@@ -65,8 +64,7 @@ def _read_into(stream, view: memoryview) -> None:
 def _receive(stream, into: Callable[[int], np.ndarray] | None = None):
     """The next message; its out-of-band buffers read straight into `into(size)` (a uint8 view
     of the caller's array), or into arrays of their own."""
-    header = stream.read(2 * _SIZE.size)
-    if len(header) < 2 * _SIZE.size:
+    if len(header := stream.read(2 * _SIZE.size)) < 2 * _SIZE.size:
         raise EOFError("worker pipe closed")
     size, count = struct.unpack("<QQ", header)
     sizes = struct.unpack(f"<{count}Q", stream.read(count * _SIZE.size)) if count else ()
