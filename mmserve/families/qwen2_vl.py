@@ -81,8 +81,7 @@ def video_grid(num_frames: int, height: int, width: int, cfg: VisionPreprocessCo
         total = int(cfg.video_max_tokens * cfg.factor * cfg.factor * 0.9) * cfg.temporal_patch_size
         max_pixels = max(min(max_pixels, total // num_frames), int(cfg.video_min_pixels * 1.05))
     h, w = smart_resize(height, width, cfg.factor, cfg.video_min_pixels, max_pixels)
-    t = -(-num_frames // cfg.temporal_patch_size)
-    return t, h // cfg.patch_size, w // cfg.patch_size
+    return -(-num_frames // cfg.temporal_patch_size), h // cfg.patch_size, w // cfg.patch_size
 
 
 def tokens_for_grid(grid: tuple[int, int, int], merge_size: int) -> int:

@@ -49,8 +49,7 @@ def video_resize(num_frames: int, height: int, width: int, cfg: VisionPreprocess
 def video_grid(num_frames: int, height: int, width: int, cfg: VisionPreprocessConfig) -> tuple[int, int, int]:
     """(t, h, w) patch grid of a Qwen3-VL video: frames padded to whole temporal patches."""
     h, w = video_resize(num_frames, height, width, cfg)
-    t = -(-num_frames // cfg.temporal_patch_size)
-    return t, h // cfg.patch_size, w // cfg.patch_size
+    return -(-num_frames // cfg.temporal_patch_size), h // cfg.patch_size, w // cfg.patch_size
 
 
 def group_timestamps(frame_seconds: Sequence[float], temporal_patch_size: int) -> list[float]:

@@ -243,8 +243,7 @@ def _split_calls(text: str, block: re.Pattern, read) -> tuple[str | None, list[T
         pos = match.end()
         calls.append(call)
     kept.append(text[pos:])
-    content = "".join(kept).strip()
-    return (content or None) if calls else text, calls
+    return ("".join(kept).strip() or None) if calls else text, calls
 
 
 def answer(text: str, finish: str | None, tools, parallel: bool = True, fmt: ToolFormat = JSON_FORMAT,

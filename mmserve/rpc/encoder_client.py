@@ -37,8 +37,7 @@ class EncodedRef:
 
     @property
     def num_bytes(self) -> int:
-        size = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return size * int(torch.Size(self.shape).numel())
+        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size() * int(torch.Size(self.shape).numel())
 
 
 class EmbeddingNotFound(LookupError):
