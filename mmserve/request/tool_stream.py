@@ -68,14 +68,12 @@ class ToolText:
     def _stream(self, block: str, events: list[tuple]) -> None:
         """A forced call block as written so far: its id and name once its head is, then the
         arguments' new text."""
+        head = self.fmt.head(block) if self.streaming is None else (self.streaming.call.name,)
+        if (tool := next((t for t in self.tools if head and t.name == head[0]), None)) is None:
+            return
         if self.streaming is None:
-            head = self.fmt.head(block)
-            tool = next((t for t in self.tools if head and t.name == head[0]), None)
-            if tool is None:
-                return
             self.streaming = _Streaming(len(self.calls), ToolCall(new_call_id(), tool.name, ""))
             events.append(("call", self.streaming.index, self.streaming.call))
-        tool = next(t for t in self.tools if t.name == self.streaming.call.name)
         self._send(self.fmt.arguments_so_far(block, tool), events)
 
     def _send(self, arguments: str, events: list[tuple]) -> None:
