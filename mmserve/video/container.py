@@ -463,15 +463,12 @@ class ContainerReader:
         """(position, RGB frame) of a chunk's sampled frames, run by run, from a container of its own."""
         import av
 
-        container = av.open(io.BytesIO(self.data), mode="r")
-        try:
+        with av.open(io.BytesIO(self.data), mode="r") as container:
             if threads > 1:
                 context = container.streams.video[0].codec_context
                 context.thread_type, context.thread_count = "AUTO", threads
             for start, positions in runs:
                 yield from self._by_pts(set(positions), positions[-1], container, start, skip, stop, tally)
-        finally:
-            container.close()
 
     def _check_size(self, i: int, frame, context) -> None:
         """Frame `i` (picked or not) has the stream's declared size, and its decoder (`context`)
