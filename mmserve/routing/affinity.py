@@ -2,11 +2,8 @@
 LLM replica, never at the cost of load.
 
 - Encoder items: consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam,
-  SODA 2018). Each replica has `vnodes` points on a 64-bit ring; an item's owner is the first
-  replica clockwise from its content hash whose queued tokens, with the item added, stay within
-  ceil((1 + epsilon) x the mean). A hot image cannot pin one replica, replica churn moves only the
-  keys of the replicas that changed (plus the bound's overflow), and identical items in flight
-  meet on one replica, where its pool encodes them once.
+  SODA 2018; `BoundedLoadRing`): a hot image cannot pin one replica, replica churn moves only the
+  keys of the replicas that changed, and identical items in flight meet on one replica.
 - LLM requests: `prefix_hashes` chains a prompt's full blocks (token ids, and the content hash of
   each media item a block holds), and `PrefixRecord` remembers where each prefix was sent. A
   request goes to the replica that got its longest recorded prefix, unless that replica is over

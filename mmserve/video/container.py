@@ -411,10 +411,8 @@ class ContainerReader:
         return chunks
 
     def _segmented(self, chunks, wanted: set[int], end: int, skip: bool, threads: int) -> Iterator[np.ndarray]:
-        """The picked frames in order, each chunk decoded in a thread of its own (its own container
-        on the same bytes, seeked to each run's keyframe; PyAV decodes without the GIL). A chunk whose
-        frames do not come out where the probe said (its first not its keyframe, one dropped) stops
-        them all; the frames not yet picked are then decoded in one pass (`segment_fell_back`)."""
+        """The picked frames in order, each chunk decoded in a thread of its own (docs/video.md#decoding-fast);
+        a chunk out of line with the probe stops them all, the rest then decoded in one pass."""
         import queue
         import threading
 

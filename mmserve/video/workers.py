@@ -205,10 +205,8 @@ class DecodeStats:
 
 
 class VideoDecodePool:
-    """Decodes one request's video file to its sampled frames in one of `workers` processes:
-    `probe` (the header: what the router plans with), `decode` (all frames), or `frames` (groups
-    of frames as they are decoded, for a video streamed through the pipeline), each decoded as
-    `options` says (`SEQUENTIAL`: the decode before them)."""
+    """Decodes one request's video file to its sampled frames in one of `workers` processes, as
+    `options` says: its header (`probe`), all frames (`decode`) or groups as decoded (`frames`)."""
 
     def __init__(self, sampler: FrameSampler, limits: VideoLimits, workers: int,
                  options: DecodeOptions = DecodeOptions()):
