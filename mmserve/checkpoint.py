@@ -1,9 +1,8 @@
 """Reading a Hugging Face checkpoint directory: config, processor settings, tensors (and writing
 a safetensors file tensor by tensor, for the builders that rewrite one).
 
-Each runtime reads only the tensors of its own half of the model, one tensor at a time, straight
-from the safetensors files into the parameters of modules built without initial values: loading
-holds the weights once (plus the tensor in flight), never a state dict beside the model.
+Each runtime reads only the tensors of its own half of the model, one at a time, into modules built
+without initial values (docs/operations.md#loading-and-cpu-threads).
 
 Config fields are read through `transformers`' config classes (`load_config`), never from the
 JSON: released Qwen2-VL and Qwen2.5-VL checkpoints write a flat `config.json` (the language

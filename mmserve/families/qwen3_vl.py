@@ -1,14 +1,9 @@
 """Router face of Qwen3-VL: image and video expansions from headers, interleaved M-RoPE plans.
 
-Images are sized exactly as Qwen2-VL's (its image processor, with 16-px patches). Videos differ:
-the Qwen3-VL video processor bounds frames x height x width and upscales frames smaller than a
-merged patch; and the processor writes, before each temporal group of the video, its timestamp
-(`<1.2 seconds>`) and wraps the group in vision start/end tokens. The router reproduces that from
-each frame's time alone (`MediaItem.frame_seconds`: frame `i` of a list of frames at `i / fps`,
-a server-decoded video's sampled frame `n` at `n / stream fps`; groups padded with the last
-frame, a group's time the mean of its first and last frame). Positions follow `transformers`'
-`Qwen3VLModel.get_rope_index`: every temporal group is placed as an image of one frame; the
-interleaving of the three rows over the rotary dimensions happens in the decoder.
+Images are sized exactly as Qwen2-VL's (16-px patches). Videos follow the Qwen3-VL video processor:
+its frames x height x width bounds, and a timestamp (`<1.2 seconds>`, from each frame's time alone:
+`MediaItem.frame_seconds`) and vision start/end tokens around each temporal group, which
+`get_rope_index` places as an image of one frame (docs/adding-a-family.md#pitfalls-met-adding-qwen3-vl).
 """
 
 from __future__ import annotations

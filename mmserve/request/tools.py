@@ -249,11 +249,8 @@ def _split_calls(text: str, block: re.Pattern, read) -> tuple[str | None, list[T
 def answer(text: str, finish: str | None, tools, parallel: bool = True, fmt: ToolFormat = JSON_FORMAT,
            forced: bool = False) -> tuple[str | None, list[ToolCall], str | None]:
     """(content, calls, finish reason) of a whole choice: with `tools`, its calls parsed out and the
-    reason `tool_calls` when it made any and stopped by itself (the same for every API). Without
-    `parallel` (`parallel_tool_calls: false`) only the first call is kept; the others are dropped,
-    neither calls nor content (what vLLM's `maybe_filter_parallel_tool_calls` does). `forced` (a
-    grammar held the text to calls: `tool_choice` required or a function): a last call cut off by
-    `max_tokens` is a call too, with the arguments written so far (as `ToolText` streamed them)."""
+    reason `tool_calls` when it made any and stopped by itself. Without `parallel` only the first call
+    is kept; `forced`: a last call cut off by `max_tokens` is a call too (docs/api.md#tool-calls)."""
     if not tools:
         return text, [], finish
     cut = fmt.open_call(text, list(tools)) if forced else None

@@ -380,9 +380,8 @@ class ContainerReader:
         runs (start, the sampled positions from it, ascending): a run is decoded from its start, a
         keyframe of `VideoProbe.splits` (or the stream's start), to its last sampled frame, over
         consecutive GOPs that hold sampled frames (GOPs without any are not decoded); chunks are cut
-        at GOPs so their frames to decode are about even. [] where the video is not split: segments
-        off, a single keyframe, every sampled frame in one GOP, or an open-GOP stream (then
-        `segment_fell_back`: it is decoded in one pass, as it would be with segments off)."""
+        at GOPs so their frames to decode are about even. [] where the video is not split
+        (docs/video.md#decoding-fast; an open-GOP stream sets `segment_fell_back`)."""
         probe = self.probe
         if segments < 2 or len(probe.pts) != probe.total_num_frames:
             return []
