@@ -223,8 +223,7 @@ def load_weights(module: nn.Module, model_dir: str | Path, rename: Callable[[str
     `take(name, tensor)`: the part of a module tensor this process holds (a tensor-parallel
     shard, `llm_service.model.tensor_parallel`), applied before it is placed.
     """
-    start, rss0 = time.perf_counter(), rss_bytes()
-    peak = 0
+    start, rss0, peak = time.perf_counter(), rss_bytes(), 0
     targets = module.state_dict(keep_vars=True)  # name -> the live Parameter / buffer
     loaded: set[str] = set()
     waiting: dict[str, torch.Tensor] = {}

@@ -91,9 +91,8 @@ def tokens_for_grid(grid: tuple[int, int, int], merge_size: int) -> int:
 
 def _pixel_bounds(cfg: dict, default_min: int, default_max: int) -> tuple[int, int]:
     size = cfg.get("size") or {}
-    lo = cfg.get("min_pixels", size.get("shortest_edge", default_min))
-    hi = cfg.get("max_pixels", size.get("longest_edge", default_max))
-    return int(lo), int(hi)
+    return (int(cfg.get("min_pixels", size.get("shortest_edge", default_min))),
+            int(cfg.get("max_pixels", size.get("longest_edge", default_max))))
 
 
 def read_preprocess_config(model_dir: str | Path) -> VisionPreprocessConfig:
