@@ -114,11 +114,7 @@ def check_call_arguments(messages: Sequence, fmt: ToolFormat) -> None:
         return
     for i, m in enumerate(messages):
         for call in m.tool_calls:
-            try:
-                arguments = json.loads(call.arguments)
-            except ValueError:
-                arguments = None
-            if not isinstance(arguments, dict):
+            if not isinstance(_json_or_none(call.arguments), dict):
                 raise InvalidRequest(f"messages[{i}]: tool call {call.id!r}: function.arguments must be the JSON "
                                      "text of an object")
 
@@ -267,19 +263,20 @@ def finish_with(finish: str | None, calls) -> str | None:
     return "tool_calls" if calls and finish == "stop" else finish
 
 
-def _call(body: str, names: set[str]) -> ToolCall | None:
+def _json_or_none(text: str):
     try:
-        value = json.loads(body)
+        return json.loads(text)
     except ValueError:
         return None
+
+
+def _call(body: str, names: set[str]) -> ToolCall | None:
+    value = _json_or_none(body)
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
     arguments = value.get("arguments", {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
+        arguments = _json_or_none(arguments)
     if not isinstance(arguments, dict):
         return None
     head = _HEAD_RE.match(START + body)
