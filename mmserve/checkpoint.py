@@ -188,8 +188,7 @@ def _read_converted(f, stored: StoredTensor, out: torch.Tensor) -> None:
 
 def rss_bytes() -> int | None:
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
         return None
 
