@@ -36,8 +36,7 @@ class IncrementalDetokenizer:
         self._markers = dict(markers or {})
         self._stream = DecodeStream(skip_special_tokens=True)
         self._ids: list[int] = []
-        self._base = 0  # the stream started at ids[_base], when `text` was _base_chars long
-        self._base_chars = 0
+        self._base = self._base_chars = 0  # the stream started at ids[_base], when `text` was _base_chars long
         self._pending = False  # the stream holds ids whose text is not in `text` yet
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
