@@ -214,14 +214,12 @@ def read_image_size(data: bytes, max_pixels: int) -> tuple[int, int]:
             if width * height > max_pixels:
                 raise InvalidRequest(f"image of {width}x{height} pixels exceeds the limit of {max_pixels} pixels")
             orientation = _header_orientation(img)
-    except InvalidRequest:
+    except (InvalidRequest, MemoryError):
         raise
     except Image.DecompressionBombError as e:
         raise InvalidRequest(f"image exceeds the limit of {max_pixels} pixels: {e}") from None
     except UnidentifiedImageError:
         raise InvalidRequest("cannot read image: not a recognised image format") from None
-    except MemoryError:
-        raise
     except Exception as e:  # Pillow's parsers raise many types (struct.error, EOFError, ...) on bad bytes
         raise InvalidRequest(f"cannot read image: {type(e).__name__}: {e}") from None
     if width < 1 or height < 1:
@@ -236,8 +234,7 @@ def decode_image(data: bytes) -> Image.Image:
     from PIL import ImageOps
 
     try:
-        img = Image.open(io.BytesIO(data))
-        img = ImageOps.exif_transpose(img)
+        img = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
         img.load()
         return img.convert("RGB")
     except UnidentifiedImageError:
