@@ -367,16 +367,13 @@ def _enum_values(schema: dict) -> list | None:
     return [schema["const"]] if "const" in schema else None
 
 
-def _type_of(value) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
+_JSON_TYPES = {type(None): "null", bool: "boolean", int: "integer", str: "string", list: "array", dict: "object"}
+
+
+def _type_of(value) -> str:  # of a value JSON decodes to
     if isinstance(value, float):
         return "integer" if value.is_integer() else "number"
-    return {str: "string", list: "array", dict: "object"}[type(value)]
+    return _JSON_TYPES[type(value)]
 
 
 def xml_value(raw: str, schema: dict | None):
