@@ -29,8 +29,7 @@ def image_token_count(vision_model_type: str, image_size: int, patch_size: int, 
     """
     if vision_model_type not in LEADING_ROWS:
         raise ValueError(f"unsupported LLaVA vision tower {vision_model_type!r}")
-    grid = image_size // patch_size
-    rows = grid * grid + LEADING_ROWS[vision_model_type]
+    rows = (image_size // patch_size) ** 2 + LEADING_ROWS[vision_model_type]
     return rows - 1 if strategy == "default" else rows
 
 

@@ -85,8 +85,7 @@ def video_grid(num_frames: int, height: int, width: int, cfg: VisionPreprocessCo
 
 
 def tokens_for_grid(grid: tuple[int, int, int], merge_size: int) -> int:
-    t, h, w = grid
-    return t * h * w // (merge_size * merge_size)
+    return math.prod(grid) // (merge_size * merge_size)
 
 
 def _pixel_bounds(cfg: dict, default_min: int, default_max: int) -> tuple[int, int]:
