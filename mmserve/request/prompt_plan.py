@@ -93,6 +93,11 @@ class RequestPlanner:
         self.tool_format = ToolFormat.of(tokenizer, self.face.tool_call_format)
         self._builder = PromptBuilder(tokenizer, template, placeholders, self.tool_format)
 
+    def check_tools(self, messages: Sequence[Message]) -> None:
+        """InvalidRequest when the conversation's calls cannot be rendered in the family's form
+        (`tools.check_call_arguments`)."""
+        check_call_arguments(messages, self.tool_format)
+
     def check_chars(self, chars: int) -> None:
         """RequestTooLarge when a request's text (`prompt_chars`, and whatever else of it is
         compiled) is over `max_prompt_chars`: checked before anything is tokenized or compiled."""
@@ -104,7 +109,7 @@ class RequestPlanner:
     def plan(self, messages: list[Message[MediaItem]], tools: tuple = ()) -> RequestPlan:
         """`tools`: `mmserve.request.tools.ToolSpec`s described to the model."""
         self.check_chars(prompt_chars(messages, tools))
-        check_call_arguments(messages, self.tool_format)
+        self.check_tools(messages)
         items = [p for m in messages for p in m.parts if isinstance(p, MediaItem)]
         self.limits.check(items)
         expansions = self.face.expand_all(items, self.limits.max_pixels_per_image)
