@@ -145,8 +145,7 @@ class AffinityChooser:
     def __init__(self, epsilon: float, block_size: int, rng: random.Random | None = None):
         self.epsilon, self.block_size = epsilon, block_size
         self.ring: BoundedLoadRing | None = None
-        self.record = PrefixRecord()
-        self.held = HolderRecord()
+        self.record, self.held = PrefixRecord(), HolderRecord()
         self.loads: Counter = Counter()
         self.rng = rng or random.Random()
 

@@ -495,16 +495,15 @@ def _split_points(pts: list[int], ordered: tuple[int, ...], keys: list[int]
     and the decode positions of the keyframe packets: a keyframe splits the stream where every
     packet before it shows before it and every one after it after it (its display position is its
     decode position, and none before it shows later)."""
-    splits, open_keys = [], []
-    shown = None  # the largest pts before the packet at hand
-    keyset = set(keys)
+    splits, open_keys, keyset = [], [], set(keys)
+    shown = float("-inf")  # the largest pts before the packet at hand
     for d, p in enumerate(pts):
         if d in keyset and d > 0:
-            if ordered[d] == p and shown is not None and shown < p:
+            if ordered[d] == p and shown < p:
                 splits.append(d)
             else:
                 open_keys.append(bisect.bisect_left(ordered, p))
-        shown = p if shown is None else max(shown, p)
+        shown = max(shown, p)
     return tuple(splits), tuple(open_keys)
 
 
