@@ -1,9 +1,8 @@
 """Reading a Hugging Face checkpoint directory: config, processor settings, tensors (and writing
 a safetensors file tensor by tensor, for the builders that rewrite one).
 
-Each runtime reads only the tensors of its own half of the model, one tensor at a time, straight
-from the safetensors files into the parameters of modules built without initial values: loading
-holds the weights once (plus the tensor in flight), never a state dict beside the model.
+Each runtime reads only the tensors of its own half of the model, one at a time, into modules built
+without initial values (docs/operations.md#loading-and-cpu-threads).
 
 Config fields are read through `transformers`' config classes (`load_config`), never from the
 JSON: released Qwen2-VL and Qwen2.5-VL checkpoints write a flat `config.json` (the language
@@ -13,6 +12,7 @@ model's fields at the top level, `rope_scaling: {"type": "mrope", "mrope_section
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -29,12 +29,7 @@ from torch import nn
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
+_DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")}
 DTYPE_CHOICES = ("auto", *_DTYPES)
 # safetensors' dtype names (https://github.com/huggingface/safetensors, format spec)
 _FILE_DTYPES = {
@@ -51,8 +46,7 @@ _CONVERT_CHUNK = 1 << 26  # bytes of the file read at a time into a CPU paramete
 def read_config(model_dir: str | Path) -> dict:
     """The raw `config.json`: only for the top-level fields every layout shares (`model_type`,
     `dtype`); anything else through `load_config`."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
+    if not (path := Path(model_dir) / "config.json").is_file():
         raise FileNotFoundError(f"{model_dir} is not a Hugging Face checkpoint: no config.json")
     return json.loads(path.read_text())
 
@@ -88,12 +82,9 @@ def resolve_dtype(name: str, config: dict) -> torch.dtype:
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / n for n in names]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
+    if (index := model_dir / "model.safetensors.index.json").is_file():
+        return [model_dir / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if not (files := sorted(model_dir.glob("*.safetensors"))):
         raise FileNotFoundError(f"no .safetensors weights in {model_dir}")
     return files
 
@@ -144,35 +135,31 @@ def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]],
     size (largest first in the file, as safetensors' own writer orders them, so every tensor starts
     aligned to its element size), then the header and the spools are joined."""
     names = {dtype: name for name, dtype in _FILE_DTYPES.items()}
-    with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as tmp, contextlib.ExitStack() as files:
         spools: dict[int, BinaryIO] = {}
         entries: dict[int, list[tuple[str, str, list[int], int, int]]] = {}
-        try:
-            for key, tensor in tensors:
-                size = tensor.element_size()
-                if size not in spools:
-                    spools[size] = open(Path(tmp) / f"spool{size}", "w+b")
-                spool, begin = spools[size], spools[size].tell()
-                spool.write(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
-                entries.setdefault(size, []).append((key, names[tensor.dtype], list(tensor.shape), begin, spool.tell()))
-            header: dict = {"__metadata__": metadata} if metadata else {}
-            offset, order = 0, sorted(spools, reverse=True)
+        for key, tensor in tensors:
+            size = tensor.element_size()
+            if size not in spools:
+                spools[size] = files.enter_context(open(Path(tmp) / f"spool{size}", "w+b"))
+            spool, begin = spools[size], spools[size].tell()
+            spool.write(memoryview(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
+            entries.setdefault(size, []).append((key, names[tensor.dtype], list(tensor.shape), begin, spool.tell()))
+        header: dict = {"__metadata__": metadata} if metadata else {}
+        offset, order = 0, sorted(spools, reverse=True)
+        for size in order:
+            for key, dtype, shape, begin, end in entries[size]:
+                header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset + begin, offset + end]}
+            offset += spools[size].tell()
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        written = Path(tmp) / path.name
+        with open(written, "wb") as out:
+            out.write(len(raw).to_bytes(8, "little") + raw)
             for size in order:
-                for key, dtype, shape, begin, end in entries[size]:
-                    header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset + begin, offset + end]}
-                offset += spools[size].tell()
-            raw = json.dumps(header, separators=(",", ":")).encode()
-            raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-            written = Path(tmp) / path.name
-            with open(written, "wb") as out:
-                out.write(len(raw).to_bytes(8, "little") + raw)
-                for size in order:
-                    spools[size].seek(0)
-                    shutil.copyfileobj(spools[size], out, 1 << 24)
-            os.replace(written, path)
-        finally:
-            for spool in spools.values():
-                spool.close()
+                spools[size].seek(0)
+                shutil.copyfileobj(spools[size], out, 1 << 24)
+        os.replace(written, path)
 
 
 def _read_into(f, stored: StoredTensor, out: torch.Tensor) -> torch.Tensor:
@@ -181,8 +168,7 @@ def _read_into(f, stored: StoredTensor, out: torch.Tensor) -> torch.Tensor:
     f.seek(stored.start)
     done = 0
     while done < stored.nbytes:
-        n = f.readinto(view[done:done + _READ_CHUNK])
-        if not n:
+        if not (n := f.readinto(view[done:done + _READ_CHUNK])):
             raise ValueError(f"{stored.key}: the file ends before the tensor does")
         done += n
     return out
@@ -201,10 +187,8 @@ def _read_converted(f, stored: StoredTensor, out: torch.Tensor) -> None:
 
 
 def rss_bytes() -> int | None:
-    """This process's resident memory (Linux; None elsewhere)."""
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError):
         return None
 
@@ -229,10 +213,8 @@ def load_weights(module: nn.Module, model_dir: str | Path, rename: Callable[[str
                  take: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> LoadReport:
     """Stream the checkpoint's tensors into `module`'s parameters and buffers, one at a time.
 
-    `module` is built with uninitialised storage on its device, in its dtype; each tensor is read
-    from the file into it (straight into the parameter when the dtypes agree on CPU; in another
-    dtype on CPU, 64 MiB at a time through a buffer that `copy_` converts; else through one
-    tensor-sized buffer that `copy_` converts and moves). A tensor whose module key names no
+    `module` is built with uninitialised storage on its device, in its dtype; how each tensor gets
+    there: docs/operations.md#loading-and-cpu-threads. A tensor whose module key names no
     parameter waits for `convert` (a family's layout conversion: fused or split projections),
     which returns the module tensors it can make from the waiting ones and removes those it used.
     Every parameter and persistent buffer must be loaded except the `optional` ones (tied weights).
@@ -240,8 +222,7 @@ def load_weights(module: nn.Module, model_dir: str | Path, rename: Callable[[str
     `take(name, tensor)`: the part of a module tensor this process holds (a tensor-parallel
     shard, `llm_service.model.tensor_parallel`), applied before it is placed.
     """
-    start, rss0 = time.perf_counter(), rss_bytes()
-    peak = 0
+    start, rss0, peak = time.perf_counter(), rss_bytes(), 0
     targets = module.state_dict(keep_vars=True)  # name -> the live Parameter / buffer
     loaded: set[str] = set()
     waiting: dict[str, torch.Tensor] = {}
@@ -265,8 +246,7 @@ def load_weights(module: nn.Module, model_dir: str | Path, rename: Callable[[str
     for file in safetensors_files(Path(model_dir)):
         with open(file, "rb", buffering=0) as f:
             for stored in stored_tensors(file):
-                name = rename(stored.key)
-                if name is None or name in optional:
+                if (name := rename(stored.key)) is None or name in optional:
                     continue
                 target = targets.get(name)
                 in_place = (target is not None and target.device.type == "cpu" and target.is_contiguous()
@@ -298,39 +278,30 @@ def load_weights(module: nn.Module, model_dir: str | Path, rename: Callable[[str
                 del tensor
     if waiting:
         raise ValueError(f"checkpoint tensors with no place in the model: {sorted(waiting)[:5]}")
-    missing = set(targets) - loaded - optional
-    if missing:
+    if missing := set(targets) - loaded - optional:
         raise ValueError(f"checkpoint lacks tensors of the model: {sorted(missing)[:5]}")
     return LoadReport(tuple(keys), nbytes, time.perf_counter() - start, peak if rss0 is not None else None)
 
 
 def strip_prefix(key: str, prefixes: tuple[str, ...]) -> str | None:
-    for prefix in prefixes:
-        if key.startswith(prefix):
-            return key[len(prefix):]
-    return None
+    return next((key[len(prefix):] for prefix in prefixes if key.startswith(prefix)), None)
 
 
 def processor_settings(model_dir: Path, section: str, legacy_file: str) -> dict:
     """One processor's settings from `processor_config.json` (transformers 5) or its own legacy file."""
     combined = model_dir / "processor_config.json"
-    if combined.is_file():
-        data = json.loads(combined.read_text())
-        if section in data:
-            return data[section]
+    if combined.is_file() and section in (data := json.loads(combined.read_text())):
+        return data[section]
     legacy = model_dir / legacy_file
     return json.loads(legacy.read_text()) if legacy.is_file() else {}
 
 
 def read_chat_template(model_dir: str | Path) -> str | None:
     model_dir = Path(model_dir)
-    jinja = model_dir / "chat_template.jinja"
-    if jinja.is_file():
+    if (jinja := model_dir / "chat_template.jinja").is_file():
         return jinja.read_text()
     for name in ("chat_template.json", "processor_config.json", "tokenizer_config.json"):
         path = model_dir / name
-        if path.is_file():
-            template = json.loads(path.read_text()).get("chat_template")
-            if template:
-                return template
+        if path.is_file() and (template := json.loads(path.read_text()).get("chat_template")):
+            return template
     return None

@@ -7,9 +7,7 @@ import torch
 
 def resolve_device(device: str) -> str:
     """`auto` is CUDA when this process sees a GPU, else the CPU."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
 def hold_to_share(device: str | torch.device, share: float) -> None:

@@ -81,8 +81,7 @@ def read_config(name: str, path: Path) -> dict:
     for field, default in _UNSUPPORTED.items():
         if config.get(field, default) not in (default, None, {}, False):
             raise AdapterError(f"adapter {name!r}: {field} {config[field]!r} is not supported")
-    targets = config.get("target_modules")
-    if isinstance(targets, list):  # a str is a regular expression: the tensors say what it matched
+    if isinstance(targets := config.get("target_modules"), list):  # a str is a regex: the tensors say what it matched
         known = dict.fromkeys(LM_TARGETS + TOWER_TARGETS)
         if bad := sorted(set(targets) - set(known)):
             raise AdapterError(f"adapter {name!r}: target_modules {bad} not supported (only {', '.join(known)})")

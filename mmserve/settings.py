@@ -29,9 +29,7 @@ def setting_name(f: dataclasses.Field) -> str:
     return f.metadata.get("name", f.name)
 
 
-@functools.cache
-def type_hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+type_hints = functools.cache(typing.get_type_hints)
 
 
 def check_fields(obj: Any, error: type[Exception] = ValueError) -> None:

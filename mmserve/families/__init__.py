@@ -30,9 +30,7 @@ def family_of(model_dir: str | Path) -> str:
     """The checkpoint's `model_type` (a key of `FAMILIES`); ValueError when unsupported."""
     model_type = read_config(model_dir).get("model_type")
     if model_type not in FAMILIES:
-        raise ValueError(
-            f"unsupported model_type {model_type!r} in {model_dir}; supported: {', '.join(FAMILIES)}"
-        )
+        raise ValueError(f"unsupported model_type {model_type!r} in {model_dir}; supported: {', '.join(FAMILIES)}")
     return model_type
 
 
@@ -42,8 +40,5 @@ def face_class(package: str, model_type: str, attribute: str):
 
 
 def router_face(model_dir: str | Path):
-    """The router face of the checkpoint's family."""
-    model_type = family_of(model_dir)
-    return face_class("mmserve.families", model_type, "ROUTER_FACE").from_checkpoint(
-        str(model_dir), load_config(model_dir)
-    )
+    face = face_class("mmserve.families", family_of(model_dir), "ROUTER_FACE")
+    return face.from_checkpoint(str(model_dir), load_config(model_dir))

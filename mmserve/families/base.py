@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 from mmserve.inputs.media import MediaItem, MediaKind, PlaceholderRange
-from mmserve.inputs.positions import PositionPlan
+from mmserve.inputs.positions import LinearPositions, PositionPlan
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -91,7 +91,8 @@ class RouterFace(ABC):
     def streams_video(self) -> bool:
         return type(self).stream_groups is not RouterFace.stream_groups
 
-    @abstractmethod
     def position_plan(self, token_ids: Sequence[int], ranges: Sequence[PlaceholderRange],
                       expansions: Sequence[ItemExpansion]) -> PositionPlan:
-        """Positions of the whole prompt (media at `ranges`) and of every token after it."""
+        """Positions of the whole prompt (media at `ranges`) and of every token after it (the default:
+        plain 1-D RoPE, token `i` at `i`)."""
+        return LinearPositions(rows=1)

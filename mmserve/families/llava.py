@@ -5,14 +5,12 @@ positions. Images only: LLaVA's processor takes no video.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mmserve.errors import InvalidRequest
 from mmserve.families.base import ItemExpansion, RouterFace
-from mmserve.inputs.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
-from mmserve.inputs.positions import LinearPositions, PositionPlan
+from mmserve.inputs.media import MediaItem, MediaKind, read_image_size
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -31,8 +29,7 @@ def image_token_count(vision_model_type: str, image_size: int, patch_size: int, 
     """
     if vision_model_type not in LEADING_ROWS:
         raise ValueError(f"unsupported LLaVA vision tower {vision_model_type!r}")
-    grid = image_size // patch_size
-    rows = grid * grid + LEADING_ROWS[vision_model_type]
+    rows = (image_size // patch_size) ** 2 + LEADING_ROWS[vision_model_type]
     return rows - 1 if strategy == "default" else rows
 
 
@@ -57,10 +54,6 @@ class LlavaRouterFace(RouterFace):
         read_image_size(item.frames[0], max_pixels)  # a readable image within the pixel limit
         n = self.tokens_per_image
         return ItemExpansion((self.image_token_id,) * n, None, cost=n)
-
-    def position_plan(self, token_ids: Sequence[int], ranges: Sequence[PlaceholderRange],
-                      expansions: Sequence[ItemExpansion]) -> PositionPlan:
-        return LinearPositions(rows=1)
 
 
 ROUTER_FACE = LlavaRouterFace

@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmserve.families.base import ItemExpansion, RouterFace, StreamGroup
-from mmserve.inputs.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
-from mmserve.inputs.positions import LinearPositions, PositionPlan
+from mmserve.inputs.media import MediaItem, MediaKind, read_image_size
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -46,16 +45,10 @@ def sliced_grid(height: int, width: int, max_slices: int, scale: int) -> tuple[i
     multiple = min(math.ceil(width * height / (scale * scale)), max_slices)
     if multiple <= 1:
         return None
-    best, best_error = (1, 1), float("inf")
-    for n in (multiple - 1, multiple, multiple + 1):
-        if n == 1 or n > max_slices:
-            continue
-        for rows in range(1, n + 1):
-            if n % rows == 0:
-                error = abs(log_ratio - math.log((n // rows) / rows))
-                if error < best_error or (error == best_error and rows > best[0]):
-                    best, best_error = (rows, n // rows), error
-    return best
+    grids = [(rows, n // rows) for n in (multiple - 1, multiple, multiple + 1) if 1 < n <= max_slices
+             for rows in range(1, n + 1) if n % rows == 0]
+    # the closest aspect ratio; of equal ones the first with the most rows
+    return min(grids, key=lambda g: (abs(log_ratio - math.log(g[1] / g[0])), -g[0]), default=(1, 1))
 
 
 @dataclass(frozen=True)
@@ -123,8 +116,7 @@ class MiniCPMVRouterFace(RouterFace):
         tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
         names = ("image_token", "video_token", "image_start_token", "image_end_token", "slice_start_token",
                  "slice_end_token", "image_id_start_token", "image_id_end_token")
-        missing = [n for n in names if n not in named or tokenizer.token_to_id(named[n]) is None]
-        if missing:
+        if missing := [n for n in names if n not in named or tokenizer.token_to_id(named[n]) is None]:
             raise ValueError(f"the tokenizer of {model_dir} lacks MiniCPM-V's tokens {missing}")
         encode = lambda text: tuple(tokenizer.encode(text, add_special_tokens=False).ids)  # noqa: E731
 
@@ -133,16 +125,11 @@ class MiniCPMVRouterFace(RouterFace):
             return tuple((k, values[k]) for k in _SETTINGS)
 
         image = processor.get("image_processor", {})
-        return cls(
-            tokens=tuple((n, tokenizer.token_to_id(named[n])) for n in names),
-            digits=tuple(encode(str(d)) for d in range(10)),
-            newline=encode("\n"),
-            image=settings("image_processor"),
-            video=settings("video_processor"),
-            use_image_id=bool(image.get("use_image_id", True)),
-            image_token=named["image_token"],
-            video_token=named["video_token"],
-        )
+        return cls(tokens=tuple((n, tokenizer.token_to_id(named[n])) for n in names),
+                   digits=tuple(encode(str(d)) for d in range(10)), newline=encode("\n"),
+                   image=settings("image_processor"), video=settings("video_processor"),
+                   use_image_id=bool(image.get("use_image_id", True)), image_token=named["image_token"],
+                   video_token=named["video_token"])
 
     def _id(self, name: str) -> int:
         return dict(self.tokens)[name]
@@ -153,12 +140,11 @@ class MiniCPMVRouterFace(RouterFace):
     def expand(self, item: MediaItem, max_pixels: int, ordinal: int = 0) -> ItemExpansion:
         image = item.kind is MediaKind.IMAGE
         settings = dict(self.image if image else self.video)
-        sizes = [read_image_size(item.frames[0], max_pixels)] if image else [item.frame_size(max_pixels)] * item.num_frames
-        frames = tuple(plan_views(h, w, settings) for h, w in (sizes if not image else sizes[:1]))
+        size = read_image_size(item.frames[0], max_pixels) if image else item.frame_size(max_pixels)
+        frames = (plan_views(*size, settings),) * (1 if image else item.num_frames)
         layout = ItemViews(frames, 4 if settings["downsample_mode"] == "4x" else 16)
         pad = self._id("image_token" if image else "video_token")
-        tokens: list[int] = []
-        embed: list[bool] = []
+        tokens, embed = [], []
 
         def plain(ids) -> None:
             tokens.extend(ids)
@@ -193,16 +179,8 @@ class MiniCPMVRouterFace(RouterFace):
 
     def expand_all(self, items: Sequence[MediaItem], max_pixels: int) -> list[ItemExpansion]:
         """`<image_id>N</image_id>`: N counts the request's images and its videos separately."""
-        seen = {MediaKind.IMAGE: 0, MediaKind.VIDEO: 0}
-        out = []
-        for item in items:
-            out.append(self.expand(item, max_pixels, seen[item.kind]))
-            seen[item.kind] += 1
-        return out
-
-    def position_plan(self, token_ids: Sequence[int], ranges: Sequence[PlaceholderRange],
-                      expansions: Sequence[ItemExpansion]) -> PositionPlan:
-        return LinearPositions(rows=1)
+        kinds = [item.kind for item in items]
+        return [self.expand(item, max_pixels, kinds[:i].count(item.kind)) for i, item in enumerate(items)]
 
 
 ROUTER_FACE = MiniCPMVRouterFace

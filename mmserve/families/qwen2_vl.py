@@ -48,18 +48,21 @@ class VisionPreprocessConfig:
         return self.patch_size * self.merge_size
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen2-VL's resize rule (same arithmetic as `transformers`' `smart_resize`)."""
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int, num_frames: int = 1,
+                 temporal: int = 1, what: str = "image") -> tuple[int, int]:
+    """Qwen2-VL's resize rule (same arithmetic as `transformers`' `smart_resize`); with `num_frames`
+    and `temporal` the Qwen3-VL video processor's, which bounds frames x height x width."""
     if max(height, width) / min(height, width) > 200:
-        raise InvalidRequest(f"image aspect ratio {max(height, width) / min(height, width):.1f} exceeds 200")
+        raise InvalidRequest(f"{what} aspect ratio {max(height, width) / min(height, width):.1f} exceeds 200")
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
+    t_bar = round(num_frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
@@ -75,25 +78,20 @@ def video_grid(num_frames: int, height: int, width: int, cfg: VisionPreprocessCo
     """(t, h, w) patch grid of a video: frames padded to a multiple of the temporal patch size."""
     max_pixels = cfg.video_max_pixels
     if cfg.video_cap_pixels_per_frame:
-        total = int(cfg.video_max_tokens * cfg.factor * cfg.factor * 0.9)
-        max_pixels = max(
-            min(max_pixels, total * cfg.temporal_patch_size // num_frames), int(cfg.video_min_pixels * 1.05)
-        )
+        total = int(cfg.video_max_tokens * cfg.factor * cfg.factor * 0.9) * cfg.temporal_patch_size
+        max_pixels = max(min(max_pixels, total // num_frames), int(cfg.video_min_pixels * 1.05))
     h, w = smart_resize(height, width, cfg.factor, cfg.video_min_pixels, max_pixels)
-    t = -(-num_frames // cfg.temporal_patch_size)
-    return t, h // cfg.patch_size, w // cfg.patch_size
+    return -(-num_frames // cfg.temporal_patch_size), h // cfg.patch_size, w // cfg.patch_size
 
 
 def tokens_for_grid(grid: tuple[int, int, int], merge_size: int) -> int:
-    t, h, w = grid
-    return t * h * w // (merge_size * merge_size)
+    return math.prod(grid) // (merge_size * merge_size)
 
 
 def _pixel_bounds(cfg: dict, default_min: int, default_max: int) -> tuple[int, int]:
     size = cfg.get("size") or {}
-    lo = cfg.get("min_pixels", size.get("shortest_edge", default_min))
-    hi = cfg.get("max_pixels", size.get("longest_edge", default_max))
-    return int(lo), int(hi)
+    return (int(cfg.get("min_pixels", size.get("shortest_edge", default_min))),
+            int(cfg.get("max_pixels", size.get("longest_edge", default_max))))
 
 
 def read_preprocess_config(model_dir: str | Path) -> VisionPreprocessConfig:
@@ -104,17 +102,11 @@ def read_preprocess_config(model_dir: str | Path) -> VisionPreprocessConfig:
     d = VisionPreprocessConfig()
     min_px, max_px = _pixel_bounds(image, d.min_pixels, d.max_pixels)
     vmin, vmax = _pixel_bounds(video, d.video_min_pixels, d.video_max_pixels)
-    return VisionPreprocessConfig(
-        patch_size=int(image.get("patch_size", d.patch_size)),
-        merge_size=int(image.get("merge_size", d.merge_size)),
-        temporal_patch_size=int(image.get("temporal_patch_size", d.temporal_patch_size)),
-        min_pixels=min_px,
-        max_pixels=max_px,
-        video_min_pixels=vmin,
-        video_max_pixels=vmax,
-        video_cap_pixels_per_frame=bool(video.get("cap_pixels_per_frame", False)),
-        video_max_tokens=int(video.get("max_video_tokens", d.video_max_tokens)),
-    )
+    sizes = {k: int(image.get(k, getattr(d, k))) for k in ("patch_size", "merge_size", "temporal_patch_size")}
+    return VisionPreprocessConfig(**sizes, min_pixels=min_px, max_pixels=max_px, video_min_pixels=vmin,
+                                  video_max_pixels=vmax,
+                                  video_cap_pixels_per_frame=bool(video.get("cap_pixels_per_frame", False)),
+                                  video_max_tokens=int(video.get("max_video_tokens", d.video_max_tokens)))
 
 @dataclass(frozen=True)
 class QwenLayout:
@@ -134,14 +126,10 @@ class QwenVLRouterFace(RouterFace):
 
     @classmethod
     def from_checkpoint(cls, model_dir: str, config: PreTrainedConfig) -> QwenVLRouterFace:
-        model_type = config.model_type
-        return cls(
-            model_type=model_type,
-            preprocess=read_preprocess_config(model_dir),
-            image_token_id=int(config.image_token_id),
-            video_token_id=int(config.video_token_id),
-            tokens_per_second=float(config.vision_config.tokens_per_second) if model_type == "qwen2_5_vl" else None,
-        )
+        seconds = float(config.vision_config.tokens_per_second) if config.model_type == "qwen2_5_vl" else None
+        return cls(model_type=config.model_type, preprocess=read_preprocess_config(model_dir),
+                   image_token_id=int(config.image_token_id), video_token_id=int(config.video_token_id),
+                   tokens_per_second=seconds)
 
     def placeholder(self, kind: MediaKind) -> str:
         return IMAGE_TOKEN if kind is MediaKind.IMAGE else VIDEO_TOKEN
@@ -170,12 +158,8 @@ class QwenVLRouterFace(RouterFace):
         t, h, w = layout.grid
         temporal, rows = self.preprocess.temporal_patch_size, h * w // self.preprocess.merge_size ** 2
         patches = max(1, frames // temporal)  # temporal patches per group
-        groups = []
-        for first in range(0, t, patches):
-            n = min(patches, t - first)
-            groups.append(StreamGroup(min(n * temporal, item.num_frames - first * temporal), QwenLayout((n, h, w)),
-                                      n * rows))
-        return groups
+        return [StreamGroup(min(n * temporal, item.num_frames - first * temporal), QwenLayout((n, h, w)), n * rows)
+                for first in range(0, t, patches) for n in [min(patches, t - first)]]
 
     def position_plan(self, token_ids: Sequence[int], ranges: Sequence[PlaceholderRange],
                       expansions: Sequence[ItemExpansion]) -> PositionPlan:
@@ -183,11 +167,8 @@ class QwenVLRouterFace(RouterFace):
         if not ranges:
             return LinearPositions(rows=3)
         layouts: list[QwenLayout] = [e.layout for e in expansions]
-        positions, delta = mrope_positions(
-            len(token_ids), ranges, [lay.grid for lay in layouts], self.preprocess.merge_size,
-            [lay.t_factor for lay in layouts],
-        )
-        return ExplicitPositions(positions, delta)
+        return ExplicitPositions(*mrope_positions(len(token_ids), ranges, [lay.grid for lay in layouts],
+                                                  self.preprocess.merge_size, [lay.t_factor for lay in layouts]))
 
 
 ROUTER_FACE = QwenVLRouterFace

@@ -1,31 +1,22 @@
 """Router face of Qwen3-VL: image and video expansions from headers, interleaved M-RoPE plans.
 
-Images are sized exactly as Qwen2-VL's (its image processor, with 16-px patches). Videos differ:
-the Qwen3-VL video processor bounds frames x height x width and upscales frames smaller than a
-merged patch; and the processor writes, before each temporal group of the video, its timestamp
-(`<1.2 seconds>`) and wraps the group in vision start/end tokens. The router reproduces that from
-each frame's time alone (`MediaItem.frame_seconds`: frame `i` of a list of frames at `i / fps`,
-a server-decoded video's sampled frame `n` at `n / stream fps`; groups padded with the last
-frame, a group's time the mean of its first and last frame). Positions follow `transformers`'
-`Qwen3VLModel.get_rope_index`: every temporal group is placed as an image of one frame; the
-interleaving of the three rows over the rotary dimensions happens in the decoder.
+Images are sized exactly as Qwen2-VL's (16-px patches). Videos follow the Qwen3-VL video processor:
+its frames x height x width bounds, and a timestamp (`<1.2 seconds>`, from each frame's time alone:
+`MediaItem.frame_seconds`) and vision start/end tokens around each temporal group, which
+`get_rope_index` places as an image of one frame (docs/adding-a-family.md#pitfalls-met-adding-qwen3-vl).
 """
 
 from __future__ import annotations
 
-import math
+import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mmserve.errors import InvalidRequest
 from mmserve.families.base import ItemExpansion
 from mmserve.families.qwen2_vl import (
-    QwenLayout,
-    QwenVLRouterFace,
-    VisionPreprocessConfig,
-    image_grid,
-    read_preprocess_config,
+    QwenLayout, QwenVLRouterFace, VisionPreprocessConfig, image_grid, read_preprocess_config, smart_resize,
 )
 from mmserve.inputs.media import MediaItem, MediaKind, PlaceholderRange
 from mmserve.inputs.mrope import mrope_positions
@@ -47,27 +38,13 @@ def video_resize(num_frames: int, height: int, width: int, cfg: VisionPreprocess
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > 200:
-        raise InvalidRequest(f"video aspect ratio {max(height, width) / min(height, width):.1f} exceeds 200")
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    t_bar = round(num_frames / temporal) * temporal
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((num_frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    return smart_resize(height, width, factor, min_pixels, max_pixels, num_frames, temporal, "video")
 
 
 def video_grid(num_frames: int, height: int, width: int, cfg: VisionPreprocessConfig) -> tuple[int, int, int]:
     """(t, h, w) patch grid of a Qwen3-VL video: frames padded to whole temporal patches."""
     h, w = video_resize(num_frames, height, width, cfg)
-    t = -(-num_frames // cfg.temporal_patch_size)
-    return t, h // cfg.patch_size, w // cfg.patch_size
+    return -(-num_frames // cfg.temporal_patch_size), h // cfg.patch_size, w // cfg.patch_size
 
 
 def group_timestamps(frame_seconds: Sequence[float], temporal_patch_size: int) -> list[float]:
@@ -83,7 +60,8 @@ def group_timestamps(frame_seconds: Sequence[float], temporal_patch_size: int) -
 class Qwen3VLRouterFace(QwenVLRouterFace):
     """Qwen2-VL's face with Qwen3-VL's video sizing, timestamps and per-group positions."""
 
-    timestamp_ids: object = None  # str -> token ids of a timestamp (the checkpoint's tokenizer)
+    # str -> token ids of a timestamp (the checkpoint's tokenizer; one per tokenizer: no part of equality)
+    timestamp_ids: object = field(default=None, compare=False)
     vision_start_id: int = -1
     vision_end_id: int = -1
 
@@ -91,23 +69,16 @@ class Qwen3VLRouterFace(QwenVLRouterFace):
     def from_checkpoint(cls, model_dir: str, config: PreTrainedConfig) -> Qwen3VLRouterFace:
         from transformers import AutoTokenizer
 
-        return cls(
-            model_type=config.model_type,
-            preprocess=read_preprocess_config(model_dir),
-            image_token_id=int(config.image_token_id),
-            video_token_id=int(config.video_token_id),
-            tokens_per_second=None,
-            timestamp_ids=_TimestampTokens(AutoTokenizer.from_pretrained(model_dir)),
-            vision_start_id=int(config.vision_start_token_id),
-            vision_end_id=int(config.vision_end_token_id),
-        )
+        return cls(model_type=config.model_type, preprocess=read_preprocess_config(model_dir),
+                   image_token_id=int(config.image_token_id), video_token_id=int(config.video_token_id),
+                   tokens_per_second=None, timestamp_ids=_TimestampTokens(AutoTokenizer.from_pretrained(model_dir)),
+                   vision_start_id=int(config.vision_start_token_id), vision_end_id=int(config.vision_end_token_id))
 
     def layout(self, item: MediaItem, max_pixels: int) -> QwenLayout:
         height, width = item.frame_size(max_pixels)
-        cfg = self.preprocess
         if item.kind is MediaKind.IMAGE:
-            return QwenLayout(image_grid(height, width, cfg))
-        return QwenLayout(video_grid(item.num_frames, height, width, cfg))
+            return QwenLayout(image_grid(height, width, self.preprocess))
+        return QwenLayout(video_grid(item.num_frames, height, width, self.preprocess))
 
     def expand(self, item: MediaItem, max_pixels: int) -> ItemExpansion:
         if item.kind is MediaKind.IMAGE:
@@ -115,8 +86,7 @@ class Qwen3VLRouterFace(QwenVLRouterFace):
         layout = self.layout(item, max_pixels)
         t, h, w = layout.grid
         per_group = h * w // (self.preprocess.merge_size ** 2)
-        tokens: list[int] = []
-        is_embed: list[bool] = []
+        tokens, is_embed = [], []
         for seconds in group_timestamps(item.frame_seconds, self.preprocess.temporal_patch_size):
             stamp = self.timestamp_ids(f"<{seconds:.1f} seconds>")
             tokens += [*stamp, self.vision_start_id, *[self.video_token_id] * per_group, self.vision_end_id]
@@ -136,19 +106,14 @@ class Qwen3VLRouterFace(QwenVLRouterFace):
             for start, length in _embed_runs(rng):
                 runs.append(PlaceholderRange(rng.offset + start, length))
                 grids.append((1, h, w))
-        positions, delta = mrope_positions(len(token_ids), runs, grids, self.preprocess.merge_size)
-        return ExplicitPositions(positions, delta)
+        return ExplicitPositions(*mrope_positions(len(token_ids), runs, grids, self.preprocess.merge_size))
 
 
 def _embed_runs(rng: PlaceholderRange) -> list[tuple[int, int]]:
     """(start, length) of each run of consecutive embedding slots in `rng`, from its start."""
-    runs: list[tuple[int, int]] = []
-    for slot in rng.embed_slots():
-        if runs and runs[-1][0] + runs[-1][1] == slot:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((slot, 1))
-    return runs
+    runs = [[slot for _, slot in run] for _, run in itertools.groupby(enumerate(rng.embed_slots()),
+                                                                      lambda pair: pair[1] - pair[0])]
+    return [(run[0], len(run)) for run in runs]
 
 
 class _TimestampTokens:
@@ -163,12 +128,6 @@ class _TimestampTokens:
         if text not in self._cache:
             self._cache[text] = tuple(self._tokenizer(text, add_special_tokens=False)["input_ids"])
         return self._cache[text]
-
-    def __eq__(self, other) -> bool:  # one per tokenizer; the face's equality ignores it
-        return isinstance(other, _TimestampTokens)
-
-    def __hash__(self) -> int:
-        return 0
 
 
 ROUTER_FACE = Qwen3VLRouterFace

@@ -12,15 +12,13 @@ encoder rows (`is_embed`). Plain 1-D positions. Images only: Step3 has no video 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmserve.errors import InvalidRequest
 from mmserve.families.base import ItemExpansion, RouterFace
-from mmserve.inputs.media import MediaItem, MediaKind, PlaceholderRange, read_image_size
-from mmserve.inputs.positions import LinearPositions, PositionPlan
+from mmserve.inputs.media import MediaItem, MediaKind, read_image_size
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -83,17 +81,13 @@ class Step3RouterFace(RouterFace):
         processor = json.loads((Path(model_dir) / "processor_config.json").read_text())["image_processor"]
         tokenizer = json.loads((Path(model_dir) / "tokenizer.json").read_text())
         added = {t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])}
-        missing = [t for t in (IMAGE_TOKEN, *STRUCTURE) if t not in added]
-        if missing:
+        if missing := [t for t in (IMAGE_TOKEN, *STRUCTURE) if t not in added]:
             raise ValueError(f"the tokenizer of {model_dir} lacks Step3's tokens {missing}")
-        return cls(
-            image_token_id=added[IMAGE_TOKEN],
-            structure_ids={t: added[t] for t in STRUCTURE},
-            image_size=int(processor.get("size", {}).get("height", 728)),
-            patch_size=int(processor.get("patch_size", 504)),
-            max_image_size=int(processor.get("max_image_size", 3024)),
-            stride=int(processor.get("vision_patch_size", 14)) * int(processor.get("downsampler_stride", 4)),
-        )
+        return cls(image_token_id=added[IMAGE_TOKEN], structure_ids={t: added[t] for t in STRUCTURE},
+                   image_size=int(processor.get("size", {}).get("height", 728)),
+                   patch_size=int(processor.get("patch_size", 504)),
+                   max_image_size=int(processor.get("max_image_size", 3024)),
+                   stride=int(processor.get("vision_patch_size", 14)) * int(processor.get("downsampler_stride", 4)))
 
     def placeholder(self, kind: MediaKind) -> str | None:
         return IMAGE_TOKEN if kind is MediaKind.IMAGE else None
@@ -108,8 +102,7 @@ class Step3RouterFace(RouterFace):
         height, width = read_image_size(item.frames[0], max_pixels)
         layout = self.layout(height, width)
         s = self.structure_ids
-        tokens: list[int] = []
-        embed: list[bool] = []
+        tokens, embed = [], []
 
         def block(start: str, n: int, end: str) -> None:
             tokens.extend((s[start], *(self.image_token_id,) * n, s[end]))
@@ -122,10 +115,6 @@ class Step3RouterFace(RouterFace):
                 embed.append(False)
         block("<im_start>", layout.global_tokens, "<im_end>")
         return ItemExpansion(tuple(tokens), tuple(embed), cost=layout.num_embeds, layout=layout)
-
-    def position_plan(self, token_ids: Sequence[int], ranges: Sequence[PlaceholderRange],
-                      expansions: Sequence[ItemExpansion]) -> PositionPlan:
-        return LinearPositions(rows=1)
 
 
 ROUTER_FACE = Step3RouterFace

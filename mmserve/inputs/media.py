@@ -47,9 +47,7 @@ class PlaceholderRange(NamedTuple):
 
     def embed_slots(self) -> list[int]:
         """Offsets (from `offset`) of the tokens that take encoder rows, ascending."""
-        if self.is_embed is None:
-            return list(range(self.length))
-        return [i for i, e in enumerate(self.is_embed) if e]
+        return list(range(self.length)) if self.is_embed is None else [i for i, e in enumerate(self.is_embed) if e]
 
 
 @dataclass(frozen=True)
@@ -143,9 +141,8 @@ class MediaItem:
     @property
     def sampled_fps(self) -> float:
         """Frames per second of the frames the model sees (`VideoMetadata.sampled_fps`)."""
-        if self.decoded is None:
-            return self.fps
-        return len(self.decoded.indices) / self.decoded.total_num_frames * self.decoded.fps
+        decoded = self.decoded
+        return self.fps if decoded is None else len(decoded.indices) / decoded.total_num_frames * decoded.fps
 
     @property
     def frame_seconds(self) -> list[float]:
@@ -198,8 +195,7 @@ def _header_orientation(img: Image.Image) -> int:
     `Image.getexif()` would decode a whole PNG to look for an eXIf chunk after the pixel data;
     such (rare) files are treated as unrotated.
     """
-    raw = img.info.get("exif")
-    if not raw:
+    if not (raw := img.info.get("exif")):
         return 1
     exif = Image.Exif()
     exif.load(raw)
@@ -216,18 +212,14 @@ def read_image_size(data: bytes, max_pixels: int) -> tuple[int, int]:
         with Image.open(io.BytesIO(data)) as img:
             width, height = img.size
             if width * height > max_pixels:
-                raise InvalidRequest(
-                    f"image of {width}x{height} pixels exceeds the limit of {max_pixels} pixels"
-                )
+                raise InvalidRequest(f"image of {width}x{height} pixels exceeds the limit of {max_pixels} pixels")
             orientation = _header_orientation(img)
-    except InvalidRequest:
+    except (InvalidRequest, MemoryError):
         raise
     except Image.DecompressionBombError as e:
         raise InvalidRequest(f"image exceeds the limit of {max_pixels} pixels: {e}") from None
     except UnidentifiedImageError:
         raise InvalidRequest("cannot read image: not a recognised image format") from None
-    except MemoryError:
-        raise
     except Exception as e:  # Pillow's parsers raise many types (struct.error, EOFError, ...) on bad bytes
         raise InvalidRequest(f"cannot read image: {type(e).__name__}: {e}") from None
     if width < 1 or height < 1:
@@ -242,8 +234,7 @@ def decode_image(data: bytes) -> Image.Image:
     from PIL import ImageOps
 
     try:
-        img = Image.open(io.BytesIO(data))
-        img = ImageOps.exif_transpose(img)
+        img = ImageOps.exif_transpose(Image.open(io.BytesIO(data)))
         img.load()
         return img.convert("RGB")
     except UnidentifiedImageError:

@@ -29,13 +29,9 @@ def video_t_factor(second_per_grid_t: float, tokens_per_second: float) -> torch.
     return torch.tensor(second_per_grid_t, dtype=torch.float32) * tokens_per_second
 
 
-def mrope_positions(
-    num_tokens: int,
-    ranges: Sequence[PlaceholderRange],
-    grids: Sequence[tuple[int, int, int]],
-    merge_size: int,
-    t_factors: Sequence[float | torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, int]:
+def mrope_positions(num_tokens: int, ranges: Sequence[PlaceholderRange], grids: Sequence[tuple[int, int, int]],
+                    merge_size: int, t_factors: Sequence[float | torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, int]:
     """Positions `(3, num_tokens)` (int64) and the decode delta for a prompt with media at `ranges`.
 
     `grids[i]` is item i's patch grid `(t, h, w)` before merging; `t_factors[i]` its temporal step
@@ -45,8 +41,7 @@ def mrope_positions(
         raise ValueError(f"{len(ranges)} placeholder ranges but {len(grids)} grids")
     t_factors = t_factors if t_factors is not None else [1] * len(grids)
     pieces: list[torch.Tensor] = []
-    cur = 0
-    prev_end = 0
+    cur = prev_end = 0
     for rng, (t, h, w), t_factor in zip(ranges, grids, t_factors):
         if rng.offset < prev_end:
             raise ValueError("placeholder ranges must be sorted and disjoint")

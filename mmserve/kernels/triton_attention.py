@@ -1,26 +1,9 @@
-"""One Triton attention kernel for both runtimes: paged (LLM) and packed varlen (ViT).
+"""One Triton attention kernel for both runtimes: paged (LLM) and packed varlen (ViT), with split-K decode.
 
-Rows of a program are (query token, query head of one KV group) pairs, so a decode step of a
-GQA model fills the tile with the group's heads instead of padding one token to `BLOCK_M`.
-Grid: `(sequences, kv_heads, row tiles)`. Per key tile the kernel gathers each key's slot:
-
-- paged: `block_tables[seq, pos // page_size] * page_size + pos % page_size` in a
-  `(slots, kv_heads, head_dim)` view of the pool, so any page size works (16, 32, 256, ...);
-- packed: `kv_starts[seq] + pos` in a contiguous `(tokens, kv_heads, head_dim)` tensor.
-
-Query `i` of a sequence with `q_len` new tokens and `kv_len` keys sits at position
-`kv_len - q_len + i` (chunked prefill and decode attend over their cached prefix). Causal:
-keys `<=` that position; sliding window `w`: also `> position - w` (transformers' convention).
-Online softmax in float32; `tl.dot` at IEEE precision for float32 inputs (no TF32).
-
-Split-K decode (flash-decoding): a decode step of few sequences is few programs (Qwen2-VL-2B has
-2 KV heads: batch 1 is 2 programs on an H100's 132 SMs), each walking the whole context. With
-`splits > 1` (one query per sequence) the third grid axis is the split: each program attends over
-its slice of the keys and writes its normalised partial output and log-sum-exp, and a second
-kernel (`_combine_kernel`) merges the slices. `decode_splits` picks the count.
-
-Only Triton APIs present in 3.6 are used (the GPU image); CI runs the same kernel on CPU
-tensors with `TRITON_INTERPRET=1` set before `triton` is imported. See docs/attention.md.
+Rows of a program are (query token, query head of one KV group) pairs; grid `(sequences, kv_heads, row
+tiles)` (the third axis the key slice with `splits > 1`). Query `i` of a sequence with `q_len` new tokens
+and `kv_len` keys sits at position `kv_len - q_len + i`. Only Triton APIs present in 3.6 are used; CI
+runs the kernel on CPU tensors under `TRITON_INTERPRET=1`. The layout, masks and tiles: docs/attention.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,18 @@
 """FP8 (e4m3) GEMMs with dynamic per-token activation scales, on CUDA (Hopper's FP8 tensor cores).
 
-Activations are quantized at run time by `quantize_activations`, one Triton launch: each token's
-row, in groups of `group` columns, gets the scale `amax / 448` and `x_q = clamp(x / scale)` in
-e4m3, bit for bit `mmserve.kernels.fp8.quantize_per_token_group` (its definition, in torch).
+Activations are quantized at run time by `quantize_activations`, one Triton launch, bit for bit
+`mmserve.kernels.fp8.quantize_per_token_group` (its definition, in torch).
 
 - `block_fp8_linear` (Qwen's and DeepSeek's `-FP8` checkpoints, after vLLM's
   `w8a8_block_fp8_matmul`): `weight` `(N, K)` e4m3 with one float32 scale per `block = (bn, bk)`
-  block (`weight_scale_inv` `(ceil(N/bn), ceil(K/bk))`; edge blocks may be partial); `x`
-  quantized per token per `bk` columns, so each `BLOCK_K = bk` step of the K loop has one
-  activation scale per row and one weight scale per output column: program `(m, n, split)` adds
-  `tl.dot(x_q, w_q) * x_scale[:, None] * w_scale[None, :]` (float32) over its K blocks. Small
-  batches split K over more programs (`triton_splitk`); otherwise the kernel writes `x`'s dtype
-  (+ bias) itself. Dimensions need not be multiples of the tiles (masked).
+  block (`weight_scale_inv` `(ceil(N/bn), ceil(K/bk))`; edge blocks may be partial); `x` quantized
+  per token per `bk` columns, so each `BLOCK_K = bk` step has one activation scale per row and one
+  weight scale per output column. Small batches split K (`triton_splitk`).
 - `channel_fp8_linear` (compressed-tensors, per-output-channel weights): `x` quantized per
   token, then `torch._scaled_mm` with the two row-wise scales.
 
-Every shape is fixed by the input's: no host sync, a CUDA graph captures it. On CPU the Triton
-kernels run only in Triton's interpreter (`TRITON_INTERPRET=1`, tests). Tiles are vLLM's defaults
-for 128 x 128 blocks, not tuned on a GPU here.
+Every shape is fixed by the input's: a CUDA graph captures it. On CPU the Triton kernels run only in
+Triton's interpreter (`TRITON_INTERPRET=1`, tests). docs/quantization.md#what-runs-where-all-three.
 """
 
 from __future__ import annotations

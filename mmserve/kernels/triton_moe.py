@@ -1,23 +1,12 @@
 """The mixture-of-experts experts as two grouped GEMM launches (Triton), after vLLM's `fused_moe`.
 
 A step's `S = T * k` (token, slot) pairs are sorted by expert and each expert's run is padded to a
-whole number of `BLOCK_M` rows with the sentinel `S` (`align`), all with device-side torch ops
-into buffers of a length fixed by `(S, E, BLOCK_M)` alone: no host sync, so a CUDA graph captures
-the whole forward at each batch size. Then:
-
-1. one launch of `_expert_gemm_kernel` over every block: program `(n, m)` multiplies the `BLOCK_M`
-   pairs of block `m` (all of one expert; sentinel rows masked) by a `BLOCK_N` tile of that
-   expert's `gate_up_proj` rows, gathering each pair's token row of `hidden_states`, and writes the
-   `(S, 2I)` gate/up rows in pair order; blocks past the padded pairs exit at once (an expert with
-   no pairs has no block);
-2. `apply_gate` in torch (SiLU(gate) * up, Step3's clamp, ...) -> `(S, I)`;
-3. one launch of the same kernel with `down_proj`, reading each pair's own row and multiplying by
-   its routing weight, into `(S, H)` float32 rows (float64 for float64 input) in pair order, which
-   `.view(T, k, H).sum(1)` adds up: deterministic, no atomics.
-
-The kernels accumulate in float32 (float64 for float64 input; `tl.dot` at IEEE precision for
-float32, no TF32). Dimensions need not be multiples of the blocks (masked). On CPU the kernel
-runs only in Triton's interpreter (`TRITON_INTERPRET=1`, tests).
+whole number of `BLOCK_M` rows with the sentinel `S` (`align`), into buffers of a length fixed by
+`(S, E, BLOCK_M)` alone: no host sync, so a CUDA graph captures the forward at each batch size. Then
+`_expert_gemm_kernel` runs gate/up over every block, `apply_gate` runs in torch, and the same kernel
+runs down (times each pair's routing weight) into `(S, H)` float32 rows (float64 for float64 input) in
+pair order, which `.view(T, k, H).sum(1)` adds up: deterministic, no atomics. On CPU only in Triton's
+interpreter (`TRITON_INTERPRET=1`, tests). docs/attention.md (MoE experts).
 """
 
 from __future__ import annotations

@@ -4,16 +4,10 @@
 dtype, where `W[k, n] = (q[k, n] - z[k // group_size, n]) * s[k // group_size, n]` and `q`, `z` are
 the 4-bit values of `qweight` `(K, N/8)` / `qzeros` `(K/group_size, N/8)` int32 (eight a word, the
 4 bits at `4 i` holding column `AWQ_ORDER[i]` of the word's 8: AutoAWQ's order, vLLM's too) and `s`
-is `scales` `(K/group_size, N)` float16. Program `(m, n, split)` loads the words of its `BLOCK_N`
-columns over its share of the K tiles (each tile lies in one group: `BLOCK_K` divides
-`group_size`), shifts each column's nibble out, applies its group's zero and scale in float32,
-casts to `x`'s dtype and accumulates `tl.dot` in float32, then writes `x`'s dtype (+ bias); small M
-(decode) splits K over more programs, each writing its float32 partial `(SPLIT, M, N)`, and one more
-launch adds them (+ bias) in order (`triton_splitk`: deterministic, no atomics). Shapes are fixed by `(M, N, K)` alone: no host sync, a CUDA graph captures it.
-
-On CPU the kernel runs only in Triton's interpreter (`TRITON_INTERPRET=1`, tests), where bfloat16
-`tl.dot` is wrong: the CPU tests run float16 and float32. Tiles are vLLM's `awq_triton` sizes, not
-tuned on a GPU here.
+is `scales` `(K/group_size, N)` float16. Each K tile lies in one group (`BLOCK_K` divides
+`group_size`); small M splits K (`triton_splitk`). Shapes are fixed by `(M, N, K)` alone: a CUDA graph
+captures it. On CPU only in Triton's interpreter, where bfloat16 `tl.dot` is wrong (the CPU tests run
+float16 and float32). docs/quantization.md#what-runs-where-all-three.
 """
 
 from __future__ import annotations

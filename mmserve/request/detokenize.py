@@ -36,8 +36,7 @@ class IncrementalDetokenizer:
         self._markers = dict(markers or {})
         self._stream = DecodeStream(skip_special_tokens=True)
         self._ids: list[int] = []
-        self._base = 0  # the stream started at ids[_base], when `text` was _base_chars long
-        self._base_chars = 0
+        self._base = self._base_chars = 0  # the stream started at ids[_base], when `text` was _base_chars long
         self._pending = False  # the stream holds ids whose text is not in `text` yet
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
@@ -76,9 +75,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self._append(self._step(token_id))
-        if self.stopped:
-            return self._release(len(self.text))
-        return self._release(len(self.text) - self._hold)
+        return self._release(len(self.text) - (0 if self.stopped else self._hold))
 
     def _held(self) -> str:
         """The text of the ids the stream holds back (half a character), decoded as they are."""

@@ -70,9 +70,7 @@ class PromptBuilder:
         """`placeholders`: the added token the template writes per media kind (None: kind not taken);
         `tool_format`: the family's call form (the XML form's template takes a call's `arguments` as
         a mapping, the JSON form's as the JSON text)."""
-        self._tokenizer = tokenizer
-        self._tool_format = tool_format
-        self._template = chat_template
+        self._tokenizer, self._tool_format, self._template = tokenizer, tool_format, chat_template
         self.native_tools = "tools" in chat_template  # the template has a tools section (Qwen3-VL's)
         self._plain = copy.deepcopy(tokenizer.backend_tokenizer)
         self._plain.encode_special_tokens = True
@@ -82,9 +80,8 @@ class PromptBuilder:
         # what a user's text may not bring into the rendering as it is: added-token strings, and
         # the sentinel's own marks (so that a typed sentinel stays text too)
         self._escaped_re = re.compile("|".join([*(re.escape(tok) for tok, _ in added), "\ue000", "\ue001"]))
-        self._placeholder_ids = {
-            kind: tokenizer.convert_tokens_to_ids(tok) for kind, tok in placeholders.items() if tok is not None
-        }
+        self._placeholder_ids = {kind: tokenizer.convert_tokens_to_ids(tok) for kind, tok in placeholders.items()
+                                 if tok is not None}
         self._prefix, self._suffix = _special_wrapping(tokenizer)
 
     def _render(self, messages: list[Message], add_generation_prompt: bool = True,
@@ -103,26 +100,22 @@ class PromptBuilder:
             escaped.append(match.group(0))
             return _SENTINEL.format(len(escaped) - 1)
 
-        conversation = []
+        conversation, sub = [], self._escaped_re.sub
         for message in messages:
-            content = []
-            for part in message.parts:
-                if not isinstance(part, str):
-                    content.append({"type": part.kind.value})
-                else:
-                    text = part if isinstance(part, TemplateText) else self._escaped_re.sub(escape, part)
-                    content.append({"type": "text", "text": text})
+            content = [{"type": part.kind.value} if not isinstance(part, str) else
+                       {"type": "text", "text": part if isinstance(part, TemplateText) else sub(escape, part)}
+                       for part in message.parts]
             entry = {"role": message.role, "content": content}
             if message.tool_calls:
+                # the XML form's template iterates `arguments` as a mapping (`tools.check_call_arguments`)
                 entry["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": (
-                    _arguments_mapping(c) if self._tool_format.xml else c.arguments)}} for c in message.tool_calls]
+                    json.loads(c.arguments) if self._tool_format.xml else c.arguments)}} for c in message.tool_calls]
             if message.tool_call_id is not None:
                 entry["tool_call_id"] = message.tool_call_id
             conversation.append(entry)
-        rendered = self._tokenizer.apply_chat_template(
-            conversation, tools=[t.as_openai() for t in tools] or None, chat_template=self._template, tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-        )
+        rendered = self._tokenizer.apply_chat_template(conversation, tools=[t.as_openai() for t in tools] or None,
+                                                       chat_template=self._template, tokenize=False,
+                                                       add_generation_prompt=add_generation_prompt)
         return rendered, escaped
 
     def _system_end(self, messages: list[Message], rendered: str) -> int | None:
@@ -147,10 +140,7 @@ class PromptBuilder:
         to the model (by the template's tools section, else in a system message)."""
         rendered, escaped = self._render(messages, tools=tools)
         stop = None if tools else self._system_end(messages, rendered)
-        system_end = None
-        ids: list[int] = []
-        ranges: list[PlaceholderRange] = []
-        kinds: list[MediaKind] = []
+        system_end, ids, ranges, kinds = None, [], [], []
         placeholder_kind = {v: k for k, v in self._placeholder_ids.items()}
         pos = 0
         for match in self._added_re.finditer(rendered):
@@ -158,8 +148,7 @@ class PromptBuilder:
             if match.start() == stop:
                 system_end = len(ids)
             token_id = self._added_ids[match.group(0)]
-            kind = placeholder_kind.get(token_id)
-            if kind is None:
+            if (kind := placeholder_kind.get(token_id)) is None:
                 ids.append(token_id)
             else:
                 if len(ranges) >= len(expansions):
@@ -172,22 +161,12 @@ class PromptBuilder:
                 system_end = len(ids)
             pos = match.end()
         ids += self._encode_plain(rendered[pos:], escaped)
-        if self._prefix:
-            ranges = [r._replace(offset=r.offset + len(self._prefix)) for r in ranges]
-        ids = self._prefix + ids + self._suffix
         if len(ranges) != len(expansions):
-            raise InvalidRequest(
-                f"chat template placed {len(ranges)} media placeholders for {len(expansions)} media items"
-            )
-        if system_end is not None:
-            system_end += len(self._prefix)
-        return Prompt(ids, ranges, kinds, system_end)
-
-
-def _arguments_mapping(call: ToolCall) -> dict:
-    """A call's `arguments` (JSON text of an object: `tools.check_call_arguments`) as the mapping
-    the XML form's template iterates."""
-    return json.loads(call.arguments)
+            raise InvalidRequest(f"chat template placed {len(ranges)} media placeholders for {len(expansions)} "
+                                 "media items")
+        shift = len(self._prefix)
+        return Prompt(self._prefix + ids + self._suffix, [r._replace(offset=r.offset + shift) for r in ranges], kinds,
+                      None if system_end is None else system_end + shift)
 
 
 def _tools_as_text(messages: list[Message], tools: tuple[ToolSpec, ...],
@@ -216,9 +195,7 @@ def _tools_as_text(messages: list[Message], tools: tuple[ToolSpec, ...],
 
 def _special_wrapping(tokenizer) -> tuple[list[int], list[int]]:
     """The ids the tokenizer puts before and after any text when it adds special tokens."""
-    probe = "a"
-    plain = tokenizer.encode(probe, add_special_tokens=False)
-    full = tokenizer.encode(probe, add_special_tokens=True)
+    plain, full = (tokenizer.encode("a", add_special_tokens=special) for special in (False, True))
     for start in range(len(full) - len(plain) + 1):
         if full[start:start + len(plain)] == plain:
             return full[:start], full[start + len(plain):]

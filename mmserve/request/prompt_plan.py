@@ -82,14 +82,11 @@ class RequestPlanner:
 
     def __init__(self, model_dir: str | Path, tokenizer, limits: MediaLimits = MediaLimits(),
                  max_prompt_chars: int | None = None, max_model_len: int | None = None):
-        template = read_chat_template(model_dir)
-        if template is None:
+        if (template := read_chat_template(model_dir)) is None:
             raise ValueError(f"{model_dir} has no chat template")
         self.face = router_face(model_dir)
         self.model_type = family_of(model_dir)
-        self.limits = limits
-        self.max_prompt_chars = max_prompt_chars
-        self.max_model_len = max_model_len
+        self.limits, self.max_prompt_chars, self.max_model_len = limits, max_prompt_chars, max_model_len
         self.tokenizer = tokenizer
         placeholders = {kind: self.face.placeholder(kind) for kind in MediaKind}
         # the family's tool-call form: how calls render, parse and are forced (`mmserve.request.tools`)

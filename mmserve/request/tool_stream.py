@@ -20,27 +20,10 @@ class _Streaming:
 class ToolText:
     """One choice's streamed text when the request has tools, as events to send: `("content", text)`,
     `("call", index, ToolCall)` (its id and name) and `("arguments", index, piece)`. The rule is that
-    the streamed answer is the unstreamed one (`answer` on the whole text).
-
-    Under `tool_choice` auto a `<tool_call>` block is held until its `</tool_call>` is written (text
-    that may be a block's start is held back too), then parsed as `answer` parses it (the first
-    `</tool_call>` after a `<tool_call>` closes it, as the parsers' patterns do). A call sends its id
-    and name, then its arguments: in the JSON form in the pieces the model generated them in, in the
-    XML form whole (their JSON is only known then: a value's type is read from its whole text). A
-    block that is no call, or one never closed (malformed, or cut off by `max_tokens`), is content,
-    sent when it closes or at the end (`end`): no event of a call goes out before the call is known
-    to be one.
-
-    `forced` (`tool_choice` required or a function: a grammar holds the text to calls of the tools):
-    a call goes out as it is generated, its id and name once its head is written, then its
-    arguments as they come (`ToolFormat.arguments_so_far`: the JSON form's text as written, the XML
-    form's parameters each when it closes); a call cut off by `max_tokens` ends with what was sent
-    (`answer(..., forced=True)` makes the same call of the whole text).
-
-    Whitespace is held until content follows, and dropped at the end when there are calls (the
-    unstreamed content is stripped then); only whitespace at the very start, sent before a call was
-    seen, can differ. Without `parallel`, the events of calls after the first are dropped, as
-    `answer` drops them."""
+    the streamed answer is the unstreamed one (`answer` on the whole text): under `tool_choice` auto a
+    `<tool_call>` block is held until its `</tool_call>` is written, and no event of a call goes out
+    before the call is known to be one; `forced` (a grammar holds the text to calls) sends a call as it
+    is generated (`ToolFormat.arguments_so_far`). What is held, sent and dropped: docs/api.md#tool-calls."""
 
     def __init__(self, tools, parallel: bool = True, fmt: ToolFormat = JSON_FORMAT, forced: bool = False):
         self.tools, self.parallel, self.fmt, self.forced = list(tools), parallel, fmt, forced
@@ -58,8 +41,7 @@ class ToolText:
         events: list[tuple] = []
         while (at := self.held.find(START)) >= 0:
             self._content(self._take(at), events)
-            close = self.held.find(END, len(START))
-            if close < 0:  # an open block: a call or not when it closes (forced: a call, sent as it comes)
+            if (close := self.held.find(END, len(START))) < 0:  # an open block: a call or not when it closes
                 if self.forced:
                     self._stream(self.held, events)
                 return self._kept(events)
@@ -86,14 +68,12 @@ class ToolText:
     def _stream(self, block: str, events: list[tuple]) -> None:
         """A forced call block as written so far: its id and name once its head is, then the
         arguments' new text."""
+        head = self.fmt.head(block) if self.streaming is None else (self.streaming.call.name,)
+        if (tool := next((t for t in self.tools if head and t.name == head[0]), None)) is None:
+            return
         if self.streaming is None:
-            head = self.fmt.head(block)
-            tool = next((t for t in self.tools if head and t.name == head[0]), None)
-            if tool is None:
-                return
             self.streaming = _Streaming(len(self.calls), ToolCall(new_call_id(), tool.name, ""))
             events.append(("call", self.streaming.index, self.streaming.call))
-        tool = next(t for t in self.tools if t.name == self.streaming.call.name)
         self._send(self.fmt.arguments_so_far(block, tool), events)
 
     def _send(self, arguments: str, events: list[tuple]) -> None:
@@ -108,7 +88,6 @@ class ToolText:
         self.streaming = None
 
     def _take(self, n: int) -> str:
-        """The first `n` characters of `held`, read."""
         taken, self.held, self.base = self.held[:n], self.held[n:], self.base + n
         return taken
 

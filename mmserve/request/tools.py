@@ -1,16 +1,12 @@
 """Tool calls in Qwen's formats: the tools described to the model, its calls parsed from the text it
 wrote, and the grammar that forces a valid call (`tool_choice` required or a named function).
 
-A call is `<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>` (the JSON form), the
-layout Qwen's chat templates render an assistant's `tool_calls` in (so a call the model made renders
-back as it was written). Qwen3.5 writes its calls in an XML form instead (`XML`, the layout of
-Qwen3-Coder and of Qwen3.5's template, which takes a call's `arguments` as a mapping):
-`<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`,
-a string value written as it is, any other as JSON. The family says which form
-(`RouterFace.tool_call_format`). `<tool_call>` is an added token in the tokenizers of Qwen2.5-VL on
-(not special in the released ones; a checkpoint may mark it special) and plain text in the others;
-`ToolFormat` says which, and the tags' ids always reach the text (`ToolFormat.markers`). A family whose template has no tools section gets the
-tools described in a system message in the same words as Qwen's (`fallback_system_text`).
+A call is `<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>` (the JSON form, as Qwen's
+templates render an assistant's `tool_calls`), or in Qwen3.5's XML form (`XML`, Qwen3-Coder's layout):
+`<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`; the
+family says which (`RouterFace.tool_call_format`). `<tool_call>` may be an added token (`ToolFormat`
+says which; its ids always reach the text: `ToolFormat.markers`). A family whose template has no
+tools section gets them in a system message in Qwen's words (`fallback_system_text`). docs/api.md#tool-calls.
 """
 
 from __future__ import annotations
@@ -118,11 +114,7 @@ def check_call_arguments(messages: Sequence, fmt: ToolFormat) -> None:
         return
     for i, m in enumerate(messages):
         for call in m.tool_calls:
-            try:
-                arguments = json.loads(call.arguments)
-            except ValueError:
-                arguments = None
-            if not isinstance(arguments, dict):
+            if not isinstance(_json_or_none(call.arguments), dict):
                 raise InvalidRequest(f"messages[{i}]: tool call {call.id!r}: function.arguments must be the JSON "
                                      "text of an object")
 
@@ -181,9 +173,7 @@ class ToolFormat:
                 lines += _xml_function(i, tool)
                 continue
             head = json.dumps('{"name": "' + tool.name + '", "arguments": ')
-            schema = {**tool.schema, "x-guidance": {"whitespace_flexible": False}}
-            lines.append(f"fn_{i}: {head} args_{i} \"}}\"")
-            lines.append(f"args_{i}: %json {json.dumps(schema)}")
+            lines += [f"fn_{i}: {head} args_{i} \"}}\"", f"args_{i}: %json {_json_schema(tool.schema, {})}"]
         return "\n".join(lines) + "\n"
 
     def parse(self, text: str, tools: list[ToolSpec]) -> tuple[str | None, list[ToolCall]]:
@@ -241,29 +231,22 @@ def parse_calls(text: str, tools: list[ToolSpec]) -> tuple[str | None, list[Tool
 def _split_calls(text: str, block: re.Pattern, read) -> tuple[str | None, list[ToolCall]]:
     """(content, calls): each match of `block` that `read` (its first group -> a call or None)
     makes a call is cut out of the text; the rest is content, None when nothing but calls."""
-    calls: list[ToolCall] = []
-    kept: list[str] = []
-    pos = 0
+    calls, kept, pos = [], [], 0
     for match in block.finditer(text):
-        call = read(match.group(1))
-        if call is None:
+        if (call := read(match.group(1))) is None:
             continue  # malformed: stays in the content
         kept.append(text[pos:match.start()])
         pos = match.end()
         calls.append(call)
     kept.append(text[pos:])
-    content = "".join(kept).strip()
-    return (content or None) if calls else text, calls
+    return ("".join(kept).strip() or None) if calls else text, calls
 
 
 def answer(text: str, finish: str | None, tools, parallel: bool = True, fmt: ToolFormat = JSON_FORMAT,
            forced: bool = False) -> tuple[str | None, list[ToolCall], str | None]:
     """(content, calls, finish reason) of a whole choice: with `tools`, its calls parsed out and the
-    reason `tool_calls` when it made any and stopped by itself (the same for every API). Without
-    `parallel` (`parallel_tool_calls: false`) only the first call is kept; the others are dropped,
-    neither calls nor content (what vLLM's `maybe_filter_parallel_tool_calls` does). `forced` (a
-    grammar held the text to calls: `tool_choice` required or a function): a last call cut off by
-    `max_tokens` is a call too, with the arguments written so far (as `ToolText` streamed them)."""
+    reason `tool_calls` when it made any and stopped by itself. Without `parallel` only the first call
+    is kept; `forced`: a last call cut off by `max_tokens` is a call too (docs/api.md#tool-calls)."""
     if not tools:
         return text, [], finish
     cut = fmt.open_call(text, list(tools)) if forced else None
@@ -280,19 +263,20 @@ def finish_with(finish: str | None, calls) -> str | None:
     return "tool_calls" if calls and finish == "stop" else finish
 
 
-def _call(body: str, names: set[str]) -> ToolCall | None:
+def _json_or_none(text: str):
     try:
-        value = json.loads(body)
+        return json.loads(text)
     except ValueError:
         return None
+
+
+def _call(body: str, names: set[str]) -> ToolCall | None:
+    value = _json_or_none(body)
     if not isinstance(value, dict) or value.get("name") not in names:
         return None
     arguments = value.get("arguments", {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
+        arguments = _json_or_none(arguments)
     if not isinstance(arguments, dict):
         return None
     head = _HEAD_RE.match(START + body)
@@ -324,9 +308,9 @@ def _raw_object(text: str) -> tuple[str | None, int]:
             continue
         if ch == '"':
             in_string = True
-        elif ch == "{" or ch == "[":
+        elif ch in "{[":
             depth += 1
-        elif ch == "}" or ch == "]":
+        elif ch in "}]":
             depth -= 1
             if depth == 0:
                 return text[:i + 1], i + 1
@@ -352,8 +336,7 @@ def parse_xml_calls(text: str, tools: list[ToolSpec]) -> tuple[str | None, list[
 
 
 def _xml_call(body: str, by_name: dict[str, ToolSpec]) -> ToolCall | None:
-    function = _XML_FUNCTION_RE.fullmatch(body)
-    if function is None or function.group(1) not in by_name:
+    if (function := _XML_FUNCTION_RE.fullmatch(body)) is None or function.group(1) not in by_name:
         return None
     tool, inner, at = by_name[function.group(1)], function.group(2), 0
     properties = tool.schema.get("properties") or {}
@@ -362,13 +345,9 @@ def _xml_call(body: str, by_name: dict[str, ToolSpec]) -> ToolCall | None:
         if parameter.start() != at or parameter.group(1) in arguments:
             return None  # text between parameters, or a key twice
         at = parameter.end()
-        raw = parameter.group(2)
-        raw = raw[1:] if raw.startswith("\n") else raw  # the form's newlines around the value
-        raw = raw[:-1] if raw.endswith("\n") else raw
+        raw = parameter.group(2).removeprefix("\n").removesuffix("\n")  # the form's newlines around the value
         arguments[parameter.group(1)] = xml_value(raw, properties.get(parameter.group(1)))
-    if at != len(inner):
-        return None
-    return ToolCall(new_call_id(), tool.name, json.dumps(arguments, ensure_ascii=False))
+    return ToolCall(new_call_id(), tool.name, json.dumps(arguments, ensure_ascii=False)) if at == len(inner) else None
 
 
 def _json_types(schema: dict) -> set[str] | None:
@@ -388,16 +367,13 @@ def _enum_values(schema: dict) -> list | None:
     return [schema["const"]] if "const" in schema else None
 
 
-def _type_of(value) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
+_JSON_TYPES = {type(None): "null", bool: "boolean", int: "integer", str: "string", list: "array", dict: "object"}
+
+
+def _type_of(value) -> str:  # of a value JSON decodes to
     if isinstance(value, float):
         return "integer" if value.is_integer() else "number"
-    return {str: "string", list: "array", dict: "object"}[type(value)]
+    return _JSON_TYPES[type(value)]
 
 
 def xml_value(raw: str, schema: dict | None):
@@ -419,9 +395,7 @@ def xml_value(raw: str, schema: dict | None):
     except ValueError:
         return raw
     kind = _type_of(value)
-    if types is None or kind in types or (kind == "integer" and "number" in types):
-        return value
-    return raw
+    return value if types is None or kind in types or (kind == "integer" and "number" in types) else raw
 
 
 def render_xml_call(call: ToolCall) -> str:
@@ -432,11 +406,8 @@ def render_xml_call(call: ToolCall) -> str:
 
 
 def _xml_function(i: int, tool: ToolSpec) -> list[str]:
-    """Lark rules `fn_<i>` of a call to `tool` in the XML form, the template's layout: its
-    schema's properties in their order (the required ones always, the others optional), none
-    other; each value as the parser reads it back (`xml_value`): a string one written as it is
-    (its enum or const, length bounds and pattern honoured, never holding a marker of the form nor
-    being `null`), any other as compact JSON valid against the property's schema."""
+    """Lark rules `fn_<i>` of a call to `tool` in the XML form, the template's layout, each value as
+    the parser reads it back (`xml_value`; the rules: docs/api.md#tool-calls)."""
     schema = tool.schema
     properties = dict(schema.get("properties") or {})
     for name in schema.get("required") or ():
@@ -488,8 +459,7 @@ def _raw_string(schema: dict, terminal: str) -> tuple[str, list[str]]:
     """A string value written as it is, with its closing, as one lexeme (so the value ends where
     its closing does): its enum's words, or a terminal of the regexes intersected (llguidance's
     `&` and `~`): the length bounds, the pattern, no marker of the form, not `null`."""
-    values = _enum_values(schema)
-    if values is not None:
+    if (values := _enum_values(schema)) is not None:
         words = [v for v in values if isinstance(v, str) and not any(m in v for m in _XML_MARKERS)
                  and v.lower() != "null"]
         if not words:

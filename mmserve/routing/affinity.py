@@ -2,11 +2,8 @@
 LLM replica, never at the cost of load.
 
 - Encoder items: consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam,
-  SODA 2018). Each replica has `vnodes` points on a 64-bit ring; an item's owner is the first
-  replica clockwise from its content hash whose queued tokens, with the item added, stay within
-  ceil((1 + epsilon) x the mean). A hot image cannot pin one replica, replica churn moves only the
-  keys of the replicas that changed (plus the bound's overflow), and identical items in flight
-  meet on one replica, where its pool encodes them once.
+  SODA 2018; `BoundedLoadRing`): a hot image cannot pin one replica, replica churn moves only the
+  keys of the replicas that changed, and identical items in flight meet on one replica.
 - LLM requests: `prefix_hashes` chains a prompt's full blocks (token ids, and the content hash of
   each media item a block holds), and `PrefixRecord` remembers where each prefix was sent. A
   request goes to the replica that got its longest recorded prefix, unless that replica is over
@@ -60,12 +57,7 @@ class BoundedLoadRing:
     def preference(self, key: str) -> list[str]:
         """Every member once, in ring order from `key`'s point: its owner first."""
         start = bisect.bisect(self._hashes, stable_hash(key.encode()))
-        seen: dict[str, None] = {}
-        for i in range(len(self._owners)):
-            seen.setdefault(self._owners[(start + i) % len(self._owners)])
-            if len(seen) == len(self.members):
-                break
-        return list(seen)
+        return list(dict.fromkeys(self._owners[start:] + self._owners[:start]))
 
     def owner(self, key: str, loads: Mapping[str, float], cost: float, epsilon: float,
               holders: Collection[str] = ()) -> str:
@@ -73,15 +65,11 @@ class BoundedLoadRing:
         to add); else the first whose load + `cost` fits the bound (the least loaded member if
         none does: an item larger than the bound alone)."""
         preference = self.preference(key)
-        for member in preference:
-            if member in holders:
-                return member
+        if held := [m for m in preference if m in holders]:
+            return held[0]
         loads = {m: loads.get(m, 0.0) for m in self.members}
         bound = capacity(loads, cost, epsilon)
-        for member in preference:
-            if loads[member] + cost <= bound:
-                return member
-        return min(self.members, key=lambda m: loads[m])
+        return next((m for m in preference if loads[m] + cost <= bound), min(self.members, key=loads.__getitem__))
 
 
 def prefix_hashes(token_ids: Sequence[int], ranges: Sequence[PlaceholderRange], media_keys: Sequence[str],
@@ -111,8 +99,7 @@ class PrefixRecord:
         blocks); (None, 0) when no prefix of `hashes` was sent to any of them."""
         live = set(members)
         for depth in range(len(hashes), 0, -1):
-            member = self._where.get(hashes[depth - 1])
-            if member in live:
+            if (member := self._where.get(hashes[depth - 1])) in live:
                 return member, depth
         return None, 0
 
@@ -133,8 +120,7 @@ class HolderRecord:
         return tuple(m for m in self._held.get(key, ()) if m in members)
 
     def record(self, key: str, member: str) -> None:
-        held = self._held.get(key, ())
-        if member not in held:
+        if member not in (held := self._held.get(key, ())):
             self._held[key] = (*held, member)
 
 
@@ -159,8 +145,7 @@ class AffinityChooser:
     def __init__(self, epsilon: float, block_size: int, rng: random.Random | None = None):
         self.epsilon, self.block_size = epsilon, block_size
         self.ring: BoundedLoadRing | None = None
-        self.record = PrefixRecord()
-        self.held = HolderRecord()
+        self.record, self.held = PrefixRecord(), HolderRecord()
         self.loads: Counter = Counter()
         self.rng = rng or random.Random()
 

@@ -22,20 +22,15 @@ class WireError(ValueError):
 
 
 def header_of(content_hash: str, tensor: torch.Tensor, key: str = "") -> encoder_pb2.EmbeddingHeader:
-    return encoder_pb2.EmbeddingHeader(
-        content_hash=content_hash,
-        key=key,
-        dtype=str(tensor.dtype).removeprefix("torch."),
-        shape=list(tensor.shape),
-        num_bytes=tensor.numel() * tensor.element_size(),
-    )
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return encoder_pb2.EmbeddingHeader(content_hash=content_hash, key=key, dtype=dtype, shape=list(tensor.shape),
+                                       num_bytes=tensor.numel() * tensor.element_size())
 
 
 def to_chunks(content_hash: str, tensor: torch.Tensor, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
               key: str = "") -> Iterator[encoder_pb2.EmbeddingChunk]:
     """The tensor (any supported dtype, on CPU) as header + data chunks of at most `chunk_bytes`."""
-    header = header_of(content_hash, tensor, key)
-    if header.dtype not in _DTYPES:
+    if (header := header_of(content_hash, tensor, key)).dtype not in _DTYPES:
         raise WireError(f"unsupported dtype {tensor.dtype}")
     data = memoryview(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
     yield encoder_pb2.EmbeddingChunk(header=header, data=bytes(data[:chunk_bytes]))
@@ -52,8 +47,7 @@ def from_chunks(chunks: Iterable[encoder_pb2.EmbeddingChunk]) -> tuple[encoder_p
                 raise WireError("embedding stream does not start with a header")
             header = chunk.header
             buffer = bytearray(header.num_bytes)
-        end = filled + len(chunk.data)
-        if end > len(buffer):
+        if (end := filled + len(chunk.data)) > len(buffer):
             raise WireError(f"embedding stream carries more than the {header.num_bytes} bytes announced")
         buffer[filled:end] = chunk.data
         filled = end
@@ -65,10 +59,8 @@ def from_chunks(chunks: Iterable[encoder_pb2.EmbeddingChunk]) -> tuple[encoder_p
 def tensor_of(header: encoder_pb2.EmbeddingHeader, buffer: bytearray, filled: int) -> torch.Tensor:
     if filled != header.num_bytes:
         raise WireError(f"embedding stream ended after {filled} of {header.num_bytes} bytes")
-    dtype = _DTYPES.get(header.dtype)
-    if dtype is None:
+    if (dtype := _DTYPES.get(header.dtype)) is None:
         raise WireError(f"unsupported dtype {header.dtype!r}")
-    shape = tuple(header.shape)
     if not buffer:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(shape)
+        return torch.empty(tuple(header.shape), dtype=dtype)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).reshape(tuple(header.shape))

@@ -37,8 +37,7 @@ class EncodedRef:
 
     @property
     def num_bytes(self) -> int:
-        size = torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
-        return size * int(torch.Size(self.shape).numel())
+        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size() * int(torch.Size(self.shape).numel())
 
 
 class EmbeddingNotFound(LookupError):
@@ -50,13 +49,10 @@ class EncoderClient:
 
     def __init__(self, address: str, token: str | None = None, root_certificates: bytes | None = None,
                  timeout_s: float = 60.0):
-        self.address = address
-        self.timeout_s = timeout_s
+        self.address, self.timeout_s = address, timeout_s
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        if root_certificates is not None:
-            self._channel = grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates))
-        else:
-            self._channel = grpc.aio.insecure_channel(address)
+        self._channel = (grpc.aio.insecure_channel(address) if root_certificates is None else
+                         grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates)))
         self._stub = encoder_pb2_grpc.EncoderServiceStub(self._channel)
 
     def _call(self, item: MediaItem, return_embedding: bool):
@@ -76,39 +72,32 @@ class EncoderClient:
 
     async def encode(self, item: MediaItem) -> ItemEmbedding:
         """Encode `item` and stream the embedding back (nothing stays pinned on the server)."""
-        header, tensor = await self._receive(self._call(item, return_embedding=True))
+        header, tensor = from_chunks(await _chunks(self._call(item, return_embedding=True)))
         return ItemEmbedding.from_wire(tensor, header.key)
 
     async def encode_pinned(self, item: MediaItem) -> EncodedRef:
         """Encode `item` and leave the embedding pinned on the server for one `fetch`."""
-        call = self._call(item, return_embedding=False)
-        try:
-            chunks = [chunk async for chunk in call]
-        except grpc.aio.AioRpcError as e:
-            raise _translate(e) from None
-        header = chunks[0].header
+        header = (await _chunks(self._call(item, return_embedding=False)))[0].header
         return EncodedRef(self.address, header.content_hash, header.dtype, tuple(header.shape), header.key)
 
     async def fetch(self, content_hash: str, wait_ms: int = 0) -> torch.Tensor:
         """The tensor pinned under `content_hash` (`ItemEmbedding.to_wire`), bit for bit; releases the pin."""
         request = encoder_pb2.FetchEmbeddingRequest(content_hash=content_hash, wait_ms=wait_ms)
-        _, tensor = await self._receive(
-            self._stub.FetchEmbedding(request, metadata=self._metadata, timeout=self.timeout_s)
-        )
-        return tensor
+        call = self._stub.FetchEmbedding(request, metadata=self._metadata, timeout=self.timeout_s)
+        return from_chunks(await _chunks(call))[1]
 
     async def fetch_embedding(self, ref: EncodedRef, wait_ms: int = 0) -> ItemEmbedding:
         return ItemEmbedding.from_wire(await self.fetch(ref.content_hash, wait_ms), ref.key)
 
-    async def _receive(self, call: AsyncIterable[encoder_pb2.EmbeddingChunk]):
-        try:
-            chunks = [chunk async for chunk in call]
-        except grpc.aio.AioRpcError as e:
-            raise _translate(e) from None
-        return from_chunks(chunks)
-
     async def close(self) -> None:
         await self._channel.close()
+
+
+async def _chunks(call: AsyncIterable[encoder_pb2.EmbeddingChunk]) -> list[encoder_pb2.EmbeddingChunk]:
+    try:
+        return [chunk async for chunk in call]
+    except grpc.aio.AioRpcError as e:
+        raise _translate(e) from None
 
 
 def _item_proto(item: MediaItem, with_pixels: bool = True) -> encoder_pb2.MediaItem:

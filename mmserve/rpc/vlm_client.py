@@ -39,9 +39,8 @@ def request(messages: Sequence[vlm_pb2.ChatMessage], request_id: str = "", model
     """`sampling`: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos.
     `json_schema`: the answer is JSON valid against it (`response_format`). `tools`: functions as
     {"name", "description", "parameters": JSON Schema}; `tool_choice`: none, auto, required or a name."""
-    fmt = None
-    if json_schema is not None:
-        fmt = vlm_pb2.ResponseFormat(type="json_schema", json_schema=json.dumps(json_schema))
+    fmt = None if json_schema is None else vlm_pb2.ResponseFormat(type="json_schema",
+                                                                  json_schema=json.dumps(json_schema))
     specs = [vlm_pb2.Tool(name=t["name"], description=t.get("description", ""),
                           parameters=json.dumps(t["parameters"]) if t.get("parameters") else "") for t in tools]
     return vlm_pb2.GenerateRequest(messages=list(messages), sampling=vlm_pb2.SamplingParams(**sampling),
@@ -61,10 +60,8 @@ class VLMClient:
         if application:
             metadata.append(("application", application))
         self.metadata = tuple(metadata)
-        if root_certificates is not None:
-            self.channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates))
-        else:
-            self.channel = grpc.insecure_channel(target)
+        self.channel = (grpc.insecure_channel(target) if root_certificates is None else
+                        grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates)))
         self.stub = vlm_pb2_grpc.VLMServiceStub(self.channel)
 
     def generate(self, messages: Sequence[vlm_pb2.ChatMessage], **kw) -> vlm_pb2.GenerateResponse:

@@ -18,30 +18,8 @@ every limit checked before the work it bounds:
    than it shows stops at its first frame), and the picked frames' pixels together are bounded
    (`max_decoded_pixels`) before any is decoded.
 
-How step 4 decodes is `DecodeOptions`: FFmpeg's own threads (frame threading, `threads`),
-`segments` (below), and `skip_unsampled`, which hands the decoder each packet of a frame that is
-not sampled with `skip_frame = NONREF`, so such a frame is not decoded at all when no other frame
-refers to it.
-Frames are then picked by their timestamps: the k-th frame in display order is the one with the
-k-th smallest packet pts (counted in step 2), and every frame that does come out is checked
-against that order, so a decoder that drops a frame of its own (leading frames of an open GOP at
-the start of a stream) is noticed and the video decoded again with nothing skipped. Reference
-frames are decoded exactly as without skipping, so the sampled frames are bit-identical
-(`tests/unit/test_video_decode.py`). `SEQUENTIAL` (one thread, nothing skipped) is the decode
-before these options, kept as the benchmark's baseline.
-
-With `segments` > 1 a clip whose sampled frames lie in more than one GOP is decoded in segments at
-once (`_segmented`): step 2 also notes the keyframes the stream splits at (`VideoProbe.splits`:
-every packet before one shows before it, every one after it after it, i.e. a closed GOP starts
-there); the GOPs holding sampled frames are cut into up to `segments` chunks of about even work,
-and each chunk is decoded in a thread of its own (PyAV decodes without the GIL) from a container
-of its own, seeked to its keyframe, its first frame out checked to be that keyframe and the rest
-against the pts as above; GOPs with no sampled frame are not decoded at all. A closed GOP decodes
-the same from its keyframe as from the stream's start, so the frames are bit-identical
-(`tests/unit/test_video_segments.py`). An open-GOP stream (a keyframe with leading frames, which
-refer to the GOP before: `VideoProbe.open_keys`) is decoded in one pass, and so are the frames
-still to pick when a chunk's frames do not come out where the probe said; both set
-`segment_fell_back` (counted: `mmserve_video_segment_fallbacks`).
+How step 4 decodes (`DecodeOptions`: FFmpeg's threads, skipping unsampled frames, GOP segments decoded
+at once) is docs/video.md#decoding-fast; the sampled frames are bit-identical whatever the options.
 
 Steps 1-2 and 4 run in a worker process (`mmserve.video.workers`), under a deadline, so a decoder
 that hangs or crashes on a hostile file takes only its own request down.
@@ -118,11 +96,9 @@ class DecodeOptions:
     segments: int = 1
 
     def usable_threads(self) -> int:
-        """`threads`, never more than the cores this process may run on."""
         return max(1, min(self.threads, _cores()))
 
     def usable_segments(self) -> int:
-        """`segments`, never more than the cores this process may run on."""
         return max(1, min(self.segments, _cores()))
 
 
@@ -187,11 +163,6 @@ class VideoSampling:
         return {k: v for k, v in (("fps", self.fps), ("num_frames", self.num_frames)) if v is not None}
 
 
-def decoded_frame_count(indices) -> int:
-    """Frames a decode keeps for `indices`: each sampled frame once (a sampler may repeat one)."""
-    return len(set(indices))
-
-
 def video_content_hash(data: bytes, indices) -> str:
     """The embedding cache's key of a decoded video: its file and the frames sampled from it."""
     h = hashlib.sha256(b"video-file\0")
@@ -226,8 +197,7 @@ class ContainerReader:
 
     def _probe(self) -> VideoProbe:
         container = self.container
-        names = set(container.format.name.split(","))
-        if not names & set(CONTAINERS):
+        if not set(container.format.name.split(",")) & set(CONTAINERS):
             raise InvalidRequest(f"unsupported video container {container.format.name!r}; send mp4, webm, mkv or mov")
         if not container.streams.video:
             what = "an audio-only file" if container.streams.audio else "no video stream"
@@ -240,16 +210,14 @@ class ContainerReader:
         if width * height > self.limits.max_pixels_per_frame:
             raise InvalidRequest(f"video frames of {width}x{height} pixels exceed the limit of "
                                  f"{self.limits.max_pixels_per_frame} pixels per frame")
-        rate = stream.average_rate  # what `transformers` uses
-        fps = float(rate) if rate else 0.0
+        fps = float(stream.average_rate or 0)  # what `transformers` uses
         if not 0 < fps <= MAX_STREAM_FPS:
             raise InvalidRequest(f"video stream declares a frame rate of {fps:g} fps; it must be in (0, {MAX_STREAM_FPS:g}]")
         declared = _declared_seconds(stream, container)
         if declared is not None and declared > self.limits.max_seconds:
             raise InvalidRequest(f"video is {declared:.1f} s long; the limit is {self.limits.max_seconds:g} s")
         counted, pts, splits, open_keys = self._count_frames(stream, fps)
-        header = int(stream.frames or 0)
-        if header and header != counted:
+        if (header := int(stream.frames or 0)) and header != counted:
             raise InvalidRequest(f"video is truncated or inconsistent: its header declares {header} frames, "
                                  f"its stream holds {counted}")
         if counted == 0:
@@ -267,7 +235,7 @@ class ContainerReader:
 
         cap = math.floor(self.limits.max_seconds * fps) + 1
         count = 0
-        pts: list[int] | None = []
+        pts: list[int | None] = []
         keys: list[int] = []  # decode positions of the keyframe packets
         try:
             for packet in self.container.demux(stream):
@@ -276,19 +244,15 @@ class ContainerReader:
                 count += 1
                 if packet.is_keyframe:
                     keys.append(count - 1)
-                if pts is not None:
-                    pts = None if packet.pts is None else pts
-                    if pts is not None:
-                        pts.append(packet.pts)
+                pts.append(packet.pts)
                 if count > cap:
                     raise InvalidRequest(f"video is longer than the limit of {self.limits.max_seconds:g} s "
                                          f"(more than {cap - 1} frames at {fps:g} fps), whatever its header says")
         except av.error.FFmpegError as e:
             raise InvalidRequest(f"video is truncated or corrupt after {count} frames ({_reason(e)})") from None
-        ordered = tuple(sorted(pts or ()))
-        unique = len(ordered) == count and len(set(ordered)) == count
-        if not unique:
+        if None in pts or len(set(pts)) != count:
             return count, (), (), ()
+        ordered = tuple(sorted(pts))
         return count, ordered, *_split_points(pts, ordered, keys)
 
     def decode(self, indices: list[int], group_size: int = 0, options: DecodeOptions = SEQUENTIAL
@@ -303,16 +267,13 @@ class ContainerReader:
             raise InvalidRequest(f"sampled frame indices fall outside the video's {probe.total_num_frames} frames")
         wanted, end = set(indices), max(indices)
         group_size = group_size or len(wanted)
-        threads = options.usable_threads()
-        if threads > 1:  # before the decoder opens (its first packet)
+        if (threads := options.usable_threads()) > 1:  # before the decoder opens (its first packet)
             context = self.container.streams.video[0].codec_context
             context.thread_type, context.thread_count = "AUTO", threads
         skip = options.skip_unsampled and len(probe.pts) == probe.total_num_frames
         chunks = self._chunks(wanted, options.usable_segments())
-        if len(chunks) > 1:
-            picked = self._segmented(chunks, wanted, end, skip, max(1, threads // len(chunks)))
-        else:
-            picked = self._picked(wanted, end, skip)
+        picked = (self._segmented(chunks, wanted, end, skip, max(1, threads // len(chunks))) if len(chunks) > 1
+                  else self._picked(wanted, end, skip))
         while group := list(itertools.islice(picked, group_size)):
             yield np.stack(group)
 
@@ -419,9 +380,8 @@ class ContainerReader:
         runs (start, the sampled positions from it, ascending): a run is decoded from its start, a
         keyframe of `VideoProbe.splits` (or the stream's start), to its last sampled frame, over
         consecutive GOPs that hold sampled frames (GOPs without any are not decoded); chunks are cut
-        at GOPs so their frames to decode are about even. [] where the video is not split: segments
-        off, a single keyframe, every sampled frame in one GOP, or an open-GOP stream (then
-        `segment_fell_back`: it is decoded in one pass, as it would be with segments off)."""
+        at GOPs so their frames to decode are about even. [] where the video is not split
+        (docs/video.md#decoding-fast; an open-GOP stream sets `segment_fell_back`)."""
         probe = self.probe
         if segments < 2 or len(probe.pts) != probe.total_num_frames:
             return []
@@ -450,10 +410,8 @@ class ContainerReader:
         return chunks
 
     def _segmented(self, chunks, wanted: set[int], end: int, skip: bool, threads: int) -> Iterator[np.ndarray]:
-        """The picked frames in order, each chunk decoded in a thread of its own (its own container
-        on the same bytes, seeked to each run's keyframe; PyAV decodes without the GIL). A chunk whose
-        frames do not come out where the probe said (its first not its keyframe, one dropped) stops
-        them all; the frames not yet picked are then decoded in one pass (`segment_fell_back`)."""
+        """The picked frames in order, each chunk decoded in a thread of its own (docs/video.md#decoding-fast);
+        a chunk out of line with the probe stops them all, the rest then decoded in one pass."""
         import queue
         import threading
 
@@ -502,15 +460,12 @@ class ContainerReader:
         """(position, RGB frame) of a chunk's sampled frames, run by run, from a container of its own."""
         import av
 
-        container = av.open(io.BytesIO(self.data), mode="r")
-        try:
+        with av.open(io.BytesIO(self.data), mode="r") as container:
             if threads > 1:
                 context = container.streams.video[0].codec_context
                 context.thread_type, context.thread_count = "AUTO", threads
             for start, positions in runs:
                 yield from self._by_pts(set(positions), positions[-1], container, start, skip, stop, tally)
-        finally:
-            container.close()
 
     def _check_size(self, i: int, frame, context) -> None:
         """Frame `i` (picked or not) has the stream's declared size, and its decoder (`context`)
@@ -540,16 +495,15 @@ def _split_points(pts: list[int], ordered: tuple[int, ...], keys: list[int]
     and the decode positions of the keyframe packets: a keyframe splits the stream where every
     packet before it shows before it and every one after it after it (its display position is its
     decode position, and none before it shows later)."""
-    splits, open_keys = [], []
-    shown = None  # the largest pts before the packet at hand
-    keyset = set(keys)
+    splits, open_keys, keyset = [], [], set(keys)
+    shown = float("-inf")  # the largest pts before the packet at hand
     for d, p in enumerate(pts):
         if d in keyset and d > 0:
-            if ordered[d] == p and shown is not None and shown < p:
+            if ordered[d] == p and shown < p:
                 splits.append(d)
             else:
                 open_keys.append(bisect.bisect_left(ordered, p))
-        shown = p if shown is None else max(shown, p)
+        shown = max(shown, p)
     return tuple(splits), tuple(open_keys)
 
 
@@ -568,9 +522,7 @@ def _codec_name(stream) -> str:
 def _declared_seconds(stream, container) -> float | None:
     if stream.duration and stream.time_base:
         return float(stream.duration * stream.time_base)
-    if container.duration:
-        return container.duration / 1_000_000  # AV_TIME_BASE
-    return None
+    return container.duration / 1_000_000 if container.duration else None  # AV_TIME_BASE
 
 
 def _reason(e: Exception) -> str:
@@ -604,14 +556,10 @@ class FrameSampler:
         the sampler cannot sample this video (or takes no such argument)."""
         from transformers.video_utils import VideoMetadata
 
-        kwargs = sampling.kwargs() if sampling is not None else {}
-        if kwargs:
-            takes = inspect.signature(self.processor.sample_frames).parameters
-            for name in kwargs:
-                if name not in takes:
-                    raise InvalidRequest(f"mm_processor_kwargs.{name}: this model's video sampler takes no {name}")
-        else:
-            kwargs = self.kwargs
+        kwargs = (sampling.kwargs() if sampling is not None else {}) or self.kwargs
+        takes = inspect.signature(self.processor.sample_frames).parameters
+        if unknown := [name for name in kwargs if name not in takes]:
+            raise InvalidRequest(f"mm_processor_kwargs.{unknown[0]}: this model's video sampler takes no {unknown[0]}")
 
         metadata = VideoMetadata(total_num_frames=probe.total_num_frames, fps=probe.fps, width=probe.width,
                                  height=probe.height, duration=probe.duration, video_backend="pyav")

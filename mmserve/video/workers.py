@@ -1,17 +1,13 @@
 """Video decoding in worker processes that can be killed: a deadline per video, crashes contained.
 
-`VideoDecodePool` (the VideoDecoder replica's) keeps up to `workers` processes of
-`python -m mmserve.video.workers` (started on first use), each decoding one video at a time. A
-video is two calls to its worker: `probe` (open, check, count frames) and, once the model's
-sampler has picked frames from the probe, `decode`, answered by one reply per group of frames as
-they are decoded (a whole video: one group). Both share the video's deadline; a worker past it is
-killed and replaced, and so is one that dies (a decoder crash on a hostile file) or whose caller
-went away mid-video: the request gets a 400 naming what happened, the next request a fresh worker.
+A video is two calls to its worker (`python -m mmserve.video.workers`): `probe` (open, check, count
+frames) and, once the model's sampler has picked frames, `decode`, answered by one reply per group of
+frames. Both share the video's deadline; a worker past it, dead, or whose caller went away mid-video is
+killed and replaced, and the request gets a 400 naming what happened (docs/video.md).
 
-The protocol is length-prefixed pickles over the worker's stdin/stdout (the worker's own stdout
-goes to stderr, so nothing FFmpeg prints can corrupt it). Pickles come only from our own child.
-Frames travel out of band (pickle protocol 5): their bytes are written straight from the decoded
-array and read straight into the receiving one, never copied into a pickle.
+The protocol is length-prefixed pickles over the worker's stdin/stdout (the worker's own stdout goes
+to stderr, so nothing FFmpeg prints can corrupt it); pickles come only from our own child. Frames
+travel out of band (pickle protocol 5), never copied into a pickle.
 """
 
 from __future__ import annotations
@@ -34,8 +30,8 @@ import numpy as np
 from mmserve.errors import InvalidRequest
 from mmserve.inputs.media import DecodedVideo
 from mmserve.video.container import (
-    PYAV_MISSING, ContainerReader, DecodeOptions, FrameSampler, VideoLimits, VideoSampling, decoded_frame_count,
-    pyav_available, video_content_hash,
+    PYAV_MISSING, ContainerReader, DecodeOptions, FrameSampler, VideoLimits, VideoSampling, pyav_available,
+    video_content_hash,
 )
 
 logger = logging.getLogger("ray.serve")
@@ -52,17 +48,15 @@ def _send(stream, message) -> None:
     body = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
     views = [b.raw() for b in buffers]
     stream.write(struct.pack(f"<QQ{len(views)}Q", len(body), len(views), *(v.nbytes for v in views)))
-    stream.write(body)
-    for view in views:
-        stream.write(view)
+    for part in (body, *views):
+        stream.write(part)
     stream.flush()
 
 
 def _read_into(stream, view: memoryview) -> None:
     done = 0
     while done < len(view):
-        n = stream.readinto(view[done:])
-        if not n:
+        if not (n := stream.readinto(view[done:])):
             raise EOFError("worker pipe closed mid-message")
         done += n
 
@@ -70,8 +64,7 @@ def _read_into(stream, view: memoryview) -> None:
 def _receive(stream, into: Callable[[int], np.ndarray] | None = None):
     """The next message; its out-of-band buffers read straight into `into(size)` (a uint8 view
     of the caller's array), or into arrays of their own."""
-    header = stream.read(2 * _SIZE.size)
-    if len(header) < 2 * _SIZE.size:
+    if len(header := stream.read(2 * _SIZE.size)) < 2 * _SIZE.size:
         raise EOFError("worker pipe closed")
     size, count = struct.unpack("<QQ", header)
     sizes = struct.unpack(f"<{count}Q", stream.read(count * _SIZE.size)) if count else ()
@@ -97,12 +90,12 @@ def main() -> None:
         except EOFError:
             return
         try:
-            if op == "probe":
+            if op in ("probe", "close"):
                 if reader is not None:
                     reader.close()
                 reader = None
-                reader = ContainerReader(*args)
-                reply = ("ok", reader.probe)
+                reader = ContainerReader(*args) if op == "probe" else None
+                reply = ("ok", reader.probe if reader else None)
             elif op == "decode":  # (indices, group_size, options): one ("frames", array) per group, then
                 # ("ok", (whether skipping fell back to the plain decode, whether a segmented decode fell
                 # back to one pass, segments decoded at once (0: one pass)))
@@ -115,11 +108,6 @@ def main() -> None:
                 finally:
                     reader.close()
                     reader = None
-            elif op == "close":
-                if reader is not None:
-                    reader.close()
-                reader = None
-                reply = ("ok", None)
             else:
                 raise RuntimeError(f"unknown operation {op!r}")
         except InvalidRequest as e:
@@ -181,10 +169,9 @@ class DecodeWorker:
             return _receive(self.proc.stdout, into)
         except (EOFError, OSError, ValueError, pickle.UnpicklingError):  # ValueError: pipes closed by kill()
             self.kill()
-            code = self.proc.returncode
             if self._timed_out:
                 raise WorkerLost("killed at its deadline", timed_out=True) from None
-            raise WorkerLost(f"exited with code {code}", timed_out=False) from None
+            raise WorkerLost(f"exited with code {self.proc.returncode}", timed_out=False) from None
         finally:
             timer.cancel()
 
@@ -201,10 +188,8 @@ class DecodeWorker:
             logger.warning("video decode worker %d did not end %g s after SIGKILL; left to the OS", self.proc.pid,
                            KILL_WAIT_S)
         for pipe in (self.proc.stdin, self.proc.stdout):
-            try:
+            with contextlib.suppress(OSError):
                 pipe.close()
-            except OSError:
-                pass
 
 
 @dataclass
@@ -220,16 +205,12 @@ class DecodeStats:
 
 
 class VideoDecodePool:
-    """Decodes one request's video file to its sampled frames in one of `workers` processes:
-    `probe` (the header: what the router plans with), `decode` (all frames), or `frames` (groups
-    of frames as they are decoded, for a video streamed through the pipeline), each decoded as
-    `options` says (`SEQUENTIAL`: the decode before them)."""
+    """Decodes one request's video file to its sampled frames in one of `workers` processes, as
+    `options` says: its header (`probe`), all frames (`decode`) or groups as decoded (`frames`)."""
 
     def __init__(self, sampler: FrameSampler, limits: VideoLimits, workers: int,
                  options: DecodeOptions = DecodeOptions()):
-        self.sampler = sampler
-        self.limits = limits
-        self.options = options
+        self.sampler, self.limits, self.options = sampler, limits, options
         self.stats = DecodeStats()
         self._idle: list[DecodeWorker] = []
         self._slots = asyncio.Semaphore(workers)
@@ -239,7 +220,6 @@ class VideoDecodePool:
 
     @property
     def num_running(self) -> int:
-        """Videos a worker is busy with now."""
         return len(self._running)
 
     @property
@@ -345,7 +325,7 @@ class VideoDecodePool:
             asked = f" at mm_processor_kwargs.fps {sampling.fps:g}" if sampling and sampling.fps else ""
             raise InvalidRequest(f"video samples to {len(indices)} frames for this model{asked}; the limit is "
                                  f"{self.limits.max_frames} (max_frames_per_video)")
-        shape = (decoded_frame_count(indices), probe.height, probe.width)
+        shape = (len(set(indices)), probe.height, probe.width)  # each sampled frame once (a sampler may repeat one)
         if shape[0] * shape[1] * shape[2] > self.limits.max_decoded_pixels:
             raise InvalidRequest(
                 f"video samples to {shape[0]} frames of {probe.width}x{probe.height}: {shape[0] * shape[1] * shape[2]} "
