@@ -78,8 +78,13 @@ class WeightFormat(ABC):
         object holding the `params` tensors will do, with leading dimensions (`(E, out, in)` for
         an `ExpertsWeights`)."""
 
+    def gemm(self, linear: layers.Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """The format's GEMM on the stored tensors (`quantized_gemm`); None where none takes `x`."""
+        return None
+
     def forward(self, linear: layers.Linear, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dense(linear, x.dtype), linear.bias)
+        y = self.gemm(linear, x)
+        return F.linear(x, self.dense(linear, x.dtype), linear.bias) if y is None else y
 
     def convert(self, name: str, linear: layers.Linear, device: torch.device) -> None:
         """Give `linear` (named `name`) empty tensors of this format to load into."""
@@ -172,9 +177,8 @@ class BlockFP8(_FP8):
     def dense(self, linear, dtype):
         return self.dequantize(linear.weight, linear.weight_scale_inv, dtype)
 
-    def forward(self, linear, x):
-        y = quantized_gemm.block_fp8(linear, x, self.block)
-        return super().forward(linear, x) if y is None else y
+    def gemm(self, linear, x):
+        return quantized_gemm.block_fp8(linear, x, self.block)
 
 
 @dataclass(frozen=True)
@@ -195,9 +199,8 @@ class ChannelFP8(_FP8):
         wide = torch.promote_types(dtype, torch.float32)
         return (linear.weight.to(wide) * linear.weight_scale.to(wide)).to(dtype)
 
-    def forward(self, linear, x):
-        y = quantized_gemm.channel_fp8(linear, x)
-        return super().forward(linear, x) if y is None else y
+    def gemm(self, linear, x):
+        return quantized_gemm.channel_fp8(linear, x)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -259,9 +262,8 @@ class AWQ(WeightFormat):
         weight = ((unpack_int4(linear.qweight) - zeros).to(wide) * scales).transpose(-1, -2)
         return weight.to(dtype).contiguous()  # (out, in) rows, as a dense checkpoint's weight: the same GEMM
 
-    def forward(self, linear, x):
-        y = quantized_gemm.awq(linear, x, self.group_size)
-        return super().forward(linear, x) if y is None else y
+    def gemm(self, linear, x):
+        return quantized_gemm.awq(linear, x, self.group_size)
 
 
 class ExpertsWeights(nn.Module):
