@@ -1,31 +1,7 @@
-"""Quantized weight formats of the engine's `layers.Linear`, read as the checkpoints are published.
-
-`read_format` finds the format in `config.json` (top level, or its `text_config`)
-`quantization_config`; each is a `WeightFormat`:
-
-- `BlockFP8` (`quant_method: "fp8"`, Qwen's `-FP8` releases): an `F8_E4M3` `weight` `(out, in)`
-  and a float32 `weight_scale_inv` `(ceil(out/bo), ceil(in/bi))` per `weight_block_size` block
-  (edge blocks may be partial);
-- `ChannelFP8` (`quant_method: "compressed-tensors"`, `format: "float-quantized"`, llm-compressor's
-  FP8-dynamic scheme): an `F8_E4M3` `weight` `(out, in)` and a `weight_scale` `(out, 1)` per
-  output channel; activations are quantized per token at run time by a GPU kernel, not here;
-- `AWQ` (`quant_method: "awq"`, `version: "gemm"`): int4 with zero points per group of
-  `group_size` input rows: `qweight` int32 `(in, out/8)`, `qzeros` int32 `(in/group, out/8)`,
-  `scales` float16 `(in/group, out)`, eight 4-bit values per int32 in `AWQ_ORDER`; no `weight`.
-
-Which projections are quantized is read from the file (a weight stored in F8_E4M3, a `qweight`):
-the writer followed its own skip list (`modules_to_not_convert`, `ignore`: the vision tower,
-lm_head); anything else loads as it is. A converted `Linear` holds the stored tensors (packed
-projections concatenate each along the output dimension) and, in its forward, dequantizes into
-the input's dtype and runs a plain GEMM (`WeightFormat.forward`): the CPU path (exact), and CUDA's
-where no kernel takes the shapes; on CUDA in float16 / bfloat16 each format's forward runs its GEMM on
-the stored tensors instead (`llm_service.model.quantized_gemm`: FP8 tensor cores, a W4A16 kernel).
-
-A MoE layer's experts (`llm_service.model.experts`) are quantized the same way, one checkpoint
-projection per expert (`...experts.<j>.gate_proj.weight` + its scales); the layer holds each of
-its two stacked projections as an `ExpertsWeights`: the tensors a `Linear` of the format holds,
-with a leading experts dimension, dequantized by the same `WeightFormat.dense` (one expert's
-slices, or all at once).
+"""Quantized weight formats of the engine's `layers.Linear`, read as the checkpoints are published
+(docs/quantization.md): `read_format` finds the format in `config.json`'s `quantization_config`
+(top level, or its `text_config`); each is a `WeightFormat` (`BlockFP8`, `ChannelFP8`, `AWQ`).
+A MoE layer's experts are held as `ExpertsWeights` of the same format.
 """
 
 from __future__ import annotations

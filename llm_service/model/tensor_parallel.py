@@ -1,21 +1,9 @@
-"""Tensor parallelism of one LLM replica: its decoder split over N ranks, one process each.
+"""Tensor parallelism of one LLM replica: its decoder split over N ranks, one process each
+(docs/tensor-parallel.md). Rank 0 schedules, samples and sends each step's inputs to the other
+ranks (`TPGroup.broadcast`); every rank runs the same forward over its shard (`plan_shards`,
+Megatron's split), joined by one all-reduce after each attention and MLP block.
 
-Rank 0 is the replica's own process: it schedules, samples, and sends each step's inputs to the
-other ranks (`TPGroup.broadcast`, one message per step); every rank runs the same forward over
-its shard of the weights (`shard_modules`), joined by one all-reduce after each attention block
-and one after each MLP block (`TPGroup.all_reduce`); only rank 0 holds the `lm_head`.
-
-The split (Megatron's): attention heads and their KV heads over the ranks (a KV head is repeated
-on several ranks when there are fewer KV heads than ranks), Q/K/V (and a gate per head) by
-rows, the output projection by columns; MLP gate/up by rows and down by columns; MoE experts
-by their intermediate dimension (every rank holds every expert, routing replicated); the
-Gated-DeltaNet layers by head (query/key heads as KV heads, value heads as attention heads); a
-packed projection of the engine's own layer slice by slice (each rank packs its own q | k | v
-and gate | up). The embedding table, the norms and the routers are whole on every rank. A rank's
-KV pool and state slots hold its own heads.
-
-Ray-free: `llm_service.model.model_runner.rank_main` is what a rank worker process runs (a Ray actor
-in the Serve app, a plain process in the tests).
+Ray-free: `llm_service.model.model_runner.rank_main` is what a rank worker process runs.
 """
 
 from __future__ import annotations
