@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from encoder_service.families.base import EncoderFace, PreparedItem, image_uint8, run_processor
+from mmserve.checkpoint import strip_prefix
 from mmserve.families import llava as llava_router
 from mmserve.inputs.media import MediaItem
 
@@ -48,23 +49,16 @@ _LEGACY_TOWER_PREFIX = "vision_model."
 STRATEGIES = ("default", "full")
 
 
-def _strip(key: str, prefixes: tuple[str, ...]) -> str | None:
-    for prefix in prefixes:
-        if key.startswith(prefix):
-            return key[len(prefix):]
-    return None
-
-
 def rename(key: str) -> str | None:
     """Checkpoint key -> key in the full vision module (None: not a vision tensor).
 
     Tower keys come out as the 5.x tower names (`embeddings.*`, `pre_layrnorm.*`,
     `encoder.layers.N.*`, `post_layernorm.*`, `head.*`), projector keys as `projector.*`.
     """
-    tower = _strip(key, VISION_PREFIXES)
+    tower = strip_prefix(key, VISION_PREFIXES)
     if tower is not None:
         return tower.removeprefix(_LEGACY_TOWER_PREFIX)
-    projector = _strip(key, PROJECTOR_PREFIXES)
+    projector = strip_prefix(key, PROJECTOR_PREFIXES)
     return None if projector is None else "projector." + projector
 
 

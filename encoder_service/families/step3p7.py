@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from encoder_service.families.base import EncoderFace, PreparedItem, image_uint8, run_processor
+from mmserve.checkpoint import strip_prefix
 from mmserve.errors import InvalidRequest
 from mmserve.inputs.media import MediaItem, MediaKind
 
@@ -52,15 +53,12 @@ _HUB_VISION_RENAMES = (
 
 
 def rename(key: str) -> str | None:
-    """Checkpoint key -> module key (`tower.*` in either layout, `projector.weight`); None otherwise."""
-    for prefix in ("model.vision_model.", "vision_model."):
-        if key.startswith(prefix):
-            return "tower." + key[len(prefix):]
-    if key in ("vit_large_projector.weight", "model.multi_modal_projector.weight"):
-        return "projector.weight"
-    if key in ("vit_large_projector.bias", "model.multi_modal_projector.bias"):
-        return "projector.bias"
-    return None
+    """Checkpoint key -> module key (`tower.*` in either layout, `projector.*`); None otherwise."""
+    tower = strip_prefix(key, ("model.vision_model.", "vision_model."))
+    projector = strip_prefix(key, ("vit_large_projector.", "model.multi_modal_projector."))
+    if tower is not None:
+        return "tower." + tower
+    return "projector." + projector if projector in ("weight", "bias") else None
 
 
 def _permute_for_rope(tensor: torch.Tensor, heads: int) -> torch.Tensor:

@@ -9,7 +9,16 @@ from torch import nn
 
 from llm_service.hybrid.state_cache import StateSpec
 from llm_service.model.transfer import to_device
+from mmserve.checkpoint import strip_prefix
 from mmserve.inputs.positions import LinearPositions, PositionPlan
+
+
+def decoder_key(key: str, prefixes: tuple[str, ...], lm_head_keys: tuple[str, ...] = ("lm_head.weight",)) -> str | None:
+    """Checkpoint key -> `lm_head.weight` / `decoder.<key after the first of prefixes>` (None: neither)."""
+    if key in lm_head_keys:
+        return "lm_head.weight"
+    name = strip_prefix(key, prefixes)
+    return None if name is None else "decoder." + name
 
 
 class LanguageModelModules(nn.Module):
