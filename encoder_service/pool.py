@@ -147,21 +147,14 @@ class EncoderPool:
         self._wake: asyncio.Event | None = None
         self._scheduler: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queued_tokens = 0
-        self._queued_bytes = 0
-        self._refused = 0
-        self._forwards = 0
-        self._pieces_forwarded = 0
-        self._dedup_hits = 0
+        self._queued_tokens = self._queued_bytes = self._refused = 0
+        self._forwards = self._pieces_forwarded = self._dedup_hits = 0
 
     # -- public ---------------------------------------------------------------------------------
     async def encode(self, items: Sequence[EncodeItem]) -> list[ItemEmbedding]:
-        """One output per item, in order, on CPU (shared: treat as read-only).
-
-        Raises the first failing item's error (InvalidRequest for corrupt media); the other
-        items keep running for the other requests that share them. Cancelling the caller does not
-        cancel shared work.
-        """
+        """One output per item, in order, on CPU (shared: treat as read-only). Raises the first
+        failing item's error; the others keep running for the requests that share them, and
+        cancelling the caller does not cancel shared work."""
         self._ensure_started()
         began = time.monotonic()
         submitted = [self._submit(item) for item in items]
@@ -173,10 +166,7 @@ class EncoderPool:
         return [dataclasses.replace(r, timing=_timing(job, began, now, wall)) for r, (_, job) in zip(results, submitted)]
 
     def encode_threadsafe(self, items: Sequence[EncodeItem], timeout: float | None = None) -> list[ItemEmbedding]:
-        """`encode` from another thread (e.g. a gRPC server with its own loop); blocks that thread.
-
-        Needs the pool's loop running (after a first `encode` there, or `start(loop)`).
-        """
+        """`encode` from another thread (the pool's loop running: after a first `encode`, or `start`)."""
         if self._loop is None:
             raise RuntimeError("encoder pool not started: call start(loop) or encode() on its loop first")
         return asyncio.run_coroutine_threadsafe(self.encode(items), self._loop).result(timeout)
@@ -192,18 +182,9 @@ class EncoderPool:
 
     def stats(self) -> PoolStats:
         cache = self.cache
-        return PoolStats(
-            queued_tokens=self._queued_tokens,
-            queued_items=len(self._inflight),
-            forwards=self._forwards,
-            pieces_forwarded=self._pieces_forwarded,
-            cache_hits=cache.hits if cache else 0,
-            cache_misses=cache.misses if cache else 0,
-            dedup_hits=self._dedup_hits,
-            cache_bytes=cache.num_bytes if cache else 0,
-            queued_bytes=self._queued_bytes,
-            refused_overloaded=self._refused,
-        )
+        return PoolStats(self._queued_tokens, len(self._inflight), self._forwards, self._pieces_forwarded,
+                         cache.hits if cache else 0, cache.misses if cache else 0, self._dedup_hits,
+                         cache.num_bytes if cache else 0, self._queued_bytes, self._refused)
 
     async def close(self) -> None:
         if self._scheduler is not None:
@@ -263,8 +244,7 @@ class EncoderPool:
             self._refused += 1
             self._finish(job, error=self._overloaded())
             return
-        job.outputs = [None] * len(pieces)
-        job.remaining = len(pieces)
+        job.outputs, job.remaining = [None] * len(pieces), len(pieces)
         now = time.monotonic()
         for index, (piece, size) in enumerate(zip(pieces, num_bytes)):
             self._queue.append(_Piece(job, index, piece, piece.cost(unit), now, size))
@@ -303,8 +283,7 @@ class EncoderPool:
         assert self._wake is not None
         wait_s = self.config.batch.batch_wait_ms / 1000
         while True:
-            dropped = [p for p in self._queue if p.job.future.done()]  # pieces of failed jobs
-            if dropped:
+            if dropped := [p for p in self._queue if p.job.future.done()]:  # pieces of failed jobs
                 self._release(dropped)
                 self._queue = [p for p in self._queue if not p.job.future.done()]
             if not self._queue:
@@ -331,16 +310,13 @@ class EncoderPool:
         return batch
 
     async def _run_batch(self, batch: list[_Piece]) -> None:
-        loop = asyncio.get_running_loop()
         start = time.monotonic()
         wait_ms = (start - min(p.enqueued for p in batch)) * 1000
         for piece in batch:
             if piece.job.forward_at is None:
                 piece.job.forward_at = start
         try:
-            outputs: list[tuple[torch.Tensor, ...] | BaseException] = list(
-                await loop.run_in_executor(self._device, self.encoder.forward, [p.prepared for p in batch])
-            )
+            outputs: list[tuple[torch.Tensor, ...] | BaseException] = list(await self._forward(batch))
         except Exception as e:
             if len(batch) == 1:
                 outputs = [e]
@@ -358,9 +334,13 @@ class EncoderPool:
         for piece, out in zip(batch, outputs):
             self._deliver(piece, out)
 
+    def _forward(self, pieces: Sequence[_Piece]) -> asyncio.Future:
+        prepared = [p.prepared for p in pieces]
+        return asyncio.get_running_loop().run_in_executor(self._device, self.encoder.forward, prepared)
+
     async def _forward_alone(self, piece: _Piece) -> tuple[torch.Tensor, ...] | BaseException:
         try:
-            return (await asyncio.get_running_loop().run_in_executor(self._device, self.encoder.forward, [piece.prepared]))[0]
+            return (await self._forward([piece]))[0]
         except Exception as e:
             return e
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import NamedTuple
 
@@ -67,16 +68,10 @@ class ModelRunner:
     """Owns the tensors: the model, the KV pool, the state pool, the per-step inputs (and CUDA graphs).
 
     `prepare` packs the scheduled chunks into one `(1, T, hidden)` sequence with per-token
-    positions from each request's plan (shaped for the decoder by the family's LM face); `run`
-    runs the decoder (the engine's own, `llm_service.model.layers`, or a `transformers` one) once
-    with an `AttentionBatch` (see `llm_service.model.attention`) and, for a model with linear-attention layers, a `StateBatch` over the sequences' state slots
-    (see `llm_service.hybrid.state_cache`), and returns the logits of the last token of each sequence that
-    has caught up with its tokens (the ones that sample this step). `config` is the engine config
-    as this model runs it (`state_cache.resolve_config`). With prefix caching, the state pool
-    also holds the state snapshots: restored into slots by `prepare`, saved by `save_snapshots`.
-    With `max_loras`, `loras` holds the LoRA adapters loaded (`llm_service.model.lora`); a step
-    whose sequences run under adapters applies each to its tokens (with the Triton backend by
-    slot, in the decode graphs too; else an eager forward).
+    positions from each request's plan; `run` runs the decoder once with an `AttentionBatch` (and,
+    for a model with linear-attention layers, a `StateBatch`) and returns the logits of each
+    sequence that samples this step. `config` is the engine config as this model runs it
+    (`state_cache.resolve_config`); `loras`: the LoRA adapters loaded (`llm_service.model.lora`).
     """
 
     def __init__(self, model: LanguageModel, config: EngineConfig):
@@ -211,9 +206,7 @@ class ModelRunner:
     def run(self, step: StepInputs) -> torch.Tensor:
         """Launch the step's forward (a graph replay for a staged decode): logits `(N, vocab)` of
         its sampling rows."""
-        if not step.lora:
-            return self._run(step)
-        with self.loras.step(step.lora):
+        with self.loras.step(step.lora) if step.lora else contextlib.nullcontext():
             return self._run(step)
 
     def _run(self, step: StepInputs) -> torch.Tensor:
@@ -268,12 +261,8 @@ class ModelRunner:
         needs the longest context of the step, `max_context`."""
         ids, positions, slots, context_lens, tables = self.batch.decode_inputs(index)
         b, context = index.shape[0], max_context or self.max_model_len
-        batch = AttentionBatch(
-            kv_pool=self.kv_pool, slot_mapping=slots, cu_seqlens_q=self.arange[:b + 1], context_lens=context_lens,
-            block_tables=tables, max_query_len=1, max_context_len=context,
-            backend=self.backend, kv_splits=self._kv_splits(b, 1, context),
-            windows=self.windows,
-        )
+        batch = AttentionBatch(self.kv_pool, slots, self.arange[:b + 1], context_lens, tables, 1, context, self.backend,
+                               self._kv_splits(b, 1, context), self.windows)
         if self.backend == "sdpa":
             batch.decode_slots, batch.masks = attention.sdpa_decode_metadata(
                 tables, context_lens, max_context, self.config.block_size, self.windows or (None,))
@@ -356,19 +345,11 @@ class ModelRunner:
         dev = self.device
         extra = {}
         cu_q = torch.tensor([0] + p.q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        batch = AttentionBatch(
-            kv_pool=self.kv_pool,
-            slot_mapping=to_device(p.slots, dev),
-            cu_seqlens_q=to_device(cu_q, dev),
-            context_lens=ints(p.ctx_lens, dev, torch.int32),
-            block_tables=to_device(p.tables, dev),
-            max_query_len=max(p.q_lens),
-            max_context_len=max(p.ctx_lens),
-            backend=self.backend,
-            kv_splits=self._kv_splits(len(p.q_lens), max(p.q_lens), max(p.ctx_lens)),
-            windows=self.windows,
-            kv_layers=self.kv_layers,
-        )
+        max_q, max_ctx = max(p.q_lens), max(p.ctx_lens)
+        splits = self._kv_splits(len(p.q_lens), max_q, max_ctx)
+        batch = AttentionBatch(self.kv_pool, to_device(p.slots, dev), to_device(cu_q, dev),
+                               ints(p.ctx_lens, dev, torch.int32), to_device(p.tables, dev), max_q, max_ctx,
+                               self.backend, splits, self.windows, self.kv_layers)
         if p.states is not None:
             extra["state_batch"] = self._state_batch(p.states, p.q_lens)
         if self.backend == "sdpa":

@@ -371,13 +371,9 @@ def quantize_modules(modules: nn.Module, model_dir: str | Path, rename, fmt: Wei
             raise ValueError(f"{e} (checkpoint tensors {', '.join(sorted(keys))})") from None
     for name, keys in experts.items():
         _quantize_experts(modules, name, keys, fmt, device)
-    made: dict[int, nn.Parameter] = {}  # tied parameters stay one tensor
-    for name, param in list(modules.named_parameters(remove_duplicate=False)):
-        if param.device.type == "meta":
-            if id(param) not in made:
-                made[id(param)] = nn.Parameter(torch.empty_like(param, device=device), requires_grad=False)
-            owner, _, attr = name.rpartition(".")
-            setattr(modules.get_submodule(owner), attr, made[id(param)])
+    from llm_service.model.tensor_parallel import materialize
+
+    materialize(modules, None, device)
     return len(parts) + len(experts)
 
 

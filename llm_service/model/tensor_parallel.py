@@ -317,7 +317,7 @@ def parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def materialize(modules: nn.Module, plan: ShardPlan, device: torch.device) -> None:
+def materialize(modules: nn.Module, plan: ShardPlan | None, device: torch.device) -> None:
     """Give every meta parameter of `modules` storage on `device`: this rank's shape for the
     sharded ones (the plan's rule applied to a meta tensor of the full shape), whole otherwise."""
     made: dict[int, nn.Parameter] = {}  # a tied parameter stays one tensor
@@ -327,7 +327,7 @@ def materialize(modules: nn.Module, plan: ShardPlan, device: torch.device) -> No
             continue
         owner, _, attr = name.rpartition(".")
         if id(param) not in made:
-            shape = plan.take(name, param).shape
+            shape = plan.take(name, param).shape if plan else param.shape
             if shape != param.shape:
                 full_shapes[name] = tuple(param.shape)
             made[id(param)] = nn.Parameter(torch.empty(shape, dtype=param.dtype, device=device), requires_grad=False)
