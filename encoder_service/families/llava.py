@@ -159,10 +159,7 @@ class LlavaEncoderFace(EncoderFace):
     (resize, crop, rescale, normalize) runs over the whole batch on the tower's device."""
 
     def __init__(self, model_dir: str, config, dtype: torch.dtype):
-        from transformers import AutoProcessor
-
-        self.image_processor = AutoProcessor.from_pretrained(model_dir).image_processor
-        self.dtype = dtype
+        super().__init__(model_dir, config, dtype)
         self._module = LlavaVisionEncoder(config, dtype)
         self._rename = self._module.checkpoint_rename()
 
@@ -171,9 +168,6 @@ class LlavaEncoderFace(EncoderFace):
 
     def build(self) -> nn.Module:
         return self._module
-
-    def preprocess_fingerprint(self) -> str:
-        return self.image_processor.to_json_string()
 
     def preprocess(self, item: MediaItem, layout: object) -> PreparedItem:
         n = self._module.tokens_per_image

@@ -61,13 +61,7 @@ class MiniCPMVVisionEncoder(nn.Module):
 
 class MiniCPMVEncoderFace(EncoderFace):
     def __init__(self, model_dir: str, config, dtype: torch.dtype):
-        from transformers import AutoProcessor
-
-        self.config = config
-        self.dtype = dtype
-        processor = AutoProcessor.from_pretrained(model_dir)
-        self.image_processor = processor.image_processor
-        self.video_processor = processor.video_processor
+        super().__init__(model_dir, config, dtype)
         self.divisor = 4 if config.downsample_mode == "4x" else 16
         self.patch = int(config.vision_config.patch_size)
 
@@ -76,9 +70,6 @@ class MiniCPMVEncoderFace(EncoderFace):
 
     def build(self) -> nn.Module:
         return MiniCPMVVisionEncoder(self.config, self.dtype)
-
-    def preprocess_fingerprint(self) -> str:
-        return self.image_processor.to_json_string() + self.video_processor.to_json_string()
 
     def _prepared(self, pixels: torch.Tensor, sizes: torch.Tensor) -> PreparedItem:
         patches = int((sizes[:, 0] * sizes[:, 1]).sum())

@@ -33,13 +33,7 @@ class QwenVLEncoderFace(EncoderFace):
     video_grid = staticmethod(router.video_grid)  # the video processor's sizing (Qwen3-VL's differs)
 
     def __init__(self, model_dir: str, config, dtype: torch.dtype):
-        from transformers import AutoProcessor
-
-        self.config = config
-        self.dtype = dtype
-        processor = AutoProcessor.from_pretrained(model_dir)
-        self.image_processor = processor.image_processor
-        self.video_processor = processor.video_processor
+        super().__init__(model_dir, config, dtype)
         self.merge = int(config.vision_config.spatial_merge_size)
         self.sizes = router.read_preprocess_config(model_dir)  # the processors' sizing rules
         self.graphs = None  # encoder_service.vit_graphs.TowerGraphs, once captured
@@ -65,9 +59,6 @@ class QwenVLEncoderFace(EncoderFace):
         with no_init_weights():
             tower = self.tower_class()._from_config(self.config.vision_config, dtype=self.dtype)
         return use_packed_attention(tower) if self.qwen2 else tower  # one attention call per layer over the batch
-
-    def preprocess_fingerprint(self) -> str:
-        return self.image_processor.to_json_string() + self.video_processor.to_json_string()
 
     def _prepared(self, frames: torch.Tensor, grid: tuple[int, int, int]) -> PreparedItem:
         t, h, w = grid

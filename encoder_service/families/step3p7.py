@@ -131,11 +131,7 @@ class Views:
 
 class Step3EncoderFace(EncoderFace):
     def __init__(self, model_dir: str, config, dtype: torch.dtype):
-        from transformers import AutoProcessor
-
-        self.config = config
-        self.dtype = dtype
-        self.image_processor = AutoProcessor.from_pretrained(model_dir).image_processor
+        super().__init__(model_dir, config, dtype)
         stride = self.image_processor.vision_patch_size * self.image_processor.downsampler_stride
         self.crop_tokens = (self.image_processor.patch_size // stride) ** 2
         self.global_tokens = (self.image_processor.size["height"] // stride) ** 2
@@ -147,9 +143,6 @@ class Step3EncoderFace(EncoderFace):
 
     def build(self) -> nn.Module:
         return Step3VisionEncoder(self.config, self.dtype)
-
-    def preprocess_fingerprint(self) -> str:
-        return self.image_processor.to_json_string()
 
     def _prepared(self, image: torch.Tensor, views: Views) -> PreparedItem:
         tokens = views.crops * self.crop_tokens + views.has_global * self.global_tokens

@@ -285,14 +285,18 @@ class ModelRunner:
             return self.tp.gather_vocab(logits, self.model.vocab_size)
         return logits
 
-    def _host_ids(self, scheduled: tuple[ScheduledSeq, ...]) -> tuple[list[int], list[int], list[int]]:
-        """The packed input ids the host has, and where a row's last sampled token goes instead
-        (`(packed index, batch row)`: a decode right after the step that sampled it, unread)."""
-        ids: list[int] = []
-        unread_at, unread_rows = [], []
-        for seq, n in scheduled:
-            start, end = seq.num_computed, seq.num_computed + n
-            known = len(seq.tokens)
+    def _pack_host(self, scheduled: tuple[ScheduledSeq, ...], sample_rows: list[int]) -> PackedStep:
+        """The scheduled chunks packed into one sequence, on the host: what every rank needs. A
+        row's last sampled token the host has not read yet (a decode right after the step that
+        sampled it) is a placeholder id at `unread_at`, taken from its batch row on the device."""
+        bs = self.config.block_size
+        ids, unread_at, unread_rows, positions, slots, media = [], [], [], [], [], []
+        q_lens, ctx_lens, slot_tables = [], [], []
+        width = max(len(s.seq.block_table) for s in scheduled)
+        tables = torch.full((len(scheduled), width), self.scratch_block, dtype=torch.int32)
+        for i, (seq, n) in enumerate(scheduled):
+            start, end, known = seq.num_computed, seq.num_computed + n, len(seq.tokens)
+            media += [(index + len(ids), parts) for index, parts in seq.chunk_media(start, end)]
             ids += seq.tokens[start:min(end, known)]
             if end > known:
                 if end - max(start, known) != 1 or seq.batch_row is None:
@@ -300,31 +304,16 @@ class ModelRunner:
                 unread_at.append(len(ids))
                 unread_rows.append(seq.batch_row)
                 ids.append(0)
-        if unread_at and self.tp is not None:
-            raise RuntimeError("a tensor-parallel step needs every input id on the host (no overlapped steps)")
-        return ids, unread_at, unread_rows
-
-    def _pack_host(self, scheduled: tuple[ScheduledSeq, ...], sample_rows: list[int]) -> PackedStep:
-        """The scheduled chunks packed into one sequence, on the host: what every rank needs."""
-        bs = self.config.block_size
-        num_ids = 0
-        positions, slots, media = [], [], []
-        q_lens, ctx_lens, slot_tables = [], [], []
-        for seq, n in scheduled:
-            start, end = seq.num_computed, seq.num_computed + n
-            media += [(index + num_ids, parts) for index, parts in seq.chunk_media(start, end)]
-            num_ids += n
             positions.append(seq.positions(start, end))
             table = torch.tensor(seq.block_table, dtype=torch.long)
+            tables[i, :len(table)] = table
             ctx_slots = (table[:, None] * bs + torch.arange(bs)).flatten()[:end]
             slots.append(ctx_slots[start:end])
             slot_tables.append(ctx_slots)
             q_lens.append(n)
             ctx_lens.append(end)
-        max_blocks = max(len(s.seq.block_table) for s in scheduled)
-        tables = torch.full((len(scheduled), max_blocks), self.scratch_block, dtype=torch.int32)
-        for i, s in enumerate(scheduled):
-            tables[i, :len(s.seq.block_table)] = torch.tensor(s.seq.block_table, dtype=torch.int32)
+        if unread_at and self.tp is not None:
+            raise RuntimeError("a tensor-parallel step needs every input id on the host (no overlapped steps)")
         states = None
         if self.states is not None:
             if any(s.seq.state_slot is None for s in scheduled):
@@ -335,7 +324,6 @@ class ModelRunner:
                               slots=[s.seq.state_slot for s in scheduled])
         if self.tp is not None:  # sent to the other ranks: media on the host
             media = [(index, tuple(p.cpu() for p in parts)) for index, parts in media]
-        ids, unread_at, unread_rows = self._host_ids(scheduled)
         return PackedStep(ids, unread_at, unread_rows, torch.cat(positions, dim=1), torch.cat(slots), q_lens,
                           ctx_lens, tables, slot_tables if self.backend == "sdpa" else [], sample_rows, media, states)
 
