@@ -37,7 +37,7 @@ class EncoderIdentity:
 
 
 def tensor_bytes(t: torch.Tensor | ItemEmbedding) -> int:
-    return t.num_bytes if isinstance(t, ItemEmbedding) else t.numel() * t.element_size()
+    return t.num_bytes if isinstance(t, ItemEmbedding) else t.nbytes
 
 
 class EmbeddingCache:

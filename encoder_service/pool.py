@@ -23,6 +23,7 @@ any item can run).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -294,10 +295,8 @@ class EncoderPool:
             remaining_s = self._queue[0].enqueued + wait_s - time.monotonic()
             if not selection.full and remaining_s > 0:
                 self._wake.clear()
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), remaining_s)
-                except asyncio.TimeoutError:
-                    pass
                 continue
             await self._run_batch(self._take(selection))
 

@@ -49,7 +49,7 @@ class PreparedItem:
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        return sum(t.nbytes for t in self.tensors)
 
 
 class EncoderFace(ABC):

@@ -25,10 +25,6 @@ class _Entry:
     expires_at: float
     fetching: int = 0
 
-    @property
-    def num_bytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
-
 
 @dataclass
 class ResultStore:
@@ -58,10 +54,10 @@ class ResultStore:
             entry = self._entries.get(content_hash)
             if entry is None:
                 entry = _Entry(tensor, 1, now + self.ttl_s)
-                if self._entries and self._num_bytes + entry.num_bytes > self.max_bytes:
+                if self._entries and self._num_bytes + tensor.nbytes > self.max_bytes:
                     raise Overloaded(f"the encoder's store of unfetched results is full ({self.max_bytes} bytes)")
                 self._entries[content_hash] = entry
-                self._num_bytes += entry.num_bytes
+                self._num_bytes += tensor.nbytes
             else:
                 entry.pins += 1
                 entry.expires_at = now + self.ttl_s
@@ -134,7 +130,7 @@ class ResultStore:
         return entry.tensor
 
     def _remove(self, content_hash: str) -> None:
-        self._num_bytes -= self._entries.pop(content_hash).num_bytes
+        self._num_bytes -= self._entries.pop(content_hash).tensor.nbytes
 
     def _evict_expired(self, now: float) -> None:
         expired = [h for h, e in self._entries.items() if e.expires_at <= now and e.fetching == 0]

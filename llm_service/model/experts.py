@@ -201,8 +201,7 @@ class ExpertLoad:
         self.interval_s = interval_s
         self._lock = threading.Lock()
         self._counts: torch.Tensor | None = None
-        self._forwards = 0
-        self._forwards_seen = 0
+        self._forwards = self._forwards_seen = 0
         self._last = time.monotonic()
 
     def collect(self, num_forwards: int, force: bool = False) -> None:

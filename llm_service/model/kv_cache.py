@@ -102,5 +102,5 @@ def allocate_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_head
     (padding rows of captured decode batches write there), never handed out."""
     pool = torch.zeros(num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
     logger.info("KV pool: %d blocks of %d tokens, %.1f MiB on %s", num_blocks, block_size,
-                pool.numel() * pool.element_size() / 2**20, device)
+                pool.nbytes / 2**20, device)
     return pool

@@ -19,6 +19,7 @@ run as Triton kernels (`llm_service.model.fused_ops`); elsewhere, and by default
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -246,12 +247,10 @@ class Decoder(nn.Module):
         (CUDA; float32 and narrower: the kernels compute in float32); {class name: modules}."""
         if self.embed_tokens.weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return {}
-        used: dict[str, int] = {}
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention)) or (isinstance(module, MLP) and module.silu):
-                module.kernel = True
-                used[type(module).__name__] = used.get(type(module).__name__, 0) + 1
-        return used
+        used = [m for m in self.modules() if isinstance(m, (RMSNorm, Attention)) or (isinstance(m, MLP) and m.silu)]
+        for module in used:
+            module.kernel = True
+        return dict(Counter(type(m).__name__ for m in used))
 
 
 def pack_checkpoint_tensors(waiting: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -179,8 +179,7 @@ class LoraSet:
             self.loaded[request.name] = adapter
             slot = self.slot_of[request.name] = min(set(range(self.capacity)) - set(self.slot_of.values()))
             for target, linear in self.linears.items():
-                deltas = adapter.deltas.get(target, ())
-                if deltas:
+                if deltas := adapter.deltas.get(target, ()):
                     linear.lora.deltas[request.name] = deltas
                 if linear.lora.stacks is not None:  # (a Linear the adapter leaves alone: zeros in its slot)
                     linear.lora.stacks.install(slot, deltas)
