@@ -93,9 +93,8 @@ def feature_select(config) -> FeatureSelect:
 def image_token_count(config) -> int:
     """Encoder rows of one image (the router face's count, see `mmserve.families.llava`)."""
     vision = config.vision_config
-    return llava_router.image_token_count(
-        vision.model_type, vision.image_size, vision.patch_size, config.vision_feature_select_strategy
-    )
+    return llava_router.image_token_count(vision.model_type, vision.image_size, vision.patch_size,
+                                          config.vision_feature_select_strategy)
 
 
 class LlavaVisionEncoder(nn.Module):
@@ -128,9 +127,7 @@ class LlavaVisionEncoder(nn.Module):
         wanted = set(self.state_dict())
 
         def to_module_key(key: str) -> str | None:
-            name = rename(key)
-            if name is None:
-                return None
+            name = rename(key) or ""
             if name.startswith("encoder.layers."):
                 name = name[len("encoder."):]
             return name if name in wanted else None

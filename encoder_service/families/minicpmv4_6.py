@@ -43,10 +43,7 @@ class MiniCPMVVisionEncoder(nn.Module):
     def __init__(self, config, dtype: torch.dtype):
         super().__init__()
         from transformers.initialization import no_init_weights
-        from transformers.models.minicpmv4_6.modeling_minicpmv4_6 import (
-            MiniCPMV4_6Merger,
-            MiniCPMV4_6VisionModel,
-        )
+        from transformers.models.minicpmv4_6.modeling_minicpmv4_6 import MiniCPMV4_6Merger, MiniCPMV4_6VisionModel
 
         self.use_vit_merger = config.downsample_mode != "4x"
         with no_init_weights():
@@ -113,13 +110,8 @@ class MiniCPMVEncoderFace(EncoderFace):
         device = next(module.parameters()).device
         pixels = self.pixel_values(batch, device).to(self.dtype)
         sizes = torch.cat([p.tensors[1] for p in batch]).to(device)
-        views = module(pixels, sizes)
-        out, start = [], 0
-        for p in batch:
-            n = p.tensors[1].shape[0]
-            out.append((torch.cat(views[start:start + n]),))
-            start += n
-        return out
+        views = iter(module(pixels, sizes))  # an item's rows: its views' in order
+        return [(torch.cat([next(views) for _ in range(p.tensors[1].shape[0])]),) for p in batch]
 
 
 ENCODER_FACE = MiniCPMVEncoderFace

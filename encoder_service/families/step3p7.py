@@ -73,13 +73,11 @@ def convert_hub_vision(state: dict[str, torch.Tensor], heads: int) -> dict[str, 
     """Hub-layout `tower.*` keys -> `Step3p7VisionModel` keys (others unchanged)."""
     out = {}
     for key, value in state.items():
-        if not key.startswith("tower.") or ".attn.in_proj_" not in key and not any(
-            re.search(p, key[len("tower."):]) for p, _ in _HUB_VISION_RENAMES
-        ):
+        if not key.startswith("tower."):
             out[key] = value
             continue
         name = key[len("tower."):]
-        for pattern, target in _HUB_VISION_RENAMES:
+        for pattern, target in _HUB_VISION_RENAMES:  # an in-memory key matches none
             name = re.sub(pattern, target, name)
         match = re.fullmatch(r"(.*)\.self_attn\.in_proj_(weight|bias)", name)
         if match is None:
@@ -198,13 +196,10 @@ class Step3EncoderFace(EncoderFace):
         device = next(module.parameters()).device
         views = self.pixel_values(batch, device)
         crop_rows, global_rows = (module(v.to(self.dtype)) if v.shape[0] else v for v in views)
-        result, crop, glob = [], 0, 0
-        for p in batch:
-            run: Views = p.layout
-            parts = [crop_rows[crop:crop + run.crops], global_rows[glob:glob + run.has_global]]
-            crop, glob = crop + run.crops, glob + run.has_global
-            result.append((torch.cat([t.reshape(-1, t.shape[-1]) for t in parts if t.shape[0]]),))
-        return result
+        crops = crop_rows.split([p.layout.crops for p in batch])
+        global_views = global_rows.split([int(p.layout.has_global) for p in batch])
+        return [(torch.cat([t.reshape(-1, t.shape[-1]) for t in parts if t.shape[0]]),)
+                for parts in zip(crops, global_views)]
 
 
 ENCODER_FACE = Step3EncoderFace

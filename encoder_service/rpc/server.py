@@ -246,9 +246,8 @@ async def start_server(encoder: Encoder | None, store: ResultStore,
     interceptors = [_TokenInterceptor(options.security.token)] if options.security.token else []
     server = grpc.aio.server(interceptors=interceptors,
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-    encoder_pb2_grpc.add_EncoderServiceServicer_to_server(
-        EncoderServicer(encoder, store, options.chunk_bytes, options.limits), server
-    )
+    servicer = EncoderServicer(encoder, store, options.chunk_bytes, options.limits)
+    encoder_pb2_grpc.add_EncoderServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

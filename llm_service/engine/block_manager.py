@@ -5,6 +5,7 @@ No tensors here.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -80,13 +81,7 @@ class BlockManager:
     # -- prefix caching ---------------------------------------------------------------------------
     def cached_prefix(self, hashes: Sequence[int]) -> list[int]:
         """Block ids caching the longest run of `hashes` from the start (nothing is taken yet)."""
-        blocks = []
-        for h in hashes:
-            block = self._by_hash.get(h)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
+        return list(itertools.takewhile(lambda block: block is not None, map(self._by_hash.get, hashes)))
 
     def is_cached(self, block_hash: int) -> bool:
         return block_hash in self._by_hash

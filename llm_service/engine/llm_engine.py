@@ -93,8 +93,7 @@ class LLMEngine:
         self.clock = StepClock()
         self.last_progress = time.monotonic()  # a step started or finished, or work arrived while idle
         self._idle = True  # waiting for work (or only for media rows): no step is owed
-        self.num_steps = 0
-        self.num_generated = 0
+        self.num_steps = self.num_generated = 0
         self.grammar_compiler: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
         # the mask fill's threads, set here (default: the replica's torch threads, `replica_env.set_cpu_threads`)

@@ -56,10 +56,7 @@ class SnapshotManager:
     def deepest(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of `hashes` (a cached KV prefix) a sequence can resume from:
         the deepest block whose prefix has a snapshot (0: none)."""
-        for k in range(len(hashes), 0, -1):
-            if hashes[k - 1] in self._by_hash:
-                return k
-        return 0
+        return next((k for k in range(len(hashes), 0, -1) if hashes[k - 1] in self._by_hash), 0)
 
     def resume(self, prefix_hash: int) -> int:
         """The row to start a sequence's slot from (the snapshot is now the most recently used)."""

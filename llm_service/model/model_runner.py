@@ -273,13 +273,9 @@ class ModelRunner:
                 rows: torch.Tensor, **extra) -> torch.Tensor | None:
         """The one model forward: decoder over `(T, hidden)` at `(rows, T)` positions, lm_head on
         `rows`; `extra`: the decoder keyword arguments the LM face's `inject` returned."""
-        out = self.model.modules.decoder(
-            inputs_embeds=embeds.unsqueeze(0),
-            position_ids=self.model.face.position_ids(positions),
-            paged_batch=batch,
-            use_cache=False,
-            **extra,
-        )
+        position_ids = self.model.face.position_ids(positions)
+        out = self.model.modules.decoder(inputs_embeds=embeds.unsqueeze(0), position_ids=position_ids,
+                                         paged_batch=batch, use_cache=False, **extra)
         logits = self.model.modules.lm_head(out.last_hidden_state[0, rows])
         if self.tp is not None:  # each rank's vocabulary slice, whole on rank 0 (None elsewhere)
             return self.tp.gather_vocab(logits, self.model.vocab_size)
