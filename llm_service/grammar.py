@@ -13,12 +13,12 @@ import asyncio
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+from cachetools import LRUCache
 
 from llm_service.config import EngineConfig
 from llm_service.model.transfer import ints
@@ -98,7 +98,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(stop_token_ids),
                                                       slices=list(SLICES))
-        self._cache: OrderedDict[Grammar, CompiledGrammar] = OrderedDict()
+        self._cache: LRUCache[Grammar, CompiledGrammar] = LRUCache(maxsize=cache_size)
         self._compiling: dict[Grammar, Future] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
@@ -124,15 +124,12 @@ class GrammarCompiler:
         compiled = self._timed(build)
         with self._lock:
             self._cache[grammar] = compiled
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
         return compiled
 
     def submit(self, grammar: Grammar) -> Future:
         """A future of `grammar` compiled (done at once when cached); one compile per grammar at a time."""
         with self._lock:
-            if (compiled := self._cache.get(grammar)) is not None:
-                self._cache.move_to_end(grammar)
+            if (compiled := self._cache.get(grammar)) is not None:  # now the most recently used
                 self.stats.cache_hits += 1
                 done: Future = Future()
                 done.set_result(compiled)
