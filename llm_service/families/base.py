@@ -117,5 +117,4 @@ class LMFace(ABC):
         return ()
 
     def tied_embeddings(self) -> bool:
-        text = self.config.text_config
-        return bool(getattr(self.config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+        return any(getattr(c, "tie_word_embeddings", False) for c in (self.config, self.config.text_config))

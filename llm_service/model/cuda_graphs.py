@@ -44,11 +44,13 @@ class DecodeGraphs:
     def capture(cls, runner, capture: bool = True) -> DecodeGraphs | None:
         """Graphs for every size, largest first; None (eager decode) if any capture fails.
         `capture=False`: the step of each size kept uncaptured, run eagerly (tests, any device)."""
-        start, graphs = time.perf_counter(), cls(runner)
+        start = time.perf_counter()
         if not capture:
+            graphs = cls(runner)
             graphs._graphs = {b: (None, graphs.step_fn(b)) for b in graphs.sizes}
             return graphs
         try:
+            graphs = cls(runner)
             with runner.loras.capturing() if runner.loras is not None else contextlib.nullcontext():
                 graphs._graphs = capture_ladder(graphs.sizes, graphs.step_fn, runner.device)
         except Exception as e:  # the replica stays up and decodes eagerly

@@ -88,11 +88,10 @@ class ModelRunner:
         self.num_layers = len(decoder.layers)
         state_layers = {s.layer_idx for s in self.state_specs}
         attention_layers = [i for i in range(self.num_layers) if i not in state_layers]  # the KV pool's layers
-        attn = decoder.layers[attention_layers[0]].self_attn
-        pool_index = {layer: k for k, layer in enumerate(attention_layers)}
-        self.kv_layers = tuple(pool_index.get(i) for i in range(self.num_layers)) if state_layers else ()
+        self.kv_layers = tuple(attention_layers.index(i) if i not in state_layers else None
+                               for i in range(self.num_layers)) if state_layers else ()
         self.num_kv_heads = model.num_kv_heads
-        self.head_dim = int(attn.head_dim)
+        self.head_dim = int(decoder.layers[attention_layers[0]].self_attn.head_dim)
         self.backend = attention.choose_backend(config.attention_backend, self.device, model.dtype, self.head_dim)
         block_bytes = bytes_per_block(len(attention_layers), self.num_kv_heads, self.head_dim, config.block_size,
                                       model.dtype)
