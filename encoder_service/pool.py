@@ -137,8 +137,7 @@ class EncoderPool:
     """
 
     def __init__(self, encoder: Encoder, config: PoolConfig = PoolConfig(), listener: PoolListener | None = None):
-        self.encoder = encoder
-        self.config = config
+        self.encoder, self.config = encoder, config
         self.listener = listener or PoolListener()
         self.cache = EmbeddingCache(config.cache_bytes) if config.cache_bytes > 0 else None
         self._preprocess = ThreadPoolExecutor(config.preprocess_workers, thread_name_prefix="encoder-preprocess")

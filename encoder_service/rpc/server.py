@@ -148,10 +148,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     def __init__(self, encoder: Encoder | None, store: ResultStore, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  limits: MediaLimits = MediaLimits()):
-        self.encoder = encoder
-        self.store = store
-        self.chunk_bytes = chunk_bytes
-        self.limits = limits
+        self.encoder, self.store, self.chunk_bytes, self.limits = encoder, store, chunk_bytes, limits
 
     async def Encode(self, request: encoder_pb2.EncodeRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[encoder_pb2.EmbeddingChunk]:

@@ -29,8 +29,7 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, on_evict: Callable[[int], None] | None = None):
-        self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.block_size, self.num_blocks = block_size, num_blocks
         self.ref_counts = [0] * num_blocks
         self.num_cached_tokens = 0
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))

@@ -26,9 +26,7 @@ class LanguageModelModules(nn.Module):
 
     def __init__(self, decoder: nn.Module, lm_head: nn.Linear, tied: bool):
         super().__init__()
-        self.decoder = decoder
-        self.lm_head = lm_head
-        self.tied = tied
+        self.decoder, self.lm_head, self.tied = decoder, lm_head, tied
         if tied:  # one tensor under both names; the checkpoint's lm_head.weight, if any, is not read
             self.lm_head.weight = decoder.embed_tokens.weight
 

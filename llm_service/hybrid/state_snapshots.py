@@ -35,8 +35,7 @@ class SnapshotManager:
     def __init__(self, num_snapshots: int, first_row: int):
         if num_snapshots < 1:
             raise ValueError(f"a snapshot cache needs at least one row, got {num_snapshots}")
-        self.num_snapshots = num_snapshots
-        self.first_row = first_row
+        self.num_snapshots, self.first_row = num_snapshots, first_row
         self.num_saved = 0
         self.num_resumed = 0
         self._free = list(range(first_row + num_snapshots - 1, first_row - 1, -1))  # pop(): lowest first

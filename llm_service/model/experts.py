@@ -197,8 +197,7 @@ class ExpertLoad:
     to a captured graph's size are routed and counted too."""
 
     def __init__(self, modules: list[nn.Module], interval_s: float = 1.0):
-        self.modules = modules
-        self.interval_s = interval_s
+        self.modules, self.interval_s = modules, interval_s
         self._lock = threading.Lock()
         self._counts: torch.Tensor | None = None
         self._forwards = self._forwards_seen = 0
