@@ -27,14 +27,13 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
     lengths = cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]
+    max_len = int(max_length_q) if max_length_q is not None else int(lengths.max())
     if (flash := _torch_varlen(q)) is not None:
-        max_len = int(max_length_q) if max_length_q is not None else int(lengths.max())
         cu = cu_seq_lens_q.to(torch.int32)
         out = flash(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, max_len, max_len, scale=scaling)
     elif _use_triton(q):
         from mmserve.kernels.triton_attention import varlen_attention
 
-        max_len = int(max_length_q) if max_length_q is not None else int(lengths.max())
         out = varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu_seq_lens_q, max_len, scaling)
     else:
         out = grouped_sdpa(q, k, v, lengths, scaling)
@@ -76,9 +75,8 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tor
 def _torch_varlen(q: torch.Tensor):
     """torch's varlen flash attention where it runs (CUDA, float16/bfloat16, head_dim a multiple
     of 8 up to 256), else None. Non-causal by default."""
-    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
-        return None
-    if q.shape[-1] % 8 or q.shape[-1] > 256:
+    d = q.shape[-1]
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
         return None
     try:
         from torch.nn.attention import varlen

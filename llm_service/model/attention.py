@@ -80,11 +80,8 @@ def sdpa_metadata(q_lens: list[int], context_lens: list[int], slot_tables: list[
     q_pos = torch.arange(total_q) - q_off[q_seq] + (torch.tensor(context_lens) - torch.tensor(q_lens))[q_seq]
     k_pos = torch.arange(total_k) - k_off[k_seq]
     causal = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
-    masks = {}
-    for w in set(windows):
-        mask = causal if w is None else causal & (k_pos[None, :] > q_pos[:, None] - w)
-        masks[w] = to_device(mask, device)
-    return gather, masks
+    windowed = {w: causal if w is None else causal & (k_pos[None, :] > q_pos[:, None] - w) for w in set(windows)}
+    return gather, {w: to_device(mask, device) for w, mask in windowed.items()}
 
 
 def sdpa_decode_metadata(block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
@@ -96,11 +93,8 @@ def sdpa_decode_metadata(block_tables: torch.Tensor, context_lens: torch.Tensor,
     slots = (block_tables[:, :blocks].long().unsqueeze(-1) * block_size + offsets).flatten(1)[:, :max_context_len]
     key = torch.arange(max_context_len, device=block_tables.device)
     last = (context_lens.long() - 1).unsqueeze(1)  # the query's own position
-    masks = {}
-    for w in set(windows):
-        mask = key <= last if w is None else (key <= last) & (key > last - w)
-        masks[w] = mask[:, None, None, :]
-    return slots, masks
+    masks = {w: key <= last if w is None else (key <= last) & (key > last - w) for w in set(windows)}
+    return slots, {w: mask[:, None, None, :] for w, mask in masks.items()}
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
