@@ -7,6 +7,7 @@ fetches from its event loop (`wait_acquire` is woken by `put`, from any thread).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -77,17 +78,13 @@ class ResultStore:
         while True:
             event = asyncio.Event()
             with self._lock:
-                tensor = self._acquire_locked(content_hash)
-                if tensor is not None:
+                tensor, remaining = self._acquire_locked(content_hash), deadline - time.monotonic()
+                if tensor is not None or remaining <= 0:
                     return tensor
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
                 self._waiters.setdefault(content_hash, []).append((loop, event))
             try:
-                await asyncio.wait_for(event.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(event.wait(), remaining)
             finally:
                 with self._lock:
                     waiters = self._waiters.get(content_hash, [])
