@@ -87,8 +87,9 @@ def _subject(grammar: Grammar) -> str:
 
 class GrammarCompiler:
     """Compiles `Grammar`s for one tokenizer and logits width (`vocab_size`: padding ids included,
-    which the masks always forbid). A compile past its deadline runs on (a native compile cannot be
-    interrupted) and is cached when it ends. `max_roots`: `CompiledGrammar`."""
+    which the masks always forbid); the sequence ends at `stop_token_ids` once the grammar is
+    complete. A compile past its deadline runs on (a native compile cannot be interrupted) and is
+    cached when it ends. `max_roots`: `CompiledGrammar`."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int], cache_size: int = CACHE_SIZE,
                  timeout_s: float = COMPILE_TIMEOUT_S, max_roots: int = 1):
@@ -171,8 +172,8 @@ class GrammarCompiler:
     async def matchers(self, grammar: Grammar, n: int, prefix: Sequence[int] = ()) -> list[Matcher]:
         """`n` matchers of `grammar` (the `n` choices of a request), each past `prefix` (a resumed
         stream's tokens): compiled and copied off the event loop, the new roots
-        (`CompiledGrammar.claim_roots`) waited for at most half the time left; the deadline covers
-        it all (InvalidRequest past it)."""
+        (`CompiledGrammar.claim_roots`) waited for at most half the time left (a later root serves
+        later rows); the deadline covers it all (InvalidRequest past it)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         try:
@@ -364,8 +365,9 @@ class StepMasks:
 
         With overlap a row's last token was sampled by the step launched before this one:
         `read_before` reads (and postprocesses) that step after this step's forward was launched,
-        so the masks fill while it runs; a row that finished there gets no mask. Reading it also
-        means its mask's copy from the host buffer is done before the buffer is filled again."""
+        so the masks fill while it runs (a step without constrained rows waits for nothing); a row
+        that finished there gets no mask. Reading it also means its mask's copy from the host
+        buffer is done before the buffer is filled again."""
         if all(s.matcher is None for s in seqs):
             return sample()
         read_before()
@@ -406,7 +408,9 @@ class StepMasks:
         """Masks after a greedy sampler, for CPU logits: row `i` of each `(i, matcher)` was sampled
         unmasked (`tokens[i]`) and gets the masked argmax. Where the matcher is `free`, a token it
         `takes` stays, else the first allowed of its highest logits (`_among_highest`); only the
-        other rows have their masks filled (a row allowing nothing keeps its token)."""
+        other rows have their masks filled (a row allowing nothing keeps its token). On the CPU the
+        same cores fill the masks and run the forward: the dearest fill, in a long string, is the one
+        most often spared."""
         start = time.perf_counter()
         sampled = tokens.tolist()
         refused = [(i, m) for i, m in matchers

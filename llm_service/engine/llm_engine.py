@@ -10,7 +10,8 @@ linear-attention layers also keep state snapshots at prompt block boundaries
 
 With `async_scheduling` steps overlap (docs/attention.md#overlapped-steps): the host launches
 step N+1 before it reads and postprocesses step N, so stop ids and EOS apply a step late and a
-sequence that finished at step N drops its token of step N+1, never sent. Everything the device
+sequence that finished at step N drops its token of step N+1, never sent (`max_tokens` is known
+ahead: a sequence with all its tokens sampled is not scheduled again). Everything the device
 does stays in stream order, so blocks, slots and rows freed while a step that used them is in
 flight are only reused by work queued after it. Constrained rows: `StepMasks.sample`.
 """

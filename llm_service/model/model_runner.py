@@ -72,6 +72,8 @@ class ModelRunner:
     for a model with linear-attention layers, a `StateBatch`) and returns the logits of each
     sequence that samples this step. `config` is the engine config as this model runs it
     (`state_cache.resolve_config`); `loras`: the LoRA adapters loaded (`llm_service.model.lora`).
+    With prefix caching, the state pool also holds the state snapshots: restored into slots by
+    `prepare`, saved by `save_snapshots`.
     """
 
     def __init__(self, model: LanguageModel, config: EngineConfig):
