@@ -56,8 +56,7 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    return order, counts
+    return order, counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
@@ -238,6 +237,4 @@ def imbalance(counts: torch.Tensor) -> float:
     per_layer = counts.float()
     mean = per_layer.mean(dim=1)
     busy = mean > 0
-    if not busy.any():
-        return 0.0
-    return float((per_layer.max(dim=1).values[busy] / mean[busy]).max())
+    return float((per_layer.max(dim=1).values[busy] / mean[busy]).max()) if busy.any() else 0.0

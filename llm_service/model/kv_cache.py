@@ -72,10 +72,9 @@ def pool_sizes(config: EngineConfig, block_bytes: int, slot_bytes: int, device: 
         slots = config.num_state_slots or min(config.max_num_seqs, budget // 2 // slot_bytes)
         if slots < 1:
             raise ValueError(f"memory budget of {budget} bytes holds no state slot of {slot_bytes} bytes")
-    if snapshots:
+    if snapshots:  # `num_state_snapshots`, else their share of the budget
         snaps = config.num_state_snapshots
-        if snaps is None:
-            snaps = int(budget * config.state_snapshot_share) // slot_bytes
+        snaps = int(budget * config.state_snapshot_share) // slot_bytes if snaps is None else snaps
     blocks = (budget - (slots + snaps) * slot_bytes) // block_bytes
     if blocks < 1:
         raise ValueError(f"KV budget of {budget - (slots + snaps) * slot_bytes} bytes holds no block of "

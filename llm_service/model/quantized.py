@@ -260,9 +260,8 @@ class ExpertsWeights(nn.Module):
     def dense(self, dtype: torch.dtype, expert: int | None = None) -> torch.Tensor:
         """Expert `expert`'s weight `(out, in)` in `dtype` (its slices dequantized), or every
         expert's `(E, out, in)`."""
-        if expert is None:
-            return self.quantization.dense(self, dtype)
-        one = types.SimpleNamespace(**{attr: p[expert] for attr, p in self.named_parameters(recurse=False)})
+        one = self if expert is None else types.SimpleNamespace(
+            **{attr: p[expert] for attr, p in self.named_parameters(recurse=False)})
         return self.quantization.dense(one, dtype)
 
 
