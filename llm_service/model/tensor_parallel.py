@@ -193,13 +193,16 @@ class ShardPlan:
         return tensor if rule is None else rule(tensor)
 
 
+def _weight_and_bias(rules: dict[str, Rule], prefix: str, module: nn.Module, rule: Rule) -> None:
+    rules[f"{prefix}weight"] = rule
+    if module.bias is not None:
+        rules[f"{prefix}bias"] = rule
+
+
 def _packed(prefix: str, linear: Linear, slice_rules: tuple[Rule, ...], rules: dict[str, Rule]) -> None:
     """A packed `Linear` of the engine's own layer ([q | k | v], [gate | up]): each output slice
     split by its rule; the linear's slices become this rank's."""
-    rule = segments(linear.output_sizes, slice_rules)
-    rules[f"{prefix}weight"] = rule
-    if linear.bias is not None:
-        rules[f"{prefix}bias"] = rule
+    _weight_and_bias(rules, prefix, linear, segments(linear.output_sizes, slice_rules))
     linear.output_sizes = tuple(r(torch.empty(n, device="meta")).shape[0]
                                 for n, r in zip(linear.output_sizes, slice_rules))
 
@@ -217,9 +220,7 @@ def _attention(prefix: str, attn: nn.Module, rank: int, size: int, rules: dict[s
         _packed(f"{prefix}qkv_proj.", packed, (q, kv, kv), rules)
     for name, rule in (("q_proj", q), ("g_proj", q), ("k_proj", kv), ("v_proj", kv)):  # g_proj: Step3's gate per head
         if (proj := getattr(attn, name, None)) is not None:
-            rules[f"{prefix}{name}.weight"] = rule
-            if proj.bias is not None:
-                rules[f"{prefix}{name}.bias"] = rule
+            _weight_and_bias(rules, f"{prefix}{name}.", proj, rule)
     rules[f"{prefix}o_proj.weight"] = rows(heads, q_first, q_count, dim=1)
     if attn.o_proj.bias is not None:
         rules[f"{prefix}o_proj.bias"] = zeros_unless(rank == 0)
@@ -239,9 +240,7 @@ def _linear_attention(prefix: str, lin: nn.Module, rank: int, size: int, rules: 
     key, value = rows(hk, k_first, k_count), rows(hv, v_first, v_count)
     qkv = segments((lin.key_dim, lin.key_dim, lin.value_dim), (key, key, value))
     rules[f"{prefix}in_proj_qkv.weight"] = qkv
-    rules[f"{prefix}conv1d.weight"] = qkv
-    if lin.conv1d.bias is not None:
-        rules[f"{prefix}conv1d.bias"] = qkv
+    _weight_and_bias(rules, f"{prefix}conv1d.", lin.conv1d, qkv)
     for name in ("in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "dt_bias", "A_log"):
         rules[prefix + name] = value
     rules[f"{prefix}out_proj.weight"] = rows(hv, v_first, v_count, dim=1)
