@@ -216,7 +216,6 @@ class EncoderPool:
             return future, None
         self.listener.on_lookup("miss")
         if self._queued_bytes >= self.config.max_queued_bytes:  # full already: do not even preprocess
-            self._refused += 1
             future.set_exception(self._overloaded())
             return future, None
         job = _Job(key, future, item.cost)
@@ -236,12 +235,9 @@ class EncoderPool:
             return
         prepared = prepared_future.result()
         unit, budget = self.config.batch.cost_unit, self.config.batch.max_batch_tokens
-        pieces = [prepared]
-        if prepared.cost(unit) > budget:
-            pieces = self.encoder.split(prepared, budget, unit)
+        pieces = self.encoder.split(prepared, budget, unit) if prepared.cost(unit) > budget else [prepared]
         num_bytes = [piece.num_bytes for piece in pieces]
         if self._queued_bytes > 0 and self._queued_bytes + sum(num_bytes) > self.config.max_queued_bytes:
-            self._refused += 1
             self._finish(job, error=self._overloaded())
             return
         job.outputs, job.remaining = [None] * len(pieces), len(pieces)
@@ -269,6 +265,8 @@ class EncoderPool:
         self._notify_queue()
 
     def _overloaded(self) -> Overloaded:
+        """An item refused (counted): the queue is full."""
+        self._refused += 1
         return Overloaded(f"the encoder's queue of preprocessed media is full ({self.config.max_queued_bytes} bytes)")
 
     def _release(self, pieces: Sequence[_Piece]) -> None:
