@@ -84,10 +84,9 @@ class RMSNorm(nn.Module):
             return add_rms_norm(x, residual, self.weight, self.variance_epsilon)
         if residual is not None:
             x = residual + x
-        dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(dtype), x
+        return self.weight * h.to(x.dtype), x
 
 
 def mrope_mix(per_row: torch.Tensor, section) -> torch.Tensor:
