@@ -24,6 +24,10 @@ class SchedulerOutput:
     scheduled: tuple[ScheduledSeq, ...]
     preempted: tuple[Sequence, ...]
 
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
 
 class PrefillAdder:
     """Admits waiting sequences into one step while the token budget and the KV pool allow (and,
