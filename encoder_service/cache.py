@@ -37,7 +37,7 @@ class EncoderIdentity:
 
 
 def tensor_bytes(t: torch.Tensor | ItemEmbedding) -> int:
-    return t.num_bytes if isinstance(t, ItemEmbedding) else t.numel() * t.element_size()
+    return t.num_bytes if isinstance(t, ItemEmbedding) else t.nbytes
 
 
 class EmbeddingCache:
@@ -73,10 +73,8 @@ class EmbeddingCache:
     def get(self, key: str) -> ItemEmbedding | None:
         with self._lock:
             value = self._entries.get(key)
-            if value is None:
-                self.misses += 1
-            else:
-                self.hits += 1
+            self.hits += value is not None
+            self.misses += value is None
             return value
 
     def put(self, key: str, value: ItemEmbedding) -> bool:

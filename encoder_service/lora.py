@@ -12,13 +12,13 @@ where an item's rows are at each stage of its packed forward (`EncoderFace.lora_
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from cachetools import LRUCache
 from torch import nn
 
 from mmserve.lora import AdapterError, Delta, fitted_delta, is_tower_module, read_pairs, row_groups, scaling
@@ -67,7 +67,7 @@ class TowerLoras:
                  device: torch.device):
         self.tower, self.rename, self.stages = tower, rename, stages
         self.capacity, self.dtype, self.device = capacity, dtype, device
-        self.loaded: OrderedDict[AdapterRef, TowerAdapter] = OrderedDict()
+        self.loaded: LRUCache[AdapterRef, TowerAdapter] = LRUCache(maxsize=capacity)
         self._lock = threading.Lock()
         self._hooked: set[str] = set()
         self._active: dict[str, list[tuple[TowerAdapter, torch.Tensor]]] = {}  # stage -> (adapter, rows)
@@ -75,14 +75,11 @@ class TowerLoras:
     def get(self, ref: AdapterRef) -> TowerAdapter:
         """`ref`'s adapter, read on first use; AdapterError when it does not fit the tower."""
         with self._lock:
-            if (adapter := self.loaded.get(ref)) is not None:
-                self.loaded.move_to_end(ref)
+            if (adapter := self.loaded.get(ref)) is not None:  # now the most recently used
                 return adapter
         adapter = read_tower_adapter(ref, self.tower, self.rename, self.stages, self.dtype, self.device)
         with self._lock:
             self.loaded[ref] = adapter
-            while len(self.loaded) > self.capacity:
-                self.loaded.popitem(last=False)
         return adapter
 
     @contextmanager

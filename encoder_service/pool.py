@@ -23,6 +23,7 @@ any item can run).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -136,8 +137,7 @@ class EncoderPool:
     """
 
     def __init__(self, encoder: Encoder, config: PoolConfig = PoolConfig(), listener: PoolListener | None = None):
-        self.encoder = encoder
-        self.config = config
+        self.encoder, self.config = encoder, config
         self.listener = listener or PoolListener()
         self.cache = EmbeddingCache(config.cache_bytes) if config.cache_bytes > 0 else None
         self._preprocess = ThreadPoolExecutor(config.preprocess_workers, thread_name_prefix="encoder-preprocess")
@@ -147,21 +147,14 @@ class EncoderPool:
         self._wake: asyncio.Event | None = None
         self._scheduler: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._queued_tokens = 0
-        self._queued_bytes = 0
-        self._refused = 0
-        self._forwards = 0
-        self._pieces_forwarded = 0
-        self._dedup_hits = 0
+        self._queued_tokens = self._queued_bytes = self._refused = 0
+        self._forwards = self._pieces_forwarded = self._dedup_hits = 0
 
     # -- public ---------------------------------------------------------------------------------
     async def encode(self, items: Sequence[EncodeItem]) -> list[ItemEmbedding]:
-        """One output per item, in order, on CPU (shared: treat as read-only).
-
-        Raises the first failing item's error (InvalidRequest for corrupt media); the other
-        items keep running for the other requests that share them. Cancelling the caller does not
-        cancel shared work.
-        """
+        """One output per item, in order, on CPU (shared: treat as read-only). Raises the first
+        failing item's error; the others keep running for the requests that share them, and
+        cancelling the caller does not cancel shared work."""
         self._ensure_started()
         began = time.monotonic()
         submitted = [self._submit(item) for item in items]
@@ -173,10 +166,7 @@ class EncoderPool:
         return [dataclasses.replace(r, timing=_timing(job, began, now, wall)) for r, (_, job) in zip(results, submitted)]
 
     def encode_threadsafe(self, items: Sequence[EncodeItem], timeout: float | None = None) -> list[ItemEmbedding]:
-        """`encode` from another thread (e.g. a gRPC server with its own loop); blocks that thread.
-
-        Needs the pool's loop running (after a first `encode` there, or `start(loop)`).
-        """
+        """`encode` from another thread (the pool's loop running: after a first `encode`, or `start`)."""
         if self._loop is None:
             raise RuntimeError("encoder pool not started: call start(loop) or encode() on its loop first")
         return asyncio.run_coroutine_threadsafe(self.encode(items), self._loop).result(timeout)
@@ -192,18 +182,9 @@ class EncoderPool:
 
     def stats(self) -> PoolStats:
         cache = self.cache
-        return PoolStats(
-            queued_tokens=self._queued_tokens,
-            queued_items=len(self._inflight),
-            forwards=self._forwards,
-            pieces_forwarded=self._pieces_forwarded,
-            cache_hits=cache.hits if cache else 0,
-            cache_misses=cache.misses if cache else 0,
-            dedup_hits=self._dedup_hits,
-            cache_bytes=cache.num_bytes if cache else 0,
-            queued_bytes=self._queued_bytes,
-            refused_overloaded=self._refused,
-        )
+        return PoolStats(self._queued_tokens, len(self._inflight), self._forwards, self._pieces_forwarded,
+                         cache.hits if cache else 0, cache.misses if cache else 0, self._dedup_hits,
+                         cache.num_bytes if cache else 0, self._queued_bytes, self._refused)
 
     async def close(self) -> None:
         if self._scheduler is not None:
@@ -235,7 +216,6 @@ class EncoderPool:
             return future, None
         self.listener.on_lookup("miss")
         if self._queued_bytes >= self.config.max_queued_bytes:  # full already: do not even preprocess
-            self._refused += 1
             future.set_exception(self._overloaded())
             return future, None
         job = _Job(key, future, item.cost)
@@ -255,16 +235,12 @@ class EncoderPool:
             return
         prepared = prepared_future.result()
         unit, budget = self.config.batch.cost_unit, self.config.batch.max_batch_tokens
-        pieces = [prepared]
-        if prepared.cost(unit) > budget:
-            pieces = self.encoder.split(prepared, budget, unit)
+        pieces = self.encoder.split(prepared, budget, unit) if prepared.cost(unit) > budget else [prepared]
         num_bytes = [piece.num_bytes for piece in pieces]
         if self._queued_bytes > 0 and self._queued_bytes + sum(num_bytes) > self.config.max_queued_bytes:
-            self._refused += 1
             self._finish(job, error=self._overloaded())
             return
-        job.outputs = [None] * len(pieces)
-        job.remaining = len(pieces)
+        job.outputs, job.remaining = [None] * len(pieces), len(pieces)
         now = time.monotonic()
         for index, (piece, size) in enumerate(zip(pieces, num_bytes)):
             self._queue.append(_Piece(job, index, piece, piece.cost(unit), now, size))
@@ -289,6 +265,8 @@ class EncoderPool:
         self._notify_queue()
 
     def _overloaded(self) -> Overloaded:
+        """An item refused (counted): the queue is full."""
+        self._refused += 1
         return Overloaded(f"the encoder's queue of preprocessed media is full ({self.config.max_queued_bytes} bytes)")
 
     def _release(self, pieces: Sequence[_Piece]) -> None:
@@ -303,8 +281,7 @@ class EncoderPool:
         assert self._wake is not None
         wait_s = self.config.batch.batch_wait_ms / 1000
         while True:
-            dropped = [p for p in self._queue if p.job.future.done()]  # pieces of failed jobs
-            if dropped:
+            if dropped := [p for p in self._queue if p.job.future.done()]:  # pieces of failed jobs
                 self._release(dropped)
                 self._queue = [p for p in self._queue if not p.job.future.done()]
             if not self._queue:
@@ -315,10 +292,8 @@ class EncoderPool:
             remaining_s = self._queue[0].enqueued + wait_s - time.monotonic()
             if not selection.full and remaining_s > 0:
                 self._wake.clear()
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), remaining_s)
-                except asyncio.TimeoutError:
-                    pass
                 continue
             await self._run_batch(self._take(selection))
 
@@ -331,16 +306,13 @@ class EncoderPool:
         return batch
 
     async def _run_batch(self, batch: list[_Piece]) -> None:
-        loop = asyncio.get_running_loop()
         start = time.monotonic()
         wait_ms = (start - min(p.enqueued for p in batch)) * 1000
         for piece in batch:
             if piece.job.forward_at is None:
                 piece.job.forward_at = start
         try:
-            outputs: list[tuple[torch.Tensor, ...] | BaseException] = list(
-                await loop.run_in_executor(self._device, self.encoder.forward, [p.prepared for p in batch])
-            )
+            outputs: list[tuple[torch.Tensor, ...] | BaseException] = list(await self._forward(batch))
         except Exception as e:
             if len(batch) == 1:
                 outputs = [e]
@@ -358,9 +330,13 @@ class EncoderPool:
         for piece, out in zip(batch, outputs):
             self._deliver(piece, out)
 
+    def _forward(self, pieces: Sequence[_Piece]) -> asyncio.Future:
+        prepared = [p.prepared for p in pieces]
+        return asyncio.get_running_loop().run_in_executor(self._device, self.encoder.forward, prepared)
+
     async def _forward_alone(self, piece: _Piece) -> tuple[torch.Tensor, ...] | BaseException:
         try:
-            return (await asyncio.get_running_loop().run_in_executor(self._device, self.encoder.forward, [piece.prepared]))[0]
+            return (await self._forward([piece]))[0]
         except Exception as e:
             return e
 

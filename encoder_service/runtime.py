@@ -56,9 +56,8 @@ class VisionEncoder:
         self.dtype = resolve_dtype(dtype, read_config(model_dir))
         self.device = torch.device(device)
         config = load_config(model_dir)
-        self.face: EncoderFace = face_class("encoder_service.families", self.model_type, "ENCODER_FACE")(
-            str(model_dir), config, self.dtype
-        )
+        face = face_class("encoder_service.families", self.model_type, "ENCODER_FACE")
+        self.face: EncoderFace = face(str(model_dir), config, self.dtype)
         self._router_face = None  # made on first `plan` (standalone server only)
         with torch.device(self.device):  # built where it runs, without initial values
             tower = self.face.build()
@@ -67,19 +66,13 @@ class VisionEncoder:
                                  on_read=fingerprint)
         self.tower = tower.to(self.device).eval().requires_grad_(False)
         self.keys_read = self.load_report.keys_read
-        self.identity = EncoderIdentity(
-            model_id=self.model_dir.name,
-            weights_fingerprint=fingerprint.hexdigest(),
-            preprocess_fingerprint=hashlib.blake2b(self.face.preprocess_fingerprint().encode(), digest_size=16).hexdigest(),
-            dtype=str(self.dtype),
-        )
+        preprocess = hashlib.blake2b(self.face.preprocess_fingerprint().encode(), digest_size=16).hexdigest()
+        self.identity = EncoderIdentity(self.model_dir.name, fingerprint.hexdigest(), preprocess, str(self.dtype))
         self.loras = TowerLoras(self.tower, self.face.rename, self.face.lora_stages, max_loras, self.dtype, self.device)
         self._lock = threading.Lock()
-        logger.info(
-            "vision tower of %s loaded: %s; %.1fM params, %s on %s, %.1fs in all",
-            self.model_dir.name, self.load_report.summary(), self.num_parameters / 1e6, self.dtype, self.device,
-            time.perf_counter() - start,
-        )
+        logger.info("vision tower of %s loaded: %s; %.1fM params, %s on %s, %.1fs in all", self.model_dir.name,
+                    self.load_report.summary(), self.num_parameters / 1e6, self.dtype, self.device,
+                    time.perf_counter() - start)
 
     @property
     def num_parameters(self) -> int:

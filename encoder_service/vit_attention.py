@@ -1,19 +1,9 @@
-"""Packed ViT attention: one attention call per layer over every item of a batch.
+"""Packed ViT attention: one attention call per layer over every item of a batch (docs/attention.md).
 
-The towers stay unmodified: `use_packed_attention(tower)` registers `packed_attention` with
-`transformers`' `AttentionInterface` and selects it on the tower's config. Its name contains
-"flash" because the Qwen2-VL / Qwen2.5-VL vision attention hands `cu_seqlens` to the
-attention function only for flash-like implementations; for any other it loops over the
-segments with one small call each, in every layer.
-
-- CUDA, float16/bfloat16: torch's own varlen flash attention (`torch.nn.attention.varlen`),
-  when this torch has it. On an H100, 8 segments of 5476 tokens (a 1024^2 image, Qwen2-VL-7B's
-  16 heads of 80): 4.4 ms per layer vs 8.3 ms for the Triton kernel and 77 ms for one SDPA
-  call per segment (see docs/attention.md).
-- CUDA otherwise (float32, or an older torch): the Triton varlen kernel
-  (`mmserve.kernels.triton_attention.varlen_attention`), bidirectional within each segment, no padding.
-- CPU (or no usable Triton): `grouped_sdpa`, one batched SDPA per distinct segment length
-  (a single one when all segments have one length: one item, windows, video frames).
+`use_packed_attention(tower)` registers `packed_attention` with `transformers`' `AttentionInterface`.
+Its name contains "flash" because the Qwen2-VL / Qwen2.5-VL vision attention hands `cu_seqlens` to
+flash-like implementations only. CUDA: torch's varlen flash attention (float16/bfloat16), else the
+Triton varlen kernel; CPU: `grouped_sdpa`, one batched SDPA per distinct segment length.
 """
 
 from __future__ import annotations
@@ -37,14 +27,13 @@ def packed_attention(module, query, key, value, attention_mask=None, scaling=Non
     if scaling is None:
         scaling = q.shape[-1] ** -0.5
     lengths = cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]
+    max_len = int(max_length_q) if max_length_q is not None else int(lengths.max())
     if (flash := _torch_varlen(q)) is not None:
-        max_len = int(max_length_q) if max_length_q is not None else int(lengths.max())
         cu = cu_seq_lens_q.to(torch.int32)
         out = flash(q.contiguous(), k.contiguous(), v.contiguous(), cu, cu, max_len, max_len, scale=scaling)
     elif _use_triton(q):
         from mmserve.kernels.triton_attention import varlen_attention
 
-        max_len = int(max_length_q) if max_length_q is not None else int(lengths.max())
         out = varlen_attention(q.contiguous(), k.contiguous(), v.contiguous(), cu_seq_lens_q, max_len, scaling)
     else:
         out = grouped_sdpa(q, k, v, lengths, scaling)
@@ -86,9 +75,8 @@ def grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: tor
 def _torch_varlen(q: torch.Tensor):
     """torch's varlen flash attention where it runs (CUDA, float16/bfloat16, head_dim a multiple
     of 8 up to 256), else None. Non-causal by default."""
-    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
-        return None
-    if q.shape[-1] % 8 or q.shape[-1] > 256:
+    d = q.shape[-1]
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16) or d % 8 or d > 256:
         return None
     try:
         from torch.nn.attention import varlen

@@ -114,8 +114,7 @@ class TowerGraphs:
             return BatchLayout(budget, patches, position_ids, cu)
         from transformers.vision_utils import get_vision_window_index
 
-        tower = self.tower
-        index, cu_windows = get_vision_window_index(grid_thw, self.merge, tower.window_size, tower.patch_size)
+        index, cu_windows = get_vision_window_index(grid_thw, self.merge, self.tower.window_size, self.tower.patch_size)
         window_index = torch.arange(budget // self.unit)  # the padding's blocks stay where they are
         window_index[:index.numel()] = index
         cu_windows = _padded_table(cu_windows, budget, budget // self.unit + 1)

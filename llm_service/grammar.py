@@ -1,21 +1,10 @@
 """Structured outputs: a request's `Grammar` compiled for the served tokenizer, a matcher per
-sequence, and each step's token mask applied to the constrained rows' logits before sampling.
+sequence, and each step's token mask applied to the constrained rows' logits (docs/api.md#structured-outputs).
 
 The grammar engine is llguidance (`bench/grammar.py` measured it against xgrammar; xgrammar 0.2's
-bounded strings also admit raw control characters, which no JSON parser takes). JSON grammars are
-compact (no whitespace between tokens, as vLLM's `disable-any-whitespace`), so that a model cannot
-loop on spaces until `max_tokens`; the schema's own bounds (`maxLength`, `maxItems`,
-`minimum`/`maximum`, `enum`) are part of the grammar. A grammar compiles once per schema text:
-`GrammarCompiler` keeps an LRU of checked grammars and compiles on its own threads (a compile
-past its deadline keeps one, the others serve other schemas), so a request waits for its grammar
-outside the batch and the engine's step thread never compiles the first time. Each sequence's
-matcher is a copy of the compiled grammar's (`CompiledGrammar`: microseconds, never a compile),
-made with its request's other choices off the event loop under the same deadline
-(`GrammarCompiler.matchers`); the grammar keeps a few independent roots so that the pool fills
-its rows' masks in parallel. On a CPU, where the same
-cores fill the masks and run the forward, a greedy row is masked after sampling instead
-(`StepMasks.correct`): its mask is filled only when neither its own token nor one of its highest
-logits is one its matcher can vouch for.
+bounded strings also admit raw control characters, which no JSON parser takes). A grammar compiles
+once per schema text, on `GrammarCompiler`'s threads, so the engine's step thread never compiles;
+each sequence's matcher is a copy of the compiled grammar's (`CompiledGrammar`).
 """
 
 from __future__ import annotations
@@ -24,12 +13,12 @@ import asyncio
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
+from cachetools import LRUCache
 
 from llm_service.config import EngineConfig
 from llm_service.model.transfer import ints
@@ -97,11 +86,10 @@ def _subject(grammar: Grammar) -> str:
 
 
 class GrammarCompiler:
-    """Compiles `Grammar`s for one tokenizer and logits width (`vocab_size`: the model's logits,
-    padding ids included, which the masks always forbid); the sequence ends at `stop_token_ids`
-    once the grammar is complete. A compile past its deadline runs on (a native compile cannot be
-    interrupted) and is cached when it ends. `max_roots`: how many rows of one grammar fill their masks at
-    once (the mask fill's threads; `CompiledGrammar`)."""
+    """Compiles `Grammar`s for one tokenizer and logits width (`vocab_size`: padding ids included,
+    which the masks always forbid); the sequence ends at `stop_token_ids` once the grammar is
+    complete. A compile past its deadline runs on (a native compile cannot be interrupted) and is
+    cached when it ends. `max_roots`: `CompiledGrammar`."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int], cache_size: int = CACHE_SIZE,
                  timeout_s: float = COMPILE_TIMEOUT_S, max_roots: int = 1):
@@ -111,7 +99,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(stop_token_ids),
                                                       slices=list(SLICES))
-        self._cache: OrderedDict[Grammar, CompiledGrammar] = OrderedDict()
+        self._cache: LRUCache[Grammar, CompiledGrammar] = LRUCache(maxsize=cache_size)
         self._compiling: dict[Grammar, Future] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
@@ -137,15 +125,12 @@ class GrammarCompiler:
         compiled = self._timed(build)
         with self._lock:
             self._cache[grammar] = compiled
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
         return compiled
 
     def submit(self, grammar: Grammar) -> Future:
         """A future of `grammar` compiled (done at once when cached); one compile per grammar at a time."""
         with self._lock:
-            if (compiled := self._cache.get(grammar)) is not None:
-                self._cache.move_to_end(grammar)
+            if (compiled := self._cache.get(grammar)) is not None:  # now the most recently used
                 self.stats.cache_hits += 1
                 done: Future = Future()
                 done.set_result(compiled)
@@ -165,7 +150,7 @@ class GrammarCompiler:
         return running
 
     def _settle(self, grammar: Grammar, future: Future) -> None:
-        """Compile `grammar` into `future`, no longer compiling by then (a failure is retried by the next submit)."""
+        """Compile `grammar` into `future` (a failure is retried by the next submit)."""
         try:
             result, error = self._compile(grammar), None
         except BaseException as e:  # noqa: BLE001  the caller's future carries it
@@ -186,11 +171,9 @@ class GrammarCompiler:
 
     async def matchers(self, grammar: Grammar, n: int, prefix: Sequence[int] = ()) -> list[Matcher]:
         """`n` matchers of `grammar` (the `n` choices of a request), each past `prefix` (a resumed
-        stream's tokens): the grammar compiled on the pool (once per schema, cached), the roots
-        its rows and those already running need to fill in parallel built there at once
-        (`CompiledGrammar.claim_roots`; waited for at most half the time left: a root later than
-        that serves later rows, these share the others), the matchers copied on a thread of their
-        own. The event loop only waits, and the deadline covers it all (InvalidRequest past it)."""
+        stream's tokens): compiled and copied off the event loop, the new roots
+        (`CompiledGrammar.claim_roots`) waited for at most half the time left (a later root serves
+        later rows); the deadline covers it all (InvalidRequest past it)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
         try:
@@ -206,8 +189,7 @@ class GrammarCompiler:
             raise compile_too_slow(grammar, self.timeout_s) from None
 
     def copies(self, compiled: CompiledGrammar, n: int, prefix: Sequence[int] = ()) -> list[Matcher]:
-        """As `matchers`, here and now (the engine's own requests: tests, benches): the roots built
-        in this thread."""
+        """As `matchers`, in this thread (the engine's own requests: tests, benches)."""
         for _ in range(compiled.claim_roots(n)):
             self._grow(compiled)
         return self._copy(compiled, n, prefix)
@@ -242,21 +224,14 @@ class _Root:
 
 
 class CompiledGrammar:
-    """A grammar compiled for one tokenizer, whose matchers are copies (`matcher`): a `deep_copy` of
-    a matcher at the grammar's start takes microseconds where compiling one took ~2 ms for the
-    30-property invoice schema and 0.23 s for a 12 KB object of 1,000 optional properties (2 idle
-    cores; ~1.7 s loaded), so no sequence compiles its schema: every sequence of every request
-    with it starts from a compile made once per schema (at most `max_roots` of them, below).
+    """A grammar compiled for one tokenizer, whose matchers are copies (`matcher`): a `deep_copy`
+    takes microseconds where a compile takes ~2 ms to ~1.7 s, so no sequence compiles its schema.
 
-    Copies of one matcher share its lexer behind a lock: their masks are filled one row at a time
-    even on the thread pool (fill CPU time / wall 1.0 with 2 threads where independent matchers
-    gave 1.55; 64 rows took 23 ms a step on an H200's host). So the grammar keeps up to `max_roots`
-    independent roots (each its own compile); a copy is made of the root with the fewest live
-    copies. New rows get the roots they and the rows already running need to fill in parallel
-    before they are copied (`claim_roots`), up to `max_roots`: rows of one grammar fill in
-    parallel up to the fill's threads, for at most `max_roots` compiles per schema. A root's
-    lexer grows with what its copies read (its DFA is built lazily, within llguidance's limits:
-    `max_lexer_states`), so a root that made `ROOT_COPIES` copies is replaced by a fresh one."""
+    Copies of one matcher share its lexer behind a lock, so their masks fill one row at a time
+    (64 rows: 23 ms a step on an H200's host). So the grammar keeps up to `max_roots` independent
+    roots (each its own compile), built as the rows need them (`claim_roots`); a copy is made of
+    the root with the fewest live copies. A root's lexer grows with what its copies read, so a
+    root that made `ROOT_COPIES` copies is replaced by a fresh one."""
 
     def __init__(self, tokenizer, grammar: Grammar, text: str, root, max_roots: int = 1):
         self.tokenizer, self.grammar, self.text, self.max_roots = tokenizer, grammar, text, max_roots
@@ -269,8 +244,7 @@ class CompiledGrammar:
         return len(self._roots)
 
     def matcher(self) -> tuple[object, _Root]:
-        """A new llguidance matcher at the grammar's start, and the root it was copied of (whose
-        `release` the caller calls when it drops the copy)."""
+        """A new llguidance matcher at the grammar's start, and its root (to `release` with the copy)."""
         with self._lock:
             root = min(self._roots, key=lambda r: (r.worn, r.live))
             root.live += 1
@@ -282,8 +256,8 @@ class CompiledGrammar:
             root.live -= 1
 
     def claim_roots(self, rows: int) -> int:
-        """How many roots the caller is to build before copying `rows` new rows (each root then
-        given to `add_root`): one per row running or new, up to `max_roots`, worn roots not counted."""
+        """How many roots the caller is to build (then `add_root`) before copying `rows` new rows:
+        one per row running or new, up to `max_roots`, worn roots not counted."""
         with self._lock:
             have = sum(not r.worn for r in self._roots) + self._building
             live = sum(r.live for r in self._roots)
@@ -315,25 +289,22 @@ class Matcher:
             raise InvalidRequest("the tokens already sent do not follow the response_format grammar")
 
     def accept(self, token: int) -> bool:
-        """Advance by `token`; False when the grammar does not allow it."""
         return self._m.consume_token(token)
 
     def takes(self, token: int) -> bool:
-        """llguidance's parser takes `token` next (the mask's bit, where the matcher is `free`; the
-        matcher does not move)."""
+        """The parser takes `token` next (the mask's bit where the matcher is `free`); no move."""
         return self._m.validate_tokens([token]) == 1
 
     @property
     def free(self) -> bool:
-        """Neither bytes forced next nor a stop token allowed: where llguidance's parser takes
-        exactly the tokens its mask allows (`takes`). With bytes forced (a key, a separator) the
-        mask allows only their canonical tokens while the parser takes any split of them ('i'
-        before "nvoice"), and the parser does not take a stop token that the mask allows."""
+        """Neither bytes forced next nor a stop token allowed: where the parser takes exactly the
+        tokens the mask allows (with forced bytes the parser takes any split of them, the mask only
+        their canonical tokens; a stop token the mask allows the parser does not take)."""
         return not self._m.compute_ff_bytes() and not self._m.is_accepting()
 
     @property
     def complete(self) -> bool:
-        """The output is whole: only a stop token may follow (or one was accepted)."""
+        """Only a stop token may follow (or one was accepted)."""
         return self._m.is_stopped()
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
@@ -343,7 +314,6 @@ class Matcher:
 
     @staticmethod
     def fill_all(executor, matchers: Sequence[Matcher], bitmask: torch.Tensor) -> None:
-        """Row j of `bitmask` for `matchers[j]`, the rows computed on `executor`'s threads."""
         from llguidance.torch import fill_next_token_bitmask_par
 
         fill_next_token_bitmask_par(executor, [(m._m, j) for j, m in enumerate(matchers)], bitmask)
@@ -366,8 +336,7 @@ class StepMasks:
 
     @property
     def threads(self) -> int:
-        """The threads filling a step's rows (`GrammarCompiler.max_roots`: one grammar's rows fill in
-        parallel up to it)."""
+        """The threads filling a step's rows (`GrammarCompiler.max_roots`)."""
         return self._threads or max(1, torch.get_num_threads())
 
     def fill(self, matchers: Sequence[Matcher]) -> torch.Tensor:
@@ -390,20 +359,15 @@ class StepMasks:
 
     def sample(self, logits: torch.Tensor, seqs, sample: Callable[[], DeviceSample],
                read_before: Callable[[], None]) -> DeviceSample:
-        """`sample()` of `logits` `(N, V)`, where each constrained row of `seqs` (its `matcher`
-        set) keeps only the tokens its grammar allows next: masked before sampling (`apply`), or
-        after it (`correct`) on CPU logits for the greedy rows that want neither logprobs nor
-        penalties.
+        """`sample()` of `logits` `(N, V)`, where each constrained row of `seqs` keeps only the
+        tokens its grammar allows next: masked before sampling (`apply`), or after it (`correct`)
+        on CPU logits for the greedy rows that want neither logprobs nor penalties.
 
-        A row's matcher needs the row's last token. With overlap, that token was sampled by the
-        step launched before this one and not read yet: `read_before` reads that step (and
-        postprocesses it) after this step's forward was launched and before its sampler, so the
-        device runs the forward while the host reads the ids and fills the masks (a step
-        without constrained rows waits for nothing). A row that finished at the step just read
-        (its grammar complete or refused, a stop id, an abort) has its token of this step
-        discarded: it gets no mask. The step before is read whenever this one has a constrained
-        row, which also means its mask's copy from the host buffer is done before the buffer is
-        filled again."""
+        With overlap a row's last token was sampled by the step launched before this one:
+        `read_before` reads (and postprocesses) that step after this step's forward was launched,
+        so the masks fill while it runs (a step without constrained rows waits for nothing); a row
+        that finished there gets no mask. Reading it also means its mask's copy from the host
+        buffer is done before the buffer is filled again."""
         if all(s.matcher is None for s in seqs):
             return sample()
         read_before()
@@ -422,8 +386,7 @@ class StepMasks:
         return result
 
     def apply(self, logits: torch.Tensor, matchers: Sequence[tuple[int, Matcher]]) -> None:
-        """Mask `logits` `(N, V)` in place: row `i` of each `(i, matcher)` keeps only the tokens its
-        grammar allows next."""
+        """Mask `logits` `(N, V)` in place: row `i` of each `(i, matcher)` keeps what it allows."""
         start = time.perf_counter()
         host = self.fill([m for _, m in matchers])
         rows = [i for i, _ in matchers]
@@ -443,12 +406,11 @@ class StepMasks:
 
     def correct(self, logits: torch.Tensor, tokens: torch.Tensor, matchers: Sequence[tuple[int, Matcher]]) -> None:
         """Masks after a greedy sampler, for CPU logits: row `i` of each `(i, matcher)` was sampled
-        unmasked (`tokens[i]`, the argmax of its logits) and gets the masked argmax, the first of
-        its highest allowed logits. Where the matcher is `free`, a token it `takes` stays, and a
-        refused row takes the first allowed of its highest logits (`_among_highest`); only the
-        other rows have their masks filled (a row allowing nothing keeps its token, which the
-        matcher then refuses). On the CPU the same cores fill the masks and run the forward, and
-        the dearest fill, inside a long string (~1 ms at Qwen's vocabulary), is the one most often spared."""
+        unmasked (`tokens[i]`) and gets the masked argmax. Where the matcher is `free`, a token it
+        `takes` stays, else the first allowed of its highest logits (`_among_highest`); only the
+        other rows have their masks filled (a row allowing nothing keeps its token). On the CPU the
+        same cores fill the masks and run the forward: the dearest fill, in a long string, is the one
+        most often spared."""
         start = time.perf_counter()
         sampled = tokens.tolist()
         refused = [(i, m) for i, m in matchers
@@ -501,10 +463,8 @@ class StepMasks:
         return torch.where(found, ids[first, bit[first]], best)
 
     def _addends(self, host: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The bitmask rows as values to add to CPU logits: 0 where a token is allowed, -inf
-        elsewhere, each byte looking its 8 values up in a table. On 2 cores, over 40 steps of 64 masks
-        of Qwen's vocabulary captured from `bench/llm.py --grammar`, this and the add took 4.4-4.8 ms
-        a step, `masked_fill_` with a boolean mask 7.2-9.4 ms (~18 ms on random bits)."""
+        """The bitmask rows as values to add to CPU logits (0 allowed, -inf not), each byte looking
+        its 8 values up in a table: faster than `masked_fill_` (4.6 vs 8 ms a step of 64 rows)."""
         if self._table is None or self._table.dtype != dtype:
             # byte k of a row, bit j: token 8 k + j (the int32 words are little-endian)
             bits = (torch.arange(256).unsqueeze(-1) >> torch.arange(8)) & 1

@@ -49,7 +49,7 @@ class PreparedItem:
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        return sum(t.nbytes for t in self.tensors)
 
 
 class EncoderFace(ABC):
@@ -61,9 +61,14 @@ class EncoderFace(ABC):
 
     lora_stages: tuple[str, ...] = ()
 
-    @abstractmethod
     def __init__(self, model_dir: str, config, dtype: torch.dtype):
-        """`config`: the checkpoint's `transformers` config."""
+        """`config`: the checkpoint's `transformers` config; the checkpoint's processors loaded here."""
+        from transformers import AutoProcessor
+
+        self.config, self.dtype = config, dtype
+        processor = AutoProcessor.from_pretrained(model_dir)
+        self.image_processor = processor.image_processor
+        self.video_processor = getattr(processor, "video_processor", None)
 
     @abstractmethod
     def rename(self, key: str) -> str | None:
@@ -103,9 +108,9 @@ class EncoderFace(ABC):
         `max_patches`, for `forward` to replay; returns what happened (graphs or why none)."""
         return f"no CUDA graphs for {type(self).__name__}"
 
-    @abstractmethod
     def preprocess_fingerprint(self) -> str:
-        """The preprocessing settings (part of the cache identity of every output)."""
+        """The preprocessing settings (part of the cache identity of every output): the processors'."""
+        return "".join(p.to_json_string() for p in (self.image_processor, self.video_processor) if p is not None)
 
 
 def image_uint8(data: bytes) -> torch.Tensor:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from encoder_service.families.base import EncoderFace, PreparedItem, image_uint8, run_processor
+from mmserve.checkpoint import strip_prefix
 from mmserve.families import llava as llava_router
 from mmserve.inputs.media import MediaItem
 
@@ -48,23 +49,16 @@ _LEGACY_TOWER_PREFIX = "vision_model."
 STRATEGIES = ("default", "full")
 
 
-def _strip(key: str, prefixes: tuple[str, ...]) -> str | None:
-    for prefix in prefixes:
-        if key.startswith(prefix):
-            return key[len(prefix):]
-    return None
-
-
 def rename(key: str) -> str | None:
     """Checkpoint key -> key in the full vision module (None: not a vision tensor).
 
     Tower keys come out as the 5.x tower names (`embeddings.*`, `pre_layrnorm.*`,
     `encoder.layers.N.*`, `post_layernorm.*`, `head.*`), projector keys as `projector.*`.
     """
-    tower = _strip(key, VISION_PREFIXES)
+    tower = strip_prefix(key, VISION_PREFIXES)
     if tower is not None:
         return tower.removeprefix(_LEGACY_TOWER_PREFIX)
-    projector = _strip(key, PROJECTOR_PREFIXES)
+    projector = strip_prefix(key, PROJECTOR_PREFIXES)
     return None if projector is None else "projector." + projector
 
 
@@ -99,9 +93,8 @@ def feature_select(config) -> FeatureSelect:
 def image_token_count(config) -> int:
     """Encoder rows of one image (the router face's count, see `mmserve.families.llava`)."""
     vision = config.vision_config
-    return llava_router.image_token_count(
-        vision.model_type, vision.image_size, vision.patch_size, config.vision_feature_select_strategy
-    )
+    return llava_router.image_token_count(vision.model_type, vision.image_size, vision.patch_size,
+                                          config.vision_feature_select_strategy)
 
 
 class LlavaVisionEncoder(nn.Module):
@@ -134,9 +127,7 @@ class LlavaVisionEncoder(nn.Module):
         wanted = set(self.state_dict())
 
         def to_module_key(key: str) -> str | None:
-            name = rename(key)
-            if name is None:
-                return None
+            name = rename(key) or ""
             if name.startswith("encoder.layers."):
                 name = name[len("encoder."):]
             return name if name in wanted else None
@@ -165,10 +156,7 @@ class LlavaEncoderFace(EncoderFace):
     (resize, crop, rescale, normalize) runs over the whole batch on the tower's device."""
 
     def __init__(self, model_dir: str, config, dtype: torch.dtype):
-        from transformers import AutoProcessor
-
-        self.image_processor = AutoProcessor.from_pretrained(model_dir).image_processor
-        self.dtype = dtype
+        super().__init__(model_dir, config, dtype)
         self._module = LlavaVisionEncoder(config, dtype)
         self._rename = self._module.checkpoint_rename()
 
@@ -177,9 +165,6 @@ class LlavaEncoderFace(EncoderFace):
 
     def build(self) -> nn.Module:
         return self._module
-
-    def preprocess_fingerprint(self) -> str:
-        return self.image_processor.to_json_string()
 
     def preprocess(self, item: MediaItem, layout: object) -> PreparedItem:
         n = self._module.tokens_per_image

@@ -43,10 +43,7 @@ class MiniCPMVVisionEncoder(nn.Module):
     def __init__(self, config, dtype: torch.dtype):
         super().__init__()
         from transformers.initialization import no_init_weights
-        from transformers.models.minicpmv4_6.modeling_minicpmv4_6 import (
-            MiniCPMV4_6Merger,
-            MiniCPMV4_6VisionModel,
-        )
+        from transformers.models.minicpmv4_6.modeling_minicpmv4_6 import MiniCPMV4_6Merger, MiniCPMV4_6VisionModel
 
         self.use_vit_merger = config.downsample_mode != "4x"
         with no_init_weights():
@@ -61,13 +58,7 @@ class MiniCPMVVisionEncoder(nn.Module):
 
 class MiniCPMVEncoderFace(EncoderFace):
     def __init__(self, model_dir: str, config, dtype: torch.dtype):
-        from transformers import AutoProcessor
-
-        self.config = config
-        self.dtype = dtype
-        processor = AutoProcessor.from_pretrained(model_dir)
-        self.image_processor = processor.image_processor
-        self.video_processor = processor.video_processor
+        super().__init__(model_dir, config, dtype)
         self.divisor = 4 if config.downsample_mode == "4x" else 16
         self.patch = int(config.vision_config.patch_size)
 
@@ -76,9 +67,6 @@ class MiniCPMVEncoderFace(EncoderFace):
 
     def build(self) -> nn.Module:
         return MiniCPMVVisionEncoder(self.config, self.dtype)
-
-    def preprocess_fingerprint(self) -> str:
-        return self.image_processor.to_json_string() + self.video_processor.to_json_string()
 
     def _prepared(self, pixels: torch.Tensor, sizes: torch.Tensor) -> PreparedItem:
         patches = int((sizes[:, 0] * sizes[:, 1]).sum())
@@ -122,13 +110,8 @@ class MiniCPMVEncoderFace(EncoderFace):
         device = next(module.parameters()).device
         pixels = self.pixel_values(batch, device).to(self.dtype)
         sizes = torch.cat([p.tensors[1] for p in batch]).to(device)
-        views = module(pixels, sizes)
-        out, start = [], 0
-        for p in batch:
-            n = p.tensors[1].shape[0]
-            out.append((torch.cat(views[start:start + n]),))
-            start += n
-        return out
+        views = iter(module(pixels, sizes))  # an item's rows: its views' in order
+        return [(torch.cat([next(views) for _ in range(p.tensors[1].shape[0])]),) for p in batch]
 
 
 ENCODER_FACE = MiniCPMVEncoderFace

@@ -33,39 +33,32 @@ class QwenVLEncoderFace(EncoderFace):
     video_grid = staticmethod(router.video_grid)  # the video processor's sizing (Qwen3-VL's differs)
 
     def __init__(self, model_dir: str, config, dtype: torch.dtype):
-        from transformers import AutoProcessor
-
-        self.config = config
-        self.dtype = dtype
-        processor = AutoProcessor.from_pretrained(model_dir)
-        self.image_processor = processor.image_processor
-        self.video_processor = processor.video_processor
+        super().__init__(model_dir, config, dtype)
         self.merge = int(config.vision_config.spatial_merge_size)
         self.sizes = router.read_preprocess_config(model_dir)  # the processors' sizing rules
         self.graphs = None  # encoder_service.vit_graphs.TowerGraphs, once captured
-        if config.model_type in ("qwen2_vl", "qwen2_5_vl"):
+        self.qwen2 = config.model_type in ("qwen2_vl", "qwen2_5_vl")  # packed attention, adapters, graphs
+        if self.qwen2:
             self.lora_stages = ("blocks.", "merger.")
 
     def rename(self, key: str) -> str | None:
         return strip_prefix(key, VISION_PREFIXES)
 
+    def tower_class(self) -> type[nn.Module]:
+        if self.config.model_type == "qwen2_vl":
+            from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+            return Qwen2VisionTransformerPretrainedModel
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+        return Qwen2_5_VisionTransformerPretrainedModel
+
     def build(self) -> nn.Module:
         from transformers.initialization import no_init_weights
 
-        if self.config.model_type == "qwen2_vl":
-            from transformers.models.qwen2_vl.modeling_qwen2_vl import (
-                Qwen2VisionTransformerPretrainedModel as Tower,
-            )
-        else:
-            from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-                Qwen2_5_VisionTransformerPretrainedModel as Tower,
-            )
         with no_init_weights():
-            tower = Tower._from_config(self.config.vision_config, dtype=self.dtype)
-        return use_packed_attention(tower)  # one attention call per layer over the whole batch
-
-    def preprocess_fingerprint(self) -> str:
-        return self.image_processor.to_json_string() + self.video_processor.to_json_string()
+            tower = self.tower_class()._from_config(self.config.vision_config, dtype=self.dtype)
+        return use_packed_attention(tower) if self.qwen2 else tower  # one attention call per layer over the batch
 
     def _prepared(self, frames: torch.Tensor, grid: tuple[int, int, int]) -> PreparedItem:
         t, h, w = grid
@@ -129,7 +122,7 @@ class QwenVLEncoderFace(EncoderFace):
         tower on a batch of two items before use."""
         from encoder_service.vit_graphs import TowerGraphs, budget_ladder
 
-        if self.config.model_type not in ("qwen2_vl", "qwen2_5_vl"):
+        if not self.qwen2:
             return f"no CUDA graphs for {self.config.model_type} (its tower derives more from grid_thw)"
         unit_patches = self.merge * self.merge
         top = max_cost * (1 if unit == "patches" else unit_patches)

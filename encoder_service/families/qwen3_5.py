@@ -7,12 +7,8 @@ features). Preprocessing, packing, temporal splitting and streamed video groups 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
 from torch import nn
 
-from encoder_service.families.base import PreparedItem
 from encoder_service.families.qwen3_vl import Qwen3VLEncoderFace
 
 
@@ -21,18 +17,6 @@ class Qwen3_5EncoderFace(Qwen3VLEncoderFace):
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
         return Qwen3_5VisionModel
-
-    def build(self) -> nn.Module:
-        from transformers.initialization import no_init_weights
-
-        with no_init_weights():
-            return self.tower_class()._from_config(self.config.vision_config, dtype=self.dtype)
-
-    def forward(self, module: nn.Module, batch: Sequence[PreparedItem]) -> list[tuple[torch.Tensor, ...]]:
-        device = next(module.parameters()).device
-        grid_thw = torch.tensor([p.layout for p in batch], dtype=torch.long, device=device)
-        out = module(self.pixel_values(batch, device).to(self.dtype), grid_thw=grid_thw)
-        return [(rows,) for rows in torch.split(out.pooler_output, [p.num_tokens for p in batch])]
 
 
 ENCODER_FACE = Qwen3_5EncoderFace

@@ -22,19 +22,18 @@ from mmserve.families import qwen3_vl as router
 class Qwen3VLEncoderFace(QwenVLEncoderFace):
     video_grid = staticmethod(router.video_grid)
 
-    def build(self) -> nn.Module:
-        from transformers.initialization import no_init_weights
+    def tower_class(self) -> type[nn.Module]:
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
-        with no_init_weights():
-            return Qwen3VLVisionModel._from_config(self.config.vision_config, dtype=self.dtype)
+        return Qwen3VLVisionModel
 
     def forward(self, module: nn.Module, batch: Sequence[PreparedItem]) -> list[tuple[torch.Tensor, ...]]:
         device = next(module.parameters()).device
         grid_thw = torch.tensor([p.layout for p in batch], dtype=torch.long, device=device)
         out = module(self.pixel_values(batch, device).to(self.dtype), grid_thw=grid_thw)
         sizes = [p.num_tokens for p in batch]
-        parts = [torch.split(out.pooler_output, sizes)] + [torch.split(f, sizes) for f in out.deepstack_features]
+        features = getattr(out, "deepstack_features", None) or ()  # Qwen3.5's tower has none
+        parts = [torch.split(out.pooler_output, sizes)] + [torch.split(f, sizes) for f in features]
         return [tuple(part[i] for part in parts) for i in range(len(batch))]
 
 

@@ -9,12 +9,10 @@ from encoder_service.families.qwen3_vl import Qwen3VLEncoderFace
 
 
 class Qwen3VLMoeEncoderFace(Qwen3VLEncoderFace):
-    def build(self) -> nn.Module:
-        from transformers.initialization import no_init_weights
+    def tower_class(self) -> type[nn.Module]:
         from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
-        with no_init_weights():
-            return Qwen3VLMoeVisionModel._from_config(self.config.vision_config, dtype=self.dtype)
+        return Qwen3VLMoeVisionModel
 
 
 ENCODER_FACE = Qwen3VLMoeEncoderFace

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from encoder_service.families.base import EncoderFace, PreparedItem, image_uint8, run_processor
+from mmserve.checkpoint import strip_prefix
 from mmserve.errors import InvalidRequest
 from mmserve.inputs.media import MediaItem, MediaKind
 
@@ -52,15 +53,12 @@ _HUB_VISION_RENAMES = (
 
 
 def rename(key: str) -> str | None:
-    """Checkpoint key -> module key (`tower.*` in either layout, `projector.weight`); None otherwise."""
-    for prefix in ("model.vision_model.", "vision_model."):
-        if key.startswith(prefix):
-            return "tower." + key[len(prefix):]
-    if key in ("vit_large_projector.weight", "model.multi_modal_projector.weight"):
-        return "projector.weight"
-    if key in ("vit_large_projector.bias", "model.multi_modal_projector.bias"):
-        return "projector.bias"
-    return None
+    """Checkpoint key -> module key (`tower.*` in either layout, `projector.*`); None otherwise."""
+    tower = strip_prefix(key, ("model.vision_model.", "vision_model."))
+    projector = strip_prefix(key, ("vit_large_projector.", "model.multi_modal_projector."))
+    if tower is not None:
+        return "tower." + tower
+    return "projector." + projector if projector in ("weight", "bias") else None
 
 
 def _permute_for_rope(tensor: torch.Tensor, heads: int) -> torch.Tensor:
@@ -75,13 +73,11 @@ def convert_hub_vision(state: dict[str, torch.Tensor], heads: int) -> dict[str, 
     """Hub-layout `tower.*` keys -> `Step3p7VisionModel` keys (others unchanged)."""
     out = {}
     for key, value in state.items():
-        if not key.startswith("tower.") or ".attn.in_proj_" not in key and not any(
-            re.search(p, key[len("tower."):]) for p, _ in _HUB_VISION_RENAMES
-        ):
+        if not key.startswith("tower."):
             out[key] = value
             continue
         name = key[len("tower."):]
-        for pattern, target in _HUB_VISION_RENAMES:
+        for pattern, target in _HUB_VISION_RENAMES:  # an in-memory key matches none
             name = re.sub(pattern, target, name)
         match = re.fullmatch(r"(.*)\.self_attn\.in_proj_(weight|bias)", name)
         if match is None:
@@ -133,11 +129,7 @@ class Views:
 
 class Step3EncoderFace(EncoderFace):
     def __init__(self, model_dir: str, config, dtype: torch.dtype):
-        from transformers import AutoProcessor
-
-        self.config = config
-        self.dtype = dtype
-        self.image_processor = AutoProcessor.from_pretrained(model_dir).image_processor
+        super().__init__(model_dir, config, dtype)
         stride = self.image_processor.vision_patch_size * self.image_processor.downsampler_stride
         self.crop_tokens = (self.image_processor.patch_size // stride) ** 2
         self.global_tokens = (self.image_processor.size["height"] // stride) ** 2
@@ -149,9 +141,6 @@ class Step3EncoderFace(EncoderFace):
 
     def build(self) -> nn.Module:
         return Step3VisionEncoder(self.config, self.dtype)
-
-    def preprocess_fingerprint(self) -> str:
-        return self.image_processor.to_json_string()
 
     def _prepared(self, image: torch.Tensor, views: Views) -> PreparedItem:
         tokens = views.crops * self.crop_tokens + views.has_global * self.global_tokens
@@ -207,13 +196,10 @@ class Step3EncoderFace(EncoderFace):
         device = next(module.parameters()).device
         views = self.pixel_values(batch, device)
         crop_rows, global_rows = (module(v.to(self.dtype)) if v.shape[0] else v for v in views)
-        result, crop, glob = [], 0, 0
-        for p in batch:
-            run: Views = p.layout
-            parts = [crop_rows[crop:crop + run.crops], global_rows[glob:glob + run.has_global]]
-            crop, glob = crop + run.crops, glob + run.has_global
-            result.append((torch.cat([t.reshape(-1, t.shape[-1]) for t in parts if t.shape[0]]),))
-        return result
+        crops = crop_rows.split([p.layout.crops for p in batch])
+        global_views = global_rows.split([int(p.layout.has_global) for p in batch])
+        return [(torch.cat([t.reshape(-1, t.shape[-1]) for t in parts if t.shape[0]]),)
+                for parts in zip(crops, global_views)]
 
 
 ENCODER_FACE = Step3EncoderFace

@@ -7,6 +7,7 @@ fetches from its event loop (`wait_acquire` is woken by `put`, from any thread).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -24,10 +25,6 @@ class _Entry:
     pins: int
     expires_at: float
     fetching: int = 0
-
-    @property
-    def num_bytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
 
 
 @dataclass
@@ -58,10 +55,10 @@ class ResultStore:
             entry = self._entries.get(content_hash)
             if entry is None:
                 entry = _Entry(tensor, 1, now + self.ttl_s)
-                if self._entries and self._num_bytes + entry.num_bytes > self.max_bytes:
+                if self._entries and self._num_bytes + tensor.nbytes > self.max_bytes:
                     raise Overloaded(f"the encoder's store of unfetched results is full ({self.max_bytes} bytes)")
                 self._entries[content_hash] = entry
-                self._num_bytes += entry.num_bytes
+                self._num_bytes += tensor.nbytes
             else:
                 entry.pins += 1
                 entry.expires_at = now + self.ttl_s
@@ -81,17 +78,13 @@ class ResultStore:
         while True:
             event = asyncio.Event()
             with self._lock:
-                tensor = self._acquire_locked(content_hash)
-                if tensor is not None:
+                tensor, remaining = self._acquire_locked(content_hash), deadline - time.monotonic()
+                if tensor is not None or remaining <= 0:
                     return tensor
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return None
                 self._waiters.setdefault(content_hash, []).append((loop, event))
             try:
-                await asyncio.wait_for(event.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(event.wait(), remaining)
             finally:
                 with self._lock:
                     waiters = self._waiters.get(content_hash, [])
@@ -134,7 +127,7 @@ class ResultStore:
         return entry.tensor
 
     def _remove(self, content_hash: str) -> None:
-        self._num_bytes -= self._entries.pop(content_hash).num_bytes
+        self._num_bytes -= self._entries.pop(content_hash).tensor.nbytes
 
     def _evict_expired(self, now: float) -> None:
         expired = [h for h, e in self._entries.items() if e.expires_at <= now and e.fetching == 0]

@@ -148,10 +148,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     def __init__(self, encoder: Encoder | None, store: ResultStore, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  limits: MediaLimits = MediaLimits()):
-        self.encoder = encoder
-        self.store = store
-        self.chunk_bytes = chunk_bytes
-        self.limits = limits
+        self.encoder, self.store, self.chunk_bytes, self.limits = encoder, store, chunk_bytes, limits
 
     async def Encode(self, request: encoder_pb2.EncodeRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[encoder_pb2.EmbeddingChunk]:
@@ -246,9 +243,8 @@ async def start_server(encoder: Encoder | None, store: ResultStore,
     interceptors = [_TokenInterceptor(options.security.token)] if options.security.token else []
     server = grpc.aio.server(interceptors=interceptors,
                              options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-    encoder_pb2_grpc.add_EncoderServiceServicer_to_server(
-        EncoderServicer(encoder, store, options.chunk_bytes, options.limits), server
-    )
+    servicer = EncoderServicer(encoder, store, options.chunk_bytes, options.limits)
+    encoder_pb2_grpc.add_EncoderServiceServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

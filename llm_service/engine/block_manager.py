@@ -5,6 +5,7 @@ No tensors here.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -28,8 +29,7 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, on_evict: Callable[[int], None] | None = None):
-        self.block_size = block_size
-        self.num_blocks = num_blocks
+        self.block_size, self.num_blocks = block_size, num_blocks
         self.ref_counts = [0] * num_blocks
         self.num_cached_tokens = 0
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -80,13 +80,7 @@ class BlockManager:
     # -- prefix caching ---------------------------------------------------------------------------
     def cached_prefix(self, hashes: Sequence[int]) -> list[int]:
         """Block ids caching the longest run of `hashes` from the start (nothing is taken yet)."""
-        blocks = []
-        for h in hashes:
-            block = self._by_hash.get(h)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
+        return list(itertools.takewhile(lambda block: block is not None, map(self._by_hash.get, hashes)))
 
     def is_cached(self, block_hash: int) -> bool:
         return block_hash in self._by_hash

@@ -8,18 +8,12 @@ at once. Events leave through each request's callback. With prefix caching, mode
 linear-attention layers also keep state snapshots at prompt block boundaries
 (`llm_service.hybrid.state_snapshots`): the step's sequences that stopped at one are copied there.
 
-With `async_scheduling` (on CUDA by default) steps overlap: the sampled ids stay on the device
-and feed the next step's inputs (`BatchState`), one non-blocking copy brings them to pinned host
-memory, and the host reads them one step late: it schedules, prepares and launches step N+1
-before it postprocesses step N. Stop ids, EOS and `max_tokens` are therefore applied a step
-late (`max_tokens` is known ahead: a sequence with all its tokens sampled is not scheduled
-again); a sequence that finished at step N and was already in step N+1 has that token discarded,
-never sent. Everything the device does stays in stream order, so blocks, slots and rows freed
-while a step that used them is in flight are only reused by work queued after it. A step with
-constrained rows (`response_format`) overlaps too: their masks need the tokens of step N, so the
-host reads step N after launching step N+1's forward and before sampling it, then fills the masks
-while that forward runs (`StepMasks.sample`); a row that finished at step N gets no mask, its token
-is dropped. `StepClock` (`step_log`) times each step's phases.
+With `async_scheduling` steps overlap (docs/attention.md#overlapped-steps): the host launches
+step N+1 before it reads and postprocesses step N, so stop ids and EOS apply a step late and a
+sequence that finished at step N drops its token of step N+1, never sent (`max_tokens` is known
+ahead: a sequence with all its tokens sampled is not scheduled again). Everything the device
+does stays in stream order, so blocks, slots and rows freed while a step that used them is in
+flight are only reused by work queued after it. Constrained rows: `StepMasks.sample`.
 """
 
 from __future__ import annotations
@@ -100,8 +94,7 @@ class LLMEngine:
         self.clock = StepClock()
         self.last_progress = time.monotonic()  # a step started or finished, or work arrived while idle
         self._idle = True  # waiting for work (or only for media rows): no step is owed
-        self.num_steps = 0
-        self.num_generated = 0
+        self.num_steps = self.num_generated = 0
         self.grammar_compiler: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
         # the mask fill's threads, set here (default: the replica's torch threads, `replica_env.set_cpu_threads`)
@@ -130,8 +123,6 @@ class LLMEngine:
             return self.grammar_compiler
 
     def _new_scheduler(self) -> None:
-        """The scheduler and its bookkeeping of the runner's pools (KV blocks and the prefix cache,
-        state slots and snapshots): as new."""
         r = self.runner
         self.scheduler = Scheduler(self.config, r.num_blocks, r.num_slots, r.num_snapshots, r.batch.release)
 
@@ -139,31 +130,30 @@ class LLMEngine:
         """Before `start()`: load each `LoraRequest` of `adapters` once (the last `max_loras` stay
         loaded), so that a bad adapter stops the replica at start, naming it and the field."""
         for adapter in adapters:
-            if self.runner.loras is None:
-                raise AdapterError(f"LoRA adapter {adapter.name!r}: this engine serves none (max_loras is 0)")
-            if not self.runner.loras.hold(adapter):
+            if not self._loras(adapter).hold(adapter):
                 raise AdapterError(f"LoRA adapter {adapter.name!r}: no free place (max_loras is "
                                    f"{self.runner.loras.capacity})")
             self.runner.loras.release(adapter.name)
+
+    def _loras(self, adapter):
+        if self.runner.loras is None:
+            raise AdapterError(f"LoRA adapter {adapter.name!r}: this engine serves none (max_loras is 0)")
+        return self.runner.loras
 
     def prepare_lora(self, adapter) -> None:
         """From any thread (Serve's multiplexed loader, `deployments.serve.llm`): read the
         `LoraRequest`'s adapter ahead, so that its request's admission on the engine thread only
         installs it (`LoraSet.prepare`); `forget_lora(name)` drops it if it was never installed."""
-        if self.runner.loras is None:
-            raise AdapterError(f"LoRA adapter {adapter.name!r}: this engine serves none (max_loras is 0)")
-        self.runner.loras.prepare(adapter)
+        self._loras(adapter).prepare(adapter)
 
     def forget_lora(self, name: str) -> None:
         if self.runner.loras is not None:
             self.runner.loras.forget(name)
 
     def warm_up(self, num_prompt_tokens: int = 24, max_tokens: int = 3) -> None:
-        """Before `start()`: run two short requests, one greedy and one sampled, through the real
-        steps in the calling thread (a packed prefill, then `max_tokens - 1` decode steps), so that
-        the first client request finds the kernels compiled, the allocator warm and the sampler's
-        paths taken; then forget them: the bookkeeping is made anew and the counters start at 0, so
-        that `stats()` reads as a fresh engine's (no blocks held, nothing in the prefix cache)."""
+        """Before `start()`: run a greedy and a sampled request through the real steps in the calling
+        thread, so that the first client request finds everything warm; then forget them (`stats()`
+        reads as a fresh engine's)."""
         if self._thread is not None:
             raise RuntimeError("warm_up() runs before start()")
         ids = tuple(i % self.model.vocab_size for i in range(1, num_prompt_tokens + 1))
@@ -396,7 +386,6 @@ class LLMEngine:
             self._launched = None
 
     def _read(self, launched: _Launched) -> None:
-        """Wait for a launched step's sampled ids and postprocess them."""
         resume = self.clock.enter("readback")
         if launched.done is not None:
             launched.done.synchronize()

@@ -44,13 +44,9 @@ class PrefillAdder:
     def __init__(self, token_budget: int, blocks: BlockManager, chunked: bool, batch_empty: bool,
                  prefix_caching: bool = False, slots: StateSlotManager | None = None,
                  snapshots: SnapshotManager | None = None):
-        self.token_budget = token_budget
-        self._blocks = blocks
-        self._chunked = chunked
-        self._batch_empty = batch_empty
+        self.token_budget, self._blocks, self._chunked, self._batch_empty = token_budget, blocks, chunked, batch_empty
         self._prefix_caching = prefix_caching and (slots is None or snapshots is not None)
-        self._slots = slots
-        self._snapshots = snapshots
+        self._slots, self._snapshots = slots, snapshots
 
     def try_add(self, seq: Sequence) -> ScheduledSeq | None:
         """The share of `seq` that fits (None: nothing does; stop admitting, FIFO)."""
@@ -107,8 +103,8 @@ class Scheduler:
     rows after them (`snapshots`: dropped with the KV block their prefix ends at).
 
     Each step: every running sequence gets its pending tokens (1 for a decode, a chunk for a
-    prefill in progress, none while it waits for media rows: `Sequence.ready`), oldest first; when the pool cannot hold them the youngest running
-    sequence is preempted (blocks and state slot freed, recomputed later, first in line). Then
+    prefill in progress, none while it waits for media rows), oldest first; when the pool cannot
+    hold them the youngest running sequence is preempted (recomputed later, first in line). Then
     waiting sequences are admitted FIFO while `max_num_seqs`, the token budget, the pool and the
     state slots allow. Invariant: a sequence holds a state slot exactly while it is running.
 
@@ -138,9 +134,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
-        preempted: list[Sequence] = []
-        kept: list[Sequence] = []
-        queue = list(self.running)
+        preempted, kept, queue = [], [], list(self.running)
         while queue:
             seq = queue.pop(0)
             pending = chunk_end(seq, seq.num_computed, self.blocks.block_size, self.snapshots) - seq.num_computed
@@ -213,15 +207,13 @@ class Scheduler:
         if self.release is not None:
             self.release(seq)
         self.blocks.free(seq.block_table)
-        seq.resume_snapshot = None
         if seq.state_slot is not None:
             self.slots.free(seq.state_slot)
-            seq.state_slot = None
+        seq.resume_snapshot = seq.state_slot = None
 
     def _preempt(self, seq: Sequence) -> None:
         self._free(seq)
-        seq.num_computed = 0
-        seq.status = Status.WAITING
+        seq.num_computed, seq.status = 0, Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
 

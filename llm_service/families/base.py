@@ -9,7 +9,16 @@ from torch import nn
 
 from llm_service.hybrid.state_cache import StateSpec
 from llm_service.model.transfer import to_device
+from mmserve.checkpoint import strip_prefix
 from mmserve.inputs.positions import LinearPositions, PositionPlan
+
+
+def decoder_key(key: str, prefixes: tuple[str, ...], lm_head_keys: tuple[str, ...] = ("lm_head.weight",)) -> str | None:
+    """Checkpoint key -> `lm_head.weight` / `decoder.<key after the first of prefixes>` (None: neither)."""
+    if key in lm_head_keys:
+        return "lm_head.weight"
+    name = strip_prefix(key, prefixes)
+    return None if name is None else "decoder." + name
 
 
 class LanguageModelModules(nn.Module):
@@ -17,9 +26,7 @@ class LanguageModelModules(nn.Module):
 
     def __init__(self, decoder: nn.Module, lm_head: nn.Linear, tied: bool):
         super().__init__()
-        self.decoder = decoder
-        self.lm_head = lm_head
-        self.tied = tied
+        self.decoder, self.lm_head, self.tied = decoder, lm_head, tied
         if tied:  # one tensor under both names; the checkpoint's lm_head.weight, if any, is not read
             self.lm_head.weight = decoder.embed_tokens.weight
 
@@ -108,5 +115,4 @@ class LMFace(ABC):
         return ()
 
     def tied_embeddings(self) -> bool:
-        text = self.config.text_config
-        return bool(getattr(self.config, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+        return any(getattr(c, "tie_word_embeddings", False) for c in (self.config, self.config.text_config))

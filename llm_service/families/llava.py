@@ -13,7 +13,7 @@ the lm_head is the embedding table.
 
 from __future__ import annotations
 
-from llm_service.families.base import LMFace
+from llm_service.families.base import LMFace, decoder_key
 
 _DECODER_PREFIXES = ("model.language_model.", "language_model.model.")
 _LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
@@ -21,12 +21,7 @@ _LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
 
 def rename(key: str) -> str | None:
     """Checkpoint key -> `decoder.*` / `lm_head.weight` (None: not a language-model tensor)."""
-    if key in _LM_HEAD_KEYS:
-        return "lm_head.weight"
-    for prefix in _DECODER_PREFIXES:
-        if key.startswith(prefix):
-            return "decoder." + key[len(prefix):]
-    return None
+    return decoder_key(key, _DECODER_PREFIXES, _LM_HEAD_KEYS)
 
 
 def decoder_class(config) -> type:

@@ -8,18 +8,13 @@ Checkpoint keys: `model.language_model.<decoder key>` and `lm_head.weight` (no l
 
 from __future__ import annotations
 
+from llm_service.families.base import decoder_key
 from llm_service.families.qwen3_5_text import HybridLMFace
-
-_DECODER_PREFIX = "model.language_model."
 
 
 class MiniCPMVLMFace(HybridLMFace):
     def rename(self, key: str) -> str | None:
-        if key == "lm_head.weight":
-            return key
-        if key.startswith(_DECODER_PREFIX):
-            return "decoder." + key[len(_DECODER_PREFIX):]
-        return None
+        return decoder_key(key, ("model.language_model.",))
 
 
 LM_FACE = MiniCPMVLMFace

@@ -10,25 +10,18 @@ from __future__ import annotations
 
 import torch
 
-from llm_service.families.base import LanguageModelModules, LMFace
+from llm_service.families.base import LanguageModelModules, LMFace, decoder_key
 from llm_service.model import layers
-from mmserve.checkpoint import strip_prefix
 from mmserve.inputs.positions import LinearPositions, PositionPlan
 
 # transformers >= 4.52 layout first, then the legacy one of every released checkpoint.
 _DECODER_PREFIXES = ("model.language_model.", "model.")
 _VISION_PREFIXES = ("visual.", "model.visual.")
-LM_HEAD_KEY = "lm_head.weight"
 
 
 class QwenVLLMFace(LMFace):
     def rename(self, key: str) -> str | None:
-        if key.startswith(_VISION_PREFIXES):
-            return None
-        if key == LM_HEAD_KEY:
-            return "lm_head.weight"
-        name = strip_prefix(key, _DECODER_PREFIXES)
-        return None if name is None else "decoder." + name
+        return None if key.startswith(_VISION_PREFIXES) else decoder_key(key, _DECODER_PREFIXES)
 
     def text_positions(self) -> PositionPlan:
         return LinearPositions(rows=3)

@@ -36,8 +36,7 @@ class PackedGatedDeltaNet(Qwen3_5GatedDeltaNet):
         mixed_qkv = causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), self.conv1d.bias,
                                   states.pool.conv[self.layer_idx], states, ACT2FN[self.activation])
         query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        query = query.reshape(rows, -1, self.head_k_dim)
-        key = key.reshape(rows, -1, self.head_k_dim)
+        query, key = (t.reshape(rows, -1, self.head_k_dim) for t in (query, key))
         value = value.reshape(rows, -1, self.head_v_dim)
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * torch.nn.functional.softplus(self.in_proj_a(x).float() + self.dt_bias)

@@ -21,6 +21,7 @@ import re
 import torch
 
 from llm_service.families.base import LanguageModelModules, LMFace
+from mmserve.checkpoint import strip_prefix
 
 _HUB_MOE = (
     (r"\.moe\.gate\.weight$", ".mlp.gate.weight"),
@@ -35,13 +36,8 @@ _HUB_MOE = (
 def rename(key: str, num_layers: int) -> str | None:
     if key == "lm_head.weight":
         return key
-    for prefix in ("model.language_model.", "model."):
-        if key.startswith(prefix):
-            name = key[len(prefix):]
-            break
-    else:
-        return None
-    if name.startswith(("vision_model.", "multi_modal_projector.")):
+    name = strip_prefix(key, ("model.language_model.", "model."))
+    if name is None or name.startswith(("vision_model.", "multi_modal_projector.")):
         return None
     layer = re.match(r"layers\.(\d+)\.", name)
     if layer and int(layer.group(1)) >= num_layers:

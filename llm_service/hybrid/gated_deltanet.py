@@ -118,12 +118,10 @@ def gated_delta_rule(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     lay = _rule_layout(batch, query.device)
     out = torch.empty_like(value)
     if len(lay.decode_rows):
-        slots = batch.slots[lay.decode_seqs]
-        r = lay.decode_rows
+        slots, r = batch.slots[lay.decode_seqs], lay.decode_rows
         out[r], state[slots] = _recurrent_step(query[r], key[r], value[r], g[r], beta[r], state[slots])
     if len(lay.chunk_rows):
-        slots = batch.slots[lay.chunk_seqs]
-        r = lay.chunk_rows
+        slots, r = batch.slots[lay.chunk_seqs], lay.chunk_rows
         out[r], state[slots] = _chunked(query[r], key[r], value[r], g[r], beta[r], state[slots], lay)
     return out.to(out_dtype)
 

@@ -75,8 +75,7 @@ class StatePool:
 
     def __init__(self, specs: tuple[StateSpec, ...], num_slots: int, dtype: torch.dtype, device: torch.device,
                  num_snapshots: int = 0):
-        self.num_slots = num_slots
-        self.num_snapshots = num_snapshots
+        self.num_slots, self.num_snapshots = num_slots, num_snapshots
         rows = num_slots + num_snapshots
         self.conv = {s.layer_idx: torch.zeros(rows, *s.conv_shape, dtype=dtype, device=device) for s in specs}
         self.recurrent = {s.layer_idx: torch.zeros(rows, *s.recurrent_shape, dtype=s.recurrent_dtype,

@@ -35,8 +35,7 @@ class SnapshotManager:
     def __init__(self, num_snapshots: int, first_row: int):
         if num_snapshots < 1:
             raise ValueError(f"a snapshot cache needs at least one row, got {num_snapshots}")
-        self.num_snapshots = num_snapshots
-        self.first_row = first_row
+        self.num_snapshots, self.first_row = num_snapshots, first_row
         self.num_saved = 0
         self.num_resumed = 0
         self._free = list(range(first_row + num_snapshots - 1, first_row - 1, -1))  # pop(): lowest first
@@ -56,10 +55,7 @@ class SnapshotManager:
     def deepest(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of `hashes` (a cached KV prefix) a sequence can resume from:
         the deepest block whose prefix has a snapshot (0: none)."""
-        for k in range(len(hashes), 0, -1):
-            if hashes[k - 1] in self._by_hash:
-                return k
-        return 0
+        return next((k for k in range(len(hashes), 0, -1) if hashes[k - 1] in self._by_hash), 0)
 
     def resume(self, prefix_hash: int) -> int:
         """The row to start a sequence's slot from (the snapshot is now the most recently used)."""

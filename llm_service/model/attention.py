@@ -80,11 +80,8 @@ def sdpa_metadata(q_lens: list[int], context_lens: list[int], slot_tables: list[
     q_pos = torch.arange(total_q) - q_off[q_seq] + (torch.tensor(context_lens) - torch.tensor(q_lens))[q_seq]
     k_pos = torch.arange(total_k) - k_off[k_seq]
     causal = (q_seq[:, None] == k_seq[None, :]) & (k_pos[None, :] <= q_pos[:, None])
-    masks = {}
-    for w in set(windows):
-        mask = causal if w is None else causal & (k_pos[None, :] > q_pos[:, None] - w)
-        masks[w] = to_device(mask, device)
-    return gather, masks
+    windowed = {w: causal if w is None else causal & (k_pos[None, :] > q_pos[:, None] - w) for w in set(windows)}
+    return gather, {w: to_device(mask, device) for w, mask in windowed.items()}
 
 
 def sdpa_decode_metadata(block_tables: torch.Tensor, context_lens: torch.Tensor, max_context_len: int,
@@ -96,11 +93,8 @@ def sdpa_decode_metadata(block_tables: torch.Tensor, context_lens: torch.Tensor,
     slots = (block_tables[:, :blocks].long().unsqueeze(-1) * block_size + offsets).flatten(1)[:, :max_context_len]
     key = torch.arange(max_context_len, device=block_tables.device)
     last = (context_lens.long() - 1).unsqueeze(1)  # the query's own position
-    masks = {}
-    for w in set(windows):
-        mask = key <= last if w is None else (key <= last) & (key > last - w)
-        masks[w] = mask[:, None, None, :]
-    return slots, masks
+    masks = {w: key <= last if w is None else (key <= last) & (key > last - w) for w in set(windows)}
+    return slots, {w: mask[:, None, None, :] for w, mask in masks.items()}
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -137,39 +131,22 @@ def attend(layer_idx: int, q: torch.Tensor, batch: AttentionBatch, scaling: floa
     """The queries `q` `(T, H, D)` of layer `layer_idx` over each sequence's K/V read back from
     the pool (the step's own K/V already written). Returns `(T, H, D)`."""
     k_cache, v_cache = layer_cache(batch, layer_idx)
-    head_dim = k_cache.shape[-1]
+    kvh, d = k_cache.shape[-2], k_cache.shape[-1]
     window = batch.windows[layer_idx] if batch.windows else None
     if scaling is None:
-        scaling = head_dim ** -0.5
+        scaling = d ** -0.5
     if batch.backend == "triton":
         from mmserve.kernels.triton_attention import paged_attention as triton_paged
 
         return triton_paged(q.contiguous(), k_cache, v_cache, batch.cu_seqlens_q, batch.context_lens,
                             batch.block_tables, batch.max_query_len, scaling, window, batch.kv_splits)
-    if batch.decode_slots is not None:
-        return _sdpa_decode(q, k_cache, v_cache, batch.decode_slots, scaling, batch.masks[window])
-    return _sdpa(q, k_cache, v_cache, batch, scaling, batch.masks[window])
-
-
-def _sdpa_decode(q, k_cache, v_cache, slots, scaling, mask):
-    """One query per sequence `(B, H, D)` over its own context, gathered `(B, S)` from the pool."""
-    kvh, d = k_cache.shape[-2], k_cache.shape[-1]
-    k = k_cache.view(-1, kvh, d)[slots].transpose(1, 2)  # (B, Hkv, S, D)
+    decode = batch.decode_slots is not None  # one query per sequence over its own context, `(B, S)` slots
+    slots = batch.decode_slots if decode else batch.gather_slots[None]  # packed: one batch of every context
+    k = k_cache.view(-1, kvh, d)[slots].transpose(1, 2)  # (B or 1, Hkv, S, D)
     v = v_cache.view(-1, kvh, d)[slots].transpose(1, 2)
-    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask, scale=scaling,
-                                         enable_gqa=q.shape[1] != kvh)
-    return out[:, :, 0]  # (B, H, D)
-
-
-def _sdpa(q, k_cache, v_cache, batch: AttentionBatch, scaling, mask):
-    kvh, d = k_cache.shape[-2], k_cache.shape[-1]
-    k = k_cache.view(-1, kvh, d)[batch.gather_slots].transpose(0, 1).unsqueeze(0)  # (1, Hkv, S, D)
-    v = v_cache.view(-1, kvh, d)[batch.gather_slots].transpose(0, 1).unsqueeze(0)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask, scale=scaling,
-        enable_gqa=q.shape[1] != kvh,
-    )
-    return out[0].transpose(0, 1)  # (T, H, D)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2) if decode else q.transpose(0, 1)[None], k, v,
+                                         attn_mask=batch.masks[window], scale=scaling, enable_gqa=q.shape[1] != kvh)
+    return out[:, :, 0] if decode else out[0].transpose(0, 1)  # (B or T, H, D)
 
 
 def choose_backend(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:

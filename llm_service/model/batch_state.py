@@ -42,10 +42,7 @@ class BatchState:
 
     def __init__(self, num_rows: int, vocab: int, device: torch.device, width: int = 1, position_rows: int = 1,
                  block_size: int = 16, scratch_block: int = 0):
-        self.num_rows = num_rows
-        self.vocab = vocab
-        self.device = device
-        self.block_size = block_size
+        self.num_rows, self.vocab, self.device, self.block_size = num_rows, vocab, device, block_size
         self.pad_row = num_rows
         self.last_token = torch.zeros(num_rows + 1, dtype=torch.long, device=device)
         self.block_tables = torch.full((num_rows + 1, width), scratch_block, dtype=torch.int32, device=device)
@@ -110,11 +107,10 @@ class BatchState:
         `seqs` not written yet, which are written."""
         rows, cols, blocks = [], [], []
         for seq in seqs:
-            row, table = seq.batch_row, seq.block_table
-            for col in range(self._written[row], len(table)):
-                rows.append(row)
-                cols.append(col)
-                blocks.append(table[col])
+            row, table, written = seq.batch_row, seq.block_table, self._written[seq.batch_row]
+            rows += [row] * (len(table) - written)
+            cols += range(written, len(table))
+            blocks += table[written:]
             self._written[row] = len(table)
         staged = ints(values + rows + cols + blocks, self.device)
         if rows:
@@ -131,9 +127,7 @@ class BatchState:
     def decode_inputs(self, index: torch.Tensor):
         """(ids, positions `(rows, B)`, pool slots, context lengths, block tables) of a decode step
         of rows `index`, gathered on the device."""
-        computed = self.computed[index]
-        tables = self.block_tables[index]
-        bs = self.block_size
+        computed, tables, bs = self.computed[index], self.block_tables[index], self.block_size
         block = tables.gather(1, (computed // bs).long().unsqueeze(1)).squeeze(1)
         slots = block.long() * bs + (computed % bs).long()
         return self.last_token[index], self.next_positions[index].T, slots, computed + 1, tables

@@ -1,23 +1,18 @@
-"""CUDA graphs for decode-only steps, so small-batch decode is not bound by kernel launches.
+"""CUDA graphs for decode-only steps, so small-batch decode is not bound by kernel launches
+(docs/attention.md#cuda-graphs).
 
-`DecodeGraphs.capture(runner)` runs at replica start: one graph per padded batch size
-(1, 2, 4, 8, 16, 24, ... up to `max_graph_batch_size`), captured largest first into one shared
-memory pool (smaller graphs reuse the largest one's activations). A failed capture logs why and
-returns None: the replica serves eagerly. A graph captures `ModelRunner.decode_forward`: the
-step's inputs (ids: the rows' last sampled tokens, positions, pool slots, context lengths, block
-tables) are gathered on the device from the runner's `BatchState` by batch row, so the only
-per-step input is the rows' index, copied into the graphs' static buffer; padding rows read the
-state's pad row (its table: the pool's scratch block, one token of context). Attention inside
-the graphs is the Triton paged kernel (one query per sequence, so shapes are fixed per size).
-With LoRA adapters the graphs hold the slot kernels (`llm_service.model.lora`): a row's adapter
-is its slot in the LoRA set's `token_slot` buffer, written before the replay.
-Written for CUDA; exercised by the tests marked `gpu`, and on the CPU uncaptured
-(`capture=False`: the same buffer and step, run eagerly) under the Triton interpreter.
+One graph per padded batch size (1, 2, 4, 8, 16, 24, ... up to `max_graph_batch_size`), captured
+largest first into one shared memory pool; a failed capture logs why and the replica serves
+eagerly. A graph captures `ModelRunner.decode_forward`, whose inputs are gathered on the device
+from the runner's `BatchState` by batch row, so the only per-step input is the rows' index;
+padding rows read the state's pad row. With LoRA adapters the graphs hold the slot kernels
+(`llm_service.model.lora`). On the CPU the tests run it uncaptured (`capture=False`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 
@@ -67,12 +62,7 @@ class DecodeGraphs:
 
     def step_fn(self, b: int):
         """The decode step of padded batch size `b` over the static index (what a graph captures)."""
-        index, runner = self.index, self.runner
-
-        def step() -> torch.Tensor:
-            return runner.decode_forward(index[:b])
-
-        return step
+        return functools.partial(self.runner.decode_forward, self.index[:b])
 
     def padded_size(self, b: int) -> int | None:
         """The captured size that runs a decode of `b` rows (None: more rows than any graph)."""

@@ -1,34 +1,9 @@
-"""The engine's mixture-of-experts path: the experts of every MoE layer run here, not in
-`transformers`' per-expert loop.
-
-`transformers` 5 keeps a MoE layer's experts in one module holding `gate_up_proj` `(E, 2I, H)` and
-`down_proj` `(E, H, I)`, called as `experts(hidden (T, H), top_k_index (T, k), top_k_weights
-(T, k)) -> (T, H)`: the family's router (softmax or sigmoid top-k, its normalisation and
-correction bias) and its shared expert stay the family's own code around that call, so every
-config's routing rule is the one its checkpoint was trained with. `install(decoder)` binds
-`experts_forward` onto each such module (the classes `use_experts_implementation` decorates, as
-Qwen3-VL-MoE's, and those it does not, as Step3's), as `llm_service.model.attention` plugs the attention
-in. The forward:
-
-- sorts the step's (token, expert) pairs by expert and counts each expert's rows, on the device
-  and without a host sync where it can (CUDA graphs capture it);
-- CUDA with Triton: `mmserve.kernels.triton_moe.fused_experts`, one grouped GEMM launch for
-  gate/up and one for down over the sorted pairs (static shapes per captured batch size);
-- otherwise grouped PyTorch: `torch._grouped_mm` over all experts at once where torch has it for
-  the dtype and strides, else one GEMM pair per expert that has rows (an expert with none costs
-  nothing), from the counts read once;
-- applies the module's own gate (`_apply_gate`: SiLU(gate) * up, Step3's clamp), weights each pair
-  by its routing weight and sums a token's k pairs in float32 (or wider);
-- adds the counts to the module's `load` `(E,)`: tokens per expert since the engine last read
-  them (`ExpertLoad`, the load-balance metrics).
-
-Quantized experts (`llm_service.model.quantized.ExpertsWeights` in place of the two stacked
-tensors, from a checkpoint with one projection per expert) keep their stored tensors: on CPU each
-expert that has rows in the step is dequantized (its format's `dense`, per block / channel /
-group) into the compute dtype just before its two GEMMs; on CUDA, until a quantized grouped GEMM
-is written, the whole layer's experts are dequantized for each forward and run as dense ones
-(no host sync: the graphs capture it). `PerExpertLoader` writes a checkpoint's per-expert
-tensors into their slices of the stacked ones as they are read.
+"""The engine's mixture-of-experts path (docs/attention.md#mixture-of-experts): the experts of
+every MoE layer run here, not in `transformers`' per-expert loop. `install(decoder)` binds
+`experts_forward` onto each experts module (`gate_up_proj` `(E, 2I, H)`, `down_proj` `(E, H, I)`);
+the family's router and shared expert stay its own code around that call. Quantized experts
+(`quantized.ExpertsWeights`) are dequantized per expert on CPU, whole on CUDA. `PerExpertLoader`
+writes a checkpoint's per-expert tensors into their slices of the stacked ones as they are read.
 """
 
 from __future__ import annotations
@@ -81,8 +56,7 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, to
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    return order, counts
+    return order, counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def gate(module: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
@@ -222,12 +196,10 @@ class ExpertLoad:
     to a captured graph's size are routed and counted too."""
 
     def __init__(self, modules: list[nn.Module], interval_s: float = 1.0):
-        self.modules = modules
-        self.interval_s = interval_s
+        self.modules, self.interval_s = modules, interval_s
         self._lock = threading.Lock()
         self._counts: torch.Tensor | None = None
-        self._forwards = 0
-        self._forwards_seen = 0
+        self._forwards = self._forwards_seen = 0
         self._last = time.monotonic()
 
     def collect(self, num_forwards: int, force: bool = False) -> None:
@@ -265,6 +237,4 @@ def imbalance(counts: torch.Tensor) -> float:
     per_layer = counts.float()
     mean = per_layer.mean(dim=1)
     busy = mean > 0
-    if not busy.any():
-        return 0.0
-    return float((per_layer.max(dim=1).values[busy] / mean[busy]).max())
+    return float((per_layer.max(dim=1).values[busy] / mean[busy]).max()) if busy.any() else 0.0

@@ -1,22 +1,8 @@
-"""The decoder's elementwise work in fewer kernels, on the Triton backend (`fuse_decoder`).
-
-`transformers` writes RMSNorm as about seven kernels (to float32, square, mean, add eps, rsqrt,
-scale, back to the input dtype, times the weight) and the SiLU MLP as three GEMMs, a SiLU and a
-product. A decode step of a 28-layer model runs them 28 times, and at batch 1 each small kernel
-costs about as much as the time it computes. Here:
-
-- RMSNorm is one kernel (`rms_norm`): float32 statistics, the normalised row cast to the input
-  dtype and then times the weight, as `transformers` rounds it;
-- a residual add and the RMSNorm after it are one kernel too (`add_rms_norm`, the engine's own
-  decoder: `llm_service.model.layers`), and so are its rotary on Q and K and the K/V write into the
-  pool (`rotary_kv_write`);
-- the MLP's gate and up projections are one GEMM over their stacked weights, followed by one
-  kernel for SiLU(gate) x up (`silu_mul`), rounded like the unfused pair.
-
-Only module classes known to compute exactly that are fused (`RMS_NORMS`, `SILU_MLPS`: not the
-`1 + weight` norms of Qwen3.5 or Step3), and each class is checked against its own forward on
-random input when it is fused: a class that disagrees keeps its forward, and the log says why.
-On CPU the kernels run only in Triton's interpreter (tests).
+"""The decoder's elementwise work in fewer kernels, on the Triton backend (docs/attention.md#limits):
+RMSNorm in one kernel (`rms_norm`), a residual add and its norm (`add_rms_norm`), rotary on Q and K
+with the K/V write (`rotary_kv_write`), SiLU(gate) x up (`silu_mul`), each rounded as `transformers`
+rounds it. Only `RMS_NORMS` and `SILU_MLPS` classes are fused (`fuse_decoder`), each checked against
+its own forward first. On CPU the kernels run only in Triton's interpreter (tests).
 """
 
 from __future__ import annotations

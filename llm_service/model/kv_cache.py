@@ -72,10 +72,9 @@ def pool_sizes(config: EngineConfig, block_bytes: int, slot_bytes: int, device: 
         slots = config.num_state_slots or min(config.max_num_seqs, budget // 2 // slot_bytes)
         if slots < 1:
             raise ValueError(f"memory budget of {budget} bytes holds no state slot of {slot_bytes} bytes")
-    if snapshots:
+    if snapshots:  # `num_state_snapshots`, else their share of the budget
         snaps = config.num_state_snapshots
-        if snaps is None:
-            snaps = int(budget * config.state_snapshot_share) // slot_bytes
+        snaps = int(budget * config.state_snapshot_share) // slot_bytes if snaps is None else snaps
     blocks = (budget - (slots + snaps) * slot_bytes) // block_bytes
     if blocks < 1:
         raise ValueError(f"KV budget of {budget - (slots + snaps) * slot_bytes} bytes holds no block of "
@@ -102,5 +101,5 @@ def allocate_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_head
     (padding rows of captured decode batches write there), never handed out."""
     pool = torch.zeros(num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
     logger.info("KV pool: %d blocks of %d tokens, %.1f MiB on %s", num_blocks, block_size,
-                pool.numel() * pool.element_size() / 2**20, device)
+                pool.nbytes / 2**20, device)
     return pool

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import torch
 
 from llm_service.families.base import LMFace
-from llm_service.model import layers, quantized
+from llm_service.model import layers, quantized, tensor_parallel
 from mmserve.checkpoint import load_config, load_weights, read_config, resolve_dtype, weight_bytes
 from mmserve.families import face_class, family_of
 
@@ -48,17 +49,14 @@ class LanguageModel:
         if fmt is not None and tp is not None:
             raise ValueError(f"{self.model_dir.name}: tensor-parallel serving of {fmt.name} checkpoints "
                              "is not supported yet")
-        if fmt is not None:  # parameters on meta until each has its stored dtype: no full-precision copy
-            from llm_service.model import tensor_parallel
-
-            with torch.device(self.device), tensor_parallel.parameters_on_meta():
-                modules = self.face.build(self.dtype)
+        # built where it runs, without initial values; quantized or sharded, with parameters on meta until
+        # each has its stored dtype or shard's shape (no full-precision or whole copy)
+        with torch.device(self.device), tensor_parallel.parameters_on_meta() if fmt or tp else contextlib.nullcontext():
+            modules = self.face.build(self.dtype)
+        if fmt is not None:
             quantized.quantize_modules(modules, model_dir, rename, fmt, self.device)
-        elif tp is None:
-            with torch.device(self.device):  # built where it runs, without initial values
-                modules = self.face.build(self.dtype)
-        else:
-            modules, rename, take = self._build_shard(tp)
+        elif tp is not None:
+            take = self._shard(modules, tp)
         self.load_report = load_weights(modules, model_dir, rename, convert=modules.convert,
                                         optional=modules.tied_keys(), take=take)
         self.modules = modules.to(self.device).eval().requires_grad_(False)
@@ -70,35 +68,23 @@ class LanguageModel:
         eos = gen.eos_token_id if gen.eos_token_id is not None else self.text_config.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.generation_config = gen
-        logger.info(
-            "language model of %s loaded: %s; %.1fM params, %s%s on %s, %.1fs in all",
-            self.model_dir.name, self.load_report.summary(), self.num_parameters / 1e6, self.dtype,
-            f" with {fmt.name} weights" if fmt else "", self.device,
-            time.perf_counter() - start,
-        )
+        logger.info("language model of %s loaded: %s; %.1fM params, %s%s on %s, %.1fs in all", self.model_dir.name,
+                    self.load_report.summary(), self.num_parameters / 1e6, self.dtype,
+                    f" with {fmt.name} weights" if fmt else "", self.device, time.perf_counter() - start)
 
-    def _build_shard(self, tp):
-        """This rank's modules: built with parameters on meta, then given storage in their shard's
-        shape (the embedding table and `lm_head` split by vocabulary); the loader's `rename` and
-        `take` (the shard of a tensor)."""
-        from llm_service.model import tensor_parallel
-
-        with torch.device(self.device), tensor_parallel.parameters_on_meta():
-            modules = self.face.build(self.dtype)
+    def _shard(self, modules, tp):
+        """This rank's storage of `modules` in their shard's shape (the embedding table and `lm_head`
+        split by vocabulary); the loader's `take` (the shard of a tensor)."""
         plan = tensor_parallel.plan_shards(modules.decoder, tp.rank, tp.size, vocab=self.vocab_size)
         tensor_parallel.materialize(modules, plan, self.device)
         tensor_parallel.split_embedding(modules.decoder.embed_tokens, tp, self.vocab_size)
         tensor_parallel.install_all_reduces(modules.decoder, tp)
-        return modules, self.face.rename, plan.take
+        return plan.take
 
     def state_layers(self):
         """The face's state layers, in the shapes this process holds (its rank's heads)."""
         specs = self.face.state_layers()
-        if self.tp is None:
-            return specs
-        from llm_service.model import tensor_parallel
-
-        return tensor_parallel.local_state_specs(specs, self.modules.decoder)
+        return specs if self.tp is None else tensor_parallel.local_state_specs(specs, self.modules.decoder)
 
     @property
     def num_kv_heads(self) -> int:

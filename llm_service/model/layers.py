@@ -19,6 +19,7 @@ run as Triton kernels (`llm_service.model.fused_ops`); elsewhere, and by default
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -83,10 +84,9 @@ class RMSNorm(nn.Module):
             return add_rms_norm(x, residual, self.weight, self.variance_epsilon)
         if residual is not None:
             x = residual + x
-        dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(dtype), x
+        return self.weight * h.to(x.dtype), x
 
 
 def mrope_mix(per_row: torch.Tensor, section) -> torch.Tensor:
@@ -246,12 +246,10 @@ class Decoder(nn.Module):
         (CUDA; float32 and narrower: the kernels compute in float32); {class name: modules}."""
         if self.embed_tokens.weight.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return {}
-        used: dict[str, int] = {}
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, Attention)) or (isinstance(module, MLP) and module.silu):
-                module.kernel = True
-                used[type(module).__name__] = used.get(type(module).__name__, 0) + 1
-        return used
+        used = [m for m in self.modules() if isinstance(m, (RMSNorm, Attention)) or (isinstance(m, MLP) and m.silu)]
+        for module in used:
+            module.kernel = True
+        return dict(Counter(type(m).__name__ for m in used))
 
 
 def pack_checkpoint_tensors(waiting: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

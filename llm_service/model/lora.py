@@ -1,21 +1,7 @@
-"""LoRA adapters on the engine's own decoder (`llm_service.model.layers`), several in one step.
-
-An adapter is a PEFT directory (`mmserve.lora` reads it, for this service and the encoder). Its
-language-model module names map to the engine's as the LM face's `rename` maps the checkpoint's
-keys; q/k/v become slices of `qkv_proj`, gate/up slices of `gate_up_proj`. Scaling is PEFT's:
-`lora_alpha / r`, or `lora_alpha / sqrt(r)` with `use_rslora`. Its vision-tower modules are the
-encoder's (`encoder_service.lora`): left alone here.
-
-In a step, each token belongs to one adapter or to the base model: `LoraSet.step(groups)`
-makes each targeted `Linear` add `scale * (x[rows] @ A^T) @ B^T` to its output slice for the
-rows of each adapter present. Two ways:
-
-- grouped (CPU, the SDPA backend): one pair of GEMMs per adapter present and slice, on its rows;
-- slots (the Triton backend: CUDA, or the interpreter): each loaded adapter owns a slot of
-  every `Linear`'s stacked buffers (`SlotStacks`, rank padded to `max_rank`), each token names its
-  slot (`token_slot`, -1: the base model), and two launches per `Linear` apply every row's delta
-  (`mmserve.kernels.triton_lora`) with the batch's shape whatever the adapters: the decode CUDA
-  graphs capture them, so decode steps with adapters replay graphs too.
+"""LoRA adapters on the engine's own decoder (`llm_service.model.layers`), several in one step
+(docs/lora.md#in-the-engine): q/k/v become slices of `qkv_proj`, gate/up slices of `gate_up_proj`;
+within `LoraSet.step(groups)` each targeted `Linear` adds its adapters' deltas to their rows,
+grouped (CPU, SDPA backend) or by slot (Triton backend: `SlotStacks`, captured by the decode graphs).
 """
 
 from __future__ import annotations
@@ -193,8 +179,7 @@ class LoraSet:
             self.loaded[request.name] = adapter
             slot = self.slot_of[request.name] = min(set(range(self.capacity)) - set(self.slot_of.values()))
             for target, linear in self.linears.items():
-                deltas = adapter.deltas.get(target, ())
-                if deltas:
+                if deltas := adapter.deltas.get(target, ()):
                     linear.lora.deltas[request.name] = deltas
                 if linear.lora.stacks is not None:  # (a Linear the adapter leaves alone: zeros in its slot)
                     linear.lora.stacks.install(slot, deltas)

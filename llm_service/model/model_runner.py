@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import NamedTuple
 
@@ -67,16 +68,12 @@ class ModelRunner:
     """Owns the tensors: the model, the KV pool, the state pool, the per-step inputs (and CUDA graphs).
 
     `prepare` packs the scheduled chunks into one `(1, T, hidden)` sequence with per-token
-    positions from each request's plan (shaped for the decoder by the family's LM face); `run`
-    runs the decoder (the engine's own, `llm_service.model.layers`, or a `transformers` one) once
-    with an `AttentionBatch` (see `llm_service.model.attention`) and, for a model with linear-attention layers, a `StateBatch` over the sequences' state slots
-    (see `llm_service.hybrid.state_cache`), and returns the logits of the last token of each sequence that
-    has caught up with its tokens (the ones that sample this step). `config` is the engine config
-    as this model runs it (`state_cache.resolve_config`). With prefix caching, the state pool
-    also holds the state snapshots: restored into slots by `prepare`, saved by `save_snapshots`.
-    With `max_loras`, `loras` holds the LoRA adapters loaded (`llm_service.model.lora`); a step
-    whose sequences run under adapters applies each to its tokens (with the Triton backend by
-    slot, in the decode graphs too; else an eager forward).
+    positions from each request's plan; `run` runs the decoder once with an `AttentionBatch` (and,
+    for a model with linear-attention layers, a `StateBatch`) and returns the logits of each
+    sequence that samples this step. `config` is the engine config as this model runs it
+    (`state_cache.resolve_config`); `loras`: the LoRA adapters loaded (`llm_service.model.lora`).
+    With prefix caching, the state pool also holds the state snapshots: restored into slots by
+    `prepare`, saved by `save_snapshots`.
     """
 
     def __init__(self, model: LanguageModel, config: EngineConfig):
@@ -93,11 +90,10 @@ class ModelRunner:
         self.num_layers = len(decoder.layers)
         state_layers = {s.layer_idx for s in self.state_specs}
         attention_layers = [i for i in range(self.num_layers) if i not in state_layers]  # the KV pool's layers
-        attn = decoder.layers[attention_layers[0]].self_attn
-        pool_index = {layer: k for k, layer in enumerate(attention_layers)}
-        self.kv_layers = tuple(pool_index.get(i) for i in range(self.num_layers)) if state_layers else ()
+        self.kv_layers = tuple(attention_layers.index(i) if i not in state_layers else None
+                               for i in range(self.num_layers)) if state_layers else ()
         self.num_kv_heads = model.num_kv_heads
-        self.head_dim = int(attn.head_dim)
+        self.head_dim = int(decoder.layers[attention_layers[0]].self_attn.head_dim)
         self.backend = attention.choose_backend(config.attention_backend, self.device, model.dtype, self.head_dim)
         block_bytes = bytes_per_block(len(attention_layers), self.num_kv_heads, self.head_dim, config.block_size,
                                       model.dtype)
@@ -211,9 +207,7 @@ class ModelRunner:
     def run(self, step: StepInputs) -> torch.Tensor:
         """Launch the step's forward (a graph replay for a staged decode): logits `(N, vocab)` of
         its sampling rows."""
-        if not step.lora:
-            return self._run(step)
-        with self.loras.step(step.lora):
+        with self.loras.step(step.lora) if step.lora else contextlib.nullcontext():
             return self._run(step)
 
     def _run(self, step: StepInputs) -> torch.Tensor:
@@ -268,12 +262,8 @@ class ModelRunner:
         needs the longest context of the step, `max_context`."""
         ids, positions, slots, context_lens, tables = self.batch.decode_inputs(index)
         b, context = index.shape[0], max_context or self.max_model_len
-        batch = AttentionBatch(
-            kv_pool=self.kv_pool, slot_mapping=slots, cu_seqlens_q=self.arange[:b + 1], context_lens=context_lens,
-            block_tables=tables, max_query_len=1, max_context_len=context,
-            backend=self.backend, kv_splits=self._kv_splits(b, 1, context),
-            windows=self.windows,
-        )
+        batch = AttentionBatch(self.kv_pool, slots, self.arange[:b + 1], context_lens, tables, 1, context, self.backend,
+                               self._kv_splits(b, 1, context), self.windows)
         if self.backend == "sdpa":
             batch.decode_slots, batch.masks = attention.sdpa_decode_metadata(
                 tables, context_lens, max_context, self.config.block_size, self.windows or (None,))
@@ -284,26 +274,26 @@ class ModelRunner:
                 rows: torch.Tensor, **extra) -> torch.Tensor | None:
         """The one model forward: decoder over `(T, hidden)` at `(rows, T)` positions, lm_head on
         `rows`; `extra`: the decoder keyword arguments the LM face's `inject` returned."""
-        out = self.model.modules.decoder(
-            inputs_embeds=embeds.unsqueeze(0),
-            position_ids=self.model.face.position_ids(positions),
-            paged_batch=batch,
-            use_cache=False,
-            **extra,
-        )
+        position_ids = self.model.face.position_ids(positions)
+        out = self.model.modules.decoder(inputs_embeds=embeds.unsqueeze(0), position_ids=position_ids,
+                                         paged_batch=batch, use_cache=False, **extra)
         logits = self.model.modules.lm_head(out.last_hidden_state[0, rows])
         if self.tp is not None:  # each rank's vocabulary slice, whole on rank 0 (None elsewhere)
             return self.tp.gather_vocab(logits, self.model.vocab_size)
         return logits
 
-    def _host_ids(self, scheduled: tuple[ScheduledSeq, ...]) -> tuple[list[int], list[int], list[int]]:
-        """The packed input ids the host has, and where a row's last sampled token goes instead
-        (`(packed index, batch row)`: a decode right after the step that sampled it, unread)."""
-        ids: list[int] = []
-        unread_at, unread_rows = [], []
-        for seq, n in scheduled:
-            start, end = seq.num_computed, seq.num_computed + n
-            known = len(seq.tokens)
+    def _pack_host(self, scheduled: tuple[ScheduledSeq, ...], sample_rows: list[int]) -> PackedStep:
+        """The scheduled chunks packed into one sequence, on the host: what every rank needs. A
+        row's last sampled token the host has not read yet (a decode right after the step that
+        sampled it) is a placeholder id at `unread_at`, taken from its batch row on the device."""
+        bs = self.config.block_size
+        ids, unread_at, unread_rows, positions, slots, media = [], [], [], [], [], []
+        q_lens, ctx_lens, slot_tables = [], [], []
+        width = max(len(s.seq.block_table) for s in scheduled)
+        tables = torch.full((len(scheduled), width), self.scratch_block, dtype=torch.int32)
+        for i, (seq, n) in enumerate(scheduled):
+            start, end, known = seq.num_computed, seq.num_computed + n, len(seq.tokens)
+            media += [(index + len(ids), parts) for index, parts in seq.chunk_media(start, end)]
             ids += seq.tokens[start:min(end, known)]
             if end > known:
                 if end - max(start, known) != 1 or seq.batch_row is None:
@@ -311,31 +301,16 @@ class ModelRunner:
                 unread_at.append(len(ids))
                 unread_rows.append(seq.batch_row)
                 ids.append(0)
-        if unread_at and self.tp is not None:
-            raise RuntimeError("a tensor-parallel step needs every input id on the host (no overlapped steps)")
-        return ids, unread_at, unread_rows
-
-    def _pack_host(self, scheduled: tuple[ScheduledSeq, ...], sample_rows: list[int]) -> PackedStep:
-        """The scheduled chunks packed into one sequence, on the host: what every rank needs."""
-        bs = self.config.block_size
-        num_ids = 0
-        positions, slots, media = [], [], []
-        q_lens, ctx_lens, slot_tables = [], [], []
-        for seq, n in scheduled:
-            start, end = seq.num_computed, seq.num_computed + n
-            media += [(index + num_ids, parts) for index, parts in seq.chunk_media(start, end)]
-            num_ids += n
             positions.append(seq.positions(start, end))
             table = torch.tensor(seq.block_table, dtype=torch.long)
+            tables[i, :len(table)] = table
             ctx_slots = (table[:, None] * bs + torch.arange(bs)).flatten()[:end]
             slots.append(ctx_slots[start:end])
             slot_tables.append(ctx_slots)
             q_lens.append(n)
             ctx_lens.append(end)
-        max_blocks = max(len(s.seq.block_table) for s in scheduled)
-        tables = torch.full((len(scheduled), max_blocks), self.scratch_block, dtype=torch.int32)
-        for i, s in enumerate(scheduled):
-            tables[i, :len(s.seq.block_table)] = torch.tensor(s.seq.block_table, dtype=torch.int32)
+        if unread_at and self.tp is not None:
+            raise RuntimeError("a tensor-parallel step needs every input id on the host (no overlapped steps)")
         states = None
         if self.states is not None:
             if any(s.seq.state_slot is None for s in scheduled):
@@ -346,7 +321,6 @@ class ModelRunner:
                               slots=[s.seq.state_slot for s in scheduled])
         if self.tp is not None:  # sent to the other ranks: media on the host
             media = [(index, tuple(p.cpu() for p in parts)) for index, parts in media]
-        ids, unread_at, unread_rows = self._host_ids(scheduled)
         return PackedStep(ids, unread_at, unread_rows, torch.cat(positions, dim=1), torch.cat(slots), q_lens,
                           ctx_lens, tables, slot_tables if self.backend == "sdpa" else [], sample_rows, media, states)
 
@@ -356,19 +330,11 @@ class ModelRunner:
         dev = self.device
         extra = {}
         cu_q = torch.tensor([0] + p.q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        batch = AttentionBatch(
-            kv_pool=self.kv_pool,
-            slot_mapping=to_device(p.slots, dev),
-            cu_seqlens_q=to_device(cu_q, dev),
-            context_lens=ints(p.ctx_lens, dev, torch.int32),
-            block_tables=to_device(p.tables, dev),
-            max_query_len=max(p.q_lens),
-            max_context_len=max(p.ctx_lens),
-            backend=self.backend,
-            kv_splits=self._kv_splits(len(p.q_lens), max(p.q_lens), max(p.ctx_lens)),
-            windows=self.windows,
-            kv_layers=self.kv_layers,
-        )
+        max_q, max_ctx = max(p.q_lens), max(p.ctx_lens)
+        splits = self._kv_splits(len(p.q_lens), max_q, max_ctx)
+        batch = AttentionBatch(self.kv_pool, to_device(p.slots, dev), to_device(cu_q, dev),
+                               ints(p.ctx_lens, dev, torch.int32), to_device(p.tables, dev), max_q, max_ctx,
+                               self.backend, splits, self.windows, self.kv_layers)
         if p.states is not None:
             extra["state_batch"] = self._state_batch(p.states, p.q_lens)
         if self.backend == "sdpa":

@@ -1,31 +1,7 @@
-"""Quantized weight formats of the engine's `layers.Linear`, read as the checkpoints are published.
-
-`read_format` finds the format in `config.json` (top level, or its `text_config`)
-`quantization_config`; each is a `WeightFormat`:
-
-- `BlockFP8` (`quant_method: "fp8"`, Qwen's `-FP8` releases): an `F8_E4M3` `weight` `(out, in)`
-  and a float32 `weight_scale_inv` `(ceil(out/bo), ceil(in/bi))` per `weight_block_size` block
-  (edge blocks may be partial);
-- `ChannelFP8` (`quant_method: "compressed-tensors"`, `format: "float-quantized"`, llm-compressor's
-  FP8-dynamic scheme): an `F8_E4M3` `weight` `(out, in)` and a `weight_scale` `(out, 1)` per
-  output channel; activations are quantized per token at run time by a GPU kernel, not here;
-- `AWQ` (`quant_method: "awq"`, `version: "gemm"`): int4 with zero points per group of
-  `group_size` input rows: `qweight` int32 `(in, out/8)`, `qzeros` int32 `(in/group, out/8)`,
-  `scales` float16 `(in/group, out)`, eight 4-bit values per int32 in `AWQ_ORDER`; no `weight`.
-
-Which projections are quantized is read from the file (a weight stored in F8_E4M3, a `qweight`):
-the writer followed its own skip list (`modules_to_not_convert`, `ignore`: the vision tower,
-lm_head); anything else loads as it is. A converted `Linear` holds the stored tensors (packed
-projections concatenate each along the output dimension) and, in its forward, dequantizes into
-the input's dtype and runs a plain GEMM (`WeightFormat.forward`): the CPU path (exact), and CUDA's
-where no kernel takes the shapes; on CUDA in float16 / bfloat16 each format's forward runs its GEMM on
-the stored tensors instead (`llm_service.model.quantized_gemm`: FP8 tensor cores, a W4A16 kernel).
-
-A MoE layer's experts (`llm_service.model.experts`) are quantized the same way, one checkpoint
-projection per expert (`...experts.<j>.gate_proj.weight` + its scales); the layer holds each of
-its two stacked projections as an `ExpertsWeights`: the tensors a `Linear` of the format holds,
-with a leading experts dimension, dequantized by the same `WeightFormat.dense` (one expert's
-slices, or all at once).
+"""Quantized weight formats of the engine's `layers.Linear`, read as the checkpoints are published
+(docs/quantization.md): `read_format` finds the format in `config.json`'s `quantization_config`
+(top level, or its `text_config`); each is a `WeightFormat` (`BlockFP8`, `ChannelFP8`, `AWQ`).
+A MoE layer's experts are held as `ExpertsWeights` of the same format.
 """
 
 from __future__ import annotations
@@ -78,8 +54,13 @@ class WeightFormat(ABC):
         object holding the `params` tensors will do, with leading dimensions (`(E, out, in)` for
         an `ExpertsWeights`)."""
 
+    def gemm(self, linear: layers.Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """The format's GEMM on the stored tensors (`quantized_gemm`); None where none takes `x`."""
+        return None
+
     def forward(self, linear: layers.Linear, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dense(linear, x.dtype), linear.bias)
+        y = self.gemm(linear, x)
+        return F.linear(x, self.dense(linear, x.dtype), linear.bias) if y is None else y
 
     def convert(self, name: str, linear: layers.Linear, device: torch.device) -> None:
         """Give `linear` (named `name`) empty tensors of this format to load into."""
@@ -172,9 +153,8 @@ class BlockFP8(_FP8):
     def dense(self, linear, dtype):
         return self.dequantize(linear.weight, linear.weight_scale_inv, dtype)
 
-    def forward(self, linear, x):
-        y = quantized_gemm.block_fp8(linear, x, self.block)
-        return super().forward(linear, x) if y is None else y
+    def gemm(self, linear, x):
+        return quantized_gemm.block_fp8(linear, x, self.block)
 
 
 @dataclass(frozen=True)
@@ -195,9 +175,8 @@ class ChannelFP8(_FP8):
         wide = torch.promote_types(dtype, torch.float32)
         return (linear.weight.to(wide) * linear.weight_scale.to(wide)).to(dtype)
 
-    def forward(self, linear, x):
-        y = quantized_gemm.channel_fp8(linear, x)
-        return super().forward(linear, x) if y is None else y
+    def gemm(self, linear, x):
+        return quantized_gemm.channel_fp8(linear, x)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -259,9 +238,8 @@ class AWQ(WeightFormat):
         weight = ((unpack_int4(linear.qweight) - zeros).to(wide) * scales).transpose(-1, -2)
         return weight.to(dtype).contiguous()  # (out, in) rows, as a dense checkpoint's weight: the same GEMM
 
-    def forward(self, linear, x):
-        y = quantized_gemm.awq(linear, x, self.group_size)
-        return super().forward(linear, x) if y is None else y
+    def gemm(self, linear, x):
+        return quantized_gemm.awq(linear, x, self.group_size)
 
 
 class ExpertsWeights(nn.Module):
@@ -282,9 +260,8 @@ class ExpertsWeights(nn.Module):
     def dense(self, dtype: torch.dtype, expert: int | None = None) -> torch.Tensor:
         """Expert `expert`'s weight `(out, in)` in `dtype` (its slices dequantized), or every
         expert's `(E, out, in)`."""
-        if expert is None:
-            return self.quantization.dense(self, dtype)
-        one = types.SimpleNamespace(**{attr: p[expert] for attr, p in self.named_parameters(recurse=False)})
+        one = self if expert is None else types.SimpleNamespace(
+            **{attr: p[expert] for attr, p in self.named_parameters(recurse=False)})
         return self.quantization.dense(one, dtype)
 
 
@@ -393,13 +370,9 @@ def quantize_modules(modules: nn.Module, model_dir: str | Path, rename, fmt: Wei
             raise ValueError(f"{e} (checkpoint tensors {', '.join(sorted(keys))})") from None
     for name, keys in experts.items():
         _quantize_experts(modules, name, keys, fmt, device)
-    made: dict[int, nn.Parameter] = {}  # tied parameters stay one tensor
-    for name, param in list(modules.named_parameters(remove_duplicate=False)):
-        if param.device.type == "meta":
-            if id(param) not in made:
-                made[id(param)] = nn.Parameter(torch.empty_like(param, device=device), requires_grad=False)
-            owner, _, attr = name.rpartition(".")
-            setattr(modules.get_submodule(owner), attr, made[id(param)])
+    from llm_service.model.tensor_parallel import materialize
+
+    materialize(modules, None, device)
     return len(parts) + len(experts)
 
 

@@ -6,12 +6,9 @@ tensors, or the formats' dequantize + `F.linear` (None from here).
   activations quantized per token at run time;
 - AWQ int4 (`triton_w4a16.awq_gemm`): on any CUDA device;
 
-each for float16 / bfloat16 inputs and the shapes its kernel takes. Everything else (the CPU,
-float32 and float64, where the exact tests run) dequantizes. `MMSERVE_QUANTIZED_GEMM` (read at
-each call: set it before the replica starts) overrides: `dequantize` always takes the
-dequantizing path; `kernels` takes the kernels wherever their shapes fit, the CPU included
-(Triton's interpreter, `TRITON_INTERPRET=1`: the CPU tests of this dispatch); `auto` (default)
-as above. The kernels run device-side ops only: the decode CUDA graphs capture them.
+each for float16 / bfloat16 inputs and the shapes its kernel takes; everything else dequantizes.
+`MMSERVE_QUANTIZED_GEMM` (read at each call) overrides: `dequantize` always, `kernels` wherever
+their shapes fit, the CPU included (Triton's interpreter); `auto` (default) as above.
 """
 
 from __future__ import annotations
@@ -55,9 +52,8 @@ def block_fp8(linear, x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor |
         return None
     from mmserve.kernels import triton_fp8
 
-    if not triton_fp8.block_runs(block):
-        return None
-    return triton_fp8.block_fp8_linear(x, linear.weight, linear.weight_scale_inv, block, linear.bias)
+    if triton_fp8.block_runs(block):
+        return triton_fp8.block_fp8_linear(x, linear.weight, linear.weight_scale_inv, block, linear.bias)
 
 
 def channel_fp8(linear, x: torch.Tensor) -> torch.Tensor | None:
@@ -66,9 +62,8 @@ def channel_fp8(linear, x: torch.Tensor) -> torch.Tensor | None:
         return None
     from mmserve.kernels import triton_fp8
 
-    if not triton_fp8.channel_fp8_runs(linear.weight):
-        return None
-    return triton_fp8.channel_fp8_linear(x, linear.weight, linear.weight_scale, linear.bias)
+    if triton_fp8.channel_fp8_runs(linear.weight):
+        return triton_fp8.channel_fp8_linear(x, linear.weight, linear.weight_scale, linear.bias)
 
 
 def awq(linear, x: torch.Tensor, group_size: int) -> torch.Tensor | None:
@@ -77,6 +72,5 @@ def awq(linear, x: torch.Tensor, group_size: int) -> torch.Tensor | None:
         return None
     from mmserve.kernels import triton_w4a16
 
-    if not triton_w4a16.runs(x, linear.qweight, group_size):
-        return None
-    return triton_w4a16.awq_gemm(x, linear.qweight, linear.qzeros, linear.scales, group_size, linear.bias)
+    if triton_w4a16.runs(x, linear.qweight, group_size):
+        return triton_w4a16.awq_gemm(x, linear.qweight, linear.qzeros, linear.scales, group_size, linear.bias)

@@ -1,21 +1,9 @@
-"""Tensor parallelism of one LLM replica: its decoder split over N ranks, one process each.
+"""Tensor parallelism of one LLM replica: its decoder split over N ranks, one process each
+(docs/tensor-parallel.md). Rank 0 schedules, samples and sends each step's inputs to the other
+ranks (`TPGroup.broadcast`); every rank runs the same forward over its shard (`plan_shards`,
+Megatron's split), joined by one all-reduce after each attention and MLP block.
 
-Rank 0 is the replica's own process: it schedules, samples, and sends each step's inputs to the
-other ranks (`TPGroup.broadcast`, one message per step); every rank runs the same forward over
-its shard of the weights (`shard_modules`), joined by one all-reduce after each attention block
-and one after each MLP block (`TPGroup.all_reduce`); only rank 0 holds the `lm_head`.
-
-The split (Megatron's): attention heads and their KV heads over the ranks (a KV head is repeated
-on several ranks when there are fewer KV heads than ranks), Q/K/V (and a gate per head) by
-rows, the output projection by columns; MLP gate/up by rows and down by columns; MoE experts
-by their intermediate dimension (every rank holds every expert, routing replicated); the
-Gated-DeltaNet layers by head (query/key heads as KV heads, value heads as attention heads); a
-packed projection of the engine's own layer slice by slice (each rank packs its own q | k | v
-and gate | up). The embedding table, the norms and the routers are whole on every rank. A rank's
-KV pool and state slots hold its own heads.
-
-Ray-free: `llm_service.model.model_runner.rank_main` is what a rank worker process runs (a Ray actor
-in the Serve app, a plain process in the tests).
+Ray-free: `llm_service.model.model_runner.rank_main` is what a rank worker process runs.
 """
 
 from __future__ import annotations
@@ -205,13 +193,16 @@ class ShardPlan:
         return tensor if rule is None else rule(tensor)
 
 
+def _weight_and_bias(rules: dict[str, Rule], prefix: str, module: nn.Module, rule: Rule) -> None:
+    rules[f"{prefix}weight"] = rule
+    if module.bias is not None:
+        rules[f"{prefix}bias"] = rule
+
+
 def _packed(prefix: str, linear: Linear, slice_rules: tuple[Rule, ...], rules: dict[str, Rule]) -> None:
     """A packed `Linear` of the engine's own layer ([q | k | v], [gate | up]): each output slice
     split by its rule; the linear's slices become this rank's."""
-    rule = segments(linear.output_sizes, slice_rules)
-    rules[f"{prefix}weight"] = rule
-    if linear.bias is not None:
-        rules[f"{prefix}bias"] = rule
+    _weight_and_bias(rules, prefix, linear, segments(linear.output_sizes, slice_rules))
     linear.output_sizes = tuple(r(torch.empty(n, device="meta")).shape[0]
                                 for n, r in zip(linear.output_sizes, slice_rules))
 
@@ -229,9 +220,7 @@ def _attention(prefix: str, attn: nn.Module, rank: int, size: int, rules: dict[s
         _packed(f"{prefix}qkv_proj.", packed, (q, kv, kv), rules)
     for name, rule in (("q_proj", q), ("g_proj", q), ("k_proj", kv), ("v_proj", kv)):  # g_proj: Step3's gate per head
         if (proj := getattr(attn, name, None)) is not None:
-            rules[f"{prefix}{name}.weight"] = rule
-            if proj.bias is not None:
-                rules[f"{prefix}{name}.bias"] = rule
+            _weight_and_bias(rules, f"{prefix}{name}.", proj, rule)
     rules[f"{prefix}o_proj.weight"] = rows(heads, q_first, q_count, dim=1)
     if attn.o_proj.bias is not None:
         rules[f"{prefix}o_proj.bias"] = zeros_unless(rank == 0)
@@ -251,9 +240,7 @@ def _linear_attention(prefix: str, lin: nn.Module, rank: int, size: int, rules: 
     key, value = rows(hk, k_first, k_count), rows(hv, v_first, v_count)
     qkv = segments((lin.key_dim, lin.key_dim, lin.value_dim), (key, key, value))
     rules[f"{prefix}in_proj_qkv.weight"] = qkv
-    rules[f"{prefix}conv1d.weight"] = qkv
-    if lin.conv1d.bias is not None:
-        rules[f"{prefix}conv1d.bias"] = qkv
+    _weight_and_bias(rules, f"{prefix}conv1d.", lin.conv1d, qkv)
     for name in ("in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight", "dt_bias", "A_log"):
         rules[prefix + name] = value
     rules[f"{prefix}out_proj.weight"] = rows(hv, v_first, v_count, dim=1)
@@ -329,7 +316,7 @@ def parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def materialize(modules: nn.Module, plan: ShardPlan, device: torch.device) -> None:
+def materialize(modules: nn.Module, plan: ShardPlan | None, device: torch.device) -> None:
     """Give every meta parameter of `modules` storage on `device`: this rank's shape for the
     sharded ones (the plan's rule applied to a meta tensor of the full shape), whole otherwise."""
     made: dict[int, nn.Parameter] = {}  # a tied parameter stays one tensor
@@ -339,7 +326,7 @@ def materialize(modules: nn.Module, plan: ShardPlan, device: torch.device) -> No
             continue
         owner, _, attr = name.rpartition(".")
         if id(param) not in made:
-            shape = plan.take(name, param).shape
+            shape = plan.take(name, param).shape if plan else param.shape
             if shape != param.shape:
                 full_shapes[name] = tuple(param.shape)
             made[id(param)] = nn.Parameter(torch.empty(shape, dtype=param.dtype, device=device), requires_grad=False)
