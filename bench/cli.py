@@ -70,7 +70,7 @@ def run_readme_curl(port: int, key: str) -> float:
 def chat(image: Path, key: str, *where: str) -> None:
     """`mmserve chat` with the image (`where`: --url URL or --grpc HOST:PORT); Failed unless it streamed text."""
     done = subprocess.run([sys.executable, "-m", "deployments.cli.main", "chat", PROMPT, "--image", str(image),
-                           "--api-key", key, "--max-tokens", "8", *where], cwd=ROOT, capture_output=True, text=True,
+                           f"--api-key={key}", "--max-tokens", "8", *where], cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     if done.returncode != 0 or not done.stdout.strip():
         raise Failed(f"exit {done.returncode}: {(done.stderr or done.stdout)[-300:]}")
