@@ -57,7 +57,12 @@ class BoundedLoadRing:
     def preference(self, key: str) -> list[str]:
         """Every member once, in ring order from `key`'s point: its owner first."""
         start = bisect.bisect(self._hashes, stable_hash(key.encode()))
-        return list(dict.fromkeys(self._owners[start:] + self._owners[:start]))
+        seen: dict[str, None] = {}
+        for i in range(len(self._owners)):  # stops once every member is seen: a few points, not all
+            seen.setdefault(self._owners[(start + i) % len(self._owners)])
+            if len(seen) == len(self.members):
+                break
+        return list(seen)
 
     def owner(self, key: str, loads: Mapping[str, float], cost: float, epsilon: float,
               holders: Collection[str] = ()) -> str:
