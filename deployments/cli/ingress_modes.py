@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -135,10 +136,21 @@ class HeaderCap:
         self._dir.cleanup()
 
 
+QUIET_PORTS = range(20000, 30000)  # above Ray's worker ports (10002-19999), below DIRECT_PORTS and the kernel's 32768-
+
+
 def free_loopback_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port on 127.0.0.1 that nothing hands out by itself: chosen now and bound seconds later (Serve's
+    proxy behind the request cap binds it after Ray has started), so Ray's workers and the kernel's ephemeral
+    ports (a port-0 bind, an outgoing connection) cannot take it meanwhile, as one did in CI."""
+    for port in random.SystemRandom().sample(QUIET_PORTS, 64):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on 127.0.0.1 in {QUIET_PORTS.start}-{QUIET_PORTS.stop - 1} after 64 tries")
 
 
 LOCAL_DRAIN_PERIOD_S = "2"
