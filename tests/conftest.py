@@ -22,12 +22,11 @@ SESSION_SERVE = {"serve_ports", "serve_urls", "grpc_target", "secured_url", "ext
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` selects
 def pytest_collection_modifyitems(config, items):
-    """A test on the session's Ray and Serve instance is marked `serve` and `session` whatever its module
-    says, and those run first, while its apps stand (docs/testing.md); each group keeps its order."""
+    """A test on the session's Ray and Serve instance is marked `serve` whatever its module says, and
+    those run first, while its apps stand (docs/testing.md); each group keeps its order."""
     for item in items:
         if SESSION_SERVE & set(item.fixturenames):
             item.add_marker(pytest.mark.serve)
-            item.add_marker(pytest.mark.session)
     items.sort(key=lambda item: not (SESSION_SERVE & set(item.fixturenames)))
 
 
