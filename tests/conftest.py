@@ -30,6 +30,18 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: not (SESSION_SERVE & set(item.fixturenames)))
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """After the last test on the session's instance (they run first) and its module's fixtures, the
+    instance stops: the tests after it start a Ray of their own."""
+    yield
+    if (nextitem is not None and item.parent is not nextitem.parent and SESSION_SERVE & set(item.fixturenames)
+            and not SESSION_SERVE & set(nextitem.fixturenames)):
+        from tests.support.serve_fixtures import end_session_cluster
+
+        end_session_cluster()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_ray_unless_marked_serve():
     """`scripts/test` runs the tests not marked `serve` beside those that are, with MMSERVE_TEST_NO_RAY

@@ -61,13 +61,24 @@ def serve_ports():
     http_port, grpc_port = _free_port(), _free_port()
     os.environ[TEST_API_KEY_ENV] = TEST_API_KEY  # before Ray starts: its replicas inherit it
     head = start_head(HeadSpec(num_cpus=4, resources=dict.fromkeys(GATES, 1)))
+    _ends.append(lambda: (serve.shutdown(), head.stop()))
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port},
                     grpc_options=grpc_options(port=grpc_port))
         yield http_port, grpc_port
     finally:
-        serve.shutdown()
-        head.stop()
+        end_session_cluster()
+
+
+_ends = []  # the session's Serve and Ray, to stop once (`end_session_cluster`)
+
+
+def end_session_cluster() -> None:
+    """Stop the session's Serve and Ray now (once): tests/conftest.py calls it after its last test, so the
+    tests that start a Ray of their own run without its idle apps (a head and ~16 replicas: a quarter of
+    a core, and memory)."""
+    while _ends:
+        _ends.pop()()
 
 
 def hold(resource: str):
