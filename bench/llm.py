@@ -547,15 +547,8 @@ def print_breakdown(rows: dict) -> None:
 
 
 def breakdown_summary(rows: dict) -> dict:
-    out = {}
-    for case, row in rows.items():
-        key = case.replace(" ", "_")
-        out[f"{key}_host_us"] = round(row["host"], 1)
-        out[f"{key}_step_us"] = round(row["step"], 1)
-        if row["device"] is not None:
-            out[f"{key}_device_us"] = round(row["device"], 1)
-        out[f"{key}_ops"] = round(row["ops"], 1)
-    return out
+    return {f"{case.replace(' ', '_')}_{name}{'' if name == 'ops' else '_us'}": round(row[name], 1)
+            for case, row in rows.items() for name in ("host", "step", "device", "ops") if row[name] is not None}
 
 
 def bench_breakdown(args) -> None:

@@ -41,9 +41,8 @@ def ray_token_auth_on() -> bool:
 
 
 def token_location() -> str:
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        return "the RAY_AUTH_TOKEN environment variable"
-    return os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    return ("the RAY_AUTH_TOKEN environment variable" if os.environ.get("RAY_AUTH_TOKEN")
+            else os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token"))
 
 
 def check_ray_token_auth() -> None:

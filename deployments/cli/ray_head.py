@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 HEAD_START_TIMEOUT_S = 180.0  # Ray's own waits (30 s for the raylet to register, 60 s for the node) and then some

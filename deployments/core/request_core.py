@@ -177,20 +177,9 @@ class RequestCore:
     async def generate(self, authorization: str | None, read: Callable[[], Awaitable[ChatRequest]],
                        request_id: str, client: str = "") -> Generation:
         """Authenticate, `read()` the request, check it and load its media, then admit, plan,
-        dispatch and start it.
-
-        Before the app is ready (`readiness`: an LLM replica, and an Encoder replica where the app
-        has them, loaded and warm) a request waits up to `readiness_wait_s` for it, holding a
-        `max_fetching_requests` place, then gets `NotReady` (503 + Retry-After): long enough to
-        cover a Router replica that just started in a running app, short enough that a client of
-        an app still loading its models is told so instead of waiting it out.
-
-        Admission is two bounds. Reading the body, checking it and fetching media (a slow client or
-        URL takes as long as it takes, up to `media_fetch_timeout_s`) count against
-        `max_fetching_requests` only; `Admission` (`max_pending_requests` sequences, `ttft_budget_s`,
-        each `client`'s share: its address as the adapter knows it) counts requests from planning
-        to their first token, so slow media never crowd out requests that are ready. A full router
-        refuses at once, before the body is read.
+        dispatch and start it. Readiness (`readiness_wait_s`, then `NotReady`) and the two admission
+        bounds (`max_fetching_requests` while receiving; `Admission` from planning to the first token,
+        `client` its address): docs/architecture.md step 2, docs/operations.md#admission.
 
         Raises the typed errors `failures.classify` maps: `Unauthenticated` before anything else,
         `ShuttingDown` / `QueueFull` / `NotReady` before the request is read, `InvalidRequest` for anything
