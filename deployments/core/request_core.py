@@ -80,10 +80,6 @@ class ChatRequest:
             raise InvalidRequest("response_format and a forced tool_choice cannot be combined")
         return Grammar("lark", fmt.grammar(list(tools), self.parallel_tool_calls))
 
-    @property
-    def parses_tools(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
-
 
 class VideoDecoding(Protocol):
     """Video files to their sampled frames: the VideoDecoder deployment's client, or a
@@ -294,7 +290,7 @@ class RequestCore:
         """`grammar`: `response_format`'s, or the one holding a forced call to the tools (checked)."""
         started = time.perf_counter()
         options = dataclasses.replace(request.options, response_format=grammar)
-        tools = request.tools if request.parses_tools else ()
+        tools = request.tools if request.tool_choice != "none" else ()
         plan = await self.checks.plan(messages, tools)
         self.pending.admit(ticket, len(plan.token_ids))
         sampling = sampling_params(options, len(plan.token_ids), self.max_model_len, self.generation_defaults)
