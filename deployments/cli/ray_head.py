@@ -216,12 +216,8 @@ class RayHead:
         self.proc = None
 
 
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 def start_head(spec: HeadSpec, stopped=lambda: False, log_to_driver: bool = False, logging_level: str = "ERROR",
-               say=_say) -> RayHead | None:
+               say=lambda line: print(line, file=sys.stderr, flush=True)) -> RayHead | None:
     """A started `RayHead` (None: `stopped()` turned true first). When the start with the dashboard
     fails, says why and starts once more without it; when the node starts but the dashboard does
     not, says why: either way the node serves without the dashboard (`dashboard_url` None)."""
