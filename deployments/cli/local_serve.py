@@ -352,13 +352,6 @@ def app_args(ns: argparse.Namespace, key_env: str | None, shares=None):
         raise RefusedToStart(message) from None
 
 
-def key_flag(ns: argparse.Namespace) -> str | None:
-    """The flag that gave the API key (None: none, or MMSERVE_API_KEY from the environment)."""
-    if ns.api_key_env:
-        return f"--api-key-env {ns.api_key_env}"
-    return "--api-key" if ns.api_key else None
-
-
 def config_with_flags(raw: dict, path: str, host: str | None, key_env: str | None,
                       flag: str | None, http_port: int | None = None,
                       grpc_port: int | None = None) -> tuple[dict, list[str]]:
@@ -431,8 +424,10 @@ def serve_config(ns: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     check_ray_token_auth()
+    # the flag that gave the key (None: none, or MMSERVE_API_KEY from the environment)
+    flag = f"--api-key-env {ns.api_key_env}" if ns.api_key_env else "--api-key" if ns.api_key else None
     with open(ns.config) as f:
-        raw, key_lines = config_with_flags(yaml.safe_load(f), ns.config, ns.host, api_key_env(ns), key_flag(ns),
+        raw, key_lines = config_with_flags(yaml.safe_load(f), ns.config, ns.host, api_key_env(ns), flag,
                                            ns.http_port, ns.grpc_port)
     for line in key_lines:
         print(line, flush=True)
