@@ -150,9 +150,8 @@ def ingress_line(mode: str, cap) -> str:
         clients = f"{cap.per_client} connections per client" if cap.per_client else "no connection cap per client"
         return (f"ingress proxy behind a request cap: headers {HEADER_CAP_BYTES // 1024} KiB, {HEADER_DEADLINE_S} s "
                 f"to send them and the body's first {HEADER_CAP_BYTES // 1024} KiB, {clients}")
-    if mode == "direct":
-        return f"ingress direct: the Router replicas listen on {DIRECT_PORTS}, from the first"
-    return f"ingress {mode}"
+    return (f"ingress direct: the Router replicas listen on {DIRECT_PORTS}, from the first" if mode == "direct"
+            else f"ingress {mode}")
 
 
 class StopSignal:
