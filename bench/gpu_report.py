@@ -349,10 +349,6 @@ def transfer_figures(transfer: dict, peak: Peaks) -> dict:
     return out
 
 
-def cli_figures(r: dict) -> dict:
-    return {k: r[k] for k in ("readme_ready_s", "readme_first_answer_ms", "readme_passed")}
-
-
 def serve_part(ns, peak: Peaks) -> dict:
     with tempfile.TemporaryDirectory() as plots:
         args = [*ns.sizes["serve"], "--plot-dir", plots]
@@ -492,7 +488,7 @@ def _cli_from_log(results: list[dict], lines: list[str], record: dict, figures: 
         if any(line.startswith("== python3 bench/cli.py") for line in lines):
             record["failed_parts"]["cli"] = "no result in the log from bench/cli.py (cut at its cap)"
         return
-    figures |= cli_figures(cli)
+    figures |= {k: cli[k] for k in ("readme_ready_s", "readme_first_answer_ms", "readme_passed")}
     record["parts"].append("cli")
     if failed := [f"{name}: {why}" for name, why in cli.get("checks", {}).items() if why is not True]:
         record["failed_parts"]["cli"] = "; ".join(failed)

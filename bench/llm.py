@@ -467,11 +467,6 @@ def _submit(engine: LLMEngine, tag: str, prompts, max_tokens: int) -> None:
                            lambda event: None)
 
 
-def _decoding(engine: LLMEngine, batch: int) -> bool:
-    running = engine.scheduler.running
-    return len(running) == batch and all(s.num_computed >= s.num_prompt_tokens for s in running)
-
-
 def breakdown_case(engine: LLMEngine, batch: int, context: int, steps: int, mixed: bool,
                    profile_steps: int = 3) -> dict:
     """Mean `StepTimes` columns (microseconds) over `steps` steady steps of `batch` decoding
@@ -479,7 +474,8 @@ def breakdown_case(engine: LLMEngine, batch: int, context: int, steps: int, mixe
     and ops per step."""
     vocab = engine.model.vocab_size
     _submit(engine, f"d{batch}{mixed}", prompts(batch, context, vocab, seed=batch), steps + profile_steps + 64)
-    while not _decoding(engine, batch):
+    while not (len(running := engine.scheduler.running) == batch
+               and all(s.num_computed >= s.num_prompt_tokens for s in running)):
         engine.step()
     engine.step()  # the first decode step of the last one admitted
     arrivals = iter(prompts(steps + profile_steps + 2, context, vocab, seed=1000 + batch)) if mixed else None
@@ -547,15 +543,8 @@ def print_breakdown(rows: dict) -> None:
 
 
 def breakdown_summary(rows: dict) -> dict:
-    out = {}
-    for case, row in rows.items():
-        key = case.replace(" ", "_")
-        out[f"{key}_host_us"] = round(row["host"], 1)
-        out[f"{key}_step_us"] = round(row["step"], 1)
-        if row["device"] is not None:
-            out[f"{key}_device_us"] = round(row["device"], 1)
-        out[f"{key}_ops"] = round(row["ops"], 1)
-    return out
+    return {f"{case.replace(' ', '_')}_{name}{'' if name == 'ops' else '_us'}": round(row[name], 1)
+            for case, row in rows.items() for name in ("host", "step", "device", "ops") if row[name] is not None}
 
 
 def bench_breakdown(args) -> None:

@@ -183,9 +183,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{many['broadcast_ms']:>13.3f} {many['gather_ms']:>10.3f} {many['collective_share']:>10.1%} {many['message_bytes']:>10}")
         result.update({f"tp1_ms_per_step_b{b}": round(one["ms"], 3), f"tp{n}_ms_per_step_b{b}": round(many["ms"], 3),
                        f"tp{n}_speedup_b{b}": round(speedup, 3),
-                       f"tp{n}_all_reduce_ms_b{b}": round(many["all_reduce_ms"], 3),
-                       f"tp{n}_broadcast_ms_b{b}": round(many["broadcast_ms"], 3),
-                       f"tp{n}_gather_ms_b{b}": round(many["gather_ms"], 3),
+                       **{f"tp{n}_{k}_b{b}": round(many[k], 3)
+                          for k in ("all_reduce_ms", "broadcast_ms", "gather_ms")},
                        f"tp{n}_collective_share_b{b}": round(many["collective_share"], 4),
                        f"tp{n}_message_bytes_b{b}": many["message_bytes"]})
     print(f"{result['all_reduces_per_step']} all-reduces, 1 broadcast and 1 logits gather per step on each rank; rank 0 holds "

@@ -105,13 +105,7 @@ def set_cpu_threads(configured: int | None, replicas: int, role: str, ranks: int
     """torch's intra-op threads for a replica that runs a model: `configured`, else this node's
     cores divided among the deployment's `replicas` (at least 1), and among each one's `ranks`
     (a tensor-parallel LLM replica's processes, which compute at once; each rank takes as many).
-
-    Ray starts a replica with one thread per whole CPU it reserved (OMP_NUM_THREADS), so a replica
-    of `num_cpus: 0.5` would compute on one thread of a many-core machine. One request's work is
-    serial across the deployments (its encode, then its prefill and decode), so each deployment's
-    replicas share the node's cores and the Encoder and the LLM each get all of them: served as
-    fast as `transformers` runs the whole model in one process (bench/load.py --serve). Under a
-    load that keeps both busy their threads contend; `cpu_threads` splits the cores instead."""
+    Why every deployment gets all the cores: docs/operations.md, "CPU threads"."""
     import torch
 
     threads = configured or max(1, node_cores() // max(replicas * ranks, 1))

@@ -41,9 +41,8 @@ def ray_token_auth_on() -> bool:
 
 
 def token_location() -> str:
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        return "the RAY_AUTH_TOKEN environment variable"
-    return os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+    return ("the RAY_AUTH_TOKEN environment variable" if os.environ.get("RAY_AUTH_TOKEN")
+            else os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token"))
 
 
 def check_ray_token_auth() -> None:
@@ -151,9 +150,8 @@ def ingress_line(mode: str, cap) -> str:
         clients = f"{cap.per_client} connections per client" if cap.per_client else "no connection cap per client"
         return (f"ingress proxy behind a request cap: headers {HEADER_CAP_BYTES // 1024} KiB, {HEADER_DEADLINE_S} s "
                 f"to send them and the body's first {HEADER_CAP_BYTES // 1024} KiB, {clients}")
-    if mode == "direct":
-        return f"ingress direct: the Router replicas listen on {DIRECT_PORTS}, from the first"
-    return f"ingress {mode}"
+    return (f"ingress direct: the Router replicas listen on {DIRECT_PORTS}, from the first" if mode == "direct"
+            else f"ingress {mode}")
 
 
 class StopSignal:
@@ -353,13 +351,6 @@ def app_args(ns: argparse.Namespace, key_env: str | None, shares=None):
         raise RefusedToStart(message) from None
 
 
-def key_flag(ns: argparse.Namespace) -> str | None:
-    """The flag that gave the API key (None: none, or MMSERVE_API_KEY from the environment)."""
-    if ns.api_key_env:
-        return f"--api-key-env {ns.api_key_env}"
-    return "--api-key" if ns.api_key else None
-
-
 def config_with_flags(raw: dict, path: str, host: str | None, key_env: str | None,
                       flag: str | None, http_port: int | None = None,
                       grpc_port: int | None = None) -> tuple[dict, list[str]]:
@@ -432,8 +423,10 @@ def serve_config(ns: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     check_ray_token_auth()
+    # the flag that gave the key (None: none, or MMSERVE_API_KEY from the environment)
+    flag = f"--api-key-env {ns.api_key_env}" if ns.api_key_env else "--api-key" if ns.api_key else None
     with open(ns.config) as f:
-        raw, key_lines = config_with_flags(yaml.safe_load(f), ns.config, ns.host, api_key_env(ns), key_flag(ns),
+        raw, key_lines = config_with_flags(yaml.safe_load(f), ns.config, ns.host, api_key_env(ns), flag,
                                            ns.http_port, ns.grpc_port)
     for line in key_lines:
         print(line, flush=True)

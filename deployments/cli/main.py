@@ -104,12 +104,12 @@ def _encoder_server(ns: argparse.Namespace) -> int:
 def _chat(ns: argparse.Namespace) -> int:
     if ns.grpc:
         return _chat_grpc(ns)
-    import base64
     import mimetypes
     import urllib.request
 
-    uris = [f"data:{mimetypes.guess_type(p)[0] or 'image/png'};base64,{base64.b64encode(Path(p).read_bytes()).decode()}"
-            for p in ns.image or []]
+    from mmserve.loadgen.dataset import data_uri
+
+    uris = [data_uri(Path(p).read_bytes(), mimetypes.guess_type(p)[0] or "image/png") for p in ns.image or []]
     content = [{"type": "image_url", "image_url": {"url": uri}} for uri in uris] + [{"type": "text", "text": ns.prompt}]
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": ns.max_tokens, "stream": True}
     headers = {"Content-Type": "application/json"}

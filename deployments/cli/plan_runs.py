@@ -1,19 +1,11 @@
 """`mmserve plan --validate`'s runs: the app, in this process, under `bench serve`'s load
 (`collect`, injected into `mmserve.capacity.cli` by the `mmserve` command line).
 
-For each mode (disaggregated: 1 encoder + 1 LLM replica; colocated: 2 LLM replicas), on the bench
-checkpoint and this machine's CPUs, it runs:
-- two fit runs: one request at a time, then `FIT_LOADED_CONCURRENCY` at a time;
-- a flood, `SATURATING_CONCURRENCY` at a time: its throughput (the app's capacity on this box)
-  places the held-out rates, and the model's shared capacity is fitted on it;
-- Poisson arrivals at `REFUSING_FACTOR` x that capacity, most refused at the admission bound:
-  what a 429 costs the box;
-- three held-out Poisson rates (`RATE_FACTORS` x that capacity), the last past saturation;
-- the middle held-out rate once more, with fresh requests of the same shape and the same arrival
-  times (the noise floor; the same requests again would hit the embedding and prefix caches);
-- the flood once more, with fresh requests (`capacity_drift`: how far the box's own speed moved
-  across the held-out runs; the fitted capacity is the mean of the two floods').
-`mmserve.capacity.fit.validate` then fits a profile on the fit runs only and simulates the rest.
+Per mode (disaggregated: 1 encoder + 1 LLM replica; colocated: 2 LLM replicas), on the bench checkpoint
+and this machine's CPUs: two fit runs (one at a time, `FIT_LOADED_CONCURRENCY` at a time), a flood
+(`SATURATING_CONCURRENCY`), Poisson arrivals at `REFUSING_FACTOR` x its capacity, the held-out rates
+(`RATE_FACTORS` x it), the middle one again on fresh requests, the flood again; what each is for:
+docs/capacity.md#--validate. `mmserve.capacity.fit.validate` fits on the fit runs and simulates the rest.
 """
 
 from __future__ import annotations

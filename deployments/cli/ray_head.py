@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 HEAD_START_TIMEOUT_S = 180.0  # Ray's own waits (30 s for the raylet to register, 60 s for the node) and then some
@@ -216,12 +216,8 @@ class RayHead:
         self.proc = None
 
 
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 def start_head(spec: HeadSpec, stopped=lambda: False, log_to_driver: bool = False, logging_level: str = "ERROR",
-               say=_say) -> RayHead | None:
+               say=lambda line: print(line, file=sys.stderr, flush=True)) -> RayHead | None:
     """A started `RayHead` (None: `stopped()` turned true first). When the start with the dashboard
     fails, says why and starts once more without it; when the node starts but the dashboard does
     not, says why: either way the node serves without the dashboard (`dashboard_url` None)."""

@@ -2,16 +2,9 @@
 (2 encoder + 2 LLM replicas, popular images, shared system prompts), in this process, under both
 routing policies (`collect`, injected into `mmserve.capacity.cli` by the `mmserve` command line).
 
-On the default-routing app first: three fit runs of fresh content (one request at a time,
-`FIT_LOADED_CONCURRENCY` at a time, a flood), which fit the box's profile
-(`mmserve.capacity.fit.fit_profile`) and set the rates (`RATE_FACTORS` x one request at a time,
-below saturation) and the SLOs (3 x the unloaded median TTFT and TPOT, as the bench). Then, on
-each policy's app, each rate `REPEATS` times on fresh request sets (the rates interleaved). Every
-run records its requests (bench serve's records, with their images' seeds and system prompt), its
-start on the app's clock and the cluster's counters across it: embedding hits (cache + in-flight
-dedup, summed over the encoder replicas) and prompt tokens the LLM replicas' prefix caches served.
-`mmserve.capacity.routing_fit.validate_routing` replays each policy's whole session (its caches
-carry over from run to run, as the app's do) in the routing simulation.
+The runs (fit runs on the default app: `FIT_LOADED_CONCURRENCY`, `RATE_FACTORS`; then each rate `REPEATS`
+times per policy, interleaved) and what each records: docs/capacity.md#--validate-routing;
+`mmserve.capacity.routing_fit.validate_routing` replays them.
 """
 
 from __future__ import annotations

@@ -270,6 +270,5 @@ class Generation:
     @property
     def time_per_output_token_ms(self) -> float | None:
         """Mean time per token after the first (TTFT excluded); None below two tokens."""
-        if self.num_generated < 2:
-            return None
-        return (time.perf_counter() - self.first_token_at) * 1000 / (self.num_generated - 1)
+        n = self.num_generated
+        return None if n < 2 else (time.perf_counter() - self.first_token_at) * 1000 / (n - 1)

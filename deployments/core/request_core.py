@@ -80,10 +80,6 @@ class ChatRequest:
             raise InvalidRequest("response_format and a forced tool_choice cannot be combined")
         return Grammar("lark", fmt.grammar(list(tools), self.parallel_tool_calls))
 
-    @property
-    def parses_tools(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
-
 
 class VideoDecoding(Protocol):
     """Video files to their sampled frames: the VideoDecoder deployment's client, or a
@@ -177,20 +173,11 @@ class RequestCore:
     async def generate(self, authorization: str | None, read: Callable[[], Awaitable[ChatRequest]],
                        request_id: str, client: str = "") -> Generation:
         """Authenticate, `read()` the request, check it and load its media, then admit, plan,
-        dispatch and start it.
-
-        Before the app is ready (`readiness`: an LLM replica, and an Encoder replica where the app
-        has them, loaded and warm) a request waits up to `readiness_wait_s` for it, holding a
-        `max_fetching_requests` place, then gets `NotReady` (503 + Retry-After): long enough to
-        cover a Router replica that just started in a running app, short enough that a client of
-        an app still loading its models is told so instead of waiting it out.
-
-        Admission is two bounds. Reading the body, checking it and fetching media (a slow client or
-        URL takes as long as it takes, up to `media_fetch_timeout_s`) count against
-        `max_fetching_requests` only; `Admission` (`max_pending_requests` sequences, `ttft_budget_s`,
-        each `client`'s share: its address as the adapter knows it) counts requests from planning
-        to their first token, so slow media never crowd out requests that are ready. A full router
-        refuses at once, before the body is read.
+        dispatch and start it. Before the app is ready a request waits up to `readiness_wait_s`, then
+        gets `NotReady`: long enough to cover a Router replica that just started in a running app, short
+        enough that a client of an app still loading its models is told so instead of waiting it out.
+        The two admission bounds (`max_fetching_requests` while receiving; `Admission` from planning to
+        the first token, `client` its address): docs/architecture.md step 2, docs/operations.md#admission.
 
         Raises the typed errors `failures.classify` maps: `Unauthenticated` before anything else,
         `ShuttingDown` / `QueueFull` / `NotReady` before the request is read, `InvalidRequest` for anything
@@ -219,10 +206,6 @@ class RequestCore:
         if num_bytes > (limit := self.limits.max_request_bytes):
             raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
 
-    @property
-    def draining(self) -> bool:
-        return self._draining()
-
     def not_ready(self) -> str | None:
         """What the app still waits for (`Readiness.reason`), or None once it is ready."""
         self.readiness.start()
@@ -231,7 +214,7 @@ class RequestCore:
     def unavailable(self) -> str | None:
         """Why this replica takes no new requests now (draining, or not ready yet), or None: what
         `/health` and gRPC health answer."""
-        return "server is shutting down" if self.draining else self.not_ready()
+        return "server is shutting down" if self._draining() else self.not_ready()
 
     def warm_up(self) -> None:
         """Plan one small request with an image, so that the first client's plan finds the chat
@@ -240,7 +223,7 @@ class RequestCore:
 
     def _check_open(self, client: str, sequences: int = 1) -> None:
         """503 while draining, 429 while no place is free for `client`'s `sequences` (`Admission`)."""
-        if self.draining:
+        if self._draining():
             raise ShuttingDown("server is shutting down")
         self.pending.check(client, sequences)
 
@@ -281,8 +264,11 @@ class RequestCore:
             probe = functools.partial(self.videos.probe, decode_below=min_frames)
             read = self.videos.probe if len(files) > 1 else probe if stream else self.videos.decode
             decoded = dict(zip(files, await _all_or_none([read(frames[i][0], request_id, sampling) for i in files])))
-            if len(files) > 1:
-                self._check_decoded_pixels(list(decoded.values()))
+            total = sum(math.prod(video.shape) for video in decoded.values()) if len(files) > 1 else 0
+            if total > (limit := self.limits.max_decoded_pixels_per_request):
+                raise InvalidRequest(
+                    f"the request's {len(files)} videos sample to {total} decoded pixels together, over the limit "
+                    f"of {limit} (max_decoded_pixels_per_request); send fewer, shorter or smaller videos")
             whole = [i for i in files if decoded[i].pixels is None and (not stream or decoded[i].shape[0] < min_frames)]
             if whole:
                 decoded.update(zip(whole, await _all_or_none([self.videos.decode(frames[i][0], request_id, sampling)
@@ -293,19 +279,12 @@ class RequestCore:
         return [dataclasses.replace(m, parts=tuple(p if isinstance(p, str) else next(items) for p in m.parts))
                 for m in request.messages]
 
-    def _check_decoded_pixels(self, videos: list[DecodedVideo]) -> None:
-        total = sum(math.prod(video.shape) for video in videos)
-        if total > (limit := self.limits.max_decoded_pixels_per_request):
-            raise InvalidRequest(
-                f"the request's {len(videos)} videos sample to {total} decoded pixels together, over the limit of "
-                f"{limit} (max_decoded_pixels_per_request); send fewer, shorter or smaller videos")
-
     async def _start(self, messages: list[Message[MediaItem]], request: ChatRequest, grammar: Grammar | None,
                      request_id: str, received: float, ticket: Ticket) -> Generation:
         """`grammar`: `response_format`'s, or the one holding a forced call to the tools (checked)."""
         started = time.perf_counter()
         options = dataclasses.replace(request.options, response_format=grammar)
-        tools = request.tools if request.parses_tools else ()
+        tools = request.tools if request.tool_choice != "none" else ()
         plan = await self.checks.plan(messages, tools)
         self.pending.admit(ticket, len(plan.token_ids))
         sampling = sampling_params(options, len(plan.token_ids), self.max_model_len, self.generation_defaults)

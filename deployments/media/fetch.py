@@ -78,7 +78,7 @@ class MediaFetcher:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _load_one(self, url: str) -> bytes:
-        scheme = _scheme(url)
+        scheme = "" if url.startswith("/") else urlsplit(url).scheme.lower()
         if scheme == "data":
             return decode_data_uri(url, self.limits.max_request_bytes)
         if scheme in ("http", "https"):
@@ -147,10 +147,6 @@ class MediaFetcher:
             self._take(len(chunk), too_big)  # as it arrives: concurrent fetches share the budget
             chunks.append(chunk)
         return b"".join(chunks)
-
-
-def _scheme(url: str) -> str:
-    return "" if url.startswith("/") else urlsplit(url).scheme.lower()
 
 
 # -- http(s) ------------------------------------------------------------------------------------------

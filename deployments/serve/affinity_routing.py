@@ -39,9 +39,8 @@ logger = logging.getLogger("ray.serve")
 
 def _items(arg) -> list[tuple[str, int]] | None:
     """An `Encoder.encode` call's items as (content hash, cost), or None for another call."""
-    if isinstance(arg, list) and arg and isinstance(arg[0], EncodeItem):
-        return [(item.item.content_hash, item.cost) for item in arg]
-    return None
+    encode = isinstance(arg, list) and arg and isinstance(arg[0], EncodeItem)
+    return [(item.item.content_hash, item.cost) for item in arg] if encode else None
 
 
 def multiplexed_holders(model_id: str, loaded: dict[str, set[str]]) -> list[str]:

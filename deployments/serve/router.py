@@ -83,10 +83,7 @@ def readiness(encoder: DeploymentHandle | None, llm: DeploymentHandle) -> Readin
     the LLM replicas encode (and warm their own encoder up); a standalone encoder
     (`grpc.encoder_address`) is a service of its own with its own health checks, not waited for:
     text-only requests need none, and an image request while it is down gets 503 UNAVAILABLE."""
-    backends = {"LLM": llm.ready.remote}
-    if encoder is not None:
-        backends["Encoder"] = encoder.ready.remote
-    return Readiness(backends)
+    return Readiness({"LLM": llm.ready.remote, **({"Encoder": encoder.ready.remote} if encoder is not None else {})})
 
 
 @dataclass(frozen=True)

@@ -117,9 +117,8 @@ class Workload:
 
     @property
     def mean_image_tokens(self) -> float:
-        if not self.image_mix:
-            return float(self.image_tokens)
-        return sum(t * s for t, s in self.image_mix) / sum(s for _, s in self.image_mix)
+        mix = self.image_mix
+        return sum(t * s for t, s in mix) / sum(s for _, s in mix) if mix else float(self.image_tokens)
 
 
 @dataclass(frozen=True)

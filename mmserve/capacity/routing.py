@@ -168,12 +168,14 @@ def simulate_cluster(profile: Profile, shapes: Sequence[Content], num_encoders: 
     first = math.floor(len(shapes) * warmup)
     items, misses, per_request = [0], [0], Counter()
 
-    def finished(request: Request) -> None:
-        replica, cost = where.pop(request.index)
+    def released(rules: AffinityChooser, in_flight: Counter, replica: str, cost: int) -> None:
         if policy == "affinity":
-            llm_rules.completed(replica, cost)
+            rules.completed(replica, cost)
         else:
-            requests[replica] -= 1
+            in_flight[replica] -= 1
+
+    def finished(request: Request) -> None:
+        released(llm_rules, requests, *where.pop(request.index))
 
     llms = {i: LLMReplica(sim, profile, prefix_cache=PrefixCache(kv_blocks), block_size=BLOCK_SIZE, finished=finished)
             for i in llm_ids}
@@ -204,10 +206,7 @@ def simulate_cluster(profile: Profile, shapes: Sequence[Content], num_encoders: 
         all_back = countdown(len(groups), lambda: sim.after(profile.transfer_seconds(tokens, transport), to_llm))
 
         def call_done(encoder: str, cost: int) -> None:
-            if policy == "affinity":
-                encoder_rules.completed(encoder, cost)
-            else:
-                calls[encoder] -= 1
+            released(encoder_rules, calls, encoder, cost)
             all_back()
 
         for group in groups:

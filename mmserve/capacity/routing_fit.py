@@ -137,10 +137,6 @@ def simulated_figures(run_set: dict, policy: str, profile, image_tokens: int, sy
     return out
 
 
-def _rel(model: float, real: float) -> float:
-    return abs(model - real) / real if real else abs(model - real)
-
-
 def validate_routing(run_set: dict) -> dict:
     """Fit, replay both policies, compare per policy and rate; the summary the command's JSON line prints."""
     encoders, llms = run_set["replicas"]
@@ -161,7 +157,7 @@ def validate_routing(run_set: dict) -> dict:
             mean_real = {k: statistics.fmean(r[k] for r in real) for k in KEYS}
             mean_model = {k: statistics.fmean(r[k] for r in model) for k in KEYS}
             rows.append({"policy": policy, "rate": rate, "real": mean_real, "model": mean_model,
-                         "rel_error": {k: _rel(mean_model[k], mean_real[k]) for k in KEYS}})
+                         "rel_error": {k: abs(mean_model[k] - mean_real[k]) / (mean_real[k] or 1) for k in KEYS}})
             for a, b in zip(real, real[1:]):
                 spreads.append(max(abs(a[k] - b[k]) / max(a[k], b[k], 1e-12) for k in ("ttft_p50_s", "goodput")))
     return {

@@ -81,9 +81,6 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
     def least_loaded() -> LLMReplica:
         return min((r for r in llms if not r.draining), key=lambda r: r.in_flight)  # ties: the first
 
-    def drain_llm() -> None:
-        least_loaded().draining = True
-
     open_from = [0]  # requests before this index are finished or refused
 
     def active() -> bool:
@@ -103,7 +100,8 @@ def simulate(profile: Profile, workload: Workload, num_encoders: int, num_llms: 
             raise ValueError("the LLM pool autoscales from one replica at least")
         scalers["llms"] = Autoscaler(sim, llm_scaling, num_llms,
                                      lambda: sum(r.in_flight for r in llms if not r.draining),
-                                     lambda: llms.append(new_llm()), drain_llm, active)
+                                     lambda: llms.append(new_llm()),
+                                     lambda: setattr(least_loaded(), "draining", True), active)
 
     def encode_locally(request: Request, misses: tuple[int, ...]) -> None:
         llm = least_loaded()

@@ -123,6 +123,7 @@ class QwenVLRouterFace(RouterFace):
     image_token_id: int
     video_token_id: int
     tokens_per_second: float | None  # Qwen2.5-VL only: temporal position scaling of videos
+    video_grid = staticmethod(video_grid)  # a video's patch grid (Qwen3-VL: its own video sizing)
 
     @classmethod
     def from_checkpoint(cls, model_dir: str, config: PreTrainedConfig) -> QwenVLRouterFace:
@@ -139,7 +140,7 @@ class QwenVLRouterFace(RouterFace):
         height, width = item.frame_size(max_pixels)
         if item.kind is MediaKind.IMAGE:
             return QwenLayout(image_grid(height, width, self.preprocess))
-        grid = video_grid(item.num_frames, height, width, self.preprocess)
+        grid = self.video_grid(item.num_frames, height, width, self.preprocess)
         if self.tokens_per_second is None:
             return QwenLayout(grid)
         second_per_grid_t = self.preprocess.temporal_patch_size / item.sampled_fps

@@ -15,9 +15,7 @@ from typing import TYPE_CHECKING
 
 from mmserve.errors import InvalidRequest
 from mmserve.families.base import ItemExpansion
-from mmserve.families.qwen2_vl import (
-    QwenLayout, QwenVLRouterFace, VisionPreprocessConfig, image_grid, read_preprocess_config, smart_resize,
-)
+from mmserve.families.qwen2_vl import QwenVLRouterFace, VisionPreprocessConfig, read_preprocess_config, smart_resize
 from mmserve.inputs.media import MediaItem, MediaKind, PlaceholderRange
 from mmserve.inputs.mrope import mrope_positions
 from mmserve.inputs.positions import ExplicitPositions, LinearPositions, PositionPlan
@@ -64,6 +62,7 @@ class Qwen3VLRouterFace(QwenVLRouterFace):
     timestamp_ids: object = field(default=None, compare=False)
     vision_start_id: int = -1
     vision_end_id: int = -1
+    video_grid = staticmethod(video_grid)
 
     @classmethod
     def from_checkpoint(cls, model_dir: str, config: PreTrainedConfig) -> Qwen3VLRouterFace:
@@ -73,12 +72,6 @@ class Qwen3VLRouterFace(QwenVLRouterFace):
                    image_token_id=int(config.image_token_id), video_token_id=int(config.video_token_id),
                    tokens_per_second=None, timestamp_ids=_TimestampTokens(AutoTokenizer.from_pretrained(model_dir)),
                    vision_start_id=int(config.vision_start_token_id), vision_end_id=int(config.vision_end_token_id))
-
-    def layout(self, item: MediaItem, max_pixels: int) -> QwenLayout:
-        height, width = item.frame_size(max_pixels)
-        if item.kind is MediaKind.IMAGE:
-            return QwenLayout(image_grid(height, width, self.preprocess))
-        return QwenLayout(video_grid(item.num_frames, height, width, self.preprocess))
 
     def expand(self, item: MediaItem, max_pixels: int) -> ItemExpansion:
         if item.kind is MediaKind.IMAGE:

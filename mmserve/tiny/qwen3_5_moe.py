@@ -7,12 +7,10 @@ layout (`gate_up_proj` `(E, 2I, H)`, `down_proj` `(E, H, I)`; 2I and I differ fr
 from __future__ import annotations
 
 from mmserve.tiny import qwen3_5
+from mmserve.tiny.qwen3_vl_moe import EXPERTS_PER_TOKEN, MOE_INTERMEDIATE_SIZE, NUM_EXPERTS  # the same experts
 
 VARIANTS: dict[str, str] = {}
 
-NUM_EXPERTS = 16
-EXPERTS_PER_TOKEN = 4
-MOE_INTERMEDIATE_SIZE = 48
 SHARED_EXPERT_INTERMEDIATE_SIZE = 32
 
 
