@@ -88,12 +88,13 @@ def read_config(name: str, path: Path) -> dict:
     return config
 
 
-def read_pairs(name: str, path: Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
-    """The checked config and, per targeted checkpoint module, its LoRA weights (`"A"`, `"B"`:
-    `fitted_delta` checks both are there); AdapterError for a missing file or a tensor that is no
-    LoRA weight."""
+def read_pairs(name: str, path: str | Path, tower: bool) -> tuple[int, float, dict[str, dict[str, torch.Tensor]]]:
+    """The checked config's rank and `scaling`, and per targeted checkpoint module of the vision
+    tower (`tower`) or of the language model, its LoRA weights (`"A"`, `"B"`: `fitted_delta` checks
+    both are there); AdapterError for a missing file or a tensor that is no LoRA weight."""
     from safetensors.torch import load_file
 
+    path = Path(path)
     config = read_config(name, path)
     if not (path / WEIGHTS_FILE).is_file():
         raise AdapterError(f"adapter {name!r}: no {WEIGHTS_FILE} in {path}")
@@ -105,7 +106,7 @@ def read_pairs(name: str, path: Path) -> tuple[dict, dict[str, dict[str, torch.T
         pairs.setdefault(module, {})[part[0]] = tensor
     if not pairs:
         raise AdapterError(f"adapter {name!r}: no LoRA tensors in {WEIGHTS_FILE}")
-    return config, dict(sorted(pairs.items()))
+    return config["r"], scaling(config), {m: ab for m, ab in sorted(pairs.items()) if is_tower_module(m) == tower}
 
 
 def fitted_delta(name: str, module: str, ab: dict[str, torch.Tensor], rank: int, in_features: int, out: slice,

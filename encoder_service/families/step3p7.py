@@ -63,10 +63,8 @@ def rename(key: str) -> str | None:
 
 def _permute_for_rope(tensor: torch.Tensor, heads: int) -> torch.Tensor:
     """transformers' `PermuteForRope` (interleaved -> split halves) on a q or k projection."""
-    dim0 = tensor.shape[0]
-    half = dim0 // heads // 2
-    rest = tensor.shape[1:]
-    return tensor.view(heads, half, 2, *rest).transpose(1, 2).reshape(dim0, *rest)
+    dim0, rest = tensor.shape[0], tensor.shape[1:]
+    return tensor.view(heads, dim0 // heads // 2, 2, *rest).transpose(1, 2).reshape(dim0, *rest)
 
 
 def convert_hub_vision(state: dict[str, torch.Tensor], heads: int) -> dict[str, torch.Tensor]:

@@ -100,8 +100,7 @@ class ResultStore:
             if entry is None:
                 return
             entry.fetching -= 1
-            if delivered:
-                entry.pins -= 1
+            entry.pins -= delivered
             if entry.pins <= 0 and entry.fetching == 0:
                 self._remove(content_hash)
 
@@ -130,6 +129,5 @@ class ResultStore:
         self._num_bytes -= self._entries.pop(content_hash).tensor.nbytes
 
     def _evict_expired(self, now: float) -> None:
-        expired = [h for h, e in self._entries.items() if e.expires_at <= now and e.fetching == 0]
-        for content_hash in expired:
+        for content_hash in [h for h, e in self._entries.items() if e.expires_at <= now and e.fetching == 0]:
             self._remove(content_hash)

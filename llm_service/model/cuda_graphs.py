@@ -24,8 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 def graph_batch_sizes(limit: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, limit + 1, 8))
-    return [b for b in sizes if b <= limit]
+    return [b for b in (1, 2, 4, 8, *range(16, limit + 1, 8)) if b <= limit]
 
 
 class DecodeGraphs:
