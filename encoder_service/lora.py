@@ -1,13 +1,6 @@
-"""LoRA adapters on the vision tower (and merger), several in one packed forward.
-
-An item encoded under an adapter with tower tensors carries it (`MediaItem.tower_adapter`, set by
-the router with `mmserve.lora.tower_media`). `TowerLoras` reads the adapter's tower modules
-(`mmserve.lora.read_pairs`; its language-model modules are the LLM's) onto the tower's
-`nn.Linear`s, and within `step` a forward hook on each targeted linear adds
-`scale * (x[rows] @ A^T) @ B^T` to the rows of each adapter's items: the items of one batch may
-carry different adapters and none, as the engine's `LinearLoras` does for tokens. The face says
-where an item's rows are at each stage of its packed forward (`EncoderFace.lora_rows`).
-"""
+"""LoRA adapters on the vision tower and merger, several in one packed forward (docs/lora.md#on-the-vision-tower):
+`TowerLoras` reads an adapter's tower modules (`mmserve.lora.read_pairs`) onto the tower's `nn.Linear`s, and within
+`step` a forward hook on each targeted linear adds each adapter's delta to its items' rows (`EncoderFace.lora_rows`)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,6 @@
-"""LoRA adapters as both services read them (PEFT directories), and an item's adapter identity.
-
-An adapter is a PEFT directory: `adapter_config.json` (`r`, `lora_alpha`, `use_rslora`,
-`target_modules`) and `adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight`
-`(r, in)` and `.lora_B.weight` `(out, r)` for each targeted module of the checkpoint). Its modules
-of the vision tower (and merger) are the encoder's (`encoder_service.lora`), the others the
-language model's (`llm_service.model.lora`): each service takes its own and leaves the rest.
-
-An item encoded under an adapter that changes the tower is another item: `tower_media` gives it
-the adapter (`MediaItem.tower_adapter`), which its content hash folds in, so the encoder's
-cache, its in-flight dedup, the affinity routing and the gRPC transport's keys all follow.
-"""
+"""LoRA adapters as both services read them: PEFT directories (docs/lora.md#format), each service taking
+its own modules (the vision tower's and merger's: `encoder_service.lora`; the others: `llm_service.model.lora`);
+`tower_media` gives an item the adapter that changes its tower (docs/lora.md#on-the-vision-tower)."""
 
 from __future__ import annotations
 
@@ -66,8 +57,14 @@ def is_tower_module(module: str) -> bool:
     return module.startswith(TOWER_PREFIXES)
 
 
-def read_config(name: str, path: Path) -> dict:
-    """The adapter's config, checked (AdapterError naming the field)."""
+def read_pairs(name: str, path: str | Path, tower: bool) -> tuple[int, float, dict[str, dict[str, torch.Tensor]]]:
+    """The adapter's rank and `scaling` (its config checked: AdapterError naming the field) and per
+    targeted checkpoint module of the vision tower (`tower`) or of the language model, its LoRA
+    weights (`"A"`, `"B"`: `fitted_delta` checks both are there); AdapterError for a missing file or
+    a tensor that is no LoRA weight."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
     if not (path / CONFIG_FILE).is_file():
         raise AdapterError(f"adapter {name!r}: no {CONFIG_FILE} in {path}")
     config = json.loads((path / CONFIG_FILE).read_text())
@@ -85,17 +82,6 @@ def read_config(name: str, path: Path) -> dict:
         known = dict.fromkeys(LM_TARGETS + TOWER_TARGETS)
         if bad := sorted(set(targets) - set(known)):
             raise AdapterError(f"adapter {name!r}: target_modules {bad} not supported (only {', '.join(known)})")
-    return config
-
-
-def read_pairs(name: str, path: str | Path, tower: bool) -> tuple[int, float, dict[str, dict[str, torch.Tensor]]]:
-    """The checked config's rank and `scaling`, and per targeted checkpoint module of the vision
-    tower (`tower`) or of the language model, its LoRA weights (`"A"`, `"B"`: `fitted_delta` checks
-    both are there); AdapterError for a missing file or a tensor that is no LoRA weight."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    config = read_config(name, path)
     if not (path / WEIGHTS_FILE).is_file():
         raise AdapterError(f"adapter {name!r}: no {WEIGHTS_FILE} in {path}")
     pairs: dict[str, dict[str, torch.Tensor]] = {}

@@ -67,28 +67,6 @@ def _permute_for_rope(tensor: torch.Tensor, heads: int) -> torch.Tensor:
     return tensor.view(heads, dim0 // heads // 2, 2, *rest).transpose(1, 2).reshape(dim0, *rest)
 
 
-def convert_hub_vision(state: dict[str, torch.Tensor], heads: int) -> dict[str, torch.Tensor]:
-    """Hub-layout `tower.*` keys -> `Step3p7VisionModel` keys (others unchanged)."""
-    out = {}
-    for key, value in state.items():
-        if not key.startswith("tower."):
-            out[key] = value
-            continue
-        name = key[len("tower."):]
-        for pattern, target in _HUB_VISION_RENAMES:  # an in-memory key matches none
-            name = re.sub(pattern, target, name)
-        match = re.fullmatch(r"(.*)\.self_attn\.in_proj_(weight|bias)", name)
-        if match is None:
-            out["tower." + name] = value
-            continue
-        q, k, v = value.chunk(3, dim=0)
-        base, kind = match.groups()
-        for proj, tensor in (("q_proj", _permute_for_rope(q, heads)), ("k_proj", _permute_for_rope(k, heads)),
-                             ("v_proj", v)):
-            out[f"tower.{base}.self_attn.{proj}.{kind}"] = tensor.contiguous()
-    return out
-
-
 class Step3VisionEncoder(nn.Module):
     """`tower` (`Step3p7VisionModel`) + `projector`; hub-layout tensors are converted as they load."""
 
@@ -105,10 +83,26 @@ class Step3VisionEncoder(nn.Module):
         self.heads = vision.num_attention_heads
 
     def convert(self, waiting: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Hub-layout tensors -> module tensors, as they are read (see `load_weights`)."""
-        made = convert_hub_vision(waiting, self.heads)
+        """Hub-layout `tower.*` keys -> `Step3p7VisionModel` keys, as they are read (others unchanged)."""
+        out = {}
+        for key, value in waiting.items():
+            if not key.startswith("tower."):
+                out[key] = value
+                continue
+            name = key[len("tower."):]
+            for pattern, target in _HUB_VISION_RENAMES:  # an in-memory key matches none
+                name = re.sub(pattern, target, name)
+            match = re.fullmatch(r"(.*)\.self_attn\.in_proj_(weight|bias)", name)
+            if match is None:
+                out["tower." + name] = value
+                continue
+            q, k, v = value.chunk(3, dim=0)
+            base, kind = match.groups()
+            q, k = _permute_for_rope(q, self.heads), _permute_for_rope(k, self.heads)
+            for proj, tensor in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                out[f"tower.{base}.self_attn.{proj}.{kind}"] = tensor.contiguous()
         waiting.clear()
-        return made
+        return out
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """`(B, 3, S, S)` views -> `(B, tokens, text_hidden)`."""
