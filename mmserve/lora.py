@@ -52,11 +52,6 @@ def scaling(config: dict) -> float:
     return config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
 
 
-def is_tower_module(module: str) -> bool:
-    """Whether a checkpoint module path (`model.visual.blocks.0.attn.qkv`) is of the vision tower or merger."""
-    return module.startswith(TOWER_PREFIXES)
-
-
 def read_pairs(name: str, path: str | Path, tower: bool) -> tuple[int, float, dict[str, dict[str, torch.Tensor]]]:
     """The adapter's rank and `scaling` (its config checked: AdapterError naming the field) and per
     targeted checkpoint module of the vision tower (`tower`) or of the language model, its LoRA
@@ -92,7 +87,7 @@ def read_pairs(name: str, path: str | Path, tower: bool) -> tuple[int, float, di
         pairs.setdefault(module, {})[part[0]] = tensor
     if not pairs:
         raise AdapterError(f"adapter {name!r}: no LoRA tensors in {WEIGHTS_FILE}")
-    return config["r"], scaling(config), {m: ab for m, ab in sorted(pairs.items()) if is_tower_module(m) == tower}
+    return r, scaling(config), {m: ab for m, ab in sorted(pairs.items()) if m.startswith(TOWER_PREFIXES) == tower}
 
 
 def fitted_delta(name: str, module: str, ab: dict[str, torch.Tensor], rank: int, in_features: int, out: slice,
@@ -138,7 +133,7 @@ def _targets_tower(weights: str, stamp: int) -> bool:
     from safetensors import safe_open
 
     with safe_open(weights, framework="pt") as f:
-        return any(is_tower_module(k.removeprefix(KEY_PREFIX)) for k in f.keys())
+        return any(k.removeprefix(KEY_PREFIX).startswith(TOWER_PREFIXES) for k in f.keys())
 
 
 def tower_media(media: Sequence[EncodeItem], adapter: AdapterRef | None) -> list[EncodeItem]:

@@ -148,9 +148,7 @@ def vocab_rows(vocab: int, rank: int, size: int) -> Rule:
 
     def take(t: torch.Tensor) -> torch.Tensor:
         piece = t[rank * per:(rank + 1) * per]
-        if piece.shape[0] == per:
-            return piece
-        return torch.cat([piece, piece.new_zeros(per - piece.shape[0], *piece.shape[1:])])
+        return piece if len(piece) == per else torch.cat([piece, piece.new_zeros(per - len(piece), *piece.shape[1:])])
     return take
 
 
@@ -339,13 +337,11 @@ def install_all_reduces(decoder: nn.Module, group: TPGroup) -> int:
         group.all_reduce(output[0] if isinstance(output, tuple) else output)
         return output
 
-    count = 0
-    for layer in decoder.layers:
-        for name in ("self_attn", "linear_attn", "mlp"):
-            if (block := getattr(layer, name, None)) is not None:
-                block.register_forward_hook(reduce)
-                count += 1
-    return count
+    blocks = [block for layer in decoder.layers for name in ("self_attn", "linear_attn", "mlp")
+              if (block := getattr(layer, name, None)) is not None]
+    for block in blocks:
+        block.register_forward_hook(reduce)
+    return len(blocks)
 
 
 def local_state_specs(specs: tuple, decoder: nn.Module) -> tuple:
