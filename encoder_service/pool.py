@@ -202,8 +202,7 @@ class EncoderPool:
         """The item's future, and the job computing it (None: a cache hit, or refused)."""
         loop = asyncio.get_running_loop()
         key = self.encoder.identity.key(item.item)
-        job = self._inflight.get(key)
-        if job is not None:
+        if (job := self._inflight.get(key)) is not None:
             self._dedup_hits += 1
             self.listener.on_lookup("dedup")
             return job.future, job

@@ -55,8 +55,7 @@ def rename(key: str) -> str | None:
     Tower keys come out as the 5.x tower names (`embeddings.*`, `pre_layrnorm.*`,
     `encoder.layers.N.*`, `post_layernorm.*`, `head.*`), projector keys as `projector.*`.
     """
-    tower = strip_prefix(key, VISION_PREFIXES)
-    if tower is not None:
+    if (tower := strip_prefix(key, VISION_PREFIXES)) is not None:
         return tower.removeprefix(_LEGACY_TOWER_PREFIX)
     projector = strip_prefix(key, PROJECTOR_PREFIXES)
     return None if projector is None else "projector." + projector

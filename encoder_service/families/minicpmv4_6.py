@@ -32,8 +32,7 @@ _MERGER = ("model.merger.",)
 
 
 def rename(key: str) -> str | None:
-    tower = strip_prefix(key, _TOWER)
-    if tower is not None:
+    if (tower := strip_prefix(key, _TOWER)) is not None:
         return "tower." + tower
     merger = strip_prefix(key, _MERGER)
     return None if merger is None else "merger." + merger

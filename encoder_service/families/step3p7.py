@@ -54,10 +54,9 @@ _HUB_VISION_RENAMES = (
 
 def rename(key: str) -> str | None:
     """Checkpoint key -> module key (`tower.*` in either layout, `projector.*`); None otherwise."""
-    tower = strip_prefix(key, ("model.vision_model.", "vision_model."))
-    projector = strip_prefix(key, ("vit_large_projector.", "model.multi_modal_projector."))
-    if tower is not None:
+    if (tower := strip_prefix(key, ("model.vision_model.", "vision_model."))) is not None:
         return "tower." + tower
+    projector = strip_prefix(key, ("vit_large_projector.", "model.multi_modal_projector."))
     return "projector." + projector if projector in ("weight", "bias") else None
 
 

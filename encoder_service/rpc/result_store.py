@@ -52,8 +52,7 @@ class ResultStore:
         with self._lock:
             now = self.clock()
             self._evict_expired(now)
-            entry = self._entries.get(content_hash)
-            if entry is None:
+            if (entry := self._entries.get(content_hash)) is None:
                 entry = _Entry(tensor, 1, now + self.ttl_s)
                 if self._entries and self._num_bytes + tensor.nbytes > self.max_bytes:
                     raise Overloaded(f"the encoder's store of unfetched results is full ({self.max_bytes} bytes)")
@@ -96,8 +95,7 @@ class ResultStore:
     def finish(self, content_hash: str, delivered: bool) -> None:
         """End a fetch; a delivered one releases one pin."""
         with self._lock:
-            entry = self._entries.get(content_hash)
-            if entry is None:
+            if (entry := self._entries.get(content_hash)) is None:
                 return
             entry.fetching -= 1
             entry.pins -= delivered
@@ -119,8 +117,7 @@ class ResultStore:
 
     def _acquire_locked(self, content_hash: str) -> torch.Tensor | None:
         self._evict_expired(self.clock())
-        entry = self._entries.get(content_hash)
-        if entry is None:
+        if (entry := self._entries.get(content_hash)) is None:
             return None
         entry.fetching += 1
         return entry.tensor

@@ -218,8 +218,7 @@ class AWQ(WeightFormat):
                 raise ValueError(f"checkpoint tensor {key} has {inp} input rows, not whole groups of "
                                  f"group_size={self.group_size}")
             for name, (shape, dtype) in list(self.params(out, inp).items())[1:]:  # qzeros, scales
-                part = stored.get(f"{base}.{name}")
-                if part is None:
+                if (part := stored.get(f"{base}.{name}")) is None:
                     raise ValueError(f"checkpoint tensor {key} is AWQ int4 but the checkpoint has no {base}.{name}")
                 if (part.shape, part.dtype) != (shape, dtype):
                     raise ValueError(f"checkpoint tensor {base}.{name} is {part.dtype} {part.shape}; the qweight "
@@ -355,8 +354,7 @@ def quantize_modules(modules: nn.Module, model_dir: str | Path, rename, fmt: Wei
             packed = module  # `transformers`' layers: q_proj, k_proj, ... each a module
         parts.setdefault(f"{owner}.{packed}".lstrip("."), []).append(key)
     for name, keys in parts.items():
-        linear = _engine_linear(modules, name)
-        if linear is None:
+        if (linear := _engine_linear(modules, name)) is None:
             raise ValueError(f"checkpoint tensor {keys[0]} is {fmt.label}, but mmserve runs {name} in full precision "
                              f"only ({fmt.label} weights go to the engine's own decoder layers)")
         if len(keys) != len(linear.output_sizes):
