@@ -68,11 +68,8 @@ def select_batch(costs: Sequence[int], skips: Sequence[int], config: BatchConfig
 
 def overtaken(selection: Selection, queue_len: int) -> list[int]:
     """Indices of unselected items that some selected item overtook (they were ahead of it)."""
-    if not selection.indices:
-        return []
-    last = selection.indices[-1]
     chosen = set(selection.indices)
-    return [i for i in range(min(last, queue_len)) if i not in chosen]
+    return [i for i in range(min(max(chosen, default=0), queue_len)) if i not in chosen]
 
 
 def temporal_groups(num_temporal: int, cost_per_temporal: int, budget: int) -> list[tuple[int, int]]:

@@ -1,13 +1,6 @@
-"""LoRA adapters on the vision tower (and merger), several in one packed forward.
-
-An item encoded under an adapter with tower tensors carries it (`MediaItem.tower_adapter`, set by
-the router with `mmserve.lora.tower_media`). `TowerLoras` reads the adapter's tower modules
-(`mmserve.lora.read_pairs`; its language-model modules are the LLM's) onto the tower's
-`nn.Linear`s, and within `step` a forward hook on each targeted linear adds
-`scale * (x[rows] @ A^T) @ B^T` to the rows of each adapter's items: the items of one batch may
-carry different adapters and none, as the engine's `LinearLoras` does for tokens. The face says
-where an item's rows are at each stage of its packed forward (`EncoderFace.lora_rows`).
-"""
+"""LoRA adapters on the vision tower and merger, several in one packed forward (docs/lora.md#on-the-vision-tower):
+`TowerLoras` reads an adapter's tower modules (`mmserve.lora.read_pairs`) onto the tower's `nn.Linear`s, and within
+`step` a forward hook on each targeted linear adds each adapter's delta to its items' rows (`EncoderFace.lora_rows`)."""
 
 from __future__ import annotations
 
@@ -15,13 +8,12 @@ import threading
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from cachetools import LRUCache
 from torch import nn
 
-from mmserve.lora import AdapterError, Delta, fitted_delta, is_tower_module, read_pairs, row_groups, scaling
+from mmserve.lora import AdapterError, Delta, fitted_delta, read_pairs, row_groups
 from mmserve.inputs.media import AdapterRef
 
 
@@ -36,13 +28,10 @@ def read_tower_adapter(ref: AdapterRef, tower: nn.Module, rename, stages: tuple[
     """The tower modules of the adapter `ref`, fitted to `tower`; `rename`: the encoder face's
     checkpoint key -> tower key; `stages`: the face's `lora_stages`. AdapterError naming the
     adapter and the field when they do not fit (an adapter without tower modules fits, empty)."""
-    config, pairs = read_pairs(ref.name, Path(ref.path))
-    rank, scale = config["r"], scaling(config)
+    rank, scale, pairs = read_pairs(ref.name, ref.path, tower=True)  # the language model's modules left out
     modules = dict(tower.named_modules())
     deltas = {}
     for module, ab in pairs.items():
-        if not is_tower_module(module):  # the language model's
-            continue
         if not stages:
             raise AdapterError(f"adapter {ref.name!r}: target {module}: this family's encoder applies no "
                                "vision-tower adapters (Qwen2-VL and Qwen2.5-VL do)")

@@ -158,12 +158,10 @@ class EncoderPool:
         self._ensure_started()
         began = time.monotonic()
         submitted = [self._submit(item) for item in items]
-        futures = [f for f, _ in submitted]
-        if futures:
-            await asyncio.wait(futures)
-        results = [f.result() for f in futures]
+        if submitted:
+            await asyncio.wait([f for f, _ in submitted])
         now, wall = time.monotonic(), time.time()
-        return [dataclasses.replace(r, timing=_timing(job, began, now, wall)) for r, (_, job) in zip(results, submitted)]
+        return [dataclasses.replace(f.result(), timing=_timing(job, began, now, wall)) for f, job in submitted]
 
     def encode_threadsafe(self, items: Sequence[EncodeItem], timeout: float | None = None) -> list[ItemEmbedding]:
         """`encode` from another thread (the pool's loop running: after a first `encode`, or `start`)."""
@@ -204,8 +202,7 @@ class EncoderPool:
         """The item's future, and the job computing it (None: a cache hit, or refused)."""
         loop = asyncio.get_running_loop()
         key = self.encoder.identity.key(item.item)
-        job = self._inflight.get(key)
-        if job is not None:
+        if (job := self._inflight.get(key)) is not None:
             self._dedup_hits += 1
             self.listener.on_lookup("dedup")
             return job.future, job
@@ -227,10 +224,8 @@ class EncoderPool:
         return future, job
 
     def _on_prepared(self, job: _Job, prepared_future: asyncio.Future) -> None:
-        if prepared_future.cancelled():
-            self._finish(job, error=RuntimeError("encoder pool closed"))
-            return
-        if (error := prepared_future.exception()) is not None:
+        error = RuntimeError("encoder pool closed") if prepared_future.cancelled() else prepared_future.exception()
+        if error is not None:
             self._finish(job, error=error)
             return
         prepared = prepared_future.result()

@@ -23,18 +23,15 @@ class EngineConfig:
     `num_state_slots` overrides that. With prefix caching, they also keep state snapshots at
     prompt block boundaries (`llm_service.hybrid.state_snapshots`): `state_snapshot_share` of the
     budget, or `num_state_snapshots` rows (with `num_kv_blocks`: one per block unless given).
-    `cuda_graphs` captures decode-only steps up to `max_graph_batch_size` sequences.
-    `attention_backend` is checked when the model runner starts (`llm_service.model.attention`);
-    `async_scheduling` reads the sampled ids a step late (`llm_service.engine.llm_engine`); `split_kv_decode`:
-    `mmserve.kernels.triton_attention.decode_splits`; `fused_ops`: `llm_service.model.fused_ops`.
-    `max_model_len` None is the checkpoint's (`mmserve.checkpoint.resolve_max_model_len`: the app
-    resolves it once on each node, `AppArgs.on_node`); the model runner refuses to start when the
-    KV pool cannot hold one sequence that long, except with `num_kv_blocks` (tests' tiny pools,
-    taken as given: a prompt over the pool is refused, a sequence that outgrows it alone ends with
-    `length`). `tensor_parallel_size` says how many ranks; the group is the caller's
-    (`llm_service.model.tensor_parallel`). `grammar_compile_timeout_s`: `llm_service.grammar.GrammarCompiler`;
-    `grammar_threads`: `llm_service.grammar.StepMasks`. `max_loras`: LoRA adapters kept loaded
-    (`llm_service.model.lora.LoraSet`; 0: requests naming one are refused).
+    Where the others act: `cuda_graphs`, `max_graph_batch_size`: `llm_service.model.cuda_graphs`;
+    `attention_backend`: `llm_service.model.attention` (checked when the model runner starts); `async_scheduling`:
+    `llm_service.engine.llm_engine`; `split_kv_decode`: `mmserve.kernels.triton_attention.decode_splits`;
+    `fused_ops`: `llm_service.model.fused_ops`; `grammar_*`: `llm_service.grammar`; `max_loras`:
+    `llm_service.model.lora.LoraSet`; `tensor_parallel_size`: `llm_service.model.tensor_parallel` (the group is
+    the caller's). `max_model_len` None is the checkpoint's (`mmserve.checkpoint.resolve_max_model_len`, resolved
+    once on each node by `AppArgs.on_node`); the model runner refuses to start when the KV pool cannot hold one
+    sequence that long, except with `num_kv_blocks` (tests' tiny pools, taken as given: a prompt over the pool is
+    refused, a sequence that outgrows it alone ends with `length`).
     """
 
     block_size: int = setting(16, "tokens per KV block (a power of two)", ge=1)

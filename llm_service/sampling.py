@@ -187,8 +187,7 @@ def sample_rows(logits: torch.Tensor, rows: SamplingRows, max_logprobs: int = 20
     row from its own generator, so its tokens do not depend on the rest of the batch.
     """
     params = rows.params
-    raw = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    logits = raw
+    logits = raw = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
     if any(p.has_penalties for p in params):
         logits = apply_penalties(logits, rows)
     tokens = logits.argmax(dim=-1)

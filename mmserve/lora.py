@@ -1,15 +1,6 @@
-"""LoRA adapters as both services read them (PEFT directories), and an item's adapter identity.
-
-An adapter is a PEFT directory: `adapter_config.json` (`r`, `lora_alpha`, `use_rslora`,
-`target_modules`) and `adapter_model.safetensors` (`base_model.model.<module>.lora_A.weight`
-`(r, in)` and `.lora_B.weight` `(out, r)` for each targeted module of the checkpoint). Its modules
-of the vision tower (and merger) are the encoder's (`encoder_service.lora`), the others the
-language model's (`llm_service.model.lora`): each service takes its own and leaves the rest.
-
-An item encoded under an adapter that changes the tower is another item: `tower_media` gives it
-the adapter (`MediaItem.tower_adapter`), which its content hash folds in, so the encoder's
-cache, its in-flight dedup, the affinity routing and the gRPC transport's keys all follow.
-"""
+"""LoRA adapters as both services read them: PEFT directories (docs/lora.md#format), each service taking
+its own modules (the vision tower's and merger's: `encoder_service.lora`; the others: `llm_service.model.lora`);
+`tower_media` gives an item the adapter that changes its tower (docs/lora.md#on-the-vision-tower)."""
 
 from __future__ import annotations
 
@@ -61,13 +52,14 @@ def scaling(config: dict) -> float:
     return config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
 
 
-def is_tower_module(module: str) -> bool:
-    """Whether a checkpoint module path (`model.visual.blocks.0.attn.qkv`) is of the vision tower or merger."""
-    return module.startswith(TOWER_PREFIXES)
+def read_pairs(name: str, path: str | Path, tower: bool) -> tuple[int, float, dict[str, dict[str, torch.Tensor]]]:
+    """The adapter's rank and `scaling` (its config checked: AdapterError naming the field) and per
+    targeted checkpoint module of the vision tower (`tower`) or of the language model, its LoRA
+    weights (`"A"`, `"B"`: `fitted_delta` checks both are there); AdapterError for a missing file or
+    a tensor that is no LoRA weight."""
+    from safetensors.torch import load_file
 
-
-def read_config(name: str, path: Path) -> dict:
-    """The adapter's config, checked (AdapterError naming the field)."""
+    path = Path(path)
     if not (path / CONFIG_FILE).is_file():
         raise AdapterError(f"adapter {name!r}: no {CONFIG_FILE} in {path}")
     config = json.loads((path / CONFIG_FILE).read_text())
@@ -85,16 +77,6 @@ def read_config(name: str, path: Path) -> dict:
         known = dict.fromkeys(LM_TARGETS + TOWER_TARGETS)
         if bad := sorted(set(targets) - set(known)):
             raise AdapterError(f"adapter {name!r}: target_modules {bad} not supported (only {', '.join(known)})")
-    return config
-
-
-def read_pairs(name: str, path: Path) -> tuple[dict, dict[str, dict[str, torch.Tensor]]]:
-    """The checked config and, per targeted checkpoint module, its LoRA weights (`"A"`, `"B"`:
-    `fitted_delta` checks both are there); AdapterError for a missing file or a tensor that is no
-    LoRA weight."""
-    from safetensors.torch import load_file
-
-    config = read_config(name, path)
     if not (path / WEIGHTS_FILE).is_file():
         raise AdapterError(f"adapter {name!r}: no {WEIGHTS_FILE} in {path}")
     pairs: dict[str, dict[str, torch.Tensor]] = {}
@@ -105,7 +87,7 @@ def read_pairs(name: str, path: Path) -> tuple[dict, dict[str, dict[str, torch.T
         pairs.setdefault(module, {})[part[0]] = tensor
     if not pairs:
         raise AdapterError(f"adapter {name!r}: no LoRA tensors in {WEIGHTS_FILE}")
-    return config, dict(sorted(pairs.items()))
+    return r, scaling(config), {m: ab for m, ab in sorted(pairs.items()) if m.startswith(TOWER_PREFIXES) == tower}
 
 
 def fitted_delta(name: str, module: str, ab: dict[str, torch.Tensor], rank: int, in_features: int, out: slice,
@@ -151,7 +133,7 @@ def _targets_tower(weights: str, stamp: int) -> bool:
     from safetensors import safe_open
 
     with safe_open(weights, framework="pt") as f:
-        return any(is_tower_module(k.removeprefix(KEY_PREFIX)) for k in f.keys())
+        return any(k.removeprefix(KEY_PREFIX).startswith(TOWER_PREFIXES) for k in f.keys())
 
 
 def tower_media(media: Sequence[EncodeItem], adapter: AdapterRef | None) -> list[EncodeItem]:

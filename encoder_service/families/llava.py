@@ -55,8 +55,7 @@ def rename(key: str) -> str | None:
     Tower keys come out as the 5.x tower names (`embeddings.*`, `pre_layrnorm.*`,
     `encoder.layers.N.*`, `post_layernorm.*`, `head.*`), projector keys as `projector.*`.
     """
-    tower = strip_prefix(key, VISION_PREFIXES)
-    if tower is not None:
+    if (tower := strip_prefix(key, VISION_PREFIXES)) is not None:
         return tower.removeprefix(_LEGACY_TOWER_PREFIX)
     projector = strip_prefix(key, PROJECTOR_PREFIXES)
     return None if projector is None else "projector." + projector
@@ -78,16 +77,13 @@ def feature_select(config) -> FeatureSelect:
     layers = [layer] if isinstance(layer, int) else list(layer)
     if not layers:
         raise ValueError("vision_feature_layer is an empty list")
-    indices = []
-    for index in layers:
-        absolute = index + depth + 1 if index < 0 else index
-        if not 0 <= absolute <= depth:
-            raise ValueError(f"vision_feature_layer {index} is outside a tower of {depth} layers")
-        indices.append(absolute)
+    indices = tuple(index + depth + 1 if index < 0 else index for index in layers)
+    if outside := [index for index, absolute in zip(layers, indices) if not 0 <= absolute <= depth]:
+        raise ValueError(f"vision_feature_layer {outside[0]} is outside a tower of {depth} layers")
     strategy = config.vision_feature_select_strategy
     if strategy not in STRATEGIES:
         raise ValueError(f"vision_feature_select_strategy {strategy!r} is not one of {STRATEGIES}")
-    return FeatureSelect(tuple(indices), strategy, max(indices))
+    return FeatureSelect(indices, strategy, max(indices))
 
 
 def image_token_count(config) -> int:
@@ -113,9 +109,8 @@ class LlavaVisionEncoder(nn.Module):
         vision.num_hidden_layers = self.select.num_layers
         if hasattr(vision, "vision_use_head"):
             vision.vision_use_head = False
-        tower_cls = MODEL_MAPPING[type(vision)]
         with no_init_weights():
-            tower = tower_cls._from_config(vision, dtype=dtype)
+            tower = MODEL_MAPPING[type(vision)]._from_config(vision, dtype=dtype)
             projector = LlavaMultiModalProjector(config).to(dtype)
         self.embeddings = tower.embeddings
         self.pre_layrnorm = tower.pre_layrnorm if hasattr(tower, "pre_layrnorm") else nn.Identity()

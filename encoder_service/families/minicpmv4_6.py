@@ -32,8 +32,7 @@ _MERGER = ("model.merger.",)
 
 
 def rename(key: str) -> str | None:
-    tower = strip_prefix(key, _TOWER)
-    if tower is not None:
+    if (tower := strip_prefix(key, _TOWER)) is not None:
         return "tower." + tower
     merger = strip_prefix(key, _MERGER)
     return None if merger is None else "merger." + merger
@@ -81,10 +80,10 @@ class MiniCPMVEncoderFace(EncoderFace):
             out = self.video_processor(videos=[video_frames(item)], do_sample_frames=False,
                                        video_metadata=[video_metadata(item)], return_tensors="pt")
             pixels, sizes = out["pixel_values_videos"][:1], out["target_sizes_videos"]
-        sizes = sizes.to(torch.long)
-        if layout is not None and int((sizes[:, 0] * sizes[:, 1] // self.divisor).sum()) != sum(layout.view_tokens()):
+        prepared = self._prepared(pixels, sizes.to(torch.long))
+        if layout is not None and prepared.num_tokens != sum(layout.view_tokens()):
             raise RuntimeError("processor views differ from the router's plan")
-        return self._prepared(pixels, sizes)
+        return prepared
 
     def split(self, prepared: PreparedItem, budget: int, unit: str) -> list[PreparedItem]:
         """Runs of whole views, in order, each within `budget` where a single view fits."""

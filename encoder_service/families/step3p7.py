@@ -54,41 +54,16 @@ _HUB_VISION_RENAMES = (
 
 def rename(key: str) -> str | None:
     """Checkpoint key -> module key (`tower.*` in either layout, `projector.*`); None otherwise."""
-    tower = strip_prefix(key, ("model.vision_model.", "vision_model."))
-    projector = strip_prefix(key, ("vit_large_projector.", "model.multi_modal_projector."))
-    if tower is not None:
+    if (tower := strip_prefix(key, ("model.vision_model.", "vision_model."))) is not None:
         return "tower." + tower
+    projector = strip_prefix(key, ("vit_large_projector.", "model.multi_modal_projector."))
     return "projector." + projector if projector in ("weight", "bias") else None
 
 
 def _permute_for_rope(tensor: torch.Tensor, heads: int) -> torch.Tensor:
     """transformers' `PermuteForRope` (interleaved -> split halves) on a q or k projection."""
-    dim0 = tensor.shape[0]
-    half = dim0 // heads // 2
-    rest = tensor.shape[1:]
-    return tensor.view(heads, half, 2, *rest).transpose(1, 2).reshape(dim0, *rest)
-
-
-def convert_hub_vision(state: dict[str, torch.Tensor], heads: int) -> dict[str, torch.Tensor]:
-    """Hub-layout `tower.*` keys -> `Step3p7VisionModel` keys (others unchanged)."""
-    out = {}
-    for key, value in state.items():
-        if not key.startswith("tower."):
-            out[key] = value
-            continue
-        name = key[len("tower."):]
-        for pattern, target in _HUB_VISION_RENAMES:  # an in-memory key matches none
-            name = re.sub(pattern, target, name)
-        match = re.fullmatch(r"(.*)\.self_attn\.in_proj_(weight|bias)", name)
-        if match is None:
-            out["tower." + name] = value
-            continue
-        q, k, v = value.chunk(3, dim=0)
-        base, kind = match.groups()
-        for proj, tensor in (("q_proj", _permute_for_rope(q, heads)), ("k_proj", _permute_for_rope(k, heads)),
-                             ("v_proj", v)):
-            out[f"tower.{base}.self_attn.{proj}.{kind}"] = tensor.contiguous()
-    return out
+    dim0, rest = tensor.shape[0], tensor.shape[1:]
+    return tensor.view(heads, dim0 // heads // 2, 2, *rest).transpose(1, 2).reshape(dim0, *rest)
 
 
 class Step3VisionEncoder(nn.Module):
@@ -107,10 +82,26 @@ class Step3VisionEncoder(nn.Module):
         self.heads = vision.num_attention_heads
 
     def convert(self, waiting: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Hub-layout tensors -> module tensors, as they are read (see `load_weights`)."""
-        made = convert_hub_vision(waiting, self.heads)
+        """Hub-layout `tower.*` keys -> `Step3p7VisionModel` keys, as they are read (others unchanged)."""
+        out = {}
+        for key, value in waiting.items():
+            if not key.startswith("tower."):
+                out[key] = value
+                continue
+            name = key[len("tower."):]
+            for pattern, target in _HUB_VISION_RENAMES:  # an in-memory key matches none
+                name = re.sub(pattern, target, name)
+            match = re.fullmatch(r"(.*)\.self_attn\.in_proj_(weight|bias)", name)
+            if match is None:
+                out["tower." + name] = value
+                continue
+            q, k, v = value.chunk(3, dim=0)
+            base, kind = match.groups()
+            q, k = _permute_for_rope(q, self.heads), _permute_for_rope(k, self.heads)
+            for proj, tensor in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                out[f"tower.{base}.self_attn.{proj}.{kind}"] = tensor.contiguous()
         waiting.clear()
-        return made
+        return out
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """`(B, 3, S, S)` views -> `(B, tokens, text_hidden)`."""

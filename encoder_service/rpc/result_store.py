@@ -52,8 +52,7 @@ class ResultStore:
         with self._lock:
             now = self.clock()
             self._evict_expired(now)
-            entry = self._entries.get(content_hash)
-            if entry is None:
+            if (entry := self._entries.get(content_hash)) is None:
                 entry = _Entry(tensor, 1, now + self.ttl_s)
                 if self._entries and self._num_bytes + tensor.nbytes > self.max_bytes:
                     raise Overloaded(f"the encoder's store of unfetched results is full ({self.max_bytes} bytes)")
@@ -96,12 +95,10 @@ class ResultStore:
     def finish(self, content_hash: str, delivered: bool) -> None:
         """End a fetch; a delivered one releases one pin."""
         with self._lock:
-            entry = self._entries.get(content_hash)
-            if entry is None:
+            if (entry := self._entries.get(content_hash)) is None:
                 return
             entry.fetching -= 1
-            if delivered:
-                entry.pins -= 1
+            entry.pins -= delivered
             if entry.pins <= 0 and entry.fetching == 0:
                 self._remove(content_hash)
 
@@ -120,8 +117,7 @@ class ResultStore:
 
     def _acquire_locked(self, content_hash: str) -> torch.Tensor | None:
         self._evict_expired(self.clock())
-        entry = self._entries.get(content_hash)
-        if entry is None:
+        if (entry := self._entries.get(content_hash)) is None:
             return None
         entry.fetching += 1
         return entry.tensor
@@ -130,6 +126,5 @@ class ResultStore:
         self._num_bytes -= self._entries.pop(content_hash).tensor.nbytes
 
     def _evict_expired(self, now: float) -> None:
-        expired = [h for h, e in self._entries.items() if e.expires_at <= now and e.fetching == 0]
-        for content_hash in expired:
+        for content_hash in [h for h, e in self._entries.items() if e.expires_at <= now and e.fetching == 0]:
             self._remove(content_hash)

@@ -100,8 +100,7 @@ class ServerOptions:
 
 
 def media_item(proto: encoder_pb2.MediaItem, pixels: bytearray | None = None) -> MediaItem:
-    kind = _KINDS.get(proto.kind)
-    if kind is None:
+    if (kind := _KINDS.get(proto.kind)) is None:
         raise InvalidRequest("media item kind must be IMAGE or VIDEO")
     if proto.HasField("decoded"):
         return MediaItem(kind, (), fps=proto.fps or 2.0, decoded=decoded_video(proto.decoded, pixels))

@@ -76,6 +76,5 @@ class SnapshotManager:
 
     def drop(self, prefix_hash: int) -> None:
         """The KV block of prefix `prefix_hash` left the cache: its snapshot (if any) goes too."""
-        row = self._by_hash.pop(prefix_hash, None)
-        if row is not None:
+        if (row := self._by_hash.pop(prefix_hash, None)) is not None:
             self._free.append(row)

@@ -74,8 +74,7 @@ class BatchState:
         if self.output_counts is not None:
             self.output_counts[row] = 0
             self.seen[row] = False
-            prompt = ints(seq.request.prompt_token_ids, self.device)
-            self.seen[row, prompt] = True
+            self.seen[row, ints(seq.request.prompt_token_ids, self.device)] = True
             if generated := seq.generated:
                 out = ints(generated, self.device)
                 self.output_counts[row].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))

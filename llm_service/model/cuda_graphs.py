@@ -1,13 +1,7 @@
 """CUDA graphs for decode-only steps, so small-batch decode is not bound by kernel launches
-(docs/attention.md#cuda-graphs).
-
-One graph per padded batch size (1, 2, 4, 8, 16, 24, ... up to `max_graph_batch_size`), captured
-largest first into one shared memory pool; a failed capture logs why and the replica serves
-eagerly. A graph captures `ModelRunner.decode_forward`, whose inputs are gathered on the device
-from the runner's `BatchState` by batch row, so the only per-step input is the rows' index;
-padding rows read the state's pad row. With LoRA adapters the graphs hold the slot kernels
-(`llm_service.model.lora`). On the CPU the tests run it uncaptured (`capture=False`).
-"""
+(docs/attention.md#cuda-graphs): one per padded batch size, each capturing `ModelRunner.decode_forward` over
+the rows' index (padding rows read the batch state's pad row). With LoRA adapters the graphs hold the slot
+kernels (`llm_service.model.lora`). On the CPU the tests run it uncaptured (`capture=False`)."""
 
 from __future__ import annotations
 
@@ -24,8 +18,7 @@ logger = logging.getLogger(__name__)
 
 
 def graph_batch_sizes(limit: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, limit + 1, 8))
-    return [b for b in sizes if b <= limit]
+    return [b for b in (1, 2, 4, 8, *range(16, limit + 1, 8)) if b <= limit]
 
 
 class DecodeGraphs:

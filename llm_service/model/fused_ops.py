@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mmserve.kernels.triton_splitk import unit_stride_rows
+
 logger = logging.getLogger(__name__)
 
 RMS_NORMS = ("Qwen2RMSNorm", "Qwen2VLRMSNorm", "Qwen2_5_VLRMSNorm", "LlamaRMSNorm", "Qwen3VLTextRMSNorm")
@@ -101,9 +103,7 @@ def _silu_mul_kernel(GU, Y, stride_gu, stride_y, N, BLOCK: tl.constexpr):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`weight * (x / rms(x)).to(x.dtype)` over the last dimension, in one kernel."""
     n = x.shape[-1]
-    rows = x.reshape(-1, n)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = unit_stride_rows(x, n)
     out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), n, float(eps),
@@ -148,9 +148,7 @@ def rotary_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torc
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` of `gate_up` = [gate | up] over the last dimension, in one kernel."""
     n = gate_up.shape[-1] // 2
-    rows = gate_up.reshape(-1, 2 * n)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = unit_stride_rows(gate_up, 2 * n)
     out = torch.empty((rows.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(n))
     if rows.shape[0]:

@@ -18,7 +18,7 @@ from torch import nn
 from llm_service.engine.sequence import LoraRequest
 from llm_service.model import layers
 from llm_service.model.transfer import ints
-from mmserve.lora import AdapterError, Delta, fitted_delta, is_tower_module, read_pairs, row_groups, scaling
+from mmserve.lora import AdapterError, Delta, fitted_delta, read_pairs, row_groups, scaling  # noqa: F401 (tests)
 from mmserve.lora import LM_TARGETS as TARGETS
 
 
@@ -35,17 +35,14 @@ def read_adapter(request: LoraRequest, linears: dict[str, layers.Linear], rename
                  device: torch.device) -> Adapter:
     """The adapter of `request.path` fitted to the decoder's `linears` (module name -> `Linear`);
     `rename`: the LM face's checkpoint key -> module key. AdapterError when it does not fit."""
-    name, path = request.name, Path(request.path)
-    config, pairs = read_pairs(name, path)
-    rank, scale = config["r"], scaling(config)
+    name = request.name
+    rank, scale, pairs = read_pairs(name, request.path, tower=False)  # the vision tower's modules left to the encoder
     deltas: dict[str, list[Delta]] = {}
     for module, ab in pairs.items():
-        if is_tower_module(module):  # the encoder's
-            continue
         target, out = _engine_slice(name, module, linears, rename)
         delta = fitted_delta(name, module, ab, rank, linears[target].input_size, out, scale, dtype, device)
         deltas.setdefault(target, []).append(delta)
-    return Adapter(name, str(path), rank, scale, {k: tuple(v) for k, v in deltas.items()})
+    return Adapter(name, str(Path(request.path)), rank, scale, {k: tuple(v) for k, v in deltas.items()})
 
 
 def _engine_slice(name: str, module: str, linears: dict[str, layers.Linear], rename) -> tuple[str, slice]:

@@ -217,11 +217,8 @@ class AWQ(WeightFormat):
             if inp % self.group_size:
                 raise ValueError(f"checkpoint tensor {key} has {inp} input rows, not whole groups of "
                                  f"group_size={self.group_size}")
-            expected = {"qzeros": ((inp // self.group_size, out // 8), torch.int32),
-                        "scales": ((inp // self.group_size, out), torch.float16)}
-            for name, (shape, dtype) in expected.items():
-                part = stored.get(f"{base}.{name}")
-                if part is None:
+            for name, (shape, dtype) in list(self.params(out, inp).items())[1:]:  # qzeros, scales
+                if (part := stored.get(f"{base}.{name}")) is None:
                     raise ValueError(f"checkpoint tensor {key} is AWQ int4 but the checkpoint has no {base}.{name}")
                 if (part.shape, part.dtype) != (shape, dtype):
                     raise ValueError(f"checkpoint tensor {base}.{name} is {part.dtype} {part.shape}; the qweight "
@@ -353,12 +350,11 @@ def quantize_modules(modules: nn.Module, model_dir: str | Path, rename, fmt: Wei
             continue
         owner, _, module = name.removesuffix(".weight").rpartition(".")
         packed = next((p for p, members in layers.PACKED.items() if module in members), module)
-        if not _has_module(modules, f"{owner}.{packed}".lstrip(".")):
+        if _submodule(modules, f"{owner}.{packed}".lstrip(".")) is None:
             packed = module  # `transformers`' layers: q_proj, k_proj, ... each a module
         parts.setdefault(f"{owner}.{packed}".lstrip("."), []).append(key)
     for name, keys in parts.items():
-        linear = _engine_linear(modules, name)
-        if linear is None:
+        if (linear := _engine_linear(modules, name)) is None:
             raise ValueError(f"checkpoint tensor {keys[0]} is {fmt.label}, but mmserve runs {name} in full precision "
                              f"only ({fmt.label} weights go to the engine's own decoder layers)")
         if len(keys) != len(linear.output_sizes):
@@ -379,8 +375,7 @@ def quantize_modules(modules: nn.Module, model_dir: str | Path, rename, fmt: Wei
 def _engine_linear(modules: nn.Module, name: str) -> layers.Linear | None:
     """The engine's `Linear` at `name`: the one there, or one put in place of a `transformers`
     `nn.Linear` the modules allow (`engine_linears`); None otherwise."""
-    module = modules.get_submodule(name) if _has_module(modules, name) else None
-    if isinstance(module, layers.Linear):
+    if isinstance(module := _submodule(modules, name), layers.Linear):
         return module
     allowed = getattr(modules, "engine_linears", None)
     if type(module) is not nn.Linear or not allowed or not re.fullmatch(allowed, name):
@@ -397,7 +392,7 @@ def _quantize_experts(modules: nn.Module, name: str, keys: dict[tuple[int, str],
     """The experts module `name`'s stacked projections as `ExpertsWeights` of `fmt`; `keys`: its
     quantized checkpoint tensors, by (expert, part), all of them or a refusal."""
     first = keys[min(keys)]
-    module = modules.get_submodule(name) if _has_module(modules, name) else None
+    module = _submodule(modules, name)
     stacked = {s: getattr(module, s, None) for s in EXPERT_PARTS}
     if not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in stacked.values()):
         raise ValueError(f"checkpoint tensor {first} is {fmt.label}, but {name} is no MoE layer's experts "
@@ -417,9 +412,8 @@ def _quantize_experts(modules: nn.Module, name: str, keys: dict[tuple[int, str],
         setattr(module, attr, ExpertsWeights(fmt, *tensor.shape, device))
 
 
-def _has_module(modules: nn.Module, name: str) -> bool:
+def _submodule(modules: nn.Module, name: str) -> nn.Module | None:
     try:
-        modules.get_submodule(name)
+        return modules.get_submodule(name)
     except AttributeError:
-        return False
-    return True
+        return None

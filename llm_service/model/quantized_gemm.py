@@ -48,29 +48,26 @@ def kernel_runs(x: torch.Tensor, fp8: bool) -> bool:
 
 def block_fp8(linear, x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor | None:
     """`linear`'s output by the block-scaled FP8 GEMM, or None where it does not run."""
-    if not kernel_runs(x, fp8=True):
-        return None
-    from mmserve.kernels import triton_fp8
+    if kernel_runs(x, fp8=True):
+        from mmserve.kernels import triton_fp8
 
-    if triton_fp8.block_runs(block):
-        return triton_fp8.block_fp8_linear(x, linear.weight, linear.weight_scale_inv, block, linear.bias)
+        if triton_fp8.block_runs(block):
+            return triton_fp8.block_fp8_linear(x, linear.weight, linear.weight_scale_inv, block, linear.bias)
 
 
 def channel_fp8(linear, x: torch.Tensor) -> torch.Tensor | None:
     """`linear`'s output by `torch._scaled_mm` with per-token and per-channel scales, or None."""
-    if not kernel_runs(x, fp8=True):
-        return None
-    from mmserve.kernels import triton_fp8
+    if kernel_runs(x, fp8=True):
+        from mmserve.kernels import triton_fp8
 
-    if triton_fp8.channel_fp8_runs(linear.weight):
-        return triton_fp8.channel_fp8_linear(x, linear.weight, linear.weight_scale, linear.bias)
+        if triton_fp8.channel_fp8_runs(linear.weight):
+            return triton_fp8.channel_fp8_linear(x, linear.weight, linear.weight_scale, linear.bias)
 
 
 def awq(linear, x: torch.Tensor, group_size: int) -> torch.Tensor | None:
     """`linear`'s output by the W4A16 Triton GEMM, or None."""
-    if not kernel_runs(x, fp8=False):
-        return None
-    from mmserve.kernels import triton_w4a16
+    if kernel_runs(x, fp8=False):
+        from mmserve.kernels import triton_w4a16
 
-    if triton_w4a16.runs(x, linear.qweight, group_size):
-        return triton_w4a16.awq_gemm(x, linear.qweight, linear.qzeros, linear.scales, group_size, linear.bias)
+        if triton_w4a16.runs(x, linear.qweight, group_size):
+            return triton_w4a16.awq_gemm(x, linear.qweight, linear.qzeros, linear.scales, group_size, linear.bias)

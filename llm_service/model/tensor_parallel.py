@@ -148,9 +148,7 @@ def vocab_rows(vocab: int, rank: int, size: int) -> Rule:
 
     def take(t: torch.Tensor) -> torch.Tensor:
         piece = t[rank * per:(rank + 1) * per]
-        if piece.shape[0] == per:
-            return piece
-        return torch.cat([piece, piece.new_zeros(per - piece.shape[0], *piece.shape[1:])])
+        return piece if len(piece) == per else torch.cat([piece, piece.new_zeros(per - len(piece), *piece.shape[1:])])
     return take
 
 
@@ -174,11 +172,6 @@ def split_embedding(embed: nn.Embedding, group: TPGroup, vocab: int) -> None:
     embed.group, embed.first = group, group.rank * -(-vocab // group.size)
 
 
-def zeros_unless(keep: bool) -> Rule:
-    """A row-parallel layer's bias: added once (rank 0), the others hold zeros."""
-    return (lambda t: t) if keep else torch.zeros_like
-
-
 @dataclass
 class ShardPlan:
     """What rank `rank` of `size` holds: a rule per sharded module key (the full tensor -> this
@@ -193,10 +186,13 @@ class ShardPlan:
         return tensor if rule is None else rule(tensor)
 
 
-def _weight_and_bias(rules: dict[str, Rule], prefix: str, module: nn.Module, rule: Rule) -> None:
+def _weight_and_bias(rules: dict[str, Rule], prefix: str, module: nn.Module, rule: Rule,
+                     rank: int | None = None) -> None:
+    """`rule` for the weight and bias; with `rank`, a row-parallel layer's: its bias added once (rank 0),
+    the others hold zeros."""
     rules[f"{prefix}weight"] = rule
     if module.bias is not None:
-        rules[f"{prefix}bias"] = rule
+        rules[f"{prefix}bias"] = rule if rank is None else (lambda t: t) if rank == 0 else torch.zeros_like
 
 
 def _packed(prefix: str, linear: Linear, slice_rules: tuple[Rule, ...], rules: dict[str, Rule]) -> None:
@@ -221,9 +217,7 @@ def _attention(prefix: str, attn: nn.Module, rank: int, size: int, rules: dict[s
     for name, rule in (("q_proj", q), ("g_proj", q), ("k_proj", kv), ("v_proj", kv)):  # g_proj: Step3's gate per head
         if (proj := getattr(attn, name, None)) is not None:
             _weight_and_bias(rules, f"{prefix}{name}.", proj, rule)
-    rules[f"{prefix}o_proj.weight"] = rows(heads, q_first, q_count, dim=1)
-    if attn.o_proj.bias is not None:
-        rules[f"{prefix}o_proj.bias"] = zeros_unless(rank == 0)
+    _weight_and_bias(rules, f"{prefix}o_proj.", attn.o_proj, rows(heads, q_first, q_count, dim=1), rank)
     for attr, value in (("num_heads", q_count), ("num_attention_heads", q_count),
                         ("num_key_value_heads", kv_count), ("num_key_value_groups", q_count // kv_count)):
         if hasattr(attn, attr):
@@ -262,9 +256,7 @@ def _mlp(prefix: str, mlp: nn.Module, rank: int, size: int, rules: dict[str, Rul
             _packed(f"{prefix}gate_up_proj.", packed, (col, col), rules)
         else:
             rules[f"{prefix}gate_proj.weight"] = rules[f"{prefix}up_proj.weight"] = col
-        rules[f"{prefix}down_proj.weight"] = rows(size, rank, 1, dim=1)
-        if mlp.down_proj.bias is not None:
-            rules[f"{prefix}down_proj.bias"] = zeros_unless(rank == 0)
+        _weight_and_bias(rules, f"{prefix}down_proj.", mlp.down_proj, rows(size, rank, 1, dim=1), rank)
         return
     experts = getattr(mlp, "experts", None)
     if experts is not None and hasattr(experts, "gate_up_proj"):
@@ -345,25 +337,21 @@ def install_all_reduces(decoder: nn.Module, group: TPGroup) -> int:
         group.all_reduce(output[0] if isinstance(output, tuple) else output)
         return output
 
-    count = 0
-    for layer in decoder.layers:
-        for name in ("self_attn", "linear_attn", "mlp"):
-            if (block := getattr(layer, name, None)) is not None:
-                block.register_forward_hook(reduce)
-                count += 1
-    return count
+    blocks = [block for layer in decoder.layers for name in ("self_attn", "linear_attn", "mlp")
+              if (block := getattr(layer, name, None)) is not None]
+    for block in blocks:
+        block.register_forward_hook(reduce)
+    return len(blocks)
 
 
 def local_state_specs(specs: tuple, decoder: nn.Module) -> tuple:
     """`StateSpec`s of a rank's Gated-DeltaNet layers: its channels and value heads."""
     from dataclasses import replace
 
-    out = []
-    for spec in specs:
-        lin = decoder.layers[spec.layer_idx].linear_attn
-        out.append(replace(spec, conv_shape=(lin.conv_dim, spec.conv_shape[1]),
-                           recurrent_shape=(lin.num_v_heads, *spec.recurrent_shape[1:])))
-    return tuple(out)
+    lins = [decoder.layers[spec.layer_idx].linear_attn for spec in specs]
+    return tuple(replace(spec, conv_shape=(lin.conv_dim, spec.conv_shape[1]),
+                         recurrent_shape=(lin.num_v_heads, *spec.recurrent_shape[1:]))
+                 for spec, lin in zip(specs, lins))
 
 
 def message_bytes(message) -> int:

@@ -222,11 +222,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     `splits > 1`: split-K over that many key slices (decode: one query per sequence; see
     `decode_splits`).
     """
-    page_size = k_cache.shape[1]
     k = k_cache.view(-1, *k_cache.shape[2:])
     v = v_cache.view(-1, *v_cache.shape[2:])
     return _launch(q, k, v, cu_seqlens_q, kv_lens, max_query_len, scale, block_tables=block_tables,
-                   page_size=page_size, causal=True, window=window, splits=splits)
+                   page_size=k_cache.shape[1], causal=True, window=window, splits=splits)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

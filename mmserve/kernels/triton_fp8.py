@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from mmserve.kernels.fp8 import FP8, FP8_MAX, MIN_AMAX
-from mmserve.kernels.triton_splitk import splits_for, sum_splits
+from mmserve.kernels.triton_splitk import splits_for, sum_splits, unit_stride_rows
 
 
 @triton.jit
@@ -119,9 +119,7 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     k_blocks = triton.cdiv(K, bk)
     assert weight.shape[1] == K and weight.is_contiguous() and weight_scale_inv.is_contiguous()
     assert weight_scale_inv.shape == (triton.cdiv(N, bn), k_blocks)
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = unit_stride_rows(x, K)
     xq, xs = quantize_activations(x2, bk)
     M = x2.shape[0]
     if not M:
@@ -152,9 +150,7 @@ def channel_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torc
     `x`'s dtype, `x` quantized per token: `_scaled_mm(x_q, weight^T, x_scale, weight_scale^T)`
     (float32 sums, the scales applied to them; a float32 `x` gets a float32 product)."""
     lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = unit_stride_rows(x, K)
     q, scale = quantize_activations(x2, K)
     out_dtype = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
     out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.float().reshape(1, -1),

@@ -15,6 +15,12 @@ BLOCK = 1024
 TARGET_PROGRAMS = 264
 
 
+def unit_stride_rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """`x` as `(rows, width)` with unit column stride (a copy only where the view has none)."""
+    rows = x.reshape(-1, width)
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def splits_for(tiles: int, k_tiles: int, max_split: int) -> tuple[int, int]:
     """(splits, K tiles per split) for `tiles` output tiles over `k_tiles` K tiles: more splits
     while the tiles alone are fewer than `TARGET_PROGRAMS`, at most `max_split` (the partial sums

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmserve.kernels.triton_splitk import splits_for, sum_splits
+from mmserve.kernels.triton_splitk import splits_for, sum_splits, unit_stride_rows
 
 
 @triton.jit
@@ -67,9 +67,7 @@ def awq_gemm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scale
              bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x` `(..., K)` @ the AWQ weight `(K, N)` (+ `bias`) -> `(..., N)` in `x`'s dtype (see the module docstring)."""
     lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = unit_stride_rows(x, K)
     M, N = x2.shape[0], qweight.shape[1] * 8
     assert qweight.shape[0] == K and scales.shape == (K // group_size, N) and qzeros.shape == (K // group_size, N // 8)
     bk = block_k(group_size)
