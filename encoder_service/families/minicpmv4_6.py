@@ -61,8 +61,7 @@ class MiniCPMVEncoderFace(EncoderFace):
         self.divisor = 4 if config.downsample_mode == "4x" else 16
         self.patch = int(config.vision_config.patch_size)
 
-    def rename(self, key: str) -> str | None:
-        return rename(key)
+    rename = staticmethod(rename)
 
     def build(self) -> nn.Module:
         return MiniCPMVVisionEncoder(self.config, self.dtype)

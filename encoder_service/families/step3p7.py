@@ -127,8 +127,7 @@ class Step3EncoderFace(EncoderFace):
         self.crop_patches = (self.image_processor.patch_size // self.image_processor.vision_patch_size) ** 2
         self.global_patches = (self.image_processor.size["height"] // self.image_processor.vision_patch_size) ** 2
 
-    def rename(self, key: str) -> str | None:
-        return rename(key)
+    rename = staticmethod(rename)
 
     def build(self) -> nn.Module:
         return Step3VisionEncoder(self.config, self.dtype)

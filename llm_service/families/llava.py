@@ -33,8 +33,7 @@ def decoder_class(config) -> type:
 
 
 class LlavaLMFace(LMFace):
-    def rename(self, key: str) -> str | None:
-        return rename(key)
+    rename = staticmethod(rename)
 
     def decoder_class(self) -> type:
         return decoder_class(self.config)

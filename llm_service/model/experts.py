@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llm_service.model.layers import PACKED_DIM
-from llm_service.model.quantized import EXPERT_PARTS, ExpertsWeights
+from llm_service.model.quantized import EXPERT_PARTS, ExpertsWeights, _submodule
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -176,10 +176,7 @@ class PerExpertLoader:
     def _place(self, found: re.Match) -> tuple[str, torch.Tensor] | None:
         """(module key, tensor) of the stacked tensor a per-expert tensor goes into."""
         stacked = next(s for s, members in EXPERT_PARTS.items() if found["part"] in members)
-        try:
-            held = getattr(self.modules.get_submodule(found["experts"]), stacked)
-        except AttributeError:
-            return None
+        held = getattr(_submodule(self.modules, found["experts"]), stacked, None)  # None: nothing to place
         if isinstance(held, ExpertsWeights):
             target, name = getattr(held, found["attr"], None), f"{found['experts']}.{stacked}.{found['attr']}"
         else:
