@@ -26,14 +26,7 @@ a system prompt (1,024 tokens) and an image (256 placeholder tokens, random embe
 one media key) and differ in a 16-token question; the TTFT of the second one is measured with
 state snapshots on (prefix caching resumes it) and off (the whole prompt is computed again).
 
---breakdown: where an engine step's time goes, per step, for steady decode at batch 1, 8 and 64 and
-for a step that mixes decodes with a prefill chunk, with steps overlapped (`async_scheduling`) and
-not. The engine is stepped from this thread (no engine thread), its `step_log` on: each `step()`
-call's host time in scheduling, preparing the inputs, launching the forward (on the CPU this runs
-it), launching the sampler, waiting for the sampled ids it reads and postprocessing them, and on
-CUDA the device time of the step it reads (CUDA events). `host` is the engine's own work around
-the forward (schedule + prepare + sample + postprocess). Ops per step come from `torch.profiler`
-over a few more steps: CUDA kernels on a GPU, top-level aten ops on the CPU.
+--breakdown: where an engine step's time goes, by phase, overlapped and not: docs/benchmarks.md#components.
 
 --grammar (structured outputs' cost: a JSON-schema grammar on every row against none) and --lora (LoRA
 adapters mixed in a decode batch against the base model): docs/benchmarks.md#components.

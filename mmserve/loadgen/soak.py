@@ -88,16 +88,9 @@ def bad_inputs() -> list[tuple[str, dict | None, bytes | None]]:
 
 
 def soak_requests(count: int, bad_share: float, seed: int) -> list[SoakRequest]:
-    rng = random.Random(seed)
-    bad = bad_inputs()
-    requests = []
-    for i in range(count):
-        if rng.random() < bad_share:
-            kind, body, raw = bad[i % len(bad)]
-            requests.append(SoakRequest(i, False, False, body, raw, kind))
-        else:
-            requests.append(good_request(i, rng))
-    return requests
+    rng, bad = random.Random(seed), bad_inputs()
+    return [SoakRequest(i, False, False, body, raw, kind) if rng.random() < bad_share else good_request(i, rng)
+            for i, (kind, body, raw) in ((i, bad[i % len(bad)]) for i in range(count))]
 
 
 def encode(request: SoakRequest) -> bytes:
