@@ -18,9 +18,6 @@ class AllowEntry(NamedTuple):
     host: str
     port: int | None
 
-    def admits_port(self, port: int) -> bool:
-        return port in (80, 443) if self.port is None else port == self.port
-
 
 _NAME = re.compile(r"[a-z0-9_-]+(\.[a-z0-9_-]+)*", re.ASCII)
 _PORT = re.compile(r"[0-9]{1,5}", re.ASCII)
@@ -69,7 +66,7 @@ def allowlist_match(host: str, port: int, allowlist: Sequence[str]) -> str | Non
     """'exact' if an entry names `host` itself for `port`, 'subdomain' if only a parent domain
     does (names only, never IP addresses), else None."""
     entries = [parse_allowlist_entry(e) for e in allowlist]
-    return host_match(host, [e for e in entries if e.admits_port(port)])
+    return host_match(host, [e for e in entries if (port in (80, 443) if e.port is None else port == e.port)])
 
 
 def host_match(host: str, entries: Sequence[AllowEntry]) -> str | None:

@@ -77,7 +77,8 @@ class LMFace(ABC):
         streams the weights in); a tied lm_head gets no storage of its own."""
         from transformers.initialization import no_init_weights
 
-        text, tied = self.config.text_config, self.tied_embeddings()
+        text = self.config.text_config
+        tied = any(getattr(c, "tie_word_embeddings", False) for c in (self.config, text))
         with no_init_weights():
             decoder = self.build_decoder(dtype)
             lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False, dtype=dtype,
@@ -113,6 +114,3 @@ class LMFace(ABC):
         sequence's rows continue the state of its slot, which starts at zeros or at a snapshot
         the engine copied in) and write the state back."""
         return ()
-
-    def tied_embeddings(self) -> bool:
-        return any(getattr(c, "tie_word_embeddings", False) for c in (self.config, self.config.text_config))

@@ -27,10 +27,6 @@ def _least_squares(rows: list[list[float]], targets: list[float]) -> list[float]
     return [float(x) for x in solution]
 
 
-def _ok(requests: list[dict]) -> list[dict]:
-    return [r for r in requests if r.get("ttft_ms") is not None and r.get("stage_ms")]
-
-
 def fit_profile(mode: str, runs: list[dict], encoders: int = 1, llms: int = 1,
                 max_pending_requests: int | None = None) -> tuple[Profile, dict]:
     """A profile fitted on a mode's fit runs: one request at a time (stage times without queueing)
@@ -39,7 +35,8 @@ def fit_profile(mode: str, runs: list[dict], encoders: int = 1, llms: int = 1,
     they share; a flood past the admission bound ("fit-refused"), what a refusal costs the box; the
     admission bound (`max_pending_requests`, not fitted: its setting). Returns it with the workload's
     shape (image tokens, mean text and output tokens) read off the same requests."""
-    by_label = {run["label"]: _ok(run["requests"]) for run in runs}
+    by_label = {run["label"]: [r for r in run["requests"] if r.get("ttft_ms") is not None and r.get("stage_ms")]
+                for run in runs}
     alone, loaded = by_label["fit-unloaded"], by_label["fit-loaded"]
     requests = alone + loaded
     text_tokens, image_tokens = _least_squares([[1, r["images"]] for r in requests], [r["input_tokens"] for r in requests])

@@ -40,9 +40,6 @@ class ItemExpansion:
     def num_embeds(self) -> int:
         return len(self.token_ids) if self.is_embed is None else sum(self.is_embed)
 
-    def placed_at(self, offset: int) -> PlaceholderRange:
-        return PlaceholderRange(offset, len(self.token_ids), self.is_embed)
-
 
 class StreamGroup(NamedTuple):
     """One group of a streamed video's frames as the encoder takes it: `frames` consecutive

@@ -36,16 +36,12 @@ class SoakRequest:
     images: int = 0
 
 
-def _image_part(rng: random.Random, seed: int, sizes=SIZES) -> dict:
-    h, w = rng.choice(sizes)
-    return {"type": "image_url", "image_url": {"url": data_uri(image_bytes(h, w, seed=seed))}}
-
-
 def good_request(index: int, rng: random.Random, light: bool = False) -> SoakRequest:
     """A greedy request; `light` ones (the unloaded and burst phases) have at most one small image."""
     images = rng.choice([0, 1]) if light else rng.choices([0, 1, 2], weights=[4, 4, 2])[0]
     sizes = SIZES[:3] if light else SIZES
-    content = [_image_part(rng, 1000 * index + j, sizes) for j in range(images)]
+    content = [{"type": "image_url", "image_url": {"url": data_uri(image_bytes(*rng.choice(sizes), seed=seed))}}
+               for seed in range(1000 * index, 1000 * index + images)]
     content.append({"type": "text", "text": f"request {index}: tell me about {rng.choice(TOPICS)}"})
     stream = rng.random() < 0.7
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": MAX_TOKENS, "temperature": 0,

@@ -154,7 +154,7 @@ class PromptBuilder:
                 if len(ranges) >= len(expansions):
                     raise InvalidRequest("chat template produced more media placeholders than media items")
                 expansion = expansions[len(ranges)]
-                ranges.append(expansion.placed_at(len(ids)))
+                ranges.append(PlaceholderRange(len(ids), len(expansion.token_ids), expansion.is_embed))
                 kinds.append(kind)
                 ids += expansion.token_ids
             if match.end() == stop:
