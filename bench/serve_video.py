@@ -124,17 +124,15 @@ def decode_speedup(model: str, clip: Path, runs: int) -> dict:
 def start(model: str, clip_dir: Path, num_cpus: float) -> dict[str, str]:
     """Ray + Serve + one app per mode; {mode: chat completions URL}."""
     share = {"num_cpus": num_cpus / (4 * len(MODES))}  # the apps' replicas share the CPUs; one request at a time
-    apps = {}
-    for mode, (stream, threads, skip, min_frames) in MODES.items():
-        apps[mode] = {
-            "model": model, "served_model_name": mode, "dtype": "float32",
-            "router": {"num_cpus": 0}, "encoder": share, "llm": share, "video_decoder": share,
-            "video_decode": {"workers": 1, "stream": stream, "decode_threads": threads,
-                             "skip_unsampled": skip,
-                             **({} if min_frames is None else {"stream_min_frames": min_frames})},
-            "encoder_pool": {"cache_bytes": 0}, "engine": {"enable_prefix_caching": False},
-            "limits": {"allow_local_media": True, "local_media_dir": str(clip_dir), "max_frames_per_video": 64},
-        }
+    apps = {mode: {
+        "model": model, "served_model_name": mode, "dtype": "float32",
+        "router": {"num_cpus": 0}, "encoder": share, "llm": share, "video_decoder": share,
+        "video_decode": {"workers": 1, "stream": stream, "decode_threads": threads,
+                         "skip_unsampled": skip,
+                         **({} if min_frames is None else {"stream_min_frames": min_frames})},
+        "encoder_pool": {"cache_bytes": 0}, "engine": {"enable_prefix_caching": False},
+        "limits": {"allow_local_media": True, "local_media_dir": str(clip_dir), "max_frames_per_video": 64},
+    } for mode, (stream, threads, skip, min_frames) in MODES.items()}
     port, _ = start_serve(num_cpus, apps=apps)
     return {mode: f"http://127.0.0.1:{port}/{mode}/v1/chat/completions" for mode in MODES}
 

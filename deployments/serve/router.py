@@ -43,8 +43,6 @@ def grpc_options(port: int = 9000) -> gRPCOptions:
 def app_unavailable(app_name: str, timeout_s: float = 5.0) -> str | None:
     """What a Router replica of the running app `app_name` says (`Router.unavailable`): None once it
     is ready. TimeoutError while no Router replica answers within `timeout_s`."""
-    from ray import serve
-
     response = serve.get_app_handle(app_name).unavailable.remote()
     try:
         return response.result(timeout_s=timeout_s)
