@@ -18,9 +18,8 @@ A request of `n` choices lost after its first token resumes each unfinished choi
 tokens sent, with its own seed (the request's + its index, as the LLM replica seeds its choices),
 failing over on its own from then on; their events merged, each with its choice's index.
 
-Not bit-exact on resume: seeded sampling (the continuation's generator starts again from the seed)
-and frequency/presence penalties (they count output tokens only; the tokens sent before the
-failure are prompt tokens of the continuation). Repetition penalty, stop ids and EOS are exact.
+Not bit-exact on resume: seeded sampling and frequency/presence penalties (docs/operations.md#failures);
+repetition penalty, stop ids and EOS are exact.
 """
 
 from __future__ import annotations

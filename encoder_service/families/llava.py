@@ -21,10 +21,7 @@ The reference is `transformers` 5.x `LlavaModel.get_image_features`:
   loaded here.
 - Projector: `linear_2(act(linear_1(features)))`.
 
-Where vLLM's generic rule (`vision.py` `resolve_visual_encoder_outputs`, DESIGN.md's seed rule)
-differs, the class wins: that rule applies `post_layernorm` to the last selected hidden state
-when the last layer is used (for `llava_siglip`, layer -1), transformers never does. (vLLM's own
-LLaVA models build the tower with `require_post_norm=False`, so they agree with transformers.)
+Where vLLM's generic rule differs, the class wins (docs/adding-a-family.md#pitfalls-met-on-the-way).
 """
 
 from __future__ import annotations
