@@ -43,8 +43,7 @@ class Failed(Exception):
 
 def readme_curl(port: int) -> str:
     """The README's curl block, as written, on `port`."""
-    found = README_CURL.search((ROOT / "README.md").read_text())
-    if found is None:
+    if (found := README_CURL.search((ROOT / "README.md").read_text())) is None:
         raise Failed("README.md has no curl block for localhost:8000")
     return found.group(1).replace("localhost:8000", f"localhost:{port}")
 
@@ -193,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             check("grpc_reflection", reflection)
 
             def dashboard() -> dict:
-                urls = re.findall(r"Ray dashboard: (http://\S+) ", log.read_text())
-                if not urls:
+                if not (urls := re.findall(r"Ray dashboard: (http://\S+) ", log.read_text())):
                     raise Failed("no 'Ray dashboard:' line")
                 return dashboard_serve_app(urls[0], gpus=bool(visible_gpu_memory()))
 

@@ -97,8 +97,7 @@ async def run_serve_batch(encoder, items, max_batch_size: int, wait_s: float, wo
             loop = asyncio.get_running_loop()
             flat = [item for req in batch for item in req]
             prepared = await asyncio.gather(*[loop.run_in_executor(preprocess, encoder.preprocess, i) for i in flat])
-            outs = await loop.run_in_executor(device, encoder.forward, prepared)
-            return [[o] for o in outs]
+            return [[o] for o in await loop.run_in_executor(device, encoder.forward, prepared)]
 
     batcher = CountBatcher()
     await burst(batcher.encode, items[:4])
@@ -133,8 +132,7 @@ def forward_seconds(encoder, items, max_tokens: int, repeat: int = 3) -> float:
 
 def queued_bytes_per_1024_image(encoder) -> int:
     """Bytes the pool queues for one 1024x1024 image (`PreparedItem.num_bytes`)."""
-    item = encoder.plan(MediaItem(MediaKind.IMAGE, (image_bytes(1024, 1024, 1),)))
-    return encoder.preprocess(item).num_bytes
+    return encoder.preprocess(encoder.plan(MediaItem(MediaKind.IMAGE, (image_bytes(1024, 1024, 1),)))).num_bytes
 
 
 def cpu_table(args) -> dict:
@@ -215,8 +213,7 @@ class FullSizeTower:
         self.split = self._face.split
 
     def plan(self, item: MediaItem) -> EncodeItem:
-        prepared = self.preprocess(EncodeItem(item, None, 0))
-        return EncodeItem(item, None, prepared.num_tokens)
+        return EncodeItem(item, None, self.preprocess(EncodeItem(item, None, 0)).num_tokens)
 
     def preprocess(self, item: EncodeItem):
         return self._face.preprocess(item.item, item.layout)
@@ -340,8 +337,7 @@ def graph_rows(tower: FullSizeTower, args) -> dict:
         for count in (1, 4, 16):
             prepared = [tower.preprocess(tower.plan(MediaItem(MediaKind.IMAGE, (image_bytes(side, side, 9_000 + k),))))
                         for k in range(count)]
-            layout = graphs.layout([p.layout for p in prepared])
-            if layout is None:
+            if (layout := graphs.layout([p.layout for p in prepared])) is None:
                 continue
             eager, graphed = ms(prepared, False), ms(prepared, True)
             results[f"cuda_graphs_{side}_x{count}_speedup"] = eager / graphed

@@ -379,8 +379,7 @@ def device_name(device: str) -> str:
     """As CUDA names it (asked in a child process: this one holds no CUDA memory while parts run)."""
     if device == "cpu":
         return "cpu"
-    name = _out([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0))"])
-    if not name:
+    if not (name := _out([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0))"])):
         raise SystemExit("no CUDA device here: use --device cpu")
     return name.splitlines()[-1]
 
@@ -443,8 +442,7 @@ def record_from_log(folder: Path, peak_gbs: float | None, peak_tflops: float | N
         ran = {bench: any(modes & words == set(bench.split()[1:]) for words in started) for bench in found}
         if failed := [bench for bench, r in found.items() if r is None and ran[bench]]:
             record["failed_parts"]["engine"] = "no result in the log from " + ", ".join(failed)
-    encoder = next((r for r in reversed(results) if "cuda_448_forward_images_per_s" in r), None)
-    if encoder:
+    if encoder := next((r for r in reversed(results) if "cuda_448_forward_images_per_s" in r), None):
         figures |= encoder_figures(encoder, peak)
         record["parts"].append("encoder")
     _serve_from_log(results, lines, record, figures, peak)
@@ -475,8 +473,7 @@ def _serve_from_log(results: list[dict], lines: list[str], record: dict, figures
 def _cli_from_log(results: list[dict], lines: list[str], record: dict, figures: dict) -> None:
     """`scripts/gpu-check cli`'s figures from bench/cli.py's line; the checks that failed (or no line
     from a run that started) in `failed_parts["cli"]`."""
-    cli = next((r for r in reversed(results) if "readme_passed" in r), None)
-    if cli is None:
+    if (cli := next((r for r in reversed(results) if "readme_passed" in r), None)) is None:
         if any(line.startswith("== python3 bench/cli.py") for line in lines):
             record["failed_parts"]["cli"] = "no result in the log from bench/cli.py (cut at its cap)"
         return
@@ -533,8 +530,7 @@ def _pair(r: dict, a: str, b: str, fmt: str) -> str:
 
 
 def _tp_cell(r: dict) -> str:
-    t = r.get("tp")
-    if not t:
+    if not (t := r.get("tp")):
         return "–"
     if "skipped" in t:
         return "skipped"
@@ -629,8 +625,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.notes:
             record["notes"] = ns.notes
         if ns.commit:
-            commit = _out(["git", "rev-parse", "--verify", f"{ns.commit}^{{commit}}"])
-            if commit is None:
+            if (commit := _out(["git", "rev-parse", "--verify", f"{ns.commit}^{{commit}}"])) is None:
                 raise SystemExit(f"--commit {ns.commit}: not a commit of this checkout")
             record.update(commit=commit, dirty=False)
     elif not ns.render_only:

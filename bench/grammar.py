@@ -43,8 +43,7 @@ def _median_s(fn, repeats: int) -> float:
 
 def _gil_share(g, compile_once) -> float:
     """g.main_thread_share over enough compiles to last 0.3 s."""
-    once = _median_s(compile_once, 1)
-    repeats = max(1, math.ceil(0.3 / max(once, 1e-6)))
+    repeats = max(1, math.ceil(0.3 / max(_median_s(compile_once, 1), 1e-6)))
     return g.main_thread_share(lambda: [compile_once() for _ in range(repeats)])
 
 

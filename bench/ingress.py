@@ -185,8 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         for mode in ns.modes:
             server = Server(mode, Path(logs))
             try:
-                base = server.wait_ready()
-                figures[mode] = asyncio.run(measure(base, model, small, unloaded, ns.burst))
+                figures[mode] = asyncio.run(measure(server.wait_ready(), model, small, unloaded, ns.burst))
             finally:
                 server.stop()
             print(f"{mode}: {figures[mode]}", flush=True)

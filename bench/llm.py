@@ -531,8 +531,7 @@ def print_breakdown(rows: dict) -> None:
     print("per step, microseconds (ops: kernels on CUDA, top-level aten ops on CPU)")
     print(f"{'case':<16}" + "".join(f"{c:>12}" for c in cols))
     for case, row in rows.items():
-        cells = [f"{row[c]:>12.1f}" if row[c] is not None else f"{'-':>12}" for c in cols]
-        print(f"{case:<16}" + "".join(cells))
+        print(f"{case:<16}" + "".join(f"{row[c]:>12.1f}" if row[c] is not None else f"{'-':>12}" for c in cols))
 
 
 def breakdown_summary(rows: dict) -> dict:

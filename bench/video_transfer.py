@@ -47,8 +47,7 @@ FRAMES, HEIGHT, WIDTH = 60, 720, 1280  # 30 s at 2 fps, 720p
 
 
 def frames(count: int, height: int, width: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(0)
-    base = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    base = np.random.default_rng(0).integers(0, 256, size=(height, width, 3), dtype=np.uint8)
     return [np.roll(base, k, axis=1) for k in range(count)]
 
 

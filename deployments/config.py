@@ -415,8 +415,7 @@ class AppArgs(FrozenArgs):
         from mmserve.checkpoint import load_config, resolve_max_model_len
 
         model = resolve_model_dir(self.model)
-        max_model_len = resolve_max_model_len(load_config(model), self.engine.max_model_len)
-        engine = {"max_model_len": max_model_len}
+        engine = {"max_model_len": resolve_max_model_len(load_config(model), self.engine.max_model_len)}
         if self.lora_modules and not self.engine.max_loras:
             engine["max_loras"] = len(self.lora_modules)  # every adapter listed stays loaded
         update = {"model": model, "engine": self.engine.model_copy(update=engine), "grpc": self.grpc.on_node(),

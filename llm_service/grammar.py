@@ -260,8 +260,7 @@ class CompiledGrammar:
         one per row running or new, up to `max_roots`, worn roots not counted."""
         with self._lock:
             have = sum(not r.worn for r in self._roots) + self._building
-            live = sum(r.live for r in self._roots)
-            claimed = max(0, min(live + rows, self.max_roots) - have)
+            claimed = max(0, min(sum(r.live for r in self._roots) + rows, self.max_roots) - have)
             self._building += claimed
             return claimed
 

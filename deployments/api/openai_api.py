@@ -103,8 +103,7 @@ def _grammar(fmt: ResponseFormat | None) -> Grammar | None:
         return None
     if fmt.type == "json_schema" and fmt.json_schema is None:
         raise InvalidRequest("response_format of type json_schema needs its json_schema")
-    schema = json.dumps(fmt.json_schema.schema_) if fmt.type == "json_schema" else None
-    return response_format(fmt.type, schema)
+    return response_format(fmt.type, json.dumps(fmt.json_schema.schema_) if fmt.type == "json_schema" else None)
 
 
 def chat_request(request: ChatCompletionRequest) -> ChatRequest:

@@ -499,8 +499,7 @@ def serve_until_signal(app_names: list[str], grace_s: float, stop: StopSignal, c
     while not stop.received:
         time.sleep(0.2)
     print(f"{stop.name}: draining (new requests get 503; up to {grace_s:g}s for requests in flight)", flush=True)
-    left = drain(app_names, grace_s)
-    if left:
+    if left := drain(app_names, grace_s):
         print(f"grace period over with {left} requests in flight", flush=True)
     print("shutting down", flush=True)
     if cap is not None:  # after the drain: it forwarded the drain's 503s

@@ -162,8 +162,7 @@ class Admission:
 
     def _share(self, client: str) -> float:
         """1 / the clients holding places or refused lately, `client` among them."""
-        active = {c for c, state in self._clients.items() if state.places or self._recent(state)} | {client}
-        return 1 / len(active)
+        return 1 / len({c for c, state in self._clients.items() if state.places or self._recent(state)} | {client})
 
     def _refuse(self, client: str, why: str):
         self._clients.setdefault(client, _Client()).refused_at = self.clock()

@@ -73,8 +73,7 @@ class ChatRequest:
             return None
         tools = self.tools
         if self.tool_choice != "required":
-            tools = tuple(t for t in self.tools if t.name == self.tool_choice)
-            if not tools:
+            if not (tools := tuple(t for t in self.tools if t.name == self.tool_choice)):
                 raise InvalidRequest(f"tool_choice names {self.tool_choice!r}, which is not among the tools")
         if self.options.response_format is not None:
             raise InvalidRequest("response_format and a forced tool_choice cannot be combined")

@@ -64,8 +64,7 @@ class MediaFetcher:
             done, _ = await asyncio.wait(
                 tasks, timeout=max(0.0, self._deadline - loop.time()), return_when=asyncio.FIRST_EXCEPTION
             )
-            failed = [t for t in tasks if t in done and t.exception() is not None]
-            if failed:
+            if failed := [t for t in tasks if t in done and t.exception() is not None]:
                 raise failed[0].exception()
             if len(done) < len(tasks):
                 timeout = self.limits.media_fetch_timeout_s

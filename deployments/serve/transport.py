@@ -93,8 +93,7 @@ class GrpcFetcher:
         self._tls_roots = {args.encoder_address: Path(args.tls_ca).read_bytes()} if tls else {}
 
     def _client(self, address: str) -> EncoderClient:
-        client = self._clients.get(address)
-        if client is None:
+        if (client := self._clients.get(address)) is None:
             client = self._clients[address] = EncoderClient(
                 address, self._token, root_certificates=self._tls_roots.get(address), timeout_s=self._timeout_s
             )
@@ -125,8 +124,7 @@ async def resolve(handles: Sequence[EmbeddingHandle], fetcher: GrpcFetcher | Non
     """
     calls = list(dict.fromkeys(h.ref for h in handles if isinstance(h, StoredEmbedding)))
     results = dict(zip(calls, await asyncio.gather(*calls, return_exceptions=True)))
-    local = [i for i, h in enumerate(handles) if isinstance(h, LocalMedia)]
-    if local:
+    if local := [i for i, h in enumerate(handles) if isinstance(h, LocalMedia)]:
         if encode_locally is None:
             raise RuntimeError("the router sent media to encode but this replica has no encoder (colocated: false)")
         encoded = dict(zip(local, await encode_locally([handles[i].item for i in local])))
@@ -149,8 +147,7 @@ async def resolve(handles: Sequence[EmbeddingHandle], fetcher: GrpcFetcher | Non
         return dataclasses.replace(fetched, timing=found.timing) if found.timing is not None else fetched
 
     outcomes = await asyncio.gather(*(one(i, h) for i, h in enumerate(handles)), return_exceptions=True)
-    lost = tuple(i for i, o in enumerate(outcomes) if isinstance(o, BaseException) and encoder_lost(o))
-    if lost:
+    if lost := tuple(i for i, o in enumerate(outcomes) if isinstance(o, BaseException) and encoder_lost(o)):
         raise EmbeddingsLost(lost)
     for outcome in outcomes:
         if isinstance(outcome, BaseException):

@@ -91,8 +91,7 @@ class Step3VisionEncoder(nn.Module):
             name = key[len("tower."):]
             for pattern, target in _HUB_VISION_RENAMES:  # an in-memory key matches none
                 name = re.sub(pattern, target, name)
-            match = re.fullmatch(r"(.*)\.self_attn\.in_proj_(weight|bias)", name)
-            if match is None:
+            if (match := re.fullmatch(r"(.*)\.self_attn\.in_proj_(weight|bias)", name)) is None:
                 out["tower." + name] = value
                 continue
             q, k, v = value.chunk(3, dim=0)
@@ -183,8 +182,7 @@ class Step3EncoderFace(EncoderFace):
     def forward(self, module: nn.Module, batch: Sequence[PreparedItem]) -> list[tuple[torch.Tensor, ...]]:
         """All crops of the batch in one forward, all global views in another; an item's rows are
         its crops' rows then its global view's."""
-        device = next(module.parameters()).device
-        views = self.pixel_values(batch, device)
+        views = self.pixel_values(batch, next(module.parameters()).device)
         crop_rows, global_rows = (module(v.to(self.dtype)) if v.shape[0] else v for v in views)
         crops = crop_rows.split([p.layout.crops for p in batch])
         global_views = global_rows.split([int(p.layout.has_global) for p in batch])

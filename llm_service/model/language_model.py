@@ -20,8 +20,7 @@ logger = logging.getLogger(__name__)
 def weight_split(model_dir: str | Path, dtype: str = "auto") -> tuple[int, int]:
     """(bytes of the language model's weights, bytes of the rest: vision tower and projector) in
     `dtype`, from the checkpoint's headers alone (nothing loaded): how a GPU is shared between them."""
-    model_type = family_of(model_dir)
-    face = face_class("llm_service.families", model_type, "LM_FACE")(load_config(model_dir))
+    face = face_class("llm_service.families", family_of(model_dir), "LM_FACE")(load_config(model_dir))
     served = resolve_dtype(dtype, read_config(model_dir))
     lm = weight_bytes(model_dir, lambda key: face.rename(key) is not None, served)
     return lm, weight_bytes(model_dir, lambda key: face.rename(key) is None, served)

@@ -47,8 +47,7 @@ def read_adapter(request: LoraRequest, linears: dict[str, layers.Linear], rename
 
 def _engine_slice(name: str, module: str, linears: dict[str, layers.Linear], rename) -> tuple[str, slice]:
     """The decoder `Linear` a checkpoint module maps to, and its output slice there."""
-    key = rename(module + ".weight")
-    if key is None or not key.startswith("decoder."):
+    if (key := rename(module + ".weight")) is None or not key.startswith("decoder."):
         raise AdapterError(f"adapter {name!r}: target {module} is neither a language-model nor a "
                            "vision-tower module")
     owner, _, leaf = key.removeprefix("decoder.").removesuffix(".weight").rpartition(".")
@@ -57,8 +56,7 @@ def _engine_slice(name: str, module: str, linears: dict[str, layers.Linear], ren
                            f"(only {', '.join(TARGETS)})")
     for packed, parts in layers.PACKED.items():
         if leaf in parts and f"{owner}.{packed}" in linears:
-            linear = linears[f"{owner}.{packed}"]
-            return f"{owner}.{packed}", linear.slices()[parts.index(leaf)]
+            return f"{owner}.{packed}", linears[f"{owner}.{packed}"].slices()[parts.index(leaf)]
     target = f"{owner}.{leaf}"
     if target not in linears:
         raise AdapterError(f"adapter {name!r}: target {module}: the engine's decoder has no {target}")

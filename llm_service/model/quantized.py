@@ -297,8 +297,7 @@ def _read_block_fp8(q: dict) -> BlockFP8:
 def _read_compressed_tensors(q: dict) -> ChannelFP8:
     _require(q, "format", ("float-quantized",))
     _require(q, "quantization_status", ("compressed",))
-    groups = q.get("config_groups")
-    if not (isinstance(groups, dict) and groups):
+    if not (isinstance(groups := q.get("config_groups"), dict) and groups):
         raise ValueError(f"quantization_config.config_groups {groups!r} names no quantization scheme")
     for group, scheme in groups.items():
         where = f"quantization_config.config_groups.{group}"
@@ -318,8 +317,7 @@ def _read_awq(q: dict) -> AWQ:
     _require(q, "bits", (4,))
     _require(q, "version", ("gemm", "GEMM"))
     _require(q, "zero_point", (True,))
-    group = q.get("group_size")
-    if not (isinstance(group, int) and group > 0):
+    if not (isinstance(group := q.get("group_size"), int) and group > 0):
         raise ValueError(f"quantization_config.group_size {group!r} is not a positive integer")
     return AWQ(group)
 

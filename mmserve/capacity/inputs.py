@@ -161,8 +161,7 @@ def load_profile(path: str) -> Profile:
         path = str(PROFILES / f"{path}.yaml")
     with open(path) as f:
         data = yaml.safe_load(f)
-    unknown = set(data) - set(Profile.__dataclass_fields__)
-    if unknown:
+    if unknown := set(data) - set(Profile.__dataclass_fields__):
         raise ValueError(f"{path}: unknown profile fields {sorted(unknown)}")
     return Profile(**data)
 

@@ -28,8 +28,7 @@ FAMILIES = {
 
 def family_of(model_dir: str | Path) -> str:
     """The checkpoint's `model_type` (a key of `FAMILIES`); ValueError when unsupported."""
-    model_type = read_config(model_dir).get("model_type")
-    if model_type not in FAMILIES:
+    if (model_type := read_config(model_dir).get("model_type")) not in FAMILIES:
         raise ValueError(f"unsupported model_type {model_type!r} in {model_dir}; supported: {', '.join(FAMILIES)}")
     return model_type
 

@@ -60,6 +60,5 @@ def mrope_positions(num_tokens: int, ranges: Sequence[PlaceholderRange], grids: 
         raise ValueError("placeholder range past the end of the prompt")
     pieces.append(torch.arange(num_tokens - prev_end).expand(3, -1) + cur)
     positions = torch.cat(pieces, dim=1).to(torch.long)
-    delta = int(positions.max()) + 1 - num_tokens if num_tokens else 0
-    return positions, delta
+    return positions, (int(positions.max()) + 1 - num_tokens if num_tokens else 0)
 

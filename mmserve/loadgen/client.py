@@ -78,8 +78,7 @@ async def one_request_grpc(stub, message, send_at: float, metadata: tuple = ()) 
     stages, prompt_tokens = None, 0
     try:
         async for response in stub.GenerateStream(message, timeout=600.0, metadata=metadata):
-            now = time.perf_counter()
-            times.extend([now] * len(response.token_ids))
+            times.extend([time.perf_counter()] * len(response.token_ids))
             if response.HasField("usage"):
                 stages = dict(response.usage.stage_ms) or stages
                 prompt_tokens = response.usage.prompt_tokens or prompt_tokens

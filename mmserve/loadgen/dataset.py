@@ -78,8 +78,7 @@ WORDS = ("describe", "the", "picture", "in", "detail", "and", "count", "objects"
 
 def _spread(rng: random.Random, mean: int, ratio: float) -> int:
     low = max(1, int(round(mean * (1 - ratio))))
-    high = max(low, int(round(mean * (1 + ratio))))
-    return rng.randint(low, high)
+    return rng.randint(low, max(low, int(round(mean * (1 + ratio)))))
 
 
 def generate_requests(config: DatasetConfig, num_requests: int, seed: int) -> list[RequestSpec]:

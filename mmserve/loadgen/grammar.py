@@ -89,9 +89,7 @@ _WORDS = ("acme global north star river trading supply systems office paper tone
 
 
 def _text(rng: random.Random, max_len: int, extra: str = "") -> str:
-    words = [rng.choice(_WORDS) for _ in range(rng.randint(1, 8))]
-    text = " ".join(words).title() + extra
-    return text[:max_len].rstrip()
+    return (" ".join(rng.choice(_WORDS) for _ in range(rng.randint(1, 8))).title() + extra)[:max_len].rstrip()
 
 
 def _digits(rng: random.Random, n: int) -> str:
@@ -361,8 +359,7 @@ def apply_bitmask_torch(logits, bitmask) -> None:
     table); logits columns past the bitmask's are masked too."""
     import torch
 
-    table = _BIT_TABLE.get(logits.device)
-    if table is None:
+    if (table := _BIT_TABLE.get(logits.device)) is None:
         bits = torch.arange(8)
         table = _BIT_TABLE[logits.device] = ((torch.arange(256).unsqueeze(-1) >> bits) & 1).bool().to(logits.device)
     allowed = table[bitmask.view(torch.uint8).int()].flatten(1)

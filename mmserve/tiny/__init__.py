@@ -109,8 +109,7 @@ def save_checkpoint(model, processor, out: Path, marker: str, settings: dict,
 
 def default_model_dir(family: str = "qwen2_vl") -> Path:
     """Where `mmserve serve` keeps the embedded default checkpoint (built once)."""
-    root = Path(os.environ.get("MMSERVE_CACHE", Path.home() / ".cache" / "mmserve"))
-    return root / f"tiny-{family}-seed0"
+    return Path(os.environ.get("MMSERVE_CACHE", Path.home() / ".cache" / "mmserve")) / f"tiny-{family}-seed0"
 
 
 def ensure_tiny_model(family: str = "qwen2_vl", out_dir: str | os.PathLike | None = None) -> Path:

@@ -25,8 +25,7 @@ def build_tiny_adapter(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForImageTextToText
 
-    unknown = sorted(set(targets) - set(LM_TARGETS))
-    if unknown or not (targets or vision_targets):
+    if (unknown := sorted(set(targets) - set(LM_TARGETS))) or not (targets or vision_targets):
         raise ValueError(f"targets must be among {', '.join(LM_TARGETS)}; got {', '.join(unknown) or 'none'}")
     if unknown := sorted(set(vision_targets) - set(VISION_TARGETS)):
         raise ValueError(f"vision targets must be among {', '.join(VISION_TARGETS)}; got {', '.join(unknown)}")
